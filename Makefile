@@ -1,0 +1,36 @@
+# One entry point for set-up, serving and testing. Each target installs what it needs.
+#   make serve   start mha-serve on the built-in models (mha, gqa, mqa); ARGS="--port 50052" to add flags
+#   make test    lint, stub check and the whole test suite (what .ci/run runs)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch: a plain `torch` would pull a multi-GB CUDA build on a CPU machine.
+# On a GPU machine: make TORCH_SPEC='torch==2.13.0' TORCH_INDEX=--index-url=https://download.pytorch.org/whl/cu128
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+ARGS ?=
+
+.PHONY: install serve test lint protos clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(TORCH_INDEX)
+	$(PY) -m pip install --quiet -e ".[server,dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: $(VENV)/.installed
+	$(VENV)/bin/mha-serve $(ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(PY) -m pytest $(ARGS)
+
+protos: $(VENV)/.installed
+	$(PY) protos/generate.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,407 @@
+"""mha-client: list models, check health and run attention against any mha-serve server.
+
+Exit status: 0 on success, 1 when the server (or a file) fails, 2 for usage errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from mha_client.errors import MhaServeError
+from mha_client.heatmap import require_matplotlib, save_heatmap
+from mha_client.report import (
+    attend_summary,
+    format_attend_summary,
+    format_fields,
+    models_table,
+)
+from mha_client.sdk import DEFAULT_TARGET, AttendResult, Client
+from mha_client.tensors import DTYPE_NAMES
+
+ENV_TARGET = "MHA_CLIENT_TARGET"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class UsageError(Exception):
+    """A command line that parsed but cannot work (exit status 2)."""
+
+
+# ----- argument types: each raises ArgumentTypeError, so argparse exits 2 with the reason
+
+
+def int_list(text: str) -> list[int]:
+    """Parse "0,3" into [0, 3]."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers, e.g. 0,3"
+        ) from None
+
+
+def float_list(text: str) -> list[float]:
+    """Parse "1,0,1" into [1.0, 0.0, 1.0]."""
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of numbers, e.g. 1,0,1,1"
+        ) from None
+
+
+def row_range(text: str) -> tuple[int, int | None]:
+    """Parse "2:7" into (2, 7); "2:" gives (2, None) (to the end), ":7" gives (0, 7)."""
+    start, sep, end = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        lo = int(start) if start.strip() else 0
+        hi = int(end) if end.strip() else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a row range START:END, e.g. 2:7 (either side may be left out)"
+        ) from None
+    if lo < 0 or (hi is not None and hi <= lo):
+        raise argparse.ArgumentTypeError(f"rows {text!r} are empty: need 0 <= START < END")
+    return lo, hi
+
+
+def random_shape(text: str) -> tuple[int, ...]:
+    """Parse "2,5" into (2, 5) (batch, seq_len), or "5" into (5,) (one sequence)."""
+    try:
+        dims = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        dims = ()
+    if len(dims) not in (1, 2) or min(dims) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a shape BATCH,SEQ_LEN or SEQ_LEN of positive integers, e.g. 2,16"
+        )
+    return dims
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def prune_mask(prune: Sequence[int], num_heads: int) -> list[float]:
+    """A head mask of num_heads ones with zeros at the pruned heads."""
+    bad = [h for h in prune if not 0 <= h < num_heads]
+    if bad:
+        raise UsageError(
+            f"--prune-heads {bad} out of range: the model has {num_heads} heads (0..{num_heads - 1})"
+        )
+    pruned = set(prune)
+    return [0.0 if h in pruned else 1.0 for h in range(num_heads)]
+
+
+# ----- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mha-client", description="Talk to an mha-serve server (attention over gRPC)."
+    )
+    # The same flags on every subcommand, defaulting to "not given" so that
+    # `mha-client --target X attend ...` and `mha-client attend ... --target X` both work.
+    common = argparse.ArgumentParser(add_help=False)
+    for p, suppress in ((parser, False), (common, True)):
+        p.add_argument(
+            "--target",
+            metavar="HOST:PORT",
+            default=argparse.SUPPRESS if suppress else os.environ.get(ENV_TARGET, DEFAULT_TARGET),
+            help=f"server address (default: ${ENV_TARGET}, else {DEFAULT_TARGET})",
+        )
+        p.add_argument(
+            "--timeout",
+            type=positive_float,
+            metavar="SECONDS",
+            default=argparse.SUPPRESS if suppress else DEFAULT_TIMEOUT_S,
+            help=f"deadline per call (default {DEFAULT_TIMEOUT_S:g})",
+        )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    models = sub.add_parser("models", parents=[common], help="list hosted models")
+    models.add_argument("--json", action="store_true", help="print JSON")
+    models.set_defaults(func=cmd_models)
+
+    info = sub.add_parser("info", parents=[common], help="every field of one model")
+    info.add_argument("name", help="model name, as `mha-client models` lists")
+    info.add_argument("--json", action="store_true", help="print JSON")
+    info.set_defaults(func=cmd_info)
+
+    health = sub.add_parser("health", parents=[common], help="SERVING or NOT_SERVING")
+    health.add_argument("--service", default="", help="health service name (default: server)")
+    health.add_argument(
+        "--wait",
+        type=positive_float,
+        metavar="SECONDS",
+        help="poll until SERVING for up to this long",
+    )
+    health.set_defaults(func=cmd_health)
+
+    attend = sub.add_parser("attend", parents=[common], help="run attention on an input")
+    attend.add_argument("model", help="model name, as `mha-client models` lists")
+    source = attend.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--input",
+        type=Path,
+        metavar="FILE.npy",
+        help="(seq_len, embed_dim) or (batch, seq_len, embed_dim) floats",
+    )
+    source.add_argument(
+        "--random-shape",
+        type=random_shape,
+        metavar="B,L",
+        help="random normal input of B sequences of L tokens (or just L)",
+    )
+    attend.add_argument("--seed", type=int, default=0, help="seed for --random-shape")
+    attend.add_argument(
+        "--lengths",
+        type=int_list,
+        metavar="N,N,...",
+        help="real length of each sequence; the rest is padding",
+    )
+    mode = attend.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--causal",
+        dest="causal",
+        action="store_const",
+        const=True,
+        help="each token attends to itself and earlier ones (default: the model's)",
+    )
+    mode.add_argument(
+        "--bidirectional",
+        dest="causal",
+        action="store_const",
+        const=False,
+        help="each token attends to every real token",
+    )
+    attend.add_argument("--weights", action="store_true", help="return attention weights")
+    attend.add_argument("--heads", type=int_list, metavar="H,H,...", help="weights of these heads")
+    attend.add_argument(
+        "--rows", type=row_range, metavar="START:END", help="weights of these query rows"
+    )
+    attend.add_argument(
+        "--weights-dtype",
+        choices=list(DTYPE_NAMES),
+        help="dtype of returned weights (default float32)",
+    )
+    mask = attend.add_mutually_exclusive_group()
+    mask.add_argument(
+        "--head-mask",
+        type=float_list,
+        metavar="G,G,...",
+        help="one gate per head multiplying its output (0 prunes it)",
+    )
+    mask.add_argument(
+        "--prune-heads",
+        type=int_list,
+        metavar="H,H,...",
+        help="heads to prune (a head mask with zeros there)",
+    )
+    attend.add_argument("--dtype", choices=list(DTYPE_NAMES), help="input dtype on the wire")
+    attend.add_argument(
+        "--output-dtype",
+        choices=list(DTYPE_NAMES),
+        help="dtype of returned embeddings (default: the input's)",
+    )
+    attend.add_argument(
+        "--save",
+        type=Path,
+        metavar="OUT.npz|OUT.npy",
+        help=".npz: output, weights, weight_heads, lengths; .npy: output",
+    )
+    attend.add_argument(
+        "--heatmap",
+        type=Path,
+        metavar="OUT.png",
+        help="weights of the first sequence as a PNG (implies --weights)",
+    )
+    attend.add_argument("--json", action="store_true", help="print a JSON summary")
+    attend.set_defaults(func=cmd_attend)
+    return parser
+
+
+# ----- commands
+
+
+def cmd_models(client: Client, args: argparse.Namespace) -> int:
+    models = client.list_models()
+    if args.json:
+        print(json.dumps([asdict(m) for m in models], indent=2))
+        return EXIT_OK
+    print(models_table(models))
+    return EXIT_OK
+
+
+def cmd_info(client: Client, args: argparse.Namespace) -> int:
+    info = asdict(client.model_info(args.name))
+    print(json.dumps(info, indent=2) if args.json else format_fields(list(info.items())))
+    return EXIT_OK
+
+
+def cmd_health(client: Client, args: argparse.Namespace) -> int:
+    if args.wait is not None:
+        try:
+            client.wait_ready(args.wait, args.service)
+        except TimeoutError as err:
+            print("NOT_SERVING")
+            print(f"error: {err}", file=sys.stderr)
+            return EXIT_FAILED
+    status = client.health(args.service)
+    print(status)
+    return EXIT_OK if status == "SERVING" else EXIT_FAILED
+
+
+def _load_input(client: Client, args: argparse.Namespace) -> np.ndarray:
+    if args.random_shape is not None:
+        embed_dim = client.model_info(args.model).embed_dim
+        rng = np.random.default_rng(args.seed)
+        return rng.standard_normal((*args.random_shape, embed_dim), dtype=np.float32)
+    try:
+        x = np.load(args.input, allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"cannot read --input {args.input}: {err}") from None
+    if not isinstance(x, np.ndarray) or x.ndim not in (2, 3):
+        shape = getattr(x, "shape", "an .npz archive")
+        raise UsageError(
+            f"--input {args.input} holds {shape}; expected a 2-D (seq_len, "
+            f"embed_dim) or 3-D (batch, seq_len, embed_dim) .npy array"
+        )
+    if not np.issubdtype(x.dtype, np.floating):
+        raise UsageError(f"--input {args.input} holds {x.dtype}; save it as float32 or float16")
+    return x
+
+
+def _real_lengths(x: np.ndarray, lengths: list[int] | None) -> np.ndarray:
+    batch = 1 if x.ndim == 2 else x.shape[0]
+    return np.asarray(lengths if lengths else [x.shape[-2]] * batch, dtype=np.int32)
+
+
+def _save(path: Path, result: AttendResult, lengths: np.ndarray) -> None:
+    if path.suffix == ".npy":
+        np.save(path, result.output)
+        return
+    arrays = {"output": result.output, "lengths": lengths}
+    if result.weights is not None:
+        arrays["weights"] = result.weights
+        arrays["weight_heads"] = np.asarray(result.weight_heads, dtype=np.int32)
+        arrays["weight_query_start"] = np.asarray(result.weight_query_start, dtype=np.int32)
+    np.savez(path, **arrays)
+
+
+def _heatmap(path: Path, result: AttendResult, lengths: np.ndarray) -> None:
+    if result.weights is None:
+        raise ValueError(f"the server returned no attention weights for {result.model}")
+    first = result.weights if result.weights.ndim == 3 else result.weights[0]  # (h, R, S)
+    length = int(lengths[0])
+    num_rows = max(0, min(first.shape[1], length - result.weight_query_start))
+    if num_rows == 0:
+        raise UsageError(
+            f"the first sequence ({length} tokens) has no rows in --rows; pick rows below {length}"
+        )
+    title = f"{result.model}: sequence 0, {length} tokens"
+    save_heatmap(
+        first[:, :num_rows, :length],
+        result.weight_heads,
+        path,
+        title=title,
+        query_start=result.weight_query_start,
+    )
+
+
+def cmd_attend(client: Client, args: argparse.Namespace) -> int:
+    if args.save is not None and args.save.suffix not in (".npz", ".npy"):
+        raise UsageError(f"--save {args.save}: name an .npz (all arrays) or .npy (output) file")
+    want_weights = args.weights or args.heatmap is not None
+    if not want_weights and (args.heads or args.rows or args.weights_dtype):
+        raise UsageError("--heads, --rows and --weights-dtype select weights: add --weights")
+    if args.heatmap is not None:
+        require_matplotlib()  # before the call, not after the server did the work
+    x = _load_input(client, args)
+    head_mask = args.head_mask
+    if args.prune_heads is not None:
+        head_mask = prune_mask(args.prune_heads, client.model_info(args.model).num_heads)
+    result = client.attend(
+        args.model,
+        x,
+        lengths=args.lengths,
+        causal=args.causal,
+        weights=want_weights,
+        heads=args.heads,
+        query_range=args.rows,
+        weights_dtype=args.weights_dtype,
+        head_mask=head_mask,
+        output_dtype=args.output_dtype,
+        input_dtype=args.dtype,
+    )
+    lengths = _real_lengths(x, args.lengths)
+    if args.save is not None:
+        _save(args.save, result, lengths)
+    if args.heatmap is not None:
+        _heatmap(args.heatmap, result, lengths)
+    wire_dtype = args.dtype or ("float16" if x.dtype == np.float16 else "float32")
+    files = {k: str(v) for k, v in (("saved", args.save), ("heatmap", args.heatmap)) if v}
+    summary = attend_summary(result, x, lengths, wire_dtype, files)
+    print(json.dumps(summary, indent=2) if args.json else format_attend_summary(summary))
+    return EXIT_OK
+
+
+def _report(err: MhaServeError, target: str) -> None:
+    print(f"error: {err}", file=sys.stderr)
+    if err.code == grpc.StatusCode.UNAVAILABLE:
+        print(
+            f"mha-serve at {target} cannot be reached or is not accepting requests; "
+            f"is it running? pass --target HOST:PORT or set {ENV_TARGET}",
+            file=sys.stderr,
+        )
+    elif err.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        print("the call ran past --timeout; raise it or send less", file=sys.stderr)
+    elif err.code == grpc.StatusCode.UNIMPLEMENTED:
+        print(
+            f"the server at {target} does not offer this call; is it mha-serve, and of a "
+            f"version that matches this client?",
+            file=sys.stderr,
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `mha-client`; returns the exit status instead of exiting."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse: --help (0) or a usage error (2)
+        return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    try:
+        with Client(args.target, timeout=args.timeout) as client:
+            return args.func(client, args)
+    except UsageError as err:
+        print(f"{parser.prog} {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except MhaServeError as err:
+        _report(err, args.target)
+        return EXIT_FAILED
+    except (ImportError, OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

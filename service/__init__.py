@@ -1,0 +1,1 @@
+"""mha-serve: multi-head attention served over gRPC."""

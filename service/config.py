@@ -1,0 +1,140 @@
+"""Server settings: built-in defaults < TOML config file < MHA_SERVE_* environment < flags."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from mha_serve.engine.types import MiB, ModelSpec
+from mha_serve.model import AttentionConfig
+
+DEFAULT_PORT = 50051
+DEFAULT_METRICS_PORT = 9095
+# gRPC's own default receive limit is 4 MiB: too small for one 2048 x 512 fp32 sequence.
+DEFAULT_MAX_RECEIVE_MESSAGE_BYTES = 64 * MiB
+DEFAULT_MAX_SEND_MESSAGE_BYTES = 256 * MiB
+DEFAULT_GRACE_PERIOD_S = 10.0
+
+
+@dataclass
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = DEFAULT_PORT  # gRPC; 0 picks a free port
+    metrics_port: int = DEFAULT_METRICS_PORT  # HTTP /metrics; 0 turns it off
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: fp32 on CPU, bf16 on CUDA)
+    max_receive_message_bytes: int = DEFAULT_MAX_RECEIVE_MESSAGE_BYTES
+    max_send_message_bytes: int = DEFAULT_MAX_SEND_MESSAGE_BYTES
+    grace_period_s: float = DEFAULT_GRACE_PERIOD_S  # in-flight calls get this long on SIGTERM
+    torch_threads: int = 0  # intra-op threads for the forward; 0 keeps torch's default
+    log_level: str = "INFO"
+    models: list[ModelSpec] = field(default_factory=lambda: default_models())
+
+
+def default_models() -> list[ModelSpec]:
+    """The built-in models: one size, three variants side by side."""
+    return [
+        ModelSpec("mha", AttentionConfig(embed_dim=512, num_heads=8, num_kv_heads=8), seed=1),
+        ModelSpec("gqa", AttentionConfig(embed_dim=512, num_heads=8, num_kv_heads=2), seed=2),
+        ModelSpec("mqa", AttentionConfig(embed_dim=512, num_heads=8, num_kv_heads=1), seed=3),
+    ]
+
+
+SERVER_KEYS = {f.name: f.type for f in fields(ServerConfig) if f.name != "models"}
+_ATTENTION_KEYS = {f.name for f in fields(AttentionConfig)}
+_SPEC_KEYS = {f.name for f in fields(ModelSpec)} - {"attention", "name"}
+
+
+def load_config_file(path: str | Path) -> tuple[dict[str, Any], list[ModelSpec] | None]:
+    """Reads a TOML file: a [server] table of ServerConfig keys and [[models]] tables."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {path} is not valid TOML: {e}") from None
+    unknown = set(data) - {"server", "models"}
+    if unknown:
+        raise ValueError(
+            f"{path}: unknown top-level keys {sorted(unknown)}; use [server] and [[models]]"
+        )
+    server = data.get("server", {})
+    bad = set(server) - set(SERVER_KEYS)
+    if bad:
+        raise ValueError(
+            f"{path}: unknown [server] keys {sorted(bad)}; valid: {sorted(SERVER_KEYS)}"
+        )
+    models = None
+    if "models" in data:
+        models = [
+            _relative_checkpoint(_model_spec(entry, path, i), path.parent)
+            for i, entry in enumerate(data["models"])
+        ]
+    return server, models
+
+
+def _model_spec(entry: dict[str, Any], path: Path, index: int) -> ModelSpec:
+    where = f"{path}: [[models]] #{index + 1}"
+    if "name" not in entry:
+        raise ValueError(f"{where} has no name")
+    bad = set(entry) - _ATTENTION_KEYS - _SPEC_KEYS - {"name"}
+    if bad:
+        raise ValueError(
+            f"{where} ({entry['name']}): unknown keys {sorted(bad)}; valid: "
+            f"{sorted(_ATTENTION_KEYS | _SPEC_KEYS | {'name'})}"
+        )
+    try:
+        attention = AttentionConfig(**{k: v for k, v in entry.items() if k in _ATTENTION_KEYS})
+        return ModelSpec(
+            name=entry["name"],
+            attention=attention,
+            **{k: v for k, v in entry.items() if k in _SPEC_KEYS},
+        )
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where} ({entry['name']}): {e}") from None
+
+
+def _relative_checkpoint(spec: ModelSpec, base: Path) -> ModelSpec:
+    """Checkpoint paths in a config file are relative to that file."""
+    if not spec.checkpoint or Path(spec.checkpoint).is_absolute():
+        return spec
+    return replace(spec, checkpoint=str(base / spec.checkpoint))
+
+
+def coerce(key: str, value: Any) -> Any:
+    """Converts a flag, environment or file value to the type ServerConfig declares."""
+    kind = SERVER_KEYS[key]
+    try:
+        if kind == "int":
+            if isinstance(value, bool):
+                raise ValueError
+            return int(value)
+        if kind == "float":
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key} must be {kind}, got {value!r}") from None
+
+
+def build_config(file_path: str | None, overrides: dict[str, Any]) -> ServerConfig:
+    """File values, then non-None overrides (environment and flags, already merged)."""
+    cfg = ServerConfig()
+    if file_path:
+        server, models = load_config_file(file_path)
+        for key, value in server.items():
+            setattr(cfg, key, coerce(key, value))
+        if models is not None:
+            cfg.models = models
+    for key, value in overrides.items():
+        if value is not None:
+            setattr(cfg, key, coerce(key, value))
+    for key in ("port", "metrics_port"):
+        if not 0 <= getattr(cfg, key) <= 65535:
+            raise ValueError(f"{key} {getattr(cfg, key)} is not a TCP port (0..65535)")
+    for key in ("max_receive_message_bytes", "max_send_message_bytes"):
+        if getattr(cfg, key) < MiB:
+            raise ValueError(f"{key} {getattr(cfg, key)} is below 1 MiB; raise it")
+    return cfg

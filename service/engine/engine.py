@@ -1,0 +1,256 @@
+"""Owns the hosted attention models and runs one request on them; synchronous, no gRPC."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from mha_serve.engine.errors import InvalidRequest, ModelNotFound, TooLarge
+from mha_serve.engine.types import AttendCall, AttendResult, ModelSpec
+from mha_serve.model import MultiHeadAttention, init_weights, load_checkpoint
+
+log = logging.getLogger(__name__)
+
+WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Room left in a response for everything that is not tensor data.
+RESPONSE_OVERHEAD_BYTES = 64 * 1024
+
+
+@dataclass
+class HostedModel:
+    spec: ModelSpec
+    module: MultiHeadAttention
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' picks CUDA when present, the CPU otherwise."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device {name!r} was asked for but CUDA is not available; use 'auto' or 'cpu'"
+        )
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is float32 on the CPU and bfloat16 (float16 without bf16 support) on CUDA."""
+    if name == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if name not in dtypes:
+        raise ValueError(f"dtype {name!r} is not one of auto, {', '.join(dtypes)}")
+    return dtypes[name]
+
+
+class Engine:
+    """The models of one server process; `attend` runs one call to completion."""
+
+    def __init__(
+        self,
+        specs: list[ModelSpec],
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_response_bytes: int,
+    ) -> None:
+        if not specs:
+            raise ValueError("no models configured: add at least one [[models]] table")
+        names = [s.name for s in specs]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"model names must be unique; repeated: {', '.join(duplicates)}")
+        self.max_response_bytes = max_response_bytes
+        self.models: dict[str, HostedModel] = {}
+        for spec in specs:
+            self.models[spec.name] = self._load(spec, device, dtype)
+
+    @staticmethod
+    def _load(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> HostedModel:
+        if spec.checkpoint:
+            module = load_checkpoint(
+                spec.checkpoint, config=spec.attention, device=device, dtype=dtype
+            )
+        else:
+            module = MultiHeadAttention(spec.attention, device=device, dtype=dtype)
+            init_weights(module, spec.seed)
+        module.eval().requires_grad_(False)
+        source = spec.checkpoint or f"seed {spec.seed}"
+        log.info(
+            "loaded model %s (%s, %s) on %s %s",
+            spec.name,
+            spec.attention.variant,
+            source,
+            device,
+            str(dtype).removeprefix("torch."),
+        )
+        return HostedModel(spec, module, device, dtype)
+
+    def get(self, name: str) -> HostedModel:
+        hosted = self.models.get(name)
+        if hosted is None:
+            raise ModelNotFound(
+                f"model {name!r} is not served here; available: {', '.join(self.models)}"
+            )
+        return hosted
+
+    def validate(self, call: AttendCall) -> HostedModel:
+        """Every check that needs no compute, so a bad request is refused before it queues."""
+        hosted = self.get(call.model)
+        spec, cfg = hosted.spec, hosted.spec.attention
+        x = call.inputs
+        if x.dim() != 3:
+            raise InvalidRequest(
+                f"input must be (batch, seq_len, embed_dim) or (seq_len, embed_dim); got shape {list(x.shape)}"
+            )
+        batch, seq_len, embed_dim = x.shape
+        if batch == 0 or seq_len == 0:
+            raise InvalidRequest(f"input is empty (shape {list(x.shape)}); send at least one token")
+        if embed_dim != cfg.embed_dim:
+            raise InvalidRequest(
+                f"model {spec.name!r} expects embed_dim {cfg.embed_dim}, got {embed_dim}"
+            )
+        if seq_len > spec.max_seq_len:
+            raise InvalidRequest(
+                f"seq_len {seq_len} exceeds model {spec.name!r} max_seq_len {spec.max_seq_len}; split the input"
+            )
+        if batch > spec.max_batch_size:
+            raise InvalidRequest(
+                f"batch {batch} exceeds model {spec.name!r} max_batch_size {spec.max_batch_size}; send fewer sequences per request"
+            )
+        if x.dtype not in WIRE_DTYPES:
+            raise InvalidRequest(f"input dtype {x.dtype} is not one of float32, float16, bfloat16")
+        if call.lengths is not None:
+            if len(call.lengths) != batch:
+                raise InvalidRequest(
+                    f"lengths has {len(call.lengths)} entries for a batch of {batch}; give one per sequence or none"
+                )
+            bad = [(i, n) for i, n in enumerate(call.lengths) if not 1 <= n <= seq_len]
+            if bad:
+                i, n = bad[0]
+                raise InvalidRequest(
+                    f"lengths[{i}] = {n} is out of range: each length must be in 1..{seq_len} (the padded seq_len)"
+                )
+        if call.head_mask is not None and len(call.head_mask) != cfg.num_heads:
+            raise InvalidRequest(
+                f"head_mask has {len(call.head_mask)} values; model {spec.name!r} has {cfg.num_heads} heads"
+            )
+        if call.head_mask is not None and not all(
+            v == v and abs(v) != float("inf") for v in call.head_mask
+        ):
+            raise InvalidRequest("head_mask contains NaN or Inf")
+        if not bool(torch.isfinite(x).all()):
+            raise InvalidRequest("input contains NaN or Inf values; send finite embeddings")
+        self._check_response_size(hosted, call)
+        return hosted
+
+    def _check_response_size(self, hosted: HostedModel, call: AttendCall) -> None:
+        batch, seq_len, embed_dim = call.inputs.shape
+        out_dtype = call.output_dtype or call.inputs.dtype
+        out_bytes = batch * seq_len * embed_dim * out_dtype.itemsize
+        if out_bytes + RESPONSE_OVERHEAD_BYTES > self.max_response_bytes:
+            raise TooLarge(
+                f"the output alone is {_mib(out_bytes)} but responses are limited to "
+                f"{_mib(self.max_response_bytes)}; send fewer sequences per request"
+            )
+        if not call.need_weights:
+            return
+        num_heads = hosted.spec.attention.num_heads
+        heads = call.weight_heads if call.weight_heads is not None else list(range(num_heads))
+        bad = [h for h in heads if not 0 <= h < num_heads]
+        if bad:
+            raise InvalidRequest(
+                f"weights head {bad[0]} is out of range: model {hosted.spec.name!r} has heads 0..{num_heads - 1}"
+            )
+        if not heads:
+            raise InvalidRequest(
+                "weights.heads is empty after selection; list at least one head or leave it empty for all"
+            )
+        start, end = call.query_start, call.query_end or seq_len
+        if not 0 <= start < end <= seq_len:
+            raise InvalidRequest(
+                f"weights query rows [{call.query_start}, {call.query_end}) are not a non-empty range within seq_len {seq_len}"
+            )
+        rows = end - start
+        size = batch * len(heads) * rows * seq_len * call.weights_dtype.itemsize
+        limit = min(
+            hosted.spec.max_weights_bytes,
+            self.max_response_bytes - out_bytes - RESPONSE_OVERHEAD_BYTES,
+        )
+        if size > limit:
+            raise TooLarge(
+                f"attention weights would be {_mib(size)} (batch {batch} x {len(heads)} heads x "
+                f"{rows} query rows x {seq_len} keys x {call.weights_dtype.itemsize} bytes) but the limit "
+                f"is {_mib(limit)}; narrow the request: fewer heads (weights.heads), a range of query "
+                f"rows (weights.query_start/query_end), or float16/bfloat16 weights (weights.dtype)"
+            )
+
+    def attend(self, call: AttendCall) -> AttendResult:
+        """Validates, then runs the forward pass; raises RequestError subclasses for bad calls."""
+        return self.run(self.validate(call), call)
+
+    def run(self, hosted: HostedModel, call: AttendCall) -> AttendResult:
+        """The forward pass of a call that `validate` accepted (returning `hosted`)."""
+        start = time.perf_counter()
+        batch, seq_len, _ = call.inputs.shape
+        x = call.inputs.to(hosted.device, hosted.dtype, non_blocking=True)
+        lengths = None
+        if call.lengths is not None and any(n != seq_len for n in call.lengths):
+            lengths = torch.tensor(call.lengths, dtype=torch.long, device=hosted.device)
+        head_mask = None
+        if call.head_mask is not None:
+            head_mask = torch.tensor(call.head_mask, dtype=hosted.dtype, device=hosted.device)
+        heads = (
+            call.weight_heads
+            if call.weight_heads is not None
+            else list(range(hosted.spec.attention.num_heads))
+        )
+        query_end = call.query_end or seq_len
+        with torch.inference_mode():
+            out = hosted.module(
+                x,
+                lengths=lengths,
+                causal=call.causal,
+                need_weights=call.need_weights,
+                weight_heads=heads if call.need_weights else None,
+                query_range=(call.query_start, query_end) if call.need_weights else None,
+                head_mask=head_mask,
+            )
+            output = out.output.to(call.output_dtype or call.inputs.dtype).cpu()
+            weights = out.weights.to(call.weights_dtype).cpu() if out.weights is not None else None
+        return AttendResult(
+            output=output,
+            weights=weights,
+            weight_heads=list(heads) if call.need_weights else [],
+            weight_query_start=call.query_start if call.need_weights else 0,
+            compute_ms=(time.perf_counter() - start) * 1e3,
+            batch_size=batch,
+        )
+
+    def warmup(self) -> None:
+        """One small forward per model (both paths), so the first request pays no lazy init."""
+        for name, hosted in self.models.items():
+            embed_dim = hosted.spec.attention.embed_dim
+            x = torch.zeros(1, 4, embed_dim)
+            self.attend(AttendCall(model=name, inputs=x))
+            self.attend(AttendCall(model=name, inputs=x, need_weights=True, lengths=[3]))
+
+
+def _mib(num_bytes: int) -> str:
+    """Human-readable size: '512.0 MiB', '8.0 KiB'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} bytes"

@@ -1,0 +1,65 @@
+"""The small dataclasses that cross the engine boundary: model specs, calls and results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mha_serve.model import AttentionConfig
+
+MiB = 2**20
+DEFAULT_MAX_SEQ_LEN = 4096
+DEFAULT_MAX_BATCH_SIZE = 64
+# 8 heads x 1024 x 1024 x fp32 for one sequence: larger asks must narrow heads/rows/dtype.
+DEFAULT_MAX_WEIGHTS_BYTES = 64 * MiB
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One hosted model as the config file describes it."""
+
+    name: str
+    attention: AttentionConfig
+    seed: int = 0  # seeded initialisation when there is no checkpoint
+    checkpoint: str | None = None  # safetensors file (ours or nn.MultiheadAttention's)
+    max_seq_len: int = DEFAULT_MAX_SEQ_LEN
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"model name {self.name!r} must be non-empty letters, digits, - or _")
+        for key in ("max_seq_len", "max_batch_size", "max_weights_bytes"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(
+                    f"model {self.name!r}: {key} must be a positive integer, got {value!r}"
+                )
+
+
+@dataclass
+class AttendCall:
+    """One stateless Attend request, already decoded from the wire."""
+
+    model: str
+    inputs: torch.Tensor  # (B, L, E) on the CPU, float32/float16/bfloat16
+    lengths: list[int] | None = None  # real length per sequence; None: all L
+    causal: bool | None = None  # None: the model's default
+    need_weights: bool = False
+    weight_heads: list[int] | None = None  # None: all heads
+    query_start: int = 0
+    query_end: int = 0  # 0: to the end of the padded sequence
+    weights_dtype: torch.dtype = torch.float32
+    head_mask: list[float] | None = None
+    output_dtype: torch.dtype | None = None  # None: the input's dtype
+
+
+@dataclass
+class AttendResult:
+    output: torch.Tensor  # (B, L, E) on the CPU in the requested dtype
+    weights: torch.Tensor | None  # (B, h, R, S) on the CPU
+    weight_heads: list[int] = field(default_factory=list)
+    weight_query_start: int = 0
+    compute_ms: float = 0.0
+    batch_size: int = 0

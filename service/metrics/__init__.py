@@ -1,0 +1,71 @@
+"""Every Prometheus metric of mha-serve, defined in this one place."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+# Seconds; attention requests on small inputs take ~1 ms, long ones seconds.
+LATENCY_BUCKETS_S = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536)
+
+REQUESTS = Counter(
+    "mha_serve_requests_total",
+    "RPCs finished, by method, model and gRPC status code.",
+    ["method", "model", "code"],
+)
+REQUEST_LATENCY = Histogram(
+    "mha_serve_request_latency_seconds",
+    "Server-side time from receipt to reply of Attend.",
+    ["model"],
+    buckets=LATENCY_BUCKETS_S,
+)
+QUEUE_LATENCY = Histogram(
+    "mha_serve_queue_latency_seconds",
+    "Time an Attend request waited before its forward began.",
+    ["model"],
+    buckets=LATENCY_BUCKETS_S,
+)
+COMPUTE_LATENCY = Histogram(
+    "mha_serve_compute_latency_seconds",
+    "Time of the forward pass that served a request.",
+    ["model"],
+    buckets=LATENCY_BUCKETS_S,
+)
+BATCH_SIZE = Histogram(
+    "mha_serve_batch_size", "Sequences per forward pass.", ["model"], buckets=BATCH_SIZE_BUCKETS
+)
+REQUEST_TOKENS = Histogram(
+    "mha_serve_request_tokens",
+    "Tokens (batch x seq_len) per Attend request.",
+    ["model"],
+    buckets=TOKEN_BUCKETS,
+)
+TOKENS = Counter("mha_serve_tokens_total", "Tokens processed by Attend.", ["model"])
+WEIGHTS_BYTES = Counter(
+    "mha_serve_attention_weights_bytes_total", "Bytes of attention weights returned.", ["model"]
+)
+IN_FLIGHT = Gauge("mha_serve_requests_in_flight", "Attend requests received and not yet answered.")
+READY = Gauge(
+    "mha_serve_ready", "1 when models are loaded and warm and the server is not draining."
+)
+
+
+def serve_metrics(port: int, host: str = "0.0.0.0") -> None:
+    """Starts the HTTP /metrics endpoint in a background thread."""
+    start_http_server(port, addr=host)

@@ -1,0 +1,255 @@
+"""The attention module: one class for MHA, GQA and MQA. Embeddings always come from
+fused SDPA; attention weights come from a separate explicit path, only when asked."""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import AttentionConfig
+
+
+@dataclass
+class AttentionOutput:
+    output: torch.Tensor  # (B, L, E), rows at padded positions are 0
+    weights: torch.Tensor | None  # (B, len(heads), R, S) float32; None unless need_weights
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(
+        self,
+        config: AttentionConfig,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        # Fused projection whose rows are [Wq; Wk; Wv] (as gpt-fast): one matmul,
+        # and exactly nn.MultiheadAttention's in_proj_weight layout when KVH == H.
+        self.wqkv = nn.Linear(
+            config.embed_dim, config.qkv_dim, bias=config.bias, device=device, dtype=dtype
+        )
+        self.wo = nn.Linear(
+            config.num_heads * config.head_dim,
+            config.embed_dim,
+            bias=config.bias,
+            device=device,
+            dtype=dtype,
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        lengths: torch.Tensor | None = None,
+        causal: bool | None = None,
+        need_weights: bool = False,
+        weight_heads: Sequence[int] | None = None,
+        query_range: tuple[int, int] | None = None,
+        head_mask: torch.Tensor | None = None,
+    ) -> AttentionOutput:
+        """Attend over x (B, L, E).
+
+        lengths (B,): real length of each sequence; later positions are padding
+        that never influences real positions and whose output rows are 0.
+        causal: None takes config.causal. need_weights: also return softmax
+        weights, for query heads weight_heads (None = all, any order) and query
+        rows query_range = (start, end) over the padded length (None = all);
+        these two only narrow the weights and are ignored otherwise.
+        head_mask (H,): gate on each query head's output before wo (0 prunes).
+        """
+        c = self.config
+        H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
+        B, L = self._check_input(x)
+        causal = c.causal if causal is None else bool(causal)
+        valid = _valid_positions(lengths, B, L, x.device)  # (B, L) bool, None if unpadded
+        heads = self._check_heads(weight_heads)
+        q_start, q_end = _check_query_range(query_range, L)
+        gate = self._check_head_mask(head_mask, x)
+
+        if valid is not None:
+            # Padding may be uninitialised memory from a batcher; a NaN or inf
+            # there would leak through the masked softmax as 0 * NaN in p @ v.
+            x = x.masked_fill(~valid[:, :, None], 0.0)
+
+        q, k, v = self.wqkv(x).split([H * D, KVH * D, KVH * D], dim=-1)
+        q = q.view(B, L, H, D).transpose(1, 2)  # (B, H, L, D)
+        k = k.view(B, L, KVH, D).transpose(1, 2)  # (B, KVH, L, D)
+        v = v.view(B, L, KVH, D).transpose(1, 2)  # (B, KVH, L, D)
+
+        # No mask at all when nothing is padded, so SDPA can pick its fastest
+        # kernel (is_causal needs no mask tensor); a boolean mask only for padding.
+        mask = None
+        if valid is not None:
+            mask = _allowed(valid, causal, 0, L).expand(B, 1, L, L)  # (B, 1, L, L)
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=causal and mask is None,
+            scale=self.scale,
+            enable_gqa=KVH != H,  # SDPA broadcasts kv heads; no repeat_interleave copy
+        )  # (B, H, L, D)
+        if gate is not None:
+            y = y * gate.view(1, H, 1, 1)
+        y = y.transpose(1, 2).reshape(B, L, H * D)  # (B, L, H*D)
+        out = self.wo(y)  # (B, L, E)
+        if valid is not None:
+            out = out.masked_fill(~valid[:, :, None], 0.0)
+
+        weights = None
+        if need_weights:
+            weights = self._weights(q, k, valid, causal, heads, q_start, q_end)
+        return AttentionOutput(output=out, weights=weights)
+
+    def _weights(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        valid: torch.Tensor | None,
+        causal: bool,
+        heads: list[int],
+        q_start: int,
+        q_end: int,
+    ) -> torch.Tensor:
+        """softmax(q k^T * scale + mask) in float32, only for the requested heads
+        and rows, so memory is B * len(heads) * R * S, never B * H * L * S."""
+        idx = torch.tensor(heads, device=q.device)
+        qh = q[:, idx, q_start:q_end].float() * self.scale  # (B, n, R, D)
+        kh = k[:, idx // self.config.group_size].float()  # (B, n, S, D): GQA head h reads kv h // G
+        scores = qh @ kh.transpose(-2, -1)  # (B, n, R, S)
+        if causal or valid is not None:
+            allowed = _allowed(valid, causal, q_start, q_end, q.shape[2], q.device)
+            scores.masked_fill_(~allowed, float("-inf"))  # allowed: (B or 1, 1, R, S)
+        # Every row keeps at least key 0 (lengths >= 1), so no row is all -inf
+        # and masked columns come out exactly 0.
+        weights = torch.softmax(scores, dim=-1)  # (B, n, R, S)
+        if valid is not None:
+            weights = weights.masked_fill(~valid[:, None, q_start:q_end, None], 0.0)
+        return weights
+
+    def _check_input(self, x: torch.Tensor) -> tuple[int, int]:
+        E = self.config.embed_dim
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must be (batch, seq_len, embed_dim={E}), got {shape}")
+        B, L, E_x = x.shape
+        if E_x != E:
+            raise ValueError(
+                f"x has embed_dim {E_x} (shape {tuple(x.shape)}) but the model's embed_dim is {E}"
+            )
+        if B == 0 or L == 0:
+            raise ValueError(f"x must have batch >= 1 and seq_len >= 1, got {tuple(x.shape)}")
+        w = self.wqkv.weight
+        if x.dtype != w.dtype:
+            raise ValueError(
+                f"x has dtype {x.dtype} but the model holds {w.dtype}; pass x.to({w.dtype})"
+            )
+        if x.device != w.device:
+            raise ValueError(
+                f"x is on {x.device} but the model is on {w.device}; pass x.to('{w.device}')"
+            )
+        return B, L
+
+    def _check_heads(self, weight_heads: Sequence[int] | None) -> list[int]:
+        H = self.config.num_heads
+        if weight_heads is None:
+            return list(range(H))
+        heads = [operator.index(h) for h in weight_heads]
+        if not heads:
+            raise ValueError("weight_heads is empty; pass None for all heads")
+        bad = [h for h in heads if not 0 <= h < H]
+        if bad:
+            raise ValueError(
+                f"weight_heads {heads} has head(s) {bad} out of range; "
+                f"num_heads is {H}, so valid heads are 0..{H - 1}"
+            )
+        return heads
+
+    def _check_head_mask(
+        self, head_mask: torch.Tensor | None, x: torch.Tensor
+    ) -> torch.Tensor | None:
+        if head_mask is None:
+            return None
+        H = self.config.num_heads
+        gate = torch.as_tensor(head_mask)
+        if gate.shape != (H,):
+            raise ValueError(
+                f"head_mask must have shape (num_heads,) = ({H},), got {tuple(gate.shape)}"
+            )
+        if not gate.is_floating_point():
+            raise ValueError(f"head_mask must be a float tensor, got {gate.dtype}")
+        return gate.to(device=x.device, dtype=x.dtype)
+
+
+def _valid_positions(
+    lengths: torch.Tensor | Sequence[int] | None, B: int, L: int, device: torch.device
+) -> torch.Tensor | None:
+    """(B, L) bool, True at real positions; None when no sequence is padded."""
+    if lengths is None:
+        return None
+    lengths = torch.as_tensor(lengths)
+    if lengths.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise ValueError(f"lengths must be an integer (int64) tensor, got {lengths.dtype}")
+    if lengths.shape != (B,):
+        raise ValueError(f"lengths must have shape (batch,) = ({B},), got {tuple(lengths.shape)}")
+    lo, hi = int(lengths.min()), int(lengths.max())
+    if lo < 1 or hi > L:
+        raise ValueError(
+            f"lengths must be in [1, seq_len={L}], got min {lo} and max {hi}: {lengths.tolist()}"
+        )
+    if lo == L:
+        return None
+    return torch.arange(L, device=device) < lengths.to(device)[:, None]  # (B, L)
+
+
+def _check_query_range(query_range: tuple[int, int] | None, L: int) -> tuple[int, int]:
+    if query_range is None:
+        return 0, L
+    try:
+        start, end = (operator.index(i) for i in query_range)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"query_range must be a pair of ints (start, end), got {query_range!r}"
+        ) from None
+    if not 0 <= start < end <= L:
+        raise ValueError(
+            f"query_range ({start}, {end}) is empty or out of bounds; "
+            f"need 0 <= start < end <= seq_len {L}"
+        )
+    return start, end
+
+
+def _allowed(
+    valid: torch.Tensor | None,
+    causal: bool,
+    q_start: int,
+    q_end: int,
+    S: int | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Bool mask, True where query row i in [q_start, q_end) may attend to key j.
+
+    (B, 1, 1, S) for padding only, (1, 1, R, S) for causal only, (B, 1, R, S) for both.
+    """
+    if valid is not None:
+        S, device = valid.shape[1], valid.device
+    allowed = None
+    if causal:
+        rows = torch.arange(q_start, q_end, device=device)[:, None]  # (R, 1)
+        cols = torch.arange(S, device=device)[None, :]  # (1, S)
+        allowed = (rows >= cols)[None, None]  # (1, 1, R, S)
+    if valid is not None:
+        keys = valid[:, None, None, :]  # (B, 1, 1, S)
+        allowed = keys if allowed is None else allowed & keys  # (B, 1, R, S)
+    assert allowed is not None, "_allowed needs causal or padding"
+    return allowed

@@ -1,0 +1,76 @@
+"""The `mha-serve` command: flags (or MHA_SERVE_* variables) and a TOML config file."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from mha_serve.config import SERVER_KEYS, ServerConfig, build_config
+
+ENV_PREFIX = "MHA_SERVE_"
+HELP = {
+    "host": "address to listen on (gRPC and metrics)",
+    "port": "gRPC port; 0 picks a free one",
+    "metrics_port": "HTTP port of /metrics; 0 turns it off",
+    "device": "auto | cpu | cuda | cuda:N (auto: CUDA when available)",
+    "dtype": "auto | float32 | float16 | bfloat16 (auto: float32 on CPU, bfloat16 on CUDA)",
+    "max_receive_message_bytes": "largest request accepted",
+    "max_send_message_bytes": "largest response sent (bounds embeddings + attention weights)",
+    "grace_period_s": "seconds in-flight calls get to finish on SIGTERM/SIGINT",
+    "torch_threads": "torch intra-op threads; 0 keeps torch's default",
+    "log_level": "DEBUG | INFO | WARNING | ERROR",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    defaults = ServerConfig()
+    p = argparse.ArgumentParser(
+        prog="mha-serve",
+        description="Serve multi-head attention (MHA, GQA, MQA) over gRPC. Every flag can also be "
+        "set by an environment variable MHA_SERVE_<FLAG> (e.g. MHA_SERVE_PORT); flags win over "
+        "the environment, which wins over --config, which wins over the built-in defaults.",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        default=os.environ.get(ENV_PREFIX + "CONFIG"),
+        help="TOML file with [server] settings and [[models]] (default: built-in mha, gqa, mqa)",
+    )
+    for key in SERVER_KEYS:
+        env = ENV_PREFIX + key.upper()
+        p.add_argument(
+            "--" + key.replace("_", "-"),
+            dest=key,
+            default=os.environ.get(env),
+            metavar=SERVER_KEYS[key].upper(),
+            help=f"{HELP[key]} (default {getattr(defaults, key)!r}; env {env})",
+        )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    overrides = {key: getattr(args, key) for key in SERVER_KEYS}
+    try:
+        cfg = build_config(args.config, overrides)
+    except ValueError as e:
+        print(f"mha-serve: configuration error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from mha_serve.transport.server import serve  # torch loads here, after the flags are checked
+
+    try:
+        asyncio.run(serve(cfg))
+    except (ValueError, OSError) as e:
+        logging.getLogger("mha-serve").error("cannot start: %s", e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

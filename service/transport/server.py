@@ -1,0 +1,134 @@
+"""The grpc.aio server: AttentionService, health, reflection, metrics and graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from mha_client.api import attention_pb2 as pb
+from mha_client.api import attention_pb2_grpc as pb_grpc
+from mha_serve import metrics
+from mha_serve.config import ServerConfig
+from mha_serve.engine import Engine, resolve_device, resolve_dtype
+from mha_serve.transport.servicer import AttentionServicer
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name[
+    "AttentionService"
+].full_name  # "mha.v1.AttentionService"
+
+
+class Server:
+    """One process serving the configured models; `start`, then `wait`, then `stop`."""
+
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        # One compute thread: forwards run one at a time and use torch's intra-op threads.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mha-compute")
+        self.health = health.aio.HealthServicer()
+        self.servicer = AttentionServicer(
+            self.executor, max_request_bytes=cfg.max_receive_message_bytes
+        )
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", cfg.max_receive_message_bytes),
+                ("grpc.max_send_message_length", cfg.max_send_message_bytes),
+                # grpc enables SO_REUSEPORT by default: a second server on a taken port
+                # would silently share its traffic instead of failing.
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        self.port: int | None = None
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        """Listens at once (health NOT_SERVING), then loads and warms the models off the loop."""
+        await self.listen()
+        await self.load()
+
+    async def listen(self) -> None:
+        """Opens the port with health NOT_SERVING; Attend answers UNAVAILABLE until `load`."""
+        cfg = self.cfg
+        if cfg.torch_threads > 0:
+            torch.set_num_threads(cfg.torch_threads)
+        pb_grpc.add_AttentionServiceServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        address = f"{cfg.host}:{cfg.port}"
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError as e:  # grpc raises RuntimeError when it cannot bind
+            raise OSError(
+                f"could not listen on {address}: the port is taken or the host is not local"
+            ) from e
+        await self.server.start()
+        log.info("gRPC listening on %s:%d (NOT_SERVING until warm)", cfg.host, self.port)
+        if cfg.metrics_port:
+            metrics.serve_metrics(cfg.metrics_port, cfg.host)
+            log.info("metrics on http://%s:%d/metrics", cfg.host, cfg.metrics_port)
+
+    async def load(self) -> None:
+        """Loads and warms the models on the compute thread, then reports SERVING."""
+        loop = asyncio.get_running_loop()
+        engine = await loop.run_in_executor(self.executor, self._load_engine)
+        self.servicer.engine = engine
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        metrics.READY.set(1)
+        log.info("SERVING models: %s", ", ".join(engine.models))
+
+    def _load_engine(self) -> Engine:
+        device = resolve_device(self.cfg.device)
+        engine = Engine(
+            self.cfg.models,
+            device=device,
+            dtype=resolve_dtype(self.cfg.dtype, device),
+            max_response_bytes=self.cfg.max_send_message_bytes,
+        )
+        engine.warmup()
+        return engine
+
+    async def stop(self) -> None:
+        """Drains: health NOT_SERVING, refuse new calls, let in-flight ones finish within grace."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        metrics.READY.set(0)
+        await self.health.enter_graceful_shutdown()
+        log.info("draining: up to %.1f s for in-flight calls", self.cfg.grace_period_s)
+        await self.server.stop(self.cfg.grace_period_s)
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        log.info("stopped")
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def serve(cfg: ServerConfig) -> None:
+    """Runs until SIGTERM or SIGINT, then stops gracefully."""
+    server = Server(cfg)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    start = asyncio.create_task(server.start())
+    stopping = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({start, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if start in done:
+        start.result()  # a failed start (bad checkpoint, taken port) ends the process here
+        await stopping
+    else:
+        log.info("signal received while starting")
+        start.cancel()
+    await server.stop()

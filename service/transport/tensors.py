@@ -1,0 +1,69 @@
+"""mha.v1.Tensor <-> torch.Tensor: raw little-endian bytes, a dtype and a shape."""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+
+import torch
+
+from mha_client.api import attention_pb2 as pb
+from mha_serve.engine import InvalidRequest
+
+TORCH_DTYPES = {
+    pb.DTYPE_FLOAT32: torch.float32,
+    pb.DTYPE_FLOAT16: torch.float16,
+    pb.DTYPE_BFLOAT16: torch.bfloat16,
+}
+PROTO_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
+# Views for bytes out: numpy has no bfloat16, so bf16 leaves as its int16 bits.
+_BYTE_VIEWS = {torch.bfloat16: torch.int16}
+
+if sys.byteorder != "little":  # the wire is little-endian; we never byte-swap
+    raise ImportError("mha-serve needs a little-endian host")
+
+
+def torch_dtype(value: int, what: str, *, default: torch.dtype | None = None) -> torch.dtype | None:
+    """A proto DType to torch; DTYPE_UNSPECIFIED gives `default`."""
+    if value == pb.DTYPE_UNSPECIFIED:
+        return default
+    if value not in TORCH_DTYPES:
+        raise InvalidRequest(
+            f"{what} {value} is not a supported dtype; use DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16"
+        )
+    return TORCH_DTYPES[value]
+
+
+def from_proto(tensor: pb.Tensor, what: str = "input") -> torch.Tensor:
+    """Decodes without copying the payload; the result is read-only memory, never written."""
+    if tensor.dtype == pb.DTYPE_UNSPECIFIED:
+        raise InvalidRequest(
+            f"{what}.dtype is unset; use DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16"
+        )
+    dtype = torch_dtype(tensor.dtype, f"{what}.dtype")
+    shape = list(tensor.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidRequest(f"{what}.shape {shape} has a negative dimension")
+    expected = math.prod(shape) * dtype.itemsize
+    if len(tensor.data) != expected:
+        raise InvalidRequest(
+            f"{what}.data has {len(tensor.data)} bytes but shape {shape} in "
+            f"{str(dtype).removeprefix('torch.')} needs {expected}"
+        )
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():  # protobuf bytes are immutable; nothing writes to them
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(tensor.data, dtype=dtype).view(shape)
+
+
+def to_proto(tensor: torch.Tensor) -> pb.Tensor:
+    """Encodes a CPU tensor (one copy: into the message's bytes)."""
+    if tensor.dtype not in PROTO_DTYPES:
+        raise TypeError(f"cannot send {tensor.dtype} on the wire")
+    raw = tensor.detach().contiguous()
+    raw = raw.view(_BYTE_VIEWS.get(raw.dtype, raw.dtype))
+    return pb.Tensor(
+        dtype=PROTO_DTYPES[tensor.dtype], shape=list(tensor.shape), data=raw.numpy().tobytes()
+    )

@@ -1,0 +1,30 @@
+"""One real `mha-serve` on the built-in models for the whole e2e package."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from mha_client.api import attention_pb2_grpc as pb_grpc
+from tests.helpers import ServerProcess
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    proc = ServerProcess(log_path=tmp_path_factory.mktemp("server") / "mha-serve.log")
+    try:
+        proc.wait_serving()
+        yield proc
+    finally:
+        code = proc.stop()
+        assert code == 0, f"mha-serve exited {code} on SIGTERM:\n{proc.log()}"
+
+
+@pytest.fixture(scope="session")
+def stub(server):
+    options = [
+        ("grpc.max_receive_message_length", 256 * 2**20),
+        ("grpc.max_send_message_length", 256 * 2**20),
+    ]
+    with grpc.insecure_channel(server.target, options=options) as channel:
+        yield pb_grpc.AttentionServiceStub(channel)

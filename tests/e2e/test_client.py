@@ -1,0 +1,146 @@
+"""The real SDK (sync and async) and the real mha-client CLI against the real server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from mha_client.errors import MhaServeError
+from mha_client.sdk import AsyncClient, Client
+from mha_serve.config import default_models
+from mha_serve.model import MultiHeadAttention, init_weights
+
+ATOL = 1e-5  # float32 over the wire vs the same module in-process
+SPECS = {spec.name: spec for spec in default_models()}
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server.target) as c:
+        yield c
+
+
+def reference(name: str, x: np.ndarray, lengths: list[int], causal: bool):
+    spec = SPECS[name]
+    module = MultiHeadAttention(spec.attention)
+    init_weights(module, spec.seed)
+    with torch.inference_mode():
+        out = module(
+            torch.from_numpy(x), lengths=torch.tensor(lengths), causal=causal, need_weights=True
+        )
+    return out.output.numpy(), out.weights.numpy()
+
+
+def test_list_models(client):
+    models = {m.name: m for m in client.list_models()}
+    assert {(m.variant, m.num_heads, m.num_kv_heads, m.embed_dim) for m in models.values()} == {
+        ("mha", 8, 8, 512),
+        ("gqa", 8, 2, 512),
+        ("mqa", 8, 1, 512),
+    }
+    assert models["gqa"].device == "cpu" and models["gqa"].max_seq_len == 4096
+
+
+@pytest.mark.parametrize("name", ["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_embeddings_and_per_head_weights_for_every_variant(client, name, causal):
+    x = np.random.default_rng(7).standard_normal((3, 12, 512), dtype=np.float32)
+    lengths = [12, 5, 9]
+    result = client.attend(name, x, lengths=lengths, causal=causal, weights=True)
+    assert result.output.shape == (3, 12, 512) and result.weights.shape == (3, 8, 12, 12)
+    assert result.weight_heads == list(range(8)) and result.timing.batch_size == 3
+    ref_out, ref_w = reference(name, x, lengths, causal)
+    np.testing.assert_allclose(result.output, ref_out, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(result.weights, ref_w, atol=ATOL, rtol=0)
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(result.weights[b, :, :n, :n].sum(-1), 1.0, atol=1e-5)
+        assert np.all(result.weights[b, :, :, n:] == 0)
+
+
+def test_single_sequence_keeps_its_rank(client):
+    x = np.random.default_rng(8).standard_normal((6, 512), dtype=np.float32)
+    result = client.attend("mqa", x, weights=True, heads=[2], query_range=(1, 4))
+    assert result.output.shape == (6, 512) and result.weights.shape == (1, 3, 6)
+
+
+def test_low_precision_on_the_wire(client):
+    x = np.random.default_rng(9).standard_normal((2, 8, 512), dtype=np.float32)
+    full = client.attend("gqa", x)
+    bf16 = client.attend("gqa", x, input_dtype="bfloat16", output_dtype="float32")
+    half = client.attend("gqa", x.astype(np.float16))
+    assert half.output.dtype == np.float16
+    np.testing.assert_allclose(bf16.output, full.output, atol=5e-2)
+    np.testing.assert_allclose(half.output.astype(np.float32), full.output, atol=5e-3)
+
+
+def test_head_mask_prunes_heads(client):
+    x = np.random.default_rng(10).standard_normal((1, 8, 512), dtype=np.float32)
+    keep = client.attend("mha", x, head_mask=[1.0] * 8).output
+    pruned = client.attend("mha", x, head_mask=[1, 1, 0, 1, 1, 1, 1, 0]).output
+    assert np.abs(keep - pruned).max() > 1e-3
+    np.testing.assert_array_equal(client.attend("mha", x).output, keep)
+
+
+def test_sdk_errors_carry_code_and_message(client):
+    with pytest.raises(MhaServeError) as err:
+        client.attend("gqa", np.zeros((1, 3, 100), np.float32))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "expects embed_dim 512, got 100" in str(err.value)
+
+
+async def test_async_client_concurrent_calls(server):
+    rng = np.random.default_rng(11)
+    inputs = [rng.standard_normal((1, 4 + i, 512), dtype=np.float32) for i in range(8)]
+    async with AsyncClient(server.target) as c:
+        assert await c.health() == "SERVING"
+        results = await asyncio.gather(*(c.attend("mqa", x) for x in inputs))
+    with Client(server.target) as sync:
+        for x, r in zip(inputs, results, strict=True):
+            np.testing.assert_array_equal(r.output, sync.attend("mqa", x).output)
+
+
+def cli(*args: str, target: str) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).parent / "mha-client"  # the console script beside this python
+    assert exe.exists(), f"the mha-client console script is not installed at {exe}"
+    return subprocess.run(
+        [str(exe), "--target", target, *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_cli_models_health_and_attend(server, tmp_path):
+    models = cli("models", "--json", target=server.target)
+    assert models.returncode == 0, models.stderr
+    assert [m["name"] for m in json.loads(models.stdout)] == ["mha", "gqa", "mqa"]
+    assert cli("health", target=server.target).stdout.strip() == "SERVING"
+
+    png, npz = tmp_path / "heads.png", tmp_path / "out.npz"
+    run = cli(
+        "attend",
+        "gqa",
+        "--random-shape",
+        "2,16",
+        "--lengths",
+        "16,9",
+        "--causal",
+        "--heatmap",
+        str(png),
+        "--save",
+        str(npz),
+        target=server.target,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "entropy" in run.stdout and "(2, 16, 512)" in run.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = np.load(npz)
+    assert saved["output"].shape == (2, 16, 512) and saved["weights"].shape == (2, 8, 16, 16)
+
+    bad = cli("attend", "nope", "--random-shape", "4", target=server.target)
+    assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr

@@ -1,0 +1,44 @@
+"""The real /metrics endpoint counts requests by status code and passes the Prometheus parser."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mha_client.api import attention_pb2 as pb
+
+
+def scrape(server) -> dict[tuple[str, tuple], float]:
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_requests_are_counted_by_code(server, stub):
+    x = np.zeros((2, 3, 512), np.float32)
+    ok = pb.AttendRequest(
+        model="mqa", input=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=x.shape, data=x.tobytes())
+    )
+    key_ok = ("mha_serve_requests_total", (("code", "OK"), ("method", "Attend"), ("model", "mqa")))
+    key_nf = (
+        "mha_serve_requests_total",
+        (("code", "NOT_FOUND"), ("method", "Attend"), ("model", "unknown")),
+    )
+    before = scrape(server)
+    stub.Attend(ok, timeout=30)
+    with pytest.raises(grpc.RpcError):
+        stub.Attend(pb.AttendRequest(model="no-such", input=ok.input), timeout=30)
+    after = scrape(server)
+    assert after[key_ok] == before.get(key_ok, 0) + 1
+    assert after[key_nf] == before.get(key_nf, 0) + 1
+    tokens = ("mha_serve_tokens_total", (("model", "mqa"),))
+    assert after[tokens] == before.get(tokens, 0) + 6
+    assert after[("mha_serve_ready", ())] == 1

@@ -1,0 +1,99 @@
+"""AttentionConfig: resolution of defaults, validation messages, variants, dict round trip."""
+
+import dataclasses
+
+import pytest
+
+from mha_serve.model import AttentionConfig
+
+
+def test_defaults_resolve():
+    c = AttentionConfig(embed_dim=64, num_heads=8)
+    assert (c.num_kv_heads, c.head_dim, c.bias, c.causal) == (8, 8, True, False)
+    assert c.group_size == 1
+    assert c.qkv_dim == 3 * 64
+
+
+def test_custom_head_dim_and_gqa_sizes():
+    c = AttentionConfig(embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=32)
+    assert c.group_size == 2
+    assert c.qkv_dim == (4 + 2 * 2) * 32
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "variant"),
+    [
+        ({"num_heads": 8}, "mha"),
+        ({"num_heads": 8, "num_kv_heads": 8}, "mha"),
+        ({"num_heads": 8, "num_kv_heads": 2}, "gqa"),
+        ({"num_heads": 8, "num_kv_heads": 4}, "gqa"),
+        ({"num_heads": 8, "num_kv_heads": 1}, "mqa"),
+        ({"num_heads": 1}, "mha"),  # one head: nothing is shared, so MHA wins over MQA
+        ({"num_heads": 1, "num_kv_heads": 1}, "mha"),
+    ],
+)
+def test_variant(kwargs, variant):
+    assert AttentionConfig(embed_dim=64, **kwargs).variant == variant
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pieces"),
+    [
+        ({"embed_dim": 500, "num_heads": 8}, ["embed_dim 500", "num_heads 8", "head_dim"]),
+        ({"embed_dim": 64, "num_heads": 8, "num_kv_heads": 3}, ["num_kv_heads 3", "num_heads 8"]),
+        ({"embed_dim": 64, "num_heads": 8, "num_kv_heads": 16}, ["num_kv_heads 16", "num_heads 8"]),
+        ({"embed_dim": 0, "num_heads": 8}, ["embed_dim", ">= 1", "0"]),
+        ({"embed_dim": 64, "num_heads": -2}, ["num_heads", "-2"]),
+        ({"embed_dim": 64, "num_heads": 8, "num_kv_heads": 0}, ["num_kv_heads", "0"]),
+        ({"embed_dim": 64, "num_heads": 8, "head_dim": 0}, ["head_dim", "0"]),
+        ({"embed_dim": "64", "num_heads": 8}, ["embed_dim", "'64'", "str"]),
+        ({"embed_dim": 64.0, "num_heads": 8}, ["embed_dim", "float"]),
+        ({"embed_dim": True, "num_heads": 8}, ["embed_dim", "bool"]),
+        ({"embed_dim": 64, "num_heads": 8, "bias": 1}, ["bias", "bool", "1"]),
+        ({"embed_dim": 64, "num_heads": 8, "causal": "yes"}, ["causal", "bool", "'yes'"]),
+    ],
+)
+def test_invalid_config_names_the_numbers(kwargs, pieces):
+    with pytest.raises(ValueError) as err:
+        AttentionConfig(**kwargs)
+    for piece in pieces:
+        assert piece in str(err.value), f"{piece!r} not in {str(err.value)!r}"
+
+
+def test_explicit_head_dim_allows_indivisible_embed_dim():
+    c = AttentionConfig(embed_dim=500, num_heads=8, head_dim=64)
+    assert c.head_dim == 64
+
+
+def test_frozen():
+    c = AttentionConfig(embed_dim=64, num_heads=8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.num_heads = 4
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        AttentionConfig(embed_dim=64, num_heads=8),
+        AttentionConfig(embed_dim=64, num_heads=8, num_kv_heads=2, bias=False, causal=True),
+        AttentionConfig(embed_dim=64, num_heads=4, num_kv_heads=1, head_dim=32),
+    ],
+)
+def test_dict_round_trip(config):
+    d = config.to_dict()
+    assert set(d) == {"embed_dim", "num_heads", "num_kv_heads", "head_dim", "bias", "causal"}
+    assert None not in d.values()
+    assert AttentionConfig.from_dict(d) == config
+
+
+def test_from_dict_rejects_unknown_keys():
+    with pytest.raises(ValueError) as err:
+        AttentionConfig.from_dict({"embed_dim": 64, "num_heads": 8, "n_heads": 8, "dropout": 0.1})
+    msg = str(err.value)
+    assert "dropout" in msg and "n_heads" in msg
+    assert "num_kv_heads" in msg  # lists the valid keys
+
+
+def test_from_dict_requires_embed_dim_and_num_heads():
+    with pytest.raises(ValueError, match="num_heads"):
+        AttentionConfig.from_dict({"embed_dim": 64})

@@ -1,0 +1,99 @@
+"""Settings: defaults, TOML file, MHA_SERVE_* environment and flags, in that order of precedence."""
+
+from __future__ import annotations
+
+import pytest
+
+from mha_serve.config import ServerConfig, build_config, default_models
+from mha_serve.transport.main import main, parser
+
+
+def test_built_in_models_are_three_variants_of_one_size():
+    models = {m.name: m.attention for m in default_models()}
+    assert {n: (a.embed_dim, a.num_heads, a.num_kv_heads) for n, a in models.items()} == {
+        "mha": (512, 8, 8),
+        "gqa": (512, 8, 2),
+        "mqa": (512, 8, 1),
+    }
+    assert [a.variant for a in models.values()] == ["mha", "gqa", "mqa"]
+
+
+def test_file_then_environment_then_flags(tmp_path, monkeypatch):
+    cfg_file = tmp_path / "serve.toml"
+    cfg_file.write_text(
+        '[server]\nport = 6000\nmetrics_port = 6001\ndevice = "cpu"\n\n'
+        '[[models]]\nname = "small"\nembed_dim = 64\nnum_heads = 4\nnum_kv_heads = 2\n'
+        'causal = true\nmax_seq_len = 128\ncheckpoint = "w.safetensors"\n'
+    )
+    monkeypatch.setenv("MHA_SERVE_PORT", "7000")
+    monkeypatch.setenv("MHA_SERVE_METRICS_PORT", "7001")
+    args = parser().parse_args(["--config", str(cfg_file), "--metrics-port", "8001"])
+    cfg = build_config(args.config, {k: getattr(args, k) for k in vars(args) if k != "config"})
+    assert (cfg.port, cfg.metrics_port, cfg.device) == (7000, 8001, "cpu")
+    (model,) = cfg.models
+    assert model.name == "small" and model.attention.variant == "gqa" and model.attention.causal
+    assert model.max_seq_len == 128
+    assert model.checkpoint == str(tmp_path / "w.safetensors")  # relative to the config file
+
+
+def test_config_from_environment_variable(tmp_path, monkeypatch):
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text("[server]\ngrace_period_s = 2.5\n")
+    monkeypatch.setenv("MHA_SERVE_CONFIG", str(cfg_file))
+    args = parser().parse_args([])
+    assert build_config(args.config, {}).grace_period_s == 2.5
+
+
+def test_defaults_without_file():
+    cfg = build_config(None, {"port": None})
+    assert cfg == ServerConfig()
+    assert (cfg.port, cfg.metrics_port) == (50051, 9095)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[server]\nprot = 1\n", "unknown [server] keys ['prot']"),
+        ("[srv]\n", "unknown top-level keys ['srv']"),
+        ("[server]\nport = 70000\n", "port 70000 is not a TCP port"),
+        ("[server]\nport = 'x'\n", "port must be int, got 'x'"),
+        ("[server]\nmax_send_message_bytes = 10\n", "below 1 MiB"),
+        ("[[models]]\nembed_dim = 8\nnum_heads = 2\n", "#1 has no name"),
+        (
+            "[[models]]\nname = 'a'\nembed_dim = 500\nnum_heads = 8\n",
+            "embed_dim 500 is not divisible by num_heads 8",
+        ),
+        (
+            "[[models]]\nname = 'a'\nembed_dim = 64\nnum_heads = 8\nnum_kv_heads = 3\n",
+            "num_kv_heads 3 must divide num_heads 8",
+        ),
+        (
+            "[[models]]\nname = 'a'\nembed_dim = 64\nnum_heads = 8\nheads = 3\n",
+            "unknown keys ['heads']",
+        ),
+        ("not toml [", "is not valid TOML"),
+    ],
+)
+def test_bad_config_exits_2_with_the_fix(tmp_path, capsys, text, message):
+    cfg_file = tmp_path / "bad.toml"
+    cfg_file.write_text(text)
+    assert main(["--config", str(cfg_file)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_config_file(tmp_path, capsys):
+    assert main(["--config", str(tmp_path / "none.toml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_bad_flag_value(capsys):
+    assert main(["--port", "eighty"]) == 2
+    assert "port must be int, got 'eighty'" in capsys.readouterr().err
+
+
+def test_example_config_in_docs_loads():
+    from pathlib import Path
+
+    cfg = build_config(str(Path(__file__).parent.parent / "docs/config.example.toml"), {})
+    assert [m.name for m in cfg.models] == ["mha", "gqa-1k"]
+    assert cfg.models[1].attention.variant == "gqa" and cfg.models[1].attention.causal

@@ -1,0 +1,106 @@
+"""The server in-process on loopback: health before/after warm-up and while draining, reflection."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+from mha_client.api import attention_pb2 as pb
+from mha_client.api import attention_pb2_grpc as pb_grpc
+from mha_serve.config import ServerConfig
+from mha_serve.engine import ModelSpec
+from mha_serve.model import AttentionConfig
+from mha_serve.transport.server import SERVICE_NAME, Server
+from tests.helpers import free_port
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def config(**kw) -> ServerConfig:
+    models = [ModelSpec("small", AttentionConfig(64, 4, 1), seed=5, max_seq_len=2048)]
+    return ServerConfig(host="127.0.0.1", port=free_port(), metrics_port=0, models=models, **kw)
+
+
+def request(batch: int, seq_len: int) -> pb.AttendRequest:
+    x = np.ones((batch, seq_len, 64), np.float16)
+    return pb.AttendRequest(
+        model="small", input=pb.Tensor(dtype=pb.DTYPE_FLOAT16, shape=x.shape, data=x.tobytes())
+    )
+
+
+async def test_not_serving_until_warm_then_serving_then_draining():
+    server = Server(config(grace_period_s=30))
+    await server.listen()
+    target = f"127.0.0.1:{server.port}"
+    async with grpc.aio.insecure_channel(target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        attention = pb_grpc.AttentionServiceStub(channel)
+        for name in ("", SERVICE_NAME):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=name))
+            assert reply.status == NOT_SERVING
+        try:
+            await attention.Attend(request(1, 4))
+            raise AssertionError("Attend answered before the models were loaded")
+        except grpc.aio.AioRpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE
+            assert "still loading its models" in e.details()
+
+        await server.load()
+        for name in ("", SERVICE_NAME):
+            assert (
+                await health.Check(health_pb2.HealthCheckRequest(service=name))
+            ).status == SERVING
+
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+        assert (await watch.read()).status == SERVING
+        # A slow call in flight while the server drains still completes.
+        slow = asyncio.ensure_future(attention.Attend(request(6, 2048), timeout=60))  # 1.5 MiB
+        await asyncio.sleep(0.05)
+        stopping = asyncio.ensure_future(server.stop())
+        assert (await watch.read()).status == NOT_SERVING
+        watch.cancel()  # an open stream would hold the drain for the whole grace period
+        reply = await slow
+        assert list(reply.output.shape) == [6, 2048, 64]
+        await asyncio.wait_for(stopping, 20)
+
+
+async def test_reflection_lists_the_services():
+    server = Server(config())
+    await server.start()
+    try:
+
+        def services() -> list[str]:
+            with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                db = ProtoReflectionDescriptorDatabase(channel)
+                names = db.get_services()
+                # The full API is discoverable: the Attend method and its message types.
+                method = db.FindFileContainingSymbol("mha.v1.AttentionService")
+                assert method.name == "mha/v1/attention.proto"
+                return list(names)
+
+        names = await asyncio.to_thread(services)
+        assert {"mha.v1.AttentionService", "grpc.health.v1.Health"} <= set(names)
+    finally:
+        await server.stop()
+
+
+async def test_port_in_use_is_a_clear_error():
+    first = Server(config())
+    await first.listen()
+    try:
+        second = Server(ServerConfig(host="127.0.0.1", port=first.port, metrics_port=0))
+        try:
+            await second.listen()
+            raise AssertionError("a second server bound the same port")
+        except OSError as e:
+            assert f"127.0.0.1:{first.port}" in str(e)
+            await second.stop()
+    finally:
+        await first.stop()
