@@ -239,6 +239,53 @@ class Engine:
             batch_size=batch,
         )
 
+    @staticmethod
+    def batch_key(hosted: HostedModel, call: AttendCall) -> tuple:
+        """Calls with equal keys can share one forward pass (same masking and head gates)."""
+        causal = hosted.spec.attention.causal if call.causal is None else call.causal
+        return (causal, tuple(call.head_mask) if call.head_mask is not None else None)
+
+    def run_batch(self, hosted: HostedModel, calls: list[AttendCall]) -> list[AttendResult]:
+        """Several validated calls with equal `batch_key` and no weights as one padded forward.
+
+        Sequences are padded to the longest; the model masks padding, so each result equals
+        the call run alone (tests/engine/test_batching.py).
+        """
+        if len(calls) == 1:
+            return [self.run(hosted, calls[0])]
+        assert not any(c.need_weights for c in calls), "weights calls run one by one (run)"
+        start = time.perf_counter()
+        longest = max(c.inputs.shape[1] for c in calls)
+        total = sum(c.inputs.shape[0] for c in calls)
+        embed_dim = hosted.spec.attention.embed_dim
+        # Uninitialised padding is fine: the model zeroes padded positions before projecting.
+        x = torch.empty(total, longest, embed_dim, device=hosted.device, dtype=hosted.dtype)
+        lengths: list[int] = []
+        row = 0
+        for c in calls:
+            batch, seq_len, _ = c.inputs.shape
+            x[row : row + batch, :seq_len].copy_(c.inputs, non_blocking=True)
+            lengths += c.lengths if c.lengths is not None else [seq_len] * batch
+            row += batch
+        padded = any(n != longest for n in lengths)
+        lengths_t = torch.tensor(lengths, device=hosted.device) if padded else None
+        first = calls[0]
+        head_mask = None
+        if first.head_mask is not None:
+            head_mask = torch.tensor(first.head_mask, dtype=hosted.dtype, device=hosted.device)
+        with torch.inference_mode():
+            out = hosted.module(
+                x, lengths=lengths_t, causal=first.causal, head_mask=head_mask
+            ).output
+        results, row = [], 0
+        compute_ms = (time.perf_counter() - start) * 1e3
+        for c in calls:
+            batch, seq_len, _ = c.inputs.shape
+            output = out[row : row + batch, :seq_len].to(c.output_dtype or c.inputs.dtype).cpu()
+            results.append(AttendResult(output, None, compute_ms=compute_ms, batch_size=total))
+            row += batch
+        return results
+
     def warmup(self) -> None:
         """One small forward per model (both paths), so the first request pays no lazy init."""
         for name, hosted in self.models.items():

@@ -10,9 +10,14 @@ from mha_serve.model import AttentionConfig
 
 MiB = 2**20
 DEFAULT_MAX_SEQ_LEN = 4096
-DEFAULT_MAX_BATCH_SIZE = 64
+DEFAULT_MAX_BATCH_SIZE = 64  # sequences per forward pass (and so per request)
 # 8 heads x 1024 x 1024 x fp32 for one sequence: larger asks must narrow heads/rows/dtype.
 DEFAULT_MAX_WEIGHTS_BYTES = 64 * MiB
+# Batch forming (docs/benchmarks.md has the measurements behind these).
+DEFAULT_MAX_BATCH_TOKENS = 32768  # padded tokens (sequences x longest) per forward pass
+DEFAULT_MAX_QUEUE_DELAY_MS = 2.0  # the first request of a batch waits this long for company
+DEFAULT_MAX_QUEUE_REQUESTS = 1024  # beyond: RESOURCE_EXHAUSTED at once
+DEFAULT_MAX_QUEUE_TOKENS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -26,11 +31,29 @@ class ModelSpec:
     max_seq_len: int = DEFAULT_MAX_SEQ_LEN
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    max_queue_delay_ms: float = DEFAULT_MAX_QUEUE_DELAY_MS
+    max_queue_requests: int = DEFAULT_MAX_QUEUE_REQUESTS
+    max_queue_tokens: int = DEFAULT_MAX_QUEUE_TOKENS
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"model name {self.name!r} must be non-empty letters, digits, - or _")
-        for key in ("max_seq_len", "max_batch_size", "max_weights_bytes"):
+        if (
+            not isinstance(self.max_queue_delay_ms, int | float)
+            or not 0 <= self.max_queue_delay_ms <= 1000
+        ):
+            raise ValueError(
+                f"model {self.name!r}: max_queue_delay_ms must be in 0..1000, got {self.max_queue_delay_ms!r}"
+            )
+        for key in (
+            "max_seq_len",
+            "max_batch_size",
+            "max_weights_bytes",
+            "max_batch_tokens",
+            "max_queue_requests",
+            "max_queue_tokens",
+        ):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(

@@ -42,13 +42,25 @@ QUEUE_LATENCY = Histogram(
     buckets=LATENCY_BUCKETS_S,
 )
 COMPUTE_LATENCY = Histogram(
-    "mha_serve_compute_latency_seconds",
-    "Time of the forward pass that served a request.",
-    ["model"],
+    "mha_serve_batch_compute_seconds",
+    "Time of one batch's forward pass, by lane (fast or weights).",
+    ["model", "lane"],
     buckets=LATENCY_BUCKETS_S,
 )
 BATCH_SIZE = Histogram(
-    "mha_serve_batch_size", "Sequences per forward pass.", ["model"], buckets=BATCH_SIZE_BUCKETS
+    "mha_serve_batch_size",
+    "Sequences per forward pass, by lane.",
+    ["model", "lane"],
+    buckets=BATCH_SIZE_BUCKETS,
+)
+BATCH_REQUESTS = Histogram(
+    "mha_serve_batch_requests",
+    "Requests sharing one forward pass, by lane.",
+    ["model", "lane"],
+    buckets=BATCH_SIZE_BUCKETS,
+)
+QUEUE_DEPTH = Gauge(
+    "mha_serve_queue_depth", "Requests waiting for a batch, by model and lane.", ["model", "lane"]
 )
 REQUEST_TOKENS = Histogram(
     "mha_serve_request_tokens",
@@ -64,6 +76,13 @@ IN_FLIGHT = Gauge("mha_serve_requests_in_flight", "Attend requests received and 
 READY = Gauge(
     "mha_serve_ready", "1 when models are loaded and warm and the server is not draining."
 )
+
+
+def observe_batch(model: str, lane: str, info) -> None:
+    """Called by the batcher once per batch (info: mha_serve.batching.BatchInfo)."""
+    COMPUTE_LATENCY.labels(model, lane).observe(info.compute_s)
+    BATCH_SIZE.labels(model, lane).observe(info.batch_size)
+    BATCH_REQUESTS.labels(model, lane).observe(info.num_requests)
 
 
 def serve_metrics(port: int, host: str = "0.0.0.0") -> None:

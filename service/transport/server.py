@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
@@ -15,8 +15,9 @@ from grpc_reflection.v1alpha import reflection
 from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_serve import metrics
+from mha_serve.batching import BatchPolicy, ModelLanes
 from mha_serve.config import ServerConfig
-from mha_serve.engine import Engine, resolve_device, resolve_dtype
+from mha_serve.engine import Engine, HostedModel, resolve_device, resolve_dtype
 from mha_serve.transport.servicer import AttentionServicer
 
 log = logging.getLogger(__name__)
@@ -30,12 +31,9 @@ class Server:
 
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
-        # One compute thread: forwards run one at a time and use torch's intra-op threads.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mha-compute")
         self.health = health.aio.HealthServicer()
-        self.servicer = AttentionServicer(
-            self.executor, max_request_bytes=cfg.max_receive_message_bytes
-        )
+        self.servicer = AttentionServicer(max_request_bytes=cfg.max_receive_message_bytes)
+        self.lanes: dict[str, ModelLanes] = {}
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", cfg.max_receive_message_bytes),
@@ -80,9 +78,9 @@ class Server:
 
     async def load(self) -> None:
         """Loads and warms the models on the compute thread, then reports SERVING."""
-        loop = asyncio.get_running_loop()
-        engine = await loop.run_in_executor(self.executor, self._load_engine)
-        self.servicer.engine = engine
+        engine = await asyncio.to_thread(self._load_engine)
+        self.lanes = {name: lanes_for(engine, hosted) for name, hosted in engine.models.items()}
+        self.servicer.attach(engine, self.lanes)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         metrics.READY.set(1)
@@ -108,11 +106,36 @@ class Server:
         await self.health.enter_graceful_shutdown()
         log.info("draining: up to %.1f s for in-flight calls", self.cfg.grace_period_s)
         await self.server.stop(self.cfg.grace_period_s)
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        for lanes in self.lanes.values():
+            await lanes.close()
         log.info("stopped")
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
+
+
+def lanes_for(engine: Engine, hosted: HostedModel) -> ModelLanes:
+    """A model's batch queues, bound to the engine; its limits come from the model's spec."""
+    spec = hosted.spec
+    policy = BatchPolicy(
+        max_batch_size=spec.max_batch_size,
+        max_batch_tokens=spec.max_batch_tokens,
+        max_queue_delay_s=spec.max_queue_delay_ms / 1e3,
+        max_queue_requests=spec.max_queue_requests,
+        max_queue_tokens=spec.max_queue_tokens,
+    )
+    lanes = ModelLanes(
+        spec.name,
+        run_batch=functools.partial(engine.run_batch, hosted),
+        run_one=functools.partial(engine.run, hosted),
+        policy=policy,
+        on_batch=functools.partial(metrics.observe_batch, spec.name),
+    )
+    for lane, batcher in (("fast", lanes.fast), ("weights", lanes.weights)):
+        metrics.QUEUE_DEPTH.labels(spec.name, lane).set_function(
+            lambda b=batcher: b.queued_requests
+        )
+    return lanes
 
 
 async def serve(cfg: ServerConfig) -> None:

@@ -6,7 +6,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Executor
 from typing import TypeVar
 
 import grpc
@@ -15,9 +14,9 @@ import torch
 from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_serve import metrics
+from mha_serve.batching import DeadlineExceeded, ModelLanes, QueueFull
 from mha_serve.engine import (
     AttendCall,
-    AttendResult,
     Engine,
     HostedModel,
     InvalidRequest,
@@ -39,7 +38,9 @@ class Unavailable(RequestError):
     """The server cannot take requests now (UNAVAILABLE): warming up or draining."""
 
 
-STATUS_OF = {
+STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
+    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
     ModelNotFound: grpc.StatusCode.NOT_FOUND,
@@ -105,11 +106,11 @@ def model_info(
 
 
 class AttentionServicer(pb_grpc.AttentionServiceServicer):
-    """Converts and delegates: the engine runs on `executor`, off the event loop."""
+    """Converts and delegates: requests queue in their model's lanes, which run the engine."""
 
-    def __init__(self, executor: Executor, *, max_request_bytes: int) -> None:
+    def __init__(self, *, max_request_bytes: int) -> None:
         self._engine: Engine | None = None  # set by the server once models are loaded and warm
-        self.executor = executor
+        self._lanes: dict[str, ModelLanes] = {}
         self.max_request_bytes = max_request_bytes
 
     @property
@@ -120,8 +121,9 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             )
         return self._engine
 
-    @engine.setter
-    def engine(self, engine: Engine) -> None:
+    def attach(self, engine: Engine, lanes: dict[str, ModelLanes]) -> None:
+        """Starts serving: the warm engine and one ModelLanes per hosted model."""
+        self._lanes = lanes
         self._engine = engine
 
     def _model_label(self, name: str) -> str:
@@ -137,16 +139,19 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         async def handle() -> pb.AttendResponse:
             call, single = to_call(request)
             hosted = self.engine.validate(call)
-            loop = asyncio.get_running_loop()
-            started = received
-
-            def compute() -> AttendResult:
-                nonlocal started
-                started = time.perf_counter()
-                return self.engine.run(hosted, call)
-
-            result = await loop.run_in_executor(self.executor, compute)
-            queue_ms = (started - received) * 1e3  # decode, validation and waiting for the thread
+            batch, seq_len, _ = call.inputs.shape
+            remaining = context.time_remaining()
+            submitted = time.perf_counter()
+            result, info = await self._lanes[call.model].submit(
+                call,
+                need_weights=call.need_weights,
+                sequences=batch,
+                length=seq_len,
+                key=self.engine.batch_key(hosted, call),
+                deadline=None if remaining is None else time.monotonic() + remaining,
+            )
+            # Queue time includes decoding and validation before the request was queued.
+            queue_ms = (submitted - received + info.queue_s) * 1e3
             output = result.output[0] if single else result.output
             response = pb.AttendResponse(
                 model=call.model,
@@ -155,21 +160,18 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
                 weight_query_start=result.weight_query_start,
                 timing=pb.Timing(
                     queue_ms=queue_ms,
-                    compute_ms=result.compute_ms,
+                    compute_ms=info.compute_s * 1e3,
                     total_ms=(time.perf_counter() - received) * 1e3,
-                    batch_size=result.batch_size,
+                    batch_size=info.batch_size,
                 ),
             )
             if result.weights is not None:
                 weights = result.weights[0] if single else result.weights
                 response.attention_weights.CopyFrom(to_proto(weights))
                 metrics.WEIGHTS_BYTES.labels(model).inc(len(response.attention_weights.data))
-            tokens = call.inputs.shape[0] * call.inputs.shape[1]
-            metrics.TOKENS.labels(model).inc(tokens)
-            metrics.REQUEST_TOKENS.labels(model).observe(tokens)
+            metrics.TOKENS.labels(model).inc(batch * seq_len)
+            metrics.REQUEST_TOKENS.labels(model).observe(batch * seq_len)
             metrics.QUEUE_LATENCY.labels(model).observe(queue_ms / 1e3)
-            metrics.COMPUTE_LATENCY.labels(model).observe(result.compute_ms / 1e3)
-            metrics.BATCH_SIZE.labels(model).observe(result.batch_size)
             metrics.REQUEST_LATENCY.labels(model).observe(time.perf_counter() - received)
             return response
 
@@ -212,7 +214,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         code = grpc.StatusCode.OK
         try:
             return await handle()
-        except RequestError as e:
+        except (RequestError, QueueFull, DeadlineExceeded) as e:
             code = STATUS_OF.get(type(e), grpc.StatusCode.INVALID_ARGUMENT)
             await context.abort(code, str(e))
         except asyncio.CancelledError:

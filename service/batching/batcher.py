@@ -1,0 +1,276 @@
+"""asyncio queue -> batches: size and delay limits, deadlines, cancellation, backpressure.
+
+Knows nothing of torch or gRPC: items are opaque payloads with a cost in tokens, and a
+synchronous `run_batch(payloads) -> results` runs each batch on the batcher's own thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Batch limits (per model, overridable in the config). Measured on the 2-core CPU machine:
+# see docs/benchmarks.md for why these values.
+DEFAULT_MAX_BATCH_SIZE = 64  # sequences in one forward
+DEFAULT_MAX_BATCH_TOKENS = 32768  # padded tokens (sequences x longest) in one forward
+DEFAULT_MAX_QUEUE_DELAY_S = 0.002  # how long the first request of a batch may wait for company
+DEFAULT_MAX_QUEUE_REQUESTS = 1024
+DEFAULT_MAX_QUEUE_TOKENS = 1 << 20
+
+
+class QueueFull(Exception):
+    """The queue is at its bound; the caller should answer RESOURCE_EXHAUSTED at once."""
+
+
+class DeadlineExceeded(Exception):
+    """The request's deadline passed before its batch started; it was never computed."""
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    max_queue_delay_s: float = DEFAULT_MAX_QUEUE_DELAY_S
+    max_queue_requests: int = DEFAULT_MAX_QUEUE_REQUESTS
+    max_queue_tokens: int = DEFAULT_MAX_QUEUE_TOKENS
+
+    def __post_init__(self) -> None:
+        for key in ("max_batch_size", "max_batch_tokens", "max_queue_requests", "max_queue_tokens"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{key} must be a positive integer, got {value!r}")
+        if not 0 <= self.max_queue_delay_s <= 1:
+            raise ValueError(
+                f"max_queue_delay_s must be in 0..1 s, got {self.max_queue_delay_s!r}; "
+                "a few milliseconds is typical"
+            )
+
+
+@dataclass
+class Item:
+    payload: Any
+    sequences: int  # rows this item adds to a batch
+    length: int  # its padded length: a batch costs sequences x longest length
+    key: Hashable  # only items with equal keys share a batch
+    deadline: float | None  # time.monotonic() after which it is dropped unrun
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.monotonic)
+
+    @property
+    def tokens(self) -> int:
+        return self.sequences * self.length
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """What a result's caller learns about the batch that computed it."""
+
+    queue_s: float  # enqueue -> batch start
+    compute_s: float  # the batch's run_batch call
+    batch_size: int  # sequences in the batch
+    num_requests: int
+
+
+RunBatch = Callable[[list[Any]], Sequence[Any]]
+Observer = Callable[[BatchInfo], None]
+
+
+class Batcher:
+    """One lane: a bounded queue and one compute thread. `submit` returns (result, BatchInfo).
+
+    A result that is an Exception instance is raised to that item's caller only.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        run_batch: RunBatch,
+        policy: BatchPolicy,
+        *,
+        on_batch: Observer | None = None,
+    ) -> None:
+        self.name = name
+        self.policy = policy
+        self._run_batch = run_batch
+        self._on_batch = on_batch
+        self._pending: collections.deque[Item] = collections.deque()
+        self._queued_tokens = 0
+        self._wakeup = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"batch-{name}")
+        self._task: asyncio.Task | None = None
+        self._closed = False
+
+    @property
+    def queued_requests(self) -> int:
+        return len(self._pending)
+
+    @property
+    def queued_tokens(self) -> int:
+        return self._queued_tokens
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(
+                self._loop(), name=f"batcher-{self.name}"
+            )
+
+    async def submit(
+        self,
+        payload: Any,
+        *,
+        sequences: int,
+        length: int,
+        key: Hashable = None,
+        deadline: float | None = None,
+    ) -> tuple[Any, BatchInfo]:
+        """Queues one item and waits for its result; cancelling the wait withdraws the item."""
+        if self._closed:
+            raise QueueFull(f"{self.name}: the server is shutting down")
+        p = self.policy
+        tokens = sequences * length
+        if len(self._pending) >= p.max_queue_requests:
+            raise QueueFull(
+                f"{self.name}: {len(self._pending)} requests are queued (limit {p.max_queue_requests}); "
+                "retry with backoff or add replicas"
+            )
+        if self._queued_tokens + tokens > p.max_queue_tokens:
+            raise QueueFull(
+                f"{self.name}: {self._queued_tokens} tokens are queued and this request adds {tokens} "
+                f"(limit {p.max_queue_tokens}); retry with backoff or send smaller requests"
+            )
+        future = asyncio.get_running_loop().create_future()
+        item = Item(payload, sequences, length, key, deadline, future)
+        self._pending.append(item)
+        self._queued_tokens += tokens
+        self._wakeup.set()
+        self.start()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._withdraw(item)
+            raise
+
+    def _withdraw(self, item: Item) -> None:
+        """A cancelled caller leaves the queue (if its batch has not started)."""
+        try:
+            self._pending.remove(item)
+        except ValueError:
+            return  # already taken into a batch; its result will be dropped
+        self._queued_tokens -= item.tokens
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            if not self._pending:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch = await self._form_batch()
+            if not batch:
+                continue
+            started = time.monotonic()
+            payloads = [item.payload for item in batch]
+            try:
+                results = await loop.run_in_executor(self._executor, self._run_batch, payloads)
+                if len(results) != len(batch):
+                    raise RuntimeError(
+                        f"run_batch returned {len(results)} results for {len(batch)} items"
+                    )
+            except Exception as e:  # the whole batch failed: every caller hears why
+                log.exception("%s: batch of %d requests failed", self.name, len(batch))
+                results = [e] * len(batch)
+            compute_s = time.monotonic() - started
+            sequences = sum(item.sequences for item in batch)
+            if self._on_batch is not None:  # queue_s of a batch: its oldest item's wait
+                self._on_batch(
+                    BatchInfo(started - batch[0].enqueued, compute_s, sequences, len(batch))
+                )
+            for item, result in zip(batch, results, strict=True):
+                if item.future.done():
+                    continue  # cancelled while computing
+                info = BatchInfo(started - item.enqueued, compute_s, sequences, len(batch))
+                if isinstance(result, BaseException):
+                    item.future.set_exception(result)
+                else:
+                    item.future.set_result((result, info))
+
+    async def _form_batch(self) -> list[Item]:
+        """The oldest item plus compatible ones, waiting up to max_queue_delay for more."""
+        p = self.policy
+        first = self._take_first()
+        if first is None:
+            return []
+        batch, sequences, longest = [first], first.sequences, first.length
+        flush_at = time.monotonic() + p.max_queue_delay_s
+        while True:
+            for item in list(self._pending):
+                if item.key != first.key or self._expired(item):
+                    continue
+                new_longest = max(longest, item.length)
+                if (
+                    sequences + item.sequences > p.max_batch_size
+                    or (sequences + item.sequences) * new_longest > p.max_batch_tokens
+                ):
+                    continue
+                self._pending.remove(item)
+                self._queued_tokens -= item.tokens
+                batch.append(item)
+                sequences, longest = sequences + item.sequences, new_longest
+            remaining = flush_at - time.monotonic()
+            if sequences >= p.max_batch_size or remaining <= 0:
+                break
+            self._wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+        return [item for item in batch if not item.future.done()]
+
+    def _take_first(self) -> Item | None:
+        while self._pending:
+            item = self._pending.popleft()
+            self._queued_tokens -= item.tokens
+            if not item.future.done() and not self._expired(item):
+                return item
+        return None
+
+    def _expired(self, item: Item) -> bool:
+        """Drops an item whose deadline has passed; its caller gets DeadlineExceeded."""
+        if item.deadline is None or time.monotonic() < item.deadline:
+            return False
+        if item in self._pending:
+            self._pending.remove(item)
+            self._queued_tokens -= item.tokens
+        if not item.future.done():
+            waited = time.monotonic() - item.enqueued
+            item.future.set_exception(
+                DeadlineExceeded(
+                    f"{self.name}: the deadline passed after {waited * 1e3:.0f} ms in the queue, "
+                    "before compute started; raise the client timeout or reduce load"
+                )
+            )
+        return True
+
+    async def close(self) -> None:
+        """Stops taking items; the batch being formed or computed finishes, the rest fail.
+
+        The server drains its RPCs (the grace period) before closing, so normally the
+        queue is already empty here.
+        """
+        self._closed = True
+        self._wakeup.set()
+        if self._task is not None:
+            await self._task
+        for item in self._pending:
+            if not item.future.done():
+                item.future.set_exception(QueueFull(f"{self.name}: the server is shutting down"))
+        self._pending.clear()
+        self._queued_tokens = 0
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,55 @@
+"""The two lanes of one model: batched fast path, and attention weights one request at a time.
+
+Requests that ask for weights take the slower explicit path; giving them their own queue
+and thread means they never hold up, or share a forward with, the requests that do not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from mha_serve.batching.batcher import Batcher, BatchInfo, BatchPolicy, RunBatch
+
+
+class ModelLanes:
+    def __init__(
+        self,
+        name: str,
+        *,
+        run_batch: RunBatch,
+        run_one: Callable[[Any], Any],
+        policy: BatchPolicy,
+        on_batch: Callable[[str, BatchInfo], None] | None = None,
+    ) -> None:
+        def observer(lane: str) -> Callable[[BatchInfo], None] | None:
+            return None if on_batch is None else (lambda info: on_batch(lane, info))
+
+        self.fast = Batcher(name, run_batch, policy, on_batch=observer("fast"))
+        # max_batch_size 1: the first item of a batch is always taken, so one request per batch.
+        self.weights = Batcher(
+            f"{name}/weights",
+            lambda payloads: [run_one(p) for p in payloads],
+            dataclasses.replace(policy, max_batch_size=1, max_queue_delay_s=0.0),
+            on_batch=observer("weights"),
+        )
+
+    async def submit(
+        self,
+        payload: Any,
+        *,
+        need_weights: bool,
+        sequences: int,
+        length: int,
+        key: Hashable,
+        deadline: float | None,
+    ) -> tuple[Any, BatchInfo]:
+        lane = self.weights if need_weights else self.fast
+        return await lane.submit(
+            payload, sequences=sequences, length=length, key=key, deadline=deadline
+        )
+
+    async def close(self) -> None:
+        await self.fast.close()
+        await self.weights.close()

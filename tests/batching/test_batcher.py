@@ -1,0 +1,213 @@
+"""The batcher alone: batch forming, limits, keys, backpressure, deadlines, cancellation, close."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from mha_serve.batching import Batcher, BatchPolicy, DeadlineExceeded, ModelLanes, QueueFull
+
+WAIT_S = 5.0  # upper bound for anything that should happen "soon"
+
+
+class Recorder:
+    """A run_batch that records each batch and can be held closed by a gate."""
+
+    def __init__(self) -> None:
+        self.batches: list[list] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+
+    def __call__(self, payloads: list) -> list:
+        self.entered.set()
+        assert self.gate.wait(WAIT_S), "gate never opened"
+        self.batches.append(list(payloads))
+        return [p * 10 if isinstance(p, int) else p for p in payloads]
+
+
+def policy(**kw) -> BatchPolicy:
+    return BatchPolicy(**{"max_queue_delay_s": 0.05, **kw})
+
+
+async def wait_entered(rec: Recorder) -> None:
+    assert await asyncio.to_thread(rec.entered.wait, WAIT_S)
+
+
+async def test_concurrent_items_share_a_batch_and_results_go_to_their_callers():
+    rec = Recorder()
+    b = Batcher("m", rec, policy())
+    results = await asyncio.gather(*(b.submit(i, sequences=1, length=4) for i in range(6)))
+    assert [r for r, _ in results] == [i * 10 for i in range(6)]
+    assert rec.batches == [list(range(6))]
+    assert all(info.batch_size == 6 and info.num_requests == 6 for _, info in results)
+    await b.close()
+
+
+async def test_batch_size_and_token_limits():
+    rec = Recorder()
+    b = Batcher("m", rec, policy(max_batch_size=4))
+    await asyncio.gather(*(b.submit(i, sequences=1, length=1) for i in range(10)))
+    assert [len(batch) for batch in rec.batches] == [4, 4, 2]
+    rec.batches.clear()
+    # 100-token sequences with a 250-token budget: two per batch.
+    c = Batcher("n", rec, policy(max_batch_tokens=250))
+    await asyncio.gather(*(c.submit(i, sequences=1, length=100) for i in range(5)))
+    assert [len(batch) for batch in rec.batches] == [2, 2, 1]
+    await b.close()
+    await c.close()
+
+
+async def test_an_oversized_first_item_still_runs_alone():
+    rec = Recorder()
+    b = Batcher("m", rec, policy(max_batch_size=2, max_batch_tokens=10))
+    (result, info), *_ = await asyncio.gather(b.submit(1, sequences=5, length=50))
+    assert result == 10 and info.batch_size == 5
+    await b.close()
+
+
+async def test_items_with_different_keys_never_share_a_batch():
+    rec = Recorder()
+    b = Batcher("m", rec, policy())
+    await asyncio.gather(*(b.submit(i, sequences=1, length=1, key=i % 2) for i in range(6)))
+    assert sorted(map(sorted, rec.batches)) == [[0, 2, 4], [1, 3, 5]]
+    await b.close()
+
+
+async def test_queue_bounds_refuse_at_once():
+    rec = Recorder()
+    rec.gate.clear()
+    b = Batcher("m", rec, policy(max_queue_requests=2, max_queue_tokens=100, max_batch_size=1))
+    running = asyncio.ensure_future(b.submit(0, sequences=1, length=1))
+    await wait_entered(rec)  # item 0 is computing; the queue is empty again
+    queued = [asyncio.ensure_future(b.submit(i, sequences=1, length=10)) for i in (1, 2)]
+    await asyncio.sleep(0)
+    started = time.monotonic()
+    with pytest.raises(QueueFull, match=r"2 requests are queued \(limit 2\)"):
+        await b.submit(3, sequences=1, length=1)
+    assert time.monotonic() - started < 0.5  # refused at once, not after a wait
+    queued[1].cancel()
+    await asyncio.sleep(0)
+    with pytest.raises(QueueFull, match="10 tokens are queued and this request adds 91"):
+        await b.submit(4, sequences=1, length=91)
+    rec.gate.set()
+    assert (await running)[0] == 0 and (await queued[0])[0] == 10
+    assert b.queued_requests == 0 and b.queued_tokens == 0
+    await b.close()
+
+
+async def test_expired_items_are_dropped_before_compute():
+    rec = Recorder()
+    rec.gate.clear()
+    b = Batcher("m", rec, policy(max_batch_size=1))
+    running = asyncio.ensure_future(b.submit(0, sequences=1, length=1))
+    await wait_entered(rec)
+    late = asyncio.ensure_future(b.submit(1, sequences=1, length=1, deadline=time.monotonic() + 0.05))
+    await asyncio.sleep(0.1)
+    rec.gate.set()
+    with pytest.raises(DeadlineExceeded, match="before compute started"):
+        await late
+    await running
+    assert rec.batches == [[0]]  # item 1 never reached run_batch
+    await b.close()
+
+
+async def test_cancelled_caller_leaves_the_queue():
+    rec = Recorder()
+    rec.gate.clear()
+    b = Batcher("m", rec, policy(max_batch_size=1))
+    running = asyncio.ensure_future(b.submit(0, sequences=1, length=1))
+    await wait_entered(rec)
+    gone = asyncio.ensure_future(b.submit(1, sequences=1, length=7))
+    await asyncio.sleep(0)
+    assert b.queued_requests == 1 and b.queued_tokens == 7
+    gone.cancel()
+    await asyncio.sleep(0)
+    assert b.queued_requests == 0 and b.queued_tokens == 0
+    rec.gate.set()
+    await running
+    assert rec.batches == [[0]]
+    await b.close()
+
+
+async def test_event_loop_stays_free_while_a_batch_computes():
+    rec = Recorder()
+    rec.gate.clear()
+    b = Batcher("m", rec, policy())
+    running = asyncio.ensure_future(b.submit(0, sequences=1, length=1))
+    await wait_entered(rec)
+    started = time.monotonic()
+    await asyncio.sleep(0.01)  # would hang if run_batch ran on the loop
+    assert time.monotonic() - started < 1.0
+    rec.gate.set()
+    await running
+    await b.close()
+
+
+async def test_errors_reach_only_their_callers():
+    def run(payloads):
+        return [ValueError(f"bad {p}") if p == 2 else p for p in payloads]
+
+    b = Batcher("m", run, policy())
+    results = await asyncio.gather(*(b.submit(i, sequences=1, length=1) for i in range(4)),
+                                   return_exceptions=True)
+    assert [r if isinstance(r, Exception) else r[0] for r in results][:2] == [0, 1]
+    assert isinstance(results[2], ValueError) and str(results[2]) == "bad 2"
+    assert results[3][0] == 3
+
+    def broken(payloads):
+        raise RuntimeError("device lost")
+
+    c = Batcher("n", broken, policy())
+    results = await asyncio.gather(*(c.submit(i, sequences=1, length=1) for i in range(3)),
+                                   return_exceptions=True)
+    assert all(isinstance(r, RuntimeError) and "device lost" in str(r) for r in results)
+    await b.close()
+    await c.close()
+
+
+async def test_close_finishes_the_running_batch_and_refuses_new_items():
+    rec = Recorder()
+    rec.gate.clear()
+    b = Batcher("m", rec, policy(max_batch_size=1))
+    running = asyncio.ensure_future(b.submit(0, sequences=1, length=1))
+    await wait_entered(rec)
+    closing = asyncio.ensure_future(b.close())
+    await asyncio.sleep(0.01)
+    rec.gate.set()
+    await closing
+    assert (await running)[0] == 0
+    with pytest.raises(QueueFull, match="shutting down"):
+        await b.submit(1, sequences=1, length=1)
+
+
+async def test_weights_lane_runs_one_request_per_batch_beside_the_fast_lane():
+    fast, slow = Recorder(), []
+    slow_gate = threading.Event()
+
+    def run_one(p):
+        slow.append(p)
+        assert slow_gate.wait(WAIT_S)
+        return p
+
+    lanes = ModelLanes("m", run_batch=fast, run_one=run_one, policy=policy())
+    heavy = [asyncio.ensure_future(lanes.submit(f"w{i}", need_weights=True, sequences=1, length=1,
+                                                key=None, deadline=None)) for i in range(2)]
+    await asyncio.sleep(0.05)
+    # The weights lane is stuck; fast requests are still served, batched together.
+    quick = await asyncio.gather(*(lanes.submit(i, need_weights=False, sequences=1, length=1,
+                                                key=None, deadline=None) for i in range(3)))
+    assert [r for r, _ in quick] == [0, 10, 20] and fast.batches == [[0, 1, 2]]
+    slow_gate.set()
+    assert [(await h)[1].num_requests for h in heavy] == [1, 1]
+    await lanes.close()
+
+
+def test_bad_policies_fail_with_the_fix():
+    with pytest.raises(ValueError, match="max_batch_size must be a positive integer, got 0"):
+        BatchPolicy(max_batch_size=0)
+    with pytest.raises(ValueError, match="max_queue_delay_s must be in 0..1 s"):
+        BatchPolicy(max_queue_delay_s=5)
