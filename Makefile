@@ -4,17 +4,19 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build of torch: a plain `torch` would pull a multi-GB CUDA build on a CPU machine.
-# On a GPU machine: make TORCH_SPEC='torch==2.13.0' TORCH_INDEX=--index-url=https://download.pytorch.org/whl/cu128
-TORCH_SPEC ?= torch==2.13.0
-TORCH_INDEX ?=
+# The CPU build of torch (+cpu): a plain `torch` would pull a multi-GB CUDA build on a CPU
+# machine. pip finds it where a local wheel directory holds it, else on PyTorch's CPU index.
+# On a GPU machine: make install TORCH_SPEC=torch==2.13.0 (PyPI's Linux wheel is the CUDA build).
+TORCH_SPEC ?= torch==2.13.0+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 ARGS ?=
 
 .PHONY: install serve test lint protos clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(TORCH_INDEX)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" || \
+	  $(PY) -m pip install --quiet "$(TORCH_SPEC)" --extra-index-url $(TORCH_CPU_INDEX)
 	$(PY) -m pip install --quiet -e ".[server,dev]"
 	touch $@
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -16,6 +17,9 @@ DEFAULT_METRICS_PORT = 9095
 DEFAULT_MAX_RECEIVE_MESSAGE_BYTES = 64 * MiB
 DEFAULT_MAX_SEND_MESSAGE_BYTES = 256 * MiB
 DEFAULT_GRACE_PERIOD_S = 10.0
+DEFAULT_MAX_CONCURRENT_RPCS = 4096
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 @dataclass
@@ -28,6 +32,12 @@ class ServerConfig:
     max_receive_message_bytes: int = DEFAULT_MAX_RECEIVE_MESSAGE_BYTES
     max_send_message_bytes: int = DEFAULT_MAX_SEND_MESSAGE_BYTES
     grace_period_s: float = DEFAULT_GRACE_PERIOD_S  # in-flight calls get this long on SIGTERM
+    # On SIGTERM, keep serving this long with health NOT_SERVING so that load balancers
+    # stop routing here before the port closes (0: close at once).
+    drain_delay_s: float = 0.0
+    # RPCs handled at once; beyond it gRPC answers RESOURCE_EXHAUSTED (bounds the memory
+    # held by decoded requests waiting for a batch).
+    max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS
     torch_threads: int = 0  # intra-op threads for the forward; 0 keeps torch's default
     log_level: str = "INFO"
     models: list[ModelSpec] = field(default_factory=lambda: default_models())
@@ -137,4 +147,16 @@ def build_config(file_path: str | None, overrides: dict[str, Any]) -> ServerConf
     for key in ("max_receive_message_bytes", "max_send_message_bytes"):
         if getattr(cfg, key) < MiB:
             raise ValueError(f"{key} {getattr(cfg, key)} is below 1 MiB; raise it")
+    for key in ("grace_period_s", "drain_delay_s", "torch_threads"):
+        if getattr(cfg, key) < 0:
+            raise ValueError(f"{key} {getattr(cfg, key)} is negative; use 0 or more")
+    if cfg.max_concurrent_rpcs < 1:
+        raise ValueError(f"max_concurrent_rpcs {cfg.max_concurrent_rpcs} must be at least 1")
+    cfg.log_level = cfg.log_level.upper()
+    if cfg.log_level not in LOG_LEVELS:
+        raise ValueError(f"log_level {cfg.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"dtype {cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+    if cfg.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?|mps", cfg.device):
+        raise ValueError(f"device {cfg.device!r} is not one of auto, cpu, cuda, cuda:N, mps")
     return cfg

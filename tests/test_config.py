@@ -72,6 +72,15 @@ def test_defaults_without_file():
             "unknown keys ['heads']",
         ),
         ("not toml [", "is not valid TOML"),
+        ("[server]\nlog_level = 'loud'\n", "log_level 'LOUD' is not one of DEBUG, INFO"),
+        ("[server]\ndtype = 'fp8'\n", "dtype 'fp8' is not one of auto, float32"),
+        ("[server]\ndevice = 'tpu'\n", "device 'tpu' is not one of auto, cpu, cuda"),
+        ("[server]\ngrace_period_s = -1\n", "grace_period_s -1.0 is negative"),
+        ("[server]\nmax_concurrent_rpcs = 0\n", "max_concurrent_rpcs 0 must be at least 1"),
+        (
+            "[[models]]\nname = 'a'\nembed_dim = 64\nnum_heads = 8\nmax_queue_delay_ms = 5000\n",
+            "max_queue_delay_ms must be in 0..1000",
+        ),
     ],
 )
 def test_bad_config_exits_2_with_the_fix(tmp_path, capsys, text, message):
@@ -84,6 +93,15 @@ def test_bad_config_exits_2_with_the_fix(tmp_path, capsys, text, message):
 def test_missing_config_file(tmp_path, capsys):
     assert main(["--config", str(tmp_path / "none.toml")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_cuda_without_a_gpu_fails_before_listening(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    assert main(["--device", "cuda", "--port", "0", "--metrics-port", "0"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
 
 
 def test_bad_flag_value(capsys):

@@ -27,10 +27,20 @@ class ModelLanes:
             return None if on_batch is None else (lambda info: on_batch(lane, info))
 
         self.fast = Batcher(name, run_batch, policy, on_batch=observer("fast"))
+
         # max_batch_size 1: the first item of a batch is always taken, so one request per batch.
+        def run_each(payloads: list[Any]) -> list[Any]:
+            results = []
+            for payload in payloads:  # one failure is that request's alone
+                try:
+                    results.append(run_one(payload))
+                except Exception as e:
+                    results.append(e)
+            return results
+
         self.weights = Batcher(
             f"{name}/weights",
-            lambda payloads: [run_one(p) for p in payloads],
+            run_each,
             dataclasses.replace(policy, max_batch_size=1, max_queue_delay_s=0.0),
             on_batch=observer("weights"),
         )

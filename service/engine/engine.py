@@ -217,6 +217,9 @@ class Engine:
             if call.weight_heads is not None
             else list(range(hosted.spec.attention.num_heads))
         )
+        # Each distinct head is computed once; repeats are copies of the result, so a request
+        # cannot multiply the work by listing one head many times.
+        unique = sorted(set(heads))
         query_end = call.query_end or seq_len
         with torch.inference_mode():
             out = hosted.module(
@@ -224,12 +227,17 @@ class Engine:
                 lengths=lengths,
                 causal=call.causal,
                 need_weights=call.need_weights,
-                weight_heads=heads if call.need_weights else None,
+                weight_heads=unique if call.need_weights else None,
                 query_range=(call.query_start, query_end) if call.need_weights else None,
                 head_mask=head_mask,
             )
-            output = out.output.to(call.output_dtype or call.inputs.dtype).cpu()
-            weights = out.weights.to(call.weights_dtype).cpu() if out.weights is not None else None
+            output = _finite(out.output.to(call.output_dtype or call.inputs.dtype), "output")
+            weights = None
+            if out.weights is not None:
+                if unique != heads:
+                    out.weights = out.weights[:, [unique.index(h) for h in heads]]
+                weights = _finite(out.weights.to(call.weights_dtype), "attention weights")
+            output, weights = output.cpu(), None if weights is None else weights.cpu()
         return AttendResult(
             output=output,
             weights=weights,
@@ -245,14 +253,19 @@ class Engine:
         causal = hosted.spec.attention.causal if call.causal is None else call.causal
         return (causal, tuple(call.head_mask) if call.head_mask is not None else None)
 
-    def run_batch(self, hosted: HostedModel, calls: list[AttendCall]) -> list[AttendResult]:
+    def run_batch(
+        self, hosted: HostedModel, calls: list[AttendCall]
+    ) -> list[AttendResult | InvalidRequest]:
         """Several validated calls with equal `batch_key` and no weights as one padded forward.
 
         Sequences are padded to the longest; the model masks padding, so each result equals
         the call run alone (tests/engine/test_batching.py).
         """
         if len(calls) == 1:
-            return [self.run(hosted, calls[0])]
+            try:
+                return [self.run(hosted, calls[0])]
+            except InvalidRequest as e:
+                return [e]
         assert not any(c.need_weights for c in calls), "weights calls run one by one (run)"
         start = time.perf_counter()
         longest = max(c.inputs.shape[1] for c in calls)
@@ -281,8 +294,15 @@ class Engine:
         compute_ms = (time.perf_counter() - start) * 1e3
         for c in calls:
             batch, seq_len, _ = c.inputs.shape
-            output = out[row : row + batch, :seq_len].to(c.output_dtype or c.inputs.dtype).cpu()
-            results.append(AttendResult(output, None, compute_ms=compute_ms, batch_size=total))
+            try:
+                output = _finite(
+                    out[row : row + batch, :seq_len].to(c.output_dtype or c.inputs.dtype), "output"
+                )
+                results.append(
+                    AttendResult(output.cpu(), None, compute_ms=compute_ms, batch_size=total)
+                )
+            except InvalidRequest as e:  # only this call's caller hears of it
+                results.append(e)
             row += batch
         return results
 
@@ -293,6 +313,17 @@ class Engine:
             x = torch.zeros(1, 4, embed_dim)
             self.attend(AttendCall(model=name, inputs=x))
             self.attend(AttendCall(model=name, inputs=x, need_weights=True, lengths=[3]))
+
+
+def _finite(t: torch.Tensor, what: str) -> torch.Tensor:
+    """Finite inputs can still overflow (|x| ~ 1e20 in float32, or > 65504 in float16)."""
+    if not bool(torch.isfinite(t).all()):
+        raise InvalidRequest(
+            f"the {what} overflowed to NaN/Inf in {str(t.dtype).removeprefix('torch.')}: the input "
+            "values are too large for the model's dtype or the requested dtype; scale the input "
+            "down or ask for a wider dtype (float32)"
+        )
+    return t
 
 
 def _mib(num_bytes: int) -> str:

@@ -103,7 +103,8 @@ def load_checkpoint(
             raise ValueError(
                 f"config passed to load_checkpoint {config} does not match the config in "
                 f"{path} {stored}: differs in {', '.join(diff)} (passed vs stored); "
-                "pass config=None to use the stored one"
+                "make the model's settings (e.g. its [[models]] table) match the checkpoint, "
+                "or pass config=None to use the stored one"
             )
         config = config or stored
         _check_tensors(tensors, _expected_shapes(config), config, source=str(path))

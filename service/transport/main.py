@@ -21,6 +21,8 @@ HELP = {
     "max_send_message_bytes": "largest response sent (bounds embeddings + attention weights)",
     "grace_period_s": "seconds in-flight calls get to finish on SIGTERM/SIGINT",
     "torch_threads": "torch intra-op threads; 0 keeps torch's default",
+    "drain_delay_s": "on SIGTERM, seconds to keep serving with health NOT_SERVING before closing",
+    "max_concurrent_rpcs": "RPCs handled at once; beyond it RESOURCE_EXHAUSTED",
     "log_level": "DEBUG | INFO | WARNING | ERROR",
 }
 
@@ -59,10 +61,23 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"mha-serve: configuration error: {e}", file=sys.stderr)
         return 2
+    try:  # torch loads here, after the flags are checked
+        from mha_serve.engine import resolve_device
+        from mha_serve.transport.server import serve
+    except ImportError as e:
+        print(
+            f"mha-serve: {e}; the server needs its extra: pip install 'mha-serve[server]'",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        resolve_device(cfg.device)
+    except (ValueError, RuntimeError) as e:
+        print(f"mha-serve: configuration error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(
-        level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from mha_serve.transport.server import serve  # torch loads here, after the flags are checked
 
     try:
         asyncio.run(serve(cfg))

@@ -35,13 +35,14 @@ class Server:
         self.servicer = AttentionServicer(max_request_bytes=cfg.max_receive_message_bytes)
         self.lanes: dict[str, ModelLanes] = {}
         self.server = grpc.aio.server(
+            maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
             options=[
                 ("grpc.max_receive_message_length", cfg.max_receive_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_send_message_bytes),
                 # grpc enables SO_REUSEPORT by default: a second server on a taken port
                 # would silently share its traffic instead of failing.
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         self.port: int | None = None
         self._stopped = asyncio.Event()
@@ -104,6 +105,11 @@ class Server:
         self._stopped.set()
         metrics.READY.set(0)
         await self.health.enter_graceful_shutdown()
+        if self.cfg.drain_delay_s > 0:  # still answering, health NOT_SERVING
+            log.info(
+                "draining: NOT_SERVING for %.1f s before closing the port", self.cfg.drain_delay_s
+            )
+            await asyncio.sleep(self.cfg.drain_delay_s)
         log.info("draining: up to %.1f s for in-flight calls", self.cfg.grace_period_s)
         await self.server.stop(self.cfg.grace_period_s)
         for lanes in self.lanes.values():
@@ -147,11 +153,14 @@ async def serve(cfg: ServerConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     start = asyncio.create_task(server.start())
     stopping = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait({start, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if start in done:
-        start.result()  # a failed start (bad checkpoint, taken port) ends the process here
-        await stopping
-    else:
-        log.info("signal received while starting")
-        start.cancel()
-    await server.stop()
+    try:
+        done, _ = await asyncio.wait({start, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if start in done:
+            start.result()  # a failed start (bad checkpoint, taken port) ends the process here
+            await stopping
+        else:
+            log.info("signal received while starting")
+            start.cancel()
+    finally:
+        stopping.cancel()
+        await server.stop()

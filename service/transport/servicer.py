@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -17,6 +17,7 @@ from mha_serve import metrics
 from mha_serve.batching import DeadlineExceeded, ModelLanes, QueueFull
 from mha_serve.engine import (
     AttendCall,
+    AttendResult,
     Engine,
     HostedModel,
     InvalidRequest,
@@ -63,6 +64,13 @@ def to_call(request: pb.AttendRequest) -> tuple[AttendCall, bool]:
     if single:
         x = x.unsqueeze(0)  # (L, E) -> (1, L, E)
     weights = request.weights
+    if not weights.enabled and (
+        weights.heads or weights.query_start or weights.query_end or weights.dtype
+    ):
+        raise InvalidRequest(
+            "weights.heads/query_start/query_end/dtype are set but weights.enabled is false; "
+            "set weights.enabled to get attention weights"
+        )
     call = AttendCall(
         model=request.model,
         inputs=x,
@@ -105,6 +113,30 @@ def model_info(
     )
 
 
+# Payloads above this are validated and encoded on a worker thread so that the event loop
+# keeps answering health checks and other calls (a 64 MiB reply takes ~0.5 s to encode).
+OFFLOAD_BYTES = 1 << 20
+
+
+async def _offload(fn: Callable[..., T], *args: Any, nbytes: int) -> T:
+    if nbytes < OFFLOAD_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def _encode(result: AttendResult, single: bool) -> pb.AttendResponse:
+    """Output and weights into a response, one copy each (no CopyFrom of a built message)."""
+    weights = None
+    if result.weights is not None:
+        weights = to_proto(result.weights[0] if single else result.weights)
+    return pb.AttendResponse(
+        output=to_proto(result.output[0] if single else result.output),
+        attention_weights=weights,
+        weight_heads=result.weight_heads,
+        weight_query_start=result.weight_query_start,
+    )
+
+
 class AttentionServicer(pb_grpc.AttentionServiceServicer):
     """Converts and delegates: requests queue in their model's lanes, which run the engine."""
 
@@ -138,7 +170,8 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
 
         async def handle() -> pb.AttendResponse:
             call, single = to_call(request)
-            hosted = self.engine.validate(call)
+            # Validation scans the input (NaN/Inf): off the event loop when it is large.
+            hosted = await _offload(self.engine.validate, call, nbytes=request.input.ByteSize())
             batch, seq_len, _ = call.inputs.shape
             remaining = context.time_remaining()
             submitted = time.perf_counter()
@@ -152,23 +185,21 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             )
             # Queue time includes decoding and validation before the request was queued.
             queue_ms = (submitted - received + info.queue_s) * 1e3
-            output = result.output[0] if single else result.output
-            response = pb.AttendResponse(
-                model=call.model,
-                output=to_proto(output),
-                weight_heads=result.weight_heads,
-                weight_query_start=result.weight_query_start,
-                timing=pb.Timing(
+            reply_bytes = result.output.nbytes + (
+                0 if result.weights is None else result.weights.nbytes
+            )
+            response = await _offload(_encode, result, single, nbytes=reply_bytes)
+            response.model = call.model
+            response.timing.CopyFrom(
+                pb.Timing(
                     queue_ms=queue_ms,
                     compute_ms=info.compute_s * 1e3,
                     total_ms=(time.perf_counter() - received) * 1e3,
                     batch_size=info.batch_size,
-                ),
+                )
             )
             if result.weights is not None:
-                weights = result.weights[0] if single else result.weights
-                response.attention_weights.CopyFrom(to_proto(weights))
-                metrics.WEIGHTS_BYTES.labels(model).inc(len(response.attention_weights.data))
+                metrics.WEIGHTS_BYTES.labels(model).inc(result.weights.nbytes)
             metrics.TOKENS.labels(model).inc(batch * seq_len)
             metrics.REQUEST_TOKENS.labels(model).observe(batch * seq_len)
             metrics.QUEUE_LATENCY.labels(model).observe(queue_ms / 1e3)

@@ -51,8 +51,8 @@ def from_proto(tensor: pb.Tensor, what: str = "input") -> torch.Tensor:
             f"{what}.data has {len(tensor.data)} bytes but shape {shape} in "
             f"{str(dtype).removeprefix('torch.')} needs {expected}"
         )
-    if expected == 0:
-        return torch.empty(shape, dtype=dtype)
+    if expected == 0:  # never allocate: a zero dimension beside huge ones would overflow
+        raise InvalidRequest(f"{what} is empty (shape {shape}); send at least one token")
     with warnings.catch_warnings():  # protobuf bytes are immutable; nothing writes to them
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(tensor.data, dtype=dtype).view(shape)

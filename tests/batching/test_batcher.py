@@ -105,7 +105,9 @@ async def test_expired_items_are_dropped_before_compute():
     b = Batcher("m", rec, policy(max_batch_size=1))
     running = asyncio.ensure_future(b.submit(0, sequences=1, length=1))
     await wait_entered(rec)
-    late = asyncio.ensure_future(b.submit(1, sequences=1, length=1, deadline=time.monotonic() + 0.05))
+    late = asyncio.ensure_future(
+        b.submit(1, sequences=1, length=1, deadline=time.monotonic() + 0.05)
+    )
     await asyncio.sleep(0.1)
     rec.gate.set()
     with pytest.raises(DeadlineExceeded, match="before compute started"):
@@ -152,8 +154,9 @@ async def test_errors_reach_only_their_callers():
         return [ValueError(f"bad {p}") if p == 2 else p for p in payloads]
 
     b = Batcher("m", run, policy())
-    results = await asyncio.gather(*(b.submit(i, sequences=1, length=1) for i in range(4)),
-                                   return_exceptions=True)
+    results = await asyncio.gather(
+        *(b.submit(i, sequences=1, length=1) for i in range(4)), return_exceptions=True
+    )
     assert [r if isinstance(r, Exception) else r[0] for r in results][:2] == [0, 1]
     assert isinstance(results[2], ValueError) and str(results[2]) == "bad 2"
     assert results[3][0] == 3
@@ -162,8 +165,9 @@ async def test_errors_reach_only_their_callers():
         raise RuntimeError("device lost")
 
     c = Batcher("n", broken, policy())
-    results = await asyncio.gather(*(c.submit(i, sequences=1, length=1) for i in range(3)),
-                                   return_exceptions=True)
+    results = await asyncio.gather(
+        *(c.submit(i, sequences=1, length=1) for i in range(3)), return_exceptions=True
+    )
     assert all(isinstance(r, RuntimeError) and "device lost" in str(r) for r in results)
     await b.close()
     await c.close()
@@ -194,12 +198,20 @@ async def test_weights_lane_runs_one_request_per_batch_beside_the_fast_lane():
         return p
 
     lanes = ModelLanes("m", run_batch=fast, run_one=run_one, policy=policy())
-    heavy = [asyncio.ensure_future(lanes.submit(f"w{i}", need_weights=True, sequences=1, length=1,
-                                                key=None, deadline=None)) for i in range(2)]
+    heavy = [
+        asyncio.ensure_future(
+            lanes.submit(f"w{i}", need_weights=True, sequences=1, length=1, key=None, deadline=None)
+        )
+        for i in range(2)
+    ]
     await asyncio.sleep(0.05)
     # The weights lane is stuck; fast requests are still served, batched together.
-    quick = await asyncio.gather(*(lanes.submit(i, need_weights=False, sequences=1, length=1,
-                                                key=None, deadline=None) for i in range(3)))
+    quick = await asyncio.gather(
+        *(
+            lanes.submit(i, need_weights=False, sequences=1, length=1, key=None, deadline=None)
+            for i in range(3)
+        )
+    )
     assert [r for r, _ in quick] == [0, 10, 20] and fast.batches == [[0, 1, 2]]
     slow_gate.set()
     assert [(await h)[1].num_requests for h in heavy] == [1, 1]

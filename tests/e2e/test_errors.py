@@ -116,6 +116,31 @@ CASES = {
     ),
     "bad output dtype": (with_(output_dtype=7), grpc.StatusCode.INVALID_ARGUMENT, "output_dtype 7"),
     "session": (with_(session_id="abc"), grpc.StatusCode.UNIMPLEMENTED, "sessions"),
+    "zero dim beside huge ones": (
+        with_(input=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[2**40, 2**40, 0], data=b"")),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "input is empty",
+    ),
+    "overflow to NaN": (
+        with_(input=tensor(np.full((1, 4, EMBED), 1e20, np.float32))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "overflowed to NaN/Inf",
+    ),
+    "overflow of float16 output": (
+        with_(
+            input=tensor(
+                np.random.default_rng(2).standard_normal((1, 4, EMBED), dtype=np.float32) * 3e4
+            ),
+            output_dtype=pb.DTYPE_FLOAT16,
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "output overflowed to NaN/Inf in float16",
+    ),
+    "weights options while disabled": (
+        with_(weights=pb.WeightsRequest(heads=[99])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "weights.enabled is false",
+    ),
 }
 
 
@@ -162,6 +187,19 @@ def test_request_over_message_limit_is_resource_exhausted(stub):
         stub.Attend(pb.AttendRequest(model="mha", input=tensor(x)), timeout=60)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert list(stub.Attend(good(), timeout=30).output.shape) == [2, 6, EMBED]
+
+
+def test_repeated_heads_cost_one_head(stub):
+    x = np.random.default_rng(4).standard_normal((1, 64, EMBED), dtype=np.float32)
+    request = pb.AttendRequest(
+        model="gqa", input=tensor(x), weights=pb.WeightsRequest(enabled=True, heads=[5, 0, 5, 5])
+    )
+    reply = stub.Attend(request, timeout=30)
+    w = np.frombuffer(reply.attention_weights.data, np.float32).reshape(1, 4, 64, 64)
+    assert list(reply.weight_heads) == [5, 0, 5, 5]
+    np.testing.assert_array_equal(w[0, 0], w[0, 2])
+    np.testing.assert_array_equal(w[0, 0], w[0, 3])
+    assert np.abs(w[0, 0] - w[0, 1]).max() > 1e-3
 
 
 def test_unknown_model_info_is_not_found(stub):

@@ -13,8 +13,9 @@ ATOL = 1e-5  # float32: a padded, masked batch vs each call alone
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine(default_models(), device=torch.device("cpu"), dtype=torch.float32,
-                  max_response_bytes=2**28)
+    return Engine(
+        default_models(), device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**28
+    )
 
 
 def rand(*shape: int, seed: int) -> torch.Tensor:

@@ -59,7 +59,9 @@ async def gated():
 def request(seq_len: int) -> pb.AttendRequest:
     """seq_len doubles as the request's id in Gate.seen."""
     x = np.ones((1, seq_len, 32), np.float32)
-    return pb.AttendRequest(model="small", input=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=x.shape, data=x.tobytes()))
+    return pb.AttendRequest(
+        model="small", input=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=x.shape, data=x.tobytes())
+    )
 
 
 async def hold(gate: Gate, stub) -> asyncio.Future:
@@ -128,7 +130,9 @@ async def test_health_answers_during_a_long_batch(gated):
     _, gate, stub, channel = gated
     first = await hold(gate, stub)
     started = time.monotonic()
-    reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+    reply = await health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(), timeout=2
+    )
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
     assert time.monotonic() - started < 2.0
     gate.open.set()

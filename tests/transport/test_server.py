@@ -71,6 +71,22 @@ async def test_not_serving_until_warm_then_serving_then_draining():
         await asyncio.wait_for(stopping, 20)
 
 
+async def test_drain_delay_keeps_answering_with_not_serving():
+    server = Server(config(drain_delay_s=1.0))
+    await server.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        stopping = asyncio.ensure_future(server.stop())
+        await asyncio.sleep(0.2)
+        # Still answering during the delay, so load balancers see NOT_SERVING...
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=2)
+        assert reply.status == NOT_SERVING
+        # ...and calls already routed here are still served.
+        attention = pb_grpc.AttentionServiceStub(channel)
+        assert list((await attention.Attend(request(1, 4), timeout=5)).output.shape) == [1, 4, 64]
+        await asyncio.wait_for(stopping, 10)
+
+
 async def test_reflection_lists_the_services():
     server = Server(config())
     await server.start()
