@@ -67,7 +67,7 @@ class MultiHeadAttention(nn.Module):
         head_mask (H,): gate on each query head's output before wo (0 prunes).
         """
         c = self.config
-        H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
+        H, KVH = c.num_heads, c.num_kv_heads
         B, L = self._check_input(x)
         causal = c.causal if causal is None else bool(causal)
         valid = _valid_positions(lengths, B, L, x.device)  # (B, L) bool, None if unpadded
@@ -80,10 +80,7 @@ class MultiHeadAttention(nn.Module):
             # there would leak through the masked softmax as 0 * NaN in p @ v.
             x = x.masked_fill(~valid[:, :, None], 0.0)
 
-        q, k, v = self.wqkv(x).split([H * D, KVH * D, KVH * D], dim=-1)
-        q = q.view(B, L, H, D).transpose(1, 2)  # (B, H, L, D)
-        k = k.view(B, L, KVH, D).transpose(1, 2)  # (B, KVH, L, D)
-        v = v.view(B, L, KVH, D).transpose(1, 2)  # (B, KVH, L, D)
+        q, k, v = self._project(x)  # (B, H, L, D), (B, KVH, L, D), (B, KVH, L, D)
 
         # No mask at all when nothing is padded, so SDPA can pick its fastest
         # kernel (is_causal needs no mask tensor); a boolean mask only for padding.
@@ -99,12 +96,7 @@ class MultiHeadAttention(nn.Module):
             scale=self.scale,
             enable_gqa=KVH != H,  # SDPA broadcasts kv heads; no repeat_interleave copy
         )  # (B, H, L, D)
-        if gate is not None:
-            y = y * gate.view(1, H, 1, 1)
-        y = y.transpose(1, 2).reshape(B, L, H * D)  # (B, L, H*D)
-        out = self.wo(y)  # (B, L, E)
-        if valid is not None:
-            out = out.masked_fill(~valid[:, :, None], 0.0)
+        out = self._merge_heads(y, gate, valid)  # (B, L, E)
 
         weights = None
         if need_weights:
@@ -123,19 +115,174 @@ class MultiHeadAttention(nn.Module):
     ) -> torch.Tensor:
         """softmax(q k^T * scale + mask) in float32, only for the requested heads
         and rows, so memory is B * len(heads) * R * S, never B * H * L * S."""
-        idx = torch.tensor(heads, device=q.device)
-        qh = q[:, idx, q_start:q_end].float() * self.scale  # (B, n, R, D)
-        kh = k[:, idx // self.config.group_size].float()  # (B, n, S, D): GQA head h reads kv h // G
-        scores = qh @ kh.transpose(-2, -1)  # (B, n, R, S)
+        allowed = None
         if causal or valid is not None:
             allowed = _allowed(valid, causal, q_start, q_end, q.shape[2], q.device)
-            scores.masked_fill_(~allowed, float("-inf"))  # allowed: (B or 1, 1, R, S)
         # Every row keeps at least key 0 (lengths >= 1), so no row is all -inf
         # and masked columns come out exactly 0.
-        weights = torch.softmax(scores, dim=-1)  # (B, n, R, S)
+        weights = self._softmax(q[:, :, q_start:q_end], k, heads, allowed)  # (B, n, R, S)
         if valid is not None:
             weights = weights.masked_fill(~valid[:, None, q_start:q_end, None], 0.0)
         return weights
+
+    def step(
+        self,
+        x: torch.Tensor,
+        *,
+        past_k: torch.Tensor,
+        past_v: torch.Tensor,
+        past_lengths: torch.Tensor | Sequence[int] | None = None,
+        new_lengths: torch.Tensor | Sequence[int] | None = None,
+        need_weights: bool = False,
+        weight_heads: Sequence[int] | None = None,
+        head_mask: torch.Tensor | None = None,
+    ) -> tuple[AttentionOutput, torch.Tensor, torch.Tensor]:
+        """Attend new tokens x (B, T, E) against each sequence's cached K/V: one decode or
+        append step. Always causal (a KV cache is exact only for causal attention).
+
+        past_k, past_v (B, KVH, P, D): the cached K/V, padded by past_lengths (B,) in
+        [0, P] (None: all P; P may be 0). new_lengths (B,) in [1, T] (None: all T).
+        New token t of sequence b sits at absolute position past_lengths[b] + t and
+        attends to positions 0 .. past_lengths[b] + t.
+
+        Returns (out, k_new, v_new). out.output (B, T, E), rows of padded tokens 0.
+        k_new, v_new (B, KVH, T, D): to write to the cache (skip padded tokens).
+        out.weights, only when need_weights: (B, len(heads), T, S) float32 with
+        S = max(past_lengths + new_lengths); column j is absolute position j of that
+        sequence, so row t equals row past_lengths[b] + t of a causal forward over the
+        whole sequence. Columns from past_lengths[b] + new_lengths[b] on, and rows of
+        padded tokens, are 0.
+        """
+        c = self.config
+        H, KVH = c.num_heads, c.num_kv_heads
+        B, T = self._check_input(x)
+        P = self._check_past(past_k, past_v, x, B)
+        past_len, past_padded = _past_lengths(past_lengths, B, P, x.device)  # (B,) int64
+        new_valid = _valid_positions(new_lengths, B, T, x.device)  # (B, T) bool, None if full
+        heads = self._check_heads(weight_heads)
+        gate = self._check_head_mask(head_mask, x)
+
+        if new_valid is not None:
+            x = x.masked_fill(~new_valid[:, :, None], 0.0)  # as forward: NaN padding
+        q, k_new, v_new = self._project(x)  # (B, H, T, D), (B, KVH, T, D), (B, KVH, T, D)
+        keys = x.new_empty(B, KVH, P + T, c.head_dim)  # (B, KVH, P+T, D): [past | new]
+        values = torch.empty_like(keys)  # (B, KVH, P+T, D)
+        past_ok = None
+        if past_padded:  # zero past padding while copying: 0 * NaN in p @ v would leak
+            past_ok = (torch.arange(P, device=x.device) < past_len[:, None])[
+                :, None, :, None
+            ]  # (B, 1, P, 1)
+        for out_t, past, new in ((keys, past_k, k_new), (values, past_v, v_new)):
+            if past_ok is None:
+                out_t[:, :, :P].copy_(past)
+            else:
+                torch.where(past_ok, past, past.new_zeros(()), out=out_t[:, :, :P])
+            out_t[:, :, P:].copy_(new)
+
+        new_len = (
+            new_valid.sum(1) if new_valid is not None else torch.full_like(past_len, T)
+        )  # (B,)
+        allowed = None  # (B, 1, T, P+T); None where SDPA needs no mask
+        if past_padded or new_valid is not None or (P and T > 1):
+            allowed = _step_allowed(past_len, new_len, P, T)
+        y = F.scaled_dot_product_attention(
+            q,
+            keys,
+            values,
+            attn_mask=allowed,
+            is_causal=allowed is None and P == 0 and T > 1,  # top-left == ours when P == 0
+            scale=self.scale,
+            enable_gqa=KVH != H,
+        )  # (B, H, T, D)
+        out = self._merge_heads(y, gate, new_valid)  # (B, T, E)
+
+        weights = None
+        if need_weights:
+            if allowed is None:
+                allowed = _step_allowed(past_len, new_len, P, T)
+            weights = self._step_weights(q, keys, heads, allowed, past_len, new_len, new_valid)
+        return AttentionOutput(output=out, weights=weights), k_new, v_new
+
+    def _step_weights(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        heads: list[int],
+        allowed: torch.Tensor,
+        past_len: torch.Tensor,
+        new_len: torch.Tensor,
+        new_valid: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """step's weights, columns moved from [past (P) | new (T)] to absolute positions."""
+        B, T, P = q.shape[0], q.shape[2], keys.shape[2] - q.shape[2]
+        w = self._softmax(q, keys, heads, allowed)  # (B, n, T, P+T)
+        total = past_len + new_len  # (B,)
+        S = int(total.max())
+        pos = torch.arange(S, device=q.device)[None, :]  # (1, S)
+        # Absolute position a is past column a below past_len, else new column a - past_len.
+        src = torch.where(pos < past_len[:, None], pos, P + pos - past_len[:, None])  # (B, S)
+        src = src.clamp(max=P + T - 1)
+        w = w.gather(-1, src[:, None, None, :].expand(B, w.shape[1], T, S))  # (B, n, T, S)
+        w = w.masked_fill(~(pos < total[:, None])[:, None, None, :], 0.0)
+        if new_valid is not None:
+            w = w.masked_fill(~new_valid[:, None, :, None], 0.0)
+        return w
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.config
+        H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
+        B, L, _ = x.shape
+        q, k, v = self.wqkv(x).split([H * D, KVH * D, KVH * D], dim=-1)
+        q = q.view(B, L, H, D).transpose(1, 2)  # (B, H, L, D)
+        k = k.view(B, L, KVH, D).transpose(1, 2)  # (B, KVH, L, D)
+        v = v.view(B, L, KVH, D).transpose(1, 2)  # (B, KVH, L, D)
+        return q, k, v
+
+    def _merge_heads(
+        self, y: torch.Tensor, gate: torch.Tensor | None, valid: torch.Tensor | None
+    ) -> torch.Tensor:
+        B, H, L, D = y.shape
+        if gate is not None:
+            y = y * gate.view(1, H, 1, 1)
+        y = y.transpose(1, 2).reshape(B, L, H * D)  # (B, L, H*D)
+        out = self.wo(y)  # (B, L, E)
+        if valid is not None:
+            out = out.masked_fill(~valid[:, :, None], 0.0)
+        return out
+
+    def _softmax(
+        self, q: torch.Tensor, k: torch.Tensor, heads: list[int], allowed: torch.Tensor | None
+    ) -> torch.Tensor:
+        """softmax(q k^T * scale) in float32 over allowed keys, for query heads `heads`:
+        q (B, H, R, D), k (B, KVH, S, D), allowed broadcastable to (B, 1, R, S)."""
+        idx = torch.tensor(heads, device=q.device)
+        qh = q[:, idx].float() * self.scale  # (B, n, R, D)
+        kh = k[:, idx // self.config.group_size].float()  # (B, n, S, D): GQA head h reads kv h // G
+        scores = qh @ kh.transpose(-2, -1)  # (B, n, R, S)
+        if allowed is not None:
+            scores.masked_fill_(~allowed, float("-inf"))
+        return torch.softmax(scores, dim=-1)  # (B, n, R, S)
+
+    def _check_past(
+        self, past_k: torch.Tensor, past_v: torch.Tensor, x: torch.Tensor, B: int
+    ) -> int:
+        KVH, D = self.config.num_kv_heads, self.config.head_dim
+        for name, t in (("past_k", past_k), ("past_v", past_v)):
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else None
+            if shape is None or len(shape) != 4 or (shape[0], shape[1], shape[3]) != (B, KVH, D):
+                raise ValueError(
+                    f"{name} must be (batch={B}, num_kv_heads={KVH}, past_len, head_dim={D}), "
+                    f"got {shape or type(t).__name__}"
+                )
+            if t.dtype != x.dtype or t.device != x.device:
+                raise ValueError(
+                    f"{name} is {t.dtype} on {t.device} but x is {x.dtype} on {x.device}"
+                )
+        if past_k.shape != past_v.shape:
+            raise ValueError(
+                f"past_k {tuple(past_k.shape)} and past_v {tuple(past_v.shape)} differ in shape"
+            )
+        return past_k.shape[2]
 
     def _check_input(self, x: torch.Tensor) -> tuple[int, int]:
         E = self.config.embed_dim
@@ -197,19 +344,38 @@ def _valid_positions(
     """(B, L) bool, True at real positions; None when no sequence is padded."""
     if lengths is None:
         return None
-    lengths = torch.as_tensor(lengths)
-    if lengths.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise ValueError(f"lengths must be an integer (int64) tensor, got {lengths.dtype}")
-    if lengths.shape != (B,):
-        raise ValueError(f"lengths must have shape (batch,) = ({B},), got {tuple(lengths.shape)}")
-    lo, hi = int(lengths.min()), int(lengths.max())
-    if lo < 1 or hi > L:
-        raise ValueError(
-            f"lengths must be in [1, seq_len={L}], got min {lo} and max {hi}: {lengths.tolist()}"
-        )
+    lengths, lo = _check_lengths(lengths, "lengths", B, 1, L, "seq_len")
     if lo == L:
         return None
     return torch.arange(L, device=device) < lengths.to(device)[:, None]  # (B, L)
+
+
+def _past_lengths(
+    past_lengths: torch.Tensor | Sequence[int] | None, B: int, P: int, device: torch.device
+) -> tuple[torch.Tensor, bool]:
+    """(B,) int64 past lengths, and whether any is below P (padding to hide)."""
+    if past_lengths is None:
+        return torch.full((B,), P, dtype=torch.int64, device=device), False
+    lengths, lo = _check_lengths(past_lengths, "past_lengths", B, 0, P, "past_len")
+    return lengths.to(device=device, dtype=torch.int64), lo < P
+
+
+def _check_lengths(
+    lengths: torch.Tensor | Sequence[int], name: str, B: int, lo_min: int, hi_max: int, what: str
+) -> tuple[torch.Tensor, int]:
+    """lengths as a (B,) integer tensor in [lo_min, hi_max], and its minimum."""
+    lengths = torch.as_tensor(lengths)
+    if lengths.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise ValueError(f"{name} must be an integer (int64) tensor, got {lengths.dtype}")
+    if lengths.shape != (B,):
+        raise ValueError(f"{name} must have shape (batch,) = ({B},), got {tuple(lengths.shape)}")
+    lo, hi = int(lengths.min()), int(lengths.max())
+    if lo < lo_min or hi > hi_max:
+        raise ValueError(
+            f"{name} must be in [{lo_min}, {what}={hi_max}], got min {lo} and max {hi}: "
+            f"{lengths.tolist()}"
+        )
+    return lengths, lo
 
 
 def _check_query_range(query_range: tuple[int, int] | None, L: int) -> tuple[int, int]:
@@ -253,3 +419,14 @@ def _allowed(
         allowed = keys if allowed is None else allowed & keys  # (B, 1, R, S)
     assert allowed is not None, "_allowed needs causal or padding"
     return allowed
+
+
+def _step_allowed(past_len: torch.Tensor, new_len: torch.Tensor, P: int, T: int) -> torch.Tensor:
+    """(B, 1, T, P+T) bool: new token i may see past key j < past_len and new key
+    t <= i (t < new_len, so padded new keys stay hidden from padded rows too)."""
+    device = past_len.device
+    past = torch.arange(P, device=device)[None, None, :] < past_len[:, None, None]  # (B, 1, P)
+    t = torch.arange(T, device=device)
+    causal = t[None, :] <= t[:, None]  # (T, T): row i, column t
+    new = causal[None] & (t[None, None, :] < new_len[:, None, None])  # (B, T, T)
+    return torch.cat([past.expand(-1, T, -1), new], dim=-1)[:, None]  # (B, 1, T, P+T)

@@ -1,0 +1,41 @@
+"""Errors the KV cache raises; plain exceptions whose messages carry the numbers.
+The transport maps them to gRPC codes (suggested code on each class)."""
+
+from __future__ import annotations
+
+
+class CacheError(Exception):
+    """Base class of every cache error."""
+
+
+class SessionNotFound(CacheError):
+    """Unknown, closed, expired or evicted session (NOT_FOUND). `reason` is one of
+    "unknown", "closed", "expired", "evicted"; the message says which and why."""
+
+    def __init__(self, session_id: str, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.session_id = session_id
+        self.reason = reason
+
+
+class SessionFull(CacheError):
+    """Appending would pass the session's or the model's max_len (OUT_OF_RANGE)."""
+
+
+class CacheExhausted(CacheError):
+    """Not enough free KV blocks, even after any allowed eviction (RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, message: str, *, num_needed: int, num_free: int, num_blocks: int) -> None:
+        super().__init__(message)
+        self.num_needed = num_needed
+        self.num_free = num_free
+        self.num_blocks = num_blocks
+
+
+class SessionBusy(CacheError):
+    """The session already has a step in flight; steps on one session run one at a
+    time (FAILED_PRECONDITION, or ABORTED so a client retries)."""
+
+
+class InvalidSessionArgument(CacheError, ValueError):
+    """A bad create/fork argument: max_len, ttl_s, unknown model (INVALID_ARGUMENT)."""

@@ -1,0 +1,179 @@
+"""Paged K/V tensors of one model, sized from a budget in bytes; addressed by block id.
+
+Layout (one model, all sessions):
+    k, v: (num_blocks, block_size, KVH, D)    dtype and device of the model
+A token's slot is block_id * block_size + offset; viewed flat, k is (num_slots, KVH, D).
+Which blocks belong to which session is the session table's business, not this one's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+DEFAULT_BLOCK_SIZE = 16  # tokens per block: 1/16 worst-case waste per session, few table entries
+PAD_SLOT = -1  # slot mapping entry for a padded token: nothing is written
+
+
+class KVCache:
+    def __init__(
+        self,
+        *,
+        num_kv_heads: int,
+        head_dim: int,
+        budget_bytes: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        for name, value in (
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("block_size", block_size),
+            ("budget_bytes", budget_bytes),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.budget_bytes = budget_bytes
+        self.dtype = dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        # 2: K and V. Exactly proportional to num_kv_heads: MQA holds 1/H of MHA's.
+        self.bytes_per_token = 2 * num_kv_heads * head_dim * itemsize
+        self.bytes_per_block = block_size * self.bytes_per_token
+        self.num_blocks = budget_bytes // self.bytes_per_block
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"KV cache budget {budget_bytes} bytes holds no block: one block is "
+                f"{self.bytes_per_block} bytes (2 (K and V) x block_size {block_size} x "
+                f"num_kv_heads {num_kv_heads} x head_dim {head_dim} x {itemsize} bytes of "
+                f"{dtype}); set the budget to at least {self.bytes_per_block} bytes"
+            )
+        shape = (self.num_blocks, block_size, num_kv_heads, head_dim)
+        # Zeros, not empty: never-written memory then holds no NaN or inf, even in a
+        # gather's padding (which consumers mask anyway).
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @classmethod
+    def from_config(
+        cls,
+        config,  # AttentionConfig; untyped so the cache never imports the model
+        *,
+        budget_bytes: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
+        return cls(
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            budget_bytes=budget_bytes,
+            block_size=block_size,
+            dtype=dtype,
+            device=device,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the K and V tensors hold; never more than budget_bytes."""
+        return self.k.nbytes + self.v.nbytes
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store new K/V for a batch: k, v (B, KVH, T, D) as `step` returns them;
+        slot_mapping (B, T) int64, PAD_SLOT (-1) at padded tokens (not written)."""
+        KVH, D = self.num_kv_heads, self.head_dim
+        B, T = slot_mapping.shape
+        for name, t in (("k", k), ("v", v)):
+            if t.shape != (B, KVH, T, D):
+                raise ValueError(
+                    f"{name} must be (B, KVH, T, D) = ({B}, {KVH}, {T}, {D}) to match "
+                    f"slot_mapping {tuple(slot_mapping.shape)}, got {tuple(t.shape)}"
+                )
+            if t.dtype != self.dtype:
+                raise ValueError(f"{name} has dtype {t.dtype} but the cache holds {self.dtype}")
+        slots = slot_mapping.to(self.device, torch.int64).reshape(B * T)  # (B*T,)
+        keep = slots != PAD_SLOT
+        slots = slots[keep]  # (N,)
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.num_slots):
+            raise ValueError(
+                f"slot_mapping has slots in [{int(slots.min())}, {int(slots.max())}] "
+                f"outside 0..{self.num_slots - 1} (or {PAD_SLOT} for padding)"
+            )
+        k_rows = k.transpose(1, 2).reshape(B * T, KVH, D)[keep]  # (N, KVH, D)
+        v_rows = v.transpose(1, 2).reshape(B * T, KVH, D)[keep]  # (N, KVH, D)
+        self.k.view(self.num_slots, KVH, D).index_copy_(0, slots, k_rows.to(self.device))
+        self.v.view(self.num_slots, KVH, D).index_copy_(0, slots, v_rows.to(self.device))
+
+    def gather(
+        self, block_tables: Sequence[Sequence[int]], lengths: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K and V of a batch of sessions, padded to the longest.
+
+        block_tables[b]: session b's block ids (may cover more than lengths[b] tokens).
+        Returns k, v (B, KVH, P, D) with P = max(lengths) (0 allowed) and lengths (B,)
+        int64, all on the cache's device. Positions at or past lengths[b] are padding
+        holding stale slot contents (not zeroed: that would cost a pass per step); mask
+        them by lengths, as MultiHeadAttention.step does.
+        """
+        KVH, D, bs = self.num_kv_heads, self.head_dim, self.block_size
+        B = len(block_tables)
+        if B == 0 or len(lengths) != B:
+            raise ValueError(
+                f"gather needs one length per block table and at least one session, "
+                f"got {B} tables and {len(lengths)} lengths"
+            )
+        lengths = [int(n) for n in lengths]
+        P = max(lengths)
+        num_cols = -(-P // bs)  # blocks covering the longest
+        table = torch.zeros(B, max(num_cols, 1), dtype=torch.int64)  # (B, NB); 0 pads
+        for b, (ids, n) in enumerate(zip(block_tables, lengths, strict=True)):
+            need = -(-n // bs)
+            if n < 0 or len(ids) < need:
+                raise ValueError(
+                    f"session {b} of the batch has length {n} but {len(ids)} block(s); "
+                    f"{n} tokens need {need} block(s) of {bs}"
+                )
+            table[b, :need] = torch.as_tensor(list(ids[:need]), dtype=torch.int64)
+        table = table.to(self.device)
+        lengths_t = torch.tensor(lengths, dtype=torch.int64, device=self.device)  # (B,)
+
+        pos = torch.arange(P, device=self.device)  # (P,)
+        slots = (table[:, pos // bs] * bs + pos % bs).view(B * P)  # (B*P,)
+        k = self.k.view(self.num_slots, KVH, D).index_select(0, slots)  # (B*P, KVH, D)
+        v = self.v.view(self.num_slots, KVH, D).index_select(0, slots)  # (B*P, KVH, D)
+        k = k.view(B, P, KVH, D).transpose(1, 2)  # (B, KVH, P, D)
+        v = v.view(B, P, KVH, D).transpose(1, 2)  # (B, KVH, P, D)
+        return k, v, lengths_t
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write: dst gets src's K and V (all block_size slots)."""
+        for i in (src, dst):
+            if not 0 <= i < self.num_blocks:
+                raise ValueError(f"block id {i} is out of range 0..{self.num_blocks - 1}")
+        self.k[dst].copy_(self.k[src])
+        self.v[dst].copy_(self.v[src])
+
+
+def slot_mapping(slots: Sequence[Sequence[int]], width: int | None = None) -> torch.Tensor:
+    """(B, T) int64 from one slot list per session, padded with PAD_SLOT to width
+    (default: the longest list), ready for KVCache.write."""
+    B = len(slots)
+    T = max((len(s) for s in slots), default=0) if width is None else width
+    out = torch.full((B, T), PAD_SLOT, dtype=torch.int64)  # (B, T)
+    for b, s in enumerate(slots):
+        if len(s) > T:
+            raise ValueError(f"session {b} has {len(s)} slots but width is {T}")
+        out[b, : len(s)] = torch.as_tensor(list(s), dtype=torch.int64)
+    return out

@@ -1,0 +1,392 @@
+"""Session table: session id -> block table, over one BlockPool per model. Appends in
+two phases (reserve, then commit or rollback), forks with copy-on-write, TTL expiry and
+LRU eviction. Works with block ids; asks the KV storage only to copy a block."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .block_pool import BlockPool
+from .errors import (
+    CacheError,
+    CacheExhausted,
+    InvalidSessionArgument,
+    SessionBusy,
+    SessionFull,
+    SessionNotFound,
+)
+from .types import BlockStorage, ModelCacheStats, Reservation, Session, SessionStats
+
+DEFAULT_MAX_REMEMBERED = 4096  # gone session ids kept to say why they are gone
+
+
+@dataclass
+class _ModelCache:
+    storage: BlockStorage
+    pool: BlockPool
+    max_len: int | None
+
+
+class SessionTable:
+    """All sessions of one server, across models. Thread-safe (one lock)."""
+
+    def __init__(
+        self,
+        *,
+        evict: bool = False,
+        default_ttl_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        max_remembered: int = DEFAULT_MAX_REMEMBERED,
+    ) -> None:
+        self.evict = evict
+        self.default_ttl_s = _check_ttl(default_ttl_s)
+        self._clock = clock
+        self._max_remembered = max_remembered
+        self._models: dict[str, _ModelCache] = {}
+        self._sessions: dict[str, Session] = {}
+        self._zombies: dict[str, Session] = {}  # closed while pinned: freed on last unpin
+        self._gone: OrderedDict[str, tuple[str, str]] = OrderedDict()  # id -> (reason, msg)
+        self._lock = threading.RLock()
+
+    def add_model(self, name: str, storage: BlockStorage, *, max_len: int | None = None) -> None:
+        """Give model `name` a pool of storage.num_blocks blocks; max_len caps every session."""
+        with self._lock:
+            if name in self._models:
+                raise ValueError(f"model {name!r} already has a KV cache")
+            self._models[name] = _ModelCache(storage, BlockPool(storage.num_blocks), max_len)
+
+    def pool(self, model: str) -> BlockPool:
+        return self._model(model).pool
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def create(self, model: str, max_len: int | None = None, ttl_s: float | None = None) -> Session:
+        """A new empty session; max_len None takes the model's, ttl_s None the default."""
+        with self._lock:
+            m = self._model(model)
+            if max_len is not None:
+                if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+                    raise InvalidSessionArgument(f"max_len must be an int >= 1, got {max_len!r}")
+                if m.max_len is not None and max_len > m.max_len:
+                    raise InvalidSessionArgument(
+                        f"max_len {max_len} is past model {model!r}'s max_len {m.max_len}"
+                    )
+            ttl_s = self.default_ttl_s if ttl_s is None else _check_ttl(ttl_s)
+            now = self._clock()
+            s = Session(
+                uuid.uuid4().hex, model, m.max_len if max_len is None else max_len, ttl_s, now, now
+            )
+            self._sessions[s.id] = s
+            return s
+
+    def get(self, session_id: str) -> Session:
+        """The live session, or SessionNotFound saying why not (does not count as use)."""
+        with self._lock:
+            return self._lookup(session_id, self._clock())
+
+    def fork(self, session_id: str, *, ttl_s: float | None = None) -> Session:
+        """A new session sharing all of the parent's committed blocks (no copy); the
+        first append to a shared partial block copies it. Inherits max_len and ttl_s."""
+        with self._lock:
+            now = self._clock()
+            parent = self._lookup(session_id, now)
+            m = self._models[parent.model]
+            ttl_s = parent.ttl_s if ttl_s is None else _check_ttl(ttl_s)
+            blocks = parent.block_table[: _cdiv(parent.num_tokens, m.storage.block_size)]
+            m.pool.incref(blocks)
+            child = Session(uuid.uuid4().hex, parent.model, parent.max_len, ttl_s, now, now)
+            child.block_table = list(blocks)
+            child.num_tokens = parent.num_tokens
+            parent.last_used_s = now
+            self._sessions[child.id] = child
+            return child
+
+    def close(self, session_id: str) -> None:
+        """Frees the session's blocks at once (at its last unpin if a step is in flight)."""
+        with self._lock:
+            s = self._lookup(session_id, self._clock())
+            self._drop(s, "closed", f"session {session_id!r} was closed")
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Drop unpinned sessions idle longer than their TTL; returns their ids."""
+        with self._lock:
+            now = self._clock() if now is None else now
+            gone = [s for s in self._sessions.values() if _is_expired(s, now)]
+            for s in gone:
+                self._drop(s, "expired", _expired_message(s, now))
+            return [s.id for s in gone]
+
+    def pin(self, session_id: str) -> Session:
+        """Keep the session from eviction and expiry until unpin()."""
+        with self._lock:
+            s = self._lookup(session_id, self._clock())
+            s.in_use += 1
+            return s
+
+    def unpin(self, session_id: str) -> None:
+        with self._lock:
+            s = self._sessions.get(session_id) or self._zombies.get(session_id)
+            if s is None:
+                raise ValueError(f"unpin of session {session_id!r}, which is not pinned")
+            self._unpin(s)
+
+    def reserve(self, session_id: str, num_new_tokens: int) -> Reservation:
+        """Room for num_new_tokens more tokens: checks max_len, allocates blocks (evicting
+        if allowed), copies a shared partial last block first. Pins the session until
+        commit() or rollback(); num_tokens is unchanged until commit()."""
+        with self._lock:
+            now = self._clock()
+            s = self._lookup(session_id, now)
+            n = num_new_tokens
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise InvalidSessionArgument(f"num_new_tokens must be an int >= 1, got {n!r}")
+            if s.pending is not None:
+                raise SessionBusy(
+                    f"session {session_id!r} already has a step of {s.pending.num_tokens} "
+                    "token(s) in flight; send its steps one at a time"
+                )
+            m = self._models[s.model]
+            total = s.num_tokens + n
+            for what, limit in ((f"model {s.model!r}'s", m.max_len), ("its", s.max_len)):
+                if limit is not None and total > limit:
+                    raise SessionFull(
+                        f"session {session_id!r} holds {s.num_tokens} tokens; appending {n} "
+                        f"would make {total}, past {what} max_len {limit}"
+                    )
+
+            bs, pool = m.storage.block_size, m.pool
+            cow = s.num_tokens % bs != 0 and pool.refcount(s.block_table[-1]) > 1
+            num_new_blocks = _cdiv(total, bs) - len(s.block_table)
+            self._make_room(m, num_new_blocks + cow, s, now)
+            ids = pool.allocate(num_new_blocks + cow)
+            if cow:  # the other holder must never see this write
+                shared, private = s.block_table[-1], ids.pop()
+                m.storage.copy_block(shared, private)
+                s.block_table[-1] = private
+                pool.decref([shared])
+            s.block_table.extend(ids)
+            slots = tuple(s.block_table[p // bs] * bs + p % bs for p in range(s.num_tokens, total))
+            res = Reservation(
+                session_id, s.model, s.num_tokens, n, tuple(s.block_table), slots, num_new_blocks
+            )
+            s.pending = res
+            s.in_use += 1
+            s.last_used_s = now
+            return res
+
+    def reserve_many(self, requests: Sequence[tuple[str, int]]) -> list[Reservation | CacheError]:
+        """reserve() for each (session_id, num_new_tokens) of one batch, with all of the
+        batch's sessions pinned first so that making room for one never evicts another.
+        Returns a Reservation or the CacheError for each, in order."""
+        with self._lock:
+            pinned = []
+            for session_id, _ in requests:
+                with contextlib.suppress(CacheError):  # reserve() raises it again, in place
+                    pinned.append(self.pin(session_id))
+            results: list[Reservation | CacheError] = []
+            for session_id, n in requests:
+                try:
+                    results.append(self.reserve(session_id, n))
+                except CacheError as e:
+                    results.append(e)
+            for s in pinned:
+                self._unpin(s)
+            return results
+
+    def commit(self, res: Reservation) -> Session:
+        """The step's K/V are written: count its tokens and unpin."""
+        with self._lock:
+            s = self._pending_owner(res)
+            s.num_tokens = res.start + res.num_tokens
+            s.pending = None
+            s.last_used_s = self._clock()
+            self._unpin(s)
+            return s
+
+    def rollback(self, res: Reservation) -> None:
+        """The step failed: free the blocks it appended and unpin. (A copy-on-write copy
+        is kept: it holds the same tokens as the block it replaced.)"""
+        with self._lock:
+            s = self._pending_owner(res)
+            if res.num_new_blocks:
+                dropped = s.block_table[-res.num_new_blocks :]
+                del s.block_table[-res.num_new_blocks :]
+                self._models[s.model].pool.decref(dropped)
+            s.pending = None
+            self._unpin(s)
+
+    def session_stats(self, session_id: str) -> SessionStats:
+        with self._lock:
+            s = self._lookup(session_id, self._clock())
+            return self._session_stats(s)
+
+    def stats(self) -> dict[str, ModelCacheStats]:
+        """Per model: tokens, blocks, bytes per session and in total, fragmentation."""
+        with self._lock:
+            return {name: self._model_stats(name, m) for name, m in self._models.items()}
+
+    # --- internals ---------------------------------------------------------------------
+
+    def _model(self, model: str) -> _ModelCache:
+        m = self._models.get(model)
+        if m is None:
+            raise InvalidSessionArgument(
+                f"model {model!r} has no KV cache; models with one: {sorted(self._models)}"
+            )
+        return m
+
+    def _lookup(self, session_id: str, now: float) -> Session:
+        s = self._sessions.get(session_id)
+        if s is not None and _is_expired(s, now):
+            self._drop(s, "expired", _expired_message(s, now))
+            s = None
+        if s is None:
+            reason, message = self._gone.get(
+                session_id,
+                (
+                    "unknown",
+                    f"session {session_id!r} does not exist here (never created on this "
+                    "server, or gone too long ago to remember why)",
+                ),
+            )
+            raise SessionNotFound(session_id, reason, message)
+        return s
+
+    def _pending_owner(self, res: Reservation) -> Session:
+        s = self._sessions.get(res.session_id) or self._zombies.get(res.session_id)
+        if s is None or s.pending is not res:
+            raise ValueError(
+                f"reservation of {res.num_tokens} token(s) at {res.start} is not session "
+                f"{res.session_id!r}'s pending step (already committed or rolled back?)"
+            )
+        return s
+
+    def _drop(self, s: Session, reason: str, message: str) -> None:
+        del self._sessions[s.id]
+        self._gone[s.id] = (reason, message)
+        while len(self._gone) > self._max_remembered:
+            self._gone.popitem(last=False)
+        if s.in_use:
+            self._zombies[s.id] = s
+        else:
+            self._release(s)
+
+    def _unpin(self, s: Session) -> None:
+        if s.in_use < 1:
+            raise ValueError(f"unpin of session {s.id!r}, which is not pinned")
+        s.in_use -= 1
+        if s.in_use == 0 and self._zombies.pop(s.id, None) is not None:
+            self._release(s)
+
+    def _release(self, s: Session) -> None:
+        self._models[s.model].pool.decref(s.block_table)
+        s.block_table = []
+
+    def _make_room(self, m: _ModelCache, needed: int, requester: Session, now: float) -> None:
+        """Free blocks until `needed` are free (expired first, then LRU if evict), or raise
+        CacheExhausted having evicted nothing."""
+        pool = m.pool
+        if needed <= pool.num_free:
+            return
+        self.expire(now)
+        if needed <= pool.num_free:
+            return
+        freeable = 0
+        if self.evict:
+            candidates = [
+                s
+                for s in self._sessions.values()
+                if s.model == requester.model and s.in_use == 0 and s is not requester
+            ]
+            refs: dict[int, int] = {}
+            for s in candidates:
+                for b in s.block_table:
+                    refs[b] = refs.get(b, 0) + 1
+            freeable = sum(1 for b, n in refs.items() if n == pool.refcount(b))
+            if pool.num_free + freeable >= needed:
+                for s in sorted(candidates, key=lambda s: s.last_used_s):
+                    if needed <= pool.num_free:
+                        break
+                    self._drop(
+                        s,
+                        "evicted",
+                        f"session {s.id!r} was evicted to free KV-cache memory for model "
+                        f"{s.model!r} (least recently used: idle {now - s.last_used_s:.1f} s, "
+                        f"{s.num_tokens} tokens); create a new session",
+                    )
+                return
+        hint = (
+            f"eviction could free only {freeable} more; the rest is held by pinned sessions "
+            "or by this session"
+            if self.evict
+            else "eviction is off: close idle sessions, shorten their TTL or raise the budget"
+        )
+        st = m.storage
+        raise CacheExhausted(
+            f"KV cache of model {requester.model!r} is full: session {requester.id!r} needs "
+            f"{needed} more block(s) of {st.block_size} tokens but {pool.num_free} of "
+            f"{pool.num_blocks} are free (budget {st.budget_bytes} bytes, "
+            f"{st.bytes_per_block} bytes per block); {hint}",
+            num_needed=needed,
+            num_free=pool.num_free,
+            num_blocks=pool.num_blocks,
+        )
+
+    def _session_stats(self, s: Session) -> SessionStats:
+        bpb = self._models[s.model].storage.bytes_per_block
+        return SessionStats(s.id, s.model, s.num_tokens, s.num_blocks, s.num_blocks * bpb)
+
+    def _model_stats(self, name: str, m: _ModelCache) -> ModelCacheStats:
+        bs, bpb, pool = m.storage.block_size, m.storage.bytes_per_block, m.pool
+        live = [s for s in self._sessions.values() if s.model == name]
+        filled: dict[int, int] = {}  # block id -> tokens it holds (forks share a prefix)
+        for s in live + [z for z in self._zombies.values() if z.model == name]:
+            for i, b in enumerate(s.block_table):
+                held = min(bs, max(0, s.num_tokens - i * bs))
+                filled[b] = max(filled.get(b, 0), held)
+        stored = sum(filled.values())
+        slots = pool.num_used * bs
+        return ModelCacheStats(
+            model=name,
+            num_sessions=len(live),
+            num_tokens=sum(s.num_tokens for s in live),
+            num_tokens_stored=stored,
+            num_blocks=pool.num_blocks,
+            num_blocks_used=pool.num_used,
+            num_blocks_free=pool.num_free,
+            block_size=bs,
+            bytes_per_block=bpb,
+            budget_bytes=m.storage.budget_bytes,
+            bytes_used=pool.num_used * bpb,
+            fragmentation=(slots - stored) / slots if slots else 0.0,
+            sessions=tuple(self._session_stats(s) for s in live),
+        )
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_ttl(ttl_s: float | None) -> float | None:
+    if ttl_s is None:
+        return None
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or not ttl_s > 0:
+        raise InvalidSessionArgument(f"ttl_s must be a number of seconds > 0, got {ttl_s!r}")
+    return float(ttl_s)
+
+
+def _is_expired(s: Session, now: float) -> bool:
+    return s.ttl_s is not None and s.in_use == 0 and now - s.last_used_s > s.ttl_s
+
+
+def _expired_message(s: Session, now: float) -> str:
+    return (
+        f"session {s.id!r} expired: idle {now - s.last_used_s:.1f} s, past its TTL of {s.ttl_s:g} s"
+    )

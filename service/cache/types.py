@@ -1,0 +1,77 @@
+"""The small dataclasses the cache hands to the engine: sessions, reservations, stats;
+and the one thing the session table needs from a model's K/V storage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class BlockStorage(Protocol):
+    """What the table needs from a model's KV storage (KVCache satisfies it)."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    budget_bytes: int
+
+    def copy_block(self, src: int, dst: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Room for one step's new tokens; hand back to commit() or rollback()."""
+
+    session_id: str
+    model: str
+    start: int  # tokens cached before this step: the step's past length
+    num_tokens: int  # new tokens this step appends
+    block_table: tuple[int, ...]  # the session's blocks, covering start + num_tokens
+    slots: tuple[int, ...]  # (num_tokens,) block_id * block_size + offset per new token
+    num_new_blocks: int  # blocks appended by this reservation; rollback frees them
+
+
+@dataclass(eq=False)
+class Session:
+    """One session's state. Owned by the SessionTable: read it, never write it."""
+
+    id: str
+    model: str
+    max_len: int | None  # tokens this session may hold; None: only the cache bounds it
+    ttl_s: float | None  # idle seconds before expiry; None: never expires
+    created_s: float  # time.monotonic() (the table's clock)
+    last_used_s: float
+    block_table: list[int] = field(default_factory=list)
+    num_tokens: int = 0  # committed tokens: their K/V are written
+    in_use: int = 0  # pins: a pinned session is never evicted or expired
+    pending: Reservation | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_table)
+
+
+@dataclass(frozen=True)
+class SessionStats:
+    session_id: str
+    model: str
+    num_tokens: int
+    num_blocks: int
+    bytes_held: int  # num_blocks x bytes_per_block; a block shared by forks counts in each
+
+
+@dataclass(frozen=True)
+class ModelCacheStats:
+    model: str
+    num_sessions: int
+    num_tokens: int  # sum over sessions; a forked prefix counts once per session
+    num_tokens_stored: int  # distinct slots holding K/V; a forked prefix counts once
+    num_blocks: int
+    num_blocks_used: int
+    num_blocks_free: int
+    block_size: int
+    bytes_per_block: int
+    budget_bytes: int
+    bytes_used: int  # num_blocks_used x bytes_per_block
+    fragmentation: float  # allocated slots not holding a token / allocated slots
+    sessions: tuple[SessionStats, ...]

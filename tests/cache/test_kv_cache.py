@@ -1,0 +1,123 @@
+"""KVCache: sizing from a byte budget, write/gather through slot mappings, block copies."""
+
+import pytest
+import torch
+
+from mha_serve.cache import PAD_SLOT, KVCache, slot_mapping
+from mha_serve.model import AttentionConfig
+
+KVH, D, BS = 2, 4, 4
+BYTES_PER_BLOCK = 2 * BS * KVH * D * 4  # float32
+
+
+def make(num_blocks=8, dtype=torch.float32):
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    budget = num_blocks * 2 * BS * KVH * D * itemsize
+    return KVCache(num_kv_heads=KVH, head_dim=D, budget_bytes=budget, block_size=BS, dtype=dtype)
+
+
+@pytest.mark.parametrize("budget", [BYTES_PER_BLOCK, BYTES_PER_BLOCK * 5 + 1, 10**6 + 7])
+def test_sized_from_budget_and_never_over_it(budget):
+    kv = KVCache(num_kv_heads=KVH, head_dim=D, budget_bytes=budget, block_size=BS)
+    assert kv.bytes_per_block == BYTES_PER_BLOCK
+    assert kv.num_blocks == budget // BYTES_PER_BLOCK
+    assert kv.k.shape == (kv.num_blocks, BS, KVH, D) == kv.v.shape
+    assert kv.nbytes == kv.k.nbytes + kv.v.nbytes <= budget
+    assert budget - kv.nbytes < BYTES_PER_BLOCK
+
+
+def test_budget_below_one_block_names_the_minimum():
+    with pytest.raises(ValueError) as err:
+        KVCache(num_kv_heads=KVH, head_dim=D, budget_bytes=BYTES_PER_BLOCK - 1, block_size=BS)
+    msg = str(err.value)
+    assert f"{BYTES_PER_BLOCK - 1} bytes" in msg and f"at least {BYTES_PER_BLOCK} bytes" in msg
+
+
+def test_bytes_per_token_proportional_to_num_kv_heads():
+    per = {
+        kvh: KVCache.from_config(
+            AttentionConfig(512, 8, kvh), budget_bytes=2**24, dtype=torch.bfloat16
+        ).bytes_per_token
+        for kvh in (8, 2, 1)
+    }
+    assert per[8] == 2 * 8 * 64 * 2  # K and V x heads x head_dim x bf16
+    assert per[8] == 4 * per[2] == 8 * per[1]
+
+
+def test_default_block_size():
+    assert KVCache(num_kv_heads=1, head_dim=8, budget_bytes=2**16).block_size == 16
+
+
+def test_write_then_gather_roundtrip_with_padding():
+    kv = make()
+    torch.manual_seed(0)
+    # session 0: blocks [5, 2], 6 tokens; session 1: block [7], 3 tokens
+    tables, lengths = [[5, 2], [7]], [6, 3]
+    slots = [
+        [5 * BS + p if p < BS else 2 * BS + p - BS for p in range(6)],
+        [7 * BS + p for p in range(3)],
+    ]
+    k = torch.randn(2, KVH, 6, D)
+    v = torch.randn(2, KVH, 6, D)
+    kv.write(k, v, slot_mapping(slots))
+    gk, gv, glen = kv.gather(tables, lengths)
+    assert gk.shape == gv.shape == (2, KVH, 6, D)
+    assert glen.tolist() == lengths
+    assert torch.equal(gk[0], k[0]) and torch.equal(gv[0], v[0])
+    assert torch.equal(gk[1, :, :3], k[1, :, :3]) and torch.equal(gv[1, :, :3], v[1, :, :3])
+    # padded tokens (slot -1) were not written anywhere
+    used = {s // BS for row in slots for s in row}
+    others = [b for b in range(kv.num_blocks) if b not in used]
+    assert torch.all(kv.k[others] == 0) and torch.all(kv.v[others] == 0)
+
+
+def test_gather_of_empty_past():
+    k, v, lengths = make().gather([[], [3]], [0, 0])
+    assert k.shape == v.shape == (2, KVH, 0, D) and lengths.tolist() == [0, 0]
+
+
+def test_copy_block():
+    kv = make()
+    kv.k[1].normal_()
+    kv.v[1].normal_()
+    kv.copy_block(1, 6)
+    assert torch.equal(kv.k[6], kv.k[1]) and torch.equal(kv.v[6], kv.v[1])
+
+
+def test_slot_mapping_pads():
+    assert slot_mapping([[4, 5], [9]]).tolist() == [[4, 5], [9, PAD_SLOT]]
+    assert slot_mapping([[1]], width=3).tolist() == [[1, PAD_SLOT, PAD_SLOT]]
+
+
+@pytest.mark.parametrize(
+    ("call", "piece"),
+    [
+        (
+            lambda kv: kv.write(
+                torch.zeros(1, KVH, 2, D), torch.zeros(1, KVH, 2, D), torch.tensor([[0, 99]])
+            ),
+            "outside 0..31",
+        ),
+        (
+            lambda kv: kv.write(
+                torch.zeros(1, 3, 2, D), torch.zeros(1, 3, 2, D), torch.tensor([[0, 1]])
+            ),
+            "(1, 2, 2, 4)",
+        ),
+        (
+            lambda kv: kv.write(
+                torch.zeros(1, KVH, 1, D, dtype=torch.float64),
+                torch.zeros(1, KVH, 1, D),
+                torch.tensor([[0]]),
+            ),
+            "float64",
+        ),
+        (lambda kv: kv.gather([[1]], [5]), "5 tokens need 2 block(s)"),
+        (lambda kv: kv.gather([[1], [2]], [1]), "2 tables and 1 lengths"),
+        (lambda kv: kv.copy_block(0, 8), "0..7"),
+    ],
+)
+def test_misuse_names_the_numbers(call, piece):
+    with pytest.raises(ValueError) as err:
+        call(make())
+    assert piece in str(err.value), f"{piece!r} not in {str(err.value)!r}"

@@ -1,0 +1,314 @@
+"""SessionTable bookkeeping: reserve/commit/rollback, forks with copy-on-write, max_len,
+TTL, LRU eviction, pinning, why-not-found messages, stats. No model here (see
+test_incremental_cache.py for the numbers)."""
+
+import pytest
+import torch
+
+from mha_serve.cache import (
+    CacheExhausted,
+    InvalidSessionArgument,
+    KVCache,
+    SessionBusy,
+    SessionFull,
+    SessionNotFound,
+    SessionTable,
+)
+
+BS = 4  # tokens per block
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(num_blocks=8, *, evict=False, max_len=None, ttl_s=None, clock=None):
+    kv = KVCache(num_kv_heads=1, head_dim=2, budget_bytes=num_blocks * BS * 16, block_size=BS)
+    assert kv.num_blocks == num_blocks
+    table = SessionTable(evict=evict, default_ttl_s=ttl_s, clock=clock or Clock())
+    table.add_model("m", kv, max_len=max_len)
+    return table, kv
+
+
+def append(table, sid, n):
+    res = table.reserve(sid, n)
+    table.commit(res)
+    return res
+
+
+def assert_all_free(table):
+    pool = table.pool("m")
+    assert pool.num_used == 0 and pool.num_free == pool.num_blocks
+    assert all(pool.refcount(b) == 0 for b in range(pool.num_blocks))
+
+
+def test_reserve_gives_slots_block_by_block_and_commit_counts_tokens():
+    table, _ = make()
+    s = table.create("m")
+    res = table.reserve(s.id, 6)
+    assert res.start == 0 and res.num_tokens == 6 and res.num_new_blocks == 2
+    b0, b1 = res.block_table
+    assert res.slots == (b0 * BS, b0 * BS + 1, b0 * BS + 2, b0 * BS + 3, b1 * BS, b1 * BS + 1)
+    assert s.num_tokens == 0 and s.in_use == 1, "uncommitted tokens do not count"
+    table.commit(res)
+    assert s.num_tokens == 6 and s.in_use == 0
+    res = append(table, s.id, 3)  # fills b1, opens a third block
+    assert res.start == 6 and res.num_new_blocks == 1
+    assert res.slots[:2] == (b1 * BS + 2, b1 * BS + 3)
+    assert s.num_tokens == 9 and s.num_blocks == 3 == table.pool("m").num_used
+
+
+def test_rollback_frees_the_new_blocks_and_keeps_num_tokens():
+    table, _ = make()
+    s = table.create("m")
+    append(table, s.id, 3)
+    res = table.reserve(s.id, 6)
+    assert table.pool("m").num_used == 3
+    table.rollback(res)
+    assert s.num_tokens == 3 and s.num_blocks == 1 and s.in_use == 0
+    assert table.pool("m").num_used == 1
+    with pytest.raises(ValueError, match="pending"):
+        table.commit(res)
+    assert append(table, s.id, 2).start == 3
+
+
+def test_one_step_in_flight_per_session():
+    table, _ = make()
+    s = table.create("m")
+    table.reserve(s.id, 1)
+    with pytest.raises(SessionBusy, match="in flight"):
+        table.reserve(s.id, 1)
+
+
+@pytest.mark.parametrize(
+    ("session_max", "model_max", "piece"),
+    [(10, None, "past its max_len 10"), (None, 10, "past model 'm''s max_len 10")],
+)
+def test_max_len_checked_before_allocating(session_max, model_max, piece):
+    table, _ = make(max_len=model_max)
+    s = table.create("m", max_len=session_max)
+    append(table, s.id, 8)
+    used = table.pool("m").num_used
+    with pytest.raises(SessionFull) as err:
+        table.reserve(s.id, 3)
+    assert "holds 8 tokens; appending 3 would make 11" in str(err.value)
+    assert piece in str(err.value)
+    assert table.pool("m").num_used == used and s.in_use == 0
+    append(table, s.id, 2)  # exactly max_len is fine
+
+
+def test_create_refuses_bad_arguments():
+    table, _ = make(max_len=100)
+    for kwargs, piece in [
+        ({"max_len": 101}, "max_len 101 is past model 'm''s max_len 100"),
+        ({"max_len": 0}, ">= 1"),
+        ({"ttl_s": -1}, "> 0"),
+    ]:
+        with pytest.raises(InvalidSessionArgument, match=piece):
+            table.create("m", **kwargs)
+    with pytest.raises(InvalidSessionArgument, match=r"no KV cache; models with one: \['m'\]"):
+        table.create("nope")
+    with pytest.raises(InvalidSessionArgument, match=">= 1"):
+        table.reserve(table.create("m").id, 0)
+
+
+def test_fork_shares_blocks_and_copies_the_partial_one_on_write():
+    table, kv = make()
+    parent = table.create("m")
+    append(table, parent.id, 6)  # one full block, one partial (2 of 4)
+    full, partial = parent.block_table
+    kv.k[partial].fill_(7.0)
+    child = table.fork(parent.id)
+    pool = table.pool("m")
+    assert child.block_table == [full, partial] and child.num_tokens == 6
+    assert pool.refcount(full) == pool.refcount(partial) == 2 and pool.num_used == 2
+
+    res = table.reserve(child.id, 3)  # writes into the partial block: copy it first
+    copy = child.block_table[1]
+    assert copy != partial and child.block_table[0] == full
+    assert torch.equal(kv.k[copy], kv.k[partial]), "the copy holds the shared tokens"
+    assert all(s // BS != partial for s in res.slots), "the child never writes the shared block"
+    assert pool.refcount(partial) == 1 and pool.refcount(full) == 2
+    table.commit(res)
+
+    res = table.reserve(parent.id, 2)  # the partial block is the parent's alone now: no copy
+    assert parent.block_table == [full, partial] and res.num_new_blocks == 0
+    table.commit(res)
+
+
+def test_fork_of_block_aligned_session_copies_nothing():
+    table, _ = make()
+    parent = table.create("m")
+    append(table, parent.id, 8)
+    child = table.fork(parent.id)
+    res = table.reserve(child.id, 1)
+    assert res.block_table[:2] == tuple(parent.block_table) and res.num_new_blocks == 1
+    assert table.pool("m").num_used == 3
+
+
+def test_close_frees_at_once_and_accounting_returns_to_zero():
+    table, _ = make()
+    a = table.create("m")
+    append(table, a.id, 7)
+    b = table.fork(a.id)
+    append(table, b.id, 5)
+    c = table.fork(b.id)
+    table.close(a.id)
+    # b copied a's partial block on write; all of b's 3 blocks are shared with c
+    assert table.pool("m").num_used == 3
+    table.close(b.id)
+    table.close(c.id)
+    assert_all_free(table)
+    assert len(table) == 0
+
+
+def test_closing_a_session_mid_step_frees_it_when_the_step_ends():
+    table, _ = make()
+    s = table.create("m")
+    res = table.reserve(s.id, 5)
+    table.close(s.id)
+    assert table.pool("m").num_used == 2, "blocks a running step writes stay held"
+    table.commit(res)
+    assert_all_free(table)
+    with pytest.raises(SessionNotFound, match="was closed"):
+        table.get(s.id)
+
+
+def test_not_found_says_why():
+    clock = Clock()
+    table, _ = make(4, evict=True, clock=clock)
+    closed, expiring, victim = (table.create("m", ttl_s=ttl) for ttl in (None, 5, None))
+    table.close(closed.id)
+    append(table, victim.id, 8)
+    clock.now += 6
+    big = table.create("m")
+    append(table, big.id, 16)  # needs all 4 blocks: victim is evicted
+    cases = {
+        "nope": ("unknown", "does not exist here"),
+        closed.id: ("closed", "was closed"),
+        expiring.id: ("expired", "idle 6.0 s, past its TTL of 5 s"),
+        victim.id: ("evicted", "evicted to free KV-cache memory for model 'm'"),
+    }
+    for sid, (reason, piece) in cases.items():
+        with pytest.raises(SessionNotFound) as err:
+            table.get(sid)
+        assert err.value.reason == reason and piece in str(err.value), str(err.value)
+        assert err.value.session_id == sid
+
+
+def test_gone_ids_are_remembered_up_to_a_bound():
+    table = SessionTable(max_remembered=2)
+    table.add_model("m", KVCache(num_kv_heads=1, head_dim=2, budget_bytes=1024, block_size=BS))
+    ids = [table.create("m").id for _ in range(3)]
+    for sid in ids:
+        table.close(sid)
+    reasons = []
+    for sid in ids:
+        with pytest.raises(SessionNotFound) as err:
+            table.get(sid)
+        reasons.append(err.value.reason)
+    assert reasons == ["unknown", "closed", "closed"]
+
+
+def test_ttl_expiry_counts_from_last_use_and_spares_pinned():
+    clock = Clock()
+    table, _ = make(clock=clock, ttl_s=10)
+    idle, busy, pinned = (table.create("m") for _ in range(3))
+    for s in (idle, busy, pinned):
+        append(table, s.id, 1)
+    clock.now += 8
+    append(table, busy.id, 1)
+    table.pin(pinned.id)
+    clock.now += 3
+    assert table.expire() == [idle.id]
+    assert table.pool("m").num_used == 2
+    table.unpin(pinned.id)
+    assert table.expire(clock.now + 100) == [busy.id, pinned.id]
+    assert_all_free(table)
+
+
+def test_exhausted_without_eviction_raises_with_numbers_and_changes_nothing():
+    table, _ = make(4)
+    a, b = table.create("m"), table.create("m")
+    append(table, a.id, 9)  # 3 blocks
+    with pytest.raises(CacheExhausted) as err:
+        table.reserve(b.id, 5)  # needs 2, 1 free
+    msg = str(err.value)
+    assert "needs 2 more block(s) of 4 tokens but 1 of 4 are free" in msg
+    assert "budget 256 bytes, 64 bytes per block" in msg and "eviction is off" in msg
+    assert (err.value.num_needed, err.value.num_free) == (2, 1)
+    assert b.num_blocks == 0 and b.in_use == 0 and a.num_tokens == 9
+    assert table.pool("m").num_used == 3
+
+
+def test_eviction_takes_least_recently_used_unpinned_sessions():
+    clock = Clock()
+    table, _ = make(6, evict=True, clock=clock)
+    s = [table.create("m") for _ in range(4)]
+    for i in (2, 0, 3, 1):  # use order: s2 oldest, then s0, s3, s1
+        append(table, s[i].id, 4)
+        clock.now += 1
+    table.pin(s[2].id)
+    new = table.create("m")
+    append(table, new.id, 12)  # 3 blocks, 2 free: evict s0 (s2 is pinned), then enough
+    assert [x.id in {y.session_id for y in table.stats()["m"].sessions} for x in s] == [
+        False,
+        True,
+        True,
+        True,
+    ]
+    with pytest.raises(SessionNotFound, match="evicted"):
+        table.reserve(s[0].id, 1)
+
+
+def test_eviction_evicts_nothing_when_it_could_not_free_enough():
+    table, _ = make(4, evict=True)
+    a = table.create("m")
+    append(table, a.id, 8)
+    b = table.fork(a.id)  # shares both of a's blocks: evicting a frees nothing
+    with pytest.raises(CacheExhausted, match="eviction could free only 0 more"):
+        table.reserve(b.id, 12)  # needs 3 more, 2 free
+    table.get(a.id)  # still there
+
+
+def test_reserve_many_pins_the_whole_batch_before_making_room():
+    clock = Clock()
+    table, _ = make(3, evict=True, clock=clock)
+    a, b = table.create("m"), table.create("m")
+    append(table, a.id, 4)
+    clock.now += 1
+    append(table, b.id, 4)
+    # a needs 2 blocks (1 free): evicting b would help, but b is in the batch.
+    results = table.reserve_many([(a.id, 5), (b.id, 1), ("nope", 1), (b.id, 1)])
+    assert isinstance(results[0], CacheExhausted)
+    assert results[1].session_id == b.id
+    assert isinstance(results[2], SessionNotFound) and isinstance(results[3], SessionBusy)
+    assert a.in_use == 0 and b.in_use == 1  # only b's reservation pins now
+    table.commit(results[1])
+
+
+def test_stats_and_fragmentation_by_hand():
+    table, _ = make(8)
+    a = table.create("m")
+    append(table, a.id, 6)  # blocks: [4 tokens, 2 tokens]
+    b = table.fork(a.id)
+    append(table, b.id, 1)  # b copies the partial block: [shared 4, own 3]
+    c = table.create("m")
+    append(table, c.id, 1)  # [1 token]
+    st = table.stats()["m"]
+    # used blocks: a's 2, b's copy, c's 1 = 4 blocks = 16 slots holding 4+2+3+1 = 10 tokens
+    assert (st.num_blocks_used, st.num_blocks_free, st.num_blocks) == (4, 4, 8)
+    assert st.num_tokens == 6 + 7 + 1 and st.num_tokens_stored == 10
+    assert st.fragmentation == pytest.approx(6 / 16)
+    assert st.bytes_used == 4 * 64 and st.budget_bytes == 8 * 64 and st.num_sessions == 3
+    per = {x.session_id: (x.num_tokens, x.num_blocks, x.bytes_held) for x in st.sessions}
+    assert per == {a.id: (6, 2, 128), b.id: (7, 2, 128), c.id: (1, 1, 64)}
+    assert table.session_stats(b.id).bytes_held == 128
+    for s in (a, b, c):
+        table.close(s.id)
+    st = table.stats()["m"]
+    assert (st.num_blocks_used, st.num_tokens, st.fragmentation) == (0, 0, 0.0)

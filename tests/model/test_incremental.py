@@ -1,0 +1,225 @@
+"""MultiHeadAttention.step (incremental attention against cached K/V) against one causal
+forward over the whole sequence: chunked, batched across ragged sessions, padding, weights."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mha_serve.model import AttentionConfig, MultiHeadAttention, init_weights
+
+ATOL = 1e-5  # float32 step against float32 forward: same math, different summation order
+RTOL = 1e-5
+VARIANTS = {"mha": 8, "gqa": 2, "mqa": 1}  # num_kv_heads with num_heads 8
+E = 64
+
+
+def assert_close(actual, expected, *, what, atol=ATOL, rtol=RTOL):
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    diff = (actual.double() - expected.double()).abs()
+    assert torch.allclose(actual.double(), expected.double(), atol=atol, rtol=rtol), (
+        f"{what}: max abs diff {diff.max().item():.3e}, mean {diff.mean().item():.3e} "
+        f"(atol {atol}, rtol {rtol})"
+    )
+
+
+def make(num_kv_heads=2, seed=0):
+    module = MultiHeadAttention(AttentionConfig(E, 8, num_kv_heads))
+    init_weights(module, seed)
+    return module.eval()
+
+
+def empty_past(module, B=1):
+    c = module.config
+    return torch.zeros(B, c.num_kv_heads, 0, c.head_dim, dtype=module.wqkv.weight.dtype)
+
+
+def run_chunks(module, x, sizes, **kwargs):
+    """Step x (1, L, E) through in chunks; returns outputs, weights per chunk, K, V."""
+    k = v = empty_past(module)
+    outs, weights = [], []
+    start = 0
+    for n in sizes:
+        out, k_new, v_new = module.step(x[:, start : start + n], past_k=k, past_v=v, **kwargs)
+        outs.append(out.output)
+        weights.append(out.weights)
+        k, v = torch.cat([k, k_new], 2), torch.cat([v, v_new], 2)  # (1, KVH, start+n, D)
+        start += n
+    return outs, weights, k, v
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("sizes", [[1] * 6, [5, 1, 1, 7], [13], [3, 4, 6]])
+def test_chunked_steps_equal_one_causal_forward(variant, sizes):
+    module = make(VARIANTS[variant])
+    torch.manual_seed(1)
+    L = sum(sizes)
+    x = torch.randn(1, L, E)
+    with torch.no_grad():
+        full = module(x, causal=True, need_weights=True)
+        outs, weights, k, v = run_chunks(module, x, sizes, need_weights=True)
+    start = 0
+    for i, n in enumerate(sizes):
+        end = start + n
+        assert_close(outs[i], full.output[:, start:end], what=f"{variant} chunk {i} output")
+        assert_close(
+            weights[i], full.weights[:, :, start:end, :end], what=f"{variant} chunk {i} weights"
+        )
+        start = end
+    _, k_all, v_all = module._project(x)
+    assert_close(k, k_all, what="stepped K")
+    assert_close(v, v_all, what="stepped V")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_batched_ragged_step_equals_each_alone(variant):
+    module = make(VARIANTS[variant])
+    c = module.config
+    torch.manual_seed(2)
+    past_lengths = [0, 5, 11, 3]
+    new_lengths = [4, 1, 3, 2]
+    B, P, T = len(past_lengths), max(past_lengths), max(new_lengths)
+    seqs = [torch.randn(1, p + n, E) for p, n in zip(past_lengths, new_lengths, strict=True)]
+    past_k = torch.full((B, c.num_kv_heads, P, c.head_dim), float("nan"))  # junk padding
+    past_v = torch.full((B, c.num_kv_heads, P, c.head_dim), float("nan"))
+    x = torch.full((B, T, E), float("nan"))
+    with torch.no_grad():
+        for b, (seq, p, n) in enumerate(zip(seqs, past_lengths, new_lengths, strict=True)):
+            _, k, v = module._project(seq[:, :p])  # (1, KVH, p, D)
+            past_k[b, :, :p], past_v[b, :, :p] = k[0], v[0]
+            x[b, :n] = seq[0, p:]
+        batch, k_new, v_new = module.step(
+            x,
+            past_k=past_k,
+            past_v=past_v,
+            past_lengths=torch.tensor(past_lengths),
+            new_lengths=torch.tensor(new_lengths),
+            need_weights=True,
+        )
+        assert batch.weights.shape == (
+            B,
+            8,
+            T,
+            max(p + n for p, n in zip(past_lengths, new_lengths, strict=True)),
+        )
+        for b, (seq, p, n) in enumerate(zip(seqs, past_lengths, new_lengths, strict=True)):
+            full = module(seq, causal=True, need_weights=True)
+            assert_close(batch.output[b, :n], full.output[0, p:], what=f"session {b} output")
+            assert torch.all(batch.output[b, n:] == 0), "padded rows must be exactly 0"
+            assert_close(
+                batch.weights[b, :, :n, : p + n], full.weights[0, :, p:], what=f"session {b} w"
+            )
+            assert torch.all(batch.weights[b, :, :, p + n :] == 0), "columns past the end"
+            assert torch.all(batch.weights[b, :, n:] == 0), "padded rows of weights"
+            _, k_all, v_all = module._project(seq)
+            assert_close(k_new[b, :, :n], k_all[0, :, p:], what=f"session {b} k_new")
+            assert_close(v_new[b, :, :n], v_all[0, :, p:], what=f"session {b} v_new")
+        assert not torch.isnan(batch.output).any() and not torch.isnan(batch.weights).any()
+
+
+def test_weights_rows_are_causal_distributions():
+    module = make(1)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        _, w, _, _ = run_chunks(module, torch.randn(1, 9, E), [4, 5], need_weights=True)
+    w = w[1][0]  # (H, 5, 9): rows are absolute positions 4..8
+    assert_close(w.sum(-1), torch.ones(8, 5), what="row sums")
+    for t in range(5):
+        assert torch.all(w[:, t, 4 + t + 1 :] == 0), f"row {t} sees the future"
+        assert torch.all(w[:, t, : 4 + t + 1] > 0)
+
+
+def test_narrowed_heads_and_head_mask_match_forward():
+    module = make(2)
+    torch.manual_seed(4)
+    x = torch.randn(1, 7, E)
+    gate = torch.ones(8)
+    gate[[1, 6]] = 0.0
+    with torch.no_grad():
+        full = module(x, causal=True, need_weights=True, weight_heads=[6, 0], head_mask=gate)
+        outs, weights, _, _ = run_chunks(
+            module, x, [3, 4], need_weights=True, weight_heads=[6, 0], head_mask=gate
+        )
+    assert_close(torch.cat(outs, 1), full.output, what="head-masked output")
+    assert_close(weights[1], full.weights[:, :, 3:], what="weights of heads [6, 0]")
+
+
+def test_sdpa_does_all_embeddings_with_bool_mask_only_when_needed(monkeypatch):
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(
+        MultiHeadAttention, "_step_weights", lambda *a: pytest.fail("weights path ran unasked")
+    )
+    module = make(2)
+    c = module.config
+    k = torch.randn(2, c.num_kv_heads, 5, c.head_dim)
+    with torch.no_grad():
+        module.step(torch.randn(2, 1, E), past_k=k, past_v=k)  # decode, nothing padded
+        module.step(torch.randn(2, 3, E), past_k=k[:, :, :0], past_v=k[:, :, :0])  # prefill
+        module.step(torch.randn(2, 3, E), past_k=k, past_v=k, past_lengths=torch.tensor([5, 2]))
+    assert [c["attn_mask"] is None for c in calls] == [True, True, False]
+    assert [c["is_causal"] for c in calls] == [False, True, False]
+    assert all(c["enable_gqa"] for c in calls)
+    assert calls[2]["attn_mask"].shape == (2, 1, 3, 8)
+    assert calls[2]["attn_mask"].dtype == torch.bool
+
+
+def test_no_weights_unless_asked():
+    module = make()
+    out, k_new, v_new = module.step(
+        torch.randn(1, 2, E), past_k=empty_past(module), past_v=empty_past(module)
+    )
+    assert out.weights is None
+    assert k_new.shape == v_new.shape == (1, 2, 2, 8)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pieces"),
+    [
+        ({"past_k": torch.zeros(2, 3, 4, 8)}, ["past_k", "num_kv_heads=2", "(2, 3, 4, 8)"]),
+        ({"past_v": torch.zeros(2, 2, 4, 4)}, ["past_v", "head_dim=8"]),
+        ({"past_v": torch.zeros(2, 2, 5, 8)}, ["(2, 2, 4, 8)", "(2, 2, 5, 8)"]),
+        ({"past_k": torch.zeros(2, 2, 4, 8, dtype=torch.float64)}, ["float64", "float32"]),
+        ({"past_lengths": torch.tensor([4, 5])}, ["max 5", "past_len=4"]),
+        ({"past_lengths": torch.tensor([-1, 2])}, ["min -1"]),
+        ({"past_lengths": torch.tensor([4])}, ["(2,)", "(1,)"]),
+        ({"past_lengths": torch.tensor([1.0, 2.0])}, ["integer"]),
+        ({"new_lengths": torch.tensor([0, 3])}, ["min 0", "seq_len=3"]),
+        ({"need_weights": True, "weight_heads": [8]}, ["[8]", "0..7"]),
+        ({"head_mask": torch.ones(3)}, ["(8,)", "(3,)"]),
+    ],
+)
+def test_bad_arguments_name_the_numbers(kwargs, pieces):
+    module = make(2)
+    args = {"past_k": torch.zeros(2, 2, 4, 8), "past_v": torch.zeros(2, 2, 4, 8), **kwargs}
+    with pytest.raises(ValueError) as err:
+        module.step(torch.randn(2, 3, E), **args)
+    for piece in pieces:
+        assert piece in str(err.value), f"{piece!r} not in {str(err.value)!r}"
+
+
+LOW_PRECISION_ATOL = {torch.bfloat16: 5e-2, torch.float16: 5e-3}  # against float32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_step_matches_float32(dtype):
+    module = make(2)
+    low = make(2).to(dtype)
+    torch.manual_seed(6)
+    x = torch.randn(1, 9, E)
+    try:
+        with torch.no_grad():
+            got, got_w, _, _ = run_chunks(low, x.to(dtype), [5, 1, 3], need_weights=True)
+    except RuntimeError as e:  # a CPU build without this dtype's kernels
+        pytest.skip(f"SDPA in {dtype} unsupported on CPU here: {e}")
+    with torch.no_grad():
+        want = module(x, causal=True, need_weights=True)
+    atol = LOW_PRECISION_ATOL[dtype]
+    assert got[0].dtype == dtype and got_w[0].dtype == torch.float32
+    assert_close(torch.cat(got, 1), want.output, atol=atol, rtol=0, what=f"{dtype} output")
+    assert_close(got_w[2], want.weights[:, :, 6:], atol=atol, rtol=0, what=f"{dtype} weights")
