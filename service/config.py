@@ -18,6 +18,7 @@ DEFAULT_MAX_RECEIVE_MESSAGE_BYTES = 64 * MiB
 DEFAULT_MAX_SEND_MESSAGE_BYTES = 256 * MiB
 DEFAULT_GRACE_PERIOD_S = 10.0
 DEFAULT_MAX_CONCURRENT_RPCS = 4096
+DEFAULT_SESSION_TTL_S = 600.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -39,6 +40,10 @@ class ServerConfig:
     # held by decoded requests waiting for a batch).
     max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS
     torch_threads: int = 0  # intra-op threads for the forward; 0 keeps torch's default
+    session_ttl_s: float = DEFAULT_SESSION_TTL_S  # idle sessions expire; 0: never
+    # When a model's KV cache is full: evict least-recently-used idle sessions (true) or
+    # answer RESOURCE_EXHAUSTED (false). An evicted session answers NOT_FOUND saying so.
+    evict_idle_sessions: bool = False
     log_level: str = "INFO"
     models: list[ModelSpec] = field(default_factory=lambda: default_models())
 
@@ -118,6 +123,14 @@ def coerce(key: str, value: Any) -> Any:
     """Converts a flag, environment or file value to the type ServerConfig declares."""
     kind = SERVER_KEYS[key]
     try:
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
         if kind == "int":
             if isinstance(value, bool):
                 raise ValueError
@@ -147,7 +160,7 @@ def build_config(file_path: str | None, overrides: dict[str, Any]) -> ServerConf
     for key in ("max_receive_message_bytes", "max_send_message_bytes"):
         if getattr(cfg, key) < MiB:
             raise ValueError(f"{key} {getattr(cfg, key)} is below 1 MiB; raise it")
-    for key in ("grace_period_s", "drain_delay_s", "torch_threads"):
+    for key in ("grace_period_s", "drain_delay_s", "torch_threads", "session_ttl_s"):
         if getattr(cfg, key) < 0:
             raise ValueError(f"{key} {getattr(cfg, key)} is negative; use 0 or more")
     if cfg.max_concurrent_rpcs < 1:

@@ -86,20 +86,74 @@ class Timing(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
 
 class AttendResponse(_message.Message):
-    __slots__ = ("model", "output", "attention_weights", "weight_heads", "weight_query_start", "timing")
+    __slots__ = ("model", "output", "attention_weights", "weight_heads", "weight_query_start", "timing", "session")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_HEADS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_QUERY_START_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     output: Tensor
     attention_weights: Tensor
     weight_heads: _containers.RepeatedScalarFieldContainer[int]
     weight_query_start: int
     timing: Timing
-    def __init__(self, model: _Optional[str] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., attention_weights: _Optional[_Union[Tensor, _Mapping]] = ..., weight_heads: _Optional[_Iterable[int]] = ..., weight_query_start: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+    session: SessionInfo
+    def __init__(self, model: _Optional[str] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., attention_weights: _Optional[_Union[Tensor, _Mapping]] = ..., weight_heads: _Optional[_Iterable[int]] = ..., weight_query_start: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., session: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
+
+class CreateSessionRequest(_message.Message):
+    __slots__ = ("model", "max_len", "ttl_s")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_LEN_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    max_len: int
+    ttl_s: float
+    def __init__(self, model: _Optional[str] = ..., max_len: _Optional[int] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class GetSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ForkSessionRequest(_message.Message):
+    __slots__ = ("session_id", "ttl_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    ttl_s: float
+    def __init__(self, session_id: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "model", "num_tokens", "max_len", "ttl_s", "num_blocks", "bytes_held")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LEN_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    model: str
+    num_tokens: int
+    max_len: int
+    ttl_s: float
+    num_blocks: int
+    bytes_held: int
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., num_tokens: _Optional[int] = ..., max_len: _Optional[int] = ..., ttl_s: _Optional[float] = ..., num_blocks: _Optional[int] = ..., bytes_held: _Optional[int] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
@@ -132,7 +186,7 @@ class ModelLimits(_message.Message):
     def __init__(self, max_seq_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_weights_bytes: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_response_bytes: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "variant", "embed_dim", "num_heads", "num_kv_heads", "head_dim", "bias", "causal_default", "dtype", "device", "limits", "num_parameters")
+    __slots__ = ("name", "variant", "embed_dim", "num_heads", "num_kv_heads", "head_dim", "bias", "causal_default", "dtype", "device", "limits", "num_parameters", "kv_cache")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VARIANT_FIELD_NUMBER: _ClassVar[int]
     EMBED_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +199,7 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     name: str
     variant: Variant
     embed_dim: int
@@ -157,4 +212,23 @@ class ModelInfo(_message.Message):
     device: str
     limits: ModelLimits
     num_parameters: int
-    def __init__(self, name: _Optional[str] = ..., variant: _Optional[_Union[Variant, str]] = ..., embed_dim: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., bias: _Optional[bool] = ..., causal_default: _Optional[bool] = ..., dtype: _Optional[_Union[DType, str]] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., num_parameters: _Optional[int] = ...) -> None: ...
+    kv_cache: KVCacheInfo
+    def __init__(self, name: _Optional[str] = ..., variant: _Optional[_Union[Variant, str]] = ..., embed_dim: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., bias: _Optional[bool] = ..., causal_default: _Optional[bool] = ..., dtype: _Optional[_Union[DType, str]] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., num_parameters: _Optional[int] = ..., kv_cache: _Optional[_Union[KVCacheInfo, _Mapping]] = ...) -> None: ...
+
+class KVCacheInfo(_message.Message):
+    __slots__ = ("budget_bytes", "block_size", "bytes_per_token", "num_blocks", "num_blocks_used", "num_sessions", "evict_idle_sessions")
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    EVICT_IDLE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    budget_bytes: int
+    block_size: int
+    bytes_per_token: int
+    num_blocks: int
+    num_blocks_used: int
+    num_sessions: int
+    evict_idle_sessions: bool
+    def __init__(self, budget_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_sessions: _Optional[int] = ..., evict_idle_sessions: _Optional[bool] = ...) -> None: ...

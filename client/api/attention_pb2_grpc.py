@@ -39,6 +39,31 @@ class AttentionServiceStub:
                 request_serializer=mha_dot_v1_dot_attention__pb2.AttendRequest.SerializeToString,
                 response_deserializer=mha_dot_v1_dot_attention__pb2.AttendResponse.FromString,
                 _registered_method=True)
+        self.StreamSession = channel.stream_stream(
+                '/mha.v1.AttentionService/StreamSession',
+                request_serializer=mha_dot_v1_dot_attention__pb2.AttendRequest.SerializeToString,
+                response_deserializer=mha_dot_v1_dot_attention__pb2.AttendResponse.FromString,
+                _registered_method=True)
+        self.CreateSession = channel.unary_unary(
+                '/mha.v1.AttentionService/CreateSession',
+                request_serializer=mha_dot_v1_dot_attention__pb2.CreateSessionRequest.SerializeToString,
+                response_deserializer=mha_dot_v1_dot_attention__pb2.SessionInfo.FromString,
+                _registered_method=True)
+        self.GetSession = channel.unary_unary(
+                '/mha.v1.AttentionService/GetSession',
+                request_serializer=mha_dot_v1_dot_attention__pb2.GetSessionRequest.SerializeToString,
+                response_deserializer=mha_dot_v1_dot_attention__pb2.SessionInfo.FromString,
+                _registered_method=True)
+        self.ForkSession = channel.unary_unary(
+                '/mha.v1.AttentionService/ForkSession',
+                request_serializer=mha_dot_v1_dot_attention__pb2.ForkSessionRequest.SerializeToString,
+                response_deserializer=mha_dot_v1_dot_attention__pb2.SessionInfo.FromString,
+                _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/mha.v1.AttentionService/CloseSession',
+                request_serializer=mha_dot_v1_dot_attention__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=mha_dot_v1_dot_attention__pb2.CloseSessionResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/mha.v1.AttentionService/ListModels',
                 request_serializer=mha_dot_v1_dot_attention__pb2.ListModelsRequest.SerializeToString,
@@ -55,10 +80,45 @@ class AttentionServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Attend(self, request, context):
-        """Runs attention over a batch of sequences. Stateless unless session_id is
-        set (KV-cache sessions arrive with the sessions feature; today a
-        non-empty session_id is answered UNIMPLEMENTED).
+        """Runs attention over a batch of sequences. With session_id set it is one
+        step of that session instead: the input's tokens are appended to the
+        session and attend causally to everything it holds plus themselves.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamSession(self, request_iterator, context):
+        """A session's steps over one stream: each request is one step (session_id
+        may be left empty after the first); each response answers one step, in
+        order. An error ends the stream with its status.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateSession(self, request, context):
+        """KV-cache sessions: create, read, fork (shares the prefix, copy-on-write),
+        close (frees its cache at once).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForkSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -84,6 +144,31 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.Attend,
                     request_deserializer=mha_dot_v1_dot_attention__pb2.AttendRequest.FromString,
                     response_serializer=mha_dot_v1_dot_attention__pb2.AttendResponse.SerializeToString,
+            ),
+            'StreamSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamSession,
+                    request_deserializer=mha_dot_v1_dot_attention__pb2.AttendRequest.FromString,
+                    response_serializer=mha_dot_v1_dot_attention__pb2.AttendResponse.SerializeToString,
+            ),
+            'CreateSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateSession,
+                    request_deserializer=mha_dot_v1_dot_attention__pb2.CreateSessionRequest.FromString,
+                    response_serializer=mha_dot_v1_dot_attention__pb2.SessionInfo.SerializeToString,
+            ),
+            'GetSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSession,
+                    request_deserializer=mha_dot_v1_dot_attention__pb2.GetSessionRequest.FromString,
+                    response_serializer=mha_dot_v1_dot_attention__pb2.SessionInfo.SerializeToString,
+            ),
+            'ForkSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkSession,
+                    request_deserializer=mha_dot_v1_dot_attention__pb2.ForkSessionRequest.FromString,
+                    response_serializer=mha_dot_v1_dot_attention__pb2.SessionInfo.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=mha_dot_v1_dot_attention__pb2.CloseSessionRequest.FromString,
+                    response_serializer=mha_dot_v1_dot_attention__pb2.CloseSessionResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -123,6 +208,141 @@ class AttentionService:
             '/mha.v1.AttentionService/Attend',
             mha_dot_v1_dot_attention__pb2.AttendRequest.SerializeToString,
             mha_dot_v1_dot_attention__pb2.AttendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/mha.v1.AttentionService/StreamSession',
+            mha_dot_v1_dot_attention__pb2.AttendRequest.SerializeToString,
+            mha_dot_v1_dot_attention__pb2.AttendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mha.v1.AttentionService/CreateSession',
+            mha_dot_v1_dot_attention__pb2.CreateSessionRequest.SerializeToString,
+            mha_dot_v1_dot_attention__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mha.v1.AttentionService/GetSession',
+            mha_dot_v1_dot_attention__pb2.GetSessionRequest.SerializeToString,
+            mha_dot_v1_dot_attention__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mha.v1.AttentionService/ForkSession',
+            mha_dot_v1_dot_attention__pb2.ForkSessionRequest.SerializeToString,
+            mha_dot_v1_dot_attention__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mha.v1.AttentionService/CloseSession',
+            mha_dot_v1_dot_attention__pb2.CloseSessionRequest.SerializeToString,
+            mha_dot_v1_dot_attention__pb2.CloseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

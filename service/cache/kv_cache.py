@@ -53,10 +53,11 @@ class KVCache:
                 f"{dtype}); set the budget to at least {self.bytes_per_block} bytes"
             )
         shape = (self.num_blocks, block_size, num_kv_heads, head_dim)
-        # Zeros, not empty: never-written memory then holds no NaN or inf, even in a
-        # gather's padding (which consumers mask anyway).
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Empty, not zeros: on the CPU untouched pages cost no memory until sessions use
+        # them. Never-written slots only ever appear as gather padding, which step() masks
+        # and zeroes (tests/cache: NaN padding never leaks).
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
 
     @classmethod
     def from_config(

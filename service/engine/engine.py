@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mha_serve.engine.errors import InvalidRequest, ModelNotFound, TooLarge
+from mha_serve.engine.errors import InvalidRequest, ModelNotFound, TooLarge, require_finite
+from mha_serve.engine.sessions import Sessions
 from mha_serve.engine.types import AttendCall, AttendResult, ModelSpec
 from mha_serve.model import MultiHeadAttention, init_weights, load_checkpoint
 
@@ -65,6 +66,8 @@ class Engine:
         device: torch.device,
         dtype: torch.dtype,
         max_response_bytes: int,
+        evict_idle_sessions: bool = False,
+        session_ttl_s: float | None = None,
     ) -> None:
         if not specs:
             raise ValueError("no models configured: add at least one [[models]] table")
@@ -76,6 +79,9 @@ class Engine:
         self.models: dict[str, HostedModel] = {}
         for spec in specs:
             self.models[spec.name] = self._load(spec, device, dtype)
+        self.sessions = Sessions(
+            self.models, evict=evict_idle_sessions, default_ttl_s=session_ttl_s
+        )
 
     @staticmethod
     def _load(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> HostedModel:
@@ -153,10 +159,13 @@ class Engine:
             raise InvalidRequest("head_mask contains NaN or Inf")
         if not bool(torch.isfinite(x).all()):
             raise InvalidRequest("input contains NaN or Inf values; send finite embeddings")
-        self._check_response_size(hosted, call)
+        num_keys = seq_len
+        if call.session_id is not None:  # keys: everything the session holds, plus the new tokens
+            num_keys += self.sessions.validate_step(hosted, call).num_tokens
+        self._check_response_size(hosted, call, num_keys)
         return hosted
 
-    def _check_response_size(self, hosted: HostedModel, call: AttendCall) -> None:
+    def _check_response_size(self, hosted: HostedModel, call: AttendCall, num_keys: int) -> None:
         batch, seq_len, embed_dim = call.inputs.shape
         out_dtype = call.output_dtype or call.inputs.dtype
         out_bytes = batch * seq_len * embed_dim * out_dtype.itemsize
@@ -184,7 +193,7 @@ class Engine:
                 f"weights query rows [{call.query_start}, {call.query_end}) are not a non-empty range within seq_len {seq_len}"
             )
         rows = end - start
-        size = batch * len(heads) * rows * seq_len * call.weights_dtype.itemsize
+        size = batch * len(heads) * rows * num_keys * call.weights_dtype.itemsize
         limit = min(
             hosted.spec.max_weights_bytes,
             self.max_response_bytes - out_bytes - RESPONSE_OVERHEAD_BYTES,
@@ -192,7 +201,7 @@ class Engine:
         if size > limit:
             raise TooLarge(
                 f"attention weights would be {_mib(size)} (batch {batch} x {len(heads)} heads x "
-                f"{rows} query rows x {seq_len} keys x {call.weights_dtype.itemsize} bytes) but the limit "
+                f"{rows} query rows x {num_keys} keys x {call.weights_dtype.itemsize} bytes) but the limit "
                 f"is {_mib(limit)}; narrow the request: fewer heads (weights.heads), a range of query "
                 f"rows (weights.query_start/query_end), or float16/bfloat16 weights (weights.dtype)"
             )
@@ -203,6 +212,11 @@ class Engine:
 
     def run(self, hosted: HostedModel, call: AttendCall) -> AttendResult:
         """The forward pass of a call that `validate` accepted (returning `hosted`)."""
+        if call.session_id is not None:
+            (result,) = self.sessions.run_steps(hosted, [call])
+            if isinstance(result, Exception):
+                raise result
+            return result
         start = time.perf_counter()
         batch, seq_len, _ = call.inputs.shape
         x = call.inputs.to(hosted.device, hosted.dtype, non_blocking=True)
@@ -231,12 +245,12 @@ class Engine:
                 query_range=(call.query_start, query_end) if call.need_weights else None,
                 head_mask=head_mask,
             )
-            output = _finite(out.output.to(call.output_dtype or call.inputs.dtype), "output")
+            output = require_finite(out.output.to(call.output_dtype or call.inputs.dtype), "output")
             weights = None
             if out.weights is not None:
                 if unique != heads:
                     out.weights = out.weights[:, [unique.index(h) for h in heads]]
-                weights = _finite(out.weights.to(call.weights_dtype), "attention weights")
+                weights = require_finite(out.weights.to(call.weights_dtype), "attention weights")
             output, weights = output.cpu(), None if weights is None else weights.cpu()
         return AttendResult(
             output=output,
@@ -250,17 +264,22 @@ class Engine:
     @staticmethod
     def batch_key(hosted: HostedModel, call: AttendCall) -> tuple:
         """Calls with equal keys can share one forward pass (same masking and head gates)."""
+        head_mask = tuple(call.head_mask) if call.head_mask is not None else None
+        if call.session_id is not None:  # session steps batch with each other (always causal)
+            return ("session", head_mask)
         causal = hosted.spec.attention.causal if call.causal is None else call.causal
-        return (causal, tuple(call.head_mask) if call.head_mask is not None else None)
+        return (causal, head_mask)
 
     def run_batch(
         self, hosted: HostedModel, calls: list[AttendCall]
-    ) -> list[AttendResult | InvalidRequest]:
+    ) -> list[AttendResult | Exception]:
         """Several validated calls with equal `batch_key` and no weights as one padded forward.
 
         Sequences are padded to the longest; the model masks padding, so each result equals
         the call run alone (tests/engine/test_batching.py).
         """
+        if calls[0].session_id is not None:
+            return self.sessions.run_steps(hosted, calls)
         if len(calls) == 1:
             try:
                 return [self.run(hosted, calls[0])]
@@ -295,7 +314,7 @@ class Engine:
         for c in calls:
             batch, seq_len, _ = c.inputs.shape
             try:
-                output = _finite(
+                output = require_finite(
                     out[row : row + batch, :seq_len].to(c.output_dtype or c.inputs.dtype), "output"
                 )
                 results.append(
@@ -313,17 +332,6 @@ class Engine:
             x = torch.zeros(1, 4, embed_dim)
             self.attend(AttendCall(model=name, inputs=x))
             self.attend(AttendCall(model=name, inputs=x, need_weights=True, lengths=[3]))
-
-
-def _finite(t: torch.Tensor, what: str) -> torch.Tensor:
-    """Finite inputs can still overflow (|x| ~ 1e20 in float32, or > 65504 in float16)."""
-    if not bool(torch.isfinite(t).all()):
-        raise InvalidRequest(
-            f"the {what} overflowed to NaN/Inf in {str(t.dtype).removeprefix('torch.')}: the input "
-            "values are too large for the model's dtype or the requested dtype; scale the input "
-            "down or ask for a wider dtype (float32)"
-        )
-    return t
 
 
 def _mib(num_bytes: int) -> str:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mha_serve.cache import SessionStats
 from mha_serve.model import AttentionConfig
 
 MiB = 2**20
@@ -18,6 +19,10 @@ DEFAULT_MAX_BATCH_TOKENS = 32768  # padded tokens (sequences x longest) per forw
 DEFAULT_MAX_QUEUE_DELAY_MS = 2.0  # the first request of a batch waits this long for company
 DEFAULT_MAX_QUEUE_REQUESTS = 1024  # beyond: RESOURCE_EXHAUSTED at once
 DEFAULT_MAX_QUEUE_TOKENS = 1 << 20
+# KV-cache sessions: MHA at embed_dim 512 in float32 holds 4 KiB per token, so 128 MiB is
+# 32768 tokens (GQA with 2 KV heads: 131072; MQA: 262144). 0 turns sessions off.
+DEFAULT_KV_CACHE_BYTES = 128 * MiB
+DEFAULT_KV_BLOCK_SIZE = 16  # tokens per cache block
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,8 @@ class ModelSpec:
     max_queue_delay_ms: float = DEFAULT_MAX_QUEUE_DELAY_MS
     max_queue_requests: int = DEFAULT_MAX_QUEUE_REQUESTS
     max_queue_tokens: int = DEFAULT_MAX_QUEUE_TOKENS
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
@@ -46,7 +53,12 @@ class ModelSpec:
             raise ValueError(
                 f"model {self.name!r}: max_queue_delay_ms must be in 0..1000, got {self.max_queue_delay_ms!r}"
             )
+        if not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes < 0:
+            raise ValueError(
+                f"model {self.name!r}: kv_cache_bytes must be 0 (no sessions) or more, got {self.kv_cache_bytes!r}"
+            )
         for key in (
+            "kv_block_size",
             "max_seq_len",
             "max_batch_size",
             "max_weights_bytes",
@@ -76,6 +88,7 @@ class AttendCall:
     weights_dtype: torch.dtype = torch.float32
     head_mask: list[float] | None = None
     output_dtype: torch.dtype | None = None  # None: the input's dtype
+    session_id: str | None = None  # a session step: inputs (1, T, E) are appended to it
 
 
 @dataclass
@@ -86,3 +99,4 @@ class AttendResult:
     weight_query_start: int = 0
     compute_ms: float = 0.0
     batch_size: int = 0
+    session: SessionStats | None = None  # the session after a step

@@ -78,6 +78,43 @@ READY = Gauge(
 )
 
 
+KV_CACHE_BLOCKS = Gauge(
+    "mha_serve_kv_cache_blocks", "KV cache blocks per model: total and used.", ["model", "state"]
+)
+KV_CACHE_BUDGET_BYTES = Gauge(
+    "mha_serve_kv_cache_budget_bytes", "KV cache memory budget per model.", ["model"]
+)
+KV_CACHE_BYTES_USED = Gauge(
+    "mha_serve_kv_cache_bytes_used", "KV cache memory held by sessions per model.", ["model"]
+)
+SESSIONS = Gauge("mha_serve_sessions", "Open KV-cache sessions per model.", ["model"])
+SESSIONS_ENDED = Counter(
+    "mha_serve_sessions_ended_total", "Sessions that ended other than by close.", ["reason"]
+)
+
+
+def watch_kv_cache(model: str, cache, sessions) -> None:
+    """Gauges read at scrape time (cache: mha_serve.cache.KVCache; sessions: engine.Sessions)."""
+    pool = sessions.table.pool(model)
+    KV_CACHE_BLOCKS.labels(model, "total").set(cache.num_blocks)
+    KV_CACHE_BLOCKS.labels(model, "used").set_function(lambda: pool.num_used)
+    KV_CACHE_BUDGET_BYTES.labels(model).set(cache.budget_bytes)
+    KV_CACHE_BYTES_USED.labels(model).set_function(lambda: pool.num_used * cache.bytes_per_block)
+    SESSIONS.labels(model).set_function(lambda: sessions.num_sessions(model))
+
+
+def observe_attend(
+    model: str, *, tokens: int, queue_s: float, total_s: float, weights_bytes: int
+) -> None:
+    """Called once per answered Attend or session step."""
+    TOKENS.labels(model).inc(tokens)
+    REQUEST_TOKENS.labels(model).observe(tokens)
+    QUEUE_LATENCY.labels(model).observe(queue_s)
+    REQUEST_LATENCY.labels(model).observe(total_s)
+    if weights_bytes:
+        WEIGHTS_BYTES.labels(model).inc(weights_bytes)
+
+
 def observe_batch(model: str, lane: str, info) -> None:
     """Called by the batcher once per batch (info: mha_serve.batching.BatchInfo)."""
     COMPUTE_LATENCY.labels(model, lane).observe(info.compute_s)

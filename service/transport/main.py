@@ -23,6 +23,8 @@ HELP = {
     "torch_threads": "torch intra-op threads; 0 keeps torch's default",
     "drain_delay_s": "on SIGTERM, seconds to keep serving with health NOT_SERVING before closing",
     "max_concurrent_rpcs": "RPCs handled at once; beyond it RESOURCE_EXHAUSTED",
+    "session_ttl_s": "idle KV-cache sessions expire after this many seconds; 0: never",
+    "evict_idle_sessions": "when a KV cache is full, evict least-recently-used idle sessions (true) or refuse (false)",
     "log_level": "DEBUG | INFO | WARNING | ERROR",
 }
 

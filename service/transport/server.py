@@ -21,6 +21,7 @@ from mha_serve.engine import Engine, HostedModel, resolve_device, resolve_dtype
 from mha_serve.transport.servicer import AttentionServicer
 
 log = logging.getLogger(__name__)
+SESSION_SWEEP_S = 1.0  # how often idle sessions are checked against their TTL
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name[
     "AttentionService"
 ].full_name  # "mha.v1.AttentionService"
@@ -34,6 +35,7 @@ class Server:
         self.health = health.aio.HealthServicer()
         self.servicer = AttentionServicer(max_request_bytes=cfg.max_receive_message_bytes)
         self.lanes: dict[str, ModelLanes] = {}
+        self._sweeper: asyncio.Task | None = None
         self.server = grpc.aio.server(
             maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
             options=[
@@ -82,10 +84,22 @@ class Server:
         engine = await asyncio.to_thread(self._load_engine)
         self.lanes = {name: lanes_for(engine, hosted) for name, hosted in engine.models.items()}
         self.servicer.attach(engine, self.lanes)
+        for name, cache in engine.sessions.caches.items():
+            metrics.watch_kv_cache(name, cache, engine.sessions)
+        self._sweeper = asyncio.create_task(self._expire_sessions(engine), name="session-expiry")
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         metrics.READY.set(1)
         log.info("SERVING models: %s", ", ".join(engine.models))
+
+    async def _expire_sessions(self, engine: Engine) -> None:
+        """Frees idle sessions past their TTL (lookups also expire them lazily)."""
+        while True:
+            await asyncio.sleep(SESSION_SWEEP_S)
+            expired = engine.sessions.table.expire()
+            if expired:
+                metrics.SESSIONS_ENDED.labels("expired").inc(len(expired))
+                log.info("expired %d idle session(s)", len(expired))
 
     def _load_engine(self) -> Engine:
         device = resolve_device(self.cfg.device)
@@ -94,6 +108,8 @@ class Server:
             device=device,
             dtype=resolve_dtype(self.cfg.dtype, device),
             max_response_bytes=self.cfg.max_send_message_bytes,
+            evict_idle_sessions=self.cfg.evict_idle_sessions,
+            session_ttl_s=self.cfg.session_ttl_s or None,
         )
         engine.warmup()
         return engine
@@ -112,6 +128,8 @@ class Server:
             await asyncio.sleep(self.cfg.drain_delay_s)
         log.info("draining: up to %.1f s for in-flight calls", self.cfg.grace_period_s)
         await self.server.stop(self.cfg.grace_period_s)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         for lanes in self.lanes.values():
             await lanes.close()
         log.info("stopped")

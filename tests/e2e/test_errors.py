@@ -115,7 +115,7 @@ CASES = {
         "head_mask has 2 values; model 'mha' has 8 heads",
     ),
     "bad output dtype": (with_(output_dtype=7), grpc.StatusCode.INVALID_ARGUMENT, "output_dtype 7"),
-    "session": (with_(session_id="abc"), grpc.StatusCode.UNIMPLEMENTED, "sessions"),
+    "unknown session": (with_(session_id="abc"), grpc.StatusCode.NOT_FOUND, "'abc'"),
     "zero dim beside huge ones": (
         with_(input=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[2**40, 2**40, 0], data=b"")),
         grpc.StatusCode.INVALID_ARGUMENT,

@@ -1,0 +1,189 @@
+"""KV-cache sessions of the hosted models: the cache layer bound to the attention modules.
+
+A step reserves cache slots, gathers the sessions' past K/V, runs `MultiHeadAttention.step`
+for the whole batch, writes the new K/V and commits; any failure rolls every reservation
+back, so a session never counts tokens whose K/V were not written.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from mha_serve.cache import (
+    CacheError,
+    KVCache,
+    Reservation,
+    Session,
+    SessionStats,
+    SessionTable,
+    slot_mapping,
+)
+from mha_serve.engine.errors import InvalidRequest, require_finite
+from mha_serve.engine.types import AttendCall, AttendResult
+
+if TYPE_CHECKING:
+    from mha_serve.engine.engine import HostedModel
+
+
+class Sessions:
+    """The session table and one KV cache per model that has a cache budget."""
+
+    def __init__(
+        self, models: dict[str, HostedModel], *, evict: bool, default_ttl_s: float | None
+    ) -> None:
+        self.table = SessionTable(evict=evict, default_ttl_s=default_ttl_s)
+        self.caches: dict[str, KVCache] = {}
+        for name, hosted in models.items():
+            spec = hosted.spec
+            if spec.kv_cache_bytes == 0:
+                continue
+            try:
+                cache = KVCache.from_config(
+                    spec.attention,
+                    budget_bytes=spec.kv_cache_bytes,
+                    block_size=spec.kv_block_size,
+                    dtype=hosted.dtype,
+                    device=hosted.device,
+                )
+            except ValueError as e:
+                raise ValueError(f"model {name!r}: kv_cache_bytes: {e}") from None
+            self.caches[name] = cache
+            self.table.add_model(name, cache, max_len=spec.max_seq_len)
+
+    def cache(self, model: str) -> KVCache:
+        cache = self.caches.get(model)
+        if cache is None:
+            raise InvalidRequest(
+                f"model {model!r} serves no sessions (its kv_cache_bytes is 0); "
+                f"models with sessions: {', '.join(self.caches) or 'none'}"
+            )
+        return cache
+
+    def num_sessions(self, model: str) -> int:
+        return self.table.stats()[model].num_sessions
+
+    def create(self, model: str, max_len: int | None, ttl_s: float | None) -> Session:
+        self.cache(model)
+        return self.table.create(model, max_len=max_len, ttl_s=ttl_s)
+
+    def stats(self, session_id: str) -> tuple[Session, SessionStats]:
+        return self.table.get(session_id), self.table.session_stats(session_id)
+
+    def validate_step(self, hosted: HostedModel, call: AttendCall) -> Session:
+        """Session-specific checks, before the step queues (the table re-checks at reserve)."""
+        session = self.table.get(call.session_id)
+        if session.model != call.model:
+            raise InvalidRequest(
+                f"session {call.session_id!r} belongs to model {session.model!r}, not "
+                f"{call.model!r}; leave model empty or name {session.model!r}"
+            )
+        batch, seq_len, _ = call.inputs.shape
+        if batch != 1:
+            raise InvalidRequest(
+                f"a session step takes one sequence, (T, embed_dim) or (1, T, embed_dim); got batch {batch}"
+            )
+        if call.lengths is not None and call.lengths != [seq_len]:
+            raise InvalidRequest("a session step's tokens are all real: leave lengths empty")
+        if call.causal is False:
+            raise InvalidRequest(
+                "session steps are causal (cached keys are exact only for causal attention); "
+                "leave causal unset or true"
+            )
+        return session
+
+    def run_steps(
+        self, hosted: HostedModel, calls: list[AttendCall]
+    ) -> list[AttendResult | Exception]:
+        """One batched forward for steps of different sessions of one model.
+
+        Steps with weights arrive one at a time (their own lane); steps without share a batch.
+        """
+        start = time.perf_counter()
+        name = hosted.spec.name
+        cache = self.cache(name)
+        results: list[AttendResult | Exception | None] = [None] * len(calls)
+        reserved = self.table.reserve_many([(c.session_id, c.inputs.shape[1]) for c in calls])
+        live: list[tuple[int, Reservation]] = []
+        for i, r in enumerate(reserved):
+            if isinstance(r, CacheError):
+                results[i] = r
+            else:
+                live.append((i, r))
+        if not live:
+            return results
+        try:
+            self._step(hosted, cache, calls, live, results, start)
+        except BaseException:
+            for _, r in live:
+                self.table.rollback(r)
+            raise
+        return results
+
+    def _step(self, hosted, cache, calls, live, results, start) -> None:
+        steps = [calls[i] for i, _ in live]
+        reservations = [r for _, r in live]
+        new_tokens = [c.inputs.shape[1] for c in steps]
+        longest = max(new_tokens)
+        embed_dim = hosted.spec.attention.embed_dim
+        # Padding may stay uninitialised: step() zeroes padded tokens before projecting.
+        x = torch.empty(len(steps), longest, embed_dim, device=hosted.device, dtype=hosted.dtype)
+        for b, c in enumerate(steps):
+            x[b, : new_tokens[b]].copy_(c.inputs[0], non_blocking=True)
+        past_k, past_v, past_len = cache.gather(
+            [r.block_table for r in reservations], [r.start for r in reservations]
+        )
+        first = steps[0]
+        heads = first.weight_heads or list(range(hosted.spec.attention.num_heads))
+        unique = sorted(set(heads))
+        head_mask = None
+        if first.head_mask is not None:
+            head_mask = torch.tensor(first.head_mask, dtype=hosted.dtype, device=hosted.device)
+        with torch.inference_mode():
+            out, k_new, v_new = hosted.module.step(
+                x,
+                past_k=past_k,
+                past_v=past_v,
+                past_lengths=past_len,
+                new_lengths=None if len(set(new_tokens)) == 1 else new_tokens,
+                need_weights=first.need_weights,
+                weight_heads=unique if first.need_weights else None,
+                head_mask=head_mask,
+            )
+            cache.write(k_new, v_new, slot_mapping([r.slots for r in reservations], longest))
+        compute_ms = (time.perf_counter() - start) * 1e3
+        for b, ((i, r), c) in enumerate(zip(live, steps, strict=True)):
+            try:
+                results[i] = self._result(out, b, r, c, heads, unique, compute_ms, len(steps))
+            except InvalidRequest as e:  # overflow: this step is not kept
+                self.table.rollback(r)
+                results[i] = e
+                continue
+            self.table.commit(r)
+            results[i].session = self.table.session_stats(r.session_id)
+
+    @staticmethod
+    def _result(
+        out, b, r: Reservation, call: AttendCall, heads, unique, compute_ms, batch
+    ) -> AttendResult:
+        n = r.num_tokens
+        output = require_finite(
+            out.output[b : b + 1, :n].to(call.output_dtype or call.inputs.dtype), "output"
+        )
+        weights = None
+        if out.weights is not None:
+            q_end = call.query_end or n
+            w = out.weights[b : b + 1, :, call.query_start : q_end, : r.start + n]  # (1, n, R, S)
+            if unique != heads:
+                w = w[:, [unique.index(h) for h in heads]]
+            weights = require_finite(w.to(call.weights_dtype), "attention weights").cpu()
+        return AttendResult(
+            output=output.cpu(),
+            weights=weights,
+            weight_heads=list(heads) if call.need_weights else [],
+            weight_query_start=call.query_start if call.need_weights else 0,
+            compute_ms=compute_ms,
+            batch_size=batch,
+        )

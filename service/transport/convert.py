@@ -1,0 +1,119 @@
+"""mha.v1 messages <-> engine calls and results (no I/O, no status codes)."""
+
+from __future__ import annotations
+
+import torch
+
+from mha_client.api import attention_pb2 as pb
+from mha_serve.cache import Session, SessionStats
+from mha_serve.engine import AttendCall, AttendResult, Engine, HostedModel, InvalidRequest
+from mha_serve.transport.tensors import PROTO_DTYPES, from_proto, to_proto, torch_dtype
+
+VARIANTS = {"mha": pb.VARIANT_MHA, "gqa": pb.VARIANT_GQA, "mqa": pb.VARIANT_MQA}
+
+
+def to_call(request: pb.AttendRequest, engine: Engine) -> tuple[AttendCall, bool]:
+    """The engine call for a request, and whether the input was a single 2-D sequence."""
+    model = request.model
+    if request.session_id and not model:  # a step may leave the model to its session
+        model = engine.sessions.table.get(request.session_id).model
+    if not model:
+        raise InvalidRequest("model is empty; name one of the models ListModels returns")
+    if not request.HasField("input"):
+        raise InvalidRequest("input is missing; send a (batch, seq_len, embed_dim) tensor")
+    x = from_proto(request.input, "input")
+    single = x.dim() == 2
+    if single:
+        x = x.unsqueeze(0)  # (L, E) -> (1, L, E)
+    weights = request.weights
+    if not weights.enabled and (
+        weights.heads or weights.query_start or weights.query_end or weights.dtype
+    ):
+        raise InvalidRequest(
+            "weights.heads/query_start/query_end/dtype are set but weights.enabled is false; "
+            "set weights.enabled to get attention weights"
+        )
+    call = AttendCall(
+        model=model,
+        inputs=x,
+        lengths=list(request.lengths) or None,
+        causal=request.causal if request.HasField("causal") else None,
+        need_weights=weights.enabled,
+        weight_heads=list(weights.heads) or None,
+        query_start=weights.query_start,
+        query_end=weights.query_end,
+        weights_dtype=torch_dtype(weights.dtype, "weights.dtype", default=torch.float32),
+        head_mask=list(request.head_mask) or None,
+        output_dtype=torch_dtype(request.output_dtype, "output_dtype"),
+        session_id=request.session_id or None,
+    )
+    return call, single
+
+
+def encode_result(result: AttendResult, single: bool) -> pb.AttendResponse:
+    """Output and weights into a response, one copy each (no CopyFrom of a built message)."""
+    weights = None
+    if result.weights is not None:
+        weights = to_proto(result.weights[0] if single else result.weights)
+    return pb.AttendResponse(
+        output=to_proto(result.output[0] if single else result.output),
+        attention_weights=weights,
+        weight_heads=result.weight_heads,
+        weight_query_start=result.weight_query_start,
+        session=None if result.session is None else session_info(None, result.session),
+    )
+
+
+def session_info(session: Session | None, stats: SessionStats) -> pb.SessionInfo:
+    info = pb.SessionInfo(
+        session_id=stats.session_id,
+        model=stats.model,
+        num_tokens=stats.num_tokens,
+        num_blocks=stats.num_blocks,
+        bytes_held=stats.bytes_held,
+    )
+    if session is not None:
+        info.max_len = session.max_len or 0
+        info.ttl_s = session.ttl_s or 0.0
+    return info
+
+
+def model_info(
+    hosted: HostedModel, engine: Engine, max_request_bytes: int, max_response_bytes: int
+) -> pb.ModelInfo:
+    spec, cfg = hosted.spec, hosted.spec.attention
+    info = pb.ModelInfo(
+        name=spec.name,
+        variant=VARIANTS[cfg.variant],
+        embed_dim=cfg.embed_dim,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        bias=cfg.bias,
+        causal_default=cfg.causal,
+        dtype=PROTO_DTYPES[hosted.dtype],
+        device=str(hosted.device),
+        limits=pb.ModelLimits(
+            max_seq_len=spec.max_seq_len,
+            max_batch_size=spec.max_batch_size,
+            max_weights_bytes=spec.max_weights_bytes,
+            max_request_bytes=max_request_bytes,
+            max_response_bytes=max_response_bytes,
+        ),
+        num_parameters=hosted.num_parameters,
+    )
+    cache = engine.sessions.caches.get(spec.name)
+    if cache is not None:
+        pool = engine.sessions.table.pool(spec.name)
+        info.kv_cache.CopyFrom(
+            pb.KVCacheInfo(
+                budget_bytes=cache.budget_bytes,
+                block_size=cache.block_size,
+                bytes_per_token=cache.bytes_per_token,
+                num_blocks=cache.num_blocks,
+                num_blocks_used=pool.num_used,
+                num_sessions=engine.sessions.num_sessions(spec.name),
+                evict_idle_sessions=engine.sessions.table.evict,
+            )
+        )
+    return info

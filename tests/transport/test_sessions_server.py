@@ -1,0 +1,155 @@
+"""Sessions under a small cache budget over a real channel: refusal, eviction, TTL, batching."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from mha_client.api import attention_pb2 as pb
+from mha_client.api import attention_pb2_grpc as pb_grpc
+from mha_serve.config import ServerConfig
+from mha_serve.engine import ModelSpec
+from mha_serve.model import AttentionConfig
+from mha_serve.transport.server import Server
+from tests.helpers import free_port
+
+EMBED = 32
+# 2 (K, V) x 16 tokens x 2 KV heads x 8 dims x 4 bytes = 2 KiB per block; 4 blocks.
+BLOCK_BYTES = 2 * 16 * 2 * 8 * 4
+
+
+async def serving(**server_kw):
+    spec = ModelSpec("tiny", AttentionConfig(EMBED, 4, 2), kv_cache_bytes=4 * BLOCK_BYTES)
+    server = Server(
+        ServerConfig(host="127.0.0.1", port=free_port(), metrics_port=0, models=[spec], **server_kw)
+    )
+    await server.start()
+    return server
+
+
+def tokens(n: int, seed: int = 0) -> pb.Tensor:
+    x = np.random.default_rng(seed).standard_normal((n, EMBED), dtype=np.float32)
+    return pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=list(x.shape), data=x.tobytes())
+
+
+async def used_blocks(stub) -> int:
+    info = await stub.GetModelInfo(pb.GetModelInfoRequest(name="tiny"))
+    return info.kv_cache.num_blocks_used
+
+
+async def test_full_cache_refuses_without_touching_other_sessions():
+    server = await serving()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.AttentionServiceStub(channel)
+            a = (await stub.CreateSession(pb.CreateSessionRequest(model="tiny"))).session_id
+            b = (await stub.CreateSession(pb.CreateSessionRequest(model="tiny"))).session_id
+            await stub.Attend(pb.AttendRequest(session_id=a, input=tokens(40)))  # 3 blocks
+            before = await stub.Attend(pb.AttendRequest(session_id=b, input=tokens(10, 1)))  # 1
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Attend(pb.AttendRequest(session_id=b, input=tokens(10, 2)))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "block" in err.value.details()
+            assert (await stub.GetSession(pb.GetSessionRequest(session_id=a))).num_tokens == 40
+            assert (await stub.GetSession(pb.GetSessionRequest(session_id=b))).num_tokens == 10
+            assert before.session.num_tokens == 10
+            assert await used_blocks(stub) == 4
+            for sid in (a, b):
+                await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+            assert await used_blocks(stub) == 0  # accounting returns to zero
+    finally:
+        await server.stop()
+
+
+async def test_eviction_frees_the_least_recently_used_idle_session():
+    server = await serving(evict_idle_sessions=True)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.AttentionServiceStub(channel)
+            ids = [
+                (await stub.CreateSession(pb.CreateSessionRequest(model="tiny"))).session_id
+                for _ in range(3)
+            ]
+            for i, sid in enumerate(ids[:2]):
+                await stub.Attend(
+                    pb.AttendRequest(session_id=sid, input=tokens(30, i))
+                )  # 2 blocks each
+            await stub.Attend(
+                pb.AttendRequest(session_id=ids[1], input=tokens(1, 9))
+            )  # ids[0] is now LRU
+            await stub.Attend(
+                pb.AttendRequest(session_id=ids[2], input=tokens(20, 3))
+            )  # needs 2 blocks
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.GetSession(pb.GetSessionRequest(session_id=ids[0]))
+            assert (
+                err.value.code() == grpc.StatusCode.NOT_FOUND and "evicted" in err.value.details()
+            )
+            assert (await stub.GetSession(pb.GetSessionRequest(session_id=ids[1]))).num_tokens == 31
+    finally:
+        await server.stop()
+
+
+async def test_idle_sessions_expire_after_their_ttl():
+    server = await serving(session_ttl_s=0.3)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.AttentionServiceStub(channel)
+            sid = (await stub.CreateSession(pb.CreateSessionRequest(model="tiny"))).session_id
+            await stub.Attend(pb.AttendRequest(session_id=sid, input=tokens(20)))
+            assert await used_blocks(stub) == 2
+            await asyncio.sleep(1.6)  # TTL 0.3 s; the sweep runs every second
+            assert await used_blocks(stub) == 0  # freed by the sweep, without a lookup
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Attend(pb.AttendRequest(session_id=sid, input=tokens(1)))
+            assert (
+                err.value.code() == grpc.StatusCode.NOT_FOUND and "expired" in err.value.details()
+            )
+    finally:
+        await server.stop()
+
+
+async def test_steps_of_many_sessions_share_one_forward():
+    server = await serving()
+    lane = server.lanes["tiny"].fast
+    run, release, entered = lane._run_batch, threading.Event(), threading.Event()  # noqa: SLF001
+    sizes: list[int] = []
+
+    def gated(calls):
+        entered.set()
+        assert release.wait(10)
+        sizes.append(len(calls))
+        return run(calls)
+
+    lane._run_batch = gated
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.AttentionServiceStub(channel)
+            ids = [
+                (await stub.CreateSession(pb.CreateSessionRequest(model="tiny"))).session_id
+                for _ in range(4)
+            ]
+            first = asyncio.ensure_future(
+                stub.Attend(pb.AttendRequest(session_id=ids[0], input=tokens(3)))
+            )
+            assert await asyncio.to_thread(entered.wait, 10)  # the lane is busy with one step
+            rest = [
+                asyncio.ensure_future(
+                    stub.Attend(pb.AttendRequest(session_id=s, input=tokens(1, i)))
+                )
+                for i, s in enumerate(ids[1:])
+            ]
+            while lane.queued_requests < 3:
+                await asyncio.sleep(0.01)
+            release.set()
+            replies = [await first, *[await r for r in rest]]
+            assert sizes == [1, 3]  # the three waiting steps ran as one batched forward
+            assert [r.timing.batch_size for r in replies] == [1, 3, 3, 3]
+            assert [r.session.num_tokens for r in replies] == [3, 1, 1, 1]
+    finally:
+        release.set()
+        await server.stop()
