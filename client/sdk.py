@@ -9,7 +9,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -18,6 +18,9 @@ from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_client.errors import MhaServeError
 from mha_client.tensors import dtype_enum, dtype_name, from_proto, to_proto
+
+if TYPE_CHECKING:
+    from mha_client.sessions import AsyncSession, Session
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
@@ -81,6 +84,25 @@ class Timing:
     round_trip_ms: float  # client side: request sent to response received
 
 
+@dataclass(frozen=True)
+class SessionInfo:
+    """A KV-cache session as the server holds it."""
+
+    session_id: str
+    model: str
+    num_tokens: int  # tokens cached
+    max_len: int  # tokens it may hold (0 in step replies, which do not carry it)
+    ttl_s: float  # idle seconds before it expires; 0: never
+    num_blocks: int  # cache blocks held (a prefix shared by forks counts in each)
+    bytes_held: int
+
+    @classmethod
+    def from_proto(cls, s: pb.SessionInfo) -> SessionInfo:
+        return cls(
+            s.session_id, s.model, s.num_tokens, s.max_len, s.ttl_s, s.num_blocks, s.bytes_held
+        )
+
+
 @dataclass
 class AttendResult:
     """What Attend returned, with tensors decoded and the input's rank kept."""
@@ -92,6 +114,7 @@ class AttendResult:
     weight_query_start: int = 0  # query row of weights[..., 0, :]
     timing: Timing | None = None
     model: str = ""
+    session: SessionInfo | None = None  # after a session step: the session's new state
 
 
 def build_attend_request(
@@ -107,6 +130,7 @@ def build_attend_request(
     head_mask: Sequence[float] | None = None,
     output_dtype: str | None = None,
     input_dtype: str | None = None,
+    session_id: str | None = None,
 ) -> pb.AttendRequest:
     """The AttendRequest for `attend`; ValueError for arguments that cannot work.
 
@@ -115,6 +139,7 @@ def build_attend_request(
     heads (query head indices, None for all), query_range ((start, end) rows, end None for
     all) and weights_dtype. head_mask: one gate per query head (0 prunes it). output_dtype /
     input_dtype: "float32", "float16" or "bfloat16" (None: same as input / as x's dtype).
+    session_id: a session step (model may then be ""): x's tokens are appended to it.
     """
     arr = np.asarray(x)
     if arr.ndim not in (2, 3):
@@ -123,7 +148,9 @@ def build_attend_request(
         )
     if not weights and (heads is not None or query_range is not None or weights_dtype):
         raise ValueError("heads, query_range and weights_dtype select weights: pass weights=True")
-    req = pb.AttendRequest(model=model, input=to_proto(arr, input_dtype))
+    req = pb.AttendRequest(
+        model=model, input=to_proto(arr, input_dtype), session_id=session_id or ""
+    )
     if lengths is not None:
         req.lengths.extend(int(n) for n in lengths)
     if causal is not None:
@@ -170,6 +197,7 @@ def parse_attend_response(
         weight_query_start=resp.weight_query_start,
         timing=Timing(t.queue_ms, t.compute_ms, t.total_ms, t.batch_size, round_trip_ms),
         model=resp.model,
+        session=SessionInfo.from_proto(resp.session) if resp.HasField("session") else None,
     )
 
 
@@ -290,6 +318,28 @@ class Client:
         round_trip_ms = (time.perf_counter() - start) * 1e3
         return parse_attend_response(resp, np.ndim(x) == 2, round_trip_ms)
 
+    def create_session(
+        self,
+        model: str,
+        *,
+        max_len: int | None = None,
+        ttl_s: float | None = None,
+        timeout: float | None = None,
+    ) -> Session:
+        """A new KV-cache session on model (max_len None: the model's; ttl_s None: the server's)."""
+        from mha_client.sessions import Session
+
+        req = pb.CreateSessionRequest(model=model, max_len=max_len or 0, ttl_s=ttl_s or 0.0)
+        return Session(
+            self, SessionInfo.from_proto(self._call(self._stub.CreateSession, req, timeout))
+        )
+
+    def session(self, session_id: str) -> Session:
+        """A handle on an existing session (nothing is sent until it is used)."""
+        from mha_client.sessions import Session
+
+        return Session(self, SessionInfo(session_id, "", 0, 0, 0.0, 0, 0))
+
     def health(
         self, service: str = "", *, timeout: float | None = None, wait_for_ready: bool = False
     ) -> str:
@@ -395,6 +445,27 @@ class AsyncClient:
         resp = await self._call(self._stub.Attend, req, timeout)
         round_trip_ms = (time.perf_counter() - start) * 1e3
         return parse_attend_response(resp, np.ndim(x) == 2, round_trip_ms)
+
+    async def create_session(
+        self,
+        model: str,
+        *,
+        max_len: int | None = None,
+        ttl_s: float | None = None,
+        timeout: float | None = None,
+    ) -> AsyncSession:
+        """A new KV-cache session on model (max_len None: the model's; ttl_s None: the server's)."""
+        from mha_client.sessions import AsyncSession
+
+        req = pb.CreateSessionRequest(model=model, max_len=max_len or 0, ttl_s=ttl_s or 0.0)
+        info = await self._call(self._stub.CreateSession, req, timeout)
+        return AsyncSession(self, SessionInfo.from_proto(info))
+
+    def session(self, session_id: str) -> AsyncSession:
+        """A handle on an existing session (nothing is sent until it is used)."""
+        from mha_client.sessions import AsyncSession
+
+        return AsyncSession(self, SessionInfo(session_id, "", 0, 0, 0.0, 0, 0))
 
     async def health(
         self, service: str = "", *, timeout: float | None = None, wait_for_ready: bool = False
