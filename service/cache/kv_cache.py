@@ -124,7 +124,8 @@ class KVCache:
 
         block_tables[b]: session b's block ids (may cover more than lengths[b] tokens).
         Returns k, v (B, KVH, P, D) with P = max(lengths) (0 allowed) and lengths (B,)
-        int64, all on the cache's device. Positions at or past lengths[b] are padding
+        int64, all on the cache's device; for one session whose blocks are consecutive,
+        k and v are views into the cache (read them, never write). Positions at or past lengths[b] are padding
         holding stale slot contents (not zeroed: that would cost a pass per step); mask
         them by lengths, as MultiHeadAttention.step does.
         """
@@ -147,6 +148,13 @@ class KVCache:
                     f"{n} tokens need {need} block(s) of {bs}"
                 )
             table[b, :need] = torch.as_tensor(list(ids[:need]), dtype=torch.int64)
+        if B == 1 and _consecutive(block_tables[0][: -(-P // bs)]):
+            # One session whose blocks are consecutive: views into the cache, no copy.
+            first = block_tables[0][0] if P else 0
+            k = self.k.view(self.num_slots, KVH, D)[first * bs : first * bs + P]  # (P, KVH, D)
+            v = self.v.view(self.num_slots, KVH, D)[first * bs : first * bs + P]  # (P, KVH, D)
+            lengths_t = torch.tensor(lengths, dtype=torch.int64, device=self.device)
+            return k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2), lengths_t
         table = table.to(self.device)
         lengths_t = torch.tensor(lengths, dtype=torch.int64, device=self.device)  # (B,)
 
@@ -165,6 +173,10 @@ class KVCache:
                 raise ValueError(f"block id {i} is out of range 0..{self.num_blocks - 1}")
         self.k[dst].copy_(self.k[src])
         self.v[dst].copy_(self.v[src])
+
+
+def _consecutive(ids: Sequence[int]) -> bool:
+    return all(b == a + 1 for a, b in zip(ids, ids[1:], strict=False))
 
 
 def slot_mapping(slots: Sequence[Sequence[int]], width: int | None = None) -> torch.Tensor:

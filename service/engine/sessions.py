@@ -23,6 +23,7 @@ from mha_serve.cache import (
 )
 from mha_serve.engine.errors import InvalidRequest, require_finite
 from mha_serve.engine.types import AttendCall, AttendResult
+from mha_serve.model import attend_cached
 
 if TYPE_CHECKING:
     from mha_serve.engine.engine import HostedModel
@@ -128,31 +129,41 @@ class Sessions:
         new_tokens = [c.inputs.shape[1] for c in steps]
         longest = max(new_tokens)
         embed_dim = hosted.spec.attention.embed_dim
-        # Padding may stay uninitialised: step() zeroes padded tokens before projecting.
+        # Padding rows are zeroed below before projecting (uninitialised memory may hold NaN).
         x = torch.empty(len(steps), longest, embed_dim, device=hosted.device, dtype=hosted.dtype)
         for b, c in enumerate(steps):
             x[b, : new_tokens[b]].copy_(c.inputs[0], non_blocking=True)
-        past_k, past_v, past_len = cache.gather(
-            [r.block_table for r in reservations], [r.start for r in reservations]
-        )
         first = steps[0]
         heads = first.weight_heads or list(range(hosted.spec.attention.num_heads))
         unique = sorted(set(heads))
         head_mask = None
         if first.head_mask is not None:
             head_mask = torch.tensor(first.head_mask, dtype=hosted.dtype, device=hosted.device)
+        past = torch.tensor([r.start for r in reservations], device=hosted.device)  # (B,)
+        new = torch.tensor(new_tokens, device=hosted.device)  # (B,)
         with torch.inference_mode():
-            out, k_new, v_new = hosted.module.step(
-                x,
-                past_k=past_k,
-                past_v=past_v,
-                past_lengths=past_len,
-                new_lengths=None if len(set(new_tokens)) == 1 else new_tokens,
+            if len(set(new_tokens)) > 1:  # padded tokens: zero them (x may be uninitialised)
+                valid = torch.arange(longest, device=hosted.device)[None, :] < new[:, None]
+                x = x.masked_fill(~valid[:, :, None], 0.0)
+            q, k_new, v_new = hosted.module.project(x)  # (B, H, T, D), (B, KVH, T, D) x 2
+            # Write first, then read each session's positions in order: one copy of the
+            # past (none for a session whose blocks are consecutive), no concatenation.
+            cache.write(k_new, v_new, slot_mapping([r.slots for r in reservations], longest))
+            keys, values, _ = cache.gather(
+                [r.block_table for r in reservations],
+                [r.start + r.num_tokens for r in reservations],
+            )
+            out = attend_cached(
+                hosted.module,
+                q,
+                keys,
+                values,
+                past_lengths=past,
+                new_lengths=new,
                 need_weights=first.need_weights,
                 weight_heads=unique if first.need_weights else None,
                 head_mask=head_mask,
             )
-            cache.write(k_new, v_new, slot_mapping([r.slots for r in reservations], longest))
         compute_ms = (time.perf_counter() - start) * 1e3
         for b, ((i, r), c) in enumerate(zip(live, steps, strict=True)):
             try:

@@ -80,7 +80,7 @@ class MultiHeadAttention(nn.Module):
             # there would leak through the masked softmax as 0 * NaN in p @ v.
             x = x.masked_fill(~valid[:, :, None], 0.0)
 
-        q, k, v = self._project(x)  # (B, H, L, D), (B, KVH, L, D), (B, KVH, L, D)
+        q, k, v = self.project(x)  # (B, H, L, D), (B, KVH, L, D), (B, KVH, L, D)
 
         # No mask at all when nothing is padded, so SDPA can pick its fastest
         # kernel (is_causal needs no mask tensor); a boolean mask only for padding.
@@ -164,7 +164,7 @@ class MultiHeadAttention(nn.Module):
 
         if new_valid is not None:
             x = x.masked_fill(~new_valid[:, :, None], 0.0)  # as forward: NaN padding
-        q, k_new, v_new = self._project(x)  # (B, H, T, D), (B, KVH, T, D), (B, KVH, T, D)
+        q, k_new, v_new = self.project(x)  # (B, H, T, D), (B, KVH, T, D), (B, KVH, T, D)
         keys = x.new_empty(B, KVH, P + T, c.head_dim)  # (B, KVH, P+T, D): [past | new]
         values = torch.empty_like(keys)  # (B, KVH, P+T, D)
         past_ok = None
@@ -228,7 +228,7 @@ class MultiHeadAttention(nn.Module):
             w = w.masked_fill(~new_valid[:, None, :, None], 0.0)
         return w
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.config
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
         B, L, _ = x.shape

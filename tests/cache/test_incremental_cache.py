@@ -99,7 +99,7 @@ def check_cached_kv(module, kv, table, history):
         assert s.num_tokens == seq.shape[0]
         k, v, _ = kv.gather([s.block_table], [s.num_tokens])
         with torch.no_grad():
-            _, k_all, v_all = module._project(seq[None])
+            _, k_all, v_all = module.project(seq[None])
         assert_close(k, k_all, what=f"{sid[:6]} cached K")
         assert_close(v, v_all, what=f"{sid[:6]} cached V")
 

@@ -50,6 +50,8 @@ def test_default_block_size():
 
 def test_write_then_gather_roundtrip_with_padding():
     kv = make()
+    kv.k.zero_()  # storage starts uninitialised; zero it to see what write() touched
+    kv.v.zero_()
     torch.manual_seed(0)
     # session 0: blocks [5, 2], 6 tokens; session 1: block [7], 3 tokens
     tables, lengths = [[5, 2], [7]], [6, 3]

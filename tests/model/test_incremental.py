@@ -65,7 +65,7 @@ def test_chunked_steps_equal_one_causal_forward(variant, sizes):
             weights[i], full.weights[:, :, start:end, :end], what=f"{variant} chunk {i} weights"
         )
         start = end
-    _, k_all, v_all = module._project(x)
+    _, k_all, v_all = module.project(x)
     assert_close(k, k_all, what="stepped K")
     assert_close(v, v_all, what="stepped V")
 
@@ -84,7 +84,7 @@ def test_batched_ragged_step_equals_each_alone(variant):
     x = torch.full((B, T, E), float("nan"))
     with torch.no_grad():
         for b, (seq, p, n) in enumerate(zip(seqs, past_lengths, new_lengths, strict=True)):
-            _, k, v = module._project(seq[:, :p])  # (1, KVH, p, D)
+            _, k, v = module.project(seq[:, :p])  # (1, KVH, p, D)
             past_k[b, :, :p], past_v[b, :, :p] = k[0], v[0]
             x[b, :n] = seq[0, p:]
         batch, k_new, v_new = module.step(
@@ -110,7 +110,7 @@ def test_batched_ragged_step_equals_each_alone(variant):
             )
             assert torch.all(batch.weights[b, :, :, p + n :] == 0), "columns past the end"
             assert torch.all(batch.weights[b, :, n:] == 0), "padded rows of weights"
-            _, k_all, v_all = module._project(seq)
+            _, k_all, v_all = module.project(seq)
             assert_close(k_new[b, :, :n], k_all[0, :, p:], what=f"session {b} k_new")
             assert_close(v_new[b, :, :n], v_all[0, :, p:], what=f"session {b} v_new")
         assert not torch.isnan(batch.output).any() and not torch.isnan(batch.weights).any()
