@@ -115,3 +115,13 @@ def test_example_config_in_docs_loads():
     cfg = build_config(str(Path(__file__).parent.parent / "docs/config.example.toml"), {})
     assert [m.name for m in cfg.models] == ["mha", "gqa-1k"]
     assert cfg.models[1].attention.variant == "gqa" and cfg.models[1].attention.causal
+
+
+def test_boolean_settings_from_environment(monkeypatch, capsys):
+    monkeypatch.setenv("MHA_SERVE_EVICT_IDLE_SESSIONS", "true")
+    args = parser().parse_args([])
+    cfg = build_config(None, {k: getattr(args, k) for k in vars(args) if k != "config"})
+    assert cfg.evict_idle_sessions is True
+    monkeypatch.setenv("MHA_SERVE_EVICT_IDLE_SESSIONS", "maybe")
+    assert main([]) == 2
+    assert "evict_idle_sessions must be bool, got 'maybe'" in capsys.readouterr().err
