@@ -8,7 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from mha_serve.engine.errors import InvalidRequest, ModelNotFound, TooLarge, require_finite
+from mha_serve.engine.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    TooLarge,
+    all_finite,
+    require_finite,
+)
 from mha_serve.engine.sessions import Sessions
 from mha_serve.engine.types import AttendCall, AttendResult, ModelSpec
 from mha_serve.model import MultiHeadAttention, init_weights, load_checkpoint
@@ -157,7 +163,7 @@ class Engine:
             v == v and abs(v) != float("inf") for v in call.head_mask
         ):
             raise InvalidRequest("head_mask contains NaN or Inf")
-        if not bool(torch.isfinite(x).all()):
+        if not all_finite(x):
             raise InvalidRequest("input contains NaN or Inf values; send finite embeddings")
         num_keys = seq_len
         if call.session_id is not None:  # keys: everything the session holds, plus the new tokens
@@ -314,12 +320,9 @@ class Engine:
         for c in calls:
             batch, seq_len, _ = c.inputs.shape
             try:
-                output = require_finite(
-                    out[row : row + batch, :seq_len].to(c.output_dtype or c.inputs.dtype), "output"
-                )
-                results.append(
-                    AttendResult(output.cpu(), None, compute_ms=compute_ms, batch_size=total)
-                )
+                output = out[row : row + batch, :seq_len].to(c.output_dtype or c.inputs.dtype)
+                output = require_finite(output.cpu().contiguous(), "output")  # the copy we send
+                results.append(AttendResult(output, None, compute_ms=compute_ms, batch_size=total))
             except InvalidRequest as e:  # only this call's caller hears of it
                 results.append(e)
             row += batch

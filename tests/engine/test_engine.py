@@ -143,3 +143,17 @@ def test_bad_engine_configs_fail_with_the_fix():
         ModelSpec("b", AttentionConfig(16, 2), max_seq_len=0)
     with pytest.raises(ValueError, match="model name"):
         ModelSpec("has space", AttentionConfig(16, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_all_finite_matches_torch_on_every_dtype(dtype):
+    from mha_serve.engine.errors import all_finite
+
+    x = torch.randn(3, 7, dtype=torch.float32).to(dtype)
+    assert all_finite(x)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[2, 5] = bad
+        assert not all_finite(y) and not bool(torch.isfinite(y).all())
+        assert not all_finite(y[1:, ::2])  # a strided view is checked too
+    assert all_finite(torch.full((4,), 65504.0, dtype=dtype))  # largest float16, still finite
