@@ -19,6 +19,7 @@ import numpy as np
 
 from mha_client.errors import MhaServeError
 from mha_client.heatmap import require_matplotlib, save_heatmap
+from mha_client.loadgen import add_load_arguments, cmd_load
 from mha_client.report import (
     attend_summary,
     format_attend_summary,
@@ -236,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     attend.add_argument("--json", action="store_true", help="print a JSON summary")
     attend.set_defaults(func=cmd_attend)
+
+    load = sub.add_parser("load", parents=[common], help="load test: throughput and latency")
+    add_load_arguments(load)
+    load.set_defaults(func=cmd_load)
     return parser
 
 

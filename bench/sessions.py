@@ -1,0 +1,365 @@
+"""KV-cache session benchmarks (issue 3), side by side in one run on this machine.
+
+    python bench/sessions.py [--quick]
+
+1. Decode step with the cache (StreamSession) vs recomputing the whole sequence (one causal
+   Attend), both end to end over gRPC, at contexts 256, 1024, 4096, for MHA, GQA and MQA.
+2. Cache bytes per token per variant (exactly proportional to num_kv_heads?) and decode
+   tokens/s at the longest context.
+3. 64 sessions decoding concurrently (one stream each; steps batch across sessions) vs the
+   same steps one session at a time: aggregate tokens/s.
+4. Internal fragmentation of the block pool under a mixed workload of session lengths,
+   forks and closes.
+
+Writes docs/benchmarks-sessions.md and bench/results/sessions.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from mha_client.sdk import AsyncClient, Client
+
+ROOT = Path(__file__).resolve().parent.parent
+EMBED = 512
+MODELS = ("mha", "gqa", "mqa")
+TARGETS = {"speedup_4096": 100.0, "batched_ratio": 4.0, "fragmentation": 0.04}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "mha_serve.transport.main",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--metrics-port",
+        "0",
+        "--log-level",
+        "WARNING",
+    ]
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    target = f"127.0.0.1:{port}"
+    with Client(target) as c:
+        c.wait_ready(120)
+    return proc, target
+
+
+def timed(fn, reps: int) -> float:
+    """Median seconds of fn() over reps runs (after one warm-up run)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def decode_vs_recompute(c: Client, contexts: list[int], steps: int, reps: int) -> list[dict]:
+    rows = []
+    rng = np.random.default_rng(0)
+    for model in MODELS:
+        for ctx in contexts:
+            x = rng.standard_normal((ctx, EMBED), dtype=np.float32)
+            recompute = timed(lambda x=x, model=model: c.attend(model, x, causal=True), reps)
+            with c.create_session(model) as s:
+                s.step(x[: ctx - steps - 1])  # prefill, then steps that end at context ctx
+                with s.stream() as stream:
+                    stream.step(x[ctx - steps - 1 : ctx - steps])  # warm-up step
+                    start = time.perf_counter()
+                    for t in range(ctx - steps, ctx):
+                        stream.step(x[t : t + 1])
+                    step = (time.perf_counter() - start) / steps
+            rows.append(
+                {
+                    "model": model,
+                    "context": ctx,
+                    "recompute_ms": recompute * 1e3,
+                    "step_ms": step * 1e3,
+                    "speedup": recompute / step,
+                    "decode_tokens_per_s": 1 / step,
+                }
+            )
+            print(
+                f"  {model} context {ctx}: recompute {recompute * 1e3:.1f} ms, "
+                f"cached step {step * 1e3:.2f} ms, {recompute / step:.0f}x",
+                flush=True,
+            )
+    return rows
+
+
+async def batched_decode(target: str, num_sessions: int, context: int, steps: int) -> dict:
+    rng = np.random.default_rng(1)
+    prompts = rng.standard_normal((num_sessions, context, EMBED), dtype=np.float32)
+    tokens = rng.standard_normal((num_sessions, steps, EMBED), dtype=np.float32)
+    async with AsyncClient(target, timeout=600) as c:
+        sessions = [await c.create_session("gqa") for _ in range(num_sessions)]
+        for s, p in zip(sessions, prompts, strict=True):
+            await s.step(p)
+        # One session at a time: every step waits for the previous one.
+        start = time.perf_counter()
+        for i, s in enumerate(sessions):
+            async with s.stream() as stream:
+                for t in range(steps // 2):
+                    await stream.step(tokens[i, t : t + 1])
+        sequential = num_sessions * (steps // 2) / (time.perf_counter() - start)
+        batch_sizes: list[int] = []
+
+        async def decode(i: int, s) -> None:
+            async with s.stream() as stream:
+                for t in range(steps // 2, steps):
+                    r = await stream.step(tokens[i, t : t + 1])
+                    batch_sizes.append(r.timing.batch_size)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(decode(i, s) for i, s in enumerate(sessions)))
+        concurrent = num_sessions * (steps - steps // 2) / (time.perf_counter() - start)
+        for s in sessions:
+            await s.close()
+    print(
+        f"  {num_sessions} sessions at context {context}: one at a time {sequential:.0f} tok/s, "
+        f"concurrent {concurrent:.0f} tok/s ({concurrent / sequential:.1f}x), "
+        f"mean batch {np.mean(batch_sizes):.1f}",
+        flush=True,
+    )
+    return {
+        "sessions": num_sessions,
+        "context": context,
+        "sequential_tokens_per_s": sequential,
+        "concurrent_tokens_per_s": concurrent,
+        "ratio": concurrent / sequential,
+        "mean_batch_size": float(np.mean(batch_sizes)),
+    }
+
+
+def fragmentation(num_sessions: int, seed: int = 0) -> dict:
+    """A mixed workload on one model's pool: log-uniform lengths 1..4096, forks, closes."""
+    import torch
+
+    from mha_serve.cache import KVCache, SessionTable
+    from mha_serve.model import AttentionConfig
+
+    cfg = AttentionConfig(EMBED, 8, 2)
+    cache = KVCache.from_config(cfg, budget_bytes=1 << 30, dtype=torch.float32)
+    table = SessionTable()
+    table.add_model("gqa", cache, max_len=8192)
+    rnd = random.Random(seed)
+    live = []
+    for _ in range(num_sessions):
+        op = rnd.random()
+        if live and op < 0.15:
+            live.append(table.fork(rnd.choice(live)).id)
+        elif live and op < 0.3:
+            table.close(live.pop(rnd.randrange(len(live))))
+            continue
+        else:
+            live.append(table.create("gqa").id)
+        sid = live[-1]
+        for _ in range(rnd.randint(1, 4)):  # appended in a few chunks, like prompt + decode
+            n = int(round(2 ** rnd.uniform(0, 10)))
+            res = table.reserve(sid, n)
+            table.commit(res)
+    stats = table.stats()["gqa"]
+    print(
+        f"  {stats.num_sessions} sessions, {stats.num_tokens_stored} tokens stored in "
+        f"{stats.num_blocks_used} blocks of {stats.block_size}: fragmentation "
+        f"{stats.fragmentation:.2%}",
+        flush=True,
+    )
+    return {
+        "sessions": stats.num_sessions,
+        "tokens_stored": stats.num_tokens_stored,
+        "blocks_used": stats.num_blocks_used,
+        "block_size": stats.block_size,
+        "fragmentation": stats.fragmentation,
+    }
+
+
+def write_report(results: dict, out: Path) -> None:
+    lines = [
+        "# KV-cache session benchmarks",
+        "",
+        f"Measured {results['date']} on {results['machine']} with `{results['command']}`;"
+        " server and client on the same machine, float32 on the CPU, embed_dim 512, 8 query heads.",
+        "",
+        "## Decode step with the cache vs recomputing the sequence (end to end over gRPC)",
+        "",
+        "| model | context | recompute (ms) | cached step (ms) | speedup | decode tok/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results["decode"]:
+        lines.append(
+            f"| {r['model']} | {r['context']} | {r['recompute_ms']:.1f} | {r['step_ms']:.2f} "
+            f"| {r['speedup']:.0f}x | {r['decode_tokens_per_s']:.0f} |"
+        )
+    lines += [
+        "",
+        "Step time growth with context (linear would be the context ratio, quadratic its square):",
+        "",
+    ]
+    for g in results["growth"]:
+        lines.append(
+            f"- {g['model']}: context x{g['context_ratio']:.0f} -> step time x{g['step_ratio']:.1f}"
+        )
+    lines += [
+        "",
+        "## Cache bytes per token",
+        "",
+        "| model | KV heads | bytes/token | vs MHA |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for r in results["bytes_per_token"]:
+        lines.append(
+            f"| {r['model']} | {r['num_kv_heads']} | {r['bytes_per_token']} | {r['vs_mha']:.3f} |"
+        )
+    b = results["batched"]
+    lines += [
+        "",
+        "## Batched decode across sessions",
+        "",
+        f"{b['sessions']} sessions at context {b['context']} (gqa), one stream each: "
+        f"{b['concurrent_tokens_per_s']:.0f} tokens/s concurrently vs "
+        f"{b['sequential_tokens_per_s']:.0f} tokens/s one session at a time: "
+        f"**{b['ratio']:.1f}x** (mean batch size {b['mean_batch_size']:.1f}).",
+        "",
+        "## Block pool fragmentation (mixed workload)",
+        "",
+    ]
+    f = results["fragmentation"]
+    lines.append(
+        f"{f['sessions']} live sessions (log-uniform appends of 1..1024 tokens, forks, closes), "
+        f"{f['tokens_stored']} tokens in {f['blocks_used']} blocks of {f['block_size']}: "
+        f"**{f['fragmentation']:.2%}** of allocated slots hold no token."
+    )
+    lines += ["", "## Targets (issue 3)", "", "| target | measured | met |", "| --- | --- | --- |"]
+    for name, measured, goal, ok in results["targets"]:
+        lines.append(f"| {name} (target {goal}) | {measured} | {'yes' if ok else 'no'} |")
+    out.write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    args = parser.parse_args()
+    contexts = [64, 256] if args.quick else [256, 1024, 4096]
+    steps, reps = (4, 2) if args.quick else (32, 3)
+    num_sessions, batch_steps = (8, 4) if args.quick else (64, 16)
+    tmp = Path(tempfile.mkdtemp(prefix="mha-bench-"))
+    proc, target = start_server(tmp / "server.log")
+    results: dict = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, Python {platform.python_version()}",
+        "command": "python bench/sessions.py" + (" --quick" if args.quick else ""),
+    }
+    try:
+        with Client(target, timeout=600) as c:
+            print("decode step vs recompute:", flush=True)
+            results["decode"] = decode_vs_recompute(c, contexts, steps, reps)
+            infos = {m.name: m for m in c.list_models()}
+            from mha_client.api import attention_pb2 as pb
+
+            raw = {m.name: m for m in c._stub.ListModels(pb.ListModelsRequest()).models}  # noqa: SLF001
+        per_token = {n: raw[n].kv_cache.bytes_per_token for n in MODELS}
+        results["bytes_per_token"] = [
+            {
+                "model": n,
+                "num_kv_heads": infos[n].num_kv_heads,
+                "bytes_per_token": per_token[n],
+                "vs_mha": per_token[n] / per_token["mha"],
+            }
+            for n in MODELS
+        ]
+        results["bytes_exactly_proportional"] = all(
+            per_token[n] * infos["mha"].num_kv_heads == per_token["mha"] * infos[n].num_kv_heads
+            for n in MODELS
+        )
+        results["growth"] = []
+        for model in MODELS:
+            rows = [r for r in results["decode"] if r["model"] == model]
+            results["growth"].append(
+                {
+                    "model": model,
+                    "context_ratio": rows[-1]["context"] / rows[-2]["context"],
+                    "step_ratio": rows[-1]["step_ms"] / rows[-2]["step_ms"],
+                }
+            )
+        print("batched decode:", flush=True)
+        results["batched"] = asyncio.run(
+            batched_decode(target, num_sessions, 256 if not args.quick else 32, batch_steps)
+        )
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    print("fragmentation:", flush=True)
+    results["fragmentation"] = fragmentation(200 if args.quick else 2000)
+    longest = max(contexts)
+    worst = min(r["speedup"] for r in results["decode"] if r["context"] == longest)
+    growth = max(g["step_ratio"] / g["context_ratio"] for g in results["growth"])
+    results["targets"] = [
+        (
+            f"cached step vs recompute at context {longest}, worst variant",
+            f"{worst:.0f}x",
+            ">= 100x",
+            worst >= TARGETS["speedup_4096"],
+        ),
+        (
+            "step time growth / context growth, worst variant",
+            f"{growth:.2f}",
+            "<= ~1 (linear)",
+            growth <= 1.5,
+        ),
+        (
+            "bytes per token proportional to num_kv_heads",
+            str(results["bytes_exactly_proportional"]),
+            "exact",
+            results["bytes_exactly_proportional"],
+        ),
+        (
+            "64 concurrent sessions vs one at a time",
+            f"{results['batched']['ratio']:.1f}x",
+            ">= 4x",
+            results["batched"]["ratio"] >= TARGETS["batched_ratio"],
+        ),
+        (
+            "block pool fragmentation",
+            f"{results['fragmentation']['fragmentation']:.2%}",
+            "<= 4%",
+            results["fragmentation"]["fragmentation"] <= TARGETS["fragmentation"],
+        ),
+    ]
+    out_json = ROOT / "bench/results/sessions.json"
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(results, indent=2) + "\n")
+    if not args.quick:
+        write_report(results, ROOT / "docs/benchmarks-sessions.md")
+    for name, measured, goal, ok in results["targets"]:
+        print(f"{'MET    ' if ok else 'NOT MET'} {name}: {measured} (target {goal})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
