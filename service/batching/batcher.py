@@ -108,6 +108,9 @@ class Batcher:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"batch-{name}")
         self._task: asyncio.Task | None = None
         self._closed = False
+        # Smoothed gap between arrivals: waiting for company only pays when others come soon.
+        self._last_arrival: float | None = None
+        self._gap_ewma: float | None = None
 
     @property
     def queued_requests(self) -> int:
@@ -149,6 +152,10 @@ class Batcher:
             )
         future = asyncio.get_running_loop().create_future()
         item = Item(payload, sequences, length, key, deadline, future)
+        if self._last_arrival is not None:
+            gap = item.enqueued - self._last_arrival
+            self._gap_ewma = gap if self._gap_ewma is None else 0.8 * self._gap_ewma + 0.2 * gap
+        self._last_arrival = item.enqueued
         self._pending.append(item)
         self._queued_tokens += tokens
         self._wakeup.set()
@@ -204,13 +211,18 @@ class Batcher:
                     item.future.set_result((result, info))
 
     async def _form_batch(self) -> list[Item]:
-        """The oldest item plus compatible ones, waiting up to max_queue_delay for more."""
+        """The oldest item plus compatible ones, waiting up to max_queue_delay for more.
+
+        The wait applies only while requests arrive closer together than the delay: a lone
+        client (one request at a time) would wait for nobody, so its requests go at once.
+        """
         p = self.policy
         first = self._take_first()
         if first is None:
             return []
         batch, sequences, longest = [first], first.sequences, first.length
-        flush_at = time.monotonic() + p.max_queue_delay_s
+        busy = self._gap_ewma is not None and self._gap_ewma < p.max_queue_delay_s
+        flush_at = time.monotonic() + (p.max_queue_delay_s if busy else 0.0)
         while True:
             for item in list(self._pending):
                 if item.key != first.key or self._expired(item):

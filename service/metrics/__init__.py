@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 # Seconds; attention requests on small inputs take ~1 ms, long ones seconds.
@@ -103,16 +105,29 @@ def watch_kv_cache(model: str, cache, sessions) -> None:
     SESSIONS.labels(model).set_function(lambda: sessions.num_sessions(model))
 
 
+@functools.cache
+def _per_model(model: str) -> tuple:
+    """Label lookups cost microseconds per request; models are few, so keep their children."""
+    return (
+        TOKENS.labels(model),
+        REQUEST_TOKENS.labels(model),
+        QUEUE_LATENCY.labels(model),
+        REQUEST_LATENCY.labels(model),
+        WEIGHTS_BYTES.labels(model),
+    )
+
+
 def observe_attend(
     model: str, *, tokens: int, queue_s: float, total_s: float, weights_bytes: int
 ) -> None:
-    """Called once per answered Attend or session step."""
-    TOKENS.labels(model).inc(tokens)
-    REQUEST_TOKENS.labels(model).observe(tokens)
-    QUEUE_LATENCY.labels(model).observe(queue_s)
-    REQUEST_LATENCY.labels(model).observe(total_s)
+    """Called once per answered Attend or session step (model: a hosted model's name)."""
+    tokens_c, tokens_h, queue_h, latency_h, weights_c = _per_model(model)
+    tokens_c.inc(tokens)
+    tokens_h.observe(tokens)
+    queue_h.observe(queue_s)
+    latency_h.observe(total_s)
     if weights_bytes:
-        WEIGHTS_BYTES.labels(model).inc(weights_bytes)
+        weights_c.inc(weights_bytes)
 
 
 def observe_batch(model: str, lane: str, info) -> None:

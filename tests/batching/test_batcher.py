@@ -223,3 +223,32 @@ def test_bad_policies_fail_with_the_fix():
         BatchPolicy(max_batch_size=0)
     with pytest.raises(ValueError, match="max_queue_delay_s must be in 0..1 s"):
         BatchPolicy(max_queue_delay_s=5)
+
+
+async def test_a_lone_client_does_not_wait_for_company():
+    rec = Recorder()
+    b = Batcher("m", rec, BatchPolicy(max_queue_delay_s=0.5))
+    for i in range(3):  # one request at a time, as a single client sends them
+        started = time.monotonic()
+        _, info = await b.submit(i, sequences=1, length=1)
+        assert time.monotonic() - started < 0.4, "waited for the 0.5 s batch delay"
+        assert info.queue_s < 0.4
+        await asyncio.sleep(0.6)  # arrivals further apart than the delay
+    await b.close()
+
+
+async def test_bursty_arrivals_still_wait_for_company():
+    rec = Recorder()
+    b = Batcher("m", rec, BatchPolicy(max_queue_delay_s=0.2))
+    await asyncio.gather(*(b.submit(i, sequences=1, length=1) for i in range(4)))  # a burst
+    late = []
+
+    async def trickle():
+        for i in range(4, 7):
+            late.append(asyncio.ensure_future(b.submit(i, sequences=1, length=1)))
+            await asyncio.sleep(0.02)  # closer together than the delay
+
+    await trickle()
+    await asyncio.gather(*late)
+    assert [4, 5, 6] in rec.batches  # the trickle was gathered into one batch
+    await b.close()
