@@ -1,8 +1,10 @@
 """Paged K/V tensors of one model, sized from a budget in bytes; addressed by block id.
 
 Layout (one model, all sessions):
-    k, v: (num_blocks, block_size, KVH, D)    dtype and device of the model
-A token's slot is block_id * block_size + offset; viewed flat, k is (num_slots, KVH, D).
+    k, v: (KVH, num_blocks, block_size, D)    dtype and device of the model
+A token's slot is block_id * block_size + offset; viewed flat, k is (KVH, num_slots, D).
+Head-major so that a run of consecutive slots is, per head, one contiguous (P, D) matrix:
+attention reads a session with consecutive blocks in place, at full speed.
 Which blocks belong to which session is the session table's business, not this one's.
 """
 
@@ -52,7 +54,7 @@ class KVCache:
                 f"num_kv_heads {num_kv_heads} x head_dim {head_dim} x {itemsize} bytes of "
                 f"{dtype}); set the budget to at least {self.bytes_per_block} bytes"
             )
-        shape = (self.num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_kv_heads, self.num_blocks, block_size, head_dim)
         # Empty, not zeros: on the CPU untouched pages cost no memory until sessions use
         # them. Never-written slots only ever appear as gather padding, which step() masks
         # and zeroes (tests/cache: NaN padding never leaks).
@@ -112,10 +114,10 @@ class KVCache:
                 f"slot_mapping has slots in [{int(slots.min())}, {int(slots.max())}] "
                 f"outside 0..{self.num_slots - 1} (or {PAD_SLOT} for padding)"
             )
-        k_rows = k.transpose(1, 2).reshape(B * T, KVH, D)[keep]  # (N, KVH, D)
-        v_rows = v.transpose(1, 2).reshape(B * T, KVH, D)[keep]  # (N, KVH, D)
-        self.k.view(self.num_slots, KVH, D).index_copy_(0, slots, k_rows.to(self.device))
-        self.v.view(self.num_slots, KVH, D).index_copy_(0, slots, v_rows.to(self.device))
+        k_rows = k.transpose(0, 1).reshape(KVH, B * T, D)[:, keep]  # (KVH, N, D)
+        v_rows = v.transpose(0, 1).reshape(KVH, B * T, D)[:, keep]  # (KVH, N, D)
+        self.k.view(KVH, self.num_slots, D).index_copy_(1, slots, k_rows.to(self.device))
+        self.v.view(KVH, self.num_slots, D).index_copy_(1, slots, v_rows.to(self.device))
 
     def gather(
         self, block_tables: Sequence[Sequence[int]], lengths: Sequence[int]
@@ -151,19 +153,19 @@ class KVCache:
         if B == 1 and _consecutive(block_tables[0][: -(-P // bs)]):
             # One session whose blocks are consecutive: views into the cache, no copy.
             first = block_tables[0][0] if P else 0
-            k = self.k.view(self.num_slots, KVH, D)[first * bs : first * bs + P]  # (P, KVH, D)
-            v = self.v.view(self.num_slots, KVH, D)[first * bs : first * bs + P]  # (P, KVH, D)
+            k = self.k.view(KVH, self.num_slots, D)[:, first * bs : first * bs + P]  # (KVH, P, D)
+            v = self.v.view(KVH, self.num_slots, D)[:, first * bs : first * bs + P]  # (KVH, P, D)
             lengths_t = torch.tensor(lengths, dtype=torch.int64, device=self.device)
-            return k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2), lengths_t
+            return k.unsqueeze(0), v.unsqueeze(0), lengths_t  # (1, KVH, P, D)
         table = table.to(self.device)
         lengths_t = torch.tensor(lengths, dtype=torch.int64, device=self.device)  # (B,)
 
         pos = torch.arange(P, device=self.device)  # (P,)
         slots = (table[:, pos // bs] * bs + pos % bs).view(B * P)  # (B*P,)
-        k = self.k.view(self.num_slots, KVH, D).index_select(0, slots)  # (B*P, KVH, D)
-        v = self.v.view(self.num_slots, KVH, D).index_select(0, slots)  # (B*P, KVH, D)
-        k = k.view(B, P, KVH, D).transpose(1, 2)  # (B, KVH, P, D)
-        v = v.view(B, P, KVH, D).transpose(1, 2)  # (B, KVH, P, D)
+        k = self.k.view(KVH, self.num_slots, D).index_select(1, slots)  # (KVH, B*P, D)
+        v = self.v.view(KVH, self.num_slots, D).index_select(1, slots)  # (KVH, B*P, D)
+        k = k.view(KVH, B, P, D).transpose(0, 1)  # (B, KVH, P, D)
+        v = v.view(KVH, B, P, D).transpose(0, 1)  # (B, KVH, P, D)
         return k, v, lengths_t
 
     def copy_block(self, src: int, dst: int) -> None:
@@ -171,8 +173,8 @@ class KVCache:
         for i in (src, dst):
             if not 0 <= i < self.num_blocks:
                 raise ValueError(f"block id {i} is out of range 0..{self.num_blocks - 1}")
-        self.k[dst].copy_(self.k[src])
-        self.v[dst].copy_(self.v[src])
+        self.k[:, dst].copy_(self.k[:, src])
+        self.v[:, dst].copy_(self.v[:, src])
 
 
 def _consecutive(ids: Sequence[int]) -> bool:

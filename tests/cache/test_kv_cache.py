@@ -21,7 +21,7 @@ def test_sized_from_budget_and_never_over_it(budget):
     kv = KVCache(num_kv_heads=KVH, head_dim=D, budget_bytes=budget, block_size=BS)
     assert kv.bytes_per_block == BYTES_PER_BLOCK
     assert kv.num_blocks == budget // BYTES_PER_BLOCK
-    assert kv.k.shape == (kv.num_blocks, BS, KVH, D) == kv.v.shape
+    assert kv.k.shape == (KVH, kv.num_blocks, BS, D) == kv.v.shape
     assert kv.nbytes == kv.k.nbytes + kv.v.nbytes <= budget
     assert budget - kv.nbytes < BYTES_PER_BLOCK
 
@@ -70,7 +70,7 @@ def test_write_then_gather_roundtrip_with_padding():
     # padded tokens (slot -1) were not written anywhere
     used = {s // BS for row in slots for s in row}
     others = [b for b in range(kv.num_blocks) if b not in used]
-    assert torch.all(kv.k[others] == 0) and torch.all(kv.v[others] == 0)
+    assert torch.all(kv.k[:, others] == 0) and torch.all(kv.v[:, others] == 0)
 
 
 def test_gather_of_empty_past():
@@ -80,10 +80,10 @@ def test_gather_of_empty_past():
 
 def test_copy_block():
     kv = make()
-    kv.k[1].normal_()
-    kv.v[1].normal_()
+    kv.k[:, 1].normal_()
+    kv.v[:, 1].normal_()
     kv.copy_block(1, 6)
-    assert torch.equal(kv.k[6], kv.k[1]) and torch.equal(kv.v[6], kv.v[1])
+    assert torch.equal(kv.k[:, 6], kv.k[:, 1]) and torch.equal(kv.v[:, 6], kv.v[:, 1])
 
 
 def test_slot_mapping_pads():

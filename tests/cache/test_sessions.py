@@ -121,7 +121,7 @@ def test_fork_shares_blocks_and_copies_the_partial_one_on_write():
     parent = table.create("m")
     append(table, parent.id, 6)  # one full block, one partial (2 of 4)
     full, partial = parent.block_table
-    kv.k[partial].fill_(7.0)
+    kv.k[:, partial].fill_(7.0)
     child = table.fork(parent.id)
     pool = table.pool("m")
     assert child.block_table == [full, partial] and child.num_tokens == 6
@@ -130,7 +130,7 @@ def test_fork_shares_blocks_and_copies_the_partial_one_on_write():
     res = table.reserve(child.id, 3)  # writes into the partial block: copy it first
     copy = child.block_table[1]
     assert copy != partial and child.block_table[0] == full
-    assert torch.equal(kv.k[copy], kv.k[partial]), "the copy holds the shared tokens"
+    assert torch.equal(kv.k[:, copy], kv.k[:, partial]), "the copy holds the shared tokens"
     assert all(s // BS != partial for s in res.slots), "the child never writes the shared block"
     assert pool.refcount(partial) == 1 and pool.refcount(full) == 2
     table.commit(res)
