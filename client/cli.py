@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from mha_client.cli_sessions import add_session_commands
 from mha_client.errors import MhaServeError
 from mha_client.heatmap import require_matplotlib, save_heatmap
 from mha_client.loadgen import add_load_arguments, cmd_load
@@ -237,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     attend.add_argument("--json", action="store_true", help="print a JSON summary")
     attend.set_defaults(func=cmd_attend)
+
+    add_session_commands(sub, common)
 
     load = sub.add_parser("load", parents=[common], help="load test: throughput and latency")
     add_load_arguments(load)

@@ -145,3 +145,33 @@ def test_cli_models_health_and_attend(server, tmp_path):
 
     bad = cli("attend", "nope", "--random-shape", "4", target=server.target)
     assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr
+
+
+def test_cli_sessions_and_decode(server, tmp_path):
+    created = cli("session", "create", "gqa", "--max-len", "64", "--json", target=server.target)
+    assert created.returncode == 0, created.stderr
+    sid = json.loads(created.stdout)["session_id"]
+    step = cli(
+        "session",
+        "step",
+        sid,
+        "--random-tokens",
+        "5",
+        "--weights",
+        "--json",
+        "--save",
+        str(tmp_path / "step.npz"),
+        target=server.target,
+    )
+    assert step.returncode == 0, step.stderr
+    summary = json.loads(step.stdout)
+    assert summary["session"]["num_tokens"] == 5 and summary["weights_shape"] == [8, 5, 5]
+    assert np.load(tmp_path / "step.npz")["output"].shape == (5, 512)
+    fork = cli("session", "fork", sid, "--json", target=server.target)
+    assert json.loads(fork.stdout)["num_tokens"] == 5
+    assert cli("session", "close", sid, target=server.target).returncode == 0
+    gone = cli("session", "info", sid, target=server.target)
+    assert gone.returncode == 1 and "NOT_FOUND" in gone.stderr and "closed" in gone.stderr
+    decode = cli("decode", "mqa", "--prompt-len", "16", "--steps", "4", target=server.target)
+    assert decode.returncode == 0, decode.stderr
+    assert "tokens/s" in decode.stdout and "20 tokens in 2 blocks" in decode.stdout
