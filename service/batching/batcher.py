@@ -25,6 +25,7 @@ DEFAULT_MAX_BATCH_TOKENS = 32768  # padded tokens (sequences x longest) in one f
 DEFAULT_MAX_QUEUE_DELAY_S = 0.002  # how long the first request of a batch may wait for company
 DEFAULT_MAX_QUEUE_REQUESTS = 1024
 DEFAULT_MAX_QUEUE_TOKENS = 1 << 20
+DEFAULT_MIN_BATCH_FILL = 0.8  # at most 20% of a batch's positions are padding
 
 
 class QueueFull(Exception):
@@ -42,12 +43,32 @@ class BatchPolicy:
     max_queue_delay_s: float = DEFAULT_MAX_QUEUE_DELAY_S
     max_queue_requests: int = DEFAULT_MAX_QUEUE_REQUESTS
     max_queue_tokens: int = DEFAULT_MAX_QUEUE_TOKENS
+    # Real tokens / padded tokens a batch must keep. Attention costs the padded length, so
+    # on the CPU a batch mixing 16- and 512-token sequences runs slower than the sequences
+    # one by one (docs/batching.md); unequal lengths wait for a batch of their own.
+    min_batch_fill: float = DEFAULT_MIN_BATCH_FILL
+
+    def admits(self, sequences: int, real_tokens: int, longest: int, item: Item) -> bool:
+        """Whether item may join a batch of `sequences` sequences, `real_tokens` of them real,
+        padded to `longest`."""
+        total = sequences + item.sequences
+        new_longest = max(longest, item.length)
+        return (
+            total <= self.max_batch_size
+            and total * new_longest <= self.max_batch_tokens
+            and real_tokens + item.tokens >= self.min_batch_fill * total * new_longest
+        )
 
     def __post_init__(self) -> None:
         for key in ("max_batch_size", "max_batch_tokens", "max_queue_requests", "max_queue_tokens"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{key} must be a positive integer, got {value!r}")
+        if not 0 <= self.min_batch_fill <= 1:
+            raise ValueError(
+                f"min_batch_fill must be in 0..1 (1: only equal lengths share a batch), "
+                f"got {self.min_batch_fill!r}"
+            )
         if not 0 <= self.max_queue_delay_s <= 1:
             raise ValueError(
                 f"max_queue_delay_s must be in 0..1 s, got {self.max_queue_delay_s!r}; "
@@ -221,22 +242,20 @@ class Batcher:
         if first is None:
             return []
         batch, sequences, longest = [first], first.sequences, first.length
+        real = first.tokens
         busy = self._gap_ewma is not None and self._gap_ewma < p.max_queue_delay_s
         flush_at = time.monotonic() + (p.max_queue_delay_s if busy else 0.0)
         while True:
             for item in list(self._pending):
                 if item.key != first.key or self._expired(item):
                     continue
-                new_longest = max(longest, item.length)
-                if (
-                    sequences + item.sequences > p.max_batch_size
-                    or (sequences + item.sequences) * new_longest > p.max_batch_tokens
-                ):
+                if not p.admits(sequences, real, longest, item):
                     continue
                 self._pending.remove(item)
                 self._queued_tokens -= item.tokens
                 batch.append(item)
-                sequences, longest = sequences + item.sequences, new_longest
+                sequences, longest = sequences + item.sequences, max(longest, item.length)
+                real += item.tokens
             remaining = flush_at - time.monotonic()
             if sequences >= p.max_batch_size or remaining <= 0:
                 break

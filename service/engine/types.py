@@ -19,6 +19,7 @@ DEFAULT_MAX_BATCH_TOKENS = 32768  # padded tokens (sequences x longest) per forw
 DEFAULT_MAX_QUEUE_DELAY_MS = 2.0  # the first request of a batch waits this long for company
 DEFAULT_MAX_QUEUE_REQUESTS = 1024  # beyond: RESOURCE_EXHAUSTED at once
 DEFAULT_MAX_QUEUE_TOKENS = 1 << 20
+DEFAULT_MIN_BATCH_FILL = 0.8  # real / padded tokens a batch keeps (docs/batching.md)
 # KV-cache sessions: MHA at embed_dim 512 in float32 holds 4 KiB per token, so 128 MiB is
 # 32768 tokens (GQA with 2 KV heads: 131072; MQA: 262144). 0 turns sessions off.
 DEFAULT_KV_CACHE_BYTES = 128 * MiB
@@ -40,6 +41,7 @@ class ModelSpec:
     max_queue_delay_ms: float = DEFAULT_MAX_QUEUE_DELAY_MS
     max_queue_requests: int = DEFAULT_MAX_QUEUE_REQUESTS
     max_queue_tokens: int = DEFAULT_MAX_QUEUE_TOKENS
+    min_batch_fill: float = DEFAULT_MIN_BATCH_FILL
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
 
@@ -52,6 +54,10 @@ class ModelSpec:
         ):
             raise ValueError(
                 f"model {self.name!r}: max_queue_delay_ms must be in 0..1000, got {self.max_queue_delay_ms!r}"
+            )
+        if not isinstance(self.min_batch_fill, int | float) or not 0 <= self.min_batch_fill <= 1:
+            raise ValueError(
+                f"model {self.name!r}: min_batch_fill must be in 0..1 (1: only equal lengths share a batch), got {self.min_batch_fill!r}"
             )
         if not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes < 0:
             raise ValueError(

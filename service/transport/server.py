@@ -147,6 +147,7 @@ def lanes_for(engine: Engine, hosted: HostedModel) -> ModelLanes:
         max_queue_delay_s=spec.max_queue_delay_ms / 1e3,
         max_queue_requests=spec.max_queue_requests,
         max_queue_tokens=spec.max_queue_tokens,
+        min_batch_fill=spec.min_batch_fill,
     )
     lanes = ModelLanes(
         spec.name,

@@ -252,3 +252,20 @@ async def test_bursty_arrivals_still_wait_for_company():
     await asyncio.gather(*late)
     assert [4, 5, 6] in rec.batches  # the trickle was gathered into one batch
     await b.close()
+
+
+async def test_unequal_lengths_wait_for_a_batch_of_their_own():
+    rec = Recorder()
+    b = Batcher("m", rec, policy(min_batch_fill=0.8))
+    # 16-token requests and one 512-token request arrive together.
+    lengths = [16, 16, 512, 16, 15, 16]
+    await asyncio.gather(*(b.submit(i, sequences=1, length=n) for i, n in enumerate(lengths)))
+    assert rec.batches == [[0, 1, 3, 4, 5], [2]]  # 15 pads to 16 (94% full); 512 alone
+    rec.batches.clear()
+    loose = Batcher("n", rec, policy(min_batch_fill=0.0))
+    await asyncio.gather(*(loose.submit(i, sequences=1, length=n) for i, n in enumerate(lengths)))
+    assert rec.batches == [list(range(6))]
+    with pytest.raises(ValueError, match="min_batch_fill must be in 0..1"):
+        BatchPolicy(min_batch_fill=1.5)
+    await b.close()
+    await loose.close()
