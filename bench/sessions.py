@@ -264,7 +264,16 @@ def write_report(results: dict, out: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    parser.add_argument(
+        "--from-json",
+        action="store_true",
+        help="rewrite the docs from bench/results/sessions.json without measuring",
+    )
     args = parser.parse_args()
+    if args.from_json:
+        results = json.loads((ROOT / "bench/results/sessions.json").read_text())
+        write_report(results, ROOT / "docs/benchmarks-sessions.md")
+        return 0
     contexts = [64, 256] if args.quick else [256, 1024, 4096]
     steps, reps = (4, 2) if args.quick else (32, 3)
     num_sessions, batch_steps = (8, 4) if args.quick else (64, 16)
