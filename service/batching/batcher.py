@@ -76,7 +76,7 @@ class BatchPolicy:
             )
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the queue removes items by identity, never compares payloads
 class Item:
     payload: Any
     sequences: int  # rows this item adds to a batch
@@ -196,40 +196,48 @@ class Batcher:
         self._queued_tokens -= item.tokens
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
+        """Runs batches until closed; a bug in one round must not stop the lane for good."""
         while not self._closed:
-            if not self._pending:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            batch = await self._form_batch()
-            if not batch:
-                continue
-            started = time.monotonic()
-            payloads = [item.payload for item in batch]
             try:
-                results = await loop.run_in_executor(self._executor, self._run_batch, payloads)
-                if len(results) != len(batch):
-                    raise RuntimeError(
-                        f"run_batch returned {len(results)} results for {len(batch)} items"
-                    )
-            except Exception as e:  # the whole batch failed: every caller hears why
-                log.exception("%s: batch of %d requests failed", self.name, len(batch))
-                results = [e] * len(batch)
-            compute_s = time.monotonic() - started
-            sequences = sum(item.sequences for item in batch)
-            if self._on_batch is not None:  # queue_s of a batch: its oldest item's wait
-                self._on_batch(
-                    BatchInfo(started - batch[0].enqueued, compute_s, sequences, len(batch))
+                await self._round()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("%s: batcher round failed; the lane keeps serving", self.name)
+
+    async def _round(self) -> None:
+        """Forms one batch, runs it on the lane's thread, hands each caller its result."""
+        loop = asyncio.get_running_loop()
+        if not self._pending:
+            self._wakeup.clear()
+            await self._wakeup.wait()
+            return
+        batch = await self._form_batch()
+        if not batch:
+            return
+        started = time.monotonic()
+        payloads = [item.payload for item in batch]
+        try:
+            results = await loop.run_in_executor(self._executor, self._run_batch, payloads)
+            if len(results) != len(batch):
+                raise RuntimeError(
+                    f"run_batch returned {len(results)} results for {len(batch)} items"
                 )
-            for item, result in zip(batch, results, strict=True):
-                if item.future.done():
-                    continue  # cancelled while computing
-                info = BatchInfo(started - item.enqueued, compute_s, sequences, len(batch))
-                if isinstance(result, BaseException):
-                    item.future.set_exception(result)
-                else:
-                    item.future.set_result((result, info))
+        except Exception as e:  # the whole batch failed: every caller hears why
+            log.exception("%s: batch of %d requests failed", self.name, len(batch))
+            results = [e] * len(batch)
+        compute_s = time.monotonic() - started
+        sequences = sum(item.sequences for item in batch)
+        if self._on_batch is not None:  # queue_s of a batch: its oldest item's wait
+            self._on_batch(BatchInfo(started - batch[0].enqueued, compute_s, sequences, len(batch)))
+        for item, result in zip(batch, results, strict=True):
+            if item.future.done():
+                continue  # cancelled while computing
+            info = BatchInfo(started - item.enqueued, compute_s, sequences, len(batch))
+            if isinstance(result, BaseException):
+                item.future.set_exception(result)
+            else:
+                item.future.set_result((result, info))
 
     async def _form_batch(self) -> list[Item]:
         """The oldest item plus compatible ones, waiting up to max_queue_delay for more.

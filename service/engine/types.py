@@ -6,20 +6,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mha_serve.batching.batcher import BatchPolicy
 from mha_serve.cache import SessionStats
 from mha_serve.model import AttentionConfig
 
 MiB = 2**20
 DEFAULT_MAX_SEQ_LEN = 4096
-DEFAULT_MAX_BATCH_SIZE = 64  # sequences per forward pass (and so per request)
 # 8 heads x 1024 x 1024 x fp32 for one sequence: larger asks must narrow heads/rows/dtype.
 DEFAULT_MAX_WEIGHTS_BYTES = 64 * MiB
-# Batch forming (docs/benchmarks.md has the measurements behind these).
-DEFAULT_MAX_BATCH_TOKENS = 32768  # padded tokens (sequences x longest) per forward pass
-DEFAULT_MAX_QUEUE_DELAY_MS = 2.0  # the first request of a batch waits this long for company
-DEFAULT_MAX_QUEUE_REQUESTS = 1024  # beyond: RESOURCE_EXHAUSTED at once
-DEFAULT_MAX_QUEUE_TOKENS = 1 << 20
-DEFAULT_MIN_BATCH_FILL = 0.8  # real / padded tokens a batch keeps (docs/batching.md)
+# A model's batch settings default to the batcher's own (one place for those numbers).
+_BATCH = BatchPolicy()
 # KV-cache sessions: MHA at embed_dim 512 in float32 holds 4 KiB per token, so 128 MiB is
 # 32768 tokens (GQA with 2 KV heads: 131072; MQA: 262144). 0 turns sessions off.
 DEFAULT_KV_CACHE_BYTES = 128 * MiB
@@ -35,13 +31,13 @@ class ModelSpec:
     seed: int = 0  # seeded initialisation when there is no checkpoint
     checkpoint: str | None = None  # safetensors file (ours or nn.MultiheadAttention's)
     max_seq_len: int = DEFAULT_MAX_SEQ_LEN
-    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    max_batch_size: int = _BATCH.max_batch_size  # sequences per forward (and per request)
     max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES
-    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
-    max_queue_delay_ms: float = DEFAULT_MAX_QUEUE_DELAY_MS
-    max_queue_requests: int = DEFAULT_MAX_QUEUE_REQUESTS
-    max_queue_tokens: int = DEFAULT_MAX_QUEUE_TOKENS
-    min_batch_fill: float = DEFAULT_MIN_BATCH_FILL
+    max_batch_tokens: int = _BATCH.max_batch_tokens
+    max_queue_delay_ms: float = _BATCH.max_queue_delay_s * 1e3
+    max_queue_requests: int = _BATCH.max_queue_requests
+    max_queue_tokens: int = _BATCH.max_queue_tokens
+    min_batch_fill: float = _BATCH.min_batch_fill
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
 

@@ -269,3 +269,34 @@ async def test_unequal_lengths_wait_for_a_batch_of_their_own():
         BatchPolicy(min_batch_fill=1.5)
     await b.close()
     await loose.close()
+
+
+async def test_items_are_removed_by_identity_never_by_comparing_payloads():
+    # Arrays cannot be compared with ==; the queue must still skip, take and withdraw them.
+    import numpy as np
+
+    arrays = [np.zeros((1, n)) for n in (4, 9, 4, 9, 4)]
+
+    def run(payloads):
+        return [p.shape[1] for p in payloads]
+
+    b = Batcher("m", run, policy(min_batch_fill=1.0))
+    results = await asyncio.gather(*(b.submit(a, sequences=1, length=a.shape[1]) for a in arrays))
+    assert [r for r, _ in results] == [4, 9, 4, 9, 4]
+    rec = Recorder()
+    rec.gate.clear()
+    c = Batcher("n", rec, policy(max_batch_size=1))
+    running = asyncio.ensure_future(c.submit(np.zeros(3), sequences=1, length=1))
+    await wait_entered(rec)
+    queued = [
+        asyncio.ensure_future(c.submit(np.zeros(k + 2), sequences=1, length=1)) for k in range(3)
+    ]
+    await asyncio.sleep(0)
+    queued[1].cancel()  # withdraw from the middle of the queue
+    await asyncio.sleep(0)
+    assert c.queued_requests == 2
+    rec.gate.set()
+    await running
+    assert [len((await q)[0]) for q in (queued[0], queued[2])] == [2, 4]
+    await b.close()
+    await c.close()
