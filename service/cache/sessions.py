@@ -64,6 +64,11 @@ class SessionTable:
     def pool(self, model: str) -> BlockPool:
         return self._model(model).pool
 
+    def num_sessions(self, model: str) -> int:
+        """Live sessions of one model (cheap: no per-session stats are built)."""
+        with self._lock:
+            return sum(1 for s in self._sessions.values() if s.model == model)
+
     def __len__(self) -> int:
         return len(self._sessions)
 

@@ -64,7 +64,7 @@ class Sessions:
         return cache
 
     def num_sessions(self, model: str) -> int:
-        return self.table.stats()[model].num_sessions
+        return self.table.num_sessions(model)
 
     def create(self, model: str, max_len: int | None, ttl_s: float | None) -> Session:
         self.cache(model)

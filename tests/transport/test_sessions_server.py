@@ -58,9 +58,13 @@ async def test_full_cache_refuses_without_touching_other_sessions():
             assert (await stub.GetSession(pb.GetSessionRequest(session_id=b))).num_tokens == 10
             assert before.session.num_tokens == 10
             assert await used_blocks(stub) == 4
+            info = await stub.GetModelInfo(pb.GetModelInfoRequest(name="tiny"))
+            assert info.kv_cache.num_sessions == 2 and info.kv_cache.num_blocks == 4
             for sid in (a, b):
                 await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
             assert await used_blocks(stub) == 0  # accounting returns to zero
+            info = await stub.GetModelInfo(pb.GetModelInfoRequest(name="tiny"))
+            assert info.kv_cache.num_sessions == 0
     finally:
         await server.stop()
 
