@@ -140,23 +140,24 @@ class KVCache:
             )
         lengths = [int(n) for n in lengths]
         P = max(lengths)
-        num_cols = -(-P // bs)  # blocks covering the longest
-        table = torch.zeros(B, max(num_cols, 1), dtype=torch.int64)  # (B, NB); 0 pads
         for b, (ids, n) in enumerate(zip(block_tables, lengths, strict=True)):
-            need = -(-n // bs)
-            if n < 0 or len(ids) < need:
+            if n < 0 or len(ids) < -(-n // bs):
                 raise ValueError(
                     f"session {b} of the batch has length {n} but {len(ids)} block(s); "
-                    f"{n} tokens need {need} block(s) of {bs}"
+                    f"{n} tokens need {-(-n // bs)} block(s) of {bs}"
                 )
-            table[b, :need] = torch.as_tensor(list(ids[:need]), dtype=torch.int64)
         if B == 1 and _consecutive(block_tables[0][: -(-P // bs)]):
-            # One session whose blocks are consecutive: views into the cache, no copy.
+            # One session whose blocks are consecutive (the decode hot path): views into
+            # the cache, no copy and no block-table tensor.
             first = block_tables[0][0] if P else 0
             k = self.k.view(KVH, self.num_slots, D)[:, first * bs : first * bs + P]  # (KVH, P, D)
             v = self.v.view(KVH, self.num_slots, D)[:, first * bs : first * bs + P]  # (KVH, P, D)
             lengths_t = torch.tensor(lengths, dtype=torch.int64, device=self.device)
             return k.unsqueeze(0), v.unsqueeze(0), lengths_t  # (1, KVH, P, D)
+        table = torch.zeros(B, max(-(-P // bs), 1), dtype=torch.int64)  # (B, NB); 0 pads
+        for b, (ids, n) in enumerate(zip(block_tables, lengths, strict=True)):
+            need = -(-n // bs)
+            table[b, :need] = torch.as_tensor(list(ids[:need]), dtype=torch.int64)
         table = table.to(self.device)
         lengths_t = torch.tensor(lengths, dtype=torch.int64, device=self.device)  # (B,)
 

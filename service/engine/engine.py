@@ -16,7 +16,7 @@ from mha_serve.engine.errors import (
     require_finite,
 )
 from mha_serve.engine.sessions import Sessions
-from mha_serve.engine.types import AttendCall, AttendResult, ModelSpec
+from mha_serve.engine.types import AttendCall, AttendResult, ModelSpec, repeat_heads
 from mha_serve.model import MultiHeadAttention, init_weights, load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class Engine:
         if not call.need_weights:
             return
         num_heads = hosted.spec.attention.num_heads
-        heads = call.weight_heads if call.weight_heads is not None else list(range(num_heads))
+        heads = call.heads(num_heads)
         bad = [h for h in heads if not 0 <= h < num_heads]
         if bad:
             raise InvalidRequest(
@@ -232,14 +232,7 @@ class Engine:
         head_mask = None
         if call.head_mask is not None:
             head_mask = torch.tensor(call.head_mask, dtype=hosted.dtype, device=hosted.device)
-        heads = (
-            call.weight_heads
-            if call.weight_heads is not None
-            else list(range(hosted.spec.attention.num_heads))
-        )
-        # Each distinct head is computed once; repeats are copies of the result, so a request
-        # cannot multiply the work by listing one head many times.
-        unique = sorted(set(heads))
+        heads = call.heads(hosted.spec.attention.num_heads)
         query_end = call.query_end or seq_len
         with torch.inference_mode():
             out = hosted.module(
@@ -247,16 +240,15 @@ class Engine:
                 lengths=lengths,
                 causal=call.causal,
                 need_weights=call.need_weights,
-                weight_heads=unique if call.need_weights else None,
+                weight_heads=sorted(set(heads)) if call.need_weights else None,
                 query_range=(call.query_start, query_end) if call.need_weights else None,
                 head_mask=head_mask,
             )
             output = require_finite(out.output.to(call.output_dtype or call.inputs.dtype), "output")
             weights = None
             if out.weights is not None:
-                if unique != heads:
-                    out.weights = out.weights[:, [unique.index(h) for h in heads]]
-                weights = require_finite(out.weights.to(call.weights_dtype), "attention weights")
+                weights = repeat_heads(out.weights, heads).to(call.weights_dtype)
+                weights = require_finite(weights, "attention weights")
             output, weights = output.cpu(), None if weights is None else weights.cpu()
         return AttendResult(
             output=output,

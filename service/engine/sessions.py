@@ -22,7 +22,7 @@ from mha_serve.cache import (
     slot_mapping,
 )
 from mha_serve.engine.errors import InvalidRequest, require_finite
-from mha_serve.engine.types import AttendCall, AttendResult
+from mha_serve.engine.types import AttendCall, AttendResult, repeat_heads
 from mha_serve.model import attend_cached
 
 if TYPE_CHECKING:
@@ -134,8 +134,7 @@ class Sessions:
         for b, c in enumerate(steps):
             x[b, : new_tokens[b]].copy_(c.inputs[0], non_blocking=True)
         first = steps[0]
-        heads = first.weight_heads or list(range(hosted.spec.attention.num_heads))
-        unique = sorted(set(heads))
+        heads = first.heads(hosted.spec.attention.num_heads)
         head_mask = None
         if first.head_mask is not None:
             head_mask = torch.tensor(first.head_mask, dtype=hosted.dtype, device=hosted.device)
@@ -161,13 +160,13 @@ class Sessions:
                 past_lengths=past,
                 new_lengths=new,
                 need_weights=first.need_weights,
-                weight_heads=unique if first.need_weights else None,
+                weight_heads=sorted(set(heads)) if first.need_weights else None,
                 head_mask=head_mask,
             )
         compute_ms = (time.perf_counter() - start) * 1e3
         for b, ((i, r), c) in enumerate(zip(live, steps, strict=True)):
             try:
-                results[i] = self._result(out, b, r, c, heads, unique, compute_ms, len(steps))
+                results[i] = self._result(out, b, r, c, heads, compute_ms, len(steps))
             except InvalidRequest as e:  # overflow: this step is not kept
                 self.table.rollback(r)
                 results[i] = e
@@ -176,9 +175,7 @@ class Sessions:
             results[i].session = self.table.session_stats(r.session_id)
 
     @staticmethod
-    def _result(
-        out, b, r: Reservation, call: AttendCall, heads, unique, compute_ms, batch
-    ) -> AttendResult:
+    def _result(out, b, r: Reservation, call: AttendCall, heads, compute_ms, batch) -> AttendResult:
         n = r.num_tokens
         output = require_finite(
             out.output[b : b + 1, :n].to(call.output_dtype or call.inputs.dtype), "output"
@@ -187,8 +184,7 @@ class Sessions:
         if out.weights is not None:
             q_end = call.query_end or n
             w = out.weights[b : b + 1, :, call.query_start : q_end, : r.start + n]  # (1, n, R, S)
-            if unique != heads:
-                w = w[:, [unique.index(h) for h in heads]]
+            w = repeat_heads(w, heads)
             weights = require_finite(w.to(call.weights_dtype), "attention weights").cpu()
         return AttendResult(
             output=output.cpu(),

@@ -92,6 +92,19 @@ class AttendCall:
     output_dtype: torch.dtype | None = None  # None: the input's dtype
     session_id: str | None = None  # a session step: inputs (1, T, E) are appended to it
 
+    def heads(self, num_heads: int) -> list[int]:
+        """Query heads whose weights are returned, in the order asked (None: all)."""
+        return self.weight_heads if self.weight_heads is not None else list(range(num_heads))
+
+
+def repeat_heads(weights: torch.Tensor, heads: list[int]) -> torch.Tensor:
+    """Weights computed once per distinct head (sorted(set(heads)), dim 1) -> one slice per
+    entry of heads, so listing a head many times never multiplies the work."""
+    unique = sorted(set(heads))
+    if unique == heads:
+        return weights
+    return weights[:, [unique.index(h) for h in heads]]
+
 
 @dataclass
 class AttendResult:
