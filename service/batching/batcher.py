@@ -1,7 +1,8 @@
 """asyncio queue -> batches: size and delay limits, deadlines, cancellation, backpressure.
 
 Knows nothing of torch or gRPC: items are opaque payloads with a cost in tokens, and a
-synchronous `run_batch(payloads) -> results` runs each batch on the batcher's own thread.
+synchronous `run_batch(payloads) -> results` runs each batch on the batcher's executor (a
+thread of its own unless one is given; the server shares one between lanes).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +119,7 @@ class Batcher:
         policy: BatchPolicy,
         *,
         on_batch: Observer | None = None,
+        executor: Executor | None = None,
     ) -> None:
         self.name = name
         self.policy = policy
@@ -126,7 +128,10 @@ class Batcher:
         self._pending: collections.deque[Item] = collections.deque()
         self._queued_tokens = 0
         self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"batch-{name}")
+        self._own_executor = executor is None  # shut down on close only when it is ours
+        self._executor = executor or ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"batch-{name}"
+        )
         self._task: asyncio.Task | None = None
         self._closed = False
         # Smoothed gap between arrivals: waiting for company only pays when others come soon.
@@ -312,4 +317,5 @@ class Batcher:
                 item.future.set_exception(QueueFull(f"{self.name}: the server is shutting down"))
         self._pending.clear()
         self._queued_tokens = 0
-        self._executor.shutdown(wait=True)
+        if self._own_executor:
+            self._executor.shutdown(wait=True)

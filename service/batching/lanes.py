@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable
+from concurrent.futures import Executor
 from typing import Any
 
 from mha_serve.batching.batcher import Batcher, BatchInfo, BatchPolicy, RunBatch
@@ -22,11 +23,17 @@ class ModelLanes:
         run_one: Callable[[Any], Any],
         policy: BatchPolicy,
         on_batch: Callable[[str, BatchInfo], None] | None = None,
+        fast_executor: Executor | None = None,
+        weights_executor: Executor | None = None,
     ) -> None:
+        """The executors run each lane's batches (None: a thread of the lane's own)."""
+
         def observer(lane: str) -> Callable[[BatchInfo], None] | None:
             return None if on_batch is None else (lambda info: on_batch(lane, info))
 
-        self.fast = Batcher(name, run_batch, policy, on_batch=observer("fast"))
+        self.fast = Batcher(
+            name, run_batch, policy, on_batch=observer("fast"), executor=fast_executor
+        )
 
         # max_batch_size 1: the first item of a batch is always taken, so one request per batch.
         def run_each(payloads: list[Any]) -> list[Any]:
@@ -43,6 +50,7 @@ class ModelLanes:
             run_each,
             dataclasses.replace(policy, max_batch_size=1, max_queue_delay_s=0.0),
             on_batch=observer("weights"),
+            executor=weights_executor,
         )
 
     async def submit(

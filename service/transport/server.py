@@ -8,7 +8,6 @@ import logging
 import signal
 
 import grpc
-import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -18,6 +17,7 @@ from mha_serve import metrics
 from mha_serve.batching import BatchPolicy, ModelLanes
 from mha_serve.config import ServerConfig
 from mha_serve.engine import Engine, HostedModel, resolve_device, resolve_dtype
+from mha_serve.engine.threads import ComputeThreads
 from mha_serve.transport.servicer import AttentionServicer
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,7 @@ class Server:
         self.health = health.aio.HealthServicer()
         self.servicer = AttentionServicer(max_request_bytes=cfg.max_receive_message_bytes)
         self.lanes: dict[str, ModelLanes] = {}
+        self.compute = ComputeThreads(cfg.torch_threads)  # every torch op runs on these
         self._sweeper: asyncio.Task | None = None
         self.server = grpc.aio.server(
             maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
@@ -57,8 +58,6 @@ class Server:
     async def listen(self) -> None:
         """Opens the port with health NOT_SERVING; Attend answers UNAVAILABLE until `load`."""
         cfg = self.cfg
-        if cfg.torch_threads > 0:
-            torch.set_num_threads(cfg.torch_threads)
         pb_grpc.add_AttentionServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -81,8 +80,11 @@ class Server:
 
     async def load(self) -> None:
         """Loads and warms the models on the compute thread, then reports SERVING."""
-        engine = await asyncio.to_thread(self._load_engine)
-        self.lanes = {name: lanes_for(engine, hosted) for name, hosted in engine.models.items()}
+        loop = asyncio.get_running_loop()
+        engine = await loop.run_in_executor(self.compute.main, self._load_engine)
+        self.lanes = {
+            name: lanes_for(engine, hosted, self.compute) for name, hosted in engine.models.items()
+        }
         self.servicer.attach(engine, self.lanes)
         for name, cache in engine.sessions.caches.items():
             metrics.watch_kv_cache(name, cache, engine.sessions)
@@ -132,13 +134,14 @@ class Server:
             self._sweeper.cancel()
         for lanes in self.lanes.values():
             await lanes.close()
+        self.compute.shutdown()
         log.info("stopped")
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
 
 
-def lanes_for(engine: Engine, hosted: HostedModel) -> ModelLanes:
+def lanes_for(engine: Engine, hosted: HostedModel, compute: ComputeThreads) -> ModelLanes:
     """A model's batch queues, bound to the engine; its limits come from the model's spec."""
     spec = hosted.spec
     policy = BatchPolicy(
@@ -155,6 +158,8 @@ def lanes_for(engine: Engine, hosted: HostedModel) -> ModelLanes:
         run_one=functools.partial(engine.run, hosted),
         policy=policy,
         on_batch=functools.partial(metrics.observe_batch, spec.name),
+        fast_executor=compute.main,
+        weights_executor=compute.weights,
     )
     for lane, batcher in (("fast", lanes.fast), ("weights", lanes.weights)):
         metrics.QUEUE_DEPTH.labels(spec.name, lane).set_function(

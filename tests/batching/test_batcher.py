@@ -300,3 +300,44 @@ async def test_items_are_removed_by_identity_never_by_comparing_payloads():
     assert [len((await q)[0]) for q in (queued[0], queued[2])] == [2, 4]
     await b.close()
     await c.close()
+
+
+async def test_lanes_run_on_the_executors_given_and_leave_them_running():
+    from concurrent.futures import ThreadPoolExecutor
+
+    shared = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shared")
+    side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="side")
+
+    def thread_name(payloads: list) -> list:
+        return [threading.current_thread().name for _ in payloads]
+
+    a = ModelLanes(
+        "a",
+        run_batch=thread_name,
+        run_one=lambda p: thread_name([p])[0],
+        policy=policy(),
+        fast_executor=shared,
+        weights_executor=side,
+    )
+    b = ModelLanes(
+        "b",
+        run_batch=thread_name,
+        run_one=lambda p: thread_name([p])[0],
+        policy=policy(),
+        fast_executor=shared,
+        weights_executor=side,
+    )
+    kw = {"sequences": 1, "length": 1, "key": None, "deadline": None}
+    names = [
+        (await a.submit(0, need_weights=False, **kw))[0],
+        (await b.submit(0, need_weights=False, **kw))[0],
+        (await a.submit(0, need_weights=True, **kw))[0],
+    ]
+    assert names[0] == names[1] and names[0].startswith("shared")  # both models' fast lanes
+    assert names[2].startswith("side")
+    await a.close()
+    # Closing a lane does not shut down an executor it was given: b still computes.
+    assert (await b.submit(0, need_weights=False, **kw))[0] == names[0]
+    await b.close()
+    shared.shutdown()
+    side.shutdown()

@@ -1,0 +1,53 @@
+"""The threads that run torch in the server: one for every model's batched lane, one for weights.
+
+torch's CPU builds use libgomp, which gives every thread that runs a parallel op an OpenMP
+team of its own, kept alive with the thread. While a process holds more team threads than
+there are cores, libgomp stops spinning between parallel regions and puts its threads to
+sleep instead, so every op of a decode step pays a wake-up. With the models loaded on one
+thread and each lane computing on another, a streamed decode step at context 3500 took
+5.4 ms end to end here; with loading and every batched lane on one thread, 4.7 ms
+(`python bench/sessions.py`, 2 cores).
+
+So one thread runs all multi-threaded torch work: loading, warm-up and every model's fast
+lane (batches of different models take turns). Requests for attention weights keep a thread
+of their own so that they never hold up the fast lanes; it runs torch single-threaded, which
+starts no second team.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+
+def _use_threads(n: int) -> None:
+    """This thread's torch intra-op threads. torch sets a thread's count from a process-wide
+    value on its first op; asking for the count first does that, so a later call in another
+    thread cannot change this one's."""
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
+class ComputeThreads:
+    """`main`: the one multi-threaded torch thread; `weights`: one single-threaded thread."""
+
+    def __init__(self, torch_threads: int = 0) -> None:
+        self.torch_threads = torch_threads if torch_threads > 0 else torch.get_num_threads()
+        self.main = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="compute",
+            initializer=_use_threads,
+            initargs=(self.torch_threads,),
+        )
+        self.weights = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="compute-weights",
+            initializer=_use_threads,
+            initargs=(1,),
+        )
+
+    def shutdown(self) -> None:
+        """Waits for work already running; both executors take nothing after this."""
+        self.main.shutdown(wait=True)
+        self.weights.shutdown(wait=True)

@@ -1,0 +1,31 @@
+"""ComputeThreads: one multi-threaded torch thread, one single-threaded one for weights."""
+
+from __future__ import annotations
+
+import torch
+
+from mha_serve.engine.threads import ComputeThreads
+
+
+def test_the_main_thread_keeps_its_count_and_the_weights_thread_runs_torch_single_threaded():
+    before = torch.get_num_threads()
+    compute = ComputeThreads(torch_threads=3)
+    try:
+        assert compute.main.submit(torch.get_num_threads).result() == 3
+        assert compute.weights.submit(torch.get_num_threads).result() == 1
+        # Setting the weights thread to 1 must not leak into the thread already running.
+        assert compute.main.submit(torch.get_num_threads).result() == 3
+        x = torch.randn(64, 64)
+        assert torch.equal(compute.main.submit(torch.mm, x, x).result(), x @ x)
+    finally:
+        compute.shutdown()
+    assert torch.get_num_threads() == before  # the caller's thread is left alone
+
+
+def test_zero_keeps_torchs_default():
+    compute = ComputeThreads(torch_threads=0)
+    try:
+        assert compute.torch_threads == torch.get_num_threads()
+        assert compute.main.submit(torch.get_num_threads).result() == compute.torch_threads
+    finally:
+        compute.shutdown()
