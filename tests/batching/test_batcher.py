@@ -311,21 +311,16 @@ async def test_lanes_run_on_the_executors_given_and_leave_them_running():
     def thread_name(payloads: list) -> list:
         return [threading.current_thread().name for _ in payloads]
 
-    a = ModelLanes(
-        "a",
-        run_batch=thread_name,
-        run_one=lambda p: thread_name([p])[0],
-        policy=policy(),
-        fast_executor=shared,
-        weights_executor=side,
-    )
-    b = ModelLanes(
-        "b",
-        run_batch=thread_name,
-        run_one=lambda p: thread_name([p])[0],
-        policy=policy(),
-        fast_executor=shared,
-        weights_executor=side,
+    a, b = (
+        ModelLanes(
+            name,
+            run_batch=thread_name,
+            run_one=lambda p: thread_name([p])[0],
+            policy=policy(),
+            fast_executor=shared,
+            weights_executor=side,
+        )
+        for name in ("a", "b")
     )
     kw = {"sequences": 1, "length": 1, "key": None, "deadline": None}
     names = [
