@@ -119,6 +119,23 @@ class KVCache:
         self.k.view(KVH, self.num_slots, D).index_copy_(1, slots, k_rows.to(self.device))
         self.v.view(KVH, self.num_slots, D).index_copy_(1, slots, v_rows.to(self.device))
 
+    def append(self, k: torch.Tensor, v: torch.Tensor, slots: Sequence[Sequence[int]]) -> None:
+        """Store one step's new K/V: k, v (B, KVH, T, D) as `project` returns them; sequence
+        b's first len(slots[b]) tokens go to slots[b], later ones are padding (not written).
+
+        A lone sequence whose slots are consecutive (every decode step, and any append
+        inside its session's blocks) is two slice copies, no index tensors.
+        """
+        KVH, D, T = self.num_kv_heads, self.head_dim, k.shape[2]
+        run = len(slots) == 1 and 0 < len(slots[0]) <= T and _consecutive(slots[0])
+        fits = all(t.shape == (1, KVH, T, D) and t.dtype == self.dtype for t in (k, v))
+        if not (run and fits and slots[0][0] >= 0 and slots[0][-1] < self.num_slots):
+            self.write(k, v, slot_mapping(slots, T))  # checks everything, says what is wrong
+            return
+        first, n = slots[0][0], len(slots[0])
+        for cache, new in ((self.k, k), (self.v, v)):
+            cache.view(KVH, self.num_slots, D)[:, first : first + n].copy_(new[0, :, :n])
+
     def gather(
         self, block_tables: Sequence[Sequence[int]], lengths: Sequence[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -179,7 +196,8 @@ class KVCache:
 
 
 def _consecutive(ids: Sequence[int]) -> bool:
-    return all(b == a + 1 for a, b in zip(ids, ids[1:], strict=False))
+    """ids[i] == ids[0] + i throughout (one list comparison, in C)."""
+    return not ids or list(ids) == list(range(ids[0], ids[0] + len(ids)))
 
 
 def slot_mapping(slots: Sequence[Sequence[int]], width: int | None = None) -> torch.Tensor:

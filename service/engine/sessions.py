@@ -19,7 +19,6 @@ from mha_serve.cache import (
     Session,
     SessionStats,
     SessionTable,
-    slot_mapping,
 )
 from mha_serve.engine.errors import InvalidRequest, require_finite
 from mha_serve.engine.types import AttendCall, AttendResult, repeat_heads
@@ -127,27 +126,17 @@ class Sessions:
         steps = [calls[i] for i, _ in live]
         reservations = [r for _, r in live]
         new_tokens = [c.inputs.shape[1] for c in steps]
-        longest = max(new_tokens)
-        embed_dim = hosted.spec.attention.embed_dim
-        # Padding rows are zeroed below before projecting (uninitialised memory may hold NaN).
-        x = torch.empty(len(steps), longest, embed_dim, device=hosted.device, dtype=hosted.dtype)
-        for b, c in enumerate(steps):
-            x[b, : new_tokens[b]].copy_(c.inputs[0], non_blocking=True)
+        x = _batch_inputs(hosted, steps, new_tokens)  # (B, T, E)
         first = steps[0]
         heads = first.heads(hosted.spec.attention.num_heads)
         head_mask = None
         if first.head_mask is not None:
             head_mask = torch.tensor(first.head_mask, dtype=hosted.dtype, device=hosted.device)
-        past = torch.tensor([r.start for r in reservations], device=hosted.device)  # (B,)
-        new = torch.tensor(new_tokens, device=hosted.device)  # (B,)
         with torch.inference_mode():
-            if len(set(new_tokens)) > 1:  # padded tokens: zero them (x may be uninitialised)
-                valid = torch.arange(longest, device=hosted.device)[None, :] < new[:, None]
-                x = x.masked_fill(~valid[:, :, None], 0.0)
             q, k_new, v_new = hosted.module.project(x)  # (B, H, T, D), (B, KVH, T, D) x 2
             # Write first, then read each session's positions in order: one copy of the
             # past (none for a session whose blocks are consecutive), no concatenation.
-            cache.write(k_new, v_new, slot_mapping([r.slots for r in reservations], longest))
+            cache.append(k_new, v_new, [r.slots for r in reservations])
             keys, values, _ = cache.gather(
                 [r.block_table for r in reservations],
                 [r.start + r.num_tokens for r in reservations],
@@ -157,8 +146,8 @@ class Sessions:
                 q,
                 keys,
                 values,
-                past_lengths=past,
-                new_lengths=new,
+                past_lengths=[r.start for r in reservations],
+                new_lengths=new_tokens,
                 need_weights=first.need_weights,
                 weight_heads=sorted(set(heads)) if first.need_weights else None,
                 head_mask=head_mask,
@@ -194,3 +183,19 @@ class Sessions:
             compute_ms=compute_ms,
             batch_size=batch,
         )
+
+
+def _batch_inputs(
+    hosted: HostedModel, steps: list[AttendCall], new_tokens: list[int]
+) -> torch.Tensor:
+    """The steps' tokens as one (B, T, E) tensor on the model's device and dtype: no copy
+    for a lone step in the model's dtype; padded rows (unequal steps) are zeros."""
+    longest = max(new_tokens)
+    if all(n == longest for n in new_tokens):
+        x = steps[0].inputs if len(steps) == 1 else torch.cat([c.inputs for c in steps])
+        return x.to(hosted.device, hosted.dtype, non_blocking=True)
+    embed_dim = hosted.spec.attention.embed_dim
+    x = torch.zeros(len(steps), longest, embed_dim, device=hosted.device, dtype=hosted.dtype)
+    for b, c in enumerate(steps):
+        x[b, : new_tokens[b]].copy_(c.inputs[0], non_blocking=True)
+    return x

@@ -232,7 +232,9 @@ class MultiHeadAttention(nn.Module):
         c = self.config
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
         B, L, _ = x.shape
-        q, k, v = self.wqkv(x).split([H * D, KVH * D, KVH * D], dim=-1)
+        # F.linear, not self.wqkv(x): a decode step is small enough for Module.__call__ to show.
+        qkv = F.linear(x, self.wqkv.weight, self.wqkv.bias)
+        q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
         q = q.view(B, L, H, D).transpose(1, 2)  # (B, H, L, D)
         k = k.view(B, L, KVH, D).transpose(1, 2)  # (B, KVH, L, D)
         v = v.view(B, L, KVH, D).transpose(1, 2)  # (B, KVH, L, D)
@@ -245,7 +247,7 @@ class MultiHeadAttention(nn.Module):
         if gate is not None:
             y = y * gate.view(1, H, 1, 1)
         y = y.transpose(1, 2).reshape(B, L, H * D)  # (B, L, H*D)
-        out = self.wo(y)  # (B, L, E)
+        out = F.linear(y, self.wo.weight, self.wo.bias)  # (B, L, E)
         if valid is not None:
             out = out.masked_fill(~valid[:, :, None], 0.0)
         return out

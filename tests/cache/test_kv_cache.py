@@ -73,6 +73,58 @@ def test_write_then_gather_roundtrip_with_padding():
     assert torch.all(kv.k[:, others] == 0) and torch.all(kv.v[:, others] == 0)
 
 
+@pytest.mark.parametrize(
+    "slots",
+    [
+        [[9, 10, 11]],  # one sequence, consecutive slots: the slice-copy path
+        [[9]],  # a decode token
+        [[3, 4, 8]],  # one sequence across non-adjacent blocks: the index path
+        [[9, 10], [20]],  # a batch, the second sequence padded
+    ],
+)
+def test_append_stores_what_write_stores(slots):
+    T = max(len(s) for s in slots)
+    k = torch.randn(len(slots), KVH, T, D)
+    v = torch.randn(len(slots), KVH, T, D)
+    fast, reference = make(), make()
+    for kv in (fast, reference):
+        kv.k.zero_()
+        kv.v.zero_()
+    fast.append(k, v, slots)
+    reference.write(k, v, slot_mapping(slots, T))
+    assert torch.equal(fast.k, reference.k) and torch.equal(fast.v, reference.v)
+    assert fast.k.count_nonzero() > 0
+
+
+@pytest.mark.parametrize(
+    ("call", "piece"),
+    [
+        (
+            lambda kv: kv.append(torch.zeros(1, KVH, 2, D), torch.zeros(1, KVH, 2, D), [[31, 32]]),
+            "outside 0..31",
+        ),
+        (
+            lambda kv: kv.append(torch.zeros(1, 3, 1, D), torch.zeros(1, 3, 1, D), [[0]]),
+            "(1, 2, 1, 4)",
+        ),
+        (
+            lambda kv: kv.append(
+                torch.zeros(1, KVH, 1, D), torch.zeros(1, KVH, 1, D, dtype=torch.float64), [[0]]
+            ),
+            "float64",
+        ),
+    ],
+)
+def test_append_misuse_is_explained_and_writes_nothing(call, piece):
+    kv = make()
+    kv.k.zero_()
+    kv.v.zero_()
+    with pytest.raises(ValueError) as err:
+        call(kv)
+    assert piece in str(err.value), f"{piece!r} not in {str(err.value)!r}"
+    assert kv.k.count_nonzero() == 0 and kv.v.count_nonzero() == 0
+
+
 def test_gather_of_empty_past():
     k, v, lengths = make().gather([[], [3]], [0, 0])
     assert k.shape == v.shape == (2, KVH, 0, D) and lengths.tolist() == [0, 0]

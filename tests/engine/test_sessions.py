@@ -7,6 +7,7 @@ import torch
 
 from mha_serve.config import default_models
 from mha_serve.engine import AttendCall, Engine
+from mha_serve.model import cached
 
 ATOL = 1e-5  # float32: cached steps vs one causal forward
 
@@ -39,6 +40,41 @@ def test_ragged_batched_steps_equal_full_recompute(engine, name):
         diff = (r.output - ref).abs()
         assert diff.max() < ATOL, f"session {i}: max {diff.max():.2e} mean {diff.mean():.2e}"
         assert r.batch_size == 4 and r.session.num_tokens == p + news[i]
+
+
+@pytest.mark.parametrize("name", ["gqa", "mqa"])
+@pytest.mark.parametrize("grouped_min_keys", [1, 10**9])
+def test_decode_steps_equal_full_recompute_on_both_attention_kernels(
+    engine, name, grouped_min_keys, monkeypatch
+):
+    """A lone decode token of GQA/MQA deep enough takes the grouped matmuls, else SDPA."""
+    monkeypatch.setattr(cached, "GROUPED_MIN_KEYS", grouped_min_keys)
+    hosted = engine.get(name)
+    x = seq(40, seed=5)
+    sid = engine.sessions.create(name, None, None).id
+    engine.run(hosted, AttendCall(name, x[:, :30], session_id=sid))
+    steps = [
+        engine.run(hosted, AttendCall(name, x[:, t : t + 1], session_id=sid)) for t in range(30, 40)
+    ]
+    ref = engine.run(hosted, AttendCall(name, x, causal=True)).output[:, 30:]
+    diff = (torch.cat([s.output for s in steps], dim=1) - ref).abs()
+    assert diff.max() < ATOL, f"max {diff.max():.2e} mean {diff.mean():.2e}"
+
+
+def test_grouped_decode_matches_sdpa_with_masked_keys():
+    """The grouped kernel alone, with padded keys masked, against SDPA (float32 and bf16)."""
+    for dtype, atol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 8, 1, 64, generator=g).to(dtype)
+        k = torch.randn(1, 2, 50, 64, generator=g).to(dtype)
+        v = torch.randn(1, 2, 50, 64, generator=g).to(dtype)
+        allowed = (torch.arange(50) < 37)[None, None, None, :]  # (1, 1, 1, S)
+        got = cached._grouped_decode(q, k, v, allowed, 0.125)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), attn_mask=allowed, scale=0.125, enable_gqa=True
+        )
+        assert got.shape == (1, 8, 1, 64) and got.dtype == dtype
+        assert (got.float() - ref).abs().max() < atol
 
 
 def test_weights_of_a_step_are_rows_of_the_full_causal_weights(engine):
