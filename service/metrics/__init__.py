@@ -130,11 +130,32 @@ def observe_attend(
         weights_c.inc(weights_bytes)
 
 
+@functools.cache
+def _per_lane(model: str, lane: str) -> tuple:
+    return (
+        COMPUTE_LATENCY.labels(model, lane),
+        BATCH_SIZE.labels(model, lane),
+        BATCH_REQUESTS.labels(model, lane),
+    )
+
+
 def observe_batch(model: str, lane: str, info) -> None:
     """Called by the batcher once per batch (info: mha_serve.batching.BatchInfo)."""
-    COMPUTE_LATENCY.labels(model, lane).observe(info.compute_s)
-    BATCH_SIZE.labels(model, lane).observe(info.batch_size)
-    BATCH_REQUESTS.labels(model, lane).observe(info.num_requests)
+    compute_h, size_h, requests_h = _per_lane(model, lane)
+    compute_h.observe(info.compute_s)
+    size_h.observe(info.batch_size)
+    requests_h.observe(info.num_requests)
+
+
+@functools.cache
+def _request_counter(method: str, model: str, code: str):
+    return REQUESTS.labels(method, model, code)
+
+
+def count_request(method: str, model: str, code: str) -> None:
+    """One finished RPC. The label values are bounded: method names, hosted models (or
+    "unknown") and status code names."""
+    _request_counter(method, model, code).inc()
 
 
 def serve_metrics(port: int, host: str = "0.0.0.0") -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import logging
 import signal
 
@@ -91,6 +92,11 @@ class Server:
         self._sweeper = asyncio.create_task(self._expire_sessions(engine), name="session-expiry")
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        # Everything loaded so far lives as long as the process: out of the collector's
+        # sight, a full collection no longer walks torch's and grpc's objects (one took
+        # 98 ms in the middle of a decode loop here; none over 1 ms after this).
+        gc.collect()
+        gc.freeze()
         metrics.READY.set(1)
         log.info("SERVING models: %s", ", ".join(engine.models))
 

@@ -158,14 +158,11 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         response = await _offload(encode_result, result, single, nbytes=reply_bytes)
         response.model = call.model
         total_s = time.perf_counter() - received
-        response.timing.CopyFrom(
-            pb.Timing(
-                queue_ms=queue_ms,
-                compute_ms=info.compute_s * 1e3,
-                total_ms=total_s * 1e3,
-                batch_size=info.batch_size,
-            )
-        )
+        timing = response.timing
+        timing.queue_ms = queue_ms
+        timing.compute_ms = info.compute_s * 1e3
+        timing.total_ms = total_s * 1e3
+        timing.batch_size = info.batch_size
         metrics.observe_attend(
             call.model,
             tokens=batch * seq_len,
@@ -268,7 +265,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             log.exception("%s failed on model %s", method, model)
             await context.abort(code, f"internal error in {method}: {type(e).__name__}: {e}")
         finally:
-            metrics.REQUESTS.labels(method, model, code.name).inc()
+            metrics.count_request(method, model, code.name)
 
 
 def _sync(fn: Callable[[], T]) -> Callable[[], Awaitable[T]]:
