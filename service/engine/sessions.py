@@ -20,7 +20,7 @@ from mha_serve.cache import (
     SessionStats,
     SessionTable,
 )
-from mha_serve.engine.errors import InvalidRequest, require_finite
+from mha_serve.engine.errors import InvalidRequest, all_finite, require_finite
 from mha_serve.engine.types import AttendCall, AttendResult, repeat_heads
 from mha_serve.model import attend_cached
 
@@ -153,9 +153,10 @@ class Sessions:
                 head_mask=head_mask,
             )
         compute_ms = (time.perf_counter() - start) * 1e3
+        finite = all_finite(out.output)  # one pass for the batch; per step only if not
         for b, ((i, r), c) in enumerate(zip(live, steps, strict=True)):
             try:
-                results[i] = self._result(out, b, r, c, heads, compute_ms, len(steps))
+                results[i] = self._result(out, b, r, c, heads, compute_ms, len(steps), finite)
             except InvalidRequest as e:  # overflow: this step is not kept
                 self.table.rollback(r)
                 results[i] = e
@@ -164,11 +165,14 @@ class Sessions:
             results[i].session = self.table.session_stats(r.session_id)
 
     @staticmethod
-    def _result(out, b, r: Reservation, call: AttendCall, heads, compute_ms, batch) -> AttendResult:
+    def _result(
+        out, b, r: Reservation, call: AttendCall, heads, compute_ms, batch, finite: bool
+    ) -> AttendResult:
+        """Step b's share of the batch; `finite`: the whole batch output holds no NaN/Inf."""
         n = r.num_tokens
-        output = require_finite(
-            out.output[b : b + 1, :n].to(call.output_dtype or call.inputs.dtype), "output"
-        )
+        output = out.output[b : b + 1, :n].to(call.output_dtype or call.inputs.dtype)
+        if not finite or output.dtype != out.output.dtype:  # a narrower dtype may overflow
+            require_finite(output, "output")
         weights = None
         if out.weights is not None:
             q_end = call.query_end or n

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mha_serve.config import default_models
-from mha_serve.engine import AttendCall, Engine
+from mha_serve.engine import AttendCall, Engine, InvalidRequest
 from mha_serve.model import cached
 
 ATOL = 1e-5  # float32: cached steps vs one causal forward
@@ -115,3 +115,22 @@ def test_contiguous_and_scattered_blocks_read_the_same(engine):
     out_a = engine.run(hosted, AttendCall("mha", tail, session_id=a)).output
     out_c = engine.run(hosted, AttendCall("mha", tail, session_id=c)).output
     torch.testing.assert_close(out_a, out_c, atol=ATOL, rtol=0)
+
+
+def test_an_overflowing_step_fails_alone_and_is_not_kept(engine):
+    """Batched with a healthy step, a step whose output overflows gets its own error and
+    leaves its session as it was; the other step is answered and kept."""
+    hosted = engine.get("mha")
+    good, bad = (engine.sessions.create("mha", None, None).id for _ in range(2))
+    x = seq(9, seed=3)
+    engine.run(hosted, AttendCall("mha", x[:, :8], session_id=good))
+    engine.run(hosted, AttendCall("mha", x[:, :8], session_id=bad))
+    huge = torch.full((1, 1, 512), 3e38)
+    ok, failed = engine.run_batch(
+        hosted,
+        [AttendCall("mha", x[:, 8:], session_id=good), AttendCall("mha", huge, session_id=bad)],
+    )
+    assert isinstance(failed, InvalidRequest) and "overflowed to NaN/Inf" in str(failed)
+    assert engine.sessions.table.session_stats(bad).num_tokens == 8  # rolled back
+    ref = engine.run(hosted, AttendCall("mha", x, causal=True)).output[:, 8:]
+    assert (ok.output - ref).abs().max() < ATOL and ok.session.num_tokens == 9
