@@ -1,12 +1,20 @@
 """Fixed pool of KV block ids with reference counts; pure Python, knows ids, never tensors.
 
-A forked session shares its parent's blocks, so a block returns to the free list only
-when its last reference is dropped. A block on the free list always has refcount 0.
+A forked session shares its parent's blocks, so a block is free again only when its last
+reference is dropped. A free block always has refcount 0.
+
+Placement keeps each session's blocks consecutive where it can, because attention reads a
+session whose blocks are consecutive in place (views into the cache) and must copy the
+others' K/V on every step. Free blocks are kept as extents (runs of consecutive ids):
+- a session grows in place when the blocks after its last one are free (`after`);
+- a new run goes to the largest extent, in its middle unless the extent starts the pool,
+  so that the session before it and the new one both have room to grow;
+- only when no extent is big enough is an allocation split across extents.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from collections.abc import Iterable
 
 from .errors import CacheExhausted
@@ -18,36 +26,54 @@ class BlockPool:
             raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self._refcounts = [0] * num_blocks
-        # FIFO: a freed block goes to the back, so ids are reused as late as possible
-        # (a stale slot mapping then points at unused memory, not a fresh owner's).
-        self._free: deque[int] = deque(range(num_blocks))
+        self._starts = [0]  # sorted starts of the free extents
+        self._length = {0: num_blocks}  # free extent start -> length
+        self._end = {num_blocks: 0}  # free extent end (exclusive) -> start
+        self._num_free = num_blocks
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self._num_free
+
+    @property
+    def num_extents(self) -> int:
+        """Runs of consecutive free blocks (1 for an empty pool)."""
+        return len(self._starts)
 
     def refcount(self, block_id: int) -> int:
         self._check_id(block_id)
         return self._refcounts[block_id]
 
-    def allocate(self, n: int) -> list[int]:
-        """n blocks with refcount 1, all or nothing."""
+    def allocate(self, n: int, *, after: int | None = None) -> list[int]:
+        """n blocks with refcount 1, all or nothing. after: the block the new ones should
+        follow (a session's last block); they do when the n blocks after it are free."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"allocate needs an int n >= 0, got {n!r}")
-        if n > len(self._free):
+        if n > self._num_free:
             raise CacheExhausted(
-                f"need {n} KV blocks but only {len(self._free)} of {self.num_blocks} are free",
+                f"need {n} KV blocks but only {self._num_free} of {self.num_blocks} are free",
                 num_needed=n,
-                num_free=len(self._free),
+                num_free=self._num_free,
                 num_blocks=self.num_blocks,
             )
-        ids = [self._free.popleft() for _ in range(n)]
+        if n == 0:
+            return []
+        if after is not None and self._length.get(after + 1, 0) >= n:
+            ids = self._take(after + 1, n)
+        else:
+            ids = []
+            while len(ids) < n:  # one extent when any is big enough, else the largest first
+                start = max(self._starts, key=self._length.__getitem__)
+                length = self._length[start]
+                k = min(n - len(ids), length)
+                offset = 0 if start == 0 or k < n else (length - k) // 2
+                ids += self._take(start + offset, k)
         for i in ids:
-            assert self._refcounts[i] == 0, f"block {i} on the free list has refcount > 0"
+            assert self._refcounts[i] == 0, f"block {i} was free with refcount > 0"
             self._refcounts[i] = 1
         return ids
 
@@ -82,9 +108,44 @@ class BlockPool:
         for i in ids:
             self._refcounts[i] -= 1
             if self._refcounts[i] == 0:
-                self._free.append(i)
+                self._give_back(i)
                 freed.append(i)
         return freed
+
+    def _take(self, start: int, n: int) -> list[int]:
+        """Blocks start..start+n-1, all inside one free extent."""
+        first = self._starts[bisect.bisect_right(self._starts, start) - 1]
+        length = self._length[first]
+        assert first <= start and start + n <= first + length, "not inside one free extent"
+        self._remove(first)
+        if start > first:
+            self._insert(first, start - first)
+        if start + n < first + length:
+            self._insert(start + n, first + length - start - n)
+        self._num_free -= n
+        return list(range(start, start + n))
+
+    def _give_back(self, i: int) -> None:
+        """Block i is free again: merged with the free extents on either side."""
+        start, length = i, 1
+        if i in self._end:  # an extent ends right before i
+            start = self._end[i]
+            length += self._length[start]
+            self._remove(start)
+        if i + 1 in self._length:  # an extent starts right after i
+            length += self._length[i + 1]
+            self._remove(i + 1)
+        self._insert(start, length)
+        self._num_free += 1
+
+    def _insert(self, start: int, length: int) -> None:
+        bisect.insort(self._starts, start)
+        self._length[start] = length
+        self._end[start + length] = start
+
+    def _remove(self, start: int) -> None:
+        del self._starts[bisect.bisect_left(self._starts, start)]
+        del self._end[start + self._length.pop(start)]
 
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:

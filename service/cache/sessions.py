@@ -170,9 +170,13 @@ class SessionTable:
             cow = s.num_tokens % bs != 0 and pool.refcount(s.block_table[-1]) > 1
             num_new_blocks = _cdiv(total, bs) - len(s.block_table)
             self._make_room(m, num_new_blocks + cow, s, now)
-            ids = pool.allocate(num_new_blocks + cow)
+            # New blocks follow the session's last one where they can (attention reads a
+            # session with consecutive blocks in place); a private copy of a shared last
+            # block takes that block's place, so it follows the one before.
+            tail = s.block_table[: len(s.block_table) - cow]
+            ids = pool.allocate(num_new_blocks + cow, after=tail[-1] if tail else None)
             if cow:  # the other holder must never see this write
-                shared, private = s.block_table[-1], ids.pop()
+                shared, private = s.block_table[-1], ids.pop(0)
                 m.storage.copy_block(shared, private)
                 s.block_table[-1] = private
                 pool.decref([shared])

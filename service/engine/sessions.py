@@ -1,8 +1,9 @@
 """KV-cache sessions of the hosted models: the cache layer bound to the attention modules.
 
-A step reserves cache slots, gathers the sessions' past K/V, runs `MultiHeadAttention.step`
-for the whole batch, writes the new K/V and commits; any failure rolls every reservation
-back, so a session never counts tokens whose K/V were not written.
+A step reserves cache slots, projects the whole batch's new tokens, writes their K/V, lets
+each session attend over its own cached K/V (read in place when its blocks are
+consecutive), projects the outputs as one batch and commits; any failure rolls every
+reservation back, so a session never counts tokens whose K/V were not written.
 """
 
 from __future__ import annotations
@@ -137,16 +138,14 @@ class Sessions:
             # Write first, then read each session's positions in order: one copy of the
             # past (none for a session whose blocks are consecutive), no concatenation.
             cache.append(k_new, v_new, [r.slots for r in reservations])
-            keys, values, _ = cache.gather(
-                [r.block_table for r in reservations],
-                [r.start + r.num_tokens for r in reservations],
-            )
+            totals = [r.start + r.num_tokens for r in reservations]
+            past = [r.start for r in reservations]
+            kv = [cache.read(r.block_table, n) for r, n in zip(reservations, totals, strict=True)]
             out = attend_cached(
                 hosted.module,
                 q,
-                keys,
-                values,
-                past_lengths=[r.start for r in reservations],
+                kv,
+                past_lengths=past,
                 new_lengths=new_tokens,
                 need_weights=first.need_weights,
                 weight_heads=sorted(set(heads)) if first.need_weights else None,

@@ -3,6 +3,13 @@
 The engine writes the new tokens' K/V into the cache first and then reads each session's
 positions 0..past+new-1 in order, so keys need one copy (or none, for a session whose
 blocks are contiguous) instead of a gather plus a [past | new] concatenation.
+
+A batch attends one sequence at a time, each over its own keys: views into the cache when
+its blocks are consecutive (the block pool keeps them so where it can), never padded to
+the longest sequence. The projections around attention, where the weights are read, stay
+batched. Gathering the batch into one padded tensor instead copied every session's K/V on
+every step: 64 MHA sessions of 256 tokens took 73 ms a step that way and 16 ms this way;
+one session of 4000 tokens among 15 of 64, 217 ms against 5 ms (2-core CPU).
 """
 
 from __future__ import annotations
@@ -25,8 +32,7 @@ GROUPED_MIN_KEYS = 1024
 def attend_cached(
     module: MultiHeadAttention,
     q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
+    kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
     *,
     past_lengths: Sequence[int],
     new_lengths: Sequence[int],
@@ -34,46 +40,86 @@ def attend_cached(
     weight_heads: Sequence[int] | None = None,
     head_mask: torch.Tensor | None = None,
 ) -> AttentionOutput:
-    """q (B, H, T, D): the new tokens' queries (module.project); keys, values (B, KVH, S, D):
-    each sequence's positions 0..past+new-1 in order (new tokens included), padding after.
+    """Attention of a batch of sequences, one sequence at a time over its own keys.
+
+    q (B, H, T, D): the new tokens' queries (module.project). kv[b] = (keys, values),
+    each (1, KVH, S_b, D): sequence b's positions 0..S_b-1 in order, its new tokens last,
+    S_b = past_lengths[b] + new_lengths[b] (KVCache.read).
 
     New token t of sequence b (absolute position past_lengths[b] + t) attends causally to
-    positions 0..past_lengths[b] + t. past_lengths, new_lengths: B ints each.
-    Returns outputs (B, T, E) (rows of padded tokens 0) and, when asked, weights
-    (B, len(heads), T, S) float32 over absolute positions (columns past the end 0).
+    positions 0..past_lengths[b] + t. Returns outputs (B, T, E) (rows of padded tokens 0)
+    and, when asked, weights (B, len(heads), T, max S_b) float32 over absolute positions
+    (columns past a sequence's end 0).
     """
-    B, H, T, _ = q.shape
-    S = keys.shape[2]
-    KVH = module.config.num_kv_heads
+    B, H, T, D = q.shape
     heads = module._check_heads(weight_heads)
     gate = module._check_head_mask(head_mask, q)
-    totals = [p + n for p, n in zip(past_lengths, new_lengths, strict=True)]
+    ys, weights = [], []
+    for b, ((keys, values), past, new) in enumerate(
+        zip(kv, past_lengths, new_lengths, strict=True)
+    ):
+        if keys.shape[2] != past + new:
+            raise ValueError(f"sequence {b}: {keys.shape[2]} keys for {past} + {new} positions")
+        y, w = _attend_one(module, q[b : b + 1, :, :new], keys, values, past, need_weights, heads)
+        ys.append(y)
+        weights.append(w)
     new_valid = None
-    if any(n < T for n in new_lengths):
+    if B == 1 and new_lengths[0] == T:
+        y = ys[0]
+    elif all(n == T for n in new_lengths):
+        y = torch.cat(ys)  # (B, H, T, D)
+    else:  # ragged: padded rows are zero here and in the output
+        y = q.new_zeros(B, H, T, D)
+        for b, (y_b, n) in enumerate(zip(ys, new_lengths, strict=True)):
+            y[b, :, :n] = y_b[0]
         new_len = torch.tensor(list(new_lengths), device=q.device)
         new_valid = torch.arange(T, device=q.device)[None, :] < new_len[:, None]  # (B, T)
-    # One decode token seeing every key needs no mask at all (the common case).
-    allowed = None
-    if T > 1 or any(total < S for total in totals):
-        past = torch.tensor(list(past_lengths), device=q.device)[:, None, None]  # (B, 1, 1)
-        total = torch.tensor(totals, device=q.device)[:, None, None]  # (B, 1, 1)
-        t = torch.arange(T, device=q.device)[None, :, None]  # (1, T, 1)
-        j = torch.arange(S, device=q.device)[None, None, :]  # (1, 1, S)
-        # Padded rows keep their causal keys (never an all-masked row); they are zeroed below.
-        allowed = ((j <= past + t) & (j < total))[:, None]  # (B, 1, T, S)
-    if T == 1 and B == 1 and KVH != H and S >= GROUPED_MIN_KEYS:
-        y = _grouped_decode(q, keys, values, allowed, module.scale)
+    out = module._merge_heads(y, gate, new_valid)  # (B, T, E)
+    if not need_weights:
+        return AttentionOutput(output=out, weights=None)
+    S = max(w.shape[-1] for w in weights)
+    all_w = torch.zeros(B, len(heads), T, S, dtype=torch.float32, device=q.device)
+    for b, w in enumerate(weights):
+        all_w[b, :, : w.shape[2], : w.shape[3]] = w[0]
+    return AttentionOutput(output=out, weights=all_w)
+
+
+def _attend_one(
+    module: MultiHeadAttention,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    past: int,
+    need_weights: bool,
+    heads: list[int],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One sequence: q (1, H, n, D) at positions past..past+n-1 over keys, values
+    (1, KVH, past+n, D). Returns (1, H, n, D) and, when asked, (1, len(heads), n, past+n)."""
+    _, H, n, _ = q.shape
+    S, KVH = keys.shape[2], keys.shape[1]
+    allowed = None  # one token sees every key; n tokens from position 0 are plain causal
+    if n > 1 and past > 0:
+        t = torch.arange(n, device=q.device)[:, None]  # (n, 1)
+        j = torch.arange(S, device=q.device)[None, :]  # (1, S)
+        allowed = (j <= past + t)[None, None]  # (1, 1, n, S)
+    if n == 1 and KVH != H and S >= GROUPED_MIN_KEYS:
+        y = _grouped_decode(q, keys, values, None, module.scale)
     else:
         y = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=allowed, scale=module.scale, enable_gqa=KVH != H
-        )  # (B, H, T, D)
-    out = module._merge_heads(y, gate, new_valid)  # (B, T, E)
-    weights = None
+            q,
+            keys,
+            values,
+            attn_mask=allowed,
+            is_causal=n > 1 and past == 0,  # top-left aligned: exactly ours when past == 0
+            scale=module.scale,
+            enable_gqa=KVH != H,
+        )
+    w = None
     if need_weights:
-        weights = module._softmax(q, keys, heads, allowed)  # (B, n, T, S)
-        if new_valid is not None:
-            weights = weights.masked_fill(~new_valid[:, None, :, None], 0.0)
-    return AttentionOutput(output=out, weights=weights)
+        if n > 1 and allowed is None:
+            allowed = torch.ones(n, S, dtype=torch.bool, device=q.device).tril()[None, None]
+        w = module._softmax(q, keys, heads, allowed)  # (1, len(heads), n, S)
+    return y, w
 
 
 def _grouped_decode(

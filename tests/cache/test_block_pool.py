@@ -62,18 +62,68 @@ def test_double_free_in_one_call_changes_nothing():
     assert pool.refcount(b) == 1
 
 
+def test_a_session_grows_in_place_and_new_runs_leave_room():
+    pool = BlockPool(64)
+    a = pool.allocate(4)
+    assert a == [0, 1, 2, 3]  # the pool's first extent starts at block 0: no one grows into it
+    b = pool.allocate(4)
+    assert b == [32, 33, 34, 35]  # middle of the free extent 4..63: room for a and for b
+    assert pool.allocate(3, after=a[-1]) == [4, 5, 6]
+    assert pool.allocate(2, after=b[-1]) == [36, 37]
+
+
+def test_growth_that_does_not_fit_in_place_goes_elsewhere_in_one_run():
+    pool = BlockPool(16)
+    a = pool.allocate(2)  # 0, 1
+    fence = pool.allocate(1, after=a[-1])  # 2: a cannot grow in place
+    grown = pool.allocate(3, after=a[-1])
+    assert fence == [2] and grown == [grown[0], grown[0] + 1, grown[0] + 2]
+    assert grown[0] > 2
+
+
+def test_freed_blocks_merge_back_into_one_extent():
+    pool = BlockPool(10)
+    runs = [pool.allocate(n) for n in (3, 2, 4, 1)]
+    assert pool.num_free == 0
+    for run in (runs[1], runs[3], runs[0], runs[2]):
+        pool.decref(run)
+    assert pool.num_extents == 1 and pool.allocate(10) == list(range(10))
+
+
+def test_an_allocation_is_split_only_when_no_extent_fits():
+    pool = BlockPool(6)
+    pool.allocate(2)  # 0, 1
+    assert pool.allocate(2) == [3, 4]  # middle of 2..5
+    assert sorted(pool.allocate(2)) == [2, 5]  # two extents of one block each
+    assert pool.num_free == 0
+
+
+def _check_extents(pool: BlockPool) -> None:
+    """The free extents cover exactly the blocks with refcount 0, merged and in order."""
+    free = []
+    for start in pool._starts:
+        free += range(start, start + pool._length[start])
+    assert free == [i for i in range(pool.num_blocks) if pool.refcount(i) == 0]
+    assert len(free) == pool.num_free
+    ends = [s + pool._length[s] for s in pool._starts]
+    assert not set(ends) & set(pool._starts), "two free extents touch: not merged"
+
+
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["alloc", "incref", "decref"]), st.integers(0, 5))))
+@given(
+    st.lists(st.tuples(st.sampled_from(["alloc", "grow", "incref", "decref"]), st.integers(0, 5)))
+)
 def test_never_hands_out_a_referenced_block(ops):
     pool = BlockPool(8)
     refs: dict[int, int] = {}  # the reference: block -> refcount
     for op, n in ops:
-        if op == "alloc":
+        if op in ("alloc", "grow"):
             if n > pool.num_free:
                 with pytest.raises(CacheExhausted):
                     pool.allocate(n)
                 continue
-            ids = pool.allocate(n)
+            after = max(refs) if op == "grow" and refs else None
+            ids = pool.allocate(n, after=after)
             assert not set(ids) & set(refs), "allocated a block still referenced"
             refs.update(dict.fromkeys(ids, 1))
         elif refs:
@@ -88,3 +138,4 @@ def test_never_hands_out_a_referenced_block(ops):
                     del refs[b]
         assert pool.num_used == len(refs)
         assert all(pool.refcount(b) == r for b, r in refs.items())
+        _check_extents(pool)

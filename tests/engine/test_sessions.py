@@ -101,20 +101,25 @@ def test_weights_of_a_step_are_rows_of_the_full_causal_weights(engine):
 
 def test_contiguous_and_scattered_blocks_read_the_same(engine):
     hosted = engine.get("mha")
-    a, b = (engine.sessions.create("mha", None, None).id for _ in range(2))
+    pool = engine.sessions.table.pool("mha")
+    a, c = (engine.sessions.create("mha", None, None).id for _ in range(2))
     x = seq(50, seed=3)
-    # Interleaved appends scatter a's blocks; b's single prefill gets consecutive blocks.
+    # Another holder takes the block after each of a's, so a's blocks scatter (read by a
+    # copy); c's single prefill gets consecutive blocks (read in place).
+    fences = []
     for start in range(0, 48, 16):
         engine.run(hosted, AttendCall("mha", x[:, start : start + 16], session_id=a))
-        engine.run(hosted, AttendCall("mha", seq(16, seed=start), session_id=b))
-    c = engine.sessions.create("mha", None, None).id
+        fences += pool.allocate(1, after=engine.sessions.table.get(a).block_table[-1])
     engine.run(hosted, AttendCall("mha", x[:, :48], session_id=c))
     blocks_a = engine.sessions.table.get(a).block_table
+    blocks_c = engine.sessions.table.get(c).block_table
     assert any(y != x_ + 1 for x_, y in zip(blocks_a, blocks_a[1:], strict=False))
+    assert all(y == x_ + 1 for x_, y in zip(blocks_c, blocks_c[1:], strict=False))
     tail = x[:, 48:]
     out_a = engine.run(hosted, AttendCall("mha", tail, session_id=a)).output
     out_c = engine.run(hosted, AttendCall("mha", tail, session_id=c)).output
     torch.testing.assert_close(out_a, out_c, atol=ATOL, rtol=0)
+    pool.decref(fences)
 
 
 def test_an_overflowing_step_fails_alone_and_is_not_kept(engine):
