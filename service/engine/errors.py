@@ -1,5 +1,6 @@
 """Errors the engine raises for a bad request; transport maps each to a gRPC status."""
 
+import numpy as np
 import torch
 
 
@@ -19,25 +20,22 @@ class TooLarge(RequestError):
     """The reply would exceed a size limit; the message says how to narrow it (RESOURCE_EXHAUSTED)."""
 
 
-# An IEEE float is NaN or Inf exactly when all its exponent bits are set.
-_EXPONENT_BITS = {
-    torch.float32: (torch.int32, 0x7F800000),
-    torch.float16: (torch.int16, 0x7C00),
-    torch.bfloat16: (torch.int16, 0x7F80),
-}
+# numpy has no bfloat16: its NaN and Inf are the values whose 8 exponent bits are all set.
+_BF16_EXPONENT = 0x7F80
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """Whether a CPU tensor holds no NaN/Inf, checked with numpy on its bits.
+    """Whether a CPU tensor holds no NaN/Inf, checked with numpy.
 
     Not torch.isfinite: a torch op on another thread (the event loop) would start a second
-    OpenMP thread pool, and two pools spinning on 2 cores slow every forward pass.
+    OpenMP thread pool, and two pools on 2 cores slow every forward pass.
     """
-    if t.device.type != "cpu" or t.dtype not in _EXPONENT_BITS:
+    if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return bool(torch.isfinite(t).all())
-    int_dtype, mask = _EXPONENT_BITS[t.dtype]
-    bits = t.contiguous().view(int_dtype).numpy()
-    return not bool(((bits & mask) == mask).any())
+    if t.dtype == torch.bfloat16:
+        bits = t.detach().contiguous().view(torch.int16).numpy()
+        return not bool(((bits & _BF16_EXPONENT) == _BF16_EXPONENT).any())
+    return bool(np.isfinite(t.detach().numpy()).all())
 
 
 def require_finite(t: torch.Tensor, what: str) -> torch.Tensor:

@@ -23,6 +23,11 @@ _BYTE_VIEWS = {torch.bfloat16: torch.int16}
 if sys.byteorder != "little":  # the wire is little-endian; we never byte-swap
     raise ImportError("mha-serve needs a little-endian host")
 
+# from_proto wraps the (immutable) message bytes and nothing writes to them; torch warns
+# that the buffer is read-only. A filter set once, not warnings.catch_warnings() per call:
+# that cost 20 us of every request's time on the event loop.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
 
 def torch_dtype(value: int, what: str, *, default: torch.dtype | None = None) -> torch.dtype | None:
     """A proto DType to torch; DTYPE_UNSPECIFIED gives `default`."""
@@ -45,17 +50,16 @@ def from_proto(tensor: pb.Tensor, what: str = "input") -> torch.Tensor:
     shape = list(tensor.shape)
     if any(d < 0 for d in shape):
         raise InvalidRequest(f"{what}.shape {shape} has a negative dimension")
+    data = tensor.data  # once: every read of a bytes field copies it (4 ms for 16 MB)
     expected = math.prod(shape) * dtype.itemsize
-    if len(tensor.data) != expected:
+    if len(data) != expected:
         raise InvalidRequest(
-            f"{what}.data has {len(tensor.data)} bytes but shape {shape} in "
+            f"{what}.data has {len(data)} bytes but shape {shape} in "
             f"{str(dtype).removeprefix('torch.')} needs {expected}"
         )
     if expected == 0:  # never allocate: a zero dimension beside huge ones would overflow
         raise InvalidRequest(f"{what} is empty (shape {shape}); send at least one token")
-    with warnings.catch_warnings():  # protobuf bytes are immutable; nothing writes to them
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(tensor.data, dtype=dtype).view(shape)
+    return torch.frombuffer(data, dtype=dtype).view(shape)
 
 
 def to_proto(tensor: torch.Tensor) -> pb.Tensor:
