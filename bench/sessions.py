@@ -296,7 +296,7 @@ def main() -> int:
         return 0
     contexts = [64, 256] if args.quick else [256, 1024, 4096]
     steps, reps = (4, 2) if args.quick else (64, 3)
-    num_sessions, batch_steps = (8, 4) if args.quick else (64, 16)
+    num_sessions, batch_steps = (8, 4) if args.quick else (64, 64)
     tmp = Path(tempfile.mkdtemp(prefix="mha-bench-"))
     proc, target = start_server(tmp / "server.log")
     results: dict = {

@@ -336,3 +336,28 @@ async def test_lanes_run_on_the_executors_given_and_leave_them_running():
     await b.close()
     shared.shutdown()
     side.shutdown()
+
+
+async def test_a_failing_batch_observer_neither_hangs_callers_nor_stops_the_lane():
+    def observer(info):
+        raise RuntimeError("metrics backend down")
+
+    b = Batcher("m", Recorder(), policy(), on_batch=observer)
+    for i in range(2):
+        result, _ = await asyncio.wait_for(b.submit(i, sequences=1, length=1), WAIT_S)
+        assert result == i * 10
+    await b.close()
+
+
+async def test_a_run_batch_returning_the_wrong_count_fails_that_batch_only():
+    calls = []
+
+    def short(payloads):
+        calls.append(len(payloads))
+        return payloads[:-1] if len(calls) == 1 else payloads
+
+    b = Batcher("m", short, policy())
+    with pytest.raises(RuntimeError, match="returned 0 results for 1 items"):
+        await b.submit(5, sequences=1, length=1)
+    assert (await b.submit(6, sequences=1, length=1))[0] == 6
+    await b.close()
