@@ -29,6 +29,12 @@ if TYPE_CHECKING:
     from mha_serve.engine.engine import HostedModel
 
 
+# Batches of at least this many sessions, each reading at most this much K/V, run with one
+# torch thread (_one_thread_is_enough).
+SMALL_STEP_MIN_SESSIONS = 4
+SMALL_STEP_MAX_KV_BYTES = 1 << 20
+
+
 class Sessions:
     """The session table and one KV cache per model that has a cache budget."""
 
@@ -115,12 +121,19 @@ class Sessions:
                 live.append((i, r))
         if not live:
             return results
+        threads = torch.get_num_threads()
+        small = _one_thread_is_enough(cache, [r for _, r in live])
         try:
+            if small and threads > 1:
+                torch.set_num_threads(1)
             self._step(hosted, cache, calls, live, results, start)
         except BaseException:
             for _, r in live:
                 self.table.rollback(r)
             raise
+        finally:
+            if small and threads > 1:
+                torch.set_num_threads(threads)
         return results
 
     def _step(self, hosted, cache, calls, live, results, start) -> None:
@@ -202,3 +215,18 @@ def _batch_inputs(
     for b, c in enumerate(steps):
         x[b, : new_tokens[b]].copy_(c.inputs[0], non_blocking=True)
     return x
+
+
+def _one_thread_is_enough(cache, reservations: list[Reservation]) -> bool:
+    """Many sessions each stepping a few tokens over a short context: each op is too small
+    to split, and waking the OpenMP team for it costs more than it saves. After its last
+    parallel op the team spins for milliseconds, and with 64 sessions decoding that spin
+    took a third of the server's CPU on 2 cores. One session, or any long context or
+    prefill, keeps every thread."""
+    if len(reservations) < SMALL_STEP_MIN_SESSIONS or cache.device.type != "cpu":
+        return False
+    longest = max(r.start + r.num_tokens for r in reservations)
+    new = sum(r.num_tokens for r in reservations)
+    return longest * cache.bytes_per_token <= SMALL_STEP_MAX_KV_BYTES and new <= 4 * len(
+        reservations
+    )

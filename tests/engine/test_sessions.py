@@ -7,6 +7,7 @@ import torch
 
 from mha_serve.config import default_models
 from mha_serve.engine import AttendCall, Engine, InvalidRequest
+from mha_serve.engine import sessions as engine_sessions
 from mha_serve.model import cached
 
 ATOL = 1e-5  # float32: cached steps vs one causal forward
@@ -139,3 +140,28 @@ def test_an_overflowing_step_fails_alone_and_is_not_kept(engine):
     assert engine.sessions.table.session_stats(bad).num_tokens == 8  # rolled back
     ref = engine.run(hosted, AttendCall("mha", x, causal=True)).output[:, 8:]
     assert (ok.output - ref).abs().max() < ATOL and ok.session.num_tokens == 9
+
+
+def test_small_batched_steps_run_single_threaded_and_restore_the_count(engine, monkeypatch):
+    full = torch.get_num_threads()
+    if full < 2:
+        pytest.skip("torch runs single-threaded here: nothing to switch")
+    seen = []
+    real = engine_sessions.attend_cached
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_sessions, "attend_cached", spy)
+    hosted = engine.get("gqa")
+    ids = [engine.sessions.create("gqa", None, None).id for _ in range(4)]
+    for i, sid in enumerate(ids):
+        engine.run(hosted, AttendCall("gqa", seq(8, seed=i), session_id=sid))  # one: all threads
+    engine.run_batch(hosted, [AttendCall("gqa", seq(1, seed=9), session_id=sid) for sid in ids])
+    long_prefill = [
+        AttendCall("gqa", seq(300, seed=i), session_id=sid) for i, sid in enumerate(ids)
+    ]
+    engine.run_batch(hosted, long_prefill)  # many new tokens: all threads
+    assert seen == [full] * 4 + [1, full]
+    assert torch.get_num_threads() == full
