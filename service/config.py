@@ -40,6 +40,9 @@ class ServerConfig:
     # held by decoded requests waiting for a batch).
     max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS
     torch_threads: int = 0  # intra-op threads for the forward; 0 keeps torch's default
+    # Threads of the lane that computes attention weights. Keep torch_threads plus this at
+    # most the cores: libgomp slows every op once its threads outnumber them.
+    weights_torch_threads: int = 1
     session_ttl_s: float = DEFAULT_SESSION_TTL_S  # idle sessions expire; 0: never
     # When a model's KV cache is full: evict least-recently-used idle sessions (true) or
     # answer RESOURCE_EXHAUSTED (false). An evicted session answers NOT_FOUND saying so.
@@ -163,6 +166,8 @@ def build_config(file_path: str | None, overrides: dict[str, Any]) -> ServerConf
     for key in ("grace_period_s", "drain_delay_s", "torch_threads", "session_ttl_s"):
         if getattr(cfg, key) < 0:
             raise ValueError(f"{key} {getattr(cfg, key)} is negative; use 0 or more")
+    if cfg.weights_torch_threads < 1:
+        raise ValueError(f"weights_torch_threads {cfg.weights_torch_threads} must be at least 1")
     if cfg.max_concurrent_rpcs < 1:
         raise ValueError(f"max_concurrent_rpcs {cfg.max_concurrent_rpcs} must be at least 1")
     cfg.log_level = cfg.log_level.upper()

@@ -10,8 +10,9 @@ thread and each lane computing on another, a streamed decode step at context 350
 
 So one thread runs all multi-threaded torch work: loading, warm-up and every model's fast
 lane (batches of different models take turns). Requests for attention weights keep a thread
-of their own so that they never hold up the fast lanes; it runs torch single-threaded, which
-starts no second team.
+of their own so that they never hold up the fast lanes; by default it runs torch
+single-threaded, which starts no second team. On a machine with cores to spare, give it
+more (`weights_torch_threads`), keeping both counts together within the cores.
 """
 
 from __future__ import annotations
@@ -30,10 +31,13 @@ def _use_threads(n: int) -> None:
 
 
 class ComputeThreads:
-    """`main`: the one multi-threaded torch thread; `weights`: one single-threaded thread."""
+    """`main`: the one multi-threaded torch thread; `weights`: the weights lane's thread."""
 
-    def __init__(self, torch_threads: int = 0) -> None:
+    def __init__(self, torch_threads: int = 0, weights_torch_threads: int = 1) -> None:
+        if weights_torch_threads < 1:
+            raise ValueError(f"weights_torch_threads must be >= 1, got {weights_torch_threads}")
         self.torch_threads = torch_threads if torch_threads > 0 else torch.get_num_threads()
+        self.weights_torch_threads = weights_torch_threads
         self.main = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="compute",
@@ -44,7 +48,7 @@ class ComputeThreads:
             max_workers=1,
             thread_name_prefix="compute-weights",
             initializer=_use_threads,
-            initargs=(1,),
+            initargs=(weights_torch_threads,),
         )
 
     def shutdown(self) -> None:

@@ -36,7 +36,8 @@ class Server:
         self.health = health.aio.HealthServicer()
         self.servicer = AttentionServicer(max_request_bytes=cfg.max_receive_message_bytes)
         self.lanes: dict[str, ModelLanes] = {}
-        self.compute = ComputeThreads(cfg.torch_threads)  # every torch op runs on these
+        # Every torch op runs on these two threads.
+        self.compute = ComputeThreads(cfg.torch_threads, cfg.weights_torch_threads)
         self._sweeper: asyncio.Task | None = None
         self.server = grpc.aio.server(
             maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mha_serve.engine.threads import ComputeThreads
@@ -29,3 +30,13 @@ def test_zero_keeps_torchs_default():
         assert compute.main.submit(torch.get_num_threads).result() == compute.torch_threads
     finally:
         compute.shutdown()
+
+
+def test_the_weights_thread_count_can_be_raised_and_is_checked():
+    compute = ComputeThreads(torch_threads=2, weights_torch_threads=2)
+    try:
+        assert compute.weights.submit(torch.get_num_threads).result() == 2
+    finally:
+        compute.shutdown()
+    with pytest.raises(ValueError, match="weights_torch_threads must be >= 1, got 0"):
+        ComputeThreads(weights_torch_threads=0)
