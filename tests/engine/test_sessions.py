@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mha_serve.config import default_models
-from mha_serve.engine import AttendCall, Engine, InvalidRequest
+from mha_serve.engine import AttendCall, Engine, InvalidRequest, ModelSpec
 from mha_serve.engine import sessions as engine_sessions
-from mha_serve.model import cached
+from mha_serve.model import AttentionConfig, cached
 
 ATOL = 1e-5  # float32: cached steps vs one causal forward
 
@@ -165,3 +167,56 @@ def test_small_batched_steps_run_single_threaded_and_restore_the_count(engine, m
     engine.run_batch(hosted, long_prefill)  # many new tokens: all threads
     assert seen == [full] * 4 + [1, full]
     assert torch.get_num_threads() == full
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.data())
+def test_interleaved_batched_steps_forks_and_closes_through_the_engine_stay_exact(data):
+    """The engine's own path (append, in-place or copied reads, per-session attention, the
+    block pool's placement) under random interleaving: every step equals a full recompute,
+    forks never disturb their parents, and the pool is empty at the end."""
+    kvh = data.draw(st.sampled_from([8, 2, 1]), label="num_kv_heads")
+    spec = ModelSpec(
+        "m",
+        AttentionConfig(32, 8, kvh),
+        kv_block_size=4,
+        kv_cache_bytes=256 * 2 * 4 * kvh * 4 * 4,  # 256 blocks of 4 tokens
+    )
+    eng = Engine([spec], device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**24)
+    hosted = eng.get("m")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    history: dict[str, torch.Tensor] = {}
+    pool, fences = eng.sessions.table.pool("m"), []
+    ops = ["create", "step", "step", "step", "fork", "close", "fence"]
+    for _ in range(data.draw(st.integers(4, 14), label="num_ops")):
+        op = data.draw(st.sampled_from(ops))
+        live = sorted(history)
+        if op == "create" or not live:
+            history[eng.sessions.create("m", None, None).id] = torch.empty(1, 0, 32)
+        elif op == "fence":  # take the block after a session's last: its next one lands apart
+            blocks = eng.sessions.table.get(data.draw(st.sampled_from(live))).block_table
+            if blocks and blocks[-1] + 1 < pool.num_blocks and pool.refcount(blocks[-1] + 1) == 0:
+                fences += pool.allocate(1, after=blocks[-1])
+        elif op == "step":
+            ids = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=4, unique=True))
+            xs = [torch.randn(1, data.draw(st.integers(1, 9)), 32, generator=gen) for _ in ids]
+            results = eng.run_batch(
+                hosted, [AttendCall("m", x, session_id=s) for s, x in zip(ids, xs, strict=True)]
+            )
+            for sid, x, r in zip(ids, xs, results, strict=True):
+                past = history[sid].shape[1]
+                history[sid] = torch.cat([history[sid], x], dim=1)
+                ref = eng.run(hosted, AttendCall("m", history[sid], causal=True)).output[:, past:]
+                assert (r.output - ref).abs().max() < ATOL
+                assert r.session.num_tokens == history[sid].shape[1]
+        elif op == "fork":
+            parent = data.draw(st.sampled_from(live))
+            history[eng.sessions.table.fork(parent).id] = history[parent].clone()
+        else:
+            sid = data.draw(st.sampled_from(live))
+            eng.sessions.table.close(sid)
+            del history[sid]
+    for sid in list(history):
+        eng.sessions.table.close(sid)
+    pool.decref(fences)
+    assert pool.num_used == 0
