@@ -220,36 +220,38 @@ class Batcher:
         batch = await self._form_batch()
         if not batch:
             return
-        started = time.monotonic()
         payloads = [item.payload for item in batch]
         done = loop.create_future()
 
         def run() -> None:  # on the executor's thread; hands the outcome to the loop once
+            started = time.monotonic()  # not at submit: the thread may be busy with others
             try:
-                outcome: Sequence[Any] | BaseException = self._run_batch(payloads)
+                outcome: list[Any] | BaseException = list(self._run_batch(payloads))
+                if len(outcome) != len(batch):
+                    raise RuntimeError(
+                        f"run_batch returned {len(outcome)} results for {len(batch)} items"
+                    )
             except BaseException as e:  # the whole batch failed: every caller hears why
                 outcome = e
-            loop.call_soon_threadsafe(self._finish, batch, outcome, started, done)
+            loop.call_soon_threadsafe(
+                self._finish, batch, outcome, started, time.monotonic() - started, done
+            )
 
         try:
             self._executor.submit(run)
         except RuntimeError as e:  # the executor was shut down
-            self._finish(batch, e, started, done)
+            self._finish(batch, e, time.monotonic(), 0.0, done)
         await done
 
     def _finish(
         self,
         batch: list[Item],
-        outcome: Sequence[Any] | BaseException,
+        outcome: list[Any] | BaseException,
         started: float,
+        compute_s: float,
         done: asyncio.Future,
     ) -> None:
         """On the loop: each caller gets its result at once (no extra hop through _round)."""
-        compute_s = time.monotonic() - started
-        if not isinstance(outcome, BaseException) and len(outcome) != len(batch):
-            outcome = RuntimeError(
-                f"run_batch returned {len(outcome)} results for {len(batch)} items"
-            )
         if isinstance(outcome, BaseException):
             log.error(
                 "%s: batch of %d requests failed",

@@ -9,7 +9,9 @@ others' K/V on every step. Free blocks are kept as extents (runs of consecutive 
 - a session grows in place when the blocks after its last one are free (`after`);
 - a new run goes to the largest extent, in its middle unless the extent starts the pool,
   so that the session before it and the new one both have room to grow;
-- only when no extent is big enough is an allocation split across extents.
+- only when no extent is big enough is an allocation split across extents, largest first.
+A freed block is reusable at once: the session table hands out slots only under its lock,
+through reservations that are committed or rolled back, so no stale mapping outlives them.
 """
 
 from __future__ import annotations
@@ -62,16 +64,22 @@ class BlockPool:
             )
         if n == 0:
             return []
+        if after is not None:
+            self._check_id(after)
         if after is not None and self._length.get(after + 1, 0) >= n:
             ids = self._take(after + 1, n)
         else:
-            ids = []
-            while len(ids) < n:  # one extent when any is big enough, else the largest first
-                start = max(self._starts, key=self._length.__getitem__)
-                length = self._length[start]
-                k = min(n - len(ids), length)
-                offset = 0 if start == 0 or k < n else (length - k) // 2
-                ids += self._take(start + offset, k)
+            largest = max(self._starts, key=self._length.__getitem__)
+            length = self._length[largest]
+            if length >= n:  # in the middle, so the session before it can grow too
+                ids = self._take(largest + (0 if largest == 0 else (length - n) // 2), n)
+            else:  # split, largest extents first
+                ids = []
+                by_size = sorted(self._starts, key=self._length.__getitem__, reverse=True)
+                for start in by_size:
+                    if len(ids) == n:
+                        break
+                    ids += self._take(start, min(n - len(ids), self._length[start]))
         for i in ids:
             assert self._refcounts[i] == 0, f"block {i} was free with refcount > 0"
             self._refcounts[i] = 1

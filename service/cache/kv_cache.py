@@ -56,8 +56,9 @@ class KVCache:
             )
         shape = (num_kv_heads, self.num_blocks, block_size, head_dim)
         # Empty, not zeros: on the CPU untouched pages cost no memory until sessions use
-        # them. Never-written slots only ever appear as gather padding, which step() masks
-        # and zeroes (tests/cache: NaN padding never leaks).
+        # them. A read never reaches a slot that was not written (read() stops at the
+        # session's length); gather() pads with stale slots, which step() masks and zeroes
+        # (tests/cache: NaN padding never leaks).
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
 
@@ -139,7 +140,8 @@ class KVCache:
     def gather(
         self, block_tables: Sequence[Sequence[int]], lengths: Sequence[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """K and V of a batch of sessions, padded to the longest.
+        """K and V of a batch of sessions, padded to the longest: the input of
+        MultiHeadAttention.step. (The engine reads each session on its own: read().)
 
         block_tables[b]: session b's block ids (may cover more than lengths[b] tokens).
         Returns k, v (B, KVH, P, D) with P = max(lengths) (0 allowed) and lengths (B,)

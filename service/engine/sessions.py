@@ -126,18 +126,19 @@ class Sessions:
         try:
             if small and threads > 1:
                 torch.set_num_threads(1)
-            self._step(hosted, cache, calls, live, results, start)
-        except BaseException:
+            out, heads = self._forward(hosted, cache, [calls[i] for i, _ in live], live)
+        except BaseException:  # nothing was kept: every reservation goes back
             for _, r in live:
                 self.table.rollback(r)
             raise
         finally:
             if small and threads > 1:
                 torch.set_num_threads(threads)
+        self._settle(out, heads, (time.perf_counter() - start) * 1e3, calls, live, results)
         return results
 
-    def _step(self, hosted, cache, calls, live, results, start) -> None:
-        steps = [calls[i] for i, _ in live]
+    def _forward(self, hosted, cache, steps: list[AttendCall], live) -> tuple:
+        """Writes the steps' K/V and attends; returns (AttentionOutput, heads)."""
         reservations = [r for _, r in live]
         new_tokens = [c.inputs.shape[1] for c in steps]
         x = _batch_inputs(hosted, steps, new_tokens)  # (B, T, E)
@@ -164,17 +165,26 @@ class Sessions:
                 weight_heads=sorted(set(heads)) if first.need_weights else None,
                 head_mask=head_mask,
             )
-        compute_ms = (time.perf_counter() - start) * 1e3
+        return out, heads
+
+    def _settle(self, out, heads, compute_ms: float, calls, live, results) -> None:
+        """Keeps (commit) or drops (rollback) each step on its own: one step's failure, or
+        its session closing meanwhile, is that step's answer alone."""
         finite = all_finite(out.output)  # one pass for the batch; per step only if not
-        for b, ((i, r), c) in enumerate(zip(live, steps, strict=True)):
+        for b, (i, r) in enumerate(live):
             try:
-                results[i] = self._result(out, b, r, c, heads, compute_ms, len(steps), finite)
-            except InvalidRequest as e:  # overflow: this step is not kept
+                result = self._result(out, b, r, calls[i], heads, compute_ms, len(live), finite)
+            except Exception as e:  # overflow (InvalidRequest), or a bug: not kept
                 self.table.rollback(r)
                 results[i] = e
                 continue
             self.table.commit(r)
-            results[i].session = self.table.session_stats(r.session_id)
+            try:
+                result.session = self.table.session_stats(r.session_id)
+            except CacheError as e:  # closed while the step ran: its cache went with it
+                results[i] = e
+                continue
+            results[i] = result
 
     @staticmethod
     def _result(

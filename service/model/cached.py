@@ -103,7 +103,7 @@ def _attend_one(
         j = torch.arange(S, device=q.device)[None, :]  # (1, S)
         allowed = (j <= past + t)[None, None]  # (1, 1, n, S)
     if n == 1 and KVH != H and S >= GROUPED_MIN_KEYS:
-        y = _grouped_decode(q, keys, values, None, module.scale)
+        y = _grouped_decode(q, keys, values, module.scale)
     else:
         y = F.scaled_dot_product_attention(
             q,
@@ -123,20 +123,14 @@ def _attend_one(
 
 
 def _grouped_decode(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    allowed: torch.Tensor | None,
-    scale: float,
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Attention of one token per sequence, q (B, H, 1, D), over keys, values (B, KVH, S, D)
-    with H = KVH * G (query head h reads KV head h // G): each KV head's G query heads are
-    the rows of one (G, D) matrix. Softmax in float32. Returns (B, H, 1, D)."""
-    B, H, _, D = q.shape
+    """Attention of one token, q (1, H, 1, D), over keys, values (1, KVH, S, D) with
+    H = KVH * G (query head h reads KV head h // G): each KV head's G query heads are the
+    rows of one (G, D) matrix. Softmax in float32. Returns (1, H, 1, D)."""
+    _, H, _, D = q.shape
     KVH = keys.shape[1]
-    qg = (q * scale).reshape(B, KVH, H // KVH, D)  # (B, KVH, G, D)
-    scores = torch.matmul(qg, keys.transpose(-1, -2))  # (B, KVH, G, S)
-    if allowed is not None:  # (B, 1, 1, S)
-        scores = scores.masked_fill(~allowed, float("-inf"))
+    qg = (q * scale).reshape(1, KVH, H // KVH, D)  # (1, KVH, G, D)
+    scores = torch.matmul(qg, keys.transpose(-1, -2))  # (1, KVH, G, S)
     p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-    return torch.matmul(p, values).reshape(B, H, 1, D)
+    return torch.matmul(p, values).reshape(1, H, 1, D)

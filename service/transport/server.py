@@ -36,7 +36,7 @@ class Server:
         self.health = health.aio.HealthServicer()
         self.servicer = AttentionServicer(max_request_bytes=cfg.max_receive_message_bytes)
         self.lanes: dict[str, ModelLanes] = {}
-        # Every torch op runs on these two threads.
+        # Every forward runs on these two threads; the event loop only wraps request bytes.
         self.compute = ComputeThreads(cfg.torch_threads, cfg.weights_torch_threads)
         self._sweeper: asyncio.Task | None = None
         self.server = grpc.aio.server(
@@ -91,13 +91,14 @@ class Server:
         for name, cache in engine.sessions.caches.items():
             metrics.watch_kv_cache(name, cache, engine.sessions)
         self._sweeper = asyncio.create_task(self._expire_sessions(engine), name="session-expiry")
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         # Everything loaded so far lives as long as the process: out of the collector's
         # sight, a full collection no longer walks torch's and grpc's objects (one took
-        # 98 ms in the middle of a decode loop here; none over 1 ms after this).
+        # 98 ms in the middle of a decode loop here; none over 1 ms after this). Before
+        # SERVING, so that no request waits for this one.
         gc.collect()
         gc.freeze()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         metrics.READY.set(1)
         log.info("SERVING models: %s", ", ".join(engine.models))
 

@@ -361,3 +361,49 @@ async def test_a_run_batch_returning_the_wrong_count_fails_that_batch_only():
         await b.submit(5, sequences=1, length=1)
     assert (await b.submit(6, sequences=1, length=1))[0] == 6
     await b.close()
+
+
+async def test_a_run_batch_returning_no_list_fails_that_batch_and_the_lane_goes_on():
+    calls = []
+
+    def flaky(payloads):
+        calls.append(payloads)
+        return None if len(calls) == 1 else payloads
+
+    b = Batcher("m", flaky, policy())
+    with pytest.raises(TypeError):
+        await asyncio.wait_for(b.submit(1, sequences=1, length=1), WAIT_S)
+    assert (await asyncio.wait_for(b.submit(2, sequences=1, length=1), WAIT_S))[0] == 2
+    await b.close()
+
+
+async def test_a_shut_down_executor_fails_the_batch_instead_of_hanging():
+    from concurrent.futures import ThreadPoolExecutor
+
+    gone = ThreadPoolExecutor(max_workers=1)
+    gone.shutdown()
+    b = Batcher("m", Recorder(), policy(), executor=gone)
+    with pytest.raises(RuntimeError, match="shutdown"):
+        await asyncio.wait_for(b.submit(1, sequences=1, length=1), WAIT_S)
+    await b.close()
+
+
+async def test_time_waiting_for_a_shared_thread_counts_as_queue_not_compute():
+    from concurrent.futures import ThreadPoolExecutor
+
+    shared = ThreadPoolExecutor(max_workers=1)
+    busy = Recorder()
+    busy.gate.clear()
+    a = Batcher("a", busy, policy(), executor=shared)
+    b = Batcher("b", Recorder(), policy(), executor=shared)
+    held = asyncio.ensure_future(a.submit(1, sequences=1, length=1))
+    await wait_entered(busy)
+    waiting = asyncio.ensure_future(b.submit(2, sequences=1, length=1))
+    await asyncio.sleep(0.3)  # b's batch waits behind a's on the one thread
+    busy.gate.set()
+    (_, info) = await asyncio.wait_for(waiting, WAIT_S)
+    assert info.queue_s >= 0.25 and info.compute_s < 0.25
+    await held
+    await a.close()
+    await b.close()
+    shared.shutdown()

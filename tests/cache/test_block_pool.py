@@ -46,12 +46,15 @@ def test_shared_block_is_freed_at_last_reference():
         (lambda p: p.incref([1]), "free"),
         (lambda p: p.decref([7]), "0..2"),
         (lambda p: p.allocate(-1), ">= 0"),
+        (lambda p: p.allocate(1, after=-1), "block id -1 is out of range 0..2"),
+        (lambda p: p.allocate(1, after=3), "block id 3 is out of range 0..2"),
     ],
 )
 def test_misuse_is_refused(action, piece):
     pool = BlockPool(3)
     with pytest.raises(ValueError, match=piece):
         action(pool)
+    assert pool.num_free == 3
 
 
 def test_double_free_in_one_call_changes_nothing():

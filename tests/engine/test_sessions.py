@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mha_serve.cache import SessionNotFound
 from mha_serve.config import default_models
 from mha_serve.engine import AttendCall, Engine, InvalidRequest, ModelSpec
 from mha_serve.engine import sessions as engine_sessions
@@ -37,7 +38,7 @@ def test_ragged_batched_steps_equal_full_recompute(engine, name):
         engine.run(hosted, AttendCall(name, full[i][:, :p], session_id=sid))  # prefill alone
         ids.append(sid)
     calls = [AttendCall(name, full[i][:, p:], session_id=ids[i]) for i, p in enumerate(pasts)]
-    results = engine.run_batch(hosted, calls)  # one forward: gather path, padded new tokens
+    results = engine.run_batch(hosted, calls)  # one batch: ragged new tokens, own keys each
     for i, (r, p) in enumerate(zip(results, pasts, strict=True)):
         ref = engine.run(hosted, AttendCall(name, full[i], causal=True)).output[:, p:]
         diff = (r.output - ref).abs()
@@ -64,17 +65,17 @@ def test_decode_steps_equal_full_recompute_on_both_attention_kernels(
     assert diff.max() < ATOL, f"max {diff.max():.2e} mean {diff.mean():.2e}"
 
 
-def test_grouped_decode_matches_sdpa_with_masked_keys():
-    """The grouped kernel alone, with padded keys masked, against SDPA (float32 and bf16)."""
+@pytest.mark.parametrize(("kvh", "keys"), [(2, 50), (1, 1), (4, 1030)])
+def test_grouped_decode_matches_sdpa(kvh, keys):
+    """The grouped kernel alone against SDPA, in float32 and bfloat16."""
     for dtype, atol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
-        g = torch.Generator().manual_seed(0)
+        g = torch.Generator().manual_seed(keys)
         q = torch.randn(1, 8, 1, 64, generator=g).to(dtype)
-        k = torch.randn(1, 2, 50, 64, generator=g).to(dtype)
-        v = torch.randn(1, 2, 50, 64, generator=g).to(dtype)
-        allowed = (torch.arange(50) < 37)[None, None, None, :]  # (1, 1, 1, S)
-        got = cached._grouped_decode(q, k, v, allowed, 0.125)
+        k = torch.randn(1, kvh, keys, 64, generator=g).to(dtype)
+        v = torch.randn(1, kvh, keys, 64, generator=g).to(dtype)
+        got = cached._grouped_decode(q, k, v, 0.125)
         ref = torch.nn.functional.scaled_dot_product_attention(
-            q.float(), k.float(), v.float(), attn_mask=allowed, scale=0.125, enable_gqa=True
+            q.float(), k.float(), v.float(), scale=0.125, enable_gqa=True
         )
         assert got.shape == (1, 8, 1, 64) and got.dtype == dtype
         assert (got.float() - ref).abs().max() < atol
@@ -110,19 +111,21 @@ def test_contiguous_and_scattered_blocks_read_the_same(engine):
     # Another holder takes the block after each of a's, so a's blocks scatter (read by a
     # copy); c's single prefill gets consecutive blocks (read in place).
     fences = []
-    for start in range(0, 48, 16):
-        engine.run(hosted, AttendCall("mha", x[:, start : start + 16], session_id=a))
-        fences += pool.allocate(1, after=engine.sessions.table.get(a).block_table[-1])
-    engine.run(hosted, AttendCall("mha", x[:, :48], session_id=c))
-    blocks_a = engine.sessions.table.get(a).block_table
-    blocks_c = engine.sessions.table.get(c).block_table
-    assert any(y != x_ + 1 for x_, y in zip(blocks_a, blocks_a[1:], strict=False))
-    assert all(y == x_ + 1 for x_, y in zip(blocks_c, blocks_c[1:], strict=False))
-    tail = x[:, 48:]
-    out_a = engine.run(hosted, AttendCall("mha", tail, session_id=a)).output
-    out_c = engine.run(hosted, AttendCall("mha", tail, session_id=c)).output
-    torch.testing.assert_close(out_a, out_c, atol=ATOL, rtol=0)
-    pool.decref(fences)
+    try:
+        for start in range(0, 48, 16):
+            engine.run(hosted, AttendCall("mha", x[:, start : start + 16], session_id=a))
+            fences += pool.allocate(1, after=engine.sessions.table.get(a).block_table[-1])
+        engine.run(hosted, AttendCall("mha", x[:, :48], session_id=c))
+        blocks_a = engine.sessions.table.get(a).block_table
+        blocks_c = engine.sessions.table.get(c).block_table
+        assert any(y != x_ + 1 for x_, y in zip(blocks_a, blocks_a[1:], strict=False))
+        assert all(y == x_ + 1 for x_, y in zip(blocks_c, blocks_c[1:], strict=False))
+        tail = x[:, 48:]
+        out_a = engine.run(hosted, AttendCall("mha", tail, session_id=a)).output
+        out_c = engine.run(hosted, AttendCall("mha", tail, session_id=c)).output
+        torch.testing.assert_close(out_a, out_c, atol=ATOL, rtol=0)
+    finally:  # the engine is shared by this module's tests
+        pool.decref(fences)
 
 
 def test_an_overflowing_step_fails_alone_and_is_not_kept(engine):
@@ -220,3 +223,53 @@ def test_interleaved_batched_steps_forks_and_closes_through_the_engine_stay_exac
         eng.sessions.table.close(sid)
     pool.decref(fences)
     assert pool.num_used == 0
+
+
+def test_a_session_closed_while_its_step_runs_answers_alone(engine, monkeypatch):
+    """The closed session's step answers NOT_FOUND; the other step of the batch is kept and
+    nothing stays pinned or allocated."""
+    hosted = engine.get("gqa")
+    keep, gone = (engine.sessions.create("gqa", None, None).id for _ in range(2))
+    x = seq(6, seed=4)
+    for sid in (keep, gone):
+        engine.run(hosted, AttendCall("gqa", x[:, :5], session_id=sid))
+    pool = engine.sessions.table.pool("gqa")
+    blocks_of_gone = list(engine.sessions.table.get(gone).block_table)
+    real = engine_sessions.attend_cached
+
+    def close_meanwhile(*args, **kwargs):
+        engine.sessions.table.close(gone)  # as a CloseSession RPC would, mid-forward
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_sessions, "attend_cached", close_meanwhile)
+    ok, closed = engine.run_batch(
+        hosted, [AttendCall("gqa", x[:, 5:], session_id=s) for s in (keep, gone)]
+    )
+    assert isinstance(closed, SessionNotFound) and "closed" in str(closed)
+    assert ok.session.num_tokens == 6
+    assert all(pool.refcount(b) == 0 for b in blocks_of_gone)  # freed when its step ended
+    monkeypatch.undo()
+    again = engine.run(hosted, AttendCall("gqa", x[:, :1], session_id=keep))  # not left busy
+    assert again.session.num_tokens == 7
+    engine.sessions.table.close(keep)
+
+
+def test_a_failing_forward_keeps_nothing_and_restores_the_thread_count(engine, monkeypatch):
+    hosted = engine.get("gqa")
+    ids = [engine.sessions.create("gqa", None, None).id for _ in range(4)]
+    for i, sid in enumerate(ids):
+        engine.run(hosted, AttendCall("gqa", seq(3, seed=i), session_id=sid))
+    pool = engine.sessions.table.pool("gqa")
+    used, threads = pool.num_used, torch.get_num_threads()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine_sessions, "attend_cached", broken)
+    calls = [AttendCall("gqa", seq(14, seed=9), session_id=sid) for sid in ids]  # new blocks
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.run_batch(hosted, calls)
+    assert pool.num_used == used and torch.get_num_threads() == threads
+    assert all(engine.sessions.table.get(s).num_tokens == 3 for s in ids)
+    monkeypatch.undo()
+    assert all(engine.run(hosted, c).session.num_tokens == 17 for c in calls)  # none left busy
