@@ -249,7 +249,9 @@ class Engine:
             if out.weights is not None:
                 weights = repeat_heads(out.weights, heads).to(call.weights_dtype)
                 weights = require_finite(weights, "attention weights")
-            output, weights = output.cpu(), None if weights is None else weights.cpu()
+            # Contiguous on the compute thread: encoding then runs no torch copy elsewhere.
+            output = output.cpu().contiguous()
+            weights = None if weights is None else weights.cpu().contiguous()
         return AttendResult(
             output=output,
             weights=weights,

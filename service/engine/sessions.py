@@ -201,9 +201,11 @@ class Sessions:
             w = out.weights[b : b + 1, :, call.query_start : q_end, : r.start + n]  # (1, n, R, S)
             w = repeat_heads(w, heads)
             weights = require_finite(w.to(call.weights_dtype), "attention weights").cpu()
+        # Contiguous here, on the compute thread: encoding then copies nothing with torch,
+        # so no other thread ever runs a torch op big enough to start an OpenMP team.
         return AttendResult(
-            output=output.cpu(),
-            weights=weights,
+            output=output.cpu().contiguous(),
+            weights=None if weights is None else weights.contiguous(),
             weight_heads=list(heads) if call.need_weights else [],
             weight_query_start=call.query_start if call.need_weights else 0,
             compute_ms=compute_ms,
