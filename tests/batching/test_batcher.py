@@ -407,3 +407,25 @@ async def test_time_waiting_for_a_shared_thread_counts_as_queue_not_compute():
     await a.close()
     await b.close()
     shared.shutdown()
+
+
+async def test_closing_a_lane_whose_batch_waits_behind_another_lane_finishes_that_batch():
+    from concurrent.futures import ThreadPoolExecutor
+
+    shared = ThreadPoolExecutor(max_workers=1)
+    busy = Recorder()
+    busy.gate.clear()
+    a = Batcher("a", busy, policy(), executor=shared)
+    b = Batcher("b", Recorder(), policy(), executor=shared)
+    held = asyncio.ensure_future(a.submit(1, sequences=1, length=1))
+    await wait_entered(busy)
+    waiting = asyncio.ensure_future(b.submit(2, sequences=1, length=1))
+    await asyncio.sleep(0.05)
+    closing = asyncio.ensure_future(b.close())
+    await asyncio.sleep(0.05)
+    assert not closing.done(), "close returned while its batch was still queued"
+    busy.gate.set()
+    await asyncio.wait_for(closing, WAIT_S)
+    assert (await waiting)[0] == 20 and (await held)[0] == 10
+    await a.close()
+    shared.shutdown()

@@ -273,3 +273,16 @@ def test_a_failing_forward_keeps_nothing_and_restores_the_thread_count(engine, m
     assert all(engine.sessions.table.get(s).num_tokens == 3 for s in ids)
     monkeypatch.undo()
     assert all(engine.run(hosted, c).session.num_tokens == 17 for c in calls)  # none left busy
+
+
+def test_a_step_whose_output_overflows_only_in_the_dtype_asked_fails_alone(engine):
+    hosted = engine.get("mha")
+    sid = engine.sessions.create("mha", None, None).id
+    x = seq(4, seed=6) * 1e6  # finite in float32; outputs far beyond float16's 65504
+    engine.run(hosted, AttendCall("mha", x[:, :3], session_id=sid))
+    narrow = AttendCall("mha", x[:, 3:], session_id=sid, output_dtype=torch.float16)
+    (failed,) = engine.run_batch(hosted, [narrow])
+    assert isinstance(failed, InvalidRequest) and "overflowed to NaN/Inf in float16" in str(failed)
+    assert engine.sessions.table.session_stats(sid).num_tokens == 3  # not kept
+    (ok,) = engine.run_batch(hosted, [AttendCall("mha", x[:, 3:], session_id=sid)])
+    assert ok.output.dtype == torch.float32 and ok.session.num_tokens == 4
