@@ -388,10 +388,9 @@ async def test_a_shut_down_executor_fails_the_batch_instead_of_hanging():
     await b.close()
 
 
-async def test_time_waiting_for_a_shared_thread_counts_as_queue_not_compute():
-    from concurrent.futures import ThreadPoolExecutor
-
-    shared = ThreadPoolExecutor(max_workers=1)
+async def b_queued_behind_a(shared) -> tuple:
+    """Lanes a and b on one thread: a's batch holds it (its gate closed), b's item waits.
+    Returns (a's gate, a, b, a's pending result, b's pending result)."""
     busy = Recorder()
     busy.gate.clear()
     a = Batcher("a", busy, policy(), executor=shared)
@@ -399,8 +398,16 @@ async def test_time_waiting_for_a_shared_thread_counts_as_queue_not_compute():
     held = asyncio.ensure_future(a.submit(1, sequences=1, length=1))
     await wait_entered(busy)
     waiting = asyncio.ensure_future(b.submit(2, sequences=1, length=1))
+    return busy.gate, a, b, held, waiting
+
+
+async def test_time_waiting_for_a_shared_thread_counts_as_queue_not_compute():
+    from concurrent.futures import ThreadPoolExecutor
+
+    shared = ThreadPoolExecutor(max_workers=1)
+    gate, a, b, held, waiting = await b_queued_behind_a(shared)
     await asyncio.sleep(0.3)  # b's batch waits behind a's on the one thread
-    busy.gate.set()
+    gate.set()
     (_, info) = await asyncio.wait_for(waiting, WAIT_S)
     assert info.queue_s >= 0.25 and info.compute_s < 0.25
     await held
@@ -413,18 +420,12 @@ async def test_closing_a_lane_whose_batch_waits_behind_another_lane_finishes_tha
     from concurrent.futures import ThreadPoolExecutor
 
     shared = ThreadPoolExecutor(max_workers=1)
-    busy = Recorder()
-    busy.gate.clear()
-    a = Batcher("a", busy, policy(), executor=shared)
-    b = Batcher("b", Recorder(), policy(), executor=shared)
-    held = asyncio.ensure_future(a.submit(1, sequences=1, length=1))
-    await wait_entered(busy)
-    waiting = asyncio.ensure_future(b.submit(2, sequences=1, length=1))
+    gate, a, b, held, waiting = await b_queued_behind_a(shared)
     await asyncio.sleep(0.05)
     closing = asyncio.ensure_future(b.close())
     await asyncio.sleep(0.05)
     assert not closing.done(), "close returned while its batch was still queued"
-    busy.gate.set()
+    gate.set()
     await asyncio.wait_for(closing, WAIT_S)
     assert (await waiting)[0] == 20 and (await held)[0] == 10
     await a.close()
