@@ -231,12 +231,15 @@ def write_report(results: dict, out: Path) -> None:
         "",
         "## Decode step with the cache vs recomputing the sequence (end to end over gRPC)",
         "",
-        f"Recompute: median of {results['recompute_reps']} causal Attends of the whole "
-        f"sequence. Cached step: median of {results['decode_steps']} streamed one-token steps",
-        "ending at the context (mean beside it; decode tokens/s is 1 / mean). The table was",
-        f"measured {len(results['decode'][0]['round_speedups'])} times in one run; each time is",
-        "the median over those rounds. Speedup: recompute / median step (in brackets: / mean",
-        "step); then the speedup of each round, to show how much this VM moves between runs.",
+        f"Recompute: median of {results['recompute_reps']} causal Attends of the whole sequence. "
+        "Cached step:",
+        f"median of {results['decode_steps']} streamed one-token steps ending at the context "
+        "(mean beside it;",
+        "decode tokens/s is 1 / mean). The table was measured "
+        f"{len(results['decode'][0]['round_speedups'])} times in one run; each",
+        "time is the median over those rounds. Speedup: recompute / median step (in brackets:",
+        "/ mean step); then the speedup of each round, to show how much this VM moves between",
+        "runs.",
         "",
         "| model | context | recompute (ms) | cached step, median (ms) | mean (ms) | speedup | each round | decode tok/s |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
