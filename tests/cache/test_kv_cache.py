@@ -125,6 +125,20 @@ def test_append_misuse_is_explained_and_writes_nothing(call, piece):
     assert kv.k.count_nonzero() == 0 and kv.v.count_nonzero() == 0
 
 
+@pytest.mark.parametrize("table", [[2, 3, 4], [5, 1, 6]], ids=["consecutive", "scattered"])
+def test_read_returns_a_sessions_positions_in_place_when_its_blocks_are_consecutive(table):
+    kv = make()
+    kv.k.normal_()
+    kv.v.normal_()
+    length = 2 * BS + 1  # into the third block
+    k, v = kv.read(table, length)
+    assert k.shape == v.shape == (1, KVH, length, D)
+    want = torch.cat([kv.k[:, b] for b in table], dim=1)[:, :length]  # (KVH, len, D)
+    assert torch.equal(k[0], want)
+    in_place = k.untyped_storage().data_ptr() == kv.k.untyped_storage().data_ptr()
+    assert in_place == (table == [2, 3, 4]), "views for consecutive blocks, a copy otherwise"
+
+
 def test_gather_of_empty_past():
     k, v, lengths = make().gather([[], [3]], [0, 0])
     assert k.shape == v.shape == (2, KVH, 0, D) and lengths.tolist() == [0, 0]
