@@ -157,3 +157,63 @@ async def test_steps_of_many_sessions_share_one_forward():
     finally:
         release.set()
         await server.stop()
+
+
+async def test_concurrent_streams_batched_together_each_equal_their_own_recompute():
+    """Eight streams step at once (their steps batch, their blocks interleave in the pool);
+    every reply equals a causal Attend of that session's whole sequence."""
+    server = Server(
+        ServerConfig(
+            host="127.0.0.1",
+            port=free_port(),
+            metrics_port=0,
+            models=[
+                ModelSpec("tiny", AttentionConfig(EMBED, 4, 2), kv_cache_bytes=256 * BLOCK_BYTES)
+            ],
+        )
+    )
+    await server.start()
+    rng = np.random.default_rng(7)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.AttentionServiceStub(channel)
+
+            async def decode(i: int) -> tuple[np.ndarray, list[np.ndarray]]:
+                sid = (await stub.CreateSession(pb.CreateSessionRequest(model="tiny"))).session_id
+                chunks = [
+                    rng.standard_normal((n, EMBED), dtype=np.float32)
+                    for n in (5, 1, 3, 1, 1, 17, 1, 2)
+                ]
+                call = stub.StreamSession()
+                outs = []
+                for x in chunks:
+                    await call.write(
+                        pb.AttendRequest(
+                            session_id=sid,
+                            input=pb.Tensor(
+                                dtype=pb.DTYPE_FLOAT32, shape=list(x.shape), data=x.tobytes()
+                            ),
+                        )
+                    )
+                    reply = await call.read()
+                    outs.append(np.frombuffer(reply.output.data, np.float32).reshape(x.shape))
+                await call.done_writing()
+                await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+                return np.concatenate(chunks), outs
+
+            results = await asyncio.gather(*(decode(i) for i in range(8)))
+            for seq, outs in results:
+                full = await stub.Attend(
+                    pb.AttendRequest(
+                        model="tiny",
+                        input=pb.Tensor(
+                            dtype=pb.DTYPE_FLOAT32, shape=list(seq.shape), data=seq.tobytes()
+                        ),
+                        causal=True,
+                    )
+                )
+                want = np.frombuffer(full.output.data, np.float32).reshape(seq.shape)
+                np.testing.assert_allclose(np.concatenate(outs), want, atol=1e-5, rtol=1e-5)
+            assert await used_blocks(stub) == 0
+    finally:
+        await server.stop()
