@@ -4,9 +4,9 @@ torch's CPU builds use libgomp, which gives every thread that runs a parallel op
 team of its own, kept alive with the thread. While a process holds more team threads than
 there are cores, libgomp stops spinning between parallel regions and puts its threads to
 sleep instead, so every op of a decode step pays a wake-up. With the models loaded on one
-thread and each lane computing on another, a streamed decode step at context 3500 took
-5.4 ms end to end here; with loading and every batched lane on one thread, 4.7 ms
-(`python bench/sessions.py`, 2 cores).
+thread and each lane computing on another, a streamed MHA decode step at context 3500 took
+6.3-7.1 ms end to end here; with loading and every batched lane on one thread, 4.7-5.0 ms
+(the two alternated in one A/B run, 2 cores).
 
 So one thread runs all multi-threaded torch work: loading, warm-up and every model's fast
 lane (batches of different models take turns). Requests for attention weights keep a thread
