@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BATCH_SIZE = 64  # sequences in one forward
 DEFAULT_MAX_BATCH_TOKENS = 32768  # padded tokens (sequences x longest) in one forward
 DEFAULT_MAX_QUEUE_DELAY_S = 0.002  # how long the first request of a batch may wait for company
+# A batch waits for company only when at least about one arrival in ten lately found the
+# lane busy (Batcher._overlap_ewma): other clients are sending concurrently.
+OVERLAP_TO_WAIT = 0.1
 DEFAULT_MAX_QUEUE_REQUESTS = 1024
 DEFAULT_MAX_QUEUE_TOKENS = 1 << 20
 DEFAULT_MIN_BATCH_FILL = 0.8  # at most 20% of a batch's positions are padding
@@ -137,6 +140,12 @@ class Batcher:
         # Smoothed gap between arrivals: waiting for company only pays when others come soon.
         self._last_arrival: float | None = None
         self._gap_ewma: float | None = None
+        # Smoothed share of arrivals that found the lane busy (items queued or a batch
+        # running). A closed-loop client (a decode stream: each step waits for its answer)
+        # never finds it busy, however close together its requests come: nobody can join
+        # its batch, and waiting for company would only add the delay to every step.
+        self._overlap_ewma = 0.0
+        self._running = False
 
     @property
     def queued_requests(self) -> int:
@@ -181,6 +190,8 @@ class Batcher:
         if self._last_arrival is not None:
             gap = item.enqueued - self._last_arrival
             self._gap_ewma = gap if self._gap_ewma is None else 0.8 * self._gap_ewma + 0.2 * gap
+        overlap = bool(self._pending) or self._running
+        self._overlap_ewma = 0.8 * self._overlap_ewma + 0.2 * overlap
         self._last_arrival = item.enqueued
         self._pending.append(item)
         self._queued_tokens += tokens
@@ -237,6 +248,7 @@ class Batcher:
                 self._finish, batch, outcome, started, time.monotonic() - started, done
             )
 
+        self._running = True
         try:
             self._executor.submit(run)
         except RuntimeError as e:  # the executor was shut down
@@ -252,6 +264,7 @@ class Batcher:
         done: asyncio.Future,
     ) -> None:
         """On the loop: each caller gets its result at once (no extra hop through _round)."""
+        self._running = False
         if isinstance(outcome, BaseException):
             log.error(
                 "%s: batch of %d requests failed",
@@ -282,8 +295,9 @@ class Batcher:
     async def _form_batch(self) -> list[Item]:
         """The oldest item plus compatible ones, waiting up to max_queue_delay for more.
 
-        The wait applies only while requests arrive closer together than the delay: a lone
-        client (one request at a time) would wait for nobody, so its requests go at once.
+        The wait applies only while requests arrive closer together than the delay and
+        some of them find the lane busy: a lone client (one request at a time, however
+        fast) would wait for nobody, so its requests go at once.
         """
         p = self.policy
         first = self._take_first()
@@ -291,7 +305,11 @@ class Batcher:
             return []
         batch, sequences, longest = [first], first.sequences, first.length
         real = first.tokens
-        busy = self._gap_ewma is not None and self._gap_ewma < p.max_queue_delay_s
+        busy = (
+            self._gap_ewma is not None
+            and self._gap_ewma < p.max_queue_delay_s
+            and self._overlap_ewma >= OVERLAP_TO_WAIT
+        )
         flush_at = time.monotonic() + (p.max_queue_delay_s if busy else 0.0)
         while True:
             for item in list(self._pending):

@@ -237,6 +237,31 @@ async def test_a_lone_client_does_not_wait_for_company():
     await b.close()
 
 
+async def test_a_fast_closed_loop_client_does_not_wait_for_company():
+    """A decode stream sends its next step as soon as the last one answers: arrivals far
+    closer together than the delay, but none can ever join another's batch."""
+    rec = Recorder()
+    b = Batcher("m", rec, BatchPolicy(max_queue_delay_s=0.5))
+    for i in range(8):  # back to back: gaps of well under a millisecond
+        started = time.monotonic()
+        _, info = await b.submit(i, sequences=1, length=1)
+        assert time.monotonic() - started < 0.4, f"step {i} waited for the 0.5 s batch delay"
+        assert info.queue_s < 0.4
+    assert rec.batches == [[i] for i in range(8)]
+    # Once other callers overlap it, the same lane waits for company again.
+    first = asyncio.ensure_future(b.submit(100, sequences=1, length=1))
+    await asyncio.sleep(0)
+    rest = [asyncio.ensure_future(b.submit(i, sequences=1, length=1)) for i in (101, 102)]
+    await asyncio.gather(first, *rest)
+    trickle = []
+    for i in range(103, 106):
+        trickle.append(asyncio.ensure_future(b.submit(i, sequences=1, length=1)))
+        await asyncio.sleep(0.02)
+    await asyncio.gather(*trickle)
+    assert [103, 104, 105] in rec.batches
+    await b.close()
+
+
 async def test_bursty_arrivals_still_wait_for_company():
     rec = Recorder()
     b = Batcher("m", rec, BatchPolicy(max_queue_delay_s=0.2))
