@@ -261,7 +261,17 @@ def cmd_models(client: Client, args: argparse.Namespace) -> int:
 
 def cmd_info(client: Client, args: argparse.Namespace) -> int:
     info = asdict(client.model_info(args.name))
-    print(json.dumps(info, indent=2) if args.json else format_fields(list(info.items())))
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return EXIT_OK
+    cache = info.pop("kv_cache")  # one line per field: kv_cache.dtype, ...
+    pairs = list(info.items())
+    pairs += (
+        [("kv_cache", "none")]
+        if cache is None
+        else [(f"kv_cache.{k}", v) for k, v in cache.items()]
+    )
+    print(format_fields(pairs))
     return EXIT_OK
 
 

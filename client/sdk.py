@@ -31,6 +31,33 @@ _VARIANTS = {pb.VARIANT_MHA: "mha", pb.VARIANT_GQA: "gqa", pb.VARIANT_MQA: "mqa"
 
 
 @dataclass(frozen=True)
+class KVCacheInfo:
+    """A model's KV cache for sessions, as of the ListModels call."""
+
+    budget_bytes: int
+    block_size: int  # tokens per block
+    bytes_per_token: int  # 2 (K, V) x num_kv_heads x head_dim x itemsize(dtype)
+    num_blocks: int
+    num_blocks_used: int
+    num_sessions: int
+    evict_idle_sessions: bool
+    dtype: str  # stored K/V: the model's dtype unless the model sets kv_cache_dtype
+
+    @classmethod
+    def from_proto(cls, c: pb.KVCacheInfo) -> KVCacheInfo:
+        return cls(
+            budget_bytes=c.budget_bytes,
+            block_size=c.block_size,
+            bytes_per_token=c.bytes_per_token,
+            num_blocks=c.num_blocks,
+            num_blocks_used=c.num_blocks_used,
+            num_sessions=c.num_sessions,
+            evict_idle_sessions=c.evict_idle_sessions,
+            dtype=dtype_name(c.dtype),
+        )
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """One hosted model: its shape, defaults and the server's limits for it."""
 
@@ -50,6 +77,7 @@ class ModelInfo:
     max_request_bytes: int
     max_response_bytes: int
     num_parameters: int
+    kv_cache: KVCacheInfo | None = None  # None: the model serves no sessions
 
     @classmethod
     def from_proto(cls, m: pb.ModelInfo) -> ModelInfo:
@@ -70,6 +98,7 @@ class ModelInfo:
             max_request_bytes=m.limits.max_request_bytes,
             max_response_bytes=m.limits.max_response_bytes,
             num_parameters=m.num_parameters,
+            kv_cache=KVCacheInfo.from_proto(m.kv_cache) if m.HasField("kv_cache") else None,
         )
 
 

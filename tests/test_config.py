@@ -82,6 +82,10 @@ def test_defaults_without_file():
             "[[models]]\nname = 'a'\nembed_dim = 64\nnum_heads = 8\nmax_queue_delay_ms = 5000\n",
             "max_queue_delay_ms must be in 0..1000",
         ),
+        (
+            "[[models]]\nname = 'a'\nembed_dim = 64\nnum_heads = 8\nkv_cache_dtype = 'fp8'\n",
+            "kv_cache_dtype must be one of auto, float32, float16, bfloat16",
+        ),
     ],
 )
 def test_bad_config_exits_2_with_the_fix(tmp_path, capsys, text, message):
@@ -116,6 +120,7 @@ def test_example_config_in_docs_loads():
     cfg = build_config(str(Path(__file__).parent.parent / "docs/config.example.toml"), {})
     assert [m.name for m in cfg.models] == ["mha", "gqa-1k"]
     assert cfg.models[1].attention.variant == "gqa" and cfg.models[1].attention.causal
+    assert [m.kv_cache_dtype for m in cfg.models] == ["auto", "bfloat16"]
 
 
 def test_boolean_settings_from_environment(monkeypatch, capsys):

@@ -216,7 +216,7 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., variant: _Optional[_Union[Variant, str]] = ..., embed_dim: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., bias: _Optional[bool] = ..., causal_default: _Optional[bool] = ..., dtype: _Optional[_Union[DType, str]] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., num_parameters: _Optional[int] = ..., kv_cache: _Optional[_Union[KVCacheInfo, _Mapping]] = ...) -> None: ...
 
 class KVCacheInfo(_message.Message):
-    __slots__ = ("budget_bytes", "block_size", "bytes_per_token", "num_blocks", "num_blocks_used", "num_sessions", "evict_idle_sessions")
+    __slots__ = ("budget_bytes", "block_size", "bytes_per_token", "num_blocks", "num_blocks_used", "num_sessions", "evict_idle_sessions", "dtype")
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +224,7 @@ class KVCacheInfo(_message.Message):
     NUM_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     EVICT_IDLE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     budget_bytes: int
     block_size: int
     bytes_per_token: int
@@ -231,4 +232,5 @@ class KVCacheInfo(_message.Message):
     num_blocks_used: int
     num_sessions: int
     evict_idle_sessions: bool
-    def __init__(self, budget_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_sessions: _Optional[int] = ..., evict_idle_sessions: _Optional[bool] = ...) -> None: ...
+    dtype: DType
+    def __init__(self, budget_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_sessions: _Optional[int] = ..., evict_idle_sessions: _Optional[bool] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...

@@ -52,7 +52,7 @@ class Sessions:
                     spec.attention,
                     budget_bytes=spec.kv_cache_bytes,
                     block_size=spec.kv_block_size,
-                    dtype=hosted.dtype,
+                    dtype=cache_dtype(spec.kv_cache_dtype, hosted.dtype),
                     device=hosted.device,
                 )
             except ValueError as e:
@@ -134,7 +134,10 @@ class Sessions:
         finally:
             if small and threads > 1:
                 torch.set_num_threads(threads)
-        self._settle(out, heads, (time.perf_counter() - start) * 1e3, calls, live, results)
+        what = "output"
+        if cache.dtype == torch.float16 != hosted.dtype:  # K/V past 65504 are inf there
+            what = "output (this model's kv_cache_dtype is float16: keys and values must stay within +-65504)"
+        self._settle(out, heads, (time.perf_counter() - start) * 1e3, calls, live, results, what)
         return results
 
     def _forward(self, hosted, cache, steps: list[AttendCall], live) -> tuple:
@@ -149,6 +152,8 @@ class Sessions:
             head_mask = torch.tensor(first.head_mask, dtype=hosted.dtype, device=hosted.device)
         with torch.inference_mode():
             q, k_new, v_new = hosted.module.project(x)  # (B, H, T, D), (B, KVH, T, D) x 2
+            if k_new.dtype != cache.dtype:  # a narrower cache (kv_cache_dtype): stored rounded
+                k_new, v_new = k_new.to(cache.dtype), v_new.to(cache.dtype)
             # Write first, then read each session's positions in order: one copy of the
             # past (none for a session whose blocks are consecutive), no concatenation.
             cache.append(k_new, v_new, [r.slots for r in reservations])
@@ -167,13 +172,15 @@ class Sessions:
             )
         return out, heads
 
-    def _settle(self, out, heads, compute_ms: float, calls, live, results) -> None:
+    def _settle(self, out, heads, compute_ms: float, calls, live, results, what: str) -> None:
         """Keeps (commit) or drops (rollback) each step on its own: one step's failure, or
         its session closing meanwhile, is that step's answer alone."""
         finite = all_finite(out.output)  # one pass for the batch; per step only if not
         for b, (i, r) in enumerate(live):
             try:
-                result = self._result(out, b, r, calls[i], heads, compute_ms, len(live), finite)
+                result = self._result(
+                    out, b, r, calls[i], heads, compute_ms, len(live), finite, what
+                )
             except Exception as e:  # overflow (InvalidRequest), or a bug: not kept
                 self.table.rollback(r)
                 results[i] = e
@@ -188,13 +195,14 @@ class Sessions:
 
     @staticmethod
     def _result(
-        out, b, r: Reservation, call: AttendCall, heads, compute_ms, batch, finite: bool
+        out, b, r: Reservation, call: AttendCall, heads, compute_ms, batch, finite: bool, what
     ) -> AttendResult:
-        """Step b's share of the batch; `finite`: the whole batch output holds no NaN/Inf."""
+        """Step b's share of the batch; `finite`: the whole batch output holds no NaN/Inf;
+        `what`: the output's name in an overflow error."""
         n = r.num_tokens
         output = out.output[b : b + 1, :n].to(call.output_dtype or call.inputs.dtype)
         if not finite or output.dtype != out.output.dtype:  # a narrower dtype may overflow
-            require_finite(output, "output")
+            require_finite(output, what)
         weights = None
         if out.weights is not None:
             q_end = call.query_end or n
@@ -211,6 +219,13 @@ class Sessions:
             compute_ms=compute_ms,
             batch_size=batch,
         )
+
+
+def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """A model's kv_cache_dtype setting as a torch dtype ("auto": the model's own)."""
+    if name == "auto":
+        return model_dtype
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
 
 
 def _batch_inputs(

@@ -20,6 +20,9 @@ _BATCH = BatchPolicy()
 # 32768 tokens (GQA with 2 KV heads: 131072; MQA: 262144). 0 turns sessions off.
 DEFAULT_KV_CACHE_BYTES = 128 * MiB
 DEFAULT_KV_BLOCK_SIZE = 16  # tokens per cache block
+# The cache's element type: "auto" stores K/V in the model's dtype (exact); a narrower one
+# holds more tokens per byte and reads fewer bytes per step, at a parity cost (docs/api.md).
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class ModelSpec:
     min_batch_fill: float = _BATCH.min_batch_fill
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
@@ -58,6 +62,11 @@ class ModelSpec:
         if not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes < 0:
             raise ValueError(
                 f"model {self.name!r}: kv_cache_bytes must be 0 (no sessions) or more, got {self.kv_cache_bytes!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"model {self.name!r}: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} "
+                f"(auto: the model's dtype), got {self.kv_cache_dtype!r}"
             )
         for key in (
             "kv_block_size",

@@ -44,7 +44,10 @@ def attend_cached(
 
     q (B, H, T, D): the new tokens' queries (module.project). kv[b] = (keys, values),
     each (1, KVH, S_b, D): sequence b's positions 0..S_b-1 in order, its new tokens last,
-    S_b = past_lengths[b] + new_lengths[b] (KVCache.read).
+    S_b = past_lengths[b] + new_lengths[b] (KVCache.read). Keys and values may be narrower
+    than q (a bfloat16 cache for a float32 model): the queries are then rounded to their
+    dtype for the fused kernels, whose softmax and sums stay float32, and the outputs come
+    back in q's dtype; weights are computed in float32 from the unrounded queries.
 
     New token t of sequence b (absolute position past_lengths[b] + t) attends causally to
     positions 0..past_lengths[b] + t. Returns outputs (B, T, E) (rows of padded tokens 0)
@@ -102,11 +105,12 @@ def _attend_one(
         t = torch.arange(n, device=q.device)[:, None]  # (n, 1)
         j = torch.arange(S, device=q.device)[None, :]  # (1, S)
         allowed = (j <= past + t)[None, None]  # (1, 1, n, S)
+    qk = q.to(keys.dtype)  # q itself unless the cache is narrower than the model
     if n == 1 and KVH != H and S >= GROUPED_MIN_KEYS:
-        y = _grouped_decode(q, keys, values, module.scale)
+        y = _grouped_decode(qk, keys, values, module.scale)
     else:
         y = F.scaled_dot_product_attention(
-            q,
+            qk,
             keys,
             values,
             attn_mask=allowed,
@@ -114,6 +118,7 @@ def _attend_one(
             scale=module.scale,
             enable_gqa=KVH != H,
         )
+    y = y.to(q.dtype)
     w = None
     if need_weights:
         if n > 1 and allowed is None:

@@ -114,6 +114,7 @@ def model_info(
                 num_blocks_used=pool.num_used,
                 num_sessions=engine.sessions.num_sessions(spec.name),
                 evict_idle_sessions=engine.sessions.table.evict,
+                dtype=PROTO_DTYPES[cache.dtype],
             )
         )
     return info

@@ -18,7 +18,7 @@ from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_client.cli import main
 from mha_client.errors import MhaServeError
-from mha_client.sdk import AsyncClient, Client, ModelInfo
+from mha_client.sdk import AsyncClient, Client, KVCacheInfo, ModelInfo
 from mha_client.tensors import dtype_name, from_proto, to_proto
 
 try:
@@ -47,6 +47,16 @@ MODEL = pb.ModelInfo(
         max_response_bytes=2**22,
     ),
     num_parameters=288,
+    kv_cache=pb.KVCacheInfo(
+        budget_bytes=2**20,
+        block_size=16,
+        bytes_per_token=16,  # 2 x 2 KV heads x 2 dims x 2 bytes (bfloat16)
+        num_blocks=4096,
+        num_blocks_used=3,
+        num_sessions=1,
+        evict_idle_sessions=True,
+        dtype=pb.DTYPE_BFLOAT16,
+    ),
 )
 
 
@@ -153,7 +163,21 @@ def test_list_models_and_model_info(target):
         max_request_bytes=2**22,
         max_response_bytes=2**22,
         num_parameters=288,
+        kv_cache=KVCacheInfo(
+            budget_bytes=2**20,
+            block_size=16,
+            bytes_per_token=16,
+            num_blocks=4096,
+            num_blocks_used=3,
+            num_sessions=1,
+            evict_idle_sessions=True,
+            dtype="bfloat16",
+        ),
     )
+    bare = pb.ModelInfo()
+    bare.CopyFrom(MODEL)
+    bare.ClearField("kv_cache")  # a model without sessions
+    assert ModelInfo.from_proto(bare).kv_cache is None
 
 
 def test_not_found_becomes_mha_serve_error(target):
@@ -344,7 +368,10 @@ def test_cli_models_and_info(target, capsys):
                               "dtype", "device", "max_seq_len", "max_batch"]  # fmt: skip
     assert row.split() == ["echo", "gqa", "8", "4", "2", "2", "float32", "cpu", "64", "4"]
     assert main(["--target", target, "info", "echo"]) == 0
-    assert "max_response_bytes  4194304" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    lines = [line.split() for line in out.splitlines()]
+    assert ["max_response_bytes", "4194304"] in lines
+    assert ["kv_cache.dtype", "bfloat16"] in lines and ["kv_cache.num_sessions", "1"] in lines
 
 
 @needs_health

@@ -217,3 +217,45 @@ async def test_concurrent_streams_batched_together_each_equal_their_own_recomput
             assert await used_blocks(stub) == 0
     finally:
         await server.stop()
+
+
+async def test_a_bfloat16_cache_is_reported_and_steps_stay_close_to_recompute():
+    """kv_cache_dtype = bfloat16 on a float32 model: ModelInfo says so, a token costs half
+    the bytes, and streamed steps agree with a float32 causal Attend (tolerance as in
+    tests/engine/test_kv_cache_dtype.py: 1e-2 of max |output|)."""
+    spec = ModelSpec(
+        "tiny",
+        AttentionConfig(EMBED, 4, 2),
+        kv_cache_bytes=4 * BLOCK_BYTES,
+        kv_cache_dtype="bfloat16",
+    )
+    server = Server(ServerConfig(host="127.0.0.1", port=free_port(), metrics_port=0, models=[spec]))
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.AttentionServiceStub(channel)
+            info = (await stub.GetModelInfo(pb.GetModelInfoRequest(name="tiny"))).kv_cache
+            assert info.dtype == pb.DTYPE_BFLOAT16 and info.bytes_per_token == BLOCK_BYTES // 32
+            assert info.num_blocks == 8  # the float32 budget of 4 blocks holds 8 in bfloat16
+            sid = (await stub.CreateSession(pb.CreateSessionRequest(model="tiny"))).session_id
+            x = np.random.default_rng(3).standard_normal((20, EMBED), dtype=np.float32)
+            call = stub.StreamSession()
+            outs = []
+            for lo, hi in ((0, 12), *((t, t + 1) for t in range(12, 20))):
+                await call.write(pb.AttendRequest(session_id=sid, input=tokens_of(x[lo:hi])))
+                reply = await call.read()
+                assert reply.output.dtype == pb.DTYPE_FLOAT32
+                outs.append(np.frombuffer(reply.output.data, np.float32).reshape(hi - lo, EMBED))
+            await call.done_writing()
+            full = await stub.Attend(
+                pb.AttendRequest(model="tiny", input=tokens_of(x), causal=True)
+            )
+            want = np.frombuffer(full.output.data, np.float32).reshape(x.shape)
+            err = np.abs(np.concatenate(outs) - want).max()
+            assert 0 < err <= 1e-2 * np.abs(want).max(), f"max error {err:.2e}"
+    finally:
+        await server.stop()
+
+
+def tokens_of(x: np.ndarray) -> pb.Tensor:
+    return pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=list(x.shape), data=x.tobytes())
