@@ -140,11 +140,13 @@ class Batcher:
         # Smoothed gap between arrivals: waiting for company only pays when others come soon.
         self._last_arrival: float | None = None
         self._gap_ewma: float | None = None
-        # Smoothed share of arrivals that found the lane busy (items queued or a batch
-        # running). A closed-loop client (a decode stream: each step waits for its answer)
-        # never finds it busy, however close together its requests come: nobody can join
-        # its batch, and waiting for company would only add the delay to every step.
+        # Smoothed share of arrivals that found the lane busy (items queued, a batch being
+        # formed or running). A closed-loop client (a decode stream: each step waits for
+        # its answer) never finds it busy, however close together its requests come:
+        # nobody can join its batch, and waiting for company would only add the delay to
+        # every step.
         self._overlap_ewma = 0.0
+        self._forming = False
         self._running = False
 
     @property
@@ -190,7 +192,7 @@ class Batcher:
         if self._last_arrival is not None:
             gap = item.enqueued - self._last_arrival
             self._gap_ewma = gap if self._gap_ewma is None else 0.8 * self._gap_ewma + 0.2 * gap
-        overlap = bool(self._pending) or self._running
+        overlap = bool(self._pending) or self._forming or self._running
         self._overlap_ewma = 0.8 * self._overlap_ewma + 0.2 * overlap
         self._last_arrival = item.enqueued
         self._pending.append(item)
@@ -228,7 +230,11 @@ class Batcher:
             self._wakeup.clear()
             await self._wakeup.wait()
             return
-        batch = await self._form_batch()
+        self._forming = True  # an arrival now is company for the batch (it may join it)
+        try:
+            batch = await self._form_batch()
+        finally:
+            self._forming = False
         if not batch:
             return
         payloads = [item.payload for item in batch]

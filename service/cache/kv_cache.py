@@ -1,7 +1,8 @@
 """Paged K/V tensors of one model, sized from a budget in bytes; addressed by block id.
 
 Layout (one model, all sessions):
-    k, v: (KVH, num_blocks, block_size, D)    dtype and device of the model
+    k, v: (KVH, num_blocks, block_size, D)    device of the model; dtype the model's, or
+                                              narrower (the model's kv_cache_dtype)
 A token's slot is block_id * block_size + offset; viewed flat, k is (KVH, num_slots, D).
 Head-major so that a run of consecutive slots is, per head, one contiguous (P, D) matrix:
 attention reads a session with consecutive blocks in place, at full speed.

@@ -47,12 +47,20 @@ class Sessions:
             spec = hosted.spec
             if spec.kv_cache_bytes == 0:
                 continue
+            dtype = cache_dtype(spec.kv_cache_dtype, hosted.dtype)
+            if dtype != hosted.dtype and dtype.itemsize >= hosted.dtype.itemsize:
+                raise ValueError(
+                    f"model {name!r}: kv_cache_dtype {spec.kv_cache_dtype} is not narrower than "
+                    f"the model's dtype {str(hosted.dtype).removeprefix('torch.')}: it would "
+                    "hold K/V computed in the model's dtype in as many or more bytes, and round "
+                    "them; use auto, or a narrower dtype"
+                )
             try:
                 cache = KVCache.from_config(
                     spec.attention,
                     budget_bytes=spec.kv_cache_bytes,
                     block_size=spec.kv_block_size,
-                    dtype=cache_dtype(spec.kv_cache_dtype, hosted.dtype),
+                    dtype=dtype,
                     device=hosted.device,
                 )
             except ValueError as e:
@@ -126,7 +134,7 @@ class Sessions:
         try:
             if small and threads > 1:
                 torch.set_num_threads(1)
-            out, heads = self._forward(hosted, cache, [calls[i] for i, _ in live], live)
+            out, heads, overflowed = self._forward(hosted, cache, [calls[i] for i, _ in live], live)
         except BaseException:  # nothing was kept: every reservation goes back
             for _, r in live:
                 self.table.rollback(r)
@@ -134,14 +142,13 @@ class Sessions:
         finally:
             if small and threads > 1:
                 torch.set_num_threads(threads)
-        what = "output"
-        if cache.dtype == torch.float16 != hosted.dtype:  # K/V past 65504 are inf there
-            what = "output (this model's kv_cache_dtype is float16: keys and values must stay within +-65504)"
-        self._settle(out, heads, (time.perf_counter() - start) * 1e3, calls, live, results, what)
+        compute_ms = (time.perf_counter() - start) * 1e3
+        self._settle(out, heads, overflowed, compute_ms, calls, live, results)
         return results
 
     def _forward(self, hosted, cache, steps: list[AttendCall], live) -> tuple:
-        """Writes the steps' K/V and attends; returns (AttentionOutput, heads)."""
+        """Writes the steps' K/V and attends; returns (AttentionOutput, heads, overflowed):
+        overflowed, the batch rows whose K/V did not fit the cache's narrower dtype."""
         reservations = [r for _, r in live]
         new_tokens = [c.inputs.shape[1] for c in steps]
         x = _batch_inputs(hosted, steps, new_tokens)  # (B, T, E)
@@ -152,8 +159,16 @@ class Sessions:
             head_mask = torch.tensor(first.head_mask, dtype=hosted.dtype, device=hosted.device)
         with torch.inference_mode():
             q, k_new, v_new = hosted.module.project(x)  # (B, H, T, D), (B, KVH, T, D) x 2
+            overflowed: set[int] = set()
             if k_new.dtype != cache.dtype:  # a narrower cache (kv_cache_dtype): stored rounded
                 k_new, v_new = k_new.to(cache.dtype), v_new.to(cache.dtype)
+                # float16 holds |x| <= 65504. An inf key need not show in this step's output
+                # (a -inf score is just a zero weight) but would poison every later step, so
+                # the K/V themselves are checked: those rows' steps are refused, not kept.
+                fits = torch.isfinite(k_new).flatten(1).all(1) & torch.isfinite(v_new).flatten(
+                    1
+                ).all(1)
+                overflowed = {b for b, ok in enumerate(fits.tolist()) if not ok}
             # Write first, then read each session's positions in order: one copy of the
             # past (none for a session whose blocks are consecutive), no concatenation.
             cache.append(k_new, v_new, [r.slots for r in reservations])
@@ -170,17 +185,22 @@ class Sessions:
                 weight_heads=sorted(set(heads)) if first.need_weights else None,
                 head_mask=head_mask,
             )
-        return out, heads
+        return out, heads, overflowed
 
-    def _settle(self, out, heads, compute_ms: float, calls, live, results, what: str) -> None:
+    def _settle(self, out, heads, overflowed, compute_ms: float, calls, live, results) -> None:
         """Keeps (commit) or drops (rollback) each step on its own: one step's failure, or
         its session closing meanwhile, is that step's answer alone."""
         finite = all_finite(out.output)  # one pass for the batch; per step only if not
         for b, (i, r) in enumerate(live):
             try:
-                result = self._result(
-                    out, b, r, calls[i], heads, compute_ms, len(live), finite, what
-                )
+                if b in overflowed:
+                    raise InvalidRequest(
+                        f"this step's keys or values overflowed the KV cache's "
+                        f"{str(self.caches[calls[i].model].dtype).removeprefix('torch.')} "
+                        "(the model's kv_cache_dtype; float16 holds |x| <= 65504): scale the "
+                        "input down, or serve the model with kv_cache_dtype bfloat16 or auto"
+                    )
+                result = self._result(out, b, r, calls[i], heads, compute_ms, len(live), finite)
             except Exception as e:  # overflow (InvalidRequest), or a bug: not kept
                 self.table.rollback(r)
                 results[i] = e
@@ -195,14 +215,13 @@ class Sessions:
 
     @staticmethod
     def _result(
-        out, b, r: Reservation, call: AttendCall, heads, compute_ms, batch, finite: bool, what
+        out, b, r: Reservation, call: AttendCall, heads, compute_ms, batch, finite: bool
     ) -> AttendResult:
-        """Step b's share of the batch; `finite`: the whole batch output holds no NaN/Inf;
-        `what`: the output's name in an overflow error."""
+        """Step b's share of the batch; `finite`: the whole batch output holds no NaN/Inf."""
         n = r.num_tokens
         output = out.output[b : b + 1, :n].to(call.output_dtype or call.inputs.dtype)
         if not finite or output.dtype != out.output.dtype:  # a narrower dtype may overflow
-            require_finite(output, what)
+            require_finite(output, "output")
         weights = None
         if out.weights is not None:
             q_end = call.query_end or n

@@ -25,7 +25,8 @@ from .attention import AttentionOutput, MultiHeadAttention
 # (its G query heads as the rows of one matrix), reading each KV head once. The CPU SDPA
 # kernel walks the keys once per query head instead: at 4096 keys, 8 query heads, it took
 # 0.60 ms for MQA and 0.70 ms for GQA (2 KV heads) against 0.33 and 0.54 ms grouped; below
-# ~1024 keys SDPA is as fast or faster. (2-core CPU, float32.)
+# ~1024 keys SDPA is as fast or faster. (2-core CPU, float32.) Only float32 keys take it:
+# its products run in the keys' dtype, where SDPA keeps scores and sums in float32.
 GROUPED_MIN_KEYS = 1024
 
 
@@ -106,7 +107,7 @@ def _attend_one(
         j = torch.arange(S, device=q.device)[None, :]  # (1, S)
         allowed = (j <= past + t)[None, None]  # (1, 1, n, S)
     qk = q.to(keys.dtype)  # q itself unless the cache is narrower than the model
-    if n == 1 and KVH != H and S >= GROUPED_MIN_KEYS:
+    if n == 1 and KVH != H and S >= GROUPED_MIN_KEYS and keys.dtype == torch.float32:
         y = _grouped_decode(qk, keys, values, module.scale)
     else:
         y = F.scaled_dot_product_attention(

@@ -279,6 +279,23 @@ async def test_bursty_arrivals_still_wait_for_company():
     await b.close()
 
 
+async def test_a_long_steady_trickle_keeps_being_batched():
+    """Open-loop arrivals closer together than the delay: those that come while a batch is
+    forming join it, and count as company, so the lane keeps waiting for them round after
+    round (they must not look like a lone client's)."""
+    rec = Recorder()
+    b = Batcher("m", rec, BatchPolicy(max_queue_delay_s=0.2))
+    await asyncio.gather(*(b.submit(i, sequences=1, length=1) for i in range(4)))  # a burst
+    trickle = []
+    for i in range(4, 34):  # 30 arrivals 20 ms apart: about 10 per 0.2 s wait
+        trickle.append(asyncio.ensure_future(b.submit(i, sequences=1, length=1)))
+        await asyncio.sleep(0.02)
+    await asyncio.gather(*trickle)
+    sizes = [len(batch) for batch in rec.batches[1:]]
+    assert sum(sizes) == 30 and len(sizes) <= 6, f"the trickle ran as batches of {sizes}"
+    await b.close()
+
+
 async def test_unequal_lengths_wait_for_a_batch_of_their_own():
     rec = Recorder()
     b = Batcher("m", rec, policy(min_batch_fill=0.8))
