@@ -346,18 +346,20 @@ def write_report(results: dict, out: Path) -> None:
         f"What bounds the speedup: a cached step at the shortest context already takes "
         f"{floor['step_ms']:.1f} ms, of which {floor['server_compute_ms']:.1f} ms is compute.",
         "The rest is the fixed cost of one streamed step on this machine, paid on 2 cores shared",
-        "by client and server: the Python client, the gRPC round trip on loopback (an echo stream",
-        "with no compute takes 0.35-0.9 ms), the event loop's decode and encode, and two",
-        "hand-offs to and from the compute thread. On top of it comes the attention over the",
-        "cache, which grows linearly with context (below) and is bound by memory bandwidth: at",
+        "by client and server: the Python client, the gRPC round trip on loopback (the",
+        "no-compute echo server of docs/benchmarks.md shows its share), the event loop's decode",
+        "and encode, and two hand-offs to and from the compute thread. On top of it comes the",
+        "attention over the cache, which grows linearly with context (below) and is bound by",
+        "memory bandwidth: at",
         "4096 tokens an MHA step reads 16 MiB of float32 K/V (GQA 4 MiB, MQA 2 MiB). Here the",
         f"MHA step at {longest} took {mha['step_ms']:.2f} ms, {mha['server_compute_ms']:.2f} ms "
         "of it compute; the same steps back to back in one process computed in "
         + (f"{alone['compute_ms']:.2f} ms" if alone else "(not measured in this run)")
         + " (median,",
-        "run after the server stopped). In the server each step follows about 2 ms of client",
-        "and gRPC work and starts with colder caches; and this VM's speed moves by 30% and",
-        "more within minutes (each round above). So the speedup at 4096 is recompute /",
+        "run after the server stopped). In the server each step follows "
+        f"{mha['step_ms'] - mha['server_compute_ms']:.1f} ms of client,",
+        "gRPC and event-loop work and starts with colder caches; and this VM's speed moves by",
+        "30% and more within minutes (each round above). So the speedup at 4096 is recompute /",
         "(fixed cost + attention), and MHA, which reads the most K/V, sits closest to 100x.",
         "",
         "Step time growth with context (linear would be the context ratio, quadratic its square):",

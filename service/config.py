@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from mha_serve.engine.types import DTYPES as _DTYPES
 from mha_serve.engine.types import MiB, ModelSpec
 from mha_serve.model import AttentionConfig
 
@@ -20,7 +21,7 @@ DEFAULT_GRACE_PERIOD_S = 10.0
 DEFAULT_MAX_CONCURRENT_RPCS = 4096
 DEFAULT_SESSION_TTL_S = 600.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPES = ("auto", *_DTYPES)
 
 
 @dataclass

@@ -16,12 +16,12 @@ from mha_serve.engine.errors import (
     require_finite,
 )
 from mha_serve.engine.sessions import Sessions
-from mha_serve.engine.types import AttendCall, AttendResult, ModelSpec, repeat_heads
+from mha_serve.engine.types import DTYPES, AttendCall, AttendResult, ModelSpec, repeat_heads
 from mha_serve.model import MultiHeadAttention, init_weights, load_checkpoint
 
 log = logging.getLogger(__name__)
 
-WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+WIRE_DTYPES = tuple(DTYPES.values())
 # Room left in a response for everything that is not tensor data.
 RESPONSE_OVERHEAD_BYTES = 64 * 1024
 
@@ -56,10 +56,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         if device.type != "cuda":
             return torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    if name not in dtypes:
-        raise ValueError(f"dtype {name!r} is not one of auto, {', '.join(dtypes)}")
-    return dtypes[name]
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 class Engine:

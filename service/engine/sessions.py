@@ -22,7 +22,7 @@ from mha_serve.cache import (
     SessionTable,
 )
 from mha_serve.engine.errors import InvalidRequest, all_finite, require_finite
-from mha_serve.engine.types import AttendCall, AttendResult, repeat_heads
+from mha_serve.engine.types import DTYPES, AttendCall, AttendResult, repeat_heads
 from mha_serve.model import attend_cached
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ class Sessions:
             spec = hosted.spec
             if spec.kv_cache_bytes == 0:
                 continue
-            dtype = cache_dtype(spec.kv_cache_dtype, hosted.dtype)
+            dtype = hosted.dtype if spec.kv_cache_dtype == "auto" else DTYPES[spec.kv_cache_dtype]
             if dtype != hosted.dtype and dtype.itemsize >= hosted.dtype.itemsize:
                 raise ValueError(
                     f"model {name!r}: kv_cache_dtype {spec.kv_cache_dtype} is not narrower than "
@@ -165,9 +165,7 @@ class Sessions:
                 # float16 holds |x| <= 65504. An inf key need not show in this step's output
                 # (a -inf score is just a zero weight) but would poison every later step, so
                 # the K/V themselves are checked: those rows' steps are refused, not kept.
-                fits = torch.isfinite(k_new).flatten(1).all(1) & torch.isfinite(v_new).flatten(
-                    1
-                ).all(1)
+                fits = _rows_finite(k_new) & _rows_finite(v_new)
                 overflowed = {b for b, ok in enumerate(fits.tolist()) if not ok}
             # Write first, then read each session's positions in order: one copy of the
             # past (none for a session whose blocks are consecutive), no concatenation.
@@ -240,11 +238,9 @@ class Sessions:
         )
 
 
-def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """A model's kv_cache_dtype setting as a torch dtype ("auto": the model's own)."""
-    if name == "auto":
-        return model_dtype
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+def _rows_finite(t: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: whether row b of t (B, ...) holds only finite values."""
+    return torch.isfinite(t).flatten(1).all(1)
 
 
 def _batch_inputs(

@@ -20,9 +20,12 @@ _BATCH = BatchPolicy()
 # 32768 tokens (GQA with 2 KV heads: 131072; MQA: 262144). 0 turns sessions off.
 DEFAULT_KV_CACHE_BYTES = 128 * MiB
 DEFAULT_KV_BLOCK_SIZE = 16  # tokens per cache block
+# Compute dtypes by the names the config uses ("auto" aside): the server's dtype, and a
+# model's kv_cache_dtype.
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The cache's element type: "auto" stores K/V in the model's dtype (exact); a narrower one
 # holds more tokens per byte and reads fewer bytes per step, at a parity cost (docs/api.md).
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", *DTYPES)
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,8 @@ def _attend_one(
         t = torch.arange(n, device=q.device)[:, None]  # (n, 1)
         j = torch.arange(S, device=q.device)[None, :]  # (1, S)
         allowed = (j <= past + t)[None, None]  # (1, 1, n, S)
-    qk = q.to(keys.dtype)  # q itself unless the cache is narrower than the model
+    narrow = keys.dtype != q.dtype  # a cache narrower than the model (kv_cache_dtype)
+    qk = q.to(keys.dtype) if narrow else q
     if n == 1 and KVH != H and S >= GROUPED_MIN_KEYS and keys.dtype == torch.float32:
         y = _grouped_decode(qk, keys, values, module.scale)
     else:
@@ -119,7 +120,8 @@ def _attend_one(
             scale=module.scale,
             enable_gqa=KVH != H,
         )
-    y = y.to(q.dtype)
+    if narrow:
+        y = y.to(q.dtype)
     w = None
     if need_weights:
         if n > 1 and allowed is None:
