@@ -24,9 +24,11 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BATCH_SIZE = 64  # sequences in one forward
 DEFAULT_MAX_BATCH_TOKENS = 32768  # padded tokens (sequences x longest) in one forward
 DEFAULT_MAX_QUEUE_DELAY_S = 0.002  # how long the first request of a batch may wait for company
-# A batch waits for company only when at least about one arrival in ten lately found the
-# lane busy (Batcher._overlap_ewma): other clients are sending concurrently.
+# A batch waits for company only when at least about one arrival in ten of its key lately
+# found the lane busy with that key (Batcher._overlap): other clients are sending
+# concurrently requests that could share its batch.
 OVERLAP_TO_WAIT = 0.1
+_MAX_TRACKED_KEYS = 64  # batch keys whose overlap is remembered (head masks can vary freely)
 DEFAULT_MAX_QUEUE_REQUESTS = 1024
 DEFAULT_MAX_QUEUE_TOKENS = 1 << 20
 DEFAULT_MIN_BATCH_FILL = 0.8  # at most 20% of a batch's positions are padding
@@ -105,6 +107,11 @@ class BatchInfo:
     num_requests: int
 
 
+class _Idle:
+    """No batch (neither being formed nor running); never equal to a key, None included."""
+
+
+_IDLE = _Idle()
 RunBatch = Callable[[list[Any]], Sequence[Any]]
 Observer = Callable[[BatchInfo], None]
 
@@ -140,14 +147,15 @@ class Batcher:
         # Smoothed gap between arrivals: waiting for company only pays when others come soon.
         self._last_arrival: float | None = None
         self._gap_ewma: float | None = None
-        # Smoothed share of arrivals that found the lane busy (items queued, a batch being
-        # formed or running). A closed-loop client (a decode stream: each step waits for
-        # its answer) never finds it busy, however close together its requests come:
-        # nobody can join its batch, and waiting for company would only add the delay to
-        # every step.
-        self._overlap_ewma = 0.0
-        self._forming = False
-        self._running = False
+        # Per batch key, the smoothed share of its arrivals that found the lane busy with
+        # that key (such items queued, or a batch of that key being formed or running). A
+        # closed-loop client (a decode stream: each step waits for its answer) never does,
+        # however close together its requests come and whatever other traffic shares the
+        # lane: nobody can join its batch, and waiting for company would only add the
+        # delay to every step.
+        self._overlap: dict[Hashable, float] = {}
+        self._forming_key: Hashable | _Idle = _IDLE
+        self._running_key: Hashable | _Idle = _IDLE
 
     @property
     def queued_requests(self) -> int:
@@ -192,8 +200,7 @@ class Batcher:
         if self._last_arrival is not None:
             gap = item.enqueued - self._last_arrival
             self._gap_ewma = gap if self._gap_ewma is None else 0.8 * self._gap_ewma + 0.2 * gap
-        overlap = bool(self._pending) or self._forming or self._running
-        self._overlap_ewma = 0.8 * self._overlap_ewma + 0.2 * overlap
+        self._note_overlap(key)
         self._last_arrival = item.enqueued
         self._pending.append(item)
         self._queued_tokens += tokens
@@ -204,6 +211,18 @@ class Batcher:
         except asyncio.CancelledError:
             self._withdraw(item)
             raise
+
+    def _note_overlap(self, key: Hashable) -> None:
+        """An arrival of `key`: did it find the lane busy with its key?"""
+        busy = (
+            key == self._forming_key
+            or key == self._running_key
+            or any(item.key == key for item in self._pending)
+        )
+        share = 0.8 * self._overlap.pop(key, 0.0) + 0.2 * busy
+        self._overlap[key] = share  # re-inserted: the dict runs from least to most recent
+        if len(self._overlap) > _MAX_TRACKED_KEYS:
+            del self._overlap[next(iter(self._overlap))]
 
     def _withdraw(self, item: Item) -> None:
         """A cancelled caller leaves the queue (if its batch has not started)."""
@@ -230,11 +249,10 @@ class Batcher:
             self._wakeup.clear()
             await self._wakeup.wait()
             return
-        self._forming = True  # an arrival now is company for the batch (it may join it)
         try:
             batch = await self._form_batch()
         finally:
-            self._forming = False
+            self._forming_key = _IDLE
         if not batch:
             return
         payloads = [item.payload for item in batch]
@@ -254,7 +272,7 @@ class Batcher:
                 self._finish, batch, outcome, started, time.monotonic() - started, done
             )
 
-        self._running = True
+        self._running_key = batch[0].key
         try:
             self._executor.submit(run)
         except RuntimeError as e:  # the executor was shut down
@@ -270,7 +288,7 @@ class Batcher:
         done: asyncio.Future,
     ) -> None:
         """On the loop: each caller gets its result at once (no extra hop through _round)."""
-        self._running = False
+        self._running_key = _IDLE
         if isinstance(outcome, BaseException):
             log.error(
                 "%s: batch of %d requests failed",
@@ -302,19 +320,21 @@ class Batcher:
         """The oldest item plus compatible ones, waiting up to max_queue_delay for more.
 
         The wait applies only while requests arrive closer together than the delay and
-        some of them find the lane busy: a lone client (one request at a time, however
-        fast) would wait for nobody, so its requests go at once.
+        some of the first item's key lately found others of that key queued, forming or
+        running: a lone client (one request at a time, however fast, whatever other keys
+        share the lane) would wait for nobody, so its requests go at once.
         """
         p = self.policy
         first = self._take_first()
         if first is None:
             return []
+        self._forming_key = first.key  # an arrival of this key now is company: it may join
         batch, sequences, longest = [first], first.sequences, first.length
         real = first.tokens
         busy = (
             self._gap_ewma is not None
             and self._gap_ewma < p.max_queue_delay_s
-            and self._overlap_ewma >= OVERLAP_TO_WAIT
+            and self._overlap.get(first.key, 0.0) >= OVERLAP_TO_WAIT
         )
         flush_at = time.monotonic() + (p.max_queue_delay_s if busy else 0.0)
         while True:

@@ -279,6 +279,40 @@ async def test_bursty_arrivals_still_wait_for_company():
     await b.close()
 
 
+async def test_a_closed_loop_client_does_not_wait_beside_traffic_of_another_key():
+    """A decode stream (key "s") on a lane that also carries a steady trickle of stateless
+    requests (key "a"): the trickle keeps batching, the stream's steps never wait for
+    company, since no request of the trickle could share their batch."""
+    rec = Recorder()
+    b = Batcher("m", rec, BatchPolicy(max_queue_delay_s=0.3))
+    stop = asyncio.Event()
+
+    async def trickle() -> list:
+        sent = []
+        while not stop.is_set():  # about 10 per 0.3 s wait
+            sent.append(asyncio.ensure_future(b.submit("a", sequences=1, length=1, key="a")))
+            await asyncio.sleep(0.03)
+        return await asyncio.gather(*sent)
+
+    burst = [b.submit("a", sequences=1, length=1, key="a") for _ in range(4)]
+    await asyncio.gather(*burst)  # key "a" has had company: its batches wait for more
+    task = asyncio.ensure_future(trickle())
+    await asyncio.sleep(0.5)  # the trickle is under way and batching
+    waits = []
+    for _ in range(5):
+        started = time.monotonic()
+        await b.submit("s", sequences=1, length=1, key="s")
+        waits.append(time.monotonic() - started)
+    stop.set()
+    await task
+    # A step may wait for the trickle's batch to run (instant here), never the 0.3 s delay.
+    assert max(waits) < 0.2, f"steps waited {[round(w, 3) for w in waits]} s"
+    trickle_sizes = [len(x) for x in rec.batches if x[0] == "a"]
+    assert max(trickle_sizes) >= 5, f"the trickle ran as batches of {trickle_sizes}"
+    assert all(x == ["s"] for x in rec.batches if "s" in x)  # keys never share a batch
+    await b.close()
+
+
 async def test_a_long_steady_trickle_keeps_being_batched():
     """Open-loop arrivals closer together than the delay: those that come while a batch is
     forming join it, and count as company, so the lane keeps waiting for them round after
