@@ -180,7 +180,9 @@ class Batcher:
         key: Hashable = None,
         deadline: float | None = None,
     ) -> tuple[Any, BatchInfo]:
-        """Queues one item and waits for its result; cancelling the wait withdraws the item."""
+        """Queues one item and waits for its result; cancelling the wait withdraws the item.
+
+        Items of equal (hashable) `key` may share a batch."""
         if self._closed:
             raise QueueFull(f"{self.name}: the server is shutting down")
         p = self.policy
@@ -322,7 +324,8 @@ class Batcher:
         The wait applies only while requests arrive closer together than the delay and
         some of the first item's key lately found others of that key queued, forming or
         running: a lone client (one request at a time, however fast, whatever other keys
-        share the lane) would wait for nobody, so its requests go at once.
+        share the lane) would wait for nobody, so its requests go at once. Nor is it held
+        up by another key's wait: a batch stops waiting as soon as such a request queues.
         """
         p = self.policy
         first = self._take_first()
@@ -338,8 +341,12 @@ class Batcher:
         )
         flush_at = time.monotonic() + (p.max_queue_delay_s if busy else 0.0)
         while True:
+            lone_waits = False  # a request of another key that will never get company
             for item in list(self._pending):
-                if item.key != first.key or self._expired(item):
+                if item.key != first.key:
+                    lone_waits = lone_waits or self._overlap.get(item.key, 0.0) < OVERLAP_TO_WAIT
+                    continue
+                if self._expired(item):
                     continue
                 if not p.admits(sequences, real, longest, item):
                     continue
@@ -349,7 +356,7 @@ class Batcher:
                 sequences, longest = sequences + item.sequences, max(longest, item.length)
                 real += item.tokens
             remaining = flush_at - time.monotonic()
-            if sequences >= p.max_batch_size or remaining <= 0:
+            if sequences >= p.max_batch_size or remaining <= 0 or lone_waits:
                 break
             self._wakeup.clear()
             with contextlib.suppress(TimeoutError):

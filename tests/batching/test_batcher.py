@@ -282,7 +282,8 @@ async def test_bursty_arrivals_still_wait_for_company():
 async def test_a_closed_loop_client_does_not_wait_beside_traffic_of_another_key():
     """A decode stream (key "s") on a lane that also carries a steady trickle of stateless
     requests (key "a"): the trickle keeps batching, the stream's steps never wait for
-    company, since no request of the trickle could share their batch."""
+    company, since no request of the trickle could share their batch, nor for the
+    trickle's: a batch of "a" waiting for company stops waiting when a step queues."""
     rec = Recorder()
     b = Batcher("m", rec, BatchPolicy(max_queue_delay_s=0.3))
     stop = asyncio.Event()
@@ -291,7 +292,7 @@ async def test_a_closed_loop_client_does_not_wait_beside_traffic_of_another_key(
         sent = []
         while not stop.is_set():  # about 10 per 0.3 s wait
             sent.append(asyncio.ensure_future(b.submit("a", sequences=1, length=1, key="a")))
-            await asyncio.sleep(0.03)
+            await asyncio.sleep(0.035)  # not a divisor of the delay: no phase lock
         return await asyncio.gather(*sent)
 
     burst = [b.submit("a", sequences=1, length=1, key="a") for _ in range(4)]
@@ -305,11 +306,25 @@ async def test_a_closed_loop_client_does_not_wait_beside_traffic_of_another_key(
         waits.append(time.monotonic() - started)
     stop.set()
     await task
-    # A step may wait for the trickle's batch to run (instant here), never the 0.3 s delay.
+    # A step may wait for a batch of "a" to run (instant here), never for a 0.3 s delay.
     assert max(waits) < 0.2, f"steps waited {[round(w, 3) for w in waits]} s"
     trickle_sizes = [len(x) for x in rec.batches if x[0] == "a"]
     assert max(trickle_sizes) >= 5, f"the trickle ran as batches of {trickle_sizes}"
     assert all(x == ["s"] for x in rec.batches if "s" in x)  # keys never share a batch
+    await b.close()
+
+
+async def test_a_batch_waiting_for_company_lets_a_lone_request_of_another_key_go():
+    rec = Recorder()
+    b = Batcher("m", rec, BatchPolicy(max_queue_delay_s=0.5))
+    await asyncio.gather(*(b.submit("a", sequences=1, length=1, key="a") for _ in range(4)))
+    waiting = asyncio.ensure_future(b.submit("a", sequences=1, length=1, key="a"))
+    await asyncio.sleep(0.05)  # that "a" now waits up to 0.5 s for company
+    started = time.monotonic()
+    await b.submit("s", sequences=1, length=1, key="s")  # a lone step: no company ever
+    assert time.monotonic() - started < 0.3, "the step waited out the other key's delay"
+    await waiting
+    assert rec.batches[-2:] == [["a"], ["s"]]  # the waiting batch ran early, then the step
     await b.close()
 
 
