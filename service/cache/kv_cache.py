@@ -62,6 +62,10 @@ class KVCache:
         # (tests/cache: NaN padding never leaks).
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
+        # The same memory by slot, batch axis first: a session read is one slice of each
+        # (read() runs once per session per step, so its few torch calls add up).
+        self._k_slots = self.k.view(1, num_kv_heads, self.num_blocks * block_size, head_dim)
+        self._v_slots = self.v.view(1, num_kv_heads, self.num_blocks * block_size, head_dim)
 
     @classmethod
     def from_config(
@@ -185,12 +189,12 @@ class KVCache:
         ids = block_table[: -(-length // bs)]
         if _consecutive(ids):
             start = ids[0] * bs if ids else 0
-            k = self.k.view(KVH, self.num_slots, D)[:, start : start + length]  # (KVH, len, D)
-            v = self.v.view(KVH, self.num_slots, D)[:, start : start + length]
-        else:
-            table = torch.tensor(list(ids), dtype=torch.int64, device=self.device)
-            k = self.k.index_select(1, table).view(KVH, len(ids) * bs, D)[:, :length]
-            v = self.v.index_select(1, table).view(KVH, len(ids) * bs, D)[:, :length]
+            k = self._k_slots[:, :, start : start + length]  # (1, KVH, length, D)
+            v = self._v_slots[:, :, start : start + length]
+            return k, v
+        table = torch.tensor(list(ids), dtype=torch.int64, device=self.device)
+        k = self.k.index_select(1, table).view(KVH, len(ids) * bs, D)[:, :length]
+        v = self.v.index_select(1, table).view(KVH, len(ids) * bs, D)[:, :length]
         return k.unsqueeze(0), v.unsqueeze(0)
 
     def _check_blocks(self, ids: Sequence[int], n: int, who: str) -> None:

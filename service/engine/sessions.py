@@ -217,7 +217,10 @@ class Sessions:
     ) -> AttendResult:
         """Step b's share of the batch; `finite`: the whole batch output holds no NaN/Inf."""
         n = r.num_tokens
-        output = out.output[b : b + 1, :n].to(call.output_dtype or call.inputs.dtype)
+        output = out.output[b : b + 1, :n]
+        dtype = call.output_dtype or call.inputs.dtype
+        if dtype != output.dtype:  # (no call at all otherwise: this runs per session per step)
+            output = output.to(dtype)
         if not finite or output.dtype != out.output.dtype:  # a narrower dtype may overflow
             require_finite(output, "output")
         weights = None
@@ -229,7 +232,7 @@ class Sessions:
         # Contiguous here, on the compute thread: encoding then copies nothing with torch,
         # so no other thread ever runs a torch op big enough to start an OpenMP team.
         return AttendResult(
-            output=output.cpu().contiguous(),
+            output=(output if output.device.type == "cpu" else output.cpu()).contiguous(),
             weights=None if weights is None else weights.contiguous(),
             weight_heads=list(heads) if call.need_weights else [],
             weight_query_start=call.query_start if call.need_weights else 0,
