@@ -50,24 +50,21 @@ def free_port() -> int:
 
 
 def write_config(path: Path) -> Path:
-    """The built-in models (their defaults, read from mha_serve) plus the OPT_IN copies."""
+    """The built-in models, every setting as mha_serve defines it, plus the OPT_IN copies."""
+    from dataclasses import fields
+
     from mha_serve.config import default_models
 
     specs = {s.name: s for s in default_models()}
     lines = []
     for name, (base, kv_dtype) in [*((n, (n, "auto")) for n in MODELS), *OPT_IN.items()]:
-        spec = specs[base]
-        a = spec.attention
-        lines += [
-            "[[models]]",
-            f'name = "{name}"',
-            f"embed_dim = {a.embed_dim}",
-            f"num_heads = {a.num_heads}",
-            f"num_kv_heads = {a.num_kv_heads}",
-            f"seed = {spec.seed}",
-            f'kv_cache_dtype = "{kv_dtype}"',
-            "",
-        ]
+        spec, a = specs[base], specs[base].attention
+        entry = {f.name: getattr(a, f.name) for f in fields(a)}
+        entry |= {f.name: getattr(spec, f.name) for f in fields(spec) if f.name != "attention"}
+        entry |= {"name": name, "kv_cache_dtype": kv_dtype}
+        lines.append("[[models]]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in entry.items() if v is not None]
+        lines.append("")
     path.write_text("\n".join(lines))
     return path
 
