@@ -93,7 +93,7 @@ class SessionStream:
 
     def __init__(self, session: Session, timeout: float | None) -> None:
         self._session = session
-        self._requests: queue.Queue = queue.Queue()
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
         client = session._client
         self._replies: Iterator[pb.AttendResponse] = client._stub.StreamSession(
             iter(self._requests.get, _END), timeout=client.timeout if timeout is None else timeout
