@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ import grpc
 import numpy as np
 
 from mha_client.cli_sessions import add_session_commands
+from mha_client.cli_types import positive_float
 from mha_client.errors import MhaServeError
 from mha_client.heatmap import require_matplotlib, save_heatmap
 from mha_client.loadgen import add_load_arguments, cmd_load
@@ -90,16 +90,6 @@ def random_shape(text: str) -> tuple[int, ...]:
             f"{text!r} is not a shape BATCH,SEQ_LEN or SEQ_LEN of positive integers, e.g. 2,16"
         )
     return dims
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
-    return value
 
 
 def prune_mask(prune: Sequence[int], num_heads: int) -> list[float]:

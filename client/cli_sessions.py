@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mha_client.cli_types import positive_float, positive_int
 from mha_client.sdk import Client, SessionInfo
 
 EXIT_OK = 0
@@ -25,9 +26,13 @@ def add_session_commands(sub: argparse._SubParsersAction, common: argparse.Argum
         "create", parents=[common], help="a new session on a model; prints its id"
     )
     create.add_argument("model")
-    create.add_argument("--max-len", type=int, help="tokens it may hold (default: the model's)")
     create.add_argument(
-        "--ttl", type=float, help="idle seconds before it expires (default: the server's)"
+        "--max-len", type=positive_int, help="tokens it may hold (default: the model's)"
+    )
+    create.add_argument(
+        "--ttl",
+        type=positive_float,
+        help="idle seconds before it expires (default: the server's)",
     )
     create.add_argument("--json", action="store_true")
     create.set_defaults(func=cmd_create)
@@ -42,7 +47,7 @@ def add_session_commands(sub: argparse._SubParsersAction, common: argparse.Argum
         if name != "close":
             op.add_argument("--json", action="store_true")
         if name == "fork":
-            op.add_argument("--ttl", type=float, help="idle seconds before it expires")
+            op.add_argument("--ttl", type=positive_float, help="idle seconds before it expires")
         op.set_defaults(func=func)
 
     step = ops.add_parser(
@@ -51,7 +56,7 @@ def add_session_commands(sub: argparse._SubParsersAction, common: argparse.Argum
     step.add_argument("session_id")
     source = step.add_mutually_exclusive_group(required=True)
     source.add_argument("--input", type=Path, metavar="FILE.npy", help="(T, embed_dim) floats")
-    source.add_argument("--random-tokens", type=int, metavar="T", help="T random tokens")
+    source.add_argument("--random-tokens", type=positive_int, metavar="T", help="T random tokens")
     step.add_argument("--seed", type=int, default=0)
     step.add_argument(
         "--weights", action="store_true", help="return the new rows' attention weights"
@@ -65,10 +70,16 @@ def add_session_commands(sub: argparse._SubParsersAction, common: argparse.Argum
     )
     decode.add_argument("model")
     decode.add_argument(
-        "--prompt-len", type=int, default=128, help="tokens prefilled in one step (default 128)"
+        "--prompt-len",
+        type=positive_int,
+        default=128,
+        help="tokens prefilled in one step (default 128)",
     )
     decode.add_argument(
-        "--steps", type=int, default=32, help="single-token steps over one stream (default 32)"
+        "--steps",
+        type=positive_int,
+        default=32,
+        help="single-token steps over one stream (default 32; --timeout bounds each step)",
     )
     decode.add_argument("--seed", type=int, default=0)
     decode.add_argument(
@@ -137,7 +148,7 @@ def cmd_step(client: Client, args: argparse.Namespace) -> int:
     else:
         t = r.timing
         print(
-            f"appended   {x.shape[0]} tokens -> session holds {r.session.num_tokens} "
+            f"appended   {x.shape[-2]} tokens -> session holds {r.session.num_tokens} "
             f"({r.session.bytes_held} bytes)\noutput     {tuple(r.output.shape)}"
         )
         if r.weights is not None:
@@ -160,7 +171,8 @@ def cmd_decode(client: Client, args: argparse.Namespace) -> int:
         s.step(prompt)
         prefill_ms = (time.perf_counter() - start) * 1e3
         latencies = []
-        with s.stream() as stream:
+        # A stream's deadline bounds all of it: --timeout per step.
+        with s.stream(timeout=client.timeout * args.steps) as stream:
             for token in tokens:
                 t0 = time.perf_counter()
                 stream.step(token)

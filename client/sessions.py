@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import queue
 import time
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,14 @@ if TYPE_CHECKING:
     from mha_client.sdk import AsyncClient, Client
 
 _END = object()  # tells a stream's request iterator to finish
+_CLOSED = "this stream is closed; open another with session.stream()"
+
+
+def _task_cancelling() -> bool:
+    """Whether the running task is being cancelled. grpc.aio raises CancelledError also
+    for a call cancelled under it (by another task, or a cancelled step before)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _step_request(session_id: str, x: np.ndarray, options: dict[str, Any]) -> pb.AttendRequest:
@@ -98,6 +107,9 @@ class SessionStream:
         self._replies: Iterator[pb.AttendResponse] = client._stub.StreamSession(
             iter(self._requests.get, _END), timeout=client.timeout if timeout is None else timeout
         )
+        # Ends the request stream once, on close() or when the stream is dropped unclosed
+        # (gRPC's thread reading the requests would otherwise wait on the queue forever).
+        self._end = weakref.finalize(self, self._requests.put, _END)
 
     def __enter__(self) -> SessionStream:
         return self
@@ -106,18 +118,29 @@ class SessionStream:
         self.close()
 
     def step(self, x: np.ndarray, **options: Any) -> AttendResult:
+        if not self._end.alive:
+            raise RuntimeError(_CLOSED)
         start = time.perf_counter()
         self._requests.put(_step_request(self._session.id, x, options))
         try:
             resp = next(self._replies)
         except grpc.RpcError as err:
             raise MhaServeError.from_rpc_error(err, self._session._client.target) from err
+        except StopIteration:  # the server ended the stream without a status: not expected
+            raise MhaServeError(
+                grpc.StatusCode.UNKNOWN,
+                "the stream ended before this step's reply",
+                self._session._client.target,
+            ) from None
         result = parse_attend_response(resp, np.ndim(x) == 2, (time.perf_counter() - start) * 1e3)
         self._session.info = result.session or self._session.info
         return result
 
     def close(self) -> None:
-        self._requests.put(_END)
+        """Ends the stream and waits for the server to finish it; closing twice is a no-op."""
+        if not self._end.alive:
+            return
+        self._end()
         with contextlib.suppress(grpc.RpcError):  # an error was already raised by step()
             for _ in self._replies:  # drain: the server ends the stream after the last request
                 pass
@@ -176,12 +199,19 @@ class AsyncSession:
 
 
 class AsyncSessionStream:
+    """Steps over one StreamSession call; each step waits for its reply (in order).
+
+    Cancelling a step ends the stream: the server may have kept the step or not
+    (`session.refresh()` tells), and its reply can no longer be told from the next one's.
+    Later steps raise MhaServeError CANCELLED; open another stream to go on."""
+
     def __init__(self, session: AsyncSession, timeout: float | None) -> None:
         self._session = session
         client = session._client
         self._call = client._stub.StreamSession(
             timeout=client.timeout if timeout is None else timeout
         )
+        self._closed = False
 
     async def __aenter__(self) -> AsyncSessionStream:
         return self
@@ -190,21 +220,49 @@ class AsyncSessionStream:
         await self.close()
 
     async def step(self, x: np.ndarray, **options: Any) -> AttendResult:
+        if self._closed:
+            raise RuntimeError(_CLOSED)
         start = time.perf_counter()
+        request = _step_request(self._session.id, x, options)
         try:
-            await self._call.write(_step_request(self._session.id, x, options))
+            if self._call.done():  # an earlier step failed or was cancelled: say how it ended
+                raise await self._ended()
+            await self._call.write(request)
             resp = await self._call.read()
         except grpc.RpcError as err:
             raise MhaServeError.from_rpc_error(err, self._session._client.target) from err
+        except asyncio.InvalidStateError:  # the call ended between done() and write()
+            raise await self._ended() from None
+        except asyncio.CancelledError:
+            if _task_cancelling():  # whether the server got the step is unknown: end the call,
+                self._call.cancel()  # or the next step could read this one's reply
+                raise
+            raise await self._ended() from None  # the call was cancelled, not this task
         if resp is grpc.aio.EOF:
-            code = await self._call.code()
-            details = await self._call.details()
-            raise MhaServeError(code, details, self._session._client.target)
+            raise await self._ended()
         result = parse_attend_response(resp, np.ndim(x) == 2, (time.perf_counter() - start) * 1e3)
         self._session.info = result.session or self._session.info
         return result
 
+    async def _ended(self) -> MhaServeError:
+        """The ended call's status as the error to raise."""
+        code, details = await self._call.code(), await self._call.details()
+        return MhaServeError(code, details, self._session._client.target)
+
     async def close(self) -> None:
-        await self._call.done_writing()
-        with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
-            await self._call.code()  # the server ends the stream after the last request
+        """Ends the stream and waits for the server to finish it; closing twice is a no-op.
+        Cancelling the task that closes it cancels the call."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._call.done():
+            return
+        try:
+            with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):  # it failed
+                await self._call.done_writing()
+                await self._call.code()  # the server ends the stream after the last request
+        except asyncio.CancelledError:
+            if _task_cancelling():
+                self._call.cancel()
+                raise
+            # else the call was cancelled under us (a cancelled step): it has ended

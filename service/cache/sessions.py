@@ -350,7 +350,9 @@ class SessionTable:
 
     def _session_stats(self, s: Session) -> SessionStats:
         bpb = self._models[s.model].storage.bytes_per_block
-        return SessionStats(s.id, s.model, s.num_tokens, s.num_blocks, s.num_blocks * bpb)
+        return SessionStats(
+            s.id, s.model, s.num_tokens, s.num_blocks, s.num_blocks * bpb, s.max_len, s.ttl_s
+        )
 
     def _model_stats(self, name: str, m: _ModelCache) -> ModelCacheStats:
         bs, bpb, pool = m.storage.block_size, m.storage.bytes_per_block, m.pool

@@ -58,6 +58,8 @@ class SessionStats:
     num_tokens: int
     num_blocks: int
     bytes_held: int  # num_blocks x bytes_per_block; a block shared by forks counts in each
+    max_len: int | None = None  # as the session was created (Session.max_len)
+    ttl_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -84,8 +84,8 @@ class Sessions:
         self.cache(model)
         return self.table.create(model, max_len=max_len, ttl_s=ttl_s)
 
-    def stats(self, session_id: str) -> tuple[Session, SessionStats]:
-        return self.table.get(session_id), self.table.session_stats(session_id)
+    def stats(self, session_id: str) -> SessionStats:
+        return self.table.session_stats(session_id)
 
     def validate_step(self, hosted: HostedModel, call: AttendCall) -> Session:
         """Session-specific checks, before the step queues (the table re-checks at reserve)."""

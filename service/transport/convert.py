@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mha_client.api import attention_pb2 as pb
-from mha_serve.cache import Session, SessionStats
+from mha_serve.cache import SessionStats
 from mha_serve.engine import AttendCall, AttendResult, Engine, HostedModel, InvalidRequest
 from mha_serve.transport.tensors import PROTO_DTYPES, from_proto, to_proto, torch_dtype
 
@@ -60,22 +60,20 @@ def encode_result(result: AttendResult, single: bool) -> pb.AttendResponse:
         attention_weights=weights,
         weight_heads=result.weight_heads,
         weight_query_start=result.weight_query_start,
-        session=None if result.session is None else session_info(None, result.session),
+        session=None if result.session is None else session_info(result.session),
     )
 
 
-def session_info(session: Session | None, stats: SessionStats) -> pb.SessionInfo:
-    info = pb.SessionInfo(
+def session_info(stats: SessionStats) -> pb.SessionInfo:
+    return pb.SessionInfo(
         session_id=stats.session_id,
         model=stats.model,
         num_tokens=stats.num_tokens,
         num_blocks=stats.num_blocks,
         bytes_held=stats.bytes_held,
+        max_len=stats.max_len or 0,
+        ttl_s=stats.ttl_s or 0.0,
     )
-    if session is not None:
-        info.max_len = session.max_len or 0
-        info.ttl_s = session.ttl_s or 0.0
-    return info
 
 
 def model_info(

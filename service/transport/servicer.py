@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -99,12 +100,20 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         """Metric label: the model name when hosted, so unknown names cannot grow the label set."""
         return name if self._engine is not None and name in self._engine.models else "unknown"
 
+    def _label(self, request: pb.AttendRequest) -> str:
+        """The model label of an Attend: a session step may leave the model to its session."""
+        name = request.model
+        if not name and request.session_id and self._engine is not None:
+            with contextlib.suppress(CacheError):  # the step itself will answer NOT_FOUND
+                name = self._engine.sessions.table.get(request.session_id).model
+        return self._model_label(name)
+
     # --- attention ---------------------------------------------------------------------
 
     async def Attend(
         self, request: pb.AttendRequest, context: grpc.aio.ServicerContext
     ) -> pb.AttendResponse:
-        model = self._model_label(request.model)
+        model = self._label(request)
         metrics.IN_FLIGHT.inc()
         try:
             return await self._answer(
@@ -116,18 +125,27 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     async def StreamSession(
         self, requests: AsyncIterator[pb.AttendRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.AttendResponse]:
-        """One step per message, answered in order; the first error ends the stream."""
-        session_id = ""
+        """One session's steps, one per message, answered in order; the first error ends the
+        stream. Later messages may leave session_id empty; naming another session is an error."""
+        session_id, model = "", ""
         async for request in requests:
-            if not request.session_id:
-                request.session_id = session_id
-            session_id = request.session_id
             if not session_id:
+                session_id = request.session_id
+                if not session_id:
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        "the first message of a StreamSession needs session_id (CreateSession "
+                        "makes one)",
+                    )
+                model = self._label(request)
+            elif not request.session_id:
+                request.session_id = session_id
+            elif request.session_id != session_id:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    "the first message of a StreamSession needs session_id (CreateSession makes one)",
+                    f"this stream steps session {session_id!r}, but a message names "
+                    f"{request.session_id!r}: open one stream per session",
                 )
-            model = self._model_label(request.model)
             yield await self._answer(
                 "StreamSession", model, context, lambda r=request: self._attend(r, context)
             )
@@ -182,7 +200,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             session = self.engine.sessions.create(
                 request.model, request.max_len or None, request.ttl_s or None
             )
-            return session_info(session, self.engine.sessions.table.session_stats(session.id))
+            return session_info(self.engine.sessions.table.session_stats(session.id))
 
         model = self._model_label(request.model)
         return await self._answer("CreateSession", model, context, _sync(handle))
@@ -191,7 +209,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionInfo:
         def handle() -> pb.SessionInfo:
-            return session_info(*self.engine.sessions.stats(request.session_id))
+            return session_info(self.engine.sessions.stats(_session_id(request)))
 
         return await self._answer("GetSession", "", context, _sync(handle))
 
@@ -200,8 +218,8 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     ) -> pb.SessionInfo:
         def handle() -> pb.SessionInfo:
             table = self.engine.sessions.table
-            child = table.fork(request.session_id, ttl_s=request.ttl_s or None)
-            return session_info(child, table.session_stats(child.id))
+            child = table.fork(_session_id(request), ttl_s=request.ttl_s or None)
+            return session_info(table.session_stats(child.id))
 
         return await self._answer("ForkSession", "", context, _sync(handle))
 
@@ -209,7 +227,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.CloseSessionResponse:
         def handle() -> pb.CloseSessionResponse:
-            self.engine.sessions.table.close(request.session_id)
+            self.engine.sessions.table.close(_session_id(request))
             return pb.CloseSessionResponse()
 
         return await self._answer("CloseSession", "", context, _sync(handle))
@@ -266,6 +284,12 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             await context.abort(code, f"internal error in {method}: {type(e).__name__}: {e}")
         finally:
             metrics.count_request(method, model, code.name)
+
+
+def _session_id(request: Any) -> str:
+    if not request.session_id:
+        raise InvalidRequest("session_id is empty; CreateSession returns one")
+    return request.session_id
 
 
 def _sync(fn: Callable[[], T]) -> Callable[[], Awaitable[T]]:

@@ -166,12 +166,19 @@ def test_cli_sessions_and_decode(server, tmp_path):
     assert step.returncode == 0, step.stderr
     summary = json.loads(step.stdout)
     assert summary["session"]["num_tokens"] == 5 and summary["weights_shape"] == [8, 5, 5]
+    assert summary["session"]["max_len"] == 64
+    np.save(tmp_path / "batch.npy", np.ones((1, 3, 512), np.float32))  # (1, T, E) counts T
+    step = cli("session", "step", sid, "--input", str(tmp_path / "batch.npy"), target=server.target)
+    assert step.returncode == 0, step.stderr
+    assert "appended   3 tokens -> session holds 8" in step.stdout
     assert np.load(tmp_path / "step.npz")["output"].shape == (5, 512)
     fork = cli("session", "fork", sid, "--json", target=server.target)
-    assert json.loads(fork.stdout)["num_tokens"] == 5
+    assert json.loads(fork.stdout)["num_tokens"] == 8
     assert cli("session", "close", sid, target=server.target).returncode == 0
     gone = cli("session", "info", sid, target=server.target)
     assert gone.returncode == 1 and "NOT_FOUND" in gone.stderr and "closed" in gone.stderr
     decode = cli("decode", "mqa", "--prompt-len", "16", "--steps", "4", target=server.target)
     assert decode.returncode == 0, decode.stderr
     assert "tokens/s" in decode.stdout and "20 tokens in 2 blocks" in decode.stdout
+    zero = cli("decode", "mqa", "--steps", "0", target=server.target)
+    assert zero.returncode == 2 and "'0' is not a positive integer" in zero.stderr

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -29,6 +31,7 @@ def test_steps_and_stream_equal_one_causal_attend(client):
         with s.stream() as stream:
             for t in range(12, 20):
                 outs.append(stream.step(x[t : t + 1]).output)
+        assert (s.info.max_len, s.info.ttl_s) == (64, 30)  # step replies keep the limits
         assert s.info.num_tokens == 20 and s.refresh().num_tokens == 20
         np.testing.assert_allclose(np.concatenate(outs), ref.output, atol=ATOL)
     with pytest.raises(MhaServeError) as err:
@@ -65,3 +68,64 @@ def test_stream_error_carries_the_status(client):
         with pytest.raises(MhaServeError) as err:
             stream.step(np.zeros((1, 512), np.float32))
         assert err.value.code.name == "OUT_OF_RANGE" and "max_len 2" in err.value.details
+
+
+def test_a_closed_stream_says_so(client):
+    with client.create_session("mqa") as s:
+        stream = s.stream()
+        stream.step(np.ones((1, 512), np.float32))
+        stream.close()
+        stream.close()  # twice is a no-op
+        with pytest.raises(RuntimeError, match="stream is closed"):
+            stream.step(np.ones((1, 512), np.float32))
+        assert s.refresh().num_tokens == 1
+
+
+async def test_async_stream_after_an_error_raises_that_error(server):
+    """Sync and async streams agree: after the server ended the stream with an error, the
+    next step raises MhaServeError with that status, and a closed stream says it is closed."""
+    async with AsyncClient(server.target) as c, await c.create_session("mha", max_len=2) as s:
+        stream = s.stream()
+        await stream.step(np.zeros((2, 512), np.float32))
+        for _ in range(2):
+            with pytest.raises(MhaServeError) as err:
+                await stream.step(np.zeros((1, 512), np.float32))
+            assert err.value.code.name == "OUT_OF_RANGE" and "max_len 2" in err.value.details
+        await stream.close()
+        with pytest.raises(RuntimeError, match="stream is closed"):
+            await stream.step(np.zeros((1, 512), np.float32))
+
+
+async def test_cancelling_a_stream_close_cancels_the_task(server):
+    """close() waits for the server to end the stream; cancelling that wait cancels the task
+    (it used to be swallowed). A long step in flight keeps the server busy meanwhile."""
+    async with AsyncClient(server.target) as c, await c.create_session("mha") as s:
+        stream = s.stream()
+        long_step = asyncio.create_task(stream.step(np.ones((2048, 512), np.float32)))
+        await asyncio.sleep(0.01)  # sent; its forward takes ~100 ms and more
+        closing = asyncio.create_task(stream.close())
+        await asyncio.sleep(0.02)  # close() has half-closed and waits for the server
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        assert closing.cancelled()
+        with pytest.raises(MhaServeError):  # the call was cancelled under the step
+            await long_step
+
+
+async def test_after_a_cancelled_step_the_stream_says_it_was_cancelled(server):
+    """Wherever the cancel lands (sending or waiting), the stream ends: a next step must never
+    read the cancelled step's reply as its own."""
+    async with (
+        AsyncClient(server.target) as c,
+        await c.create_session("mha") as s,
+        s.stream() as stream,
+    ):
+        step = asyncio.create_task(stream.step(np.ones((2048, 512), np.float32)))
+        await asyncio.sleep(0.01)
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        with pytest.raises(MhaServeError) as err:
+            await stream.step(np.ones((1, 512), np.float32))
+        assert err.value.code.name == "CANCELLED"

@@ -42,3 +42,23 @@ def test_requests_are_counted_by_code(server, stub):
     tokens = ("mha_serve_tokens_total", (("model", "mqa"),))
     assert after[tokens] == before.get(tokens, 0) + 6
     assert after[("mha_serve_ready", ())] == 1
+
+
+def test_session_steps_are_counted_under_their_sessions_model(server, stub):
+    """A step may leave the model empty (the SDK does): it counts under its session's model."""
+    sid = stub.CreateSession(pb.CreateSessionRequest(model="gqa"), timeout=10).session_id
+    x = np.zeros((1, 512), np.float32)
+    step = pb.AttendRequest(
+        session_id=sid, input=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=x.shape, data=x.tobytes())
+    )
+    keys = {
+        method: ("mha_serve_requests_total", (("code", "OK"), ("method", method), ("model", "gqa")))
+        for method in ("Attend", "StreamSession")
+    }
+    before = scrape(server)
+    stub.Attend(step, timeout=30)
+    list(stub.StreamSession(iter([step, pb.AttendRequest(input=step.input)]), timeout=30))
+    after = scrape(server)
+    assert after[keys["Attend"]] == before.get(keys["Attend"], 0) + 1
+    assert after[keys["StreamSession"]] == before.get(keys["StreamSession"], 0) + 2
+    stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)

@@ -181,3 +181,51 @@ def test_create_errors(stub):
     with pytest.raises(grpc.RpcError) as err:
         stub.CreateSession(pb.CreateSessionRequest(model="mha", max_len=5000), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "4096" in err.value.details()
+
+
+def test_a_stream_steps_one_session(stub):
+    """Later messages may leave session_id empty; naming another session ends the stream."""
+    first, other = create(stub, "mha"), create(stub, "mha")
+    x = tensor(np.ones((1, EMBED), np.float32))
+    replies = []
+    with pytest.raises(grpc.RpcError) as err:
+        for reply in stub.StreamSession(
+            iter(
+                [
+                    pb.AttendRequest(session_id=first, input=x),
+                    pb.AttendRequest(input=x),
+                    pb.AttendRequest(session_id=first, input=x),
+                    pb.AttendRequest(session_id=other, input=x),
+                ]
+            ),
+            timeout=10,
+        ):
+            replies.append(reply)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "one stream per session" in err.value.details() and other in err.value.details()
+    assert [r.session.num_tokens for r in replies] == [1, 2, 3]
+    assert stub.GetSession(pb.GetSessionRequest(session_id=other), timeout=10).num_tokens == 0
+
+
+def test_an_empty_session_id_is_invalid(stub):
+    for call in (
+        lambda: stub.GetSession(pb.GetSessionRequest(), timeout=10),
+        lambda: stub.ForkSession(pb.ForkSessionRequest(), timeout=10),
+        lambda: stub.CloseSession(pb.CloseSessionRequest(), timeout=10),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "session_id is empty" in err.value.details()
+
+
+def test_step_replies_carry_the_sessions_limits(stub):
+    """max_len and ttl_s come back with every step, not zeros (0 ttl_s reads as never)."""
+    sid = create(stub, "gqa", max_len=40, ttl_s=25)
+    reply = stub.Attend(
+        pb.AttendRequest(session_id=sid, input=tensor(np.ones((2, EMBED), np.float32))),
+        timeout=10,
+    )
+    assert (reply.session.max_len, reply.session.ttl_s) == (40, 25)
+    fork = stub.ForkSession(pb.ForkSessionRequest(session_id=sid), timeout=10)
+    assert (fork.max_len, fork.ttl_s, fork.num_tokens) == (40, 25, 2)
