@@ -158,18 +158,25 @@ class SessionTable:
                     "token(s) in flight; send its steps one at a time"
                 )
             m = self._models[s.model]
-            total = s.num_tokens + n
-            for what, limit in ((f"model {s.model!r}'s", m.max_len), ("its", s.max_len)):
-                if limit is not None and total > limit:
-                    raise SessionFull(
-                        f"session {session_id!r} holds {s.num_tokens} tokens; appending {n} "
-                        f"would make {total}, past {what} max_len {limit}"
-                    )
-
             bs, pool = m.storage.block_size, m.pool
-            cow = s.num_tokens % bs != 0 and pool.refcount(s.block_table[-1]) > 1
+            total = s.num_tokens + n
+            past = f"session {session_id!r} holds {s.num_tokens} tokens; appending {n} would make {total}, past"
+            if s.max_len is not None and total > s.max_len:  # never above the model's
+                whose = " (the model's)" if s.max_len == m.max_len else ""
+                raise SessionFull(f"{past} its max_len {s.max_len}{whose}")
+            if _cdiv(total, bs) > pool.num_blocks:  # no eviction could ever make room
+                raise SessionFull(
+                    f"{past} all that model {s.model!r}'s KV cache holds: {pool.num_blocks} "
+                    f"blocks of {bs} tokens ({m.storage.budget_bytes} bytes, kv_cache_bytes)"
+                )
             num_new_blocks = _cdiv(total, bs) - len(s.block_table)
-            self._make_room(m, num_new_blocks + cow, s, now)
+            shared_last = (  # a partial last block that a fork shares: copied before writing
+                s.block_table[-1]
+                if s.num_tokens % bs and pool.refcount(s.block_table[-1]) > 1
+                else None
+            )
+            self._make_room(m, num_new_blocks, shared_last, s, now)
+            cow = shared_last is not None and pool.refcount(shared_last) > 1  # (if not evicted)
             # New blocks follow the session's last one where they can (attention reads a
             # session with consecutive blocks in place); a private copy of a shared last
             # block takes that block's place, so it follows the one before.
@@ -298,31 +305,33 @@ class SessionTable:
         self._models[s.model].pool.decref(s.block_table)
         s.block_table = []
 
-    def _make_room(self, m: _ModelCache, needed: int, requester: Session, now: float) -> None:
-        """Free blocks until `needed` are free (expired first, then LRU if evict), or raise
-        CacheExhausted having evicted nothing."""
+    def _make_room(
+        self,
+        m: _ModelCache,
+        new_blocks: int,
+        shared_last: int | None,
+        requester: Session,
+        now: float,
+    ) -> None:
+        """Frees blocks until the requester's step fits: `new_blocks`, plus a private copy of
+        its partial last block `shared_last` while another session still holds that. Expired
+        sessions go first, then (if evict) least recently used idle sessions, only those
+        needed; or raises CacheExhausted having evicted nothing."""
         pool = m.pool
-        if needed <= pool.num_free:
+
+        def fits(free: int, shared_holders_gone: int = 0) -> bool:
+            copy = shared_last is not None and pool.refcount(shared_last) - shared_holders_gone > 1
+            return new_blocks + copy <= free
+
+        if fits(pool.num_free):
             return
         self.expire(now)
-        if needed <= pool.num_free:
+        if fits(pool.num_free):
             return
-        freeable = 0
         if self.evict:
-            candidates = [
-                s
-                for s in self._sessions.values()
-                if s.model == requester.model and s.in_use == 0 and s is not requester
-            ]
-            refs: dict[int, int] = {}
-            for s in candidates:
-                for b in s.block_table:
-                    refs[b] = refs.get(b, 0) + 1
-            freeable = sum(1 for b, n in refs.items() if n == pool.refcount(b))
-            if pool.num_free + freeable >= needed:
-                for s in sorted(candidates, key=lambda s: s.last_used_s):
-                    if needed <= pool.num_free:
-                        break
+            victims = self._victims(m, requester, shared_last, fits)
+            if victims is not None:
+                for s in victims:
                     self._drop(
                         s,
                         "evicted",
@@ -331,8 +340,9 @@ class SessionTable:
                         f"{s.num_tokens} tokens); create a new session",
                     )
                 return
+        needed = new_blocks + (shared_last is not None)
         hint = (
-            f"eviction could free only {freeable} more; the rest is held by pinned sessions "
+            "eviction cannot free enough: the rest is held by sessions with a step in flight "
             "or by this session"
             if self.evict
             else "eviction is off: close idle sessions, shorten their TTL or raise the budget"
@@ -347,6 +357,45 @@ class SessionTable:
             num_free=pool.num_free,
             num_blocks=pool.num_blocks,
         )
+
+    def _victims(
+        self, m: _ModelCache, requester: Session, shared_last: int | None, fits
+    ) -> list[Session] | None:
+        """The idle sessions to evict so that fits(free blocks, holders of the requester's
+        shared last block among them) holds: the least recently used first, then those the
+        rest make unneeded dropped again (an empty session, or a fork whose blocks its
+        parent still holds, frees nothing alone). None if all of them would not do."""
+        pool = m.pool
+        candidates = sorted(
+            (
+                s
+                for s in self._sessions.values()
+                if s.model == requester.model and s.in_use == 0 and s is not requester
+            ),
+            key=lambda s: s.last_used_s,
+        )
+        holders: dict[int, int] = {}  # block -> chosen sessions holding it
+        freed = sharing = 0  # blocks every holder of which is chosen; chosen holders of shared_last
+        chosen: list[Session] = []
+        for s in candidates:
+            chosen.append(s)
+            for b in s.block_table:
+                holders[b] = holders.get(b, 0) + 1
+                freed += holders[b] == pool.refcount(b)
+                sharing += b == shared_last
+            if fits(pool.num_free + freed, sharing):
+                break
+        else:
+            return None
+        for s in reversed(chosen[:-1]):  # the most recently used first: spare what can be
+            lost = sum(holders[b] == pool.refcount(b) for b in s.block_table)
+            gone = sum(b == shared_last for b in s.block_table)
+            if fits(pool.num_free + freed - lost, sharing - gone):
+                chosen.remove(s)
+                freed, sharing = freed - lost, sharing - gone
+                for b in s.block_table:
+                    holders[b] -= 1
+        return chosen
 
     def _session_stats(self, s: Session) -> SessionStats:
         bpb = self._models[s.model].storage.bytes_per_block

@@ -1,10 +1,17 @@
 """The engine: hosted models and the synchronous forward of one request (no asyncio, no gRPC)."""
 
 from mha_serve.engine.engine import Engine, HostedModel, resolve_device, resolve_dtype
-from mha_serve.engine.errors import InvalidRequest, ModelNotFound, RequestError, TooLarge
+from mha_serve.engine.errors import (
+    Abandoned,
+    InvalidRequest,
+    ModelNotFound,
+    RequestError,
+    TooLarge,
+)
 from mha_serve.engine.types import AttendCall, AttendResult, ModelSpec
 
 __all__ = [
+    "Abandoned",
     "AttendCall",
     "AttendResult",
     "Engine",

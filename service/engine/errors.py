@@ -16,6 +16,11 @@ class InvalidRequest(RequestError):
     """The request is malformed or out of the model's range (INVALID_ARGUMENT)."""
 
 
+class Abandoned(RequestError):
+    """The caller cancelled, or its deadline passed, before its session step was kept: the
+    step was rolled back (CANCELLED; the caller is no longer there to hear it)."""
+
+
 class TooLarge(RequestError):
     """The reply would exceed a size limit; the message says how to narrow it (RESOURCE_EXHAUSTED)."""
 

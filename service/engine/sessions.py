@@ -21,7 +21,7 @@ from mha_serve.cache import (
     SessionStats,
     SessionTable,
 )
-from mha_serve.engine.errors import InvalidRequest, all_finite, require_finite
+from mha_serve.engine.errors import Abandoned, InvalidRequest, all_finite, require_finite
 from mha_serve.engine.types import DTYPES, AttendCall, AttendResult, repeat_heads
 from mha_serve.model import attend_cached
 
@@ -159,14 +159,14 @@ class Sessions:
             head_mask = torch.tensor(first.head_mask, dtype=hosted.dtype, device=hosted.device)
         with torch.inference_mode():
             q, k_new, v_new = hosted.module.project(x)  # (B, H, T, D), (B, KVH, T, D) x 2
-            overflowed: set[int] = set()
             if k_new.dtype != cache.dtype:  # a narrower cache (kv_cache_dtype): stored rounded
                 k_new, v_new = k_new.to(cache.dtype), v_new.to(cache.dtype)
-                # float16 holds |x| <= 65504. An inf key need not show in this step's output
-                # (a -inf score is just a zero weight) but would poison every later step, so
-                # the K/V themselves are checked: those rows' steps are refused, not kept.
-                fits = _rows_finite(k_new) & _rows_finite(v_new)
-                overflowed = {b for b, ok in enumerate(fits.tolist()) if not ok}
+            # An inf key need not show in this step's output (a -inf score is just a zero
+            # weight) but would poison every later step of its session, so the K/V
+            # themselves are checked: those rows' steps are refused, not kept. float16 (a
+            # narrower cache, or a float16 model's own) overflows past |x| = 65504.
+            fits = _rows_finite(k_new) & _rows_finite(v_new)
+            overflowed = {b for b, ok in enumerate(fits.tolist()) if not ok}
             # Write first, then read each session's positions in order: one copy of the
             # past (none for a session whose blocks are consecutive), no concatenation.
             cache.append(k_new, v_new, [r.slots for r in reservations])
@@ -186,30 +186,41 @@ class Sessions:
         return out, heads, overflowed
 
     def _settle(self, out, heads, overflowed, compute_ms: float, calls, live, results) -> None:
-        """Keeps (commit) or drops (rollback) each step on its own: one step's failure, or
-        its session closing meanwhile, is that step's answer alone."""
-        finite = all_finite(out.output)  # one pass for the batch; per step only if not
-        for b, (i, r) in enumerate(live):
-            try:
-                if b in overflowed:
-                    raise InvalidRequest(
-                        f"this step's keys or values overflowed the KV cache's "
-                        f"{str(self.caches[calls[i].model].dtype).removeprefix('torch.')} "
-                        "(the model's kv_cache_dtype; float16 holds |x| <= 65504): scale the "
-                        "input down, or serve the model with kv_cache_dtype bfloat16 or auto"
-                    )
-                result = self._result(out, b, r, calls[i], heads, compute_ms, len(live), finite)
-            except Exception as e:  # overflow (InvalidRequest), or a bug: not kept
+        """Keeps (commit) or drops (rollback) each step on its own: one step's failure, its
+        caller gone, or its session closing meanwhile, is that step's answer alone. Should
+        settling itself fail, every step not yet settled is rolled back (a pending step left
+        behind would keep its session busy for good)."""
+        settled = 0
+        try:
+            finite = all_finite(out.output)  # one pass for the batch; per step only if not
+            for b, (i, r) in enumerate(live):
+                call = calls[i]
+                try:
+                    if b in overflowed:
+                        raise InvalidRequest(_overflow_message(self.caches[call.model].dtype))
+                    if call.abandoned():
+                        raise Abandoned(
+                            "the caller cancelled, or its deadline passed, before the step was "
+                            "kept; nothing of it was kept"
+                        )
+                    result = self._result(out, b, r, call, heads, compute_ms, len(live), finite)
+                except Exception as e:  # refused, or a bug: not kept
+                    settled = b + 1
+                    self.table.rollback(r)
+                    results[i] = e
+                    continue
+                settled = b + 1
+                self.table.commit(r)
+                try:
+                    result.session = self.table.session_stats(r.session_id)
+                except CacheError as e:  # closed while the step ran: its cache went with it
+                    results[i] = e
+                    continue
+                results[i] = result
+        except BaseException:
+            for _, r in live[settled:]:
                 self.table.rollback(r)
-                results[i] = e
-                continue
-            self.table.commit(r)
-            try:
-                result.session = self.table.session_stats(r.session_id)
-            except CacheError as e:  # closed while the step ran: its cache went with it
-                results[i] = e
-                continue
-            results[i] = result
+            raise
 
     @staticmethod
     def _result(
@@ -239,6 +250,20 @@ class Sessions:
             compute_ms=compute_ms,
             batch_size=batch,
         )
+
+
+def _overflow_message(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if dtype == torch.float16:
+        return (
+            f"this step's keys or values overflowed to inf/NaN in the KV cache's {name} "
+            "(float16 holds |x| <= 65504): scale the input down, or serve the model in a dtype "
+            "that holds them (bfloat16 or float32, for the model or its kv_cache_dtype)"
+        )
+    return (
+        f"this step's keys or values overflowed to inf/NaN in {name}: the input values are "
+        "too large for the model; scale the input down"
+    )
 
 
 def _rows_finite(t: torch.Tensor) -> torch.Tensor:

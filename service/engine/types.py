@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -103,6 +104,13 @@ class AttendCall:
     head_mask: list[float] | None = None
     output_dtype: torch.dtype | None = None  # None: the input's dtype
     session_id: str | None = None  # a session step: inputs (1, T, E) are appended to it
+    # The caller's deadline (time.monotonic()), and whether it stopped waiting (set from the
+    # caller's thread): a session step whose caller is gone by its end is not kept.
+    deadline: float | None = None
+    cancelled: bool = False
+
+    def abandoned(self) -> bool:
+        return self.cancelled or (self.deadline is not None and time.monotonic() > self.deadline)
 
     def heads(self, num_heads: int) -> list[int]:
         """Query heads whose weights are returned, in the order asked (None: all)."""

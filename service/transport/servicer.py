@@ -24,6 +24,7 @@ from mha_serve.cache import (
     SessionNotFound,
 )
 from mha_serve.engine import (
+    Abandoned,
     Engine,
     HostedModel,
     InvalidRequest,
@@ -47,6 +48,7 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     ModelNotFound: grpc.StatusCode.NOT_FOUND,
+    Abandoned: grpc.StatusCode.CANCELLED,
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     TooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     SessionNotFound: grpc.StatusCode.NOT_FOUND,
@@ -159,15 +161,20 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         hosted = await _offload(self.engine.validate, call, nbytes=request.input.ByteSize())
         batch, seq_len, _ = call.inputs.shape
         remaining = context.time_remaining()
+        call.deadline = None if remaining is None else time.monotonic() + remaining
         submitted = time.perf_counter()
-        result, info = await self._lanes[call.model].submit(
-            call,
-            need_weights=call.need_weights,
-            sequences=batch,
-            length=seq_len,
-            key=self.engine.batch_key(hosted, call),
-            deadline=None if remaining is None else time.monotonic() + remaining,
-        )
+        try:
+            result, info = await self._lanes[call.model].submit(
+                call,
+                need_weights=call.need_weights,
+                sequences=batch,
+                length=seq_len,
+                key=self.engine.batch_key(hosted, call),
+                deadline=call.deadline,
+            )
+        except asyncio.CancelledError:  # the client is gone: a session step still running
+            call.cancelled = True  # is then rolled back, not kept (Sessions._settle)
+            raise
         # Queue time includes decoding and validation before the request was queued.
         queue_ms = (submitted - received + info.queue_s) * 1e3
         reply_bytes = result.output.nbytes + (

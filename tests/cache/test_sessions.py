@@ -86,7 +86,7 @@ def test_one_step_in_flight_per_session():
 
 @pytest.mark.parametrize(
     ("session_max", "model_max", "piece"),
-    [(10, None, "past its max_len 10"), (None, 10, "past model 'm''s max_len 10")],
+    [(10, None, "past its max_len 10"), (None, 10, "past its max_len 10 (the model's)")],
 )
 def test_max_len_checked_before_allocating(session_max, model_max, piece):
     table, _ = make(max_len=model_max)
@@ -267,11 +267,13 @@ def test_eviction_takes_least_recently_used_unpinned_sessions():
 
 def test_eviction_evicts_nothing_when_it_could_not_free_enough():
     table, _ = make(4, evict=True)
-    a = table.create("m")
+    a, c = table.create("m"), table.create("m")
     append(table, a.id, 8)
+    append(table, c.id, 4)
+    table.pin(c.id)  # a step in flight: never evicted
     b = table.fork(a.id)  # shares both of a's blocks: evicting a frees nothing
-    with pytest.raises(CacheExhausted, match="eviction could free only 0 more"):
-        table.reserve(b.id, 12)  # needs 3 more, 2 free
+    with pytest.raises(CacheExhausted, match="eviction cannot free enough"):
+        table.reserve(b.id, 8)  # needs 2 more, 1 free
     table.get(a.id)  # still there
 
 
@@ -312,3 +314,68 @@ def test_stats_and_fragmentation_by_hand():
         table.close(s.id)
     st = table.stats()["m"]
     assert (st.num_blocks_used, st.num_tokens, st.fragmentation) == (0, 0, 0.0)
+
+
+def test_eviction_spares_sessions_that_would_free_nothing():
+    """An empty session holds no block: evicting it frees nothing, so the older empty one
+    stays while the session that frees a block goes."""
+    clock = Clock()
+    table, _ = make(2, evict=True, clock=clock)
+    empty = table.create("m")
+    clock.now += 1
+    b = table.create("m")
+    append(table, b.id, 4)
+    clock.now += 1
+    a = table.create("m")
+    append(table, a.id, 4)
+    clock.now += 1
+    append(table, a.id, 1)  # needs a block, none free: b's is the one to take
+    table.get(empty.id)
+    with pytest.raises(SessionNotFound, match="evicted"):
+        table.get(b.id)
+
+
+def test_a_fork_and_its_parent_are_evicted_together_when_only_both_free_a_block():
+    clock = Clock()
+    table, _ = make(2, evict=True, clock=clock)
+    parent = table.create("m")
+    append(table, parent.id, 4)  # one full block, shared with the fork below
+    clock.now += 1
+    child = table.fork(parent.id)
+    clock.now += 1
+    a = table.create("m")
+    append(table, a.id, 4)
+    clock.now += 1
+    append(table, a.id, 1)
+    for gone in (parent.id, child.id):
+        with pytest.raises(SessionNotFound, match="evicted"):
+            table.get(gone)
+    assert table.get(a.id).num_tokens == 5
+
+
+def test_evicting_the_other_holder_of_a_shared_partial_block_lets_a_fork_write_in_place():
+    clock = Clock()
+    table, _ = make(1, evict=True, clock=clock)
+    parent = table.create("m")
+    append(table, parent.id, 2)  # a partial block
+    clock.now += 1
+    child = table.fork(parent.id)
+    clock.now += 1
+    shared = tuple(table.get(child.id).block_table)
+    res = table.reserve(child.id, 1)  # a private copy needs a block: none free, but ...
+    table.commit(res)
+    with pytest.raises(SessionNotFound, match="evicted"):  # ... its only other holder went
+        table.get(parent.id)
+    assert res.block_table == shared  # written in place, no copy
+    assert table.get(child.id).num_tokens == 3
+
+
+def test_a_step_past_all_the_cache_could_hold_is_out_of_range_not_exhausted():
+    """RESOURCE_EXHAUSTED says retry later; a step no eviction could ever fit is refused as
+    OUT_OF_RANGE with the cache's capacity."""
+    table, _ = make(4, evict=True)
+    s = table.create("m")
+    append(table, s.id, 3)
+    with pytest.raises(SessionFull, match="KV cache holds: 4 blocks of 4 tokens"):
+        table.reserve(s.id, 14)  # 17 tokens: 5 blocks of the 4 there are
+    assert table.get(s.id).num_tokens == 3 and table.pool("m").num_used == 1

@@ -129,3 +129,14 @@ async def test_after_a_cancelled_step_the_stream_says_it_was_cancelled(server):
         with pytest.raises(MhaServeError) as err:
             await stream.step(np.ones((1, 512), np.float32))
         assert err.value.code.name == "CANCELLED"
+
+
+async def test_a_cancelled_step_is_not_kept(server):
+    async with AsyncClient(server.target) as c, await c.create_session("mha") as s:
+        step = asyncio.create_task(s.step(np.ones((3000, 512), np.float32)))
+        await asyncio.sleep(0.08)  # sent and computing: its forward takes 150 ms and more
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        # The next step queues behind the abandoned forward, and sees the session as it was.
+        assert (await s.step(np.ones((1, 512), np.float32))).session.num_tokens == 1

@@ -126,10 +126,41 @@ def test_float16_overflow_fails_the_step_and_keeps_the_session():
     kept, refused = engine.run_batch(hosted, calls)
     assert not isinstance(kept, Exception) and kept.session.num_tokens == 9
     assert isinstance(refused, InvalidRequest)
-    assert "keys or values overflowed the KV cache's float16" in str(refused)
+    assert "keys or values overflowed to inf/NaN in the KV cache's float16" in str(refused)
     assert engine.sessions.table.session_stats(bad).num_tokens == 8  # nothing of it kept
     step = engine.run(hosted, AttendCall("tiny", x[:, 8:9] * 1e-6, session_id=bad))
     assert step.session.num_tokens == 9 and torch.isfinite(step.output).all()
+
+
+def test_a_float16_models_own_cache_refuses_an_inf_key_too():
+    """kv_cache_dtype auto on a float16 model: its K/V are float16 as computed. A key that
+    overflows to inf where the query makes its score -inf leaves the step's output finite;
+    kept, it would make every later step of the session fail. It is refused instead."""
+    spec = ModelSpec("tiny16", AttentionConfig(32, 4, 2), seed=1)  # q rows 0-31, k rows 32-47
+    engine = Engine(
+        [spec], device=torch.device("cpu"), dtype=torch.float16, max_response_bytes=2**30
+    )
+    hosted = engine.get("tiny16")
+    assert engine.sessions.caches["tiny16"].dtype == torch.float16
+    with torch.no_grad():  # feature 0 drives query dim 0 down and key dim 0 hugely up
+        w = hosted.module.wqkv.weight
+        w[:, 0] = 0
+        w[0, 0], w[32, 0] = -1.0, 60000.0
+        if hosted.module.wqkv.bias is not None:
+            hosted.module.wqkv.bias[[0, 32]] = 0
+    x = seq(12, seed=6, embed=32).half()
+    x[..., 0] = 0
+    sid = engine.sessions.create("tiny16", None, None).id
+    engine.run(hosted, AttendCall("tiny16", x[:, :4], session_id=sid))
+    poison = x[:, 4:5].clone()
+    poison[..., 0] = 2.0  # key dim 0: 120000, inf in float16; query dim 0: -2, score -inf
+    with pytest.raises(InvalidRequest, match="overflowed to inf/NaN in the KV cache's float16"):
+        engine.run(hosted, AttendCall("tiny16", poison, session_id=sid))
+    assert engine.sessions.table.session_stats(sid).num_tokens == 4  # nothing of it kept
+    for t in range(5, 12):  # later steps (queries of either sign) still work
+        step = engine.run(hosted, AttendCall("tiny16", x[:, t : t + 1], session_id=sid))
+        assert torch.isfinite(step.output).all()
+    assert step.session.num_tokens == 11
 
 
 def test_a_cache_dtype_not_narrower_than_the_model_is_refused():

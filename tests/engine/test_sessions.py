@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,7 +11,7 @@ from hypothesis import strategies as st
 
 from mha_serve.cache import SessionNotFound
 from mha_serve.config import default_models
-from mha_serve.engine import AttendCall, Engine, InvalidRequest, ModelSpec
+from mha_serve.engine import Abandoned, AttendCall, Engine, InvalidRequest, ModelSpec
 from mha_serve.engine import sessions as engine_sessions
 from mha_serve.model import AttentionConfig, cached
 
@@ -129,8 +131,8 @@ def test_contiguous_and_scattered_blocks_read_the_same(engine):
 
 
 def test_an_overflowing_step_fails_alone_and_is_not_kept(engine):
-    """Batched with a healthy step, a step whose output overflows gets its own error and
-    leaves its session as it was; the other step is answered and kept."""
+    """Batched with a healthy step, a step whose keys and values overflow gets its own error
+    and leaves its session as it was; the other step is answered and kept."""
     hosted = engine.get("mha")
     good, bad = (engine.sessions.create("mha", None, None).id for _ in range(2))
     x = seq(9, seed=3)
@@ -141,7 +143,8 @@ def test_an_overflowing_step_fails_alone_and_is_not_kept(engine):
         hosted,
         [AttendCall("mha", x[:, 8:], session_id=good), AttendCall("mha", huge, session_id=bad)],
     )
-    assert isinstance(failed, InvalidRequest) and "overflowed to NaN/Inf" in str(failed)
+    assert isinstance(failed, InvalidRequest)
+    assert "keys or values overflowed to inf/NaN in float32" in str(failed)
     assert engine.sessions.table.session_stats(bad).num_tokens == 8  # rolled back
     ref = engine.run(hosted, AttendCall("mha", x, causal=True)).output[:, 8:]
     assert (ok.output - ref).abs().max() < ATOL and ok.session.num_tokens == 9
@@ -286,3 +289,50 @@ def test_a_step_whose_output_overflows_only_in_the_dtype_asked_fails_alone(engin
     assert engine.sessions.table.session_stats(sid).num_tokens == 3  # not kept
     (ok,) = engine.run_batch(hosted, [AttendCall("mha", x[:, 3:], session_id=sid)])
     assert ok.output.dtype == torch.float32 and ok.session.num_tokens == 4
+
+
+@pytest.mark.parametrize("gone", ["cancelled", "deadline"])
+def test_a_step_whose_caller_is_gone_is_not_kept(engine, gone):
+    """A caller that cancelled, or whose deadline passed, before its step was kept never
+    hears the reply: the step is rolled back (its retry must not find it appended already);
+    the other step of the batch is kept."""
+    hosted = engine.get("gqa")
+    kept_id, gone_id = (engine.sessions.create("gqa", None, None).id for _ in range(2))
+    x = seq(6, seed=9)
+    for sid in (kept_id, gone_id):
+        engine.run(hosted, AttendCall("gqa", x[:, :4], session_id=sid))
+    late = AttendCall("gqa", x[:, 4:5], session_id=gone_id)
+    if gone == "cancelled":
+        late.cancelled = True
+    else:
+        late.deadline = time.monotonic() - 1e-3
+    kept, abandoned = engine.run_batch(
+        hosted, [AttendCall("gqa", x[:, 4:5], session_id=kept_id), late]
+    )
+    assert isinstance(abandoned, Abandoned) and "nothing of it was kept" in str(abandoned)
+    assert engine.sessions.table.session_stats(gone_id).num_tokens == 4
+    assert kept.session.num_tokens == 5
+    retry = engine.run(hosted, AttendCall("gqa", x[:, 4:5], session_id=gone_id))
+    assert retry.session.num_tokens == 5
+    torch.testing.assert_close(retry.output, kept.output, rtol=0, atol=ATOL)  # same tokens
+
+
+def test_a_failure_while_settling_rolls_every_step_back(engine, monkeypatch):
+    """Should settling a batch fail (a bug, or a late device error at the finiteness sync),
+    no step is left pending: its session would answer busy (ABORTED) for good."""
+    hosted = engine.get("mqa")
+    ids = [engine.sessions.create("mqa", None, None).id for _ in range(2)]
+    x = seq(3, seed=11)
+    for sid in ids:
+        engine.run(hosted, AttendCall("mqa", x[:, :2], session_id=sid))
+
+    def fail(_):
+        raise RuntimeError("device error")
+
+    monkeypatch.setattr(engine_sessions, "all_finite", fail)
+    with pytest.raises(RuntimeError, match="device error"):
+        engine.run_batch(hosted, [AttendCall("mqa", x[:, 2:], session_id=sid) for sid in ids])
+    monkeypatch.undo()
+    for sid in ids:
+        step = engine.run(hosted, AttendCall("mqa", x[:, 2:], session_id=sid))
+        assert step.session.num_tokens == 3
