@@ -140,3 +140,24 @@ async def test_a_cancelled_step_is_not_kept(server):
             await step
         # The next step queues behind the abandoned forward, and sees the session as it was.
         assert (await s.step(np.ones((1, 512), np.float32))).session.num_tokens == 1
+
+
+def test_a_dropped_unclosed_stream_ends_its_request_thread(client):
+    """gRPC reads a sync stream's requests on a thread of its own, which waited forever on a
+    stream that was dropped without close(); now dropping it ends the request stream."""
+    import gc
+    import threading
+    import time
+
+    with client.create_session("gqa") as s:
+        before = threading.active_count()
+        stream = s.stream()
+        stream.step(np.ones((1, 512), np.float32))  # gRPC's threads for it are running now
+        assert threading.active_count() > before
+        del stream
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while threading.active_count() > before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert threading.active_count() <= before
+        assert s.refresh().num_tokens == 1
