@@ -402,10 +402,11 @@ def write_report(results: dict, out: Path) -> None:
             f"Of the recompute for MHA at {longest}, the server's compute took "
             f"{mha['recompute_compute_ms']:.0f} of {mha['recompute_ms']:.0f} ms; the other "
             f"{moving:.0f} ms move the {longest} tokens in and out (wire, decode, encode). A "
-            "faster processor or a GPU shrinks that compute, not the moving nor the cached "
-            "step's fixed cost, so there this ratio falls rather than rises: with its compute "
-            f"free the recompute would still take {moving:.0f} ms, {moving / mha['step_ms']:.0f}x "
-            "the cached step measured here.",
+            "faster processor or a GPU shrinks the compute on both sides, not the moving nor "
+            "the cached step's fixed cost, so there this ratio falls rather than rises: with "
+            f"all compute free it would be {moving:.0f} ms over the "
+            f"{mha['step_ms'] - mha['server_compute_ms']:.1f} ms of a cached step besides its "
+            f"compute, {moving / (mha['step_ms'] - mha['server_compute_ms']):.0f}x.",
             "",
         ]
     lines += [
