@@ -3,6 +3,7 @@
 from mha_serve.engine.engine import Engine, HostedModel, resolve_device, resolve_dtype
 from mha_serve.engine.errors import (
     Abandoned,
+    DeadlinePassed,
     InvalidRequest,
     ModelNotFound,
     RequestError,
@@ -13,6 +14,7 @@ from mha_serve.engine.types import AttendCall, AttendResult, ModelSpec
 __all__ = [
     "Abandoned",
     "AttendCall",
+    "DeadlinePassed",
     "AttendResult",
     "Engine",
     "HostedModel",

@@ -17,8 +17,13 @@ class InvalidRequest(RequestError):
 
 
 class Abandoned(RequestError):
-    """The caller cancelled, or its deadline passed, before its session step was kept: the
-    step was rolled back (CANCELLED; the caller is no longer there to hear it)."""
+    """The caller cancelled before its session step was kept: the step was rolled back
+    (CANCELLED; the caller is no longer there to hear it)."""
+
+
+class DeadlinePassed(Abandoned):
+    """The caller's deadline passed before its session step was kept: rolled back
+    (DEADLINE_EXCEEDED)."""
 
 
 class TooLarge(RequestError):

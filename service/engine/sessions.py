@@ -8,6 +8,7 @@ reservation back, so a session never counts tokens whose K/V were not written.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import TYPE_CHECKING
@@ -22,13 +23,21 @@ from mha_serve.cache import (
     SessionStats,
     SessionTable,
 )
-from mha_serve.engine.errors import Abandoned, InvalidRequest, all_finite, require_finite
+from mha_serve.engine.errors import (
+    Abandoned,
+    DeadlinePassed,
+    InvalidRequest,
+    all_finite,
+    require_finite,
+)
 from mha_serve.engine.types import DTYPES, AttendCall, AttendResult, repeat_heads
 from mha_serve.model import attend_cached
 
 if TYPE_CHECKING:
     from mha_serve.engine.engine import HostedModel
 
+
+log = logging.getLogger(__name__)
 
 # Batches of at least this many sessions, each reading at most this much K/V, run with one
 # torch thread (_one_thread_is_enough).
@@ -191,8 +200,9 @@ class Sessions:
     def _settle(self, out, heads, overflowed, compute_ms: float, calls, live, results) -> None:
         """Keeps (commit) or drops (rollback) each step on its own: one step's failure, its
         caller gone, or its session closing meanwhile, is that step's answer alone. Should
-        settling itself fail, every step not yet settled is rolled back (a pending step left
-        behind would keep its session busy for good)."""
+        settling itself fail, the steps not yet settled are rolled back and answered with
+        that error (a pending step left behind would keep its session busy for good); those
+        already kept keep their answers."""
         settled = 0
         try:
             finite = all_finite(out.output)  # one pass for the batch; per step only if not
@@ -201,13 +211,9 @@ class Sessions:
                 try:
                     if b in overflowed:
                         raise InvalidRequest(_overflow_message(self.caches[call.model].dtype))
-                    if call.abandoned():
-                        raise Abandoned(
-                            "the caller cancelled, or its deadline passed, before the step was "
-                            "kept; nothing of it was kept"
-                        )
                     result = self._result(out, b, r, call, heads, compute_ms, len(live), finite)
-                except Exception as e:  # refused, or a bug: not kept
+                    _raise_if_abandoned(call)  # last, right before commit: the smallest gap
+                except Exception as e:  # refused, caller gone, or a bug: not kept
                     settled = b + 1
                     self.table.rollback(r)
                     results[i] = e
@@ -220,10 +226,15 @@ class Sessions:
                     results[i] = e
                     continue
                 results[i] = result
-        except BaseException:
+        except BaseException as e:
             for _, r in live[settled:]:
                 self.table.rollback(r)
-            raise
+            for i, _ in live:
+                if results[i] is None:  # not settled, or settled when it failed
+                    results[i] = e
+            if not isinstance(e, Exception):
+                raise
+            log.exception("settling a batch of %d session steps failed", len(live))
 
     @staticmethod
     def _result(
@@ -255,6 +266,17 @@ class Sessions:
         )
 
 
+def _raise_if_abandoned(call: AttendCall) -> None:
+    """Its caller stopped waiting (cancelled, or past its deadline): the step is not kept,
+    so that a retry does not find it appended already."""
+    if call.cancelled:
+        raise Abandoned("the caller cancelled before the step was kept; nothing of it was kept")
+    if call.deadline is not None and time.monotonic() > call.deadline:
+        raise DeadlinePassed(
+            "the caller's deadline passed before the step was kept; nothing of it was kept"
+        )
+
+
 def _overflow_message(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     if dtype == torch.float16:
@@ -269,11 +291,13 @@ def _overflow_message(dtype: torch.dtype) -> str:
     )
 
 
-def _sums_finite(*tensors: torch.Tensor) -> bool:
-    """Whether the tensors hold no NaN/Inf: exactly when their float64 sum is finite (finite
-    values of any float dtype cannot sum past float64's range). One reduction each: a
-    per-row check costs 4x as much on every decode step."""
-    return math.isfinite(sum(t.sum(dtype=torch.float64).item() for t in tensors))
+def _sums_finite(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether k and v hold no NaN/Inf: exactly when their float64 sum is finite (finite
+    values of any float dtype cannot sum past float64's range). One reduction each and one
+    sync: a per-row check costs 4x as much on every decode step. (MPS has no float64: a
+    float32 sum that overflows only sends the step to the exact per-row check.)"""
+    acc = torch.float32 if k.device.type == "mps" else torch.float64
+    return math.isfinite((k.sum(dtype=acc) + v.sum(dtype=acc)).item())
 
 
 def _rows_finite(t: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -108,9 +107,6 @@ class AttendCall:
     # caller's thread): a session step whose caller is gone by its end is not kept.
     deadline: float | None = None
     cancelled: bool = False
-
-    def abandoned(self) -> bool:
-        return self.cancelled or (self.deadline is not None and time.monotonic() > self.deadline)
 
     def heads(self, num_heads: int) -> list[int]:
         """Query heads whose weights are returned, in the order asked (None: all)."""

@@ -25,6 +25,7 @@ from mha_serve.cache import (
 )
 from mha_serve.engine import (
     Abandoned,
+    DeadlinePassed,
     Engine,
     HostedModel,
     InvalidRequest,
@@ -48,6 +49,7 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     ModelNotFound: grpc.StatusCode.NOT_FOUND,
+    DeadlinePassed: grpc.StatusCode.DEADLINE_EXCEEDED,
     Abandoned: grpc.StatusCode.CANCELLED,
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     TooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,

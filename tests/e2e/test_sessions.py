@@ -229,21 +229,3 @@ def test_step_replies_carry_the_sessions_limits(stub):
     assert (reply.session.max_len, reply.session.ttl_s) == (40, 25)
     fork = stub.ForkSession(pb.ForkSessionRequest(session_id=sid), timeout=10)
     assert (fork.max_len, fork.ttl_s, fork.num_tokens) == (40, 25, 2)
-
-
-def test_a_step_past_its_deadline_is_not_kept(stub):
-    """The client gave up during the forward: the step is rolled back, so a retry does not
-    find it appended already (its reply never arrived)."""
-    sid = create(stub, "mha")
-    with pytest.raises(grpc.RpcError) as err:  # 2048 tokens: a forward of 100 ms and more
-        stub.Attend(
-            pb.AttendRequest(session_id=sid, input=tensor(np.ones((2048, EMBED), np.float32))),
-            timeout=0.05,
-        )
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    # The next step queues behind the abandoned forward, and sees the session as it was.
-    reply = stub.Attend(
-        pb.AttendRequest(session_id=sid, input=tensor(np.ones((1, EMBED), np.float32))),
-        timeout=30,
-    )
-    assert reply.session.num_tokens == 1

@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 
 from mha_serve.cache import SessionNotFound
 from mha_serve.config import default_models
-from mha_serve.engine import Abandoned, AttendCall, Engine, InvalidRequest, ModelSpec
+from mha_serve.engine import (
+    Abandoned,
+    AttendCall,
+    DeadlinePassed,
+    Engine,
+    InvalidRequest,
+    ModelSpec,
+)
 from mha_serve.engine import sessions as engine_sessions
 from mha_serve.model import AttentionConfig, cached
 
@@ -310,6 +317,7 @@ def test_a_step_whose_caller_is_gone_is_not_kept(engine, gone):
         hosted, [AttendCall("gqa", x[:, 4:5], session_id=kept_id), late]
     )
     assert isinstance(abandoned, Abandoned) and "nothing of it was kept" in str(abandoned)
+    assert isinstance(abandoned, DeadlinePassed) == (gone == "deadline")
     assert engine.sessions.table.session_stats(gone_id).num_tokens == 4
     assert kept.session.num_tokens == 5
     retry = engine.run(hosted, AttendCall("gqa", x[:, 4:5], session_id=gone_id))
@@ -317,22 +325,56 @@ def test_a_step_whose_caller_is_gone_is_not_kept(engine, gone):
     torch.testing.assert_close(retry.output, kept.output, rtol=0, atol=ATOL)  # same tokens
 
 
-def test_a_failure_while_settling_rolls_every_step_back(engine, monkeypatch):
+def test_a_failure_while_settling_rolls_back_only_the_steps_not_kept(engine, monkeypatch):
     """Should settling a batch fail (a bug, or a late device error at the finiteness sync),
-    no step is left pending: its session would answer busy (ABORTED) for good."""
+    no step is left pending (its session would answer busy, ABORTED, for good), the steps
+    not kept answer that error, and a step already kept keeps its answer."""
     hosted = engine.get("mqa")
     ids = [engine.sessions.create("mqa", None, None).id for _ in range(2)]
-    x = seq(3, seed=11)
+    x = seq(4, seed=11)
     for sid in ids:
         engine.run(hosted, AttendCall("mqa", x[:, :2], session_id=sid))
 
     def fail(_):
         raise RuntimeError("device error")
 
-    monkeypatch.setattr(engine_sessions, "all_finite", fail)
-    with pytest.raises(RuntimeError, match="device error"):
-        engine.run_batch(hosted, [AttendCall("mqa", x[:, 2:], session_id=sid) for sid in ids])
+    monkeypatch.setattr(engine_sessions, "all_finite", fail)  # before any step is kept
+    results = engine.run_batch(hosted, [AttendCall("mqa", x[:, 2:3], session_id=s) for s in ids])
+    assert [str(r) for r in results] == ["device error"] * 2
     monkeypatch.undo()
-    for sid in ids:
-        step = engine.run(hosted, AttendCall("mqa", x[:, 2:], session_id=sid))
-        assert step.session.num_tokens == 3
+    stats, table = [], engine.sessions.table
+    real = table.session_stats
+
+    def second_fails(sid):  # after the first step is kept
+        stats.append(sid)
+        if len(stats) == 2:
+            raise RuntimeError("bug")
+        return real(sid)
+
+    monkeypatch.setattr(table, "session_stats", second_fails)
+    first, second = engine.run_batch(
+        hosted, [AttendCall("mqa", x[:, 2:3], session_id=s) for s in ids]
+    )
+    monkeypatch.undo()
+    assert first.session.num_tokens == 3 and str(second) == "bug"
+    for sid in ids:  # neither is left busy
+        step = engine.run(hosted, AttendCall("mqa", x[:, 3:4], session_id=sid))
+        assert step.session.num_tokens == 4
+
+
+def test_a_deadline_passing_while_the_reply_is_built_still_rolls_the_step_back(engine, monkeypatch):
+    """The caller-gone check runs last, after the reply's tensors are made (weights can
+    take milliseconds), right before the step is kept."""
+    hosted = engine.get("gqa")
+    sid = engine.sessions.create("gqa", None, None).id
+    real = engine_sessions.Sessions._result
+
+    def slow(*args):
+        time.sleep(0.05)
+        return real(*args)
+
+    monkeypatch.setattr(engine_sessions.Sessions, "_result", staticmethod(slow))
+    call = AttendCall("gqa", seq(2, seed=12), session_id=sid, deadline=time.monotonic() + 0.02)
+    (result,) = engine.run_batch(hosted, [call])
+    assert isinstance(result, DeadlinePassed)
+    assert engine.sessions.table.session_stats(sid).num_tokens == 0

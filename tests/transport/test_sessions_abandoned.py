@@ -1,0 +1,130 @@
+"""Session steps whose caller goes away while they compute, on a real in-process server.
+
+The lane's batches are held at a gate, so each cancel or deadline lands while its step is
+computing, whatever the machine's speed (a GPU computes these steps in a millisecond)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from mha_client.api import attention_pb2 as pb
+from mha_client.api import attention_pb2_grpc as pb_grpc
+from mha_client.errors import MhaServeError
+from mha_client.sdk import AsyncClient
+from tests.transport.test_sessions_server import EMBED, serving, tokens
+
+
+class Gate:
+    """Holds every batch of the model's fast lane until released; records its calls."""
+
+    def __init__(self, server) -> None:
+        self.lane = server.lanes["tiny"].fast
+        self.run = self.lane._run_batch  # noqa: SLF001
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.calls: list = []
+        self.lane._run_batch = self._gated  # noqa: SLF001
+
+    def _gated(self, calls):
+        self.calls += calls
+        self.entered.set()
+        assert self.release.wait(10)
+        return self.run(calls)
+
+    async def computing(self) -> None:
+        assert await asyncio.to_thread(self.entered.wait, 10)
+
+    def open(self) -> None:
+        self.release.set()
+
+
+@pytest.fixture
+async def gated():
+    server = await serving()
+    gate = Gate(server)
+    try:
+        yield server, gate
+    finally:
+        gate.open()
+        await server.stop()
+
+
+async def num_tokens(stub, sid: str) -> int:
+    return (await stub.GetSession(pb.GetSessionRequest(session_id=sid))).num_tokens
+
+
+async def test_a_step_cancelled_while_computing_is_not_kept(gated):
+    server, gate = gated
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.AttentionServiceStub(channel)
+        sid = (await stub.CreateSession(pb.CreateSessionRequest(model="tiny"))).session_id
+        call = stub.Attend(pb.AttendRequest(session_id=sid, input=tokens(5)))
+        step = asyncio.ensure_future(call)
+        await gate.computing()
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        while not gate.calls[0].cancelled:  # the server has seen the cancel
+            await asyncio.sleep(0.01)
+        gate.open()
+        # The next step queues behind the abandoned one, and sees the session as it was.
+        reply = await stub.Attend(pb.AttendRequest(session_id=sid, input=tokens(1)))
+        assert reply.session.num_tokens == 1
+
+
+async def test_a_step_past_its_deadline_while_computing_is_not_kept(gated):
+    server, gate = gated
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.AttentionServiceStub(channel)
+        sid = (await stub.CreateSession(pb.CreateSessionRequest(model="tiny"))).session_id
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Attend(pb.AttendRequest(session_id=sid, input=tokens(5)), timeout=0.3)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert gate.entered.is_set()  # it was computing when the deadline passed
+        gate.open()
+        reply = await stub.Attend(pb.AttendRequest(session_id=sid, input=tokens(1)))
+        assert reply.session.num_tokens == 1
+
+
+async def test_after_a_cancelled_step_the_sdk_stream_says_it_was_cancelled(gated):
+    """The cancelled step's reply could be read as the next step's: the stream ends."""
+    server, gate = gated
+    x = np.ones((1, EMBED), np.float32)
+    async with (
+        AsyncClient(f"127.0.0.1:{server.port}") as c,
+        await c.create_session("tiny") as s,
+        s.stream() as stream,
+    ):
+        step = asyncio.create_task(stream.step(x))
+        await gate.computing()
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        gate.open()
+        with pytest.raises(MhaServeError) as err:
+            await stream.step(x)
+        assert err.value.code.name == "CANCELLED"
+
+
+async def test_cancelling_an_sdk_stream_close_cancels_the_task(gated):
+    """close() waits for the server to end the stream (here, behind a step held at the
+    gate); cancelling that wait cancels the task: it used to be swallowed."""
+    server, gate = gated
+    async with AsyncClient(f"127.0.0.1:{server.port}") as c, await c.create_session("tiny") as s:
+        stream = s.stream()
+        step = asyncio.create_task(stream.step(np.ones((1, EMBED), np.float32)))
+        await gate.computing()
+        closing = asyncio.create_task(stream.close())
+        await asyncio.sleep(0.05)  # half-closed; the server holds the stream open
+        assert not closing.done()
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        assert closing.cancelled()
+        gate.open()
+        with pytest.raises(MhaServeError):  # the call was cancelled under the step
+            await step
