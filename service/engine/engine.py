@@ -218,7 +218,7 @@ class Engine:
     def run(self, hosted: HostedModel, call: AttendCall) -> AttendResult:
         """The forward pass of a call that `validate` accepted (returning `hosted`)."""
         if call.session_id is not None:
-            (result,) = self.sessions.run_steps(hosted, [call])
+            (result,) = self.sessions.run_steps(hosted, [call], self._check_response_size)
             if isinstance(result, Exception):
                 raise result
             return result
@@ -278,7 +278,7 @@ class Engine:
         the call run alone (tests/engine/test_batching.py).
         """
         if calls[0].session_id is not None:
-            return self.sessions.run_steps(hosted, calls)
+            return self.sessions.run_steps(hosted, calls, self._check_response_size)
         if len(calls) == 1:
             try:
                 return [self.run(hosted, calls[0])]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +28,7 @@ from mha_serve.engine.errors import (
     Abandoned,
     DeadlinePassed,
     InvalidRequest,
+    RequestError,
     all_finite,
     require_finite,
 )
@@ -120,11 +122,17 @@ class Sessions:
         return session
 
     def run_steps(
-        self, hosted: HostedModel, calls: list[AttendCall]
+        self,
+        hosted: HostedModel,
+        calls: list[AttendCall],
+        check_weights: Callable[[HostedModel, AttendCall, int], None] | None = None,
     ) -> list[AttendResult | Exception]:
         """One batched forward for steps of different sessions of one model.
 
         Steps with weights arrive one at a time (their own lane); steps without share a batch.
+        check_weights(hosted, call, num_keys) raises for weights over the limits: validation
+        checked them against the session then, and a step of the same session kept since
+        (queued ahead of this one) makes them larger.
         """
         start = time.perf_counter()
         name = hosted.spec.name
@@ -135,8 +143,15 @@ class Sessions:
         for i, r in enumerate(reserved):
             if isinstance(r, CacheError):
                 results[i] = r
-            else:
-                live.append((i, r))
+                continue
+            if calls[i].need_weights and check_weights is not None:
+                try:
+                    check_weights(hosted, calls[i], r.start + r.num_tokens)
+                except RequestError as e:
+                    self.table.rollback(r)
+                    results[i] = e
+                    continue
+            live.append((i, r))
         if not live:
             return results
         threads = torch.get_num_threads()

@@ -18,6 +18,7 @@ from mha_serve.engine import (
     Engine,
     InvalidRequest,
     ModelSpec,
+    TooLarge,
 )
 from mha_serve.engine import sessions as engine_sessions
 from mha_serve.model import AttentionConfig, cached
@@ -378,3 +379,22 @@ def test_a_deadline_passing_while_the_reply_is_built_still_rolls_the_step_back(e
     (result,) = engine.run_batch(hosted, [call])
     assert isinstance(result, DeadlinePassed)
     assert engine.sessions.table.session_stats(sid).num_tokens == 0
+
+
+def test_weights_are_checked_again_against_the_session_as_it_is_when_the_step_runs():
+    """Validation sized the weights by the session then; a step of the same session kept
+    since (queued ahead) makes them larger: refused then, with nothing kept."""
+    spec = ModelSpec("tiny", AttentionConfig(32, 4, 2), max_weights_bytes=200)
+    engine = Engine(
+        [spec], device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**20
+    )
+    hosted = engine.get("tiny")
+    sid = engine.sessions.create("tiny", None, None).id
+    x = torch.randn(1, 20, 32, generator=torch.Generator().manual_seed(13))
+    engine.run(hosted, AttendCall("tiny", x[:, :8], session_id=sid))
+    late = AttendCall("tiny", x[:, 18:19], session_id=sid, need_weights=True)
+    engine.validate(late)  # 4 heads x 1 row x 9 keys x 4 bytes = 144 <= 200
+    engine.run(hosted, AttendCall("tiny", x[:, 8:18], session_id=sid))  # now 18 tokens
+    with pytest.raises(TooLarge, match="19 keys"):  # 304 bytes
+        engine.run(hosted, late)
+    assert engine.sessions.table.session_stats(sid).num_tokens == 18
