@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mha_client.cli_types import positive_float, positive_int
+from mha_client.cli_types import non_negative_int, positive_float, positive_int
 from mha_client.sdk import Client, SessionInfo
 
 EXIT_OK = 0
@@ -18,7 +18,7 @@ EXIT_OK = 0
 
 def add_session_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     session = sub.add_parser(
-        "session", parents=[common], help="KV-cache sessions: create, step, fork, close"
+        "session", parents=[common], help="KV-cache sessions: create, step, fork, truncate, close"
     )
     ops = session.add_subparsers(dest="session_command", required=True, metavar="OP")
 
@@ -49,6 +49,16 @@ def add_session_commands(sub: argparse._SubParsersAction, common: argparse.Argum
         if name == "fork":
             op.add_argument("--ttl", type=positive_float, help="idle seconds before it expires")
         op.set_defaults(func=func)
+
+    truncate = ops.add_parser(
+        "truncate", parents=[common], help="keep a session's first N tokens, drop the rest"
+    )
+    truncate.add_argument("session_id")
+    truncate.add_argument(
+        "num_tokens", type=non_negative_int, metavar="N", help="tokens kept (0 empties it)"
+    )
+    truncate.add_argument("--json", action="store_true")
+    truncate.set_defaults(func=cmd_truncate)
 
     step = ops.add_parser(
         "step", parents=[common], help="append tokens; they attend to everything cached"
@@ -113,6 +123,11 @@ def cmd_info(client: Client, args: argparse.Namespace) -> int:
 
 def cmd_fork(client: Client, args: argparse.Namespace) -> int:
     _print_info(client.session(args.session_id).fork(ttl_s=args.ttl).info, args.json)
+    return EXIT_OK
+
+
+def cmd_truncate(client: Client, args: argparse.Namespace) -> int:
+    _print_info(client.session(args.session_id).truncate(args.num_tokens), args.json)
     return EXIT_OK
 
 

@@ -40,6 +40,11 @@ def _task_cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
+def _check_keep(num_tokens: int) -> None:
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+
+
 def _step_request(session_id: str, x: np.ndarray, options: dict[str, Any]) -> pb.AttendRequest:
     return build_attend_request("", x, session_id=session_id, **options)
 
@@ -86,6 +91,15 @@ class Session:
         req = pb.ForkSessionRequest(session_id=self.id, ttl_s=ttl_s or 0.0)
         info = self._client._call(self._client._stub.ForkSession, req, timeout)
         return Session(self._client, SessionInfo.from_proto(info))
+
+    def truncate(self, num_tokens: int, *, timeout: float | None = None) -> SessionInfo:
+        """Keep the first num_tokens tokens and drop the rest (e.g. rejected draft tokens)."""
+        _check_keep(num_tokens)
+        req = pb.TruncateSessionRequest(session_id=self.id, num_tokens=num_tokens)
+        self.info = SessionInfo.from_proto(
+            self._client._call(self._client._stub.TruncateSession, req, timeout)
+        )
+        return self.info
 
     def close(self, *, timeout: float | None = None) -> None:
         """Frees the session's cache at once; closing a session that is already gone is a no-op."""
@@ -188,6 +202,14 @@ class AsyncSession:
         req = pb.ForkSessionRequest(session_id=self.id, ttl_s=ttl_s or 0.0)
         info = await self._client._call(self._client._stub.ForkSession, req, timeout)
         return AsyncSession(self._client, SessionInfo.from_proto(info))
+
+    async def truncate(self, num_tokens: int, *, timeout: float | None = None) -> SessionInfo:
+        _check_keep(num_tokens)
+        req = pb.TruncateSessionRequest(session_id=self.id, num_tokens=num_tokens)
+        self.info = SessionInfo.from_proto(
+            await self._client._call(self._client._stub.TruncateSession, req, timeout)
+        )
+        return self.info
 
     async def close(self, *, timeout: float | None = None) -> None:
         try:

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16mha/v1/attention.proto\x12\x06mha.v1\"C\n\x06Tensor\x12\x1c\n\x05\x64type\x18\x01 \x01(\x0e\x32\r.mha.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"v\n\x0eWeightsRequest\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\r\n\x05heads\x18\x02 \x03(\x05\x12\x13\n\x0bquery_start\x18\x03 \x01(\x05\x12\x11\n\tquery_end\x18\x04 \x01(\x05\x12\x1c\n\x05\x64type\x18\x05 \x01(\x0e\x32\r.mha.v1.DType\"\xe3\x01\n\rAttendRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1d\n\x05input\x18\x02 \x01(\x0b\x32\x0e.mha.v1.Tensor\x12\x0f\n\x07lengths\x18\x03 \x03(\x05\x12\x13\n\x06\x63\x61usal\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\'\n\x07weights\x18\x05 \x01(\x0b\x32\x16.mha.v1.WeightsRequest\x12\x11\n\thead_mask\x18\x06 \x03(\x02\x12#\n\x0coutput_dtype\x18\x07 \x01(\x0e\x32\r.mha.v1.DType\x12\x12\n\nsession_id\x18\x08 \x01(\tB\t\n\x07_causal\"T\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\x12\x12\n\nbatch_size\x18\x04 \x01(\x05\"\xe2\x01\n\x0e\x41ttendResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1e\n\x06output\x18\x02 \x01(\x0b\x32\x0e.mha.v1.Tensor\x12)\n\x11\x61ttention_weights\x18\x03 \x01(\x0b\x32\x0e.mha.v1.Tensor\x12\x14\n\x0cweight_heads\x18\x04 \x03(\x05\x12\x1a\n\x12weight_query_start\x18\x05 \x01(\x05\x12\x1e\n\x06timing\x18\x06 \x01(\x0b\x32\x0e.mha.v1.Timing\x12$\n\x07session\x18\x07 \x01(\x0b\x32\x13.mha.v1.SessionInfo\"E\n\x14\x43reateSessionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07max_len\x18\x02 \x01(\x05\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"7\n\x12\x46orkSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"\x8c\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07max_len\x18\x04 \x01(\x05\x12\r\n\x05ttl_s\x18\x05 \x01(\x01\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x12\n\nbytes_held\x18\x07 \x01(\x03\"\x13\n\x11ListModelsRequest\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.mha.v1.ModelInfo\"#\n\x13GetModelInfoRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x8c\x01\n\x0bModelLimits\x12\x13\n\x0bmax_seq_len\x18\x01 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\x05\x12\x19\n\x11max_weights_bytes\x18\x03 \x01(\x03\x12\x19\n\x11max_request_bytes\x18\x04 \x01(\x03\x12\x1a\n\x12max_response_bytes\x18\x05 \x01(\x03\"\xc1\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x07variant\x18\x02 \x01(\x0e\x32\x0f.mha.v1.Variant\x12\x11\n\tembed_dim\x18\x03 \x01(\x05\x12\x11\n\tnum_heads\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x0c\n\x04\x62ias\x18\x07 \x01(\x08\x12\x16\n\x0e\x63\x61usal_default\x18\x08 \x01(\x08\x12\x1c\n\x05\x64type\x18\t \x01(\x0e\x32\r.mha.v1.DType\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12#\n\x06limits\x18\x0b \x01(\x0b\x32\x13.mha.v1.ModelLimits\x12\x16\n\x0enum_parameters\x18\x0c \x01(\x03\x12%\n\x08kv_cache\x18\r \x01(\x0b\x32\x13.mha.v1.KVCacheInfo\"\xce\x01\n\x0bKVCacheInfo\x12\x14\n\x0c\x62udget_bytes\x18\x01 \x01(\x03\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x17\n\x0f\x62ytes_per_token\x18\x03 \x01(\x03\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x17\n\x0fnum_blocks_used\x18\x05 \x01(\x05\x12\x14\n\x0cnum_sessions\x18\x06 \x01(\x05\x12\x1b\n\x13\x65vict_idle_sessions\x18\x07 \x01(\x08\x12\x1c\n\x05\x64type\x18\x08 \x01(\x0e\x32\r.mha.v1.DType*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03*U\n\x07Variant\x12\x17\n\x13VARIANT_UNSPECIFIED\x10\x00\x12\x0f\n\x0bVARIANT_MHA\x10\x01\x12\x0f\n\x0bVARIANT_GQA\x10\x02\x12\x0f\n\x0bVARIANT_MQA\x10\x03\x32\xa1\x04\n\x10\x41ttentionService\x12\x37\n\x06\x41ttend\x12\x15.mha.v1.AttendRequest\x1a\x16.mha.v1.AttendResponse\x12\x42\n\rStreamSession\x12\x15.mha.v1.AttendRequest\x1a\x16.mha.v1.AttendResponse(\x01\x30\x01\x12\x42\n\rCreateSession\x12\x1c.mha.v1.CreateSessionRequest\x1a\x13.mha.v1.SessionInfo\x12<\n\nGetSession\x12\x19.mha.v1.GetSessionRequest\x1a\x13.mha.v1.SessionInfo\x12>\n\x0b\x46orkSession\x12\x1a.mha.v1.ForkSessionRequest\x1a\x13.mha.v1.SessionInfo\x12I\n\x0c\x43loseSession\x12\x1b.mha.v1.CloseSessionRequest\x1a\x1c.mha.v1.CloseSessionResponse\x12\x43\n\nListModels\x12\x19.mha.v1.ListModelsRequest\x1a\x1a.mha.v1.ListModelsResponse\x12>\n\x0cGetModelInfo\x12\x1b.mha.v1.GetModelInfoRequest\x1a\x11.mha.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16mha/v1/attention.proto\x12\x06mha.v1\"C\n\x06Tensor\x12\x1c\n\x05\x64type\x18\x01 \x01(\x0e\x32\r.mha.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"v\n\x0eWeightsRequest\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\r\n\x05heads\x18\x02 \x03(\x05\x12\x13\n\x0bquery_start\x18\x03 \x01(\x05\x12\x11\n\tquery_end\x18\x04 \x01(\x05\x12\x1c\n\x05\x64type\x18\x05 \x01(\x0e\x32\r.mha.v1.DType\"\xe3\x01\n\rAttendRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1d\n\x05input\x18\x02 \x01(\x0b\x32\x0e.mha.v1.Tensor\x12\x0f\n\x07lengths\x18\x03 \x03(\x05\x12\x13\n\x06\x63\x61usal\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\'\n\x07weights\x18\x05 \x01(\x0b\x32\x16.mha.v1.WeightsRequest\x12\x11\n\thead_mask\x18\x06 \x03(\x02\x12#\n\x0coutput_dtype\x18\x07 \x01(\x0e\x32\r.mha.v1.DType\x12\x12\n\nsession_id\x18\x08 \x01(\tB\t\n\x07_causal\"T\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\x12\x12\n\nbatch_size\x18\x04 \x01(\x05\"\xe2\x01\n\x0e\x41ttendResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1e\n\x06output\x18\x02 \x01(\x0b\x32\x0e.mha.v1.Tensor\x12)\n\x11\x61ttention_weights\x18\x03 \x01(\x0b\x32\x0e.mha.v1.Tensor\x12\x14\n\x0cweight_heads\x18\x04 \x03(\x05\x12\x1a\n\x12weight_query_start\x18\x05 \x01(\x05\x12\x1e\n\x06timing\x18\x06 \x01(\x0b\x32\x0e.mha.v1.Timing\x12$\n\x07session\x18\x07 \x01(\x0b\x32\x13.mha.v1.SessionInfo\"E\n\x14\x43reateSessionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07max_len\x18\x02 \x01(\x05\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"7\n\x12\x46orkSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"@\n\x16TruncateSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"\x8c\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07max_len\x18\x04 \x01(\x05\x12\r\n\x05ttl_s\x18\x05 \x01(\x01\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x12\n\nbytes_held\x18\x07 \x01(\x03\"\x13\n\x11ListModelsRequest\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.mha.v1.ModelInfo\"#\n\x13GetModelInfoRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x8c\x01\n\x0bModelLimits\x12\x13\n\x0bmax_seq_len\x18\x01 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\x05\x12\x19\n\x11max_weights_bytes\x18\x03 \x01(\x03\x12\x19\n\x11max_request_bytes\x18\x04 \x01(\x03\x12\x1a\n\x12max_response_bytes\x18\x05 \x01(\x03\"\xc1\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x07variant\x18\x02 \x01(\x0e\x32\x0f.mha.v1.Variant\x12\x11\n\tembed_dim\x18\x03 \x01(\x05\x12\x11\n\tnum_heads\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x0c\n\x04\x62ias\x18\x07 \x01(\x08\x12\x16\n\x0e\x63\x61usal_default\x18\x08 \x01(\x08\x12\x1c\n\x05\x64type\x18\t \x01(\x0e\x32\r.mha.v1.DType\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12#\n\x06limits\x18\x0b \x01(\x0b\x32\x13.mha.v1.ModelLimits\x12\x16\n\x0enum_parameters\x18\x0c \x01(\x03\x12%\n\x08kv_cache\x18\r \x01(\x0b\x32\x13.mha.v1.KVCacheInfo\"\xce\x01\n\x0bKVCacheInfo\x12\x14\n\x0c\x62udget_bytes\x18\x01 \x01(\x03\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x17\n\x0f\x62ytes_per_token\x18\x03 \x01(\x03\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x17\n\x0fnum_blocks_used\x18\x05 \x01(\x05\x12\x14\n\x0cnum_sessions\x18\x06 \x01(\x05\x12\x1b\n\x13\x65vict_idle_sessions\x18\x07 \x01(\x08\x12\x1c\n\x05\x64type\x18\x08 \x01(\x0e\x32\r.mha.v1.DType*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03*U\n\x07Variant\x12\x17\n\x13VARIANT_UNSPECIFIED\x10\x00\x12\x0f\n\x0bVARIANT_MHA\x10\x01\x12\x0f\n\x0bVARIANT_GQA\x10\x02\x12\x0f\n\x0bVARIANT_MQA\x10\x03\x32\xe9\x04\n\x10\x41ttentionService\x12\x37\n\x06\x41ttend\x12\x15.mha.v1.AttendRequest\x1a\x16.mha.v1.AttendResponse\x12\x42\n\rStreamSession\x12\x15.mha.v1.AttendRequest\x1a\x16.mha.v1.AttendResponse(\x01\x30\x01\x12\x42\n\rCreateSession\x12\x1c.mha.v1.CreateSessionRequest\x1a\x13.mha.v1.SessionInfo\x12<\n\nGetSession\x12\x19.mha.v1.GetSessionRequest\x1a\x13.mha.v1.SessionInfo\x12>\n\x0b\x46orkSession\x12\x1a.mha.v1.ForkSessionRequest\x1a\x13.mha.v1.SessionInfo\x12\x46\n\x0fTruncateSession\x12\x1e.mha.v1.TruncateSessionRequest\x1a\x13.mha.v1.SessionInfo\x12I\n\x0c\x43loseSession\x12\x1b.mha.v1.CloseSessionRequest\x1a\x1c.mha.v1.CloseSessionResponse\x12\x43\n\nListModels\x12\x19.mha.v1.ListModelsRequest\x1a\x1a.mha.v1.ListModelsResponse\x12>\n\x0cGetModelInfo\x12\x1b.mha.v1.GetModelInfoRequest\x1a\x11.mha.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mha.v1.attention_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1938
-  _globals['_DTYPE']._serialized_end=2026
-  _globals['_VARIANT']._serialized_start=2028
-  _globals['_VARIANT']._serialized_end=2113
+  _globals['_DTYPE']._serialized_start=2004
+  _globals['_DTYPE']._serialized_end=2092
+  _globals['_VARIANT']._serialized_start=2094
+  _globals['_VARIANT']._serialized_end=2179
   _globals['_TENSOR']._serialized_start=34
   _globals['_TENSOR']._serialized_end=101
   _globals['_WEIGHTSREQUEST']._serialized_start=103
@@ -51,24 +51,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSESSIONREQUEST']._serialized_end=878
   _globals['_FORKSESSIONREQUEST']._serialized_start=880
   _globals['_FORKSESSIONREQUEST']._serialized_end=935
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=937
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=978
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=980
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1002
-  _globals['_SESSIONINFO']._serialized_start=1005
-  _globals['_SESSIONINFO']._serialized_end=1145
-  _globals['_LISTMODELSREQUEST']._serialized_start=1147
-  _globals['_LISTMODELSREQUEST']._serialized_end=1166
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1168
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1223
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1225
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1260
-  _globals['_MODELLIMITS']._serialized_start=1263
-  _globals['_MODELLIMITS']._serialized_end=1403
-  _globals['_MODELINFO']._serialized_start=1406
-  _globals['_MODELINFO']._serialized_end=1727
-  _globals['_KVCACHEINFO']._serialized_start=1730
-  _globals['_KVCACHEINFO']._serialized_end=1936
-  _globals['_ATTENTIONSERVICE']._serialized_start=2116
-  _globals['_ATTENTIONSERVICE']._serialized_end=2661
+  _globals['_TRUNCATESESSIONREQUEST']._serialized_start=937
+  _globals['_TRUNCATESESSIONREQUEST']._serialized_end=1001
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1003
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1044
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1046
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1068
+  _globals['_SESSIONINFO']._serialized_start=1071
+  _globals['_SESSIONINFO']._serialized_end=1211
+  _globals['_LISTMODELSREQUEST']._serialized_start=1213
+  _globals['_LISTMODELSREQUEST']._serialized_end=1232
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1234
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1289
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1291
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1326
+  _globals['_MODELLIMITS']._serialized_start=1329
+  _globals['_MODELLIMITS']._serialized_end=1469
+  _globals['_MODELINFO']._serialized_start=1472
+  _globals['_MODELINFO']._serialized_end=1793
+  _globals['_KVCACHEINFO']._serialized_start=1796
+  _globals['_KVCACHEINFO']._serialized_end=2002
+  _globals['_ATTENTIONSERVICE']._serialized_start=2182
+  _globals['_ATTENTIONSERVICE']._serialized_end=2799
 # @@protoc_insertion_point(module_scope)

@@ -59,6 +59,11 @@ class AttentionServiceStub:
                 request_serializer=mha_dot_v1_dot_attention__pb2.ForkSessionRequest.SerializeToString,
                 response_deserializer=mha_dot_v1_dot_attention__pb2.SessionInfo.FromString,
                 _registered_method=True)
+        self.TruncateSession = channel.unary_unary(
+                '/mha.v1.AttentionService/TruncateSession',
+                request_serializer=mha_dot_v1_dot_attention__pb2.TruncateSessionRequest.SerializeToString,
+                response_deserializer=mha_dot_v1_dot_attention__pb2.SessionInfo.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/mha.v1.AttentionService/CloseSession',
                 request_serializer=mha_dot_v1_dot_attention__pb2.CloseSessionRequest.SerializeToString,
@@ -117,6 +122,14 @@ class AttentionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TruncateSession(self, request, context):
+        """Keeps a session's first num_tokens tokens and drops the rest (a rewind:
+        e.g. draft tokens a verifier rejected); forks keep their own tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -163,6 +176,11 @@ def add_AttentionServiceServicer_to_server(servicer, server):
             'ForkSession': grpc.unary_unary_rpc_method_handler(
                     servicer.ForkSession,
                     request_deserializer=mha_dot_v1_dot_attention__pb2.ForkSessionRequest.FromString,
+                    response_serializer=mha_dot_v1_dot_attention__pb2.SessionInfo.SerializeToString,
+            ),
+            'TruncateSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.TruncateSession,
+                    request_deserializer=mha_dot_v1_dot_attention__pb2.TruncateSessionRequest.FromString,
                     response_serializer=mha_dot_v1_dot_attention__pb2.SessionInfo.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
@@ -315,6 +333,33 @@ class AttentionService:
             target,
             '/mha.v1.AttentionService/ForkSession',
             mha_dot_v1_dot_attention__pb2.ForkSessionRequest.SerializeToString,
+            mha_dot_v1_dot_attention__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TruncateSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mha.v1.AttentionService/TruncateSession',
+            mha_dot_v1_dot_attention__pb2.TruncateSessionRequest.SerializeToString,
             mha_dot_v1_dot_attention__pb2.SessionInfo.FromString,
             options,
             channel_credentials,

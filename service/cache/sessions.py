@@ -113,6 +113,33 @@ class SessionTable:
             self._sessions[child.id] = child
             return child
 
+    def truncate(self, session_id: str, num_tokens: int) -> Session:
+        """Keeps the session's first num_tokens tokens (a rewind) and frees the blocks past
+        them at once; a fork sharing them keeps its own. A kept partial last block that a
+        fork shares is copied before the next append writes into it, as after a fork."""
+        with self._lock:
+            s = self._lookup(session_id, self._clock())
+            n = num_tokens
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise InvalidSessionArgument(f"num_tokens must be an int >= 0, got {n!r}")
+            if n > s.num_tokens:
+                raise InvalidSessionArgument(
+                    f"session {session_id!r} holds {s.num_tokens} tokens: it cannot be "
+                    f"truncated to {n}"
+                )
+            if s.pending is not None:
+                raise SessionBusy(
+                    f"session {session_id!r} has a step of {s.pending.num_tokens} token(s) in "
+                    "flight; truncate it once the step is answered"
+                )
+            m = self._models[s.model]
+            keep = _cdiv(n, m.storage.block_size)
+            m.pool.decref(s.block_table[keep:])
+            del s.block_table[keep:]
+            s.num_tokens = n
+            s.last_used_s = self._clock()
+            return s
+
     def close(self, session_id: str) -> None:
         """Frees the session's blocks at once (at its last unpin if a step is in flight)."""
         with self._lock:

@@ -232,6 +232,16 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
 
         return await self._answer("ForkSession", "", context, _sync(handle))
 
+    async def TruncateSession(
+        self, request: pb.TruncateSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SessionInfo:
+        def handle() -> pb.SessionInfo:
+            table = self.engine.sessions.table
+            session = table.truncate(_session_id(request), request.num_tokens)
+            return session_info(table.session_stats(session.id))
+
+        return await self._answer("TruncateSession", "", context, _sync(handle))
+
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.CloseSessionResponse:

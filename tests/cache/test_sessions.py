@@ -379,3 +379,44 @@ def test_a_step_past_all_the_cache_could_hold_is_out_of_range_not_exhausted():
     with pytest.raises(SessionFull, match="KV cache holds: 4 blocks of 4 tokens"):
         table.reserve(s.id, 14)  # 17 tokens: 5 blocks of the 4 there are
     assert table.get(s.id).num_tokens == 3 and table.pool("m").num_used == 1
+
+
+def test_truncate_keeps_the_first_tokens_and_frees_the_blocks_past_them():
+    table, _ = make(8)
+    s = table.create("m")
+    append(table, s.id, 10)  # 3 blocks of 4
+    assert table.truncate(s.id, 5).num_tokens == 5
+    assert table.get(s.id).num_blocks == 2 and table.pool("m").num_used == 2
+    res = table.reserve(s.id, 2)  # positions 5, 6: in the kept partial block, no copy
+    assert res.start == 5 and res.num_new_blocks == 0
+    table.commit(res)
+    assert table.truncate(s.id, 0).num_tokens == 0 and table.pool("m").num_used == 0
+    table.close(s.id)
+    assert_all_free(table)
+
+
+def test_truncate_refuses_bad_counts_and_a_session_with_a_step_in_flight():
+    table, _ = make(8)
+    s = table.create("m")
+    append(table, s.id, 3)
+    for bad, fragment in ((4, "holds 3 tokens: it cannot be truncated to 4"), (-1, ">= 0")):
+        with pytest.raises(InvalidSessionArgument, match=fragment):
+            table.truncate(s.id, bad)
+    res = table.reserve(s.id, 1)
+    with pytest.raises(SessionBusy, match="in flight"):
+        table.truncate(s.id, 1)
+    table.commit(res)
+    assert table.get(s.id).num_tokens == 4
+
+
+def test_truncating_into_a_block_a_fork_shares_copies_it_before_the_next_append():
+    table, _ = make(8)
+    parent = table.create("m")
+    append(table, parent.id, 7)  # blocks: full, partial (3 of 4)
+    child = table.fork(parent.id)
+    table.truncate(parent.id, 5)  # keeps both blocks, still shared with the fork
+    shared = table.get(parent.id).block_table[1]
+    res = table.reserve(parent.id, 1)  # writes position 5: into a private copy
+    assert res.block_table[1] != shared and table.get(child.id).block_table[1] == shared
+    table.commit(res)
+    assert table.get(child.id).num_tokens == 7

@@ -174,6 +174,9 @@ def test_cli_sessions_and_decode(server, tmp_path):
     assert np.load(tmp_path / "step.npz")["output"].shape == (5, 512)
     fork = cli("session", "fork", sid, "--json", target=server.target)
     assert json.loads(fork.stdout)["num_tokens"] == 8
+    cut = cli("session", "truncate", sid, "6", "--json", target=server.target)
+    assert cut.returncode == 0, cut.stderr
+    assert json.loads(cut.stdout)["num_tokens"] == 6
     assert cli("session", "close", sid, target=server.target).returncode == 0
     gone = cli("session", "info", sid, target=server.target)
     assert gone.returncode == 1 and "NOT_FOUND" in gone.stderr and "closed" in gone.stderr

@@ -113,3 +113,19 @@ def test_a_dropped_unclosed_stream_ends_its_request_thread(client):
             time.sleep(0.01)
         assert threading.active_count() <= before
         assert s.refresh().num_tokens == 1
+
+
+def test_truncate_rewinds_a_session_from_the_sdk(client):
+    x = np.random.default_rng(16).standard_normal((12, 512), dtype=np.float32)
+    draft = np.random.default_rng(17).standard_normal((4, 512), dtype=np.float32)
+    with client.create_session("gqa") as s:
+        s.step(x[:8])
+        s.step(draft)  # a verifier accepts the first draft token only
+        info = s.truncate(9)
+        assert info.num_tokens == 9 and s.info.num_tokens == 9 and info.num_blocks == 1
+        got = s.step(x[9:12]).output
+        with pytest.raises(MhaServeError) as err:
+            s.truncate(13)
+        assert err.value.code.name == "INVALID_ARGUMENT" and "holds 12 tokens" in err.value.details
+    ref = client.attend("gqa", np.concatenate([x[:8], draft[:1], x[9:12]]), causal=True).output
+    np.testing.assert_allclose(got, ref[9:], atol=ATOL)

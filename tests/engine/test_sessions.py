@@ -398,3 +398,28 @@ def test_weights_are_checked_again_against_the_session_as_it_is_when_the_step_ru
     with pytest.raises(TooLarge, match="19 keys"):  # 304 bytes
         engine.run(hosted, late)
     assert engine.sessions.table.session_stats(sid).num_tokens == 18
+
+
+@pytest.mark.parametrize("name", ["mha", "gqa", "mqa"])
+def test_a_truncated_session_equals_a_recompute_of_what_it_kept(engine, name):
+    """Speculative decoding: 6 draft tokens appended, 2 accepted, the rest rolled back by
+    truncate; the next tokens attend only to what was kept. A fork taken before the rewind
+    keeps all of its tokens (the shared partial block is copied before the next write)."""
+    hosted = engine.get(name)
+    x = seq(30, seed=14)
+    draft = seq(6, seed=15)
+    sid = engine.sessions.create(name, None, None).id
+    engine.run(hosted, AttendCall(name, x[:, :18], session_id=sid))
+    engine.run(hosted, AttendCall(name, draft, session_id=sid))  # 24 tokens
+    fork = engine.sessions.table.fork(sid).id
+    engine.sessions.table.truncate(sid, 20)  # keeps 18 + the first 2 draft tokens
+    kept = torch.cat([x[:, :18], draft[:, :2]], dim=1)
+    step = engine.run(hosted, AttendCall(name, x[:, 20:30], session_id=sid))
+    ref = engine.run(hosted, AttendCall(name, torch.cat([kept, x[:, 20:30]], 1), causal=True))
+    assert (step.output - ref.output[:, 20:]).abs().max() < ATOL
+    assert step.session.num_tokens == 30
+    forked = engine.run(hosted, AttendCall(name, x[:, 29:30], session_id=fork))
+    ref = engine.run(
+        hosted, AttendCall(name, torch.cat([x[:, :18], draft, x[:, 29:30]], 1), causal=True)
+    )
+    assert (forked.output - ref.output[:, 24:]).abs().max() < ATOL
