@@ -370,12 +370,13 @@ def test_a_deadline_passing_while_the_reply_is_built_still_rolls_the_step_back(e
     sid = engine.sessions.create("gqa", None, None).id
     real = engine_sessions.Sessions._result
 
-    def slow(*args):
+    def slow(*args):  # _result(out, b, reservation, call, ...): the deadline passes in it
+        args[3].deadline = time.monotonic() + 0.01
         time.sleep(0.05)
         return real(*args)
 
     monkeypatch.setattr(engine_sessions.Sessions, "_result", staticmethod(slow))
-    call = AttendCall("gqa", seq(2, seed=12), session_id=sid, deadline=time.monotonic() + 0.02)
+    call = AttendCall("gqa", seq(2, seed=12), session_id=sid)
     (result,) = engine.run_batch(hosted, [call])
     assert isinstance(result, DeadlinePassed)
     assert engine.sessions.table.session_stats(sid).num_tokens == 0
