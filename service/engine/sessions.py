@@ -21,7 +21,6 @@ from mha_serve.cache import (
     KVCache,
     Reservation,
     Session,
-    SessionStats,
     SessionTable,
 )
 from mha_serve.engine.errors import (
@@ -95,9 +94,6 @@ class Sessions:
     def create(self, model: str, max_len: int | None, ttl_s: float | None) -> Session:
         self.cache(model)
         return self.table.create(model, max_len=max_len, ttl_s=ttl_s)
-
-    def stats(self, session_id: str) -> SessionStats:
-        return self.table.session_stats(session_id)
 
     def validate_step(self, hosted: HostedModel, call: AttendCall) -> Session:
         """Session-specific checks, before the step queues (the table re-checks at reserve)."""

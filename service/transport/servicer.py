@@ -218,7 +218,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionInfo:
         def handle() -> pb.SessionInfo:
-            return session_info(self.engine.sessions.stats(_session_id(request)))
+            return session_info(self.engine.sessions.table.session_stats(_session_id(request)))
 
         return await self._answer("GetSession", "", context, _sync(handle))
 

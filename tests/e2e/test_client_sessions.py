@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -97,10 +101,6 @@ async def test_async_stream_after_an_error_raises_that_error(server):
 def test_a_dropped_unclosed_stream_ends_its_request_thread(client):
     """gRPC reads a sync stream's requests on a thread of its own, which waited forever on a
     stream that was dropped without close(); now dropping it ends the request stream."""
-    import gc
-    import threading
-    import time
-
     with client.create_session("gqa") as s:
         before = threading.active_count()
         stream = s.stream()
