@@ -396,6 +396,17 @@ def write_report(results: dict, out: Path) -> None:
         "(fixed cost + attention), and MHA, which reads the most K/V, sits closest to 100x.",
         "",
     ]
+    if alone:
+        fixed = floor["step_ms"] - floor["server_compute_ms"]
+        best = fixed + alone["compute_ms"]
+        lines += [
+            f"A ceiling for MHA at {longest} on this machine, from this run's own figures: a "
+            f"step that paid only the fastest step's {fixed:.2f} ms besides compute "
+            f"({floor['model']} at {floor['context']}, above) plus the {alone['compute_ms']:.2f} ms its attention "
+            f"takes back to back in one process would take {best:.2f} ms: "
+            f"{mha['recompute_ms'] / best:.0f}x the recompute's {mha['recompute_ms']:.0f} ms.",
+            "",
+        ]
     if "recompute_compute_ms" in mha:
         moving = mha["recompute_ms"] - mha["recompute_compute_ms"]
         lines += [
