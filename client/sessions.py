@@ -43,6 +43,10 @@ def _task_cancelling() -> bool:
 def _check_keep(num_tokens: int) -> None:
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
         raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+    if num_tokens >= 2**64:  # TruncateSessionRequest.num_tokens is a uint64
+        raise ValueError(
+            f"num_tokens {num_tokens} is past any session's length (the request holds < 2**64)"
+        )
 
 
 def _step_request(session_id: str, x: np.ndarray, options: dict[str, Any]) -> pb.AttendRequest:

@@ -43,8 +43,12 @@ class SessionTable:
         default_ttl_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_remembered: int = DEFAULT_MAX_REMEMBERED,
+        on_end: Callable[[str], None] | None = None,
     ) -> None:
         self.evict = evict
+        # Called (under the table's lock) with the reason each time a session ends: "closed",
+        # "expired" (by the sweeper, a lookup or making room) or "evicted".
+        self.on_end = on_end
         self.default_ttl_s = _check_ttl(default_ttl_s)
         self._clock = clock
         self._max_remembered = max_remembered
@@ -210,8 +214,13 @@ class SessionTable:
             tail = s.block_table[: len(s.block_table) - cow]
             ids = pool.allocate(num_new_blocks + cow, after=tail[-1] if tail else None)
             if cow:  # the other holder must never see this write
-                shared, private = s.block_table[-1], ids.pop(0)
-                m.storage.copy_block(shared, private)
+                shared, private = s.block_table[-1], ids[0]
+                try:
+                    m.storage.copy_block(shared, private)
+                except BaseException:  # (a device error): the new blocks are nobody's
+                    pool.decref(ids)
+                    raise
+                ids.pop(0)
                 s.block_table[-1] = private
                 pool.decref([shared])
             s.block_table.extend(ids)
@@ -227,20 +236,28 @@ class SessionTable:
     def reserve_many(self, requests: Sequence[tuple[str, int]]) -> list[Reservation | CacheError]:
         """reserve() for each (session_id, num_new_tokens) of one batch, with all of the
         batch's sessions pinned first so that making room for one never evicts another.
-        Returns a Reservation or the CacheError for each, in order."""
+        Returns a Reservation or the CacheError for each, in order. Any other error (a
+        device error copying a block) rolls back the batch's reservations and is raised."""
         with self._lock:
             pinned = []
-            for session_id, _ in requests:
-                with contextlib.suppress(CacheError):  # reserve() raises it again, in place
-                    pinned.append(self.pin(session_id))
             results: list[Reservation | CacheError] = []
-            for session_id, n in requests:
-                try:
-                    results.append(self.reserve(session_id, n))
-                except CacheError as e:
-                    results.append(e)
-            for s in pinned:
-                self._unpin(s)
+            try:
+                for session_id, _ in requests:
+                    with contextlib.suppress(CacheError):  # reserve() raises it again, in place
+                        pinned.append(self.pin(session_id))
+                for session_id, n in requests:
+                    try:
+                        results.append(self.reserve(session_id, n))
+                    except CacheError as e:
+                        results.append(e)
+            except BaseException:
+                for r in results:
+                    if isinstance(r, Reservation):
+                        self.rollback(r)
+                raise
+            finally:
+                for s in pinned:
+                    self._unpin(s)
             return results
 
     def commit(self, res: Reservation) -> Session:
@@ -313,6 +330,8 @@ class SessionTable:
 
     def _drop(self, s: Session, reason: str, message: str) -> None:
         del self._sessions[s.id]
+        if self.on_end is not None:
+            self.on_end(reason)
         self._gone[s.id] = (reason, message)
         while len(self._gone) > self._max_remembered:
             self._gone.popitem(last=False)
@@ -325,7 +344,12 @@ class SessionTable:
         if s.in_use < 1:
             raise ValueError(f"unpin of session {s.id!r}, which is not pinned")
         s.in_use -= 1
-        if s.in_use == 0 and self._zombies.pop(s.id, None) is not None:
+        if s.in_use:
+            return
+        # Idle from now: a step that ran long (then kept or rolled back) is no idle time
+        # towards the TTL; a retry after its error finds the session.
+        s.last_used_s = self._clock()
+        if self._zombies.pop(s.id, None) is not None:
             self._release(s)
 
     def _release(self, s: Session) -> None:
@@ -367,7 +391,7 @@ class SessionTable:
                         f"{s.num_tokens} tokens); create a new session",
                     )
                 return
-        needed = new_blocks + (shared_last is not None)
+        needed = new_blocks + (shared_last is not None and pool.refcount(shared_last) > 1)
         hint = (
             "eviction cannot free enough: the rest is held by sessions with a step in flight "
             "or by this session"

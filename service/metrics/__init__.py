@@ -91,8 +91,22 @@ KV_CACHE_BYTES_USED = Gauge(
 )
 SESSIONS = Gauge("mha_serve_sessions", "Open KV-cache sessions per model.", ["model"])
 SESSIONS_ENDED = Counter(
-    "mha_serve_sessions_ended_total", "Sessions that ended other than by close.", ["reason"]
+    "mha_serve_sessions_ended_total",
+    "Sessions that ended, by reason: closed, expired (idle past their TTL) or evicted.",
+    ["reason"],
 )
+for _reason in ("closed", "expired", "evicted"):  # exported at 0 before the first
+    SESSIONS_ENDED.labels(_reason)
+
+
+@functools.cache
+def _ended(reason: str):
+    return SESSIONS_ENDED.labels(reason)
+
+
+def count_session_end(reason: str) -> None:
+    """SessionTable.on_end: runs under the table's lock, so it only counts."""
+    _ended(reason).inc()
 
 
 def watch_kv_cache(model: str, cache, sessions) -> None:

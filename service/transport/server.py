@@ -90,6 +90,7 @@ class Server:
         self.servicer.attach(engine, self.lanes)
         for name, cache in engine.sessions.caches.items():
             metrics.watch_kv_cache(name, cache, engine.sessions)
+        engine.sessions.table.on_end = metrics.count_session_end
         self._sweeper = asyncio.create_task(self._expire_sessions(engine), name="session-expiry")
         # Everything loaded so far lives as long as the process: out of the collector's
         # sight, a full collection no longer walks torch's and grpc's objects (one took
@@ -106,9 +107,8 @@ class Server:
         """Frees idle sessions past their TTL (lookups also expire them lazily)."""
         while True:
             await asyncio.sleep(SESSION_SWEEP_S)
-            expired = engine.sessions.table.expire()
+            expired = engine.sessions.table.expire()  # counted by the table's on_end
             if expired:
-                metrics.SESSIONS_ENDED.labels("expired").inc(len(expired))
                 log.info("expired %d idle session(s)", len(expired))
 
     def _load_engine(self) -> Engine:

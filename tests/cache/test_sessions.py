@@ -420,3 +420,84 @@ def test_truncating_into_a_block_a_fork_shares_copies_it_before_the_next_append(
     assert res.block_table[1] != shared and table.get(child.id).block_table[1] == shared
     table.commit(res)
     assert table.get(child.id).num_tokens == 7
+
+
+@pytest.mark.parametrize("finish", ["commit", "rollback"])
+def test_a_step_longer_than_the_ttl_is_no_idle_time_however_it_ends(finish):
+    clock = Clock()
+    table, _ = make(clock=clock)
+    s = table.create("m", ttl_s=2.0)
+    res = table.reserve(s.id, 3)
+    clock.now += 3.0  # the step runs past the TTL: the session is pinned, not idle
+    getattr(table, finish)(res)
+    clock.now += 0.1  # a retry right after the answer (a rolled-back step's error)
+    assert table.get(s.id).num_tokens == (3 if finish == "commit" else 0)
+    clock.now += 2.0
+    with pytest.raises(SessionNotFound, match="expired: idle 2.1 s"):
+        table.get(s.id)
+
+
+def test_exhausted_does_not_count_a_copy_the_expiry_made_unneeded():
+    clock = Clock()
+    table, _ = make(2, clock=clock)
+    a, c = table.create("m"), table.create("m")
+    append(table, a.id, 2)  # a partial block...
+    table.fork(a.id, ttl_s=1.0)  # ...shared with a fork that expires below
+    append(table, c.id, 4)  # the pool is full
+    clock.now += 5
+    with pytest.raises(CacheExhausted) as err:
+        table.reserve(a.id, 3)  # one new block; a's last block is its own once the fork expired
+    assert err.value.num_needed == 1 and "needs 1 more block(s)" in str(err.value)
+    assert table.pool("m").refcount(table.get(a.id).block_table[0]) == 1
+
+
+class FailingCopy(KVCache):
+    fail = False
+
+    def copy_block(self, src: int, dst: int) -> None:
+        if self.fail:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        super().copy_block(src, dst)
+
+
+def test_a_failed_copy_on_write_leaks_no_block_and_leaves_no_pin():
+    kv = FailingCopy(num_kv_heads=1, head_dim=2, budget_bytes=8 * BS * 16, block_size=BS)
+    table = SessionTable(clock=Clock())
+    table.add_model("m", kv)
+    parent, other = table.create("m"), table.create("m")
+    append(table, parent.id, 2)
+    child = table.fork(parent.id)  # shares the partial block: parent's next step copies it
+    append(table, other.id, 1)
+    used = table.pool("m").num_used
+    kv.fail = True
+    with pytest.raises(RuntimeError, match="CUDA error"):  # other's reservation is undone too
+        table.reserve_many([(other.id, 4), (parent.id, 3)])
+    assert table.pool("m").num_used == used
+    for s in (parent, other, child):
+        s = table.get(s.id)
+        assert s.in_use == 0 and s.pending is None
+    assert (table.get(parent.id).num_tokens, table.get(other.id).num_tokens) == (2, 1)
+    kv.fail = False
+    append(table, parent.id, 3)  # the session works after the error
+    for s in (parent, other, child):
+        table.close(s.id)
+    assert_all_free(table)
+
+
+def test_on_end_hears_every_session_end_with_its_reason():
+    clock = Clock()
+    table, _ = make(2, evict=True, clock=clock)
+    ended: list[str] = []
+    table.on_end = ended.append
+    closed, lru, ttl = table.create("m"), table.create("m"), table.create("m", ttl_s=1.0)
+    table.close(closed.id)
+    append(table, lru.id, 4)
+    append(table, ttl.id, 4)
+    clock.now += 0.5
+    table.get(ttl.id)  # not use: its TTL counts from its step
+    clock.now += 1.0
+    with pytest.raises(SessionNotFound, match="expired"):
+        table.get(ttl.id)  # expired by a lookup
+    other = table.create("m")
+    append(table, other.id, 8)  # both blocks: lru is evicted
+    assert ended == ["closed", "expired", "evicted"]

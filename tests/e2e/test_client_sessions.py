@@ -127,5 +127,8 @@ def test_truncate_rewinds_a_session_from_the_sdk(client):
         with pytest.raises(MhaServeError) as err:
             s.truncate(13)
         assert err.value.code.name == "INVALID_ARGUMENT" and "holds 12 tokens" in err.value.details
+        for bad, fragment in ((-1, "an int >= 0"), (2**64, "past any session's length")):
+            with pytest.raises(ValueError, match=fragment):
+                s.truncate(bad)
     ref = client.attend("gqa", np.concatenate([x[:8], draft[:1], x[9:12]]), causal=True).output
     np.testing.assert_allclose(got, ref[9:], atol=ATOL)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import grpc
@@ -62,3 +63,24 @@ def test_session_steps_are_counted_under_their_sessions_model(server, stub):
     assert after[keys["Attend"]] == before.get(keys["Attend"], 0) + 1
     assert after[keys["StreamSession"]] == before.get(keys["StreamSession"], 0) + 2
     stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+
+
+def test_sessions_ended_are_counted_by_reason(server, stub):
+    """Closed and expired sessions (evicted: tests/cache) show in the ended counter."""
+    ended = {r: ("mha_serve_sessions_ended_total", (("reason", r),)) for r in ("closed", "expired")}
+    before = scrape(server)
+    assert ("mha_serve_sessions_ended_total", (("reason", "evicted"),)) in before  # 0 from start
+    sid = stub.CreateSession(pb.CreateSessionRequest(model="mqa"), timeout=10).session_id
+    stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+    short = stub.CreateSession(pb.CreateSessionRequest(model="mqa", ttl_s=0.05), timeout=10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # expired by the lookup once the TTL passed
+        try:
+            stub.GetSession(pb.GetSessionRequest(session_id=short.session_id), timeout=10)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.NOT_FOUND and "expired" in e.details()
+            break
+        time.sleep(0.05)
+    after = scrape(server)
+    assert after[ended["closed"]] == before.get(ended["closed"], 0) + 1
+    assert after[ended["expired"]] == before.get(ended["expired"], 0) + 1
