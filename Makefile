@@ -28,7 +28,11 @@ serve: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
-test: lint
+# promtool lints the real /metrics output in the tests (Debian's binary; see the script).
+$(VENV)/bin/promtool: | $(VENV)/.installed
+	.ci/get-promtool $(VENV)/bin
+
+test: lint $(VENV)/bin/promtool
 	$(PY) -m pytest $(ARGS)
 
 protos: $(VENV)/.installed

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import functools
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+
+# No `*_created` series beside every counter and histogram: in the text format they are
+# gauges of start timestamps that double the series count and that no query here reads.
+disable_created_metrics()
 
 # Seconds; attention requests on small inputs take ~1 ms, long ones seconds.
 LATENCY_BUCKETS_S = (
@@ -33,13 +43,13 @@ REQUESTS = Counter(
 )
 REQUEST_LATENCY = Histogram(
     "mha_serve_request_latency_seconds",
-    "Server-side time from receipt to reply of Attend.",
+    "Server-side time from receipt to reply of an Attend or a session step.",
     ["model"],
     buckets=LATENCY_BUCKETS_S,
 )
 QUEUE_LATENCY = Histogram(
     "mha_serve_queue_latency_seconds",
-    "Time an Attend request waited before its forward began.",
+    "Time an Attend or session step waited before its forward began (decoding included).",
     ["model"],
     buckets=LATENCY_BUCKETS_S,
 )
@@ -66,15 +76,20 @@ QUEUE_DEPTH = Gauge(
 )
 REQUEST_TOKENS = Histogram(
     "mha_serve_request_tokens",
-    "Tokens (batch x seq_len) per Attend request.",
+    "Tokens (batch x seq_len) per Attend or session step.",
     ["model"],
     buckets=TOKEN_BUCKETS,
 )
-TOKENS = Counter("mha_serve_tokens_total", "Tokens processed by Attend.", ["model"])
+TOKENS = Counter(
+    "mha_serve_tokens_total", "Tokens processed by Attend and session steps.", ["model"]
+)
 WEIGHTS_BYTES = Counter(
     "mha_serve_attention_weights_bytes_total", "Bytes of attention weights returned.", ["model"]
 )
-IN_FLIGHT = Gauge("mha_serve_requests_in_flight", "Attend requests received and not yet answered.")
+IN_FLIGHT = Gauge(
+    "mha_serve_requests_in_flight",
+    "Attend requests and session steps received and not yet answered.",
+)
 READY = Gauge(
     "mha_serve_ready", "1 when models are loaded and warm and the server is not draining."
 )

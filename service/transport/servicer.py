@@ -150,9 +150,14 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
                     f"this stream steps session {session_id!r}, but a message names "
                     f"{request.session_id!r}: open one stream per session",
                 )
-            yield await self._answer(
-                "StreamSession", model, context, lambda r=request: self._attend(r, context)
-            )
+            metrics.IN_FLIGHT.inc()
+            try:
+                response = await self._answer(
+                    "StreamSession", model, context, lambda r=request: self._attend(r, context)
+                )
+            finally:
+                metrics.IN_FLIGHT.dec()
+            yield response
 
     async def _attend(
         self, request: pb.AttendRequest, context: grpc.aio.ServicerContext

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -84,3 +89,49 @@ def test_sessions_ended_are_counted_by_reason(server, stub):
     after = scrape(server)
     assert after[ended["closed"]] == before.get(ended["closed"], 0) + 1
     assert after[ended["expired"]] == before.get(ended["expired"], 0) + 1
+
+
+def _promtool() -> str | None:
+    """promtool on PATH, or where `make test` puts it (.ci/get-promtool: the venv's bin)."""
+    beside = Path(sys.executable).parent / "promtool"
+    return shutil.which("promtool") or (str(beside) if beside.exists() else None)
+
+
+def _all_series_present(stub) -> None:
+    """Traffic that gives every labelled metric a series: both lanes, a session step."""
+    x = np.zeros((1, 4, 512), np.float32)
+    tensor = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=x.shape, data=x.tobytes())
+    stub.Attend(pb.AttendRequest(model="mqa", input=tensor), timeout=30)
+    weights = pb.WeightsRequest(enabled=True)
+    stub.Attend(pb.AttendRequest(model="mqa", input=tensor, weights=weights), timeout=30)
+    sid = stub.CreateSession(pb.CreateSessionRequest(model="mqa"), timeout=10).session_id
+    list(stub.StreamSession(iter([pb.AttendRequest(session_id=sid, input=tensor)]), timeout=30))
+    stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+
+
+def test_every_exported_metric_is_documented_and_every_documented_one_exported(server, stub):
+    _all_series_present(stub)
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    exported = {f.name for f in text_string_to_metric_families(text) if f.name.startswith("mha_")}
+    doc = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
+    # the names in the doc's tables; counters are exported as "name" (family) + "_total"
+    documented = {
+        n.removesuffix("_total")
+        for n in re.findall(r"^\| `(mha_serve_[a-z_]+)` \|", doc, flags=re.MULTILINE)
+    }
+    assert exported == documented
+
+
+def test_the_metrics_endpoint_passes_promtool(server, stub):
+    promtool = _promtool()
+    if promtool is None:
+        pytest.skip("promtool not found: `make test` fetches it (.ci/get-promtool)")
+    _all_series_present(stub)
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read()
+    assert b"mha_serve_batch_size_bucket" in text and b'lane="weights"' in text
+    lint = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, timeout=60
+    )
+    assert lint.returncode == 0, (lint.stdout + lint.stderr).decode()
