@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -193,6 +194,10 @@ def cmd_decode(client: Client, args: argparse.Namespace) -> int:
                 stream.step(token)
                 latencies.append((time.perf_counter() - t0) * 1e3)
         info = s.refresh()
+    except BaseException:
+        if args.keep:  # the error may not name it: say which session is left open
+            print(f"session    {s.id} (left open)", file=sys.stderr)
+        raise
     finally:
         if not args.keep:
             s.close()

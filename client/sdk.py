@@ -120,7 +120,7 @@ class SessionInfo:
     session_id: str
     model: str
     num_tokens: int  # tokens cached
-    max_len: int  # tokens it may hold (0 in step replies, which do not carry it)
+    max_len: int  # tokens it may hold
     ttl_s: float  # idle seconds before it expires; 0: never
     num_blocks: int  # cache blocks held (a prefix shared by forks counts in each)
     bytes_held: int

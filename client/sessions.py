@@ -234,9 +234,9 @@ class AsyncSessionStream:
     def __init__(self, session: AsyncSession, timeout: float | None) -> None:
         self._session = session
         client = session._client
-        self._call = client._stub.StreamSession(
-            timeout=client.timeout if timeout is None else timeout
-        )
+        timeout = client.timeout if timeout is None else timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._call = client._stub.StreamSession(timeout=timeout)
         self._closed = False
 
     async def __aenter__(self) -> AsyncSessionStream:
@@ -256,7 +256,8 @@ class AsyncSessionStream:
             await self._call.write(request)
             resp = await self._call.read()
         except grpc.RpcError as err:
-            raise MhaServeError.from_rpc_error(err, self._session._client.target) from err
+            e = MhaServeError.from_rpc_error(err, self._session._client.target)
+            raise self._as_deadline(e) from err
         except asyncio.InvalidStateError:  # the call ended between done() and write()
             raise await self._ended() from None
         except asyncio.CancelledError:
@@ -273,7 +274,21 @@ class AsyncSessionStream:
     async def _ended(self) -> MhaServeError:
         """The ended call's status as the error to raise."""
         code, details = await self._call.code(), await self._call.details()
-        return MhaServeError(code, details, self._session._client.target)
+        return self._as_deadline(MhaServeError(code, details, self._session._client.target))
+
+    def _as_deadline(self, e: MhaServeError) -> MhaServeError:
+        """grpcio ends a stream whose deadline passes as a step is written with INTERNAL
+        ("Internal error from Core"), seen with deadlines of milliseconds; INTERNAL is a
+        server bug in this API, so past the stream's deadline it is said as what it is."""
+        if e.code != grpc.StatusCode.INTERNAL or self._deadline is None:
+            return e
+        if time.monotonic() < self._deadline:
+            return e
+        return MhaServeError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"the stream's deadline passed (gRPC reported INTERNAL: {e.details})",
+            e.target,
+        )
 
     async def close(self) -> None:
         """Ends the stream and waits for the server to finish it; closing twice is a no-op.

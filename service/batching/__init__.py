@@ -4,9 +4,18 @@ from mha_serve.batching.batcher import (
     Batcher,
     BatchInfo,
     BatchPolicy,
+    Closed,
     DeadlineExceeded,
     QueueFull,
 )
 from mha_serve.batching.lanes import ModelLanes
 
-__all__ = ["BatchInfo", "BatchPolicy", "Batcher", "DeadlineExceeded", "ModelLanes", "QueueFull"]
+__all__ = [
+    "BatchInfo",
+    "BatchPolicy",
+    "Batcher",
+    "Closed",
+    "DeadlineExceeded",
+    "ModelLanes",
+    "QueueFull",
+]

@@ -42,6 +42,10 @@ class DeadlineExceeded(Exception):
     """The request's deadline passed before its batch started; it was never computed."""
 
 
+class Closed(Exception):
+    """The batcher is closed (the server is shutting down): answer UNAVAILABLE."""
+
+
 @dataclass(frozen=True)
 class BatchPolicy:
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
@@ -184,7 +188,7 @@ class Batcher:
 
         Items of equal (hashable) `key` may share a batch."""
         if self._closed:
-            raise QueueFull(f"{self.name}: the server is shutting down")
+            raise Closed(f"{self.name}: the server is shutting down; retry on another replica")
         p = self.policy
         tokens = sequences * length
         if len(self._pending) >= p.max_queue_requests:
@@ -400,7 +404,9 @@ class Batcher:
             await self._task
         for item in self._pending:
             if not item.future.done():
-                item.future.set_exception(QueueFull(f"{self.name}: the server is shutting down"))
+                item.future.set_exception(
+                    Closed(f"{self.name}: the server is shutting down; retry on another replica")
+                )
         self._pending.clear()
         self._queued_tokens = 0
         if self._own_executor:

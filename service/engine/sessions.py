@@ -135,29 +135,32 @@ class Sessions:
         cache = self.cache(name)
         results: list[AttendResult | Exception | None] = [None] * len(calls)
         reserved = self.table.reserve_many([(c.session_id, c.inputs.shape[1]) for c in calls])
+        # Until _settle takes them, any error rolls back the reservations still open.
+        open_ = [r for r in reserved if isinstance(r, Reservation)]
         live: list[tuple[int, Reservation]] = []
-        for i, r in enumerate(reserved):
-            if isinstance(r, CacheError):
-                results[i] = r
-                continue
-            if calls[i].need_weights and check_weights is not None:
-                try:
-                    check_weights(hosted, calls[i], r.start + r.num_tokens)
-                except RequestError as e:
-                    self.table.rollback(r)
-                    results[i] = e
-                    continue
-            live.append((i, r))
-        if not live:
-            return results
-        threads = torch.get_num_threads()
-        small = _one_thread_is_enough(cache, [r for _, r in live])
+        threads, small = torch.get_num_threads(), False
         try:
+            for i, r in enumerate(reserved):
+                if isinstance(r, CacheError):
+                    results[i] = r
+                    continue
+                if calls[i].need_weights and check_weights is not None:
+                    try:
+                        check_weights(hosted, calls[i], r.start + r.num_tokens)
+                    except RequestError as e:
+                        open_ = [x for x in open_ if x is not r]
+                        self.table.rollback(r)
+                        results[i] = e
+                        continue
+                live.append((i, r))
+            if not live:
+                return results
+            small = _one_thread_is_enough(cache, [r for _, r in live])
             if small and threads > 1:
                 torch.set_num_threads(1)
             out, heads, overflowed = self._forward(hosted, cache, [calls[i] for i, _ in live], live)
-        except BaseException:  # nothing was kept: every reservation goes back
-            for _, r in live:
+        except BaseException:  # nothing was kept: every reservation still open goes back
+            for r in open_:
                 self.table.rollback(r)
             raise
         finally:

@@ -14,7 +14,7 @@ import grpc
 from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_serve import metrics
-from mha_serve.batching import DeadlineExceeded, ModelLanes, QueueFull
+from mha_serve.batching import Closed, DeadlineExceeded, ModelLanes, QueueFull
 from mha_serve.cache import (
     CacheError,
     CacheExhausted,
@@ -25,6 +25,7 @@ from mha_serve.cache import (
 )
 from mha_serve.engine import (
     Abandoned,
+    AttendCall,
     DeadlinePassed,
     Engine,
     HostedModel,
@@ -46,6 +47,7 @@ class Unavailable(RequestError):
 # Looked up along the exception's class hierarchy; the first match wins.
 STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Closed: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     ModelNotFound: grpc.StatusCode.NOT_FOUND,
@@ -59,7 +61,7 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     SessionBusy: grpc.StatusCode.ABORTED,
     InvalidSessionArgument: grpc.StatusCode.INVALID_ARGUMENT,
 }
-EXPECTED = (RequestError, CacheError, QueueFull, DeadlineExceeded)
+EXPECTED = (RequestError, CacheError, QueueFull, Closed, DeadlineExceeded)
 
 # Payloads above this are validated and encoded on a worker thread so that the event loop
 # keeps answering health checks and other calls (a 64 MiB reply takes ~0.5 s to encode).
@@ -86,6 +88,8 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         self._engine: Engine | None = None  # set by the server once models are loaded and warm
         self._lanes: dict[str, ModelLanes] = {}
         self.max_request_bytes = max_request_bytes
+        # Sessions with a step received and not yet answered (the event loop's own: no lock).
+        self._stepping: set[str] = set()
 
     @property
     def engine(self) -> Engine:
@@ -164,8 +168,25 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     ) -> pb.AttendResponse:
         received = time.perf_counter()
         call, single = to_call(request, self.engine)
+        sid = call.session_id
+        if not sid:
+            return await self._attend_call(call, single, received, context)
+        if sid in self._stepping:
+            raise SessionBusy(
+                f"session {sid!r} already has a step in flight (sent on another call or "
+                "stream); send a session's steps one at a time, each after the last one's reply"
+            )
+        self._stepping.add(sid)
+        try:
+            return await self._attend_call(call, single, received, context)
+        finally:
+            self._stepping.discard(sid)
+
+    async def _attend_call(
+        self, call: AttendCall, single: bool, received: float, context: grpc.aio.ServicerContext
+    ) -> pb.AttendResponse:
         # Validation scans the input (NaN/Inf): off the event loop when it is large.
-        hosted = await _offload(self.engine.validate, call, nbytes=request.input.ByteSize())
+        hosted = await _offload(self.engine.validate, call, nbytes=call.inputs.nbytes)
         batch, seq_len, _ = call.inputs.shape
         remaining = context.time_remaining()
         call.deadline = None if remaining is None else time.monotonic() + remaining
@@ -194,7 +215,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         timing.queue_ms = queue_ms
         timing.compute_ms = info.compute_s * 1e3
         timing.total_ms = total_s * 1e3
-        timing.batch_size = info.batch_size
+        timing.batch_size = result.batch_size  # computed: steps refused at reserve are not
         metrics.observe_attend(
             call.model,
             tokens=batch * seq_len,
@@ -210,6 +231,8 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         self, request: pb.CreateSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionInfo:
         def handle() -> pb.SessionInfo:
+            if not request.model:
+                raise InvalidRequest("model is empty; name one of the models ListModels returns")
             self.engine.get(request.model)
             session = self.engine.sessions.create(
                 request.model, request.max_len or None, request.ttl_s or None
@@ -296,6 +319,8 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             return await handle()
         except EXPECTED as e:
             code = status_of(e)
+            if context.done():  # over already (its deadline, a cancel): no status goes out,
+                raise asyncio.CancelledError from e  # and aborting would log an ERROR
             await context.abort(code, str(e))
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED

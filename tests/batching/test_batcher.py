@@ -8,7 +8,14 @@ import time
 
 import pytest
 
-from mha_serve.batching import Batcher, BatchPolicy, DeadlineExceeded, ModelLanes, QueueFull
+from mha_serve.batching import (
+    Batcher,
+    BatchPolicy,
+    Closed,
+    DeadlineExceeded,
+    ModelLanes,
+    QueueFull,
+)
 
 WAIT_S = 5.0  # upper bound for anything that should happen "soon"
 
@@ -179,12 +186,16 @@ async def test_close_finishes_the_running_batch_and_refuses_new_items():
     b = Batcher("m", rec, policy(max_batch_size=1))
     running = asyncio.ensure_future(b.submit(0, sequences=1, length=1))
     await wait_entered(rec)
+    queued = asyncio.ensure_future(b.submit(2, sequences=1, length=1))
+    await asyncio.sleep(0.01)
     closing = asyncio.ensure_future(b.close())
     await asyncio.sleep(0.01)
     rec.gate.set()
     await closing
     assert (await running)[0] == 0
-    with pytest.raises(QueueFull, match="shutting down"):
+    with pytest.raises(Closed, match="shutting down"):  # (the servicer: UNAVAILABLE)
+        await queued
+    with pytest.raises(Closed, match="shutting down"):
         await b.submit(1, sequences=1, length=1)
 
 

@@ -6,6 +6,7 @@ so every number the client shows can be checked exactly, without torch or mha_se
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from concurrent import futures
@@ -18,7 +19,7 @@ from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_client.cli import main
 from mha_client.errors import MhaServeError
-from mha_client.sdk import AsyncClient, Client, KVCacheInfo, ModelInfo
+from mha_client.sdk import AsyncClient, Client, KVCacheInfo, ModelInfo, SessionInfo
 from mha_client.tensors import dtype_name, from_proto, to_proto
 
 try:
@@ -301,6 +302,28 @@ async def test_async_client(target):
         if health is not None:
             assert await c.health() == "SERVING"
             await c.wait_ready(5.0)
+
+
+async def test_an_internal_error_past_a_streams_deadline_reads_as_deadline_exceeded(target):
+    """grpcio ends a stream whose deadline passes as a step is written with INTERNAL, now and
+    then (a race, seen at millisecond deadlines): the SDK says DEADLINE_EXCEEDED then, and
+    leaves an INTERNAL before the deadline (a server bug) as it is."""
+    from mha_client.sessions import AsyncSession
+
+    core = MhaServeError(grpc.StatusCode.INTERNAL, "Internal error from Core", target)
+    info = SessionInfo("s", "echo", 0, 0, 0.0, 0, 0)
+    async with AsyncClient(target) as c:
+        short, long = (
+            AsyncSession(c, info).stream(timeout=0.01),
+            AsyncSession(c, info).stream(timeout=60),
+        )
+        await asyncio.sleep(0.05)
+        late = short._as_deadline(core)  # noqa: SLF001
+        assert late.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "deadline passed" in late.details and "Internal error from Core" in late.details
+        assert long._as_deadline(core) is core  # noqa: SLF001
+        await short.close()
+        await long.close()
 
 
 # ----- CLI

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -185,3 +186,8 @@ def test_cli_sessions_and_decode(server, tmp_path):
     assert "tokens/s" in decode.stdout and "20 tokens in 2 blocks" in decode.stdout
     zero = cli("decode", "mqa", "--steps", "0", target=server.target)
     assert zero.returncode == 2 and "'0' is not a positive integer" in zero.stderr
+    kept = cli("decode", "mqa", "--prompt-len", "5000", "--keep", target=server.target)
+    assert kept.returncode == 1 and "INVALID_ARGUMENT" in kept.stderr
+    left = re.search(r"session +([0-9a-f]+) \(left open\)", kept.stderr)  # past max_seq_len
+    assert left, kept.stderr
+    assert cli("session", "close", left.group(1), target=server.target).returncode == 0

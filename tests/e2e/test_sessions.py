@@ -212,11 +212,19 @@ def test_an_empty_session_id_is_invalid(stub):
         lambda: stub.GetSession(pb.GetSessionRequest(), timeout=10),
         lambda: stub.ForkSession(pb.ForkSessionRequest(), timeout=10),
         lambda: stub.CloseSession(pb.CloseSessionRequest(), timeout=10),
+        lambda: stub.TruncateSession(pb.TruncateSessionRequest(), timeout=10),
     ):
         with pytest.raises(grpc.RpcError) as err:
             call()
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "session_id is empty" in err.value.details()
+
+
+def test_creating_a_session_on_an_empty_model_name_is_invalid(stub):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.CreateSession(pb.CreateSessionRequest(), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "model is empty" in err.value.details()
 
 
 def test_step_replies_carry_the_sessions_limits(stub):

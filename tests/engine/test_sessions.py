@@ -293,7 +293,9 @@ def test_a_session_closed_while_its_step_runs_answers_alone(engine, monkeypatch)
     engine.sessions.table.close(keep)
 
 
-def test_a_failing_forward_keeps_nothing_and_restores_the_thread_count(engine, monkeypatch):
+@pytest.mark.parametrize("where", ["attend_cached", "_one_thread_is_enough"])
+def test_a_failing_forward_keeps_nothing_and_restores_the_thread_count(engine, monkeypatch, where):
+    """A failure anywhere between reserving and settling (in the forward, or before it)."""
     hosted = engine.get("gqa")
     ids = [engine.sessions.create("gqa", None, None).id for _ in range(4)]
     for i, sid in enumerate(ids):
@@ -304,7 +306,7 @@ def test_a_failing_forward_keeps_nothing_and_restores_the_thread_count(engine, m
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine_sessions, "attend_cached", broken)
+    monkeypatch.setattr(engine_sessions, where, broken)
     calls = [AttendCall("gqa", seq(14, seed=9), session_id=sid) for sid in ids]  # new blocks
     with pytest.raises(RuntimeError, match="device lost"):
         engine.run_batch(hosted, calls)

@@ -6,6 +6,7 @@ import asyncio
 
 import grpc
 import numpy as np
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
@@ -120,3 +121,36 @@ async def test_port_in_use_is_a_clear_error():
             await second.stop()
     finally:
         await first.stop()
+
+
+class _CallOver:
+    """The part of a grpc.aio ServicerContext that _answer reads, for a call that ended
+    (its deadline passed, or the client cancelled) just before its error was answered: a
+    race the real server hits only now and then (a deadline checked as gRPC's fires)."""
+
+    def __init__(self) -> None:
+        self.aborted: list = []
+
+    def done(self) -> bool:
+        return True
+
+    async def abort(self, code, details):
+        self.aborted.append(code)  # grpcio would log an ERROR (ExecuteBatchError) here
+        raise grpc.aio.AbortError()
+
+
+async def test_an_error_for_a_call_already_over_is_counted_not_sent():
+    from mha_serve import metrics
+    from mha_serve.batching import DeadlineExceeded
+    from mha_serve.transport.servicer import AttentionServicer
+
+    async def late():
+        raise DeadlineExceeded("m: the deadline passed after 1 ms in the queue")
+
+    counter = metrics.REQUESTS.labels("Attend", "m", "DEADLINE_EXCEEDED")
+    before = counter._value.get()  # noqa: SLF001
+    context = _CallOver()
+    with pytest.raises(asyncio.CancelledError):
+        await AttentionServicer(max_request_bytes=1)._answer("Attend", "m", context, late)  # noqa: SLF001
+    assert context.aborted == []
+    assert counter._value.get() == before + 1  # noqa: SLF001

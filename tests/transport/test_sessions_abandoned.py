@@ -6,6 +6,7 @@ computing, whatever the machine's speed (a GPU computes these steps in a millise
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 
 import grpc
@@ -76,7 +77,8 @@ async def test_a_step_cancelled_while_computing_is_not_kept(gated):
         assert reply.session.num_tokens == 1
 
 
-async def test_a_step_past_its_deadline_while_computing_is_not_kept(gated):
+async def test_a_step_past_its_deadline_while_computing_is_not_kept(gated, caplog):
+    """...and the server logs no error for it: the call was over before its answer."""
     server, gate = gated
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.AttentionServiceStub(channel)
@@ -85,9 +87,13 @@ async def test_a_step_past_its_deadline_while_computing_is_not_kept(gated):
             await stub.Attend(pb.AttendRequest(session_id=sid, input=tokens(5)), timeout=0.3)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert gate.entered.is_set()  # it was computing when the deadline passed
+        caplog.set_level(logging.WARNING)
         gate.open()
         reply = await stub.Attend(pb.AttendRequest(session_id=sid, input=tokens(1)))
         assert reply.session.num_tokens == 1
+        await asyncio.sleep(0.2)  # the abandoned step's handler has ended by now
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert not errors, [r.getMessage() for r in errors]
 
 
 async def test_after_a_cancelled_step_the_sdk_stream_says_it_was_cancelled(gated):
@@ -128,3 +134,64 @@ async def test_cancelling_an_sdk_stream_close_cancels_the_task(gated):
         gate.open()
         with pytest.raises(MhaServeError):  # the call was cancelled under the step
             await step
+
+
+async def test_a_second_step_of_a_session_with_one_unanswered_is_aborted_at_once(gated):
+    """Whether on another unary call or a stream, while the first queues or computes: the
+    answer does not depend on timing, and nothing of the refused step is kept."""
+    server, gate = gated
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.AttentionServiceStub(channel)
+        sid = (await stub.CreateSession(pb.CreateSessionRequest(model="tiny"))).session_id
+        first = asyncio.ensure_future(
+            stub.Attend(pb.AttendRequest(session_id=sid, input=tokens(3)))
+        )
+        await gate.computing()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Attend(pb.AttendRequest(session_id=sid, input=tokens(2)), timeout=10)
+        assert err.value.code() == grpc.StatusCode.ABORTED
+        assert "already has a step in flight" in err.value.details()
+        stream = stub.StreamSession(timeout=10)
+        await stream.write(pb.AttendRequest(session_id=sid, input=tokens(4)))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stream.read()
+        assert err.value.code() == grpc.StatusCode.ABORTED
+        gate.open()
+        assert (await first).session.num_tokens == 3
+        reply = await stub.Attend(pb.AttendRequest(session_id=sid, input=tokens(1)))
+        assert reply.session.num_tokens == 4  # the first step and this one, nothing else
+
+
+async def test_timing_batch_size_counts_the_steps_computed_not_those_refused():
+    server = await serving()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.AttentionServiceStub(channel)
+            ids = [
+                (
+                    await stub.CreateSession(pb.CreateSessionRequest(model="tiny", max_len=4))
+                ).session_id
+                for _ in range(3)
+            ]
+            await stub.Attend(pb.AttendRequest(session_id=ids[2], input=tokens(4)))  # full
+            gate = Gate(server)
+            held = asyncio.ensure_future(
+                stub.Attend(pb.AttendRequest(session_id=ids[0], input=tokens(1)))
+            )
+            await gate.computing()
+            ok, refused = (
+                asyncio.ensure_future(stub.Attend(pb.AttendRequest(session_id=i, input=tokens(1))))
+                for i in ids[1:]
+            )
+            lane = server.lanes["tiny"].fast
+            while len(lane._pending) < 2:  # noqa: SLF001 (both queued behind the gate)
+                await asyncio.sleep(0.01)
+            gate.open()
+            await held
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await refused  # past its max_len: refused when the batch reserves
+            assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
+            assert len(gate.calls) == 3  # ok and refused went to the lane together
+            assert (await ok).timing.batch_size == 1
+    finally:
+        await server.stop()
