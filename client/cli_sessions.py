@@ -24,7 +24,7 @@ def add_session_commands(sub: argparse._SubParsersAction, common: argparse.Argum
     ops = session.add_subparsers(dest="session_command", required=True, metavar="OP")
 
     create = ops.add_parser(
-        "create", parents=[common], help="a new session on a model; prints its id"
+        "create", parents=[common], help="a new session on a model; prints its info (id first)"
     )
     create.add_argument("model")
     create.add_argument(
@@ -48,7 +48,11 @@ def add_session_commands(sub: argparse._SubParsersAction, common: argparse.Argum
         if name != "close":
             op.add_argument("--json", action="store_true")
         if name == "fork":
-            op.add_argument("--ttl", type=positive_float, help="idle seconds before it expires")
+            op.add_argument(
+                "--ttl",
+                type=positive_float,
+                help="idle seconds before it expires (default: the parent's)",
+            )
         op.set_defaults(func=func)
 
     truncate = ops.add_parser(
@@ -90,7 +94,8 @@ def add_session_commands(sub: argparse._SubParsersAction, common: argparse.Argum
         "--steps",
         type=positive_int,
         default=32,
-        help="single-token steps over one stream (default 32; --timeout bounds each step)",
+        help="single-token steps over one stream (default 32; the stream's deadline is "
+        "--timeout x steps)",
     )
     decode.add_argument("--seed", type=int, default=0)
     decode.add_argument(

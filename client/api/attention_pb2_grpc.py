@@ -104,7 +104,7 @@ class AttentionServiceServicer:
 
     def CreateSession(self, request, context):
         """KV-cache sessions: create, read, fork (shares the prefix, copy-on-write),
-        close (frees its cache at once).
+        close (frees its cache at once, or when a step in flight ends).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

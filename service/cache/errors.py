@@ -34,8 +34,9 @@ class CacheExhausted(CacheError):
 
 class SessionBusy(CacheError):
     """The session already has a step in flight; steps on one session run one at a
-    time (FAILED_PRECONDITION, or ABORTED so a client retries)."""
+    time (ABORTED: the client may retry once the step is answered)."""
 
 
 class InvalidSessionArgument(CacheError, ValueError):
-    """A bad create/fork argument: max_len, ttl_s, unknown model (INVALID_ARGUMENT)."""
+    """A bad argument: max_len, ttl_s, a truncate's num_tokens, a model without a KV
+    cache (INVALID_ARGUMENT)."""

@@ -110,10 +110,16 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
 
     def _label(self, request: pb.AttendRequest) -> str:
         """The model label of an Attend: a session step may leave the model to its session."""
-        name = request.model
-        if not name and request.session_id and self._engine is not None:
-            with contextlib.suppress(CacheError):  # the step itself will answer NOT_FOUND
-                name = self._engine.sessions.table.get(request.session_id).model
+        if request.model or not request.session_id:
+            return self._model_label(request.model)
+        return self._session_label(request.session_id)
+
+    def _session_label(self, session_id: str) -> str:
+        """The model label of a session's RPC: its model, or "unknown" for no live session."""
+        name = ""
+        if session_id and self._engine is not None:
+            with contextlib.suppress(CacheError):  # the RPC itself will answer NOT_FOUND
+                name = self._engine.sessions.table.get(session_id).model
         return self._model_label(name)
 
     # --- attention ---------------------------------------------------------------------
@@ -140,6 +146,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             if not session_id:
                 session_id = request.session_id
                 if not session_id:
+                    metrics.count_request("StreamSession", "unknown", "INVALID_ARGUMENT")
                     await context.abort(
                         grpc.StatusCode.INVALID_ARGUMENT,
                         "the first message of a StreamSession needs session_id (CreateSession "
@@ -149,6 +156,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             elif not request.session_id:
                 request.session_id = session_id
             elif request.session_id != session_id:
+                metrics.count_request("StreamSession", model, "INVALID_ARGUMENT")
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"this stream steps session {session_id!r}, but a message names "
@@ -248,7 +256,8 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         def handle() -> pb.SessionInfo:
             return session_info(self.engine.sessions.table.session_stats(_session_id(request)))
 
-        return await self._answer("GetSession", "", context, _sync(handle))
+        model = self._session_label(request.session_id)
+        return await self._answer("GetSession", model, context, _sync(handle))
 
     async def ForkSession(
         self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext
@@ -258,17 +267,24 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             child = table.fork(_session_id(request), ttl_s=request.ttl_s or None)
             return session_info(table.session_stats(child.id))
 
-        return await self._answer("ForkSession", "", context, _sync(handle))
+        model = self._session_label(request.session_id)
+        return await self._answer("ForkSession", model, context, _sync(handle))
 
     async def TruncateSession(
         self, request: pb.TruncateSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionInfo:
         def handle() -> pb.SessionInfo:
             table = self.engine.sessions.table
-            session = table.truncate(_session_id(request), request.num_tokens)
+            sid = _session_id(request)
+            if sid in self._stepping:  # queued or computing: its reservation comes later
+                raise SessionBusy(
+                    f"session {sid!r} has a step in flight; truncate it once the step is answered"
+                )
+            session = table.truncate(sid, request.num_tokens)
             return session_info(table.session_stats(session.id))
 
-        return await self._answer("TruncateSession", "", context, _sync(handle))
+        model = self._session_label(request.session_id)
+        return await self._answer("TruncateSession", model, context, _sync(handle))
 
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
@@ -277,7 +293,8 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             self.engine.sessions.table.close(_session_id(request))
             return pb.CloseSessionResponse()
 
-        return await self._answer("CloseSession", "", context, _sync(handle))
+        model = self._session_label(request.session_id)
+        return await self._answer("CloseSession", model, context, _sync(handle))
 
     # --- models ------------------------------------------------------------------------
 

@@ -70,6 +70,40 @@ def test_session_steps_are_counted_under_their_sessions_model(server, stub):
     stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
 
 
+def test_session_rpcs_are_counted_under_their_sessions_model(server, stub):
+    """Get/Fork/Truncate/Close name no model: the session's; a stream refused for its
+    session_id counts too (under "unknown" when it names none)."""
+    sid = stub.CreateSession(pb.CreateSessionRequest(model="gqa"), timeout=10).session_id
+
+    def key(method, model, code="OK"):
+        return ("mha_serve_requests_total", (("code", code), ("method", method), ("model", model)))
+
+    before = scrape(server)
+    stub.GetSession(pb.GetSessionRequest(session_id=sid), timeout=10)
+    child = stub.ForkSession(pb.ForkSessionRequest(session_id=sid), timeout=10).session_id
+    stub.TruncateSession(pb.TruncateSessionRequest(session_id=child), timeout=10)
+    for s in (sid, child):
+        stub.CloseSession(pb.CloseSessionRequest(session_id=s), timeout=10)
+    with pytest.raises(grpc.RpcError):
+        stub.GetSession(pb.GetSessionRequest(session_id=sid), timeout=10)
+    x = np.zeros((1, 512), np.float32)
+    nameless = pb.AttendRequest(
+        input=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=x.shape, data=x.tobytes())
+    )
+    with pytest.raises(grpc.RpcError):
+        list(stub.StreamSession(iter([nameless]), timeout=10))
+    after = scrape(server)
+    for k, n in (
+        (key("GetSession", "gqa"), 1),
+        (key("ForkSession", "gqa"), 1),
+        (key("TruncateSession", "gqa"), 1),
+        (key("CloseSession", "gqa"), 2),
+        (key("GetSession", "unknown", "NOT_FOUND"), 1),
+        (key("StreamSession", "unknown", "INVALID_ARGUMENT"), 1),
+    ):
+        assert after.get(k, 0) == before.get(k, 0) + n, k
+
+
 def test_sessions_ended_are_counted_by_reason(server, stub):
     """Closed and expired sessions (evicted: tests/cache) show in the ended counter."""
     ended = {r: ("mha_serve_sessions_ended_total", (("reason", r),)) for r in ("closed", "expired")}

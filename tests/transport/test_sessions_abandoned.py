@@ -156,7 +156,18 @@ async def test_a_second_step_of_a_session_with_one_unanswered_is_aborted_at_once
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stream.read()
         assert err.value.code() == grpc.StatusCode.ABORTED
+        other = (await stub.CreateSession(pb.CreateSessionRequest(model="tiny"))).session_id
+        queued = asyncio.ensure_future(
+            stub.Attend(pb.AttendRequest(session_id=other, input=tokens(2)))
+        )
+        while not server.lanes["tiny"].fast._pending:  # noqa: SLF001 (queued behind the gate)
+            await asyncio.sleep(0.01)
+        for sid_ in (sid, other):  # a step computing, or queued: not reserved yet
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.TruncateSession(pb.TruncateSessionRequest(session_id=sid_))
+            assert err.value.code() == grpc.StatusCode.ABORTED
         gate.open()
+        assert (await queued).session.num_tokens == 2
         assert (await first).session.num_tokens == 3
         reply = await stub.Attend(pb.AttendRequest(session_id=sid, input=tokens(1)))
         assert reply.session.num_tokens == 4  # the first step and this one, nothing else
