@@ -5,6 +5,7 @@ LRU eviction. Works with block ids; asks the KV storage only to copy a block."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import uuid
@@ -22,6 +23,8 @@ from .errors import (
     SessionNotFound,
 )
 from .types import BlockStorage, ModelCacheStats, Reservation, Session, SessionStats
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_REMEMBERED = 4096  # gone session ids kept to say why they are gone
 
@@ -330,8 +333,6 @@ class SessionTable:
 
     def _drop(self, s: Session, reason: str, message: str) -> None:
         del self._sessions[s.id]
-        if self.on_end is not None:
-            self.on_end(reason)
         self._gone[s.id] = (reason, message)
         while len(self._gone) > self._max_remembered:
             self._gone.popitem(last=False)
@@ -339,6 +340,11 @@ class SessionTable:
             self._zombies[s.id] = s
         else:
             self._release(s)
+        if self.on_end is not None:  # last: the table is whole whatever the hook does
+            try:
+                self.on_end(reason)
+            except Exception:
+                log.exception("on_end(%r) failed; the session ended all the same", reason)
 
     def _unpin(self, s: Session) -> None:
         if s.in_use < 1:

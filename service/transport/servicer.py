@@ -330,14 +330,17 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         context: grpc.aio.ServicerContext,
         handle: Callable[[], Awaitable[T]],
     ) -> T:
-        """Runs a handler; expected errors become their status, anything else INTERNAL."""
-        code = grpc.StatusCode.OK
+        """Runs a handler; expected errors become their status, anything else INTERNAL.
+        An error status is counted before it is sent: a client that has it finds it counted."""
+        code, counted = grpc.StatusCode.OK, False
         try:
             return await handle()
         except EXPECTED as e:
             code = status_of(e)
-            if context.done():  # over already (its deadline, a cancel): no status goes out,
-                raise asyncio.CancelledError from e  # and aborting would log an ERROR
+            if _over(context):  # its deadline passed: gRPC answers DEADLINE_EXCEEDED itself,
+                raise asyncio.CancelledError from e  # and aborting a finished call logs an ERROR
+            metrics.count_request(method, model, code.name)
+            counted = True
             await context.abort(code, str(e))
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
@@ -347,9 +350,19 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
                 raise
             code = grpc.StatusCode.INTERNAL
             log.exception("%s failed on model %s", method, model)
+            metrics.count_request(method, model, code.name)
+            counted = True
             await context.abort(code, f"internal error in {method}: {type(e).__name__}: {e}")
         finally:
-            metrics.count_request(method, model, code.name)
+            if not counted:
+                metrics.count_request(method, model, code.name)
+
+
+def _over(context: grpc.aio.ServicerContext) -> bool:
+    """Whether the call is over already: done() turns true only once a status was sent (grpcio
+    1.85), so a passed deadline is read from the time remaining."""
+    remaining = context.time_remaining()
+    return context.done() or (remaining is not None and remaining <= 0)
 
 
 def _session_id(request: Any) -> str:

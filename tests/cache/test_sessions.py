@@ -501,3 +501,18 @@ def test_on_end_hears_every_session_end_with_its_reason():
     other = table.create("m")
     append(table, other.id, 8)  # both blocks: lru is evicted
     assert ended == ["closed", "expired", "evicted"]
+
+
+def test_a_failing_on_end_hook_leaves_the_table_whole():
+    table, _ = make(4)
+
+    def broken(reason: str) -> None:
+        raise RuntimeError("metrics backend hiccup")
+
+    table.on_end = broken
+    s = table.create("m")
+    append(table, s.id, 5)
+    table.close(s.id)  # the hook's error is logged, not raised
+    assert_all_free(table)
+    with pytest.raises(SessionNotFound, match="was closed"):
+        table.get(s.id)

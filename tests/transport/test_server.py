@@ -124,15 +124,19 @@ async def test_port_in_use_is_a_clear_error():
 
 
 class _CallOver:
-    """The part of a grpc.aio ServicerContext that _answer reads, for a call that ended
-    (its deadline passed, or the client cancelled) just before its error was answered: a
-    race the real server hits only now and then (a deadline checked as gRPC's fires)."""
+    """The part of a grpc.aio ServicerContext that _answer reads, as grpcio 1.85 shows it for
+    a call whose deadline passed just before its error was answered (a race the real server
+    hits only now and then: a deadline checked as gRPC's fires): no time remaining, and
+    done() still false (it turns true only once a status was sent)."""
 
     def __init__(self) -> None:
         self.aborted: list = []
 
     def done(self) -> bool:
-        return True
+        return False
+
+    def time_remaining(self) -> float:
+        return 0.0
 
     async def abort(self, code, details):
         self.aborted.append(code)  # grpcio would log an ERROR (ExecuteBatchError) here

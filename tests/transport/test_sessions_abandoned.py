@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -17,6 +18,7 @@ from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_client.errors import MhaServeError
 from mha_client.sdk import AsyncClient
+from mha_serve import metrics
 from tests.transport.test_sessions_server import EMBED, serving, tokens
 
 
@@ -28,10 +30,12 @@ class Gate:
         self.run = self.lane._run_batch  # noqa: SLF001
         self.entered, self.release = threading.Event(), threading.Event()
         self.calls: list = []
+        self.batches: list[int] = []  # calls per batch, in order
         self.lane._run_batch = self._gated  # noqa: SLF001
 
     def _gated(self, calls):
         self.calls += calls
+        self.batches.append(len(calls))
         self.entered.set()
         assert self.release.wait(10)
         return self.run(calls)
@@ -41,6 +45,13 @@ class Gate:
 
     def open(self) -> None:
         self.release.set()
+
+    async def queued(self, n: int) -> None:
+        """Until n calls wait in the lane's queue behind the gate (10 s at most)."""
+        deadline = time.monotonic() + 10
+        while len(self.lane._pending) < n:  # noqa: SLF001
+            assert time.monotonic() < deadline, f"{len(self.lane._pending)} queued, not {n}"  # noqa: SLF001
+            await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -69,7 +80,9 @@ async def test_a_step_cancelled_while_computing_is_not_kept(gated):
         step.cancel()
         with pytest.raises(asyncio.CancelledError):
             await step
+        deadline = time.monotonic() + 10
         while not gate.calls[0].cancelled:  # the server has seen the cancel
+            assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
         gate.open()
         # The next step queues behind the abandoned one, and sees the session as it was.
@@ -105,8 +118,10 @@ async def test_after_a_cancelled_step_the_sdk_stream_says_it_was_cancelled(gated
         await c.create_session("tiny") as s,
         s.stream() as stream,
     ):
+        in_flight = metrics.IN_FLIGHT._value.get()  # noqa: SLF001
         step = asyncio.create_task(stream.step(x))
         await gate.computing()
+        assert metrics.IN_FLIGHT._value.get() == in_flight + 1  # noqa: SLF001 (a stream step)
         step.cancel()
         with pytest.raises(asyncio.CancelledError):
             await step
@@ -160,8 +175,7 @@ async def test_a_second_step_of_a_session_with_one_unanswered_is_aborted_at_once
         queued = asyncio.ensure_future(
             stub.Attend(pb.AttendRequest(session_id=other, input=tokens(2)))
         )
-        while not server.lanes["tiny"].fast._pending:  # noqa: SLF001 (queued behind the gate)
-            await asyncio.sleep(0.01)
+        await gate.queued(1)
         for sid_ in (sid, other):  # a step computing, or queued: not reserved yet
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.TruncateSession(pb.TruncateSessionRequest(session_id=sid_))
@@ -194,15 +208,13 @@ async def test_timing_batch_size_counts_the_steps_computed_not_those_refused():
                 asyncio.ensure_future(stub.Attend(pb.AttendRequest(session_id=i, input=tokens(1))))
                 for i in ids[1:]
             )
-            lane = server.lanes["tiny"].fast
-            while len(lane._pending) < 2:  # noqa: SLF001 (both queued behind the gate)
-                await asyncio.sleep(0.01)
+            await gate.queued(2)
             gate.open()
             await held
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await refused  # past its max_len: refused when the batch reserves
             assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
-            assert len(gate.calls) == 3  # ok and refused went to the lane together
+            assert gate.batches == [1, 2]  # ok and refused went to the lane together
             assert (await ok).timing.batch_size == 1
     finally:
         await server.stop()
