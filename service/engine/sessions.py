@@ -8,10 +8,12 @@ reservation back, so a session never counts tokens whose K/V were not written.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,6 +23,7 @@ from mha_serve.cache import (
     KVCache,
     Reservation,
     Session,
+    SessionBusy,
     SessionTable,
 )
 from mha_serve.engine.errors import (
@@ -54,6 +57,8 @@ class Sessions:
     ) -> None:
         self.table = SessionTable(evict=evict, default_ttl_s=default_ttl_s)
         self.caches: dict[str, KVCache] = {}
+        self._stepping: set[str] = set()  # sessions with a step received and not yet answered
+        self._stepping_lock = threading.Lock()
         for name, hosted in models.items():
             spec = hosted.spec
             if spec.kv_cache_bytes == 0:
@@ -94,6 +99,37 @@ class Sessions:
     def create(self, model: str, max_len: int | None, ttl_s: float | None) -> Session:
         self.cache(model)
         return self.table.create(model, max_len=max_len, ttl_s=ttl_s)
+
+    @contextlib.contextmanager
+    def stepping(self, session_id: str) -> Iterator[None]:
+        """Claims the session for one step, from its receipt until its answer: another step
+        of it meanwhile (on another call or stream) is refused with SessionBusy at once,
+        whether the first still queues or computes. (The table's own pending step covers
+        only the compute, from reserve on.)"""
+        with self._stepping_lock:
+            if session_id in self._stepping:
+                raise SessionBusy(
+                    f"session {session_id!r} already has a step in flight (sent on another "
+                    "call or stream); send a session's steps one at a time, each after the "
+                    "last one's reply"
+                )
+            self._stepping.add(session_id)
+        try:
+            yield
+        finally:
+            with self._stepping_lock:
+                self._stepping.discard(session_id)
+
+    def truncate(self, session_id: str, num_tokens: int) -> Session:
+        """SessionTable.truncate, refused (SessionBusy) while a step of the session is
+        unanswered: a queued step has no reservation yet and would append after the cut."""
+        with self._stepping_lock:
+            if session_id in self._stepping:
+                raise SessionBusy(
+                    f"session {session_id!r} has a step in flight; truncate it once the step "
+                    "is answered"
+                )
+            return self.table.truncate(session_id, num_tokens)
 
     def validate_step(self, hosted: HostedModel, call: AttendCall) -> Session:
         """Session-specific checks, before the step queues (the table re-checks at reserve)."""

@@ -88,8 +88,6 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         self._engine: Engine | None = None  # set by the server once models are loaded and warm
         self._lanes: dict[str, ModelLanes] = {}
         self.max_request_bytes = max_request_bytes
-        # Sessions with a step received and not yet answered (the event loop's own: no lock).
-        self._stepping: set[str] = set()
 
     @property
     def engine(self) -> Engine:
@@ -176,19 +174,10 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     ) -> pb.AttendResponse:
         received = time.perf_counter()
         call, single = to_call(request, self.engine)
-        sid = call.session_id
-        if not sid:
+        if not call.session_id:
             return await self._attend_call(call, single, received, context)
-        if sid in self._stepping:
-            raise SessionBusy(
-                f"session {sid!r} already has a step in flight (sent on another call or "
-                "stream); send a session's steps one at a time, each after the last one's reply"
-            )
-        self._stepping.add(sid)
-        try:
+        with self.engine.sessions.stepping(call.session_id):  # until answered
             return await self._attend_call(call, single, received, context)
-        finally:
-            self._stepping.discard(sid)
 
     async def _attend_call(
         self, call: AttendCall, single: bool, received: float, context: grpc.aio.ServicerContext
@@ -274,14 +263,9 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         self, request: pb.TruncateSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionInfo:
         def handle() -> pb.SessionInfo:
-            table = self.engine.sessions.table
-            sid = _session_id(request)
-            if sid in self._stepping:  # queued or computing: its reservation comes later
-                raise SessionBusy(
-                    f"session {sid!r} has a step in flight; truncate it once the step is answered"
-                )
-            session = table.truncate(sid, request.num_tokens)
-            return session_info(table.session_stats(session.id))
+            sessions = self.engine.sessions
+            session = sessions.truncate(_session_id(request), request.num_tokens)
+            return session_info(sessions.table.session_stats(session.id))
 
         model = self._session_label(request.session_id)
         return await self._answer("TruncateSession", model, context, _sync(handle))

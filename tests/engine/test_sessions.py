@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mha_serve.cache import CacheExhausted, SessionFull, SessionNotFound
+from mha_serve.cache import CacheExhausted, SessionBusy, SessionFull, SessionNotFound
 from mha_serve.config import default_models
 from mha_serve.engine import (
     Abandoned,
@@ -454,3 +454,24 @@ def test_a_truncated_session_equals_a_recompute_of_what_it_kept(engine, name):
         hosted, AttendCall(name, torch.cat([x[:, :18], draft, x[:, 29:30]], 1), causal=True)
     )
     assert (forked.output - ref.output[:, 24:]).abs().max() < ATOL
+
+
+def test_a_session_claimed_for_a_step_refuses_another_step_and_a_truncate_until_answered(
+    engine,
+):
+    sessions = engine.sessions
+    sid = sessions.create("gqa", None, None).id
+    with sessions.stepping(sid):
+        with (
+            pytest.raises(SessionBusy, match="already has a step in flight"),
+            sessions.stepping(sid),
+        ):
+            pass
+        with pytest.raises(SessionBusy, match="truncate it once the step is answered"):
+            sessions.truncate(sid, 0)
+    with pytest.raises(RuntimeError), sessions.stepping(sid):  # released on an error too
+        raise RuntimeError("the step failed")
+    with sessions.stepping(sid):
+        pass
+    assert sessions.truncate(sid, 0).num_tokens == 0
+    sessions.table.close(sid)
