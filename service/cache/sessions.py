@@ -116,6 +116,7 @@ class SessionTable:
             child = Session(uuid.uuid4().hex, parent.model, parent.max_len, ttl_s, now, now)
             child.block_table = list(blocks)
             child.num_tokens = parent.num_tokens
+            child.key_absmax = parent.key_absmax
             parent.last_used_s = now
             self._sessions[child.id] = child
             return child
@@ -144,6 +145,8 @@ class SessionTable:
             m.pool.decref(s.block_table[keep:])
             del s.block_table[keep:]
             s.num_tokens = n
+            if n == 0:  # else the kept keys' bound stays (a bound need not be tight)
+                s.key_absmax = 0.0
             s.last_used_s = self._clock()
             return s
 
@@ -229,7 +232,14 @@ class SessionTable:
             s.block_table.extend(ids)
             slots = tuple(s.block_table[p // bs] * bs + p % bs for p in range(s.num_tokens, total))
             res = Reservation(
-                session_id, s.model, s.num_tokens, n, tuple(s.block_table), slots, num_new_blocks
+                session_id,
+                s.model,
+                s.num_tokens,
+                n,
+                tuple(s.block_table),
+                slots,
+                num_new_blocks,
+                s.key_absmax if s.num_tokens else 0.0,
             )
             s.pending = res
             s.in_use += 1
@@ -263,11 +273,13 @@ class SessionTable:
                     self._unpin(s)
             return results
 
-    def commit(self, res: Reservation) -> Session:
-        """The step's K/V are written: count its tokens and unpin."""
+    def commit(self, res: Reservation, *, key_absmax: float = 0.0) -> Session:
+        """The step's K/V are written: count its tokens and unpin. key_absmax: max |k| of
+        the step's keys, kept in the session's bound (Session.key_absmax)."""
         with self._lock:
             s = self._pending_owner(res)
             s.num_tokens = res.start + res.num_tokens
+            s.key_absmax = max(res.key_absmax, key_absmax)
             s.pending = None
             s.last_used_s = self._clock()
             self._unpin(s)

@@ -29,6 +29,7 @@ class Reservation:
     block_table: tuple[int, ...]  # the session's blocks, covering start + num_tokens
     slots: tuple[int, ...]  # (num_tokens,) block_id * block_size + offset per new token
     num_new_blocks: int  # blocks appended by this reservation; rollback frees them
+    key_absmax: float = 0.0  # max |k| over the keys cached before this step (Session's)
 
 
 @dataclass(eq=False)
@@ -45,6 +46,9 @@ class Session:
     num_tokens: int = 0  # committed tokens: their K/V are written
     in_use: int = 0  # pins: a pinned session is never evicted or expired
     pending: Reservation | None = None
+    # max |k| over every key the session holds or held since it was last emptied: a bound
+    # on its keys that the engine's overflow check reads instead of the keys themselves.
+    key_absmax: float = 0.0
 
     @property
     def num_blocks(self) -> int:

@@ -14,6 +14,7 @@ from mha_serve.engine.errors import (
     TooLarge,
     all_finite,
     require_finite,
+    scores_overflow_error,
 )
 from mha_serve.engine.sessions import Sessions
 from mha_serve.engine.types import DTYPES, AttendCall, AttendResult, ModelSpec, repeat_heads
@@ -243,6 +244,8 @@ class Engine:
                 query_range=(call.query_start, query_end) if call.need_weights else None,
                 head_mask=head_mask,
             )
+            if out.overflow:
+                raise scores_overflow_error(hosted.dtype)
             output = require_finite(out.output.to(call.output_dtype or call.inputs.dtype), "output")
             weights = None
             if out.weights is not None:
@@ -305,14 +308,15 @@ class Engine:
         if first.head_mask is not None:
             head_mask = torch.tensor(first.head_mask, dtype=hosted.dtype, device=hosted.device)
         with torch.inference_mode():
-            out = hosted.module(
-                x, lengths=lengths_t, causal=first.causal, head_mask=head_mask
-            ).output
+            forward = hosted.module(x, lengths=lengths_t, causal=first.causal, head_mask=head_mask)
+        out, overflow = forward.output, set(forward.overflow)
         results, row = [], 0
         compute_ms = (time.perf_counter() - start) * 1e3
         for c in calls:
             batch, seq_len, _ = c.inputs.shape
             try:
+                if overflow.intersection(range(row, row + batch)):
+                    raise scores_overflow_error(hosted.dtype)
                 output = out[row : row + batch, :seq_len].to(c.output_dtype or c.inputs.dtype)
                 output = require_finite(output.cpu().contiguous(), "output")  # the copy we send
                 results.append(AttendResult(output, None, compute_ms=compute_ms, batch_size=total))

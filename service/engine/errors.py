@@ -57,3 +57,14 @@ def require_finite(t: torch.Tensor, what: str) -> torch.Tensor:
             "down or ask for a wider dtype (float32)"
         )
     return t
+
+
+def scores_overflow_error(dtype: torch.dtype) -> InvalidRequest:
+    """A request whose attention scores (q . k) or values would overflow the compute dtype:
+    refused whatever a kernel would make of them (mha_serve.model.overflow)."""
+    name = str(dtype).removeprefix("torch.")
+    return InvalidRequest(
+        f"the attention scores of this input overflow {name} (a product q . k of its queries "
+        f"and keys reaches {torch.finfo(dtype).max:.3g}, or its values are not finite): the "
+        "input values are too large for the model; scale the input down"
+    )

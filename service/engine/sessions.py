@@ -33,9 +33,11 @@ from mha_serve.engine.errors import (
     RequestError,
     all_finite,
     require_finite,
+    scores_overflow_error,
 )
 from mha_serve.engine.types import DTYPES, AttendCall, AttendResult, repeat_heads
 from mha_serve.model import attend_cached
+from mha_serve.model.overflow import bound_crossed, row_absmax, score_limit, scores_overflow
 
 if TYPE_CHECKING:
     from mha_serve.engine.engine import HostedModel
@@ -194,7 +196,7 @@ class Sessions:
             small = _one_thread_is_enough(cache, [r for _, r in live])
             if small and threads > 1:
                 torch.set_num_threads(1)
-            out, heads, overflowed = self._forward(hosted, cache, [calls[i] for i, _ in live], live)
+            forward = self._forward(hosted, cache, [calls[i] for i, _ in live], live)
         except BaseException:  # nothing was kept: every reservation still open goes back
             for r in open_:
                 self.table.rollback(r)
@@ -203,12 +205,13 @@ class Sessions:
             if small and threads > 1:
                 torch.set_num_threads(threads)
         compute_ms = (time.perf_counter() - start) * 1e3
-        self._settle(out, heads, overflowed, compute_ms, calls, live, results)
+        self._settle(*forward, compute_ms, calls, live, results)
         return results
 
     def _forward(self, hosted, cache, steps: list[AttendCall], live) -> tuple:
-        """Writes the steps' K/V and attends; returns (AttentionOutput, heads, overflowed):
-        overflowed, the batch rows whose K/V did not fit the cache's narrower dtype."""
+        """Writes the steps' K/V and attends; returns (AttentionOutput, heads, overflowed,
+        too_large, k_max): overflowed, the batch rows whose K/V did not fit the cache's
+        dtype; too_large, those whose scores overflow; k_max, each row's max |k|."""
         reservations = [r for _, r in live]
         new_tokens = [c.inputs.shape[1] for c in steps]
         x = _batch_inputs(hosted, steps, new_tokens)  # (B, T, E)
@@ -224,17 +227,33 @@ class Sessions:
             # An inf key need not show in this step's output (a -inf score is just a zero
             # weight) but would poison every later step of its session, so the K/V
             # themselves are checked: those rows' steps are refused, not kept. float16 (a
-            # narrower cache, or a float16 model's own) overflows past |x| = 65504.
-            overflowed: set[int] = set()
-            if not _sums_finite(k_new, v_new):  # rare: then find the rows
-                fits = _rows_finite(k_new) & _rows_finite(v_new)
-                overflowed = {b for b, ok in enumerate(fits.tolist()) if not ok}
+            # narrower cache, or a float16 model's own) overflows past |x| = 65504. The
+            # same maxima bound each step's scores against all its session's keys (the
+            # cached ones by the session's own bound), so the exact check runs only for a
+            # row the bound cannot clear (mha_serve.model.overflow).
+            q_max, k_max, v_max = row_absmax(q, k_new, v_new)
+            limit = score_limit(q.dtype, cache.dtype)
+            D = hosted.spec.attention.head_dim
+            overflowed: set[int] = set()  # K/V not finite in the cache's dtype
+            unsure: list[int] = []  # scores the bound cannot clear
+            for b, r in enumerate(reservations):
+                if not (k_max[b] < math.inf and v_max[b] < math.inf):
+                    overflowed.add(b)
+                elif bound_crossed(q_max[b], max(k_max[b], r.key_absmax), D, limit):
+                    unsure.append(b)
             # Write first, then read each session's positions in order: one copy of the
             # past (none for a session whose blocks are consecutive), no concatenation.
             cache.append(k_new, v_new, [r.slots for r in reservations])
             totals = [r.start + r.num_tokens for r in reservations]
             past = [r.start for r in reservations]
             kv = [cache.read(r.block_table, n) for r, n in zip(reservations, totals, strict=True)]
+            too_large = {  # (q in the cache's dtype, as the kernels see it)
+                b
+                for b in unsure
+                if scores_overflow(
+                    q[b, :, : new_tokens[b]].to(cache.dtype), kv[b][0][0], limit, first_pos=past[b]
+                )
+            }
             out = attend_cached(
                 hosted.module,
                 q,
@@ -245,9 +264,11 @@ class Sessions:
                 weight_heads=sorted(set(heads)) if first.need_weights else None,
                 head_mask=head_mask,
             )
-        return out, heads, overflowed
+        return out, heads, overflowed, too_large, k_max
 
-    def _settle(self, out, heads, overflowed, compute_ms: float, calls, live, results) -> None:
+    def _settle(
+        self, out, heads, overflowed, too_large, k_max, compute_ms: float, calls, live, results
+    ) -> None:
         """Keeps (commit) or drops (rollback) each step on its own: one step's failure, its
         caller gone, or its session closing meanwhile, is that step's answer alone. Should
         settling itself fail, the steps not yet settled are rolled back and answered with
@@ -261,6 +282,9 @@ class Sessions:
                 try:
                     if b in overflowed:
                         raise InvalidRequest(_overflow_message(self.caches[call.model].dtype))
+                    if b in too_large:
+                        dtypes = (out.output.dtype, self.caches[call.model].dtype)
+                        raise scores_overflow_error(min(dtypes, key=lambda d: torch.finfo(d).max))
                     result = self._result(out, b, r, call, heads, compute_ms, len(live), finite)
                     _raise_if_abandoned(call)  # last, right before commit: the smallest gap
                 except Exception as e:  # refused, caller gone, or a bug: not kept
@@ -269,7 +293,7 @@ class Sessions:
                     results[i] = e
                     continue
                 settled = b + 1
-                self.table.commit(r)
+                self.table.commit(r, key_absmax=k_max[b])
                 try:
                     result.session = self.table.session_stats(r.session_id)
                 except CacheError as e:  # closed while the step ran: its cache went with it
@@ -339,20 +363,6 @@ def _overflow_message(dtype: torch.dtype) -> str:
         f"this step's keys or values overflowed to inf/NaN in {name}: the input values are "
         "too large for the model; scale the input down"
     )
-
-
-def _sums_finite(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether k and v hold no NaN/Inf: exactly when their float64 sum is finite (finite
-    values of any float dtype cannot sum past float64's range). One reduction each and one
-    sync: a per-row check costs 4x as much on every decode step. (MPS has no float64: a
-    float32 sum that overflows only sends the step to the exact per-row check.)"""
-    acc = torch.float32 if k.device.type == "mps" else torch.float64
-    return math.isfinite((k.sum(dtype=acc) + v.sum(dtype=acc)).item())
-
-
-def _rows_finite(t: torch.Tensor) -> torch.Tensor:
-    """(B,) bool: whether row b of t (B, ...) holds only finite values."""
-    return torch.isfinite(t).flatten(1).all(1)
 
 
 def _batch_inputs(

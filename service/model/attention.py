@@ -6,19 +6,23 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import AttentionConfig
+from .overflow import overflowing_rows
 
 
 @dataclass
 class AttentionOutput:
     output: torch.Tensor  # (B, L, E), rows at padded positions are 0
     weights: torch.Tensor | None  # (B, len(heads), R, S) float32; None unless need_weights
+    # Batch rows whose attention scores (or values) overflow the compute dtype: their
+    # output and weights are meaningless and must not be returned (overflow.py).
+    overflow: list[int] = field(default_factory=list)
 
 
 class MultiHeadAttention(nn.Module):
@@ -81,6 +85,7 @@ class MultiHeadAttention(nn.Module):
             x = x.masked_fill(~valid[:, :, None], 0.0)
 
         q, k, v = self.project(x)  # (B, H, L, D), (B, KVH, L, D), (B, KVH, L, D)
+        overflow = overflowing_rows(q, k, v, [0 if causal else None] * B)
 
         # No mask at all when nothing is padded, so SDPA can pick its fastest
         # kernel (is_causal needs no mask tensor); a boolean mask only for padding.
@@ -101,7 +106,7 @@ class MultiHeadAttention(nn.Module):
         weights = None
         if need_weights:
             weights = self._weights(q, k, valid, causal, heads, q_start, q_end)
-        return AttentionOutput(output=out, weights=weights)
+        return AttentionOutput(output=out, weights=weights, overflow=overflow)
 
     def _weights(
         self,

@@ -13,19 +13,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from mha_client.api import attention_pb2 as pb
-from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_serve import metrics
 from mha_serve.batching import BatchPolicy, ModelLanes
 from mha_serve.config import ServerConfig
 from mha_serve.engine import Engine, HostedModel, resolve_device, resolve_dtype
 from mha_serve.engine.threads import ComputeThreads
+from mha_serve.transport.handlers import add_service
 from mha_serve.transport.servicer import AttentionServicer
 
 log = logging.getLogger(__name__)
 SESSION_SWEEP_S = 1.0  # how often idle sessions are checked against their TTL
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name[
-    "AttentionService"
-].full_name  # "mha.v1.AttentionService"
+SERVICE = pb.DESCRIPTOR.services_by_name["AttentionService"]
+SERVICE_NAME = SERVICE.full_name  # "mha.v1.AttentionService"
 
 
 class Server:
@@ -60,7 +59,9 @@ class Server:
     async def listen(self) -> None:
         """Opens the port with health NOT_SERVING; Attend answers UNAVAILABLE until `load`."""
         cfg = self.cfg
-        pb_grpc.add_AttentionServiceServicer_to_server(self.servicer, self.server)
+        add_service(
+            self.server, self.servicer, pb.DESCRIPTOR.services_by_name["AttentionService"], pb
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -35,6 +36,7 @@ from mha_serve.engine import (
     TooLarge,
 )
 from mha_serve.transport.convert import encode_result, model_info, session_info, to_call
+from mha_serve.transport.handlers import Malformed, MalformedLog
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,6 +77,18 @@ def status_of(error: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def _parsed(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """A unary method that first answers a request whose bytes did not parse."""
+
+    @functools.wraps(method)
+    async def run(self: AttentionServicer, request: Any, context: grpc.aio.ServicerContext) -> T:
+        if isinstance(request, Malformed):
+            await self._reject(method.__name__, request, context)
+        return await method(self, request, context)
+
+    return run
+
+
 async def _offload(fn: Callable[..., T], *args: Any, nbytes: int) -> T:
     if nbytes < OFFLOAD_BYTES:
         return fn(*args)
@@ -88,6 +102,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         self._engine: Engine | None = None  # set by the server once models are loaded and warm
         self._lanes: dict[str, ModelLanes] = {}
         self.max_request_bytes = max_request_bytes
+        self.malformed_log = MalformedLog()
 
     @property
     def engine(self) -> Engine:
@@ -122,6 +137,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
 
     # --- attention ---------------------------------------------------------------------
 
+    @_parsed
     async def Attend(
         self, request: pb.AttendRequest, context: grpc.aio.ServicerContext
     ) -> pb.AttendResponse:
@@ -141,6 +157,8 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         stream. Later messages may leave session_id empty; naming another session is an error."""
         session_id, model = "", ""
         async for request in requests:
+            if isinstance(request, Malformed):
+                await self._reject("StreamSession", request, context)
             if not session_id:
                 session_id = request.session_id
                 if not session_id:
@@ -224,6 +242,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
 
     # --- sessions ----------------------------------------------------------------------
 
+    @_parsed
     async def CreateSession(
         self, request: pb.CreateSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionInfo:
@@ -239,6 +258,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         model = self._model_label(request.model)
         return await self._answer("CreateSession", model, context, _sync(handle))
 
+    @_parsed
     async def GetSession(
         self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionInfo:
@@ -248,6 +268,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         model = self._session_label(request.session_id)
         return await self._answer("GetSession", model, context, _sync(handle))
 
+    @_parsed
     async def ForkSession(
         self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionInfo:
@@ -259,6 +280,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         model = self._session_label(request.session_id)
         return await self._answer("ForkSession", model, context, _sync(handle))
 
+    @_parsed
     async def TruncateSession(
         self, request: pb.TruncateSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionInfo:
@@ -270,6 +292,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         model = self._session_label(request.session_id)
         return await self._answer("TruncateSession", model, context, _sync(handle))
 
+    @_parsed
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.CloseSessionResponse:
@@ -282,6 +305,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
 
     # --- models ------------------------------------------------------------------------
 
+    @_parsed
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
@@ -292,6 +316,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
 
         return await self._answer("ListModels", "", context, _sync(handle))
 
+    @_parsed
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
@@ -306,6 +331,14 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         return model_info(
             hosted, self.engine, self.max_request_bytes, self.engine.max_response_bytes
         )
+
+    async def _reject(
+        self, method: str, request: Malformed, context: grpc.aio.ServicerContext
+    ) -> None:
+        """INVALID_ARGUMENT for bytes that are no valid message; the log only summarises."""
+        metrics.count_request(method, "unknown", grpc.StatusCode.INVALID_ARGUMENT.name)
+        self.malformed_log.note(method, context.peer(), request)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
 
     async def _answer(
         self,

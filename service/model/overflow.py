@@ -1,0 +1,92 @@
+"""Whether attention scores overflow the compute dtype, decided the same way on every kernel.
+
+Kernels treat an overflowed score differently: one CPU build's fused SDPA turns a row of
+inf scores into zero attention and returns a finite, wrong output, another returns NaN.
+So overflow is never read off the output. Each batch row gets a cheap bound first:
+|q . k| <= sum_i |q_i| |k_i| <= head_dim * max|q| * max|k|, where the middle term also
+bounds every partial sum of the dot product in any order. Only a row whose bound reaches
+the dtype's largest value gets the exact check, sum_i |q_i| |k_i| in float64 for every
+(query, key) pair it may attend to. A row that fails it is refused, never computed.
+
+V needs no bound of its own: attention weights sum to 1, so |p @ v| <= max|v|, which is
+finite whenever v is; the output projection after it is a plain GEMM, where an overflow
+can only end as inf or NaN, so the caller's finiteness check of the output holds there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Slack over the bound for the rounding of the products and sums themselves.
+MARGIN = 2.0
+# Exact checks run over this many float64 scores at a time (32 MiB).
+EXACT_CHUNK_ELEMENTS = 1 << 22
+
+
+def row_absmax(*tensors: torch.Tensor) -> list[list[float]]:
+    """max |x| over each batch row (dim 0) of each tensor, as Python floats, with one device
+    sync for all of them. NaN anywhere in a row gives NaN (amax propagates it)."""
+    maxima = [t.abs().amax(dim=tuple(range(1, t.dim()))).float() for t in tensors]  # (B,) each
+    return torch.stack(maxima).tolist()
+
+
+def score_limit(*dtypes: torch.dtype) -> float:
+    """The largest score every one of these dtypes holds (the narrowest one's max)."""
+    return min(torch.finfo(d).max for d in dtypes)
+
+
+def bound_crossed(q_absmax: float, k_absmax: float, head_dim: int, limit: float) -> bool:
+    """Whether the cheap bound cannot rule out an overflow (also for NaN/inf maxima)."""
+    return not head_dim * q_absmax * k_absmax * MARGIN < limit
+
+
+def scores_overflow(
+    q: torch.Tensor, k: torch.Tensor, limit: float, *, first_pos: int | None
+) -> bool:
+    """The exact check for one sequence: q (H, R, D), k (KVH, S, D), H a multiple of KVH
+    (query head h reads kv head h // (H / KVH)). first_pos: absolute position of query row
+    0 for causal attention (row i sees keys 0..first_pos + i), None for bidirectional.
+    True when sum_i |q_i| |k_i| reaches limit / MARGIN for a pair it may attend to, or any
+    value is not finite."""
+    H, R, D = q.shape
+    KVH, S, _ = k.shape
+    G = H // KVH
+    qa = q.abs().double().reshape(KVH, G, R, D)  # (KVH, G, R, D): query head h = kv*G + g
+    ka = k.abs().double()  # (KVH, S, D)
+    rows_per_chunk = max(1, EXACT_CHUNK_ELEMENTS // max(1, H * S))
+    for r0 in range(0, R, rows_per_chunk):
+        r1 = min(R, r0 + rows_per_chunk)
+        q_chunk = qa[:, :, r0:r1].reshape(KVH, G * (r1 - r0), D)  # row g * n + i
+        sums = q_chunk @ ka.transpose(1, 2)  # (KVH, G*n, S)
+        if first_pos is not None:
+            rows = torch.arange(r0, r1, device=q.device).repeat(G)[:, None]  # (G*n, 1)
+            cols = torch.arange(S, device=q.device)[None, :]  # (1, S)
+            sums = sums.masked_fill(cols > first_pos + rows, 0.0)
+        if not bool((sums < limit / MARGIN).all()):  # NaN compares False: refused too
+            return True
+    return False
+
+
+def overflowing_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    first_pos: list[int | None],
+) -> list[int]:
+    """Batch rows whose scores or values overflow: q (B, H, R, D), k and v (B, KVH, S, D).
+    first_pos[b]: absolute position of row b's first query when causal, None when not.
+    One device sync; the exact check only for rows the bound flags."""
+    limit = score_limit(q.dtype, k.dtype)
+    D = q.shape[-1]
+    q_max, k_max, v_max = row_absmax(q, k, v)
+    return [
+        b
+        for b in range(q.shape[0])
+        if not v_max[b] < math.inf
+        or (
+            bound_crossed(q_max[b], k_max[b], D, limit)
+            and scores_overflow(q[b], k[b], limit, first_pos=first_pos[b])
+        )
+    ]

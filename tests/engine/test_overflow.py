@@ -1,0 +1,142 @@
+"""Requests whose attention scores overflow are refused (INVALID_ARGUMENT) on every CPU kernel,
+stateless and as session steps, where a session's cached keys count too."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from mha_serve.engine import AttendCall, Engine, InvalidRequest, ModelSpec
+from mha_serve.model import AttentionConfig
+
+# q = x[0:4], k = x[4:8], v = x[0:4], output = attention output: queries and keys set apart.
+TINY = AttentionConfig(embed_dim=8, num_heads=1, head_dim=4, bias=False)
+
+
+@pytest.fixture
+def engine() -> Engine:
+    engine = Engine(
+        [ModelSpec("tiny", TINY)],
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        max_response_bytes=2**24,
+    )
+    module = engine.get("tiny").module
+    with torch.no_grad():
+        w = torch.zeros(12, 8)
+        w[0:4, 0:4] = torch.eye(4)
+        w[4:8, 4:8] = torch.eye(4)
+        w[8:12, 0:4] = torch.eye(4)
+        module.wqkv.weight.copy_(w)
+        module.wo.weight.copy_(torch.eye(8, 4))
+    return engine
+
+
+def token(q0: float = 0.0, k0: float = 0.0) -> torch.Tensor:
+    x = torch.zeros(1, 1, 8)
+    x[0, 0, 0], x[0, 0, 4] = q0, k0
+    return x
+
+
+def step(engine: Engine, session_id: str, x: torch.Tensor):
+    return engine.attend(AttendCall("tiny", x, session_id=session_id))
+
+
+def test_a_query_against_a_cached_key_is_refused_and_nothing_is_kept(engine):
+    """The new token's own key is 0, so only the session's bound on its cached keys can
+    see that q . k = 2e38 overflows (past the limit with its margin)."""
+    sid = engine.sessions.create("tiny", None, None).id
+    first = step(engine, sid, token(k0=1e19))
+    assert first.session.num_tokens == 1
+    with pytest.raises(InvalidRequest, match="attention scores of this input overflow float32"):
+        step(engine, sid, token(q0=2e19))
+    assert engine.sessions.table.get(sid).num_tokens == 1  # rolled back
+    ok = step(engine, sid, token(q0=1e18))  # 1e37: fits
+    assert ok.session.num_tokens == 2 and torch.isfinite(ok.output).all()
+
+
+def test_forks_inherit_the_bound_and_an_emptied_session_drops_it(engine):
+    sid = engine.sessions.create("tiny", None, None).id
+    step(engine, sid, token(k0=1e19))
+    child = engine.sessions.table.fork(sid)
+    with pytest.raises(InvalidRequest, match="attention scores"):
+        step(engine, child.id, token(q0=2e19))
+    engine.sessions.truncate(sid, 0)
+    assert step(engine, sid, token(q0=2e19)).session.num_tokens == 1
+
+
+def test_a_huge_prefill_is_refused_and_a_bounded_one_is_not(engine):
+    sid = engine.sessions.create("tiny", None, None).id
+    x = torch.cat([token(k0=1e19), token(q0=2e19)], dim=1)  # (1, 2, 8)
+    with pytest.raises(InvalidRequest, match="attention scores"):
+        step(engine, sid, x)
+    # Causal: a huge query before the huge key never meets it.
+    y = torch.cat([token(q0=2e19), token(k0=1e19)], dim=1)
+    assert step(engine, sid, y).session.num_tokens == 2
+
+
+def test_stateless_batch_refuses_only_the_overflowing_call(engine):
+    hosted = engine.get("tiny")
+    bad = AttendCall("tiny", torch.cat([token(k0=1e19), token(q0=2e19)], dim=1), causal=False)
+    good = AttendCall("tiny", torch.cat([token(k0=1.0), token(q0=2.0)], dim=1), causal=False)
+    results = engine.run_batch(hosted, [bad, good])
+    assert isinstance(results[0], InvalidRequest) and "attention scores" in str(results[0])
+    alone = engine.attend(good)
+    torch.testing.assert_close(results[1].output, alone.output)
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from mha_serve.config import default_models
+    from mha_serve.engine import AttendCall, Engine, InvalidRequest
+    engine = Engine(default_models(), device=torch.device("cpu"), dtype=torch.float32,
+                    max_response_bytes=2**26)
+    x = torch.full((1, 4, 512), 1e20)
+    outcomes = []
+    for call in (AttendCall("mha", x), AttendCall("gqa", x, causal=True),
+                 AttendCall("mqa", x, session_id=engine.sessions.create("mqa", None, None).id)):
+        try:
+            engine.attend(call)
+            outcomes.append("OK")
+        except InvalidRequest as e:
+            outcomes.append("refused" if "attention scores" in str(e) else str(e))
+    print(torch.backends.cpu.get_cpu_capability(), *outcomes)
+    """
+)
+
+
+# The CPU flags each of torch's kernel builds needs (a build the CPU lacks dies of SIGILL).
+NEEDS = {"default": set(), "avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw", "avx512vl"}}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(
+                (set(line.split(":")[1].split()) for line in f if line.startswith("flags")), set()
+            )
+    except OSError:
+        return set()
+
+
+@pytest.mark.parametrize("capability", list(NEEDS))
+def test_refused_under_every_cpu_kernel(capability):
+    """torch picks its CPU kernels by ATEN_CPU_CAPABILITY: the AVX2 build of fused SDPA
+    answered scores of 1e40 with zero attention, the AVX-512 one with NaN. Every kernel
+    this CPU can run gets the same refusal."""
+    missing = NEEDS[capability] - cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU lacks {sorted(missing)} for torch's {capability} kernels")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    used, *outcomes = done.stdout.split()
+    assert outcomes == ["refused"] * 3, f"under {used}: {outcomes}"
