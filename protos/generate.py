@@ -1,4 +1,4 @@
-"""Generates the Python gRPC stubs for protos/mha/v1/*.proto into client/api/.
+"""Generates the Python gRPC stubs for protos/mha/v1/*.proto into client/mha_client/api/.
 
 The one way stubs are made (never edit them by hand): run with the pinned
 grpcio-tools from the `dev` extra. `--check` regenerates into a temporary folder
@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
-OUT = ROOT / "client" / "api"
+OUT = ROOT / "client" / "mha_client" / "api"
 PROTOS = ["mha/v1/attention.proto"]
 _SIBLING_IMPORT = re.compile(r"^from mha\.v1 import (\w+) as (\w+)$", re.MULTILINE)
 
@@ -65,7 +65,9 @@ def main() -> int:
             if not (OUT / p.name).exists() or not filecmp.cmp(p, OUT / p.name, shallow=False)
         ]
     if stale:
-        print(f"stale stubs in client/api: {', '.join(stale)}; run: python protos/generate.py")
+        print(
+            f"stale stubs in client/mha_client/api: {', '.join(stale)}; run: python protos/generate.py"
+        )
         return 1
     print("stubs are up to date")
     return 0

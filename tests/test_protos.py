@@ -1,4 +1,4 @@
-"""The committed stubs in client/api are exactly what protos/generate.py makes from the .proto."""
+"""The committed stubs in client/mha_client/api are exactly what protos/generate.py makes from the .proto."""
 
 from __future__ import annotations
 
@@ -23,5 +23,5 @@ def test_generated_stubs_are_fresh():
 
 def test_stubs_import_as_a_package_without_a_top_level_mha_module():
     # grpc/grpc#29390: the grpc stub must import its sibling relatively, not as `mha.v1`.
-    text = (ROOT / "client/api/attention_pb2_grpc.py").read_text()
+    text = (ROOT / "client/mha_client/api/attention_pb2_grpc.py").read_text()
     assert "from . import attention_pb2" in text and "from mha.v1" not in text
