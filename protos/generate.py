@@ -6,7 +6,9 @@ and fails if the committed stubs differ (tests/test_protos.py runs it).
 
 protoc names modules after the proto path (`mha.v1.attention_pb2`); the stubs
 live in the `mha_client.api` package instead, so the generated grpc module's
-absolute import of its sibling is rewritten to a relative one (grpc/grpc#29390).
+absolute import of its sibling is rewritten to a relative one (grpc/grpc#29390),
+and the message classes are given the module they live in: pickle (Ray Serve's
+gRPC proxy pickles every request) finds a class by its `__module__`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ PROTO_ROOT = ROOT / "protos"
 OUT = ROOT / "client" / "mha_client" / "api"
 PROTOS = ["mha/v1/attention.proto"]
 _SIBLING_IMPORT = re.compile(r"^from mha\.v1 import (\w+) as (\w+)$", re.MULTILINE)
+_MODULE_NAME = re.compile(r"'mha\.v1\.(\w+)'")
+PACKAGE = "mha_client.api"
 
 
 def generate(out: Path) -> list[Path]:
@@ -43,6 +47,8 @@ def generate(out: Path) -> list[Path]:
         written = []
         for src in sorted(Path(tmp, "mha", "v1").glob("*_pb2*.py*")):
             text = _SIBLING_IMPORT.sub(r"from . import \1 as \2", src.read_text())
+            if src.name.endswith("_pb2.py"):
+                text = _MODULE_NAME.sub(rf"'{PACKAGE}.\1'", text)
             dst = out / src.name
             dst.write_text(text)
             written.append(dst)
