@@ -28,8 +28,10 @@ serve: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
-# promtool lints the real /metrics output in the tests (Debian's binary; see the script).
-$(VENV)/bin/promtool: | $(VENV)/.installed
+# promtool lints the real /metrics output and the alert rules in the tests; the prometheus
+# server beside it scrapes a real mha-serve (Debian's binaries; see the script, whose edits
+# fetch them again).
+$(VENV)/bin/promtool: .ci/get-promtool | $(VENV)/.installed
 	.ci/get-promtool $(VENV)/bin
 
 test: lint $(VENV)/bin/promtool
