@@ -274,7 +274,7 @@ def inprocess_steps(context: int, steps: int) -> list[dict]:
         x = torch.from_numpy(
             np.random.default_rng(0).standard_normal((1, context, EMBED), dtype=np.float32)
         )
-        sid = engine.sessions.create(model, None, None).id
+        sid = engine.create_session(model).session_id
         engine.run(hosted, AttendCall(model, x[:, : context - steps - 1], session_id=sid))
         times = []
         for t in range(context - steps - 1, context):
@@ -282,7 +282,7 @@ def inprocess_steps(context: int, steps: int) -> list[dict]:
             start = time.perf_counter()
             engine.run_batch(hosted, [call])
             times.append(time.perf_counter() - start)
-        engine.sessions.table.close(sid)
+        engine.close_session(sid)
         step = float(np.median(times[1:])) * 1e3
         rows.append({"model": model, "context": context, "compute_ms": step})
         print(f"  {model} context {context}: {step:.2f} ms", flush=True)

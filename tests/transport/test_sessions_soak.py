@@ -204,15 +204,15 @@ async def test_many_clients_with_sessions_under_eviction_stay_exact_and_leave_no
     await server.start()
     stats: dict[str, int] = {}
     try:
-        model = server.servicer.engine.get("tiny").module
+        model = server.serving.engine.get("tiny").module
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = pb_grpc.AttentionServiceStub(channel)
             clients = [Client(stub, model, seed, stats) for seed in range(SOAK_CLIENTS)]
             deadline = time.monotonic() + SOAK_S
             await asyncio.gather(*(c.run(deadline) for c in clients))
             await asyncio.gather(*(c.close_all() for c in clients))
-            pool = server.servicer.engine.sessions.table.pool("tiny")
-            assert pool.num_used == 0 and server.servicer.engine.sessions.num_sessions("tiny") == 0
+            cache = server.serving.engine.cache_info("tiny")
+            assert cache.num_blocks_used == 0 and cache.num_sessions == 0
     finally:
         await server.stop()
     print("soak:", stats)

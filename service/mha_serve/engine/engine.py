@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mha_serve.cache import SessionStats
 from mha_serve.engine.errors import (
     InvalidRequest,
     ModelNotFound,
@@ -17,7 +18,14 @@ from mha_serve.engine.errors import (
     scores_overflow_error,
 )
 from mha_serve.engine.sessions import Sessions
-from mha_serve.engine.types import DTYPES, AttendCall, AttendResult, ModelSpec, repeat_heads
+from mha_serve.engine.types import (
+    DTYPES,
+    AttendCall,
+    AttendResult,
+    CacheInfo,
+    ModelSpec,
+    repeat_heads,
+)
 from mha_serve.model import MultiHeadAttention, init_weights, load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -325,6 +333,66 @@ class Engine:
             row += batch
         return results
 
+    # --- sessions: the one API every front door calls ----------------------------------
+
+    def create_session(
+        self, model: str, max_len: int | None = None, ttl_s: float | None = None
+    ) -> SessionStats:
+        """A new empty session of `model` (max_len None: the model's; ttl_s None: default)."""
+        if not model:
+            raise InvalidRequest("model is empty; name one of the models ListModels returns")
+        self.get(model)
+        session = self.sessions.create(model, max_len, ttl_s)
+        return self.sessions.table.session_stats(session.id)
+
+    def get_session(self, session_id: str) -> SessionStats:
+        return self.sessions.table.session_stats(_session_id(session_id))
+
+    def session_model(self, session_id: str) -> str:
+        """The model of a live session (SessionNotFound says why there is none)."""
+        return self.sessions.table.get(_session_id(session_id)).model
+
+    def fork_session(self, session_id: str, ttl_s: float | None = None) -> SessionStats:
+        """A new session sharing the parent's tokens (copy-on-write); ttl_s None: the parent's."""
+        table = self.sessions.table
+        return table.session_stats(table.fork(_session_id(session_id), ttl_s=ttl_s).id)
+
+    def truncate_session(self, session_id: str, num_tokens: int) -> SessionStats:
+        session = self.sessions.truncate(_session_id(session_id), num_tokens)
+        return self.sessions.table.session_stats(session.id)
+
+    def close_session(self, session_id: str) -> None:
+        self.sessions.table.close(_session_id(session_id))
+
+    def expire_sessions(self) -> list[str]:
+        """Frees idle sessions past their TTL (lookups also expire them lazily)."""
+        return self.sessions.table.expire()
+
+    def on_session_end(self, hook) -> None:
+        """hook(reason) each time a session ends: "closed", "expired" or "evicted"."""
+        self.sessions.table.on_end = hook
+
+    def stepping(self, session_id: str):
+        """Claims a session for one step from its receipt to its answer (Sessions.stepping)."""
+        return self.sessions.stepping(session_id)
+
+    def cache_info(self, model: str) -> CacheInfo | None:
+        """The model's KV cache, None when it serves no sessions."""
+        cache = self.sessions.caches.get(model)
+        if cache is None:
+            return None
+        return CacheInfo(
+            budget_bytes=cache.budget_bytes,
+            block_size=cache.block_size,
+            bytes_per_token=cache.bytes_per_token,
+            bytes_per_block=cache.bytes_per_block,
+            num_blocks=cache.num_blocks,
+            num_blocks_used=self.sessions.table.pool(model).num_used,
+            num_sessions=self.sessions.num_sessions(model),
+            evict_idle_sessions=self.sessions.table.evict,
+            dtype=cache.dtype,
+        )
+
     def warmup(self) -> None:
         """One small forward per model (both paths), so the first request pays no lazy init."""
         for name, hosted in self.models.items():
@@ -332,6 +400,12 @@ class Engine:
             x = torch.zeros(1, 4, embed_dim)
             self.attend(AttendCall(model=name, inputs=x))
             self.attend(AttendCall(model=name, inputs=x, need_weights=True, lengths=[3]))
+
+
+def _session_id(session_id: str) -> str:
+    if not session_id:
+        raise InvalidRequest("session_id is empty; CreateSession returns one")
+    return session_id
 
 
 def _mib(num_bytes: int) -> str:

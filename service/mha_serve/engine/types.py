@@ -131,3 +131,18 @@ class AttendResult:
     compute_ms: float = 0.0
     batch_size: int = 0
     session: SessionStats | None = None  # the session after a step
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """One model's KV cache as the engine reports it (ModelInfo.kv_cache, metrics)."""
+
+    budget_bytes: int
+    block_size: int  # tokens per block
+    bytes_per_token: int
+    bytes_per_block: int
+    num_blocks: int
+    num_blocks_used: int
+    num_sessions: int
+    evict_idle_sessions: bool
+    dtype: torch.dtype  # element type of the stored K/V

@@ -124,14 +124,17 @@ def count_session_end(reason: str) -> None:
     _ended(reason).inc()
 
 
-def watch_kv_cache(model: str, cache, sessions) -> None:
-    """Gauges read at scrape time (cache: mha_serve.cache.KVCache; sessions: engine.Sessions)."""
-    pool = sessions.table.pool(model)
-    KV_CACHE_BLOCKS.labels(model, "total").set(cache.num_blocks)
-    KV_CACHE_BLOCKS.labels(model, "used").set_function(lambda: pool.num_used)
-    KV_CACHE_BUDGET_BYTES.labels(model).set(cache.budget_bytes)
-    KV_CACHE_BYTES_USED.labels(model).set_function(lambda: pool.num_used * cache.bytes_per_block)
-    SESSIONS.labels(model).set_function(lambda: sessions.num_sessions(model))
+def watch_kv_cache(model: str, cache_info) -> None:
+    """Gauges read at scrape time from cache_info() (the engine's CacheInfo of the model),
+    the same figures GetModelInfo returns."""
+    first = cache_info()
+    KV_CACHE_BLOCKS.labels(model, "total").set(first.num_blocks)
+    KV_CACHE_BLOCKS.labels(model, "used").set_function(lambda: cache_info().num_blocks_used)
+    KV_CACHE_BUDGET_BYTES.labels(model).set(first.budget_bytes)
+    KV_CACHE_BYTES_USED.labels(model).set_function(
+        lambda: cache_info().num_blocks_used * first.bytes_per_block
+    )
+    SESSIONS.labels(model).set_function(lambda: cache_info().num_sessions)
 
 
 @functools.cache

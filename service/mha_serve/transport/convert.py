@@ -7,6 +7,7 @@ import torch
 from mha_client.api import attention_pb2 as pb
 from mha_serve.cache import SessionStats
 from mha_serve.engine import AttendCall, AttendResult, Engine, HostedModel, InvalidRequest
+from mha_serve.engine.types import CacheInfo
 from mha_serve.transport.tensors import PROTO_DTYPES, from_proto, to_proto, torch_dtype
 
 VARIANTS = {"mha": pb.VARIANT_MHA, "gqa": pb.VARIANT_GQA, "mqa": pb.VARIANT_MQA}
@@ -16,7 +17,7 @@ def to_call(request: pb.AttendRequest, engine: Engine) -> tuple[AttendCall, bool
     """The engine call for a request, and whether the input was a single 2-D sequence."""
     model = request.model
     if request.session_id and not model:  # a step may leave the model to its session
-        model = engine.sessions.table.get(request.session_id).model
+        model = engine.session_model(request.session_id)
     if not model:
         raise InvalidRequest("model is empty; name one of the models ListModels returns")
     if not request.HasField("input"):
@@ -77,7 +78,10 @@ def session_info(stats: SessionStats) -> pb.SessionInfo:
 
 
 def model_info(
-    hosted: HostedModel, engine: Engine, max_request_bytes: int, max_response_bytes: int
+    hosted: HostedModel,
+    cache: CacheInfo | None,
+    max_request_bytes: int,
+    max_response_bytes: int,
 ) -> pb.ModelInfo:
     spec, cfg = hosted.spec, hosted.spec.attention
     info = pb.ModelInfo(
@@ -100,18 +104,16 @@ def model_info(
         ),
         num_parameters=hosted.num_parameters,
     )
-    cache = engine.sessions.caches.get(spec.name)
     if cache is not None:
-        pool = engine.sessions.table.pool(spec.name)
         info.kv_cache.CopyFrom(
             pb.KVCacheInfo(
                 budget_bytes=cache.budget_bytes,
                 block_size=cache.block_size,
                 bytes_per_token=cache.bytes_per_token,
                 num_blocks=cache.num_blocks,
-                num_blocks_used=pool.num_used,
-                num_sessions=engine.sessions.num_sessions(spec.name),
-                evict_idle_sessions=engine.sessions.table.evict,
+                num_blocks_used=cache.num_blocks_used,
+                num_sessions=cache.num_sessions,
+                evict_idle_sessions=cache.evict_idle_sessions,
                 dtype=PROTO_DTYPES[cache.dtype],
             )
         )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import gc
 import logging
 import signal
@@ -14,15 +13,15 @@ from grpc_reflection.v1alpha import reflection
 
 from mha_client.api import attention_pb2 as pb
 from mha_serve import metrics
-from mha_serve.batching import BatchPolicy, ModelLanes
 from mha_serve.config import ServerConfig
-from mha_serve.engine import Engine, HostedModel, resolve_device, resolve_dtype
+from mha_serve.engine import Engine, resolve_device, resolve_dtype
 from mha_serve.engine.threads import ComputeThreads
+from mha_serve.serving import AsyncEngine
+from mha_serve.serving.async_engine import SESSION_SWEEP_S
 from mha_serve.transport.handlers import add_service
 from mha_serve.transport.servicer import AttentionServicer
 
 log = logging.getLogger(__name__)
-SESSION_SWEEP_S = 1.0  # how often idle sessions are checked against their TTL
 SERVICE = pb.DESCRIPTOR.services_by_name["AttentionService"]
 SERVICE_NAME = SERVICE.full_name  # "mha.v1.AttentionService"
 
@@ -34,10 +33,10 @@ class Server:
         self.cfg = cfg
         self.health = health.aio.HealthServicer()
         self.servicer = AttentionServicer(max_request_bytes=cfg.max_receive_message_bytes)
-        self.lanes: dict[str, ModelLanes] = {}
+        self.serving: AsyncEngine | None = None  # once the models are warm
+        self.session_sweep_s = SESSION_SWEEP_S
         # Every forward runs on these two threads; the event loop only wraps request bytes.
         self.compute = ComputeThreads(cfg.torch_threads, cfg.weights_torch_threads)
-        self._sweeper: asyncio.Task | None = None
         self.server = grpc.aio.server(
             maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
             options=[
@@ -50,6 +49,11 @@ class Server:
         )
         self.port: int | None = None
         self._stopped = asyncio.Event()
+
+    @property
+    def lanes(self) -> dict:
+        """Each model's lanes (empty until the models are warm)."""
+        return {} if self.serving is None else self.serving.lanes
 
     async def start(self) -> None:
         """Listens at once (health NOT_SERVING), then loads and warms the models off the loop."""
@@ -85,14 +89,9 @@ class Server:
         """Loads and warms the models on the compute thread, then reports SERVING."""
         loop = asyncio.get_running_loop()
         engine = await loop.run_in_executor(self.compute.main, self._load_engine)
-        self.lanes = {
-            name: lanes_for(engine, hosted, self.compute) for name, hosted in engine.models.items()
-        }
-        self.servicer.attach(engine, self.lanes)
-        for name, cache in engine.sessions.caches.items():
-            metrics.watch_kv_cache(name, cache, engine.sessions)
-        engine.sessions.table.on_end = metrics.count_session_end
-        self._sweeper = asyncio.create_task(self._expire_sessions(engine), name="session-expiry")
+        self.serving = AsyncEngine(engine, self.compute, session_sweep_s=self.session_sweep_s)
+        self.serving.start()
+        self.servicer.attach(self.serving)
         # Everything loaded so far lives as long as the process: out of the collector's
         # sight, a full collection no longer walks torch's and grpc's objects (one took
         # 98 ms in the middle of a decode loop here; none over 1 ms after this). Before
@@ -103,14 +102,6 @@ class Server:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         metrics.READY.set(1)
         log.info("SERVING models: %s", ", ".join(engine.models))
-
-    async def _expire_sessions(self, engine: Engine) -> None:
-        """Frees idle sessions past their TTL (lookups also expire them lazily)."""
-        while True:
-            await asyncio.sleep(SESSION_SWEEP_S)
-            expired = engine.sessions.table.expire()  # counted by the table's on_end
-            if expired:
-                log.info("expired %d idle session(s)", len(expired))
 
     def _load_engine(self) -> Engine:
         device = resolve_device(self.cfg.device)
@@ -139,42 +130,13 @@ class Server:
             await asyncio.sleep(self.cfg.drain_delay_s)
         log.info("draining: up to %.1f s for in-flight calls", self.cfg.grace_period_s)
         await self.server.stop(self.cfg.grace_period_s)
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-        for lanes in self.lanes.values():
-            await lanes.close()
+        if self.serving is not None:
+            await self.serving.close()
         self.compute.shutdown()
         log.info("stopped")
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
-
-
-def lanes_for(engine: Engine, hosted: HostedModel, compute: ComputeThreads) -> ModelLanes:
-    """A model's batch queues, bound to the engine; its limits come from the model's spec."""
-    spec = hosted.spec
-    policy = BatchPolicy(
-        max_batch_size=spec.max_batch_size,
-        max_batch_tokens=spec.max_batch_tokens,
-        max_queue_delay_s=spec.max_queue_delay_ms / 1e3,
-        max_queue_requests=spec.max_queue_requests,
-        max_queue_tokens=spec.max_queue_tokens,
-        min_batch_fill=spec.min_batch_fill,
-    )
-    lanes = ModelLanes(
-        spec.name,
-        run_batch=functools.partial(engine.run_batch, hosted),
-        run_one=functools.partial(engine.run, hosted),
-        policy=policy,
-        on_batch=functools.partial(metrics.observe_batch, spec.name),
-        fast_executor=compute.main,
-        weights_executor=compute.weights,
-    )
-    for lane, batcher in (("fast", lanes.fast), ("weights", lanes.weights)):
-        metrics.QUEUE_DEPTH.labels(spec.name, lane).set_function(
-            lambda b=batcher: b.queued_requests
-        )
-    return lanes
 
 
 async def serve(cfg: ServerConfig) -> None:
