@@ -47,8 +47,12 @@ class SessionTable:
         clock: Callable[[], float] = time.monotonic,
         max_remembered: int = DEFAULT_MAX_REMEMBERED,
         on_end: Callable[[str], None] | None = None,
+        id_prefix: str = "",
     ) -> None:
         self.evict = evict
+        # Starts every session id: a Ray Serve replica puts its own id here, so that a
+        # session's id names the replica that holds it (mha_serve.ray_app routes by it).
+        self.id_prefix = id_prefix
         # Called (under the table's lock) with the reason each time a session ends: "closed",
         # "expired" (by the sweeper, a lookup or making room) or "evicted".
         self.on_end = on_end
@@ -93,7 +97,12 @@ class SessionTable:
             ttl_s = self.default_ttl_s if ttl_s is None else _check_ttl(ttl_s)
             now = self._clock()
             s = Session(
-                uuid.uuid4().hex, model, m.max_len if max_len is None else max_len, ttl_s, now, now
+                self.id_prefix + uuid.uuid4().hex,
+                model,
+                m.max_len if max_len is None else max_len,
+                ttl_s,
+                now,
+                now,
             )
             self._sessions[s.id] = s
             return s
@@ -113,7 +122,9 @@ class SessionTable:
             ttl_s = parent.ttl_s if ttl_s is None else _check_ttl(ttl_s)
             blocks = parent.block_table[: _cdiv(parent.num_tokens, m.storage.block_size)]
             m.pool.incref(blocks)
-            child = Session(uuid.uuid4().hex, parent.model, parent.max_len, ttl_s, now, now)
+            child = Session(
+                self.id_prefix + uuid.uuid4().hex, parent.model, parent.max_len, ttl_s, now, now
+            )
             child.block_table = list(blocks)
             child.num_tokens = parent.num_tokens
             child.key_absmax = parent.key_absmax

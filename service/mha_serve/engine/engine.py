@@ -82,7 +82,9 @@ class Engine:
         max_response_bytes: int,
         evict_idle_sessions: bool = False,
         session_ttl_s: float | None = None,
+        session_id_prefix: str = "",
     ) -> None:
+        """session_id_prefix starts every session id (a Ray Serve replica's own id)."""
         if not specs:
             raise ValueError("no models configured: add at least one [[models]] table")
         names = [s.name for s in specs]
@@ -96,6 +98,7 @@ class Engine:
         self.sessions = Sessions(
             self.models, evict=evict_idle_sessions, default_ttl_s=session_ttl_s
         )
+        self.sessions.table.id_prefix = session_id_prefix
 
     @staticmethod
     def _load(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> HostedModel:
