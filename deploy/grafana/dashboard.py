@@ -252,6 +252,13 @@ BATCHING = (
         (Query(mean("mha_serve_batch_requests", "model, lane"), "{{model}} {{lane}}"),),
     ),
     Panel(
+        "Tokens per request",
+        "p50 and p95 of tokens (batch x seq_len) per Attend or session step: the work each "
+        "request brings to a batch.",
+        "short",
+        quantiles("mha_serve_request_tokens")[:2],
+    ),
+    Panel(
         "Queue depth by model and lane",
         "Requests waiting for a batch. Growing steadily: the replica is saturated.",
         "short",

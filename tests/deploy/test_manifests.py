@@ -1,4 +1,5 @@
-"""deploy/k8s and the Dockerfile, checked offline against the server's own config and defaults."""
+"""deploy/k8s (each overlay as kustomize builds it) and the Dockerfile, checked offline against
+the server's own config and defaults."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from packaging.specifiers import SpecifierSet
 
 from mha_client.api import attention_pb2
@@ -24,11 +26,8 @@ from mha_serve.config import (
     default_models,
 )
 from mha_serve.transport.main import ENV_PREFIX, parser
+from tests.deploy.k8s import K8S, OVERLAYS, ROOT, build, is_custom
 
-yaml = pytest.importorskip("yaml", reason="PyYAML comes with kubernetes-validate (the dev extra)")
-
-ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "deploy" / "k8s"
 DOCKERFILE = ROOT / "Dockerfile"
 # The oldest Kubernetes the manifests claim (deploy/README.md): gRPC probes are GA since
 # 1.27, the preStop `sleep` action is on by default since 1.30.
@@ -36,23 +35,33 @@ MIN_KUBERNETES_VERSION = "1.30"
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 SERVICE_NAME = attention_pb2.DESCRIPTOR.services_by_name["AttentionService"].full_name
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+# Built-in kinds each overlay holds (custom kinds: tests/deploy/test_kustomize.py).
+KINDS = {
+    "cpu": {"ConfigMap", "Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget"},
+    "gpu": {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget"},
+}
+DASHBOARD_LABEL = "grafana_dashboard"
 
 
 # --- loading ---------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module", params=OVERLAYS)
+def overlay(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def manifests() -> dict[str, dict[str, Any]]:
-    """Every object under deploy/k8s (kustomization.yaml aside), by kind; one of each."""
+def manifests(overlay) -> dict[str, dict[str, Any]]:
+    """The built-in objects of one built overlay, by kind; one of each (the dashboard's
+    ConfigMap, for Grafana's sidecar, is checked with the custom kinds, not here)."""
     by_kind: dict[str, dict[str, Any]] = {}
-    for path in sorted(K8S.glob("*.yaml")):
-        if path.name == "kustomization.yaml":
+    for doc in build(overlay):
+        if is_custom(doc) or DASHBOARD_LABEL in doc["metadata"].get("labels", {}):
             continue
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc:
-                assert doc["kind"] not in by_kind, f"{path.name}: a second {doc['kind']}"
-                by_kind[doc["kind"]] = doc
-    assert set(by_kind) == {"Deployment", "Service", "ConfigMap"}, sorted(by_kind)
+        assert doc["kind"] not in by_kind, f"{overlay}: a second {doc['kind']}"
+        by_kind[doc["kind"]] = doc
+    assert set(by_kind) == KINDS[overlay], sorted(by_kind)
     return by_kind
 
 
@@ -155,11 +164,11 @@ def test_schema_validation_rejects_unknown_fields(manifests):
         kv.validate(broken, MIN_KUBERNETES_VERSION, strict=True)
 
 
-def test_kustomization_lists_every_manifest():
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+def test_base_kustomization_lists_every_manifest():
+    kustomization = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
     assert kustomization["kind"] == "Kustomization"
     assert kustomization["apiVersion"] == "kustomize.config.k8s.io/v1beta1"
-    files = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    files = {p.name for p in (K8S / "base").glob("*.yaml")} - {"kustomization.yaml"}
     assert sorted(kustomization["resources"]) == sorted(files)
 
 
