@@ -33,10 +33,13 @@ def test_requests_are_counted_by_code(server, stub):
     ok = pb.AttendRequest(
         model="mqa", input=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=x.shape, data=x.tobytes())
     )
-    key_ok = ("mha_serve_requests_total", (("code", "OK"), ("method", "Attend"), ("model", "mqa")))
+    key_ok = (
+        "mha_serve_requests_total",
+        (("code", "OK"), ("method", "Attend"), ("model", "mqa"), ("protocol", "mha.v1")),
+    )
     key_nf = (
         "mha_serve_requests_total",
-        (("code", "NOT_FOUND"), ("method", "Attend"), ("model", "unknown")),
+        (("code", "NOT_FOUND"), ("method", "Attend"), ("model", "unknown"), ("protocol", "mha.v1")),
     )
     before = scrape(server)
     stub.Attend(ok, timeout=30)
@@ -58,7 +61,10 @@ def test_session_steps_are_counted_under_their_sessions_model(server, stub):
         session_id=sid, input=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=x.shape, data=x.tobytes())
     )
     keys = {
-        method: ("mha_serve_requests_total", (("code", "OK"), ("method", method), ("model", "gqa")))
+        method: (
+            "mha_serve_requests_total",
+            (("code", "OK"), ("method", method), ("model", "gqa"), ("protocol", "mha.v1")),
+        )
         for method in ("Attend", "StreamSession")
     }
     before = scrape(server)
@@ -76,7 +82,8 @@ def test_session_rpcs_are_counted_under_their_sessions_model(server, stub):
     sid = stub.CreateSession(pb.CreateSessionRequest(model="gqa"), timeout=10).session_id
 
     def key(method, model, code="OK"):
-        return ("mha_serve_requests_total", (("code", code), ("method", method), ("model", model)))
+        labels = (("code", code), ("method", method), ("model", model), ("protocol", "mha.v1"))
+        return ("mha_serve_requests_total", labels)
 
     before = scrape(server)
     stub.GetSession(pb.GetSessionRequest(session_id=sid), timeout=10)

@@ -151,7 +151,7 @@ async def test_an_error_for_a_call_already_over_is_counted_not_sent():
     async def late():
         raise DeadlineExceeded("m: the deadline passed after 1 ms in the queue")
 
-    counter = metrics.REQUESTS.labels("Attend", "m", "DEADLINE_EXCEEDED")
+    counter = metrics.REQUESTS.labels("Attend", "m", "DEADLINE_EXCEEDED", "mha.v1")
     before = counter._value.get()  # noqa: SLF001
     context = _CallOver()
     with pytest.raises(asyncio.CancelledError):

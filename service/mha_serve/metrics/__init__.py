@@ -36,10 +36,14 @@ LATENCY_BUCKETS_S = (
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536)
 
+# The `protocol` label of mha_serve_requests_total: which API a request came through.
+PROTOCOL_MHA_V1 = "mha.v1"
+PROTOCOL_KSERVE_V2 = "kserve-v2"  # the Open Inference Protocol (inference.GRPCInferenceService)
+
 REQUESTS = Counter(
     "mha_serve_requests_total",
-    "RPCs finished, by method, model and gRPC status code.",
-    ["method", "model", "code"],
+    "RPCs finished, by method, model, gRPC status code and protocol (mha.v1 or kserve-v2).",
+    ["method", "model", "code", "protocol"],
 )
 REQUEST_LATENCY = Histogram(
     "mha_serve_request_latency_seconds",
@@ -180,14 +184,14 @@ def observe_batch(model: str, lane: str, info) -> None:
 
 
 @functools.cache
-def _request_counter(method: str, model: str, code: str):
-    return REQUESTS.labels(method, model, code)
+def _request_counter(method: str, model: str, code: str, protocol: str):
+    return REQUESTS.labels(method, model, code, protocol)
 
 
-def count_request(method: str, model: str, code: str) -> None:
+def count_request(method: str, model: str, code: str, protocol: str = PROTOCOL_MHA_V1) -> None:
     """One finished RPC. The label values are bounded: method names, hosted models (or
-    "unknown") and status code names."""
-    _request_counter(method, model, code).inc()
+    "unknown"), status code names and the two protocols."""
+    _request_counter(method, model, code, protocol).inc()
 
 
 def serve_metrics(port: int, host: str = "0.0.0.0") -> None:
