@@ -1,6 +1,7 @@
-"""The cache and the model together, driven the way the engine will drive them
-(reserve -> gather -> step -> write -> commit): incremental equals full recompute,
-batched equals alone, isolation under forks/closes/interleaving, budget and eviction."""
+"""The cache and the model together, driven the way the engine drives them (reserve ->
+project -> append -> read -> MultiHeadAttention.attend_cached -> commit): incremental equals
+full recompute, batched equals alone, isolation under forks/closes/interleaving, budget
+and eviction. The cache's storage starts as NaN: a stale slot read anywhere would show."""
 
 import random
 
@@ -9,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mha_serve.cache import CacheExhausted, KVCache, SessionNotFound, SessionTable, slot_mapping
+from mha_serve.cache import CacheExhausted, KVCache, SessionNotFound, SessionTable
 from mha_serve.model import AttentionConfig, MultiHeadAttention, init_weights
 
 ATOL = 1e-5  # float32 cached step against float32 full causal forward
@@ -34,6 +35,8 @@ def setup(num_kv_heads=2, *, embed_dim=64, num_blocks=256, evict=False, seed=0):
         module.config, budget_bytes=num_blocks * bytes_per_block, block_size=BS
     )
     assert kv.num_blocks == num_blocks
+    kv.k.fill_(float("nan"))  # never-written slots: reading one would poison the output
+    kv.v.fill_(float("nan"))
     table = SessionTable(evict=evict)
     table.add_model("m", kv)
     return module.eval(), kv, table
@@ -50,23 +53,21 @@ def attend(module, kv, table, steps, *, need_weights=False):
             raise r
     new_lengths = [x.shape[0] for _, x in steps]
     T = max(new_lengths)
-    x = torch.zeros(len(steps), T, module.config.embed_dim)  # (B, T, E)
+    x = torch.full((len(steps), T, module.config.embed_dim), float("nan"))  # (B, T, E)
     for b, (_, xs) in enumerate(steps):
-        x[b, : xs.shape[0]] = xs
+        x[b, : xs.shape[0]] = xs  # padded tokens stay NaN: they must never leak
     try:
-        past_k, past_v, past_lengths = kv.gather(
-            [r.block_table for r in res], [r.start for r in res]
-        )
         with torch.no_grad():
-            out, k_new, v_new = module.step(
-                x,
-                past_k=past_k,
-                past_v=past_v,
-                past_lengths=past_lengths,
-                new_lengths=torch.tensor(new_lengths),
+            q, k_new, v_new = module.project(x)  # (B, H, T, D), (B, KVH, T, D) x 2
+            kv.append(k_new, v_new, [r.slots for r in res])
+            cached = [kv.read(r.block_table, r.start + r.num_tokens) for r in res]
+            out = module.attend_cached(
+                q,
+                cached,
+                past_lengths=[r.start for r in res],
+                new_lengths=new_lengths,
                 need_weights=need_weights,
             )
-        kv.write(k_new, v_new, slot_mapping([r.slots for r in res], T))
     except Exception:
         for r in res:
             table.rollback(r)
@@ -97,7 +98,7 @@ def check_cached_kv(module, kv, table, history):
     for sid, seq in history.items():
         s = table.get(sid)
         assert s.num_tokens == seq.shape[0]
-        k, v, _ = kv.gather([s.block_table], [s.num_tokens])
+        k, v = kv.read(s.block_table, s.num_tokens)
         with torch.no_grad():
             _, k_all, v_all = module.project(seq[None])
         assert_close(k, k_all, what=f"{sid[:6]} cached K")

@@ -1,4 +1,4 @@
-"""KVCache: sizing from a byte budget, write/gather through slot mappings, block copies."""
+"""KVCache: sizing from a byte budget, write/append through slot mappings, read, block copies."""
 
 import pytest
 import torch
@@ -48,7 +48,7 @@ def test_default_block_size():
     assert KVCache(num_kv_heads=1, head_dim=8, budget_bytes=2**16).block_size == 16
 
 
-def test_write_then_gather_roundtrip_with_padding():
+def test_write_then_read_roundtrip_with_padding():
     kv = make()
     kv.k.zero_()  # storage starts uninitialised; zero it to see what write() touched
     kv.v.zero_()
@@ -62,11 +62,10 @@ def test_write_then_gather_roundtrip_with_padding():
     k = torch.randn(2, KVH, 6, D)
     v = torch.randn(2, KVH, 6, D)
     kv.write(k, v, slot_mapping(slots))
-    gk, gv, glen = kv.gather(tables, lengths)
-    assert gk.shape == gv.shape == (2, KVH, 6, D)
-    assert glen.tolist() == lengths
-    assert torch.equal(gk[0], k[0]) and torch.equal(gv[0], v[0])
-    assert torch.equal(gk[1, :, :3], k[1, :, :3]) and torch.equal(gv[1, :, :3], v[1, :, :3])
+    for b, (table, n) in enumerate(zip(tables, lengths, strict=True)):
+        rk, rv = kv.read(table, n)
+        assert rk.shape == rv.shape == (1, KVH, n, D)
+        assert torch.equal(rk[0], k[b, :, :n]) and torch.equal(rv[0], v[b, :, :n])
     # padded tokens (slot -1) were not written anywhere
     used = {s // BS for row in slots for s in row}
     others = [b for b in range(kv.num_blocks) if b not in used]
@@ -139,9 +138,10 @@ def test_read_returns_a_sessions_positions_in_place_when_its_blocks_are_consecut
     assert in_place == (table == [2, 3, 4]), "views for consecutive blocks, a copy otherwise"
 
 
-def test_gather_of_empty_past():
-    k, v, lengths = make().gather([[], [3]], [0, 0])
-    assert k.shape == v.shape == (2, KVH, 0, D) and lengths.tolist() == [0, 0]
+@pytest.mark.parametrize("table", [[], [3]])
+def test_read_of_empty_past(table):
+    k, v = make().read(table, 0)
+    assert k.shape == v.shape == (1, KVH, 0, D)
 
 
 def test_copy_block():
@@ -180,8 +180,7 @@ def test_slot_mapping_pads():
             ),
             "float64",
         ),
-        (lambda kv: kv.gather([[1]], [5]), "5 tokens need 2 block(s)"),
-        (lambda kv: kv.gather([[1], [2]], [1]), "2 tables and 1 lengths"),
+        (lambda kv: kv.read([1], 5), "5 tokens need 2 block(s)"),
         (lambda kv: kv.copy_block(0, 8), "0..7"),
     ],
 )

@@ -21,7 +21,7 @@ from mha_serve.engine import (
     TooLarge,
 )
 from mha_serve.engine import sessions as engine_sessions
-from mha_serve.model import AttentionConfig, cached
+from mha_serve.model import AttentionConfig, MultiHeadAttention, cached
 
 ATOL = 1e-5  # float32: cached steps vs one causal forward
 
@@ -163,13 +163,13 @@ def test_small_batched_steps_run_single_threaded_and_restore_the_count(engine, m
     if full < 2:
         pytest.skip("torch runs single-threaded here: nothing to switch")
     seen = []
-    real = engine_sessions.attend_cached
+    real = MultiHeadAttention.attend_cached  # the served decode path
 
     def spy(*args, **kwargs):
         seen.append(torch.get_num_threads())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine_sessions, "attend_cached", spy)
+    monkeypatch.setattr(MultiHeadAttention, "attend_cached", spy)
     hosted = engine.get("gqa")
     ids = [engine.sessions.create("gqa", None, None).id for _ in range(4)]
     for i, sid in enumerate(ids):
@@ -274,13 +274,13 @@ def test_a_session_closed_while_its_step_runs_answers_alone(engine, monkeypatch)
         engine.run(hosted, AttendCall("gqa", x[:, :5], session_id=sid))
     pool = engine.sessions.table.pool("gqa")
     blocks_of_gone = list(engine.sessions.table.get(gone).block_table)
-    real = engine_sessions.attend_cached
+    real = MultiHeadAttention.attend_cached
 
     def close_meanwhile(*args, **kwargs):
         engine.sessions.table.close(gone)  # as a CloseSession RPC would, mid-forward
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine_sessions, "attend_cached", close_meanwhile)
+    monkeypatch.setattr(MultiHeadAttention, "attend_cached", close_meanwhile)
     ok, closed = engine.run_batch(
         hosted, [AttendCall("gqa", x[:, 5:], session_id=s) for s in (keep, gone)]
     )
@@ -306,7 +306,9 @@ def test_a_failing_forward_keeps_nothing_and_restores_the_thread_count(engine, m
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine_sessions, where, broken)
+    monkeypatch.setattr(
+        MultiHeadAttention if where == "attend_cached" else engine_sessions, where, broken
+    )
     calls = [AttendCall("gqa", seq(14, seed=9), session_id=sid) for sid in ids]  # new blocks
     with pytest.raises(RuntimeError, match="device lost"):
         engine.run_batch(hosted, calls)

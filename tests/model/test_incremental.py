@@ -1,5 +1,7 @@
-"""MultiHeadAttention.step (incremental attention against cached K/V) against one causal
-forward over the whole sequence: chunked, batched across ragged sessions, padding, weights."""
+"""MultiHeadAttention.attend_cached, the engine's session step, against one causal forward
+over the whole sequence: chunked, batched across ragged sessions, padding, weights. The
+"cache" here is a plain concatenation of what `project` returned; tests/cache and
+tests/engine run the same method over the paged cache."""
 
 import pytest
 import torch
@@ -22,15 +24,25 @@ def assert_close(actual, expected, *, what, atol=ATOL, rtol=RTOL):
     )
 
 
-def make(num_kv_heads=2, seed=0):
-    module = MultiHeadAttention(AttentionConfig(E, 8, num_kv_heads))
+def make(num_kv_heads=2, seed=0, **config):
+    module = MultiHeadAttention(AttentionConfig(E, 8, num_kv_heads, **config))
     init_weights(module, seed)
     return module.eval()
 
 
-def empty_past(module, B=1):
+def step(module, x, k, v, **kwargs):
+    """One step of one sequence, as the engine runs it: project the new tokens x (1, n, E)
+    at their absolute positions, append their K/V to the cached k, v (1, KVH, P, D), attend."""
+    P, n = k.shape[2], x.shape[1]
+    q, k_new, v_new = module.project(x)
+    k, v = torch.cat([k, k_new], 2), torch.cat([v, v_new], 2)  # (1, KVH, P+n, D)
+    out = module.attend_cached(q, [(k, v)], past_lengths=[P], new_lengths=[n], **kwargs)
+    return out, k, v
+
+
+def empty_past(module):
     c = module.config
-    return torch.zeros(B, c.num_kv_heads, 0, c.head_dim, dtype=module.wqkv.weight.dtype)
+    return torch.zeros(1, c.num_kv_heads, 0, c.head_dim, dtype=module.wqkv.weight.dtype)
 
 
 def run_chunks(module, x, sizes, **kwargs):
@@ -39,10 +51,9 @@ def run_chunks(module, x, sizes, **kwargs):
     outs, weights = [], []
     start = 0
     for n in sizes:
-        out, k_new, v_new = module.step(x[:, start : start + n], past_k=k, past_v=v, **kwargs)
+        out, k, v = step(module, x[:, start : start + n], k, v, **kwargs)
         outs.append(out.output)
         weights.append(out.weights)
-        k, v = torch.cat([k, k_new], 2), torch.cat([v, v_new], 2)  # (1, KVH, start+n, D)
         start += n
     return outs, weights, k, v
 
@@ -73,34 +84,30 @@ def test_chunked_steps_equal_one_causal_forward(variant, sizes):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_batched_ragged_step_equals_each_alone(variant):
     module = make(VARIANTS[variant])
-    c = module.config
     torch.manual_seed(2)
     past_lengths = [0, 5, 11, 3]
     new_lengths = [4, 1, 3, 2]
-    B, P, T = len(past_lengths), max(past_lengths), max(new_lengths)
+    B, T = len(past_lengths), max(new_lengths)
     seqs = [torch.randn(1, p + n, E) for p, n in zip(past_lengths, new_lengths, strict=True)]
-    past_k = torch.full((B, c.num_kv_heads, P, c.head_dim), float("nan"))  # junk padding
-    past_v = torch.full((B, c.num_kv_heads, P, c.head_dim), float("nan"))
-    x = torch.full((B, T, E), float("nan"))
+    x = torch.full((B, T, E), float("nan"))  # padded tokens are junk: never seen
+    for b, (seq, p, n) in enumerate(zip(seqs, past_lengths, new_lengths, strict=True)):
+        x[b, :n] = seq[0, p:]
     with torch.no_grad():
+        q, k_new, v_new = module.project(x)
+        kv = []
         for b, (seq, p, n) in enumerate(zip(seqs, past_lengths, new_lengths, strict=True)):
             _, k, v = module.project(seq[:, :p])  # (1, KVH, p, D)
-            past_k[b, :, :p], past_v[b, :, :p] = k[0], v[0]
-            x[b, :n] = seq[0, p:]
-        batch, k_new, v_new = module.step(
-            x,
-            past_k=past_k,
-            past_v=past_v,
-            past_lengths=torch.tensor(past_lengths),
-            new_lengths=torch.tensor(new_lengths),
-            need_weights=True,
+            kv.append(
+                (
+                    torch.cat([k, k_new[b : b + 1, :, :n]], 2),
+                    torch.cat([v, v_new[b : b + 1, :, :n]], 2),
+                )
+            )
+        batch = module.attend_cached(
+            q, kv, past_lengths=past_lengths, new_lengths=new_lengths, need_weights=True
         )
-        assert batch.weights.shape == (
-            B,
-            8,
-            T,
-            max(p + n for p, n in zip(past_lengths, new_lengths, strict=True)),
-        )
+        S = max(p + n for p, n in zip(past_lengths, new_lengths, strict=True))
+        assert batch.weights.shape == (B, 8, T, S)
         for b, (seq, p, n) in enumerate(zip(seqs, past_lengths, new_lengths, strict=True)):
             full = module(seq, causal=True, need_weights=True)
             assert_close(batch.output[b, :n], full.output[0, p:], what=f"session {b} output")
@@ -153,52 +160,63 @@ def test_sdpa_does_all_embeddings_with_bool_mask_only_when_needed(monkeypatch):
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     monkeypatch.setattr(
-        MultiHeadAttention, "_step_weights", lambda *a: pytest.fail("weights path ran unasked")
+        MultiHeadAttention, "_softmax", lambda *a: pytest.fail("weights path ran unasked")
     )
     module = make(2)
     c = module.config
-    k = torch.randn(2, c.num_kv_heads, 5, c.head_dim)
+    k = torch.randn(1, c.num_kv_heads, 8, c.head_dim)
+    q = torch.randn(1, 8, 3, c.head_dim)
     with torch.no_grad():
-        module.step(torch.randn(2, 1, E), past_k=k, past_v=k)  # decode, nothing padded
-        module.step(torch.randn(2, 3, E), past_k=k[:, :, :0], past_v=k[:, :, :0])  # prefill
-        module.step(torch.randn(2, 3, E), past_k=k, past_v=k, past_lengths=torch.tensor([5, 2]))
+        module.attend_cached(
+            q[:, :, :1], [(k[:, :, :6], k[:, :, :6])], past_lengths=[5], new_lengths=[1]
+        )  # decode
+        module.attend_cached(
+            q, [(k[:, :, :3], k[:, :, :3])], past_lengths=[0], new_lengths=[3]
+        )  # prefill
+        module.attend_cached(q, [(k, k)], past_lengths=[5], new_lengths=[3])  # a chunk
     assert [c["attn_mask"] is None for c in calls] == [True, True, False]
     assert [c["is_causal"] for c in calls] == [False, True, False]
     assert all(c["enable_gqa"] for c in calls)
-    assert calls[2]["attn_mask"].shape == (2, 1, 3, 8)
+    assert calls[2]["attn_mask"].shape == (1, 1, 3, 8)
     assert calls[2]["attn_mask"].dtype == torch.bool
 
 
 def test_no_weights_unless_asked():
     module = make()
-    out, k_new, v_new = module.step(
-        torch.randn(1, 2, E), past_k=empty_past(module), past_v=empty_past(module)
-    )
+    out, k, v = step(module, torch.randn(1, 2, E), empty_past(module), empty_past(module))
     assert out.weights is None
-    assert k_new.shape == v_new.shape == (1, 2, 2, 8)
+    assert k.shape == v.shape == (1, 2, 2, 8)
+
+
+def _kv(p, kvh=2, d=8):
+    return torch.zeros(1, kvh, p, d)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "pieces"),
     [
-        ({"past_k": torch.zeros(2, 3, 4, 8)}, ["past_k", "num_kv_heads=2", "(2, 3, 4, 8)"]),
-        ({"past_v": torch.zeros(2, 2, 4, 4)}, ["past_v", "head_dim=8"]),
-        ({"past_v": torch.zeros(2, 2, 5, 8)}, ["(2, 2, 4, 8)", "(2, 2, 5, 8)"]),
-        ({"past_k": torch.zeros(2, 2, 4, 8, dtype=torch.float64)}, ["float64", "float32"]),
-        ({"past_lengths": torch.tensor([4, 5])}, ["max 5", "past_len=4"]),
-        ({"past_lengths": torch.tensor([-1, 2])}, ["min -1"]),
-        ({"past_lengths": torch.tensor([4])}, ["(2,)", "(1,)"]),
-        ({"past_lengths": torch.tensor([1.0, 2.0])}, ["integer"]),
-        ({"new_lengths": torch.tensor([0, 3])}, ["min 0", "seq_len=3"]),
+        ({"kv": [(_kv(5, kvh=3), _kv(5))]}, ["keys", "(1, 2, 5, 8)", "(1, 3, 5, 8)"]),
+        ({"kv": [(_kv(5), _kv(5, d=4))]}, ["values", "(1, 2, 5, 8)", "(1, 2, 5, 4)"]),
+        ({"kv": [(_kv(6), _kv(6))]}, ["2 + 3 positions", "(1, 2, 6, 8)"]),
+        ({"past_lengths": [2, 2]}, ["batch 1", "2"]),
+        ({"new_lengths": [0]}, ["new 0", "new_len=3"]),
+        ({"new_lengths": [4]}, ["new 4", "new_len=3"]),
+        ({"q": torch.zeros(1, 4, 3, 8)}, ["num_heads=8", "(1, 4, 3, 8)"]),
         ({"need_weights": True, "weight_heads": [8]}, ["[8]", "0..7"]),
         ({"head_mask": torch.ones(3)}, ["(8,)", "(3,)"]),
     ],
 )
 def test_bad_arguments_name_the_numbers(kwargs, pieces):
     module = make(2)
-    args = {"past_k": torch.zeros(2, 2, 4, 8), "past_v": torch.zeros(2, 2, 4, 8), **kwargs}
+    args = {
+        "q": torch.zeros(1, 8, 3, 8),
+        "kv": [(_kv(5), _kv(5))],
+        "past_lengths": [2],
+        "new_lengths": [3],
+        **kwargs,
+    }
     with pytest.raises(ValueError) as err:
-        module.step(torch.randn(2, 3, E), **args)
+        module.attend_cached(args.pop("q"), args.pop("kv"), **args)
     for piece in pieces:
         assert piece in str(err.value), f"{piece!r} not in {str(err.value)!r}"
 

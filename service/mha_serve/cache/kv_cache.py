@@ -58,8 +58,7 @@ class KVCache:
         shape = (num_kv_heads, self.num_blocks, block_size, head_dim)
         # Empty, not zeros: on the CPU untouched pages cost no memory until sessions use
         # them. A read never reaches a slot that was not written (read() stops at the
-        # session's length); gather() pads with stale slots, which step() masks and zeroes
-        # (tests/cache: NaN padding never leaks).
+        # session's length).
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         # The same memory by slot, batch axis first: a session read is one slice of each
@@ -100,7 +99,7 @@ class KVCache:
         return self.k.nbytes + self.v.nbytes
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store new K/V for a batch: k, v (B, KVH, T, D) as `step` returns them;
+        """Store new K/V for a batch: k, v (B, KVH, T, D) as `project` returns them;
         slot_mapping (B, T) int64, PAD_SLOT (-1) at padded tokens (not written)."""
         KVH, D = self.num_kv_heads, self.head_dim
         B, T = slot_mapping.shape
@@ -141,44 +140,6 @@ class KVCache:
         first, n = slots[0][0], len(slots[0])
         for cache, new in ((self.k, k), (self.v, v)):
             cache.view(KVH, self.num_slots, D)[:, first : first + n].copy_(new[0, :, :n])
-
-    def gather(
-        self, block_tables: Sequence[Sequence[int]], lengths: Sequence[int]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """K and V of a batch of sessions, padded to the longest: the input of
-        MultiHeadAttention.step. (The engine reads each session on its own: read().)
-
-        block_tables[b]: session b's block ids (may cover more than lengths[b] tokens).
-        Returns k, v (B, KVH, P, D) with P = max(lengths) (0 allowed) and lengths (B,)
-        int64, all on the cache's device; for one session whose blocks are consecutive,
-        k and v are views into the cache (read them, never write). Positions at or past lengths[b] are padding
-        holding stale slot contents (not zeroed: that would cost a pass per step); mask
-        them by lengths, as MultiHeadAttention.step does.
-        """
-        KVH, D, bs = self.num_kv_heads, self.head_dim, self.block_size
-        B = len(block_tables)
-        if B == 0 or len(lengths) != B:
-            raise ValueError(
-                f"gather needs one length per block table and at least one session, "
-                f"got {B} tables and {len(lengths)} lengths"
-            )
-        lengths = [int(n) for n in lengths]
-        P = max(lengths)
-        for b, (ids, n) in enumerate(zip(block_tables, lengths, strict=True)):
-            self._check_blocks(ids, n, f"session {b} of the batch")
-        if B == 1:
-            k, v = self.read(block_tables[0], P)
-            return k, v, torch.tensor(lengths, dtype=torch.int64, device=self.device)
-        # Whole blocks, not single slots: one contiguous (block_size, D) run per index
-        # (46 sessions of 256 tokens: 0.72 ms instead of 1.31 ms per tensor here).
-        NB = max(-(-P // bs), 1)
-        rows = [list(ids[: -(-n // bs)]) for ids, n in zip(block_tables, lengths, strict=True)]
-        table = torch.tensor([r + [0] * (NB - len(r)) for r in rows], dtype=torch.int64)  # 0 pads
-        table = table.view(B * NB).to(self.device)
-        lengths_t = torch.tensor(lengths, dtype=torch.int64, device=self.device)  # (B,)
-        k = self.k.index_select(1, table).view(KVH, B, NB * bs, D)[:, :, :P]  # (KVH, B, P, D)
-        v = self.v.index_select(1, table).view(KVH, B, NB * bs, D)[:, :, :P]  # (KVH, B, P, D)
-        return k.transpose(0, 1), v.transpose(0, 1), lengths_t  # (B, KVH, P, D)
 
     def read(self, block_table: Sequence[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One session's K and V at positions 0..length-1, (1, KVH, length, D) each: views

@@ -36,7 +36,6 @@ from mha_serve.engine.errors import (
     scores_overflow_error,
 )
 from mha_serve.engine.types import DTYPES, AttendCall, AttendResult, repeat_heads
-from mha_serve.model import attend_cached
 from mha_serve.model.overflow import bound_crossed, row_absmax, score_limit, scores_overflow
 
 if TYPE_CHECKING:
@@ -98,9 +97,11 @@ class Sessions:
     def num_sessions(self, model: str) -> int:
         return self.table.num_sessions(model)
 
-    def create(self, model: str, max_len: int | None, ttl_s: float | None) -> Session:
+    def create(
+        self, model: str, max_len: int | None, ttl_s: float | None, owner: str = ""
+    ) -> Session:
         self.cache(model)
-        return self.table.create(model, max_len=max_len, ttl_s=ttl_s)
+        return self.table.create(model, max_len=max_len, ttl_s=ttl_s, owner=owner)
 
     @contextlib.contextmanager
     def stepping(self, session_id: str) -> Iterator[None]:
@@ -254,8 +255,7 @@ class Sessions:
                     q[b, :, : new_tokens[b]].to(cache.dtype), kv[b][0][0], limit, first_pos=past[b]
                 )
             }
-            out = attend_cached(
-                hosted.module,
+            out = hosted.module.attend_cached(
                 q,
                 kv,
                 past_lengths=past,

@@ -1,7 +1,6 @@
 """The attention module (MHA, GQA, MQA as one class) and its weights; imports only torch."""
 
 from .attention import AttentionOutput, MultiHeadAttention
-from .cached import attend_cached
 from .config import AttentionConfig
 from .weights import (
     from_torch_mha,
@@ -15,7 +14,6 @@ __all__ = [
     "AttentionConfig",
     "AttentionOutput",
     "MultiHeadAttention",
-    "attend_cached",
     "from_torch_mha",
     "init_weights",
     "load_checkpoint",

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cached import attend_one, causal_from
 from .config import AttentionConfig
 from .overflow import overflowing_rows
 
@@ -130,108 +131,71 @@ class MultiHeadAttention(nn.Module):
             weights = weights.masked_fill(~valid[:, None, q_start:q_end, None], 0.0)
         return weights
 
-    def step(
+    def attend_cached(
         self,
-        x: torch.Tensor,
+        q: torch.Tensor,
+        kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
         *,
-        past_k: torch.Tensor,
-        past_v: torch.Tensor,
-        past_lengths: torch.Tensor | Sequence[int] | None = None,
-        new_lengths: torch.Tensor | Sequence[int] | None = None,
+        past_lengths: Sequence[int],
+        new_lengths: Sequence[int],
         need_weights: bool = False,
         weight_heads: Sequence[int] | None = None,
         head_mask: torch.Tensor | None = None,
-    ) -> tuple[AttentionOutput, torch.Tensor, torch.Tensor]:
-        """Attend new tokens x (B, T, E) against each sequence's cached K/V: one decode or
-        append step. Always causal (a KV cache is exact only for causal attention).
+    ) -> AttentionOutput:
+        """Attention of new tokens over keys already laid out by absolute position (a KV
+        cache read): the engine's session step. Always causal (a cache is exact only so).
 
-        past_k, past_v (B, KVH, P, D): the cached K/V, padded by past_lengths (B,) in
-        [0, P] (None: all P; P may be 0). new_lengths (B,) in [1, T] (None: all T).
-        New token t of sequence b sits at absolute position past_lengths[b] + t and
-        attends to positions 0 .. past_lengths[b] + t.
+        q (B, H, T, D): the new tokens' queries (`project`). kv[b] = (keys, values), each
+        (1, KVH, S_b, D): sequence b's positions 0..S_b-1 in order, its new tokens last,
+        S_b = past_lengths[b] + new_lengths[b] (KVCache.read), new_lengths[b] in 1..T.
+        Keys and values may be narrower than q (a bfloat16 cache for a float32 model): the
+        queries are then rounded to their dtype for the fused kernels, whose softmax and
+        sums stay float32, and the outputs come back in q's dtype; weights are computed in
+        float32 from the unrounded queries.
 
-        Returns (out, k_new, v_new). out.output (B, T, E), rows of padded tokens 0.
-        k_new, v_new (B, KVH, T, D): to write to the cache (skip padded tokens).
-        out.weights, only when need_weights: (B, len(heads), T, S) float32 with
-        S = max(past_lengths + new_lengths); column j is absolute position j of that
-        sequence, so row t equals row past_lengths[b] + t of a causal forward over the
-        whole sequence. Columns from past_lengths[b] + new_lengths[b] on, and rows of
-        padded tokens, are 0.
+        New token t of sequence b (absolute position past_lengths[b] + t) attends to
+        positions 0..past_lengths[b] + t. Returns output (B, T, E) (rows of padded tokens
+        0) and, when asked, weights (B, len(heads), T, max S_b) float32 over absolute
+        positions (columns past a sequence's end, rows of padded tokens 0): row t equals
+        row past_lengths[b] + t of a causal `forward` over the whole sequence.
         """
-        c = self.config
-        H, KVH = c.num_heads, c.num_kv_heads
-        B, T = self._check_input(x)
-        P = self._check_past(past_k, past_v, x, B)
-        past_len, past_padded = _past_lengths(past_lengths, B, P, x.device)  # (B,) int64
-        new_valid = _valid_positions(new_lengths, B, T, x.device)  # (B, T) bool, None if full
+        B, H, T, D = self._check_queries(q)
         heads = self._check_heads(weight_heads)
-        gate = self._check_head_mask(head_mask, x)
-
-        if new_valid is not None:
-            x = x.masked_fill(~new_valid[:, :, None], 0.0)  # as forward: NaN padding
-        q, k_new, v_new = self.project(x)  # (B, H, T, D), (B, KVH, T, D), (B, KVH, T, D)
-        keys = x.new_empty(B, KVH, P + T, c.head_dim)  # (B, KVH, P+T, D): [past | new]
-        values = torch.empty_like(keys)  # (B, KVH, P+T, D)
-        past_ok = None
-        if past_padded:  # zero past padding while copying: 0 * NaN in p @ v would leak
-            past_ok = (torch.arange(P, device=x.device) < past_len[:, None])[
-                :, None, :, None
-            ]  # (B, 1, P, 1)
-        for out_t, past, new in ((keys, past_k, k_new), (values, past_v, v_new)):
-            if past_ok is None:
-                out_t[:, :, :P].copy_(past)
-            else:
-                torch.where(past_ok, past, past.new_zeros(()), out=out_t[:, :, :P])
-            out_t[:, :, P:].copy_(new)
-
-        new_len = (
-            new_valid.sum(1) if new_valid is not None else torch.full_like(past_len, T)
-        )  # (B,)
-        allowed = None  # (B, 1, T, P+T); None where SDPA needs no mask
-        if past_padded or new_valid is not None or (P and T > 1):
-            allowed = _step_allowed(past_len, new_len, P, T)
-        y = F.scaled_dot_product_attention(
-            q,
-            keys,
-            values,
-            attn_mask=allowed,
-            is_causal=allowed is None and P == 0 and T > 1,  # top-left == ours when P == 0
-            scale=self.scale,
-            enable_gqa=KVH != H,
-        )  # (B, H, T, D)
+        gate = self._check_head_mask(head_mask, q)
+        if not len(kv) == len(past_lengths) == len(new_lengths) == B:
+            raise ValueError(
+                f"q has batch {B} but kv, past_lengths and new_lengths have "
+                f"{len(kv)}, {len(past_lengths)} and {len(new_lengths)} entries"
+            )
+        ys, weights = [], []
+        for b, ((keys, values), past, new) in enumerate(
+            zip(kv, past_lengths, new_lengths, strict=True)
+        ):
+            self._check_cached(b, keys, values, past, new, T, q)
+            q_b = q[b : b + 1, :, :new]  # (1, H, n, D)
+            ys.append(attend_one(q_b, keys, values, past, self.scale))  # (1, H, n, D)
+            if need_weights:
+                allowed = causal_from(past, new, keys.shape[2], q.device)  # (1, 1, n, S_b)
+                weights.append(self._softmax(q_b, keys, heads, allowed))  # (1, n_h, n, S_b)
+        new_valid = None
+        if B == 1 and new_lengths[0] == T:
+            y = ys[0]
+        elif all(n == T for n in new_lengths):
+            y = torch.cat(ys)  # (B, H, T, D)
+        else:  # ragged: padded rows are zero here and in the output
+            y = q.new_zeros(B, H, T, D)
+            for b, (y_b, n) in enumerate(zip(ys, new_lengths, strict=True)):
+                y[b, :, :n] = y_b[0]
+            new_len = torch.tensor(list(new_lengths), device=q.device)
+            new_valid = torch.arange(T, device=q.device)[None, :] < new_len[:, None]  # (B, T)
         out = self._merge_heads(y, gate, new_valid)  # (B, T, E)
-
-        weights = None
-        if need_weights:
-            if allowed is None:
-                allowed = _step_allowed(past_len, new_len, P, T)
-            weights = self._step_weights(q, keys, heads, allowed, past_len, new_len, new_valid)
-        return AttentionOutput(output=out, weights=weights), k_new, v_new
-
-    def _step_weights(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        heads: list[int],
-        allowed: torch.Tensor,
-        past_len: torch.Tensor,
-        new_len: torch.Tensor,
-        new_valid: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """step's weights, columns moved from [past (P) | new (T)] to absolute positions."""
-        B, T, P = q.shape[0], q.shape[2], keys.shape[2] - q.shape[2]
-        w = self._softmax(q, keys, heads, allowed)  # (B, n, T, P+T)
-        total = past_len + new_len  # (B,)
-        S = int(total.max())
-        pos = torch.arange(S, device=q.device)[None, :]  # (1, S)
-        # Absolute position a is past column a below past_len, else new column a - past_len.
-        src = torch.where(pos < past_len[:, None], pos, P + pos - past_len[:, None])  # (B, S)
-        src = src.clamp(max=P + T - 1)
-        w = w.gather(-1, src[:, None, None, :].expand(B, w.shape[1], T, S))  # (B, n, T, S)
-        w = w.masked_fill(~(pos < total[:, None])[:, None, None, :], 0.0)
-        if new_valid is not None:
-            w = w.masked_fill(~new_valid[:, None, :, None], 0.0)
-        return w
+        if not need_weights:
+            return AttentionOutput(output=out, weights=None)
+        S = max(w.shape[-1] for w in weights)
+        all_w = torch.zeros(B, len(heads), T, S, dtype=torch.float32, device=q.device)
+        for b, w in enumerate(weights):
+            all_w[b, :, : w.shape[2], : w.shape[3]] = w[0]
+        return AttentionOutput(output=out, weights=all_w)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.config
@@ -270,26 +234,45 @@ class MultiHeadAttention(nn.Module):
             scores.masked_fill_(~allowed, float("-inf"))
         return torch.softmax(scores, dim=-1)  # (B, n, R, S)
 
-    def _check_past(
-        self, past_k: torch.Tensor, past_v: torch.Tensor, x: torch.Tensor, B: int
-    ) -> int:
-        KVH, D = self.config.num_kv_heads, self.config.head_dim
-        for name, t in (("past_k", past_k), ("past_v", past_v)):
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else None
-            if shape is None or len(shape) != 4 or (shape[0], shape[1], shape[3]) != (B, KVH, D):
-                raise ValueError(
-                    f"{name} must be (batch={B}, num_kv_heads={KVH}, past_len, head_dim={D}), "
-                    f"got {shape or type(t).__name__}"
-                )
-            if t.dtype != x.dtype or t.device != x.device:
-                raise ValueError(
-                    f"{name} is {t.dtype} on {t.device} but x is {x.dtype} on {x.device}"
-                )
-        if past_k.shape != past_v.shape:
+    def _check_queries(self, q: torch.Tensor) -> tuple[int, int, int, int]:
+        H, D = self.config.num_heads, self.config.head_dim
+        shape = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or (q.shape[1], q.shape[3]) != (H, D):
             raise ValueError(
-                f"past_k {tuple(past_k.shape)} and past_v {tuple(past_v.shape)} differ in shape"
+                f"q must be (batch, num_heads={H}, new_len, head_dim={D}), got {shape}"
             )
-        return past_k.shape[2]
+        if 0 in q.shape:
+            raise ValueError(f"q must have batch >= 1 and new_len >= 1, got {shape}")
+        return tuple(q.shape)
+
+    def _check_cached(
+        self,
+        b: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        past: int,
+        new: int,
+        T: int,
+        q: torch.Tensor,
+    ) -> None:
+        KVH, D = self.config.num_kv_heads, self.config.head_dim
+        if not 1 <= new <= T or past < 0:
+            raise ValueError(
+                f"sequence {b}: new_lengths must be in [1, new_len={T}] and past_lengths >= 0, "
+                f"got new {new} and past {past}"
+            )
+        for name, t in (("keys", keys), ("values", values)):
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            want = (1, KVH, past + new, D)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+                raise ValueError(
+                    f"sequence {b}: {name} must be (1, num_kv_heads, past + new, head_dim) = "
+                    f"{want} for {past} + {new} positions, got {shape}"
+                )
+            if t.device != q.device or not t.is_floating_point():
+                raise ValueError(
+                    f"sequence {b}: {name} is {t.dtype} on {t.device}; q is {q.dtype} on {q.device}"
+                )
 
     def _check_input(self, x: torch.Tensor) -> tuple[int, int]:
         E = self.config.embed_dim
@@ -357,16 +340,6 @@ def _valid_positions(
     return torch.arange(L, device=device) < lengths.to(device)[:, None]  # (B, L)
 
 
-def _past_lengths(
-    past_lengths: torch.Tensor | Sequence[int] | None, B: int, P: int, device: torch.device
-) -> tuple[torch.Tensor, bool]:
-    """(B,) int64 past lengths, and whether any is below P (padding to hide)."""
-    if past_lengths is None:
-        return torch.full((B,), P, dtype=torch.int64, device=device), False
-    lengths, lo = _check_lengths(past_lengths, "past_lengths", B, 0, P, "past_len")
-    return lengths.to(device=device, dtype=torch.int64), lo < P
-
-
 def _check_lengths(
     lengths: torch.Tensor | Sequence[int], name: str, B: int, lo_min: int, hi_max: int, what: str
 ) -> tuple[torch.Tensor, int]:
@@ -426,14 +399,3 @@ def _allowed(
         allowed = keys if allowed is None else allowed & keys  # (B, 1, R, S)
     assert allowed is not None, "_allowed needs causal or padding"
     return allowed
-
-
-def _step_allowed(past_len: torch.Tensor, new_len: torch.Tensor, P: int, T: int) -> torch.Tensor:
-    """(B, 1, T, P+T) bool: new token i may see past key j < past_len and new key
-    t <= i (t < new_len, so padded new keys stay hidden from padded rows too)."""
-    device = past_len.device
-    past = torch.arange(P, device=device)[None, None, :] < past_len[:, None, None]  # (B, 1, P)
-    t = torch.arange(T, device=device)
-    causal = t[None, :] <= t[:, None]  # (T, T): row i, column t
-    new = causal[None] & (t[None, None, :] < new_len[:, None, None])  # (B, T, T)
-    return torch.cat([past.expand(-1, T, -1), new], dim=-1)[:, None]  # (B, 1, T, P+T)

@@ -1,4 +1,5 @@
-"""Attention of new tokens over keys already laid out by absolute position (a KV cache read).
+"""The kernel of one sequence's attention over its cached keys, laid out by absolute
+position (a KV cache read); MultiHeadAttention.attend_cached runs it per sequence.
 
 The engine writes the new tokens' K/V into the cache first and then reads each session's
 positions 0..past+new-1 in order, so keys need one copy (or none, for a session whose
@@ -14,12 +15,8 @@ one session of 4000 tokens among 15 of 64, 217 ms against 5 ms (2-core CPU).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
-
-from .attention import AttentionOutput, MultiHeadAttention
 
 # A lone decode token of GQA/MQA at least this deep attends by two matmuls per KV head
 # (its G query heads as the rows of one matrix), reading each KV head once. The CPU SDPA
@@ -30,104 +27,37 @@ from .attention import AttentionOutput, MultiHeadAttention
 GROUPED_MIN_KEYS = 1024
 
 
-def attend_cached(
-    module: MultiHeadAttention,
-    q: torch.Tensor,
-    kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    *,
-    past_lengths: Sequence[int],
-    new_lengths: Sequence[int],
-    need_weights: bool = False,
-    weight_heads: Sequence[int] | None = None,
-    head_mask: torch.Tensor | None = None,
-) -> AttentionOutput:
-    """Attention of a batch of sequences, one sequence at a time over its own keys.
-
-    q (B, H, T, D): the new tokens' queries (module.project). kv[b] = (keys, values),
-    each (1, KVH, S_b, D): sequence b's positions 0..S_b-1 in order, its new tokens last,
-    S_b = past_lengths[b] + new_lengths[b] (KVCache.read). Keys and values may be narrower
-    than q (a bfloat16 cache for a float32 model): the queries are then rounded to their
-    dtype for the fused kernels, whose softmax and sums stay float32, and the outputs come
-    back in q's dtype; weights are computed in float32 from the unrounded queries.
-
-    New token t of sequence b (absolute position past_lengths[b] + t) attends causally to
-    positions 0..past_lengths[b] + t. Returns outputs (B, T, E) (rows of padded tokens 0)
-    and, when asked, weights (B, len(heads), T, max S_b) float32 over absolute positions
-    (columns past a sequence's end 0).
-    """
-    B, H, T, D = q.shape
-    heads = module._check_heads(weight_heads)
-    gate = module._check_head_mask(head_mask, q)
-    ys, weights = [], []
-    for b, ((keys, values), past, new) in enumerate(
-        zip(kv, past_lengths, new_lengths, strict=True)
-    ):
-        if keys.shape[2] != past + new:
-            raise ValueError(f"sequence {b}: {keys.shape[2]} keys for {past} + {new} positions")
-        y, w = _attend_one(module, q[b : b + 1, :, :new], keys, values, past, need_weights, heads)
-        ys.append(y)
-        weights.append(w)
-    new_valid = None
-    if B == 1 and new_lengths[0] == T:
-        y = ys[0]
-    elif all(n == T for n in new_lengths):
-        y = torch.cat(ys)  # (B, H, T, D)
-    else:  # ragged: padded rows are zero here and in the output
-        y = q.new_zeros(B, H, T, D)
-        for b, (y_b, n) in enumerate(zip(ys, new_lengths, strict=True)):
-            y[b, :, :n] = y_b[0]
-        new_len = torch.tensor(list(new_lengths), device=q.device)
-        new_valid = torch.arange(T, device=q.device)[None, :] < new_len[:, None]  # (B, T)
-    out = module._merge_heads(y, gate, new_valid)  # (B, T, E)
-    if not need_weights:
-        return AttentionOutput(output=out, weights=None)
-    S = max(w.shape[-1] for w in weights)
-    all_w = torch.zeros(B, len(heads), T, S, dtype=torch.float32, device=q.device)
-    for b, w in enumerate(weights):
-        all_w[b, :, : w.shape[2], : w.shape[3]] = w[0]
-    return AttentionOutput(output=out, weights=all_w)
-
-
-def _attend_one(
-    module: MultiHeadAttention,
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    past: int,
-    need_weights: bool,
-    heads: list[int],
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def attend_one(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int, scale: float
+) -> torch.Tensor:
     """One sequence: q (1, H, n, D) at positions past..past+n-1 over keys, values
-    (1, KVH, past+n, D). Returns (1, H, n, D) and, when asked, (1, len(heads), n, past+n)."""
+    (1, KVH, past+n, D), causally. Returns (1, H, n, D) in q's dtype."""
     _, H, n, _ = q.shape
     S, KVH = keys.shape[2], keys.shape[1]
-    allowed = None  # one token sees every key; n tokens from position 0 are plain causal
-    if n > 1 and past > 0:
-        t = torch.arange(n, device=q.device)[:, None]  # (n, 1)
-        j = torch.arange(S, device=q.device)[None, :]  # (1, S)
-        allowed = (j <= past + t)[None, None]  # (1, 1, n, S)
     narrow = keys.dtype != q.dtype  # a cache narrower than the model (kv_cache_dtype)
     qk = q.to(keys.dtype) if narrow else q
     if n == 1 and KVH != H and S >= GROUPED_MIN_KEYS and keys.dtype == torch.float32:
-        y = _grouped_decode(qk, keys, values, module.scale)
+        y = _grouped_decode(qk, keys, values, scale)
     else:
+        # One token sees every key; n tokens from position 0 are plain (top-left) causal.
+        allowed = causal_from(past, n, S, q.device) if n > 1 and past > 0 else None
         y = F.scaled_dot_product_attention(
             qk,
             keys,
             values,
             attn_mask=allowed,
-            is_causal=n > 1 and past == 0,  # top-left aligned: exactly ours when past == 0
-            scale=module.scale,
+            is_causal=n > 1 and past == 0,
+            scale=scale,
             enable_gqa=KVH != H,
         )
-    if narrow:
-        y = y.to(q.dtype)
-    w = None
-    if need_weights:
-        if n > 1 and allowed is None:
-            allowed = torch.ones(n, S, dtype=torch.bool, device=q.device).tril()[None, None]
-        w = module._softmax(q, keys, heads, allowed)  # (1, len(heads), n, S)
-    return y, w
+    return y.to(q.dtype) if narrow else y
+
+
+def causal_from(past: int, n: int, S: int, device: torch.device) -> torch.Tensor:
+    """(1, 1, n, S) bool: new token t (absolute position past + t) may see key j <= past + t."""
+    t = torch.arange(n, device=device)[:, None]  # (n, 1)
+    j = torch.arange(S, device=device)[None, :]  # (1, S)
+    return (j <= past + t)[None, None]  # (1, 1, n, S)
 
 
 def _grouped_decode(
