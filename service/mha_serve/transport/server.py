@@ -19,6 +19,8 @@ from mha_serve.engine.threads import ComputeThreads
 from mha_serve.serving import AsyncEngine
 from mha_serve.serving.async_engine import SESSION_SWEEP_S
 from mha_serve.transport.handlers import add_service
+from mha_serve.transport.oip import SERVICE_NAME as INFERENCE_SERVICE_NAME
+from mha_serve.transport.oip import add_inference_service
 from mha_serve.transport.servicer import AttentionServicer
 
 log = logging.getLogger(__name__)
@@ -66,9 +68,17 @@ class Server:
         add_service(
             self.server, self.servicer, pb.DESCRIPTOR.services_by_name["AttentionService"], pb
         )
+        # The Open Inference Protocol on the same port, over the same engine (issue 19).
+        self.inference = add_inference_service(
+            self.server,
+            lambda: self.serving,
+            ready=lambda: self.serving is not None and not self._stopped.is_set(),
+            session_ttl_s=cfg.session_ttl_s,
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+            (SERVICE_NAME, INFERENCE_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            self.server,
         )
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -1,0 +1,387 @@
+"""The inference.GRPCInferenceService servicer: converts, delegates to the AsyncEngine shared
+with mha.v1, maps errors onto the statuses and messages Triton's clients expect."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib import metadata
+from typing import Any, TypeVar
+
+import grpc
+
+from mha_client.api.inference import grpc_service_pb2 as pb
+from mha_serve import metrics
+from mha_serve.cache import CacheError, SessionBusy, SessionNotFound
+from mha_serve.engine import AttendCall, HostedModel, InvalidRequest, ModelNotFound, RequestError
+from mha_serve.serving import AsyncEngine, Timing, Unavailable
+from mha_serve.transport.handlers import Malformed, MalformedLog, add_service
+from mha_serve.transport.oip.convert import (
+    VERSION,
+    encode_response,
+    model_config,
+    model_metadata,
+    to_call,
+)
+from mha_serve.transport.oip.convert import parameter as read_parameter
+from mha_serve.transport.oip.sequences import Sequence, SequenceMap, sequence_of
+from mha_serve.transport.status import EXPECTED, status_of
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+SERVICE_NAME = SERVICE.full_name  # "inference.GRPCInferenceService"
+PROTOCOL = metrics.PROTOCOL_KSERVE_V2
+SERVER_NAME = "mha-serve"
+# Triton's names for the protocol extensions this door implements.
+EXTENSIONS = ("model_configuration", "sequence", "parameters")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("mha-serve")
+    except metadata.PackageNotFoundError:
+        return "0"
+
+
+def _parsed(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """A unary method that first answers a request whose bytes did not parse."""
+
+    @functools.wraps(method)
+    async def run(self: InferenceServicer, request: Any, context: grpc.aio.ServicerContext) -> T:
+        if isinstance(request, Malformed):
+            self._note_malformed(method.__name__, request, context)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return await method(self, request, context)
+
+    return run
+
+
+class InferenceServicer:
+    """The Open Inference Protocol over the AsyncEngine (`serving()` returns it once warm)."""
+
+    def __init__(
+        self,
+        serving: Callable[[], AsyncEngine | None],
+        *,
+        ready: Callable[[], bool],
+        session_ttl_s: float = 0.0,
+    ) -> None:
+        self._serving = serving
+        self._ready = ready
+        self.session_ttl_s = session_ttl_s  # reported in ModelConfig (0: sessions never expire)
+        self.sequences = SequenceMap()
+        self.malformed_log = MalformedLog()
+
+    @property
+    def serving(self) -> AsyncEngine:
+        serving = self._serving()
+        if serving is None:
+            raise Unavailable(
+                "the server is still loading its models; retry when ServerReady is true"
+            )
+        return serving
+
+    def _model_label(self, name: str) -> str:
+        serving = self._serving()
+        return "unknown" if serving is None else serving.model_label(name)
+
+    def _hosted(self, name: str, version: str) -> HostedModel:
+        """The model a request names; Triton's message for an unknown name or version."""
+        serving = self.serving
+        try:
+            hosted = serving.model(name)
+        except ModelNotFound:
+            names = ", ".join(h.spec.name for h in serving.models())
+            raise ModelNotFound(
+                f"Request for unknown model: '{name}' is not found (models here: {names})"
+            ) from None
+        if version not in ("", VERSION):
+            raise ModelNotFound(
+                f"Request for unknown model: '{name}' version {version} is not found "
+                f"(its one version is {VERSION})"
+            )
+        return hosted
+
+    # --- health and metadata -----------------------------------------------------------
+
+    @_parsed
+    async def ServerLive(self, request, context) -> pb.ServerLiveResponse:
+        return await self._answer(
+            "ServerLive", "", context, _sync(pb.ServerLiveResponse, live=True)
+        )
+
+    @_parsed
+    async def ServerReady(self, request, context) -> pb.ServerReadyResponse:
+        def handle() -> pb.ServerReadyResponse:
+            return pb.ServerReadyResponse(ready=self._ready())
+
+        return await self._answer("ServerReady", "", context, _sync(handle))
+
+    @_parsed
+    async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
+        def handle() -> pb.ModelReadyResponse:
+            if not self._ready():
+                return pb.ModelReadyResponse(ready=False)
+            with contextlib.suppress(ModelNotFound):  # Triton: not ready, not an error
+                self._hosted(request.name, request.version)
+                return pb.ModelReadyResponse(ready=True)
+            return pb.ModelReadyResponse(ready=False)
+
+        model = self._model_label(request.name)
+        return await self._answer("ModelReady", model, context, _sync(handle))
+
+    @_parsed
+    async def ServerMetadata(self, request, context) -> pb.ServerMetadataResponse:
+        response = pb.ServerMetadataResponse(
+            name=SERVER_NAME, version=_version(), extensions=EXTENSIONS
+        )
+        return await self._answer("ServerMetadata", "", context, _sync(lambda: response))
+
+    @_parsed
+    async def ModelMetadata(
+        self, request: pb.ModelMetadataRequest, context
+    ) -> pb.ModelMetadataResponse:
+        def handle() -> pb.ModelMetadataResponse:
+            return model_metadata(self._hosted(request.name, request.version))
+
+        model = self._model_label(request.name)
+        return await self._answer("ModelMetadata", model, context, _sync(handle))
+
+    @_parsed
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context) -> pb.ModelConfigResponse:
+        def handle() -> pb.ModelConfigResponse:
+            hosted = self._hosted(request.name, request.version)
+            sessions = self.serving.cache_info(hosted.spec.name) is not None
+            config = model_config(hosted, sessions=sessions, session_ttl_s=self.session_ttl_s)
+            return pb.ModelConfigResponse(config=config)
+
+        model = self._model_label(request.name)
+        return await self._answer("ModelConfig", model, context, _sync(handle))
+
+    # --- inference ---------------------------------------------------------------------
+
+    @_parsed
+    async def ModelInfer(
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInferResponse:
+        model = self._model_label(request.model_name)
+        metrics.IN_FLIGHT.inc()
+        try:
+            return await self._answer(
+                "ModelInfer", model, context, lambda: self._infer(request, context)
+            )
+        finally:
+            metrics.IN_FLIGHT.dec()
+
+    async def ModelStreamInfer(
+        self, requests: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Requests answered in order, one message each; an error answers its request with
+        error_message and the stream goes on (Triton's behaviour)."""
+        async for request in requests:
+            if isinstance(request, Malformed):
+                self._note_malformed("ModelStreamInfer", request, context)
+                yield pb.ModelStreamInferResponse(error_message=request.message)
+                continue
+            model = self._model_label(request.model_name)
+            code, reply = grpc.StatusCode.OK, None
+            metrics.IN_FLIGHT.inc()
+            try:
+                reply = pb.ModelStreamInferResponse(
+                    infer_response=await self._infer(request, context)
+                )
+            except EXPECTED as e:
+                code = status_of(e)
+                reply = _stream_error(request, str(e))
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as e:
+                code = grpc.StatusCode.INTERNAL
+                log.exception("ModelStreamInfer failed on model %s", model)
+                reply = _stream_error(request, f"internal error: {type(e).__name__}: {e}")
+            finally:
+                metrics.IN_FLIGHT.dec()
+                metrics.count_request("ModelStreamInfer", model, code.name, PROTOCOL)
+            yield reply
+
+    async def _infer(
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInferResponse:
+        received = time.perf_counter()
+        serving = self.serving
+        hosted = self._hosted(request.model_name, request.model_version)
+        model = hosted.spec.name
+        sequence = sequence_of(request.parameters)
+        call, outputs = to_call(request, hosted)
+        encode = functools.partial(
+            encode_response, outputs=outputs, model=model, request_id=request.id
+        )
+        deadline = _deadline(context, read_parameter(request.parameters, "timeout", model))
+        if sequence is None:
+            response, timing = await serving.attend(
+                call, encode, received=received, deadline=deadline
+            )
+        else:
+            response, timing = await self._step(
+                serving, sequence, call, encode, received=received, deadline=deadline
+            )
+        for name, value in (
+            ("queue_ms", timing.queue_ms),
+            ("compute_ms", timing.compute_ms),
+            ("total_ms", timing.total_ms),
+        ):
+            response.parameters[name].double_param = value
+        response.parameters["batch_size"].int64_param = timing.batch_size
+        return response
+
+    async def _step(
+        self,
+        serving: AsyncEngine,
+        sequence: Sequence,
+        call: AttendCall,
+        encode: Callable[..., pb.ModelInferResponse],
+        *,
+        received: float,
+        deadline: float | None,
+    ) -> tuple[pb.ModelInferResponse, Timing]:
+        """One step of a sequence's session: start creates it (replacing a live one of the same
+        id), end closes it after the step, whatever the step's outcome."""
+        model = call.model
+        key = (model, sequence.id)
+        if sequence.start:
+            session_id = serving.create_session(model, None, None).session_id
+            previous = self.sequences.start(key, session_id, live=self._live)
+            if previous is not None:
+                with contextlib.suppress(CacheError, RequestError):  # gone already: fine
+                    serving.close_session(previous)
+        else:
+            session_id = self.sequences.get(key)
+            if session_id is None:
+                raise InvalidRequest(
+                    f"inference request for {sequence.describe(model)} must specify the START "
+                    "flag on the first request of the sequence (no such sequence is active: "
+                    "it never started, or it ended)"
+                )
+        call.session_id = session_id
+        close = sequence.end
+        try:
+            return await serving.attend(call, encode, received=received, deadline=deadline)
+        except SessionNotFound as e:  # expired, evicted or closed through mha.v1
+            self.sequences.end(key, session_id)
+            close = False
+            raise SessionNotFound(
+                e.session_id,
+                e.reason,
+                f"{sequence.describe(model)} is no longer active ({e}); start it again "
+                "with sequence_start",
+            ) from None
+        except SessionBusy:
+            close = False  # the step in flight owns the session; it is not ours to close
+            raise
+        finally:
+            if close:
+                self.sequences.end(key, session_id)
+                with contextlib.suppress(CacheError, RequestError):
+                    serving.close_session(session_id)
+
+    def _live(self, session_id: str) -> bool:
+        try:
+            self.serving.get_session(session_id)
+        except (CacheError, RequestError):
+            return False
+        return True
+
+    # --- errors ------------------------------------------------------------------------
+
+    def _note_malformed(
+        self, method: str, request: Malformed, context: grpc.aio.ServicerContext
+    ) -> None:
+        metrics.count_request(method, "unknown", grpc.StatusCode.INVALID_ARGUMENT.name, PROTOCOL)
+        self.malformed_log.note(method, context.peer(), request)
+
+    async def _answer(
+        self,
+        method: str,
+        model: str,
+        context: grpc.aio.ServicerContext,
+        handle: Callable[[], Awaitable[T]],
+    ) -> T:
+        """Runs a handler; expected errors become their status (status_of, as mha.v1's),
+        anything else INTERNAL. Counted before the status is sent."""
+        code, counted = grpc.StatusCode.OK, False
+        try:
+            return await handle()
+        except EXPECTED as e:
+            code = status_of(e)
+            if _over(context):  # gRPC answered DEADLINE_EXCEEDED itself
+                raise asyncio.CancelledError from e
+            metrics.count_request(method, model, code.name, PROTOCOL)
+            counted = True
+            await context.abort(code, str(e))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as e:
+            if isinstance(e, grpc.aio.AbortError):
+                raise
+            code = grpc.StatusCode.INTERNAL
+            log.exception("%s failed on model %s", method, model)
+            metrics.count_request(method, model, code.name, PROTOCOL)
+            counted = True
+            await context.abort(code, f"internal error in {method}: {type(e).__name__}: {e}")
+        finally:
+            if not counted:
+                metrics.count_request(method, model, code.name, PROTOCOL)
+
+
+def _stream_error(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:
+    """A request's error on the stream, with its id and model so that a client can match it."""
+    return pb.ModelStreamInferResponse(
+        error_message=message,
+        infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id),
+    )
+
+
+def _deadline(context: grpc.aio.ServicerContext, timeout_us: Any) -> float | None:
+    """The earlier of the gRPC deadline and Triton's `timeout` parameter (microseconds)."""
+    now = time.monotonic()
+    remaining = context.time_remaining()
+    deadlines = [] if remaining is None else [now + remaining]
+    if timeout_us:
+        deadlines.append(now + timeout_us / 1e6)
+    return min(deadlines, default=None)
+
+
+def _over(context: grpc.aio.ServicerContext) -> bool:
+    """Whether the call is over already (grpcio's done() turns true only once a status was sent)."""
+    remaining = context.time_remaining()
+    return context.done() or (remaining is not None and remaining <= 0)
+
+
+def _sync(fn: Callable[..., T], **kwargs: Any) -> Callable[[], Awaitable[T]]:
+    """A quick synchronous handler (called with kwargs) as the coroutine function _answer expects."""
+
+    async def run() -> T:
+        return fn(**kwargs)
+
+    return run
+
+
+def add_inference_service(
+    server: grpc.aio.Server,
+    serving: Callable[[], AsyncEngine | None],
+    *,
+    ready: Callable[[], bool],
+    session_ttl_s: float = 0.0,
+) -> InferenceServicer:
+    """Registers inference.GRPCInferenceService on `server` (lenient parsing, as mha.v1)."""
+    servicer = InferenceServicer(serving, ready=ready, session_ttl_s=session_ttl_s)
+    add_service(server, servicer, SERVICE, pb)
+    return servicer
