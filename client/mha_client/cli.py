@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from mha_client.channel import ChannelSecurity
 from mha_client.cli_sessions import add_session_commands
 from mha_client.cli_types import positive_float
 from mha_client.errors import MhaServeError
@@ -31,6 +32,7 @@ from mha_client.sdk import DEFAULT_TARGET, AttendResult, Client
 from mha_client.tensors import DTYPE_NAMES
 
 ENV_TARGET = "MHA_CLIENT_TARGET"
+ENV_TOKEN = "MHA_CLIENT_TOKEN"  # a bearer token, when no --token-file is given
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -106,6 +108,47 @@ def prune_mask(prune: Sequence[int], num_heads: int) -> list[float]:
 # ----- parser
 
 
+def add_security_arguments(p: argparse.ArgumentParser, suppress: bool) -> None:
+    """TLS, mutual TLS and bearer-token flags (ChannelSecurity)."""
+
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if suppress else value
+
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        default=default(False),
+        help="TLS with the system's root certificates (--ca-file implies it)",
+    )
+    p.add_argument(
+        "--ca-file", metavar="PEM", default=default(None), help="CA certificates of the server's"
+    )
+    p.add_argument(
+        "--cert-file",
+        metavar="PEM",
+        default=default(None),
+        help="this client's certificate (mutual TLS; with --key-file)",
+    )
+    p.add_argument("--key-file", metavar="PEM", default=default(None), help="its private key")
+    p.add_argument(
+        "--token-file",
+        metavar="FILE",
+        default=default(None),
+        help=f"file holding a bearer token (default: the token in ${ENV_TOKEN}, if set)",
+    )
+
+
+def security_of(args: argparse.Namespace) -> ChannelSecurity:
+    return ChannelSecurity.from_files(
+        tls=args.tls,
+        ca_file=args.ca_file,
+        cert_file=args.cert_file,
+        key_file=args.key_file,
+        token_file=args.token_file,
+        token=os.environ.get(ENV_TOKEN),
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mha-client", description="Talk to an mha-serve server (attention over gRPC)."
@@ -127,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
             default=argparse.SUPPRESS if suppress else DEFAULT_TIMEOUT_S,
             help=f"deadline per call (default {DEFAULT_TIMEOUT_S:g})",
         )
+        add_security_arguments(p, suppress)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     models = sub.add_parser("models", parents=[common], help="list hosted models")
@@ -398,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse: --help (0) or a usage error (2)
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
     try:
-        with Client(args.target, timeout=args.timeout) as client:
+        with Client(args.target, timeout=args.timeout, security=security_of(args)) as client:
             return args.func(client, args)
     except UsageError as err:
         print(f"{parser.prog} {args.command}: error: {err}", file=sys.stderr)

@@ -16,6 +16,7 @@ import numpy as np
 
 from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
+from mha_client.channel import ChannelSecurity, open_channel
 from mha_client.errors import MhaServeError
 from mha_client.tensors import dtype_enum, dtype_name, from_proto, to_proto
 
@@ -279,14 +280,14 @@ class Client:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         options: Sequence[tuple[str, Any]] | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        security: ChannelSecurity | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout  # default deadline in seconds per call; None waits forever
         opts = channel_options(max_message_bytes, options)
-        if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=opts)
-        else:
-            self._channel = grpc.secure_channel(target, credentials, options=opts)
+        self._channel = open_channel(
+            target, opts, aio=False, credentials=credentials, security=security
+        )
         self._stub = pb_grpc.AttentionServiceStub(self._channel)
 
     def __enter__(self) -> Client:
@@ -407,14 +408,14 @@ class AsyncClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         options: Sequence[tuple[str, Any]] | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        security: ChannelSecurity | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
         opts = channel_options(max_message_bytes, options)
-        if credentials is None:
-            self._channel = grpc.aio.insecure_channel(target, options=opts)
-        else:
-            self._channel = grpc.aio.secure_channel(target, credentials, options=opts)
+        self._channel = open_channel(
+            target, opts, aio=True, credentials=credentials, security=security
+        )
         self._stub = pb_grpc.AttentionServiceStub(self._channel)
 
     async def __aenter__(self) -> AsyncClient:

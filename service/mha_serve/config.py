@@ -49,6 +49,23 @@ class ServerConfig:
     # answer RESOURCE_EXHAUSTED (false). An evicted session answers NOT_FOUND saying so.
     evict_idle_sessions: bool = False
     log_level: str = "INFO"
+    # --- security and per-client limits (transport/auth.py; docs/api.md "Security") ---
+    # Address of the /metrics endpoint; empty: the same as host. (e.g. 127.0.0.1 keeps
+    # metrics off the network while the API listens on 0.0.0.0.)
+    metrics_host: str = ""
+    # TLS on the gRPC port: the server's PEM certificate chain and private key (both or none).
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    # Mutual TLS: PEM CA certificates that sign client certificates; when set, a client
+    # without a certificate signed by one of them is refused in the handshake.
+    tls_client_ca_file: str = ""
+    # A file of bearer tokens, one per line; every call but health must carry
+    # "authorization: Bearer <token>". The token may instead come from MHA_SERVE_AUTH_TOKEN.
+    auth_token_file: str = ""
+    # Per client identity (mTLS certificate name, else bearer token, else peer address):
+    # live sessions and KV-cache bytes it may hold; beyond either RESOURCE_EXHAUSTED. 0: no limit.
+    max_sessions_per_client: int = 0
+    max_cache_bytes_per_client: int = 0
     models: list[ModelSpec] = field(default_factory=lambda: default_models())
 
 
@@ -178,4 +195,24 @@ def build_config(file_path: str | None, overrides: dict[str, Any]) -> ServerConf
         raise ValueError(f"dtype {cfg.dtype!r} is not one of {', '.join(DTYPES)}")
     if cfg.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?|mps", cfg.device):
         raise ValueError(f"device {cfg.device!r} is not one of auto, cpu, cuda, cuda:N, mps")
+    check_security(cfg)
     return cfg
+
+
+def check_security(cfg: ServerConfig) -> None:
+    """TLS files come in pairs and exist; per-client limits are not negative."""
+    if bool(cfg.tls_cert_file) != bool(cfg.tls_key_file):
+        raise ValueError(
+            "tls_cert_file and tls_key_file go together: give both (TLS) or neither (plaintext)"
+        )
+    if cfg.tls_client_ca_file and not cfg.tls_cert_file:
+        raise ValueError(
+            "tls_client_ca_file (mutual TLS) needs the server's own tls_cert_file and tls_key_file"
+        )
+    for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_token_file"):
+        path = getattr(cfg, key)
+        if path and not Path(path).is_file():
+            raise ValueError(f"{key} {path!r} is not a readable file")
+    for key in ("max_sessions_per_client", "max_cache_bytes_per_client"):
+        if getattr(cfg, key) < 0:
+            raise ValueError(f"{key} {getattr(cfg, key)} is negative; use 0 (no limit) or more")

@@ -5,6 +5,7 @@ from .block_pool import BlockPool
 from .errors import (
     CacheError,
     CacheExhausted,
+    ClientQuotaExceeded,
     InvalidSessionArgument,
     SessionBusy,
     SessionFull,
@@ -21,6 +22,7 @@ __all__ = [
     "BlockStorage",
     "CacheError",
     "CacheExhausted",
+    "ClientQuotaExceeded",
     "InvalidSessionArgument",
     "KVCache",
     "ModelCacheStats",

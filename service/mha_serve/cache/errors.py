@@ -32,6 +32,11 @@ class CacheExhausted(CacheError):
         self.num_blocks = num_blocks
 
 
+class ClientQuotaExceeded(CacheError):
+    """One client's sessions hold its limit of sessions or KV-cache bytes
+    (RESOURCE_EXHAUSTED); the message names the limit."""
+
+
 class SessionBusy(CacheError):
     """The session already has a step in flight; steps on one session run one at a
     time (ABORTED: the client may retry once the step is answered)."""

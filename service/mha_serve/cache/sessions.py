@@ -22,6 +22,7 @@ from .errors import (
     SessionFull,
     SessionNotFound,
 )
+from .quota import OwnerQuota
 from .types import BlockStorage, ModelCacheStats, Reservation, Session, SessionStats
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,13 @@ class SessionTable:
         self._zombies: dict[str, Session] = {}  # closed while pinned: freed on last unpin
         self._gone: OrderedDict[str, tuple[str, str]] = OrderedDict()  # id -> (reason, msg)
         self._lock = threading.RLock()
+        # Per-client limits (off until set_client_limits): sessions and bytes per owner.
+        self.quota = OwnerQuota(lambda model: self._models[model].storage.bytes_per_block)
+
+    def set_client_limits(self, *, max_sessions: int, max_bytes: int) -> None:
+        """Live sessions and KV bytes each owner may hold (0: no limit)."""
+        with self._lock:
+            self.quota.set_limits(max_sessions=max_sessions, max_bytes=max_bytes)
 
     def add_model(self, name: str, storage: BlockStorage, *, max_len: int | None = None) -> None:
         """Give model `name` a pool of storage.num_blocks blocks; max_len caps every session."""
@@ -83,8 +91,15 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def create(self, model: str, max_len: int | None = None, ttl_s: float | None = None) -> Session:
-        """A new empty session; max_len None takes the model's, ttl_s None the default."""
+    def create(
+        self,
+        model: str,
+        max_len: int | None = None,
+        ttl_s: float | None = None,
+        owner: str = "",
+    ) -> Session:
+        """A new empty session; max_len None takes the model's, ttl_s None the default;
+        owner: the client whose per-client limits it counts against ("": none)."""
         with self._lock:
             m = self._model(model)
             if max_len is not None:
@@ -96,6 +111,7 @@ class SessionTable:
                     )
             ttl_s = self.default_ttl_s if ttl_s is None else _check_ttl(ttl_s)
             now = self._clock()
+            self.quota.check_new_session(owner)
             s = Session(
                 self.id_prefix + uuid.uuid4().hex,
                 model,
@@ -104,7 +120,9 @@ class SessionTable:
                 now,
                 now,
             )
+            s.owner = owner
             self._sessions[s.id] = s
+            self.quota.add(s)
             return s
 
     def get(self, session_id: str) -> Session:
@@ -120,6 +138,7 @@ class SessionTable:
             parent = self._lookup(session_id, now)
             m = self._models[parent.model]
             ttl_s = parent.ttl_s if ttl_s is None else _check_ttl(ttl_s)
+            self.quota.check_new_session(parent.owner)  # a fork counts against the parent's
             blocks = parent.block_table[: _cdiv(parent.num_tokens, m.storage.block_size)]
             m.pool.incref(blocks)
             child = Session(
@@ -128,8 +147,10 @@ class SessionTable:
             child.block_table = list(blocks)
             child.num_tokens = parent.num_tokens
             child.key_absmax = parent.key_absmax
+            child.owner = parent.owner
             parent.last_used_s = now
             self._sessions[child.id] = child
+            self.quota.add(child)
             return child
 
     def truncate(self, session_id: str, num_tokens: int) -> Session:
@@ -218,6 +239,7 @@ class SessionTable:
                     f"blocks of {bs} tokens ({m.storage.budget_bytes} bytes, kv_cache_bytes)"
                 )
             num_new_blocks = _cdiv(total, bs) - len(s.block_table)
+            self.quota.check_growth(s, num_new_blocks)
             shared_last = (  # a partial last block that a fork shares: copied before writing
                 s.block_table[-1]
                 if s.num_tokens % bs and pool.refcount(s.block_table[-1]) > 1
@@ -356,6 +378,7 @@ class SessionTable:
 
     def _drop(self, s: Session, reason: str, message: str) -> None:
         del self._sessions[s.id]
+        self.quota.remove(s)
         self._gone[s.id] = (reason, message)
         while len(self._gone) > self._max_remembered:
             self._gone.popitem(last=False)

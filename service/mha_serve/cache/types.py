@@ -49,6 +49,7 @@ class Session:
     # max |k| over every key the session holds or held since it was last emptied: a bound
     # on its keys that the engine's overflow check reads instead of the keys themselves.
     key_absmax: float = 0.0
+    owner: str = ""  # the client whose per-client limits it counts against ("": none)
 
     @property
     def num_blocks(self) -> int:

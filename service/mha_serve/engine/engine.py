@@ -83,6 +83,8 @@ class Engine:
         evict_idle_sessions: bool = False,
         session_ttl_s: float | None = None,
         session_id_prefix: str = "",
+        max_sessions_per_client: int = 0,
+        max_cache_bytes_per_client: int = 0,
     ) -> None:
         """session_id_prefix starts every session id (a Ray Serve replica's own id)."""
         if not specs:
@@ -99,6 +101,9 @@ class Engine:
             self.models, evict=evict_idle_sessions, default_ttl_s=session_ttl_s
         )
         self.sessions.table.id_prefix = session_id_prefix
+        self.sessions.table.set_client_limits(
+            max_sessions=max_sessions_per_client, max_bytes=max_cache_bytes_per_client
+        )
 
     @staticmethod
     def _load(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> HostedModel:
@@ -339,13 +344,18 @@ class Engine:
     # --- sessions: the one API every front door calls ----------------------------------
 
     def create_session(
-        self, model: str, max_len: int | None = None, ttl_s: float | None = None
+        self,
+        model: str,
+        max_len: int | None = None,
+        ttl_s: float | None = None,
+        owner: str = "",
     ) -> SessionStats:
-        """A new empty session of `model` (max_len None: the model's; ttl_s None: default)."""
+        """A new empty session of `model` (max_len None: the model's; ttl_s None: default);
+        owner: the client whose per-client limits it counts against ("": none)."""
         if not model:
             raise InvalidRequest("model is empty; name one of the models ListModels returns")
         self.get(model)
-        session = self.sessions.create(model, max_len, ttl_s)
+        session = self.sessions.create(model, max_len, ttl_s, owner)
         return self.sessions.table.session_stats(session.id)
 
     def get_session(self, session_id: str) -> SessionStats:

@@ -97,9 +97,11 @@ class Sessions:
     def num_sessions(self, model: str) -> int:
         return self.table.num_sessions(model)
 
-    def create(self, model: str, max_len: int | None, ttl_s: float | None) -> Session:
+    def create(
+        self, model: str, max_len: int | None, ttl_s: float | None, owner: str = ""
+    ) -> Session:
         self.cache(model)
-        return self.table.create(model, max_len=max_len, ttl_s=ttl_s)
+        return self.table.create(model, max_len=max_len, ttl_s=ttl_s, owner=owner)
 
     @contextlib.contextmanager
     def stepping(self, session_id: str) -> Iterator[None]:

@@ -165,8 +165,10 @@ class AsyncEngine:
 
     # --- sessions and models -----------------------------------------------------------
 
-    def create_session(self, model: str, max_len: int | None, ttl_s: float | None) -> SessionStats:
-        return self.engine.create_session(model, max_len, ttl_s)
+    def create_session(
+        self, model: str, max_len: int | None, ttl_s: float | None, owner: str = ""
+    ) -> SessionStats:
+        return self.engine.create_session(model, max_len, ttl_s, owner)
 
     def get_session(self, session_id: str) -> SessionStats:
         return self.engine.get_session(session_id)

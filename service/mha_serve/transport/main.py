@@ -12,7 +12,7 @@ from mha_serve.config import SERVER_KEYS, ServerConfig, build_config
 
 ENV_PREFIX = "MHA_SERVE_"
 HELP = {
-    "host": "address to listen on (gRPC and metrics)",
+    "host": "address to listen on (gRPC, and metrics unless --metrics-host)",
     "port": "gRPC port; 0 picks a free one",
     "metrics_port": "HTTP port of /metrics; 0 turns it off",
     "device": "auto | cpu | cuda | cuda:N (auto: CUDA when available)",
@@ -27,6 +27,13 @@ HELP = {
     "session_ttl_s": "idle KV-cache sessions expire after this many seconds; 0: never",
     "evict_idle_sessions": "when a KV cache is full, evict least-recently-used idle sessions (true) or refuse (false)",
     "log_level": "DEBUG | INFO | WARNING | ERROR",
+    "metrics_host": "address of /metrics; empty: the same as --host (e.g. 127.0.0.1 keeps metrics local)",
+    "tls_cert_file": "PEM certificate chain of the gRPC port (TLS); with --tls-key-file",
+    "tls_key_file": "PEM private key of --tls-cert-file",
+    "tls_client_ca_file": "PEM CA certificates of client certificates: mutual TLS, a client without one is refused",
+    "auth_token_file": "file of bearer tokens, one per line, required on every call but health (or the token in MHA_SERVE_AUTH_TOKEN)",
+    "max_sessions_per_client": "live sessions one client (certificate, token or peer address) may hold; 0: no limit",
+    "max_cache_bytes_per_client": "KV-cache bytes one client's sessions may hold; 0: no limit",
 }
 
 

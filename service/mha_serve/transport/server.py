@@ -18,6 +18,7 @@ from mha_serve.engine import Engine, resolve_device, resolve_dtype
 from mha_serve.engine.threads import ComputeThreads
 from mha_serve.serving import AsyncEngine
 from mha_serve.serving.async_engine import SESSION_SWEEP_S
+from mha_serve.transport.auth import TokenInterceptor, load_tokens, server_credentials
 from mha_serve.transport.handlers import add_service
 from mha_serve.transport.oip import SERVICE_NAME as INFERENCE_SERVICE_NAME
 from mha_serve.transport.oip import add_inference_service
@@ -39,7 +40,10 @@ class Server:
         self.session_sweep_s = SESSION_SWEEP_S
         # Every forward runs on these two threads; the event loop only wraps request bytes.
         self.compute = ComputeThreads(cfg.torch_threads, cfg.weights_torch_threads)
+        tokens = load_tokens(cfg.auth_token_file)  # never logged
+        self.requires_token = bool(tokens)
         self.server = grpc.aio.server(
+            interceptors=[TokenInterceptor(tokens)] if tokens else None,
             maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
             options=[
                 ("grpc.max_receive_message_length", cfg.max_receive_message_bytes),
@@ -83,17 +87,31 @@ class Server:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{cfg.host}:{cfg.port}"
+        credentials = server_credentials(cfg)
         try:
-            self.port = self.server.add_insecure_port(address)
+            if credentials is None:
+                self.port = self.server.add_insecure_port(address)
+            else:
+                self.port = self.server.add_secure_port(address, credentials)
         except RuntimeError as e:  # grpc raises RuntimeError when it cannot bind
             raise OSError(
                 f"could not listen on {address}: the port is taken or the host is not local"
             ) from e
         await self.server.start()
-        log.info("gRPC listening on %s:%d (NOT_SERVING until warm)", cfg.host, self.port)
+        security = "plaintext" if credentials is None else "TLS"
+        if cfg.tls_client_ca_file:
+            security = "mutual TLS"
+        log.info(
+            "gRPC listening on %s:%d, %s%s (NOT_SERVING until warm)",
+            cfg.host,
+            self.port,
+            security,
+            ", bearer token required" if self.requires_token else "",
+        )
         if cfg.metrics_port:
-            metrics.serve_metrics(cfg.metrics_port, cfg.host)
-            log.info("metrics on http://%s:%d/metrics", cfg.host, cfg.metrics_port)
+            metrics_host = cfg.metrics_host or cfg.host
+            metrics.serve_metrics(cfg.metrics_port, metrics_host)
+            log.info("metrics on http://%s:%d/metrics", metrics_host, cfg.metrics_port)
 
     async def load(self) -> None:
         """Loads and warms the models on the compute thread, then reports SERVING."""
@@ -122,6 +140,8 @@ class Server:
             max_response_bytes=self.cfg.max_send_message_bytes,
             evict_idle_sessions=self.cfg.evict_idle_sessions,
             session_ttl_s=self.cfg.session_ttl_s or None,
+            max_sessions_per_client=self.cfg.max_sessions_per_client,
+            max_cache_bytes_per_client=self.cfg.max_cache_bytes_per_client,
         )
         engine.warmup()
         return engine

@@ -16,6 +16,7 @@ from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_serve import metrics
 from mha_serve.engine import HostedModel
 from mha_serve.serving import AsyncEngine, Unavailable
+from mha_serve.transport.auth import client_identity
 from mha_serve.transport.convert import encode_result, model_info, session_info, to_call
 from mha_serve.transport.handlers import Malformed, MalformedLog
 from mha_serve.transport.status import EXPECTED, STATUS_OF, status_of
@@ -151,7 +152,10 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         def handle() -> pb.SessionInfo:
             return session_info(
                 self.serving.create_session(
-                    request.model, request.max_len or None, request.ttl_s or None
+                    request.model,
+                    request.max_len or None,
+                    request.ttl_s or None,
+                    owner=client_identity(context),  # whom per-client limits count against
                 )
             )
 

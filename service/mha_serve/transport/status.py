@@ -8,6 +8,7 @@ from mha_serve.batching import Closed, DeadlineExceeded, QueueFull
 from mha_serve.cache import (
     CacheError,
     CacheExhausted,
+    ClientQuotaExceeded,
     InvalidSessionArgument,
     SessionBusy,
     SessionFull,
@@ -37,6 +38,7 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     SessionNotFound: grpc.StatusCode.NOT_FOUND,
     SessionFull: grpc.StatusCode.OUT_OF_RANGE,
     CacheExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ClientQuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     SessionBusy: grpc.StatusCode.ABORTED,
     InvalidSessionArgument: grpc.StatusCode.INVALID_ARGUMENT,
 }
