@@ -8,9 +8,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from mha_serve.engine.types import DTYPES as _DTYPES
-from mha_serve.engine.types import MiB, ModelSpec
-from mha_serve.model import AttentionConfig
+from mha_serve.model.config import AttentionConfig
+from mha_serve.spec import DTYPE_NAMES, MiB, ModelSpec
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9095
@@ -21,7 +20,7 @@ DEFAULT_GRACE_PERIOD_S = 10.0
 DEFAULT_MAX_CONCURRENT_RPCS = 4096
 DEFAULT_SESSION_TTL_S = 600.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-DTYPES = ("auto", *_DTYPES)
+DTYPES = ("auto", *DTYPE_NAMES)
 
 
 @dataclass

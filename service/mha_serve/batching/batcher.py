@@ -17,21 +17,15 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from mha_serve.spec import BatchPolicy
+
 log = logging.getLogger(__name__)
 
-# Batch limits (per model, overridable in the config). Measured on the 2-core CPU machine:
-# see docs/benchmarks.md for why these values.
-DEFAULT_MAX_BATCH_SIZE = 64  # sequences in one forward
-DEFAULT_MAX_BATCH_TOKENS = 32768  # padded tokens (sequences x longest) in one forward
-DEFAULT_MAX_QUEUE_DELAY_S = 0.002  # how long the first request of a batch may wait for company
 # A batch waits for company only when at least about one arrival in ten of its key lately
 # found the lane busy with that key (Batcher._overlap): other clients are sending
 # concurrently requests that could share its batch.
 OVERLAP_TO_WAIT = 0.1
 _MAX_TRACKED_KEYS = 64  # batch keys whose overlap is remembered (head masks can vary freely)
-DEFAULT_MAX_QUEUE_REQUESTS = 1024
-DEFAULT_MAX_QUEUE_TOKENS = 1 << 20
-DEFAULT_MIN_BATCH_FILL = 0.8  # at most 20% of a batch's positions are padding
 
 
 class QueueFull(Exception):
@@ -44,46 +38,6 @@ class DeadlineExceeded(Exception):
 
 class Closed(Exception):
     """The batcher is closed (the server is shutting down): answer UNAVAILABLE."""
-
-
-@dataclass(frozen=True)
-class BatchPolicy:
-    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
-    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
-    max_queue_delay_s: float = DEFAULT_MAX_QUEUE_DELAY_S
-    max_queue_requests: int = DEFAULT_MAX_QUEUE_REQUESTS
-    max_queue_tokens: int = DEFAULT_MAX_QUEUE_TOKENS
-    # Real tokens / padded tokens a batch must keep. Attention costs the padded length, so
-    # on the CPU a batch mixing 16- and 512-token sequences runs slower than the sequences
-    # one by one (docs/batching.md); unequal lengths wait for a batch of their own.
-    min_batch_fill: float = DEFAULT_MIN_BATCH_FILL
-
-    def admits(self, sequences: int, real_tokens: int, longest: int, item: Item) -> bool:
-        """Whether item may join a batch of `sequences` sequences, `real_tokens` of them real,
-        padded to `longest`."""
-        total = sequences + item.sequences
-        new_longest = max(longest, item.length)
-        return (
-            total <= self.max_batch_size
-            and total * new_longest <= self.max_batch_tokens
-            and real_tokens + item.tokens >= self.min_batch_fill * total * new_longest
-        )
-
-    def __post_init__(self) -> None:
-        for key in ("max_batch_size", "max_batch_tokens", "max_queue_requests", "max_queue_tokens"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{key} must be a positive integer, got {value!r}")
-        if not 0 <= self.min_batch_fill <= 1:
-            raise ValueError(
-                f"min_batch_fill must be in 0..1 (1: only equal lengths share a batch), "
-                f"got {self.min_batch_fill!r}"
-            )
-        if not 0 <= self.max_queue_delay_s <= 1:
-            raise ValueError(
-                f"max_queue_delay_s must be in 0..1 s, got {self.max_queue_delay_s!r}; "
-                "a few milliseconds is typical"
-            )
 
 
 @dataclass(eq=False)  # identity: the queue removes items by identity, never compares payloads

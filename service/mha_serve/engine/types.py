@@ -6,85 +6,36 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mha_serve.batching.batcher import BatchPolicy
 from mha_serve.cache import SessionStats
-from mha_serve.model import AttentionConfig
+from mha_serve.spec import (  # re-exported: the engine's callers name them from here
+    DEFAULT_KV_BLOCK_SIZE,
+    DEFAULT_KV_CACHE_BYTES,
+    DEFAULT_MAX_SEQ_LEN,
+    DEFAULT_MAX_WEIGHTS_BYTES,
+    DTYPE_NAMES,
+    KV_CACHE_DTYPES,
+    MiB,
+    ModelSpec,
+)
 
-MiB = 2**20
-DEFAULT_MAX_SEQ_LEN = 4096
-# 8 heads x 1024 x 1024 x fp32 for one sequence: larger asks must narrow heads/rows/dtype.
-DEFAULT_MAX_WEIGHTS_BYTES = 64 * MiB
-# A model's batch settings default to the batcher's own (one place for those numbers).
-_BATCH = BatchPolicy()
-# KV-cache sessions: MHA at embed_dim 512 in float32 holds 4 KiB per token, so 128 MiB is
-# 32768 tokens (GQA with 2 KV heads: 131072; MQA: 262144). 0 turns sessions off.
-DEFAULT_KV_CACHE_BYTES = 128 * MiB
-DEFAULT_KV_BLOCK_SIZE = 16  # tokens per cache block
+__all__ = [
+    "DEFAULT_KV_BLOCK_SIZE",
+    "DEFAULT_KV_CACHE_BYTES",
+    "DEFAULT_MAX_SEQ_LEN",
+    "DEFAULT_MAX_WEIGHTS_BYTES",
+    "DTYPES",
+    "KV_CACHE_DTYPES",
+    "AttendCall",
+    "AttendResult",
+    "CacheInfo",
+    "MiB",
+    "ModelSpec",
+    "repeat_heads",
+]
+
 # Compute dtypes by the names the config uses ("auto" aside): the server's dtype, and a
 # model's kv_cache_dtype.
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# The cache's element type: "auto" stores K/V in the model's dtype (exact); a narrower one
-# holds more tokens per byte and reads fewer bytes per step, at a parity cost (docs/api.md).
-KV_CACHE_DTYPES = ("auto", *DTYPES)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One hosted model as the config file describes it."""
-
-    name: str
-    attention: AttentionConfig
-    seed: int = 0  # seeded initialisation when there is no checkpoint
-    checkpoint: str | None = None  # safetensors file (ours or nn.MultiheadAttention's)
-    max_seq_len: int = DEFAULT_MAX_SEQ_LEN
-    max_batch_size: int = _BATCH.max_batch_size  # sequences per forward (and per request)
-    max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES
-    max_batch_tokens: int = _BATCH.max_batch_tokens
-    max_queue_delay_ms: float = _BATCH.max_queue_delay_s * 1e3
-    max_queue_requests: int = _BATCH.max_queue_requests
-    max_queue_tokens: int = _BATCH.max_queue_tokens
-    min_batch_fill: float = _BATCH.min_batch_fill
-    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
-    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
-    kv_cache_dtype: str = "auto"
-
-    def __post_init__(self) -> None:
-        if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
-            raise ValueError(f"model name {self.name!r} must be non-empty letters, digits, - or _")
-        if (
-            not isinstance(self.max_queue_delay_ms, int | float)
-            or not 0 <= self.max_queue_delay_ms <= 1000
-        ):
-            raise ValueError(
-                f"model {self.name!r}: max_queue_delay_ms must be in 0..1000, got {self.max_queue_delay_ms!r}"
-            )
-        if not isinstance(self.min_batch_fill, int | float) or not 0 <= self.min_batch_fill <= 1:
-            raise ValueError(
-                f"model {self.name!r}: min_batch_fill must be in 0..1 (1: only equal lengths share a batch), got {self.min_batch_fill!r}"
-            )
-        if not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes < 0:
-            raise ValueError(
-                f"model {self.name!r}: kv_cache_bytes must be 0 (no sessions) or more, got {self.kv_cache_bytes!r}"
-            )
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"model {self.name!r}: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} "
-                f"(auto: the model's dtype), got {self.kv_cache_dtype!r}"
-            )
-        for key in (
-            "kv_block_size",
-            "max_seq_len",
-            "max_batch_size",
-            "max_weights_bytes",
-            "max_batch_tokens",
-            "max_queue_requests",
-            "max_queue_tokens",
-        ):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(
-                    f"model {self.name!r}: {key} must be a positive integer, got {value!r}"
-                )
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from mha_serve import metrics
-from mha_serve.batching import BatchPolicy, ModelLanes
+from mha_serve.batching import ModelLanes
 from mha_serve.cache import CacheError, SessionStats
 from mha_serve.engine import AttendCall, AttendResult, Engine, HostedModel, RequestError
 from mha_serve.engine.threads import ComputeThreads
@@ -199,14 +199,7 @@ def lanes_for(engine: Engine, hosted: HostedModel, compute: ComputeThreads) -> M
         spec.name,
         run_batch=functools.partial(engine.run_batch, hosted),
         run_one=functools.partial(engine.run, hosted),
-        policy=BatchPolicy(
-            max_batch_size=spec.max_batch_size,
-            max_batch_tokens=spec.max_batch_tokens,
-            max_queue_delay_s=spec.max_queue_delay_ms / 1e3,
-            max_queue_requests=spec.max_queue_requests,
-            max_queue_tokens=spec.max_queue_tokens,
-            min_batch_fill=spec.min_batch_fill,
-        ),
+        policy=spec.batch_policy(),
         on_batch=functools.partial(metrics.observe_batch, spec.name),
         fast_executor=compute.main,
         weights_executor=compute.weights,
