@@ -188,7 +188,8 @@ def encode_response(
         tensor.parameters["query_start"].int64_param = result.weight_query_start
         response.outputs.append(tensor)
         response.raw_output_contents.append(encode(result.weights))
-    if result.session is not None:  # a sequence step: tokens its session holds now
+    if result.session is not None:  # a sequence step: its session (mha.v1 sees it too)
+        response.parameters["session_id"].string_param = result.session.session_id
         response.parameters["sequence_num_tokens"].int64_param = result.session.num_tokens
     return response
 

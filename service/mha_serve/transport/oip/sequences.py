@@ -25,11 +25,8 @@ class Sequence:
     end: bool
 
     def describe(self, model: str) -> str:
-        return (
-            f"sequence {self.id!r} to model '{model}'"
-            if isinstance(self.id, str)
-            else (f"sequence {self.id} to model '{model}'")
-        )
+        shown = repr(self.id) if isinstance(self.id, str) else str(self.id)  # as Triton: 42, 'a'
+        return f"sequence {shown} to model '{model}'"
 
 
 def sequence_of(params: Any) -> Sequence | None:
@@ -59,7 +56,7 @@ class SequenceMap:
 
     def __init__(self, prune_at: int = PRUNE_AT) -> None:
         self._sessions: dict[SequenceKey, str] = {}
-        self._prune_at = prune_at
+        self._min_prune_at = self._prune_at = prune_at
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -72,7 +69,7 @@ class SequenceMap:
         previous = self._sessions.pop(key, None)
         if len(self._sessions) >= self._prune_at:
             self._sessions = {k: s for k, s in self._sessions.items() if live(s)}
-            self._prune_at = max(PRUNE_AT, 2 * len(self._sessions))
+            self._prune_at = max(self._min_prune_at, 2 * len(self._sessions))
         self._sessions[key] = session_id
         return previous
 
