@@ -1,0 +1,75 @@
+"""The request router of AttentionReplica: a session's calls go to the replica its id names.
+
+Ray Serve runs one router per handle owner (each Ingress replica). A call that carries a
+session id (`handle.options(session_id=...)`) goes to exactly the replica named in it, never
+elsewhere while that replica lives: if this router does not know the replica yet (just
+started, not yet announced here), the call waits for the next replica update. When the
+replica is gone (its actor is dead), the call goes to any live replica, which answers
+NOT_FOUND saying so (AttentionReplica). Calls without a session spread by load: the lower
+queue of two random replicas, as Ray's default router does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+import ray
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from mha_serve.ray_app.ids import replica_of
+
+log = logging.getLogger(__name__)
+
+SERVE_NAMESPACE = "serve"  # the namespace of Ray Serve's actors
+MAX_REMEMBERED_GONE = 4096  # ids of dead replicas kept to skip the actor lookup
+
+
+class SessionRouter(RequestRouter):
+    """Pins each session to the replica its id names; spreads the rest by load."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._gone: dict[str, None] = {}  # replica ids known dead, oldest first
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        session_id = _session_id(pending_request)
+        if not session_id:
+            return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+        # Wait between tries rather than spin while the owner is busy or not yet known.
+        pending_request.routing_context.should_backoff = True
+        owner = replica_of(session_id)
+        for replica in candidate_replicas:
+            if replica.replica_id.unique_id == owner:
+                return [[replica]]
+        if owner is not None and await self._alive(owner):
+            return []  # alive but not in this router's view yet: wait for the update
+        # Gone (or no replica at all in the id): any replica answers NOT_FOUND.
+        return [candidate_replicas]
+
+    async def _alive(self, unique_id: str) -> bool:
+        """Whether the replica's actor still lives (a GCS lookup, off the event loop)."""
+        if unique_id in self._gone:
+            return False
+        name = ReplicaID(unique_id, self._deployment_id).to_full_id_str()
+        try:
+            await asyncio.to_thread(ray.get_actor, name, namespace=SERVE_NAMESPACE)
+            return True
+        except ValueError:  # no live actor of that name
+            self._gone[unique_id] = None
+            while len(self._gone) > MAX_REMEMBERED_GONE:
+                self._gone.pop(next(iter(self._gone)))
+            log.info("replica %s is gone; its sessions answer NOT_FOUND", unique_id)
+            return False
+
+
+def _session_id(pending_request: PendingRequest | None) -> str:
+    if pending_request is None:
+        return ""
+    session_id = pending_request.metadata.session_id
+    return session_id if isinstance(session_id, str) else ""

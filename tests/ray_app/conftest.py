@@ -1,0 +1,94 @@
+"""One local Ray per test module, running deploy/ray/serve_config.yaml on free ports."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from mha_serve.config import default_models
+from mha_serve.model import MultiHeadAttention, init_weights
+from tests.ray_app.cluster import APP, deploy, free_port, load_config
+
+ATOL = 1e-4  # float32: one full forward against the replica's cached path
+
+
+@dataclass
+class Cluster:
+    target: str  # the gRPC proxy, 127.0.0.1:PORT
+    metrics_ports: tuple[int, ...]  # the replicas' /metrics on this node
+
+
+def two_free_ports() -> int:
+    """A port p with p + 1 free too (the replicas' metrics ports: base + local rank)."""
+    for _ in range(100):
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        port, metrics_port = free_port(), two_free_ports()
+        deploy(load_config(grpc_port=port, metrics_port=metrics_port))
+        yield Cluster(f"127.0.0.1:{port}", (metrics_port, metrics_port + 1))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def replica_handle(method: str, replica_id: str):
+    """A handle call that SessionRouter sends to that replica: a session id naming it."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("AttentionReplica", APP)
+    return handle.options(method_name=method, session_id=f"{replica_id}-{'0' * 32}")
+
+
+def replica_ids() -> set[str]:
+    """The unique ids of the live AttentionReplica actors."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{APP}#AttentionReplica#"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    return {n.removeprefix(prefix) for n in names if n.startswith(prefix)}
+
+
+class Models:
+    """The built-in models as the replicas build them (seeded), for full recomputes."""
+
+    def __init__(self) -> None:
+        self.modules = {}
+        for spec in default_models():
+            module = MultiHeadAttention(spec.attention)
+            init_weights(module, spec.seed)
+            self.modules[spec.name] = module.eval()
+
+    def forward(self, model: str, x: np.ndarray, *, causal=False, weights=False):
+        """(output, weights) of x (B, L, E)."""
+        with torch.inference_mode():
+            out = self.modules[model](torch.from_numpy(x), causal=causal, need_weights=weights)
+        return out.output.numpy(), None if out.weights is None else out.weights.numpy()
+
+    def step(self, model: str, history: np.ndarray, new: int) -> np.ndarray:
+        """The last `new` rows of the full causal forward over a session's tokens (S, E)."""
+        out, _ = self.forward(model, history[None], causal=True)
+        return out[0, -new:]
+
+
+@pytest.fixture(scope="module")
+def models() -> Models:
+    return Models()

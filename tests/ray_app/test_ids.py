@@ -1,0 +1,53 @@
+"""Session ids that name their replica, the stand-in servicer context, labelled metrics:
+the pieces of mha_serve.ray_app that need no Ray running."""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+from mha_serve.ray_app.context import CallContext
+from mha_serve.ray_app.ids import replica_of, session_prefix
+from mha_serve.ray_app.scrape import Labelled
+
+
+def test_a_session_id_names_its_replica():
+    session_id = session_prefix("k3x9ab12") + uuid.uuid4().hex
+    assert replica_of(session_id) == "k3x9ab12"
+
+
+@pytest.mark.parametrize(
+    "session_id", ["", "abc", uuid.uuid4().hex, "-" + uuid.uuid4().hex, "x_" + uuid.uuid4().hex]
+)
+def test_ids_that_name_no_replica(session_id):
+    assert replica_of(session_id) is None
+
+
+def test_a_replica_id_with_the_separator_is_refused():
+    with pytest.raises(ValueError, match="holds"):
+        session_prefix("a-b")
+
+
+async def test_abort_records_the_status_and_raises_as_grpcio_does():
+    context = CallContext("ipv4:127.0.0.1:1")
+    with pytest.raises(grpc.aio.AbortError):
+        await context.abort(grpc.StatusCode.NOT_FOUND, "session 'x' does not exist")
+    reply = context.reply()
+    assert (reply.response, reply.code, reply.details) == (
+        None,
+        grpc.StatusCode.NOT_FOUND,
+        "session 'x' does not exist",
+    )
+    assert context.time_remaining() is None and context.peer() == "ipv4:127.0.0.1:1"
+
+
+def test_every_sample_gets_the_replica_labels():
+    registry = CollectorRegistry()
+    Counter("mha_serve_demo_total", "demo", ["model"], registry=registry).labels("mha").inc()
+    out = CollectorRegistry(auto_describe=False)
+    out.register(Labelled(registry, {"replica": "r1", "application": "mha"}))
+    text = generate_latest(out).decode()
+    assert 'mha_serve_demo_total{application="mha",model="mha",replica="r1"} 1.0' in text
