@@ -165,7 +165,6 @@ TRAFFIC = (
                 "{{model}} {{code}}",
             ),
         ),
-        may_be_empty="no request failed in the window",
     ),
     Panel(
         "Server error ratio by model",

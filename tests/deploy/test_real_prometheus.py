@@ -1,0 +1,477 @@
+"""The dashboard and the alert rules against a real Prometheus scraping a real mha-serve.
+
+Debian's `prometheus` server (fetched beside promtool by .ci/get-promtool) scrapes a real
+mha-serve on loopback every second while threads drive real gRPC traffic: stateless Attend,
+attention weights, sessions created, stepped and closed, and a few errors of each kind the
+alerts watch (NOT_FOUND, INVALID_ARGUMENT, RESOURCE_EXHAUSTED from a KV cache kept full).
+Then every dashboard query (template variables filled in) and every alert expression is
+evaluated through Prometheus's HTTP API and must return data: a metric or label that does
+not exist, or a query that does not parse, fails here and not on an operator's screen.
+
+The same run draws the dashboard's main panels from Prometheus's query_range into a PNG;
+MHA_SERVE_DOCS_IMAGES=1 writes it to docs/images/dashboard.png (and runs the traffic for a
+minute, so that the picture has some history to show).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import yaml
+
+from mha_client.api import attention_pb2 as pb
+from mha_client.api import attention_pb2_grpc as pb_grpc
+from tests.deploy.sources import ROOT, RULES, dashboard
+from tests.helpers import ServerProcess, free_port
+
+pytestmark = pytest.mark.slow
+
+SCRAPE_INTERVAL = "1s"
+# What Grafana makes of $__rate_interval at a 1 s scrape: at least four scrapes.
+RATE_INTERVAL = "10s"
+READY_TIMEOUT_S = 30.0
+# Series appear within a few scrapes of the first traffic; rates need two samples.
+DATA_TIMEOUT_S = 40.0
+TRAFFIC_S = float(
+    os.environ.get("MHA_SERVE_TRAFFIC_S", 60 if os.environ.get("MHA_SERVE_DOCS_IMAGES") else 12)
+)
+EMBED = 64
+# Labels that a query may name and this run cannot have, and why.
+ABSENT_LABELS = {
+    "replica": "the Ray app's replica label; a standalone server has none",
+    "pod": "Kubernetes' (and dcgm-exporter's) label; none on loopback",
+    "gpu": "dcgm-exporter's label; no GPU here",
+    "container": "dcgm-exporter's label; no GPU here",
+}
+ABSENT_METRICS = {
+    "DCGM_FI_DEV_FB_USED": "NVIDIA dcgm-exporter's GPU memory; no GPU here",
+    "DCGM_FI_DEV_FB_FREE": "NVIDIA dcgm-exporter's GPU memory; no GPU here",
+}
+# mha: a cache of 32 blocks (512 B a token), roomy enough for the sessions kept open. gqa: a cache of 4 blocks (256 B a token:
+# 2 x 2 KV heads x 16 x 4 B; 16 tokens a block), which one session of 64 tokens fills, so
+# that every further step is refused RESOURCE_EXHAUSTED, as under real memory pressure.
+CONFIG = f"""
+[server]
+torch_threads = 1
+session_ttl_s = 600.0
+
+[[models]]
+name = "mha"
+embed_dim = {EMBED}
+num_heads = 4
+num_kv_heads = 4
+seed = 1
+kv_cache_bytes = 262144
+
+[[models]]
+name = "gqa"
+embed_dim = {EMBED}
+num_heads = 4
+num_kv_heads = 2
+seed = 2
+kv_cache_bytes = 16384
+kv_block_size = 16
+"""
+
+
+def binary(name: str) -> str | None:
+    local = Path(sys.executable).with_name(name)  # .ci/get-promtool puts them there
+    return str(local) if local.exists() else shutil.which(name)
+
+
+# --- Prometheus -------------------------------------------------------------------------
+
+
+class Prometheus:
+    """Debian's prometheus on 127.0.0.1, scraping one target every second, with our rules."""
+
+    def __init__(self, exe: str, target: str, workdir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = {
+            "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": "1s"},
+            "rule_files": [str(RULES)],
+            "scrape_configs": [
+                {"job_name": "mha-serve", "static_configs": [{"targets": [target]}]}
+            ],
+        }
+        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.log_path = workdir / "prometheus.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [
+                exe,
+                f"--config.file={workdir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"prometheus exited:\n{self.log()}"
+            try:
+                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"prometheus not ready after {READY_TIMEOUT_S} s:\n{self.log()}")
+
+    def api(self, path: str, **params: str) -> dict:
+        url = f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                body = json.load(r)
+        except urllib.error.HTTPError as e:  # 400 for a query that does not parse
+            body = json.load(e)
+        assert body["status"] == "success", f"{path} {params}: {body.get('error')}"
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict]:
+        return self.api("query", query=expr)["result"]
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+# --- traffic ----------------------------------------------------------------------------
+
+
+def tensor(x: np.ndarray) -> pb.Tensor:
+    return pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=x.shape, data=x.tobytes())
+
+
+class Traffic:
+    """A few client threads over one channel each: bounded in time, stopped by stop()."""
+
+    def __init__(self, target: str, seconds: float) -> None:
+        self.target = target
+        self.until = time.monotonic() + seconds
+        self.stopped = threading.Event()
+        self.codes: dict[str, int] = {}
+        self.errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self.threads = [
+            threading.Thread(target=self._run, args=(work,), daemon=True)
+            for work in (self._stateless, self._stateless, self._sessions, self._faults)
+        ]
+
+    def __enter__(self) -> Traffic:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopped.set()
+        for t in self.threads:
+            t.join(30)
+
+    def running(self) -> bool:
+        return not self.stopped.is_set() and time.monotonic() < self.until
+
+    def _count(self, code: grpc.StatusCode) -> None:
+        with self._lock:
+            self.codes[code.name] = self.codes.get(code.name, 0) + 1
+
+    def _call(self, method, request, **kw):
+        try:
+            reply = method(request, timeout=30, **kw)
+            self._count(grpc.StatusCode.OK)
+            return reply
+        except grpc.RpcError as e:
+            self._count(e.code())
+            return None
+
+    def _run(self, work) -> None:
+        try:
+            with grpc.insecure_channel(self.target) as channel:
+                work(pb_grpc.AttentionServiceStub(channel), np.random.default_rng(len(self.codes)))
+        except BaseException as e:  # reported by the test, not lost in a thread
+            self.errors.append(e)
+
+    def _stateless(self, stub, rng) -> None:
+        i = 0
+        while self.running():
+            i += 1
+            model = ("mha", "gqa")[i % 2]
+            # the load rises and falls, so that the panels show some shape
+            phase = math.sin(time.monotonic() / 4)
+            batch, seq = int(rng.integers(1, 4)), int(rng.integers(8, 64 if phase > 0 else 24))
+            x = rng.standard_normal((batch, seq, EMBED)).astype(np.float32)
+            weights = pb.WeightsRequest(enabled=True, heads=[0, 1]) if i % 5 == 0 else None
+            self._call(stub.Attend, pb.AttendRequest(model=model, input=tensor(x), weights=weights))
+            time.sleep(0.01 if phase > 0 else 0.04)
+
+    def _sessions(self, stub, rng) -> None:
+        # One gqa session holds the whole of gqa's small cache for the run.
+        full = self._call(stub.CreateSession, pb.CreateSessionRequest(model="gqa"))
+        x = rng.standard_normal((64, EMBED)).astype(np.float32) * 0.1
+        self._call(stub.Attend, pb.AttendRequest(session_id=full.session_id, input=tensor(x)))
+        open_ids: list[str] = []
+        while self.running():
+            sid = self._call(stub.CreateSession, pb.CreateSessionRequest(model="mha")).session_id
+            open_ids.append(sid)
+            steps = [
+                pb.AttendRequest(
+                    session_id=sid,
+                    input=tensor(rng.standard_normal((8, EMBED)).astype(np.float32) * 0.1),
+                    weights=pb.WeightsRequest(enabled=n == 2),
+                )
+                for n in range(3)
+            ]
+            try:
+                for _ in stub.StreamSession(iter(steps), timeout=30):
+                    self._count(grpc.StatusCode.OK)
+            except grpc.RpcError as e:
+                self._count(e.code())
+            # Between 2 and 8 sessions (2 blocks each) stay open as the load rises and falls.
+            keep = 2 if math.sin(time.monotonic() / 4) < 0 else 8
+            while len(open_ids) > keep:
+                self._call(stub.CloseSession, pb.CloseSessionRequest(session_id=open_ids.pop(0)))
+            time.sleep(0.05)
+        for sid in [*open_ids, full.session_id]:
+            self._call(stub.CloseSession, pb.CloseSessionRequest(session_id=sid))
+
+    def _faults(self, stub, rng) -> None:
+        x = rng.standard_normal((1, 8, EMBED)).astype(np.float32)
+        while self.running():
+            # NOT_FOUND: no such model
+            self._call(stub.Attend, pb.AttendRequest(model="no-such", input=tensor(x)))
+            # INVALID_ARGUMENT: the wrong embedding width
+            bad = rng.standard_normal((1, 8, EMBED + 1)).astype(np.float32)
+            self._call(stub.Attend, pb.AttendRequest(model="mha", input=tensor(bad)))
+            # RESOURCE_EXHAUSTED: gqa's cache is full
+            sid = self._call(stub.CreateSession, pb.CreateSessionRequest(model="gqa"))
+            if sid is not None:
+                step = pb.AttendRequest(session_id=sid.session_id, input=tensor(x[0] * 0.1))
+                self._call(stub.Attend, step)
+                self._call(stub.CloseSession, pb.CloseSessionRequest(session_id=sid.session_id))
+            time.sleep(0.2)
+
+
+# --- the queries ------------------------------------------------------------------------
+
+
+def fill(expr: str, instance: str) -> str:
+    """A dashboard query with its template variables filled in as Grafana would."""
+    values = {
+        "$__rate_interval": RATE_INTERVAL,
+        # Grafana escapes a value's regex characters, and doubles the backslash in the string
+        "$instance": re.escape(instance).replace("\\", "\\\\"),
+        "$model": ".*",  # All
+        "$replica": ".*",  # All: matches the absent label
+    }
+    for name, value in values.items():
+        expr = expr.replace(name, value)
+    assert "$" not in expr, f"a variable left in {expr}"
+    return expr
+
+
+def panel_exprs(instance: str) -> list[tuple[str, str, str]]:
+    """(panel, filled-in expr, why it may be empty) for every query of the dashboard."""
+    return [
+        (f"{row} / {panel.title}", fill(query.expr, instance), panel.may_be_empty)
+        for row, panel in dashboard().panels()
+        for query in panel.queries
+    ]
+
+
+# A comparison with a number that closes an alert's condition: `> 0.9`, `== 0`, `>= 2`.
+THRESHOLD = re.compile(r"\s*(?:==|!=|>=|<=|>|<)\s*-?\d+(?:\.\d+)?(?=\s*(?:\)|\band\b|\bor\b|$))")
+
+
+def without_threshold(expr: str) -> str:
+    """An alert's expression with its threshold comparisons dropped: the quantity it watches.
+    A healthy server keeps every alert quiet (its expression returns nothing), so the test
+    asks for the watched quantity instead: `up == 0` becomes `up`."""
+    return THRESHOLD.sub("", expr.strip())
+
+
+def alert_rules() -> list[dict]:
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"] if "alert" in rule]
+
+
+def has_data(result: list[dict]) -> bool:
+    return any(math.isfinite(float(r["value"][1])) for r in result)
+
+
+def names_used(expr: str) -> tuple[set[str], set[str]]:
+    """(metric names, label names) an expression reads."""
+    metrics = set(re.findall(r"\b(mha_serve_\w+|process_\w+|up|DCGM_\w+)\b(?!\s*\()", expr))
+    labels = set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)\s*\"", expr))
+    for group in re.findall(r"\b(?:by|without|ignoring|on)\s*\(([^)]*)\)", expr):
+        labels |= {name.strip() for name in group.split(",") if name.strip()}
+    return metrics, labels - {"le"}
+
+
+def test_the_threshold_is_what_is_dropped():
+    assert without_threshold('up{job=~".*mha-serve.*"} == 0') == 'up{job=~".*mha-serve.*"}'
+    assert without_threshold(
+        "histogram_quantile(0.99, rate(x[5m])) > 1\nand rate(y[5m]) > 0.1"
+    ) == ("histogram_quantile(0.99, rate(x[5m]))\nand rate(y[5m])")
+    assert without_threshold("(a / b)\n> 0.05") == "(a / b)"
+
+
+# --- the test ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    exe = binary("prometheus")
+    if exe is None:
+        pytest.skip("prometheus not found: `make test` fetches it with promtool (.ci/get-promtool)")
+    workdir = tmp_path_factory.mktemp("prometheus")
+    config = workdir / "mha-serve.toml"
+    config.write_text(CONFIG)
+    server = ServerProcess("--config", str(config), log_path=workdir / "mha-serve.log")
+    prometheus = None
+    try:
+        server.wait_serving()
+        target = f"127.0.0.1:{server.metrics_port}"
+        prometheus = Prometheus(exe, target, workdir)
+        prometheus.wait_ready()
+        yield server, prometheus, target
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+        assert server.stop() == 0, server.log()
+
+
+def test_every_panel_and_alert_returns_data_from_a_real_prometheus(stack, tmp_path):
+    server, prometheus, instance = stack
+    panels = panel_exprs(instance)
+    alerts = [(rule["alert"], rule["expr"]) for rule in alert_rules()]
+    required = [(name, expr) for name, expr, may_be_empty in panels if not may_be_empty]
+    required += [(f"alert {name}", without_threshold(expr)) for name, expr in alerts]
+    started = time.time()
+    # The traffic runs while the queries are asked (a rate over a quiet window is no data),
+    # for TRAFFIC_S at least (the picture) and never past the wait's bound.
+    with Traffic(server.target, TRAFFIC_S + DATA_TIMEOUT_S) as traffic:
+        # Bounded wait until every required query has data (rates need two scrapes).
+        deadline = time.monotonic() + DATA_TIMEOUT_S
+        while True:
+            missing = [(n, e) for n, e in required if not has_data(prometheus.query(e))]
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        while traffic.running() and time.time() < started + TRAFFIC_S:
+            time.sleep(0.5)
+    assert not traffic.errors, traffic.errors
+    for code in ("OK", "NOT_FOUND", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"):
+        assert traffic.codes.get(code), f"the traffic never got {code}: {traffic.codes}"
+    assert not missing, "queries with no data from a real Prometheus:\n" + "\n".join(
+        f"  {name}: {expr}" for name, expr in missing
+    )
+
+    # Every metric and label named anywhere exists in what Prometheus scraped, but for
+    # those this run cannot have (stated above): a typo fails even inside an `or`.
+    metric_names = set(prometheus.api("label/__name__/values"))
+    label_names = set(prometheus.api("labels"))
+    for name, expr in [(n, e) for n, e, _ in panels] + alerts:
+        metrics, labels = names_used(expr)
+        assert metrics, f"{name}: no metric found in {expr}"
+        unknown = metrics - metric_names - set(ABSENT_METRICS)
+        assert not unknown, f"{name}: no such metric {unknown}"
+        unknown = labels - label_names - set(ABSENT_LABELS)
+        assert not unknown, f"{name}: no such label {unknown}"
+        prometheus.query(expr)  # the whole expression parses and runs (as in Grafana)
+
+    # The rule file loaded into the real server, and every rule evaluates without error.
+    rules = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
+    assert sorted(r["name"] for r in rules) == sorted(name for name, _ in alerts)
+    assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+
+    path = draw(prometheus, instance, started, time.time(), tmp_path / "dashboard.png")
+    assert path.stat().st_size > 10_000
+    if os.environ.get("MHA_SERVE_DOCS_IMAGES"):
+        shutil.copy(path, ROOT / "docs" / "images" / "dashboard.png")
+
+
+# --- the picture ------------------------------------------------------------------------
+
+MAIN_PANELS = (
+    ("Traffic and errors", "Request rate by model and status"),
+    ("Traffic and errors", "Rejections (RESOURCE_EXHAUSTED) by model and method"),
+    ("Traffic and errors", "Tokens/s by model"),
+    ("Latency", "End-to-end latency by model"),
+    ("Latency", "Queue latency by model"),
+    ("Latency", "Compute latency by model and lane"),
+    ("Batching and queue", "Batch size (sequences per forward)"),
+    ("Sessions and KV cache", "KV cache blocks: used vs total"),
+    ("Process", "Process memory by replica"),
+)
+UNITS = {"reqps": "requests/s", "s": "seconds", "short": "", "bytes": "MiB"}
+SCALE = {"bytes": 2**20}
+
+
+def legend(template: str, labels: dict[str, str]) -> str:
+    return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), template)
+
+
+def draw(prometheus: Prometheus, instance: str, start: float, end: float, path: Path) -> Path:
+    """The main panels drawn from query_range, laid out as the dashboard lays them out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_title = {(row, panel.title): panel for row, panel in dashboard().panels()}
+    fig, axes = plt.subplots(3, 3, figsize=(16, 10.5), constrained_layout=True)
+    for ax, key in zip(axes.flat, MAIN_PANELS, strict=True):
+        panel = by_title[key]
+        for query in panel.queries:
+            data = prometheus.api(
+                "query_range",
+                query=fill(query.expr, instance),
+                start=str(start),
+                end=str(end),
+                step="1",
+            )["result"]
+            for series in sorted(data, key=lambda s: legend(query.legend, s["metric"])):
+                t = [float(v[0]) - start for v in series["values"]]
+                y = [float(v[1]) / SCALE.get(panel.unit, 1) for v in series["values"]]
+                ax.plot(t, y, label=legend(query.legend, series["metric"]), linewidth=1.2)
+        ax.set_title(panel.title, fontsize=10)
+        ax.set_xlabel("seconds into the run", fontsize=8)
+        ax.set_ylabel(UNITS.get(panel.unit, panel.unit), fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, loc="upper left", ncol=2)
+    fig.suptitle(
+        "mha-serve dashboard, main panels: a real Prometheus scraping a real mha-serve "
+        "(tests/deploy/test_real_prometheus.py)",
+        fontsize=11,
+    )
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
