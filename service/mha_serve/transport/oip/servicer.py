@@ -19,6 +19,7 @@ from mha_serve import metrics
 from mha_serve.cache import CacheError, SessionBusy, SessionNotFound
 from mha_serve.engine import AttendCall, HostedModel, InvalidRequest, ModelNotFound, RequestError
 from mha_serve.serving import AsyncEngine, Timing, Unavailable
+from mha_serve.transport.auth import client_identity
 from mha_serve.transport.handlers import Malformed, MalformedLog, add_service
 from mha_serve.transport.oip.convert import (
     VERSION,
@@ -229,8 +230,9 @@ class InferenceServicer:
                 call, encode, received=received, deadline=deadline
             )
         else:
+            owner = client_identity(context)  # whom a new session counts against (limits)
             response, timing = await self._step(
-                serving, sequence, call, encode, received=received, deadline=deadline
+                serving, sequence, call, encode, owner=owner, received=received, deadline=deadline
             )
         for name, value in (
             ("queue_ms", timing.queue_ms),
@@ -248,6 +250,7 @@ class InferenceServicer:
         call: AttendCall,
         encode: Callable[..., pb.ModelInferResponse],
         *,
+        owner: str,
         received: float,
         deadline: float | None,
     ) -> tuple[pb.ModelInferResponse, Timing]:
@@ -256,7 +259,7 @@ class InferenceServicer:
         model = call.model
         key = (model, sequence.id)
         if sequence.start:
-            session_id = serving.create_session(model, None, None).session_id
+            session_id = serving.create_session(model, None, None, owner).session_id
             previous = self.sequences.start(key, session_id, live=self._live)
             if previous is not None:
                 with contextlib.suppress(CacheError, RequestError):  # gone already: fine
