@@ -1,6 +1,6 @@
 """The engine: hosted models and the synchronous forward of one request (no asyncio, no gRPC)."""
 
-from mha_serve.engine.engine import Engine, HostedModel, resolve_device, resolve_dtype
+from mha_serve.engine.engine import Engine, resolve_device, resolve_dtype
 from mha_serve.engine.errors import (
     Abandoned,
     DeadlinePassed,
@@ -9,7 +9,7 @@ from mha_serve.engine.errors import (
     RequestError,
     TooLarge,
 )
-from mha_serve.engine.types import AttendCall, AttendResult, ModelSpec
+from mha_serve.engine.types import AttendCall, AttendResult, HostedModel, ModelSpec
 
 __all__ = [
     "Abandoned",

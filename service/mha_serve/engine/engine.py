@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +22,7 @@ from mha_serve.engine.types import (
     AttendCall,
     AttendResult,
     CacheInfo,
+    HostedModel,
     ModelSpec,
     repeat_heads,
 )
@@ -33,18 +33,6 @@ log = logging.getLogger(__name__)
 WIRE_DTYPES = tuple(DTYPES.values())
 # Room left in a response for everything that is not tensor data.
 RESPONSE_OVERHEAD_BYTES = 64 * 1024
-
-
-@dataclass
-class HostedModel:
-    spec: ModelSpec
-    module: MultiHeadAttention
-    device: torch.device
-    dtype: torch.dtype
-
-    @property
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.module.parameters())
 
 
 def resolve_device(name: str) -> torch.device:

@@ -14,7 +14,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,12 +34,8 @@ from mha_serve.engine.errors import (
     require_finite,
     scores_overflow_error,
 )
-from mha_serve.engine.types import DTYPES, AttendCall, AttendResult, repeat_heads
+from mha_serve.engine.types import DTYPES, AttendCall, AttendResult, HostedModel, repeat_heads
 from mha_serve.model.overflow import bound_crossed, row_absmax, score_limit, scores_overflow
-
-if TYPE_CHECKING:
-    from mha_serve.engine.engine import HostedModel
-
 
 log = logging.getLogger(__name__)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mha_serve.cache import SessionStats
+from mha_serve.model import MultiHeadAttention
 from mha_serve.spec import (  # re-exported: the engine's callers name them from here
     DEFAULT_KV_BLOCK_SIZE,
     DEFAULT_KV_CACHE_BYTES,
@@ -28,6 +29,7 @@ __all__ = [
     "AttendCall",
     "AttendResult",
     "CacheInfo",
+    "HostedModel",
     "MiB",
     "ModelSpec",
     "repeat_heads",
@@ -36,6 +38,20 @@ __all__ = [
 # Compute dtypes by the names the config uses ("auto" aside): the server's dtype, and a
 # model's kv_cache_dtype.
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+
+
+@dataclass
+class HostedModel:
+    """A loaded model: its spec, its module (eval, no grad) and where it computes."""
+
+    spec: ModelSpec
+    module: MultiHeadAttention
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
 
 
 @dataclass
