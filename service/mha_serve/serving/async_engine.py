@@ -21,6 +21,7 @@ from mha_serve import metrics
 from mha_serve.batching import ModelLanes
 from mha_serve.cache import CacheError, SessionStats
 from mha_serve.engine import AttendCall, AttendResult, Engine, HostedModel, RequestError
+from mha_serve.engine.faults import isolate_failures, out_of_memory_is_exhausted
 from mha_serve.engine.threads import ComputeThreads
 from mha_serve.engine.types import CacheInfo
 
@@ -197,8 +198,9 @@ def lanes_for(engine: Engine, hosted: HostedModel, compute: ComputeThreads) -> M
     spec = hosted.spec
     lanes = ModelLanes(
         spec.name,
-        run_batch=functools.partial(engine.run_batch, hosted),
-        run_one=functools.partial(engine.run, hosted),
+        # A failed batch runs again call by call (engine/faults.py, docs/RELIABILITY.md).
+        run_batch=isolate_failures(functools.partial(engine.run_batch, hosted)),
+        run_one=out_of_memory_is_exhausted(functools.partial(engine.run, hosted)),
         policy=spec.batch_policy(),
         on_batch=functools.partial(metrics.observe_batch, spec.name),
         fast_executor=compute.main,
