@@ -243,12 +243,14 @@ BATCHING = (
                 "p95 {{model}} {{lane}}",
             ),
         ),
+        width=6,
     ),
     Panel(
         "Batch fill (requests per forward)",
         "Mean requests sharing one forward pass: how full the batcher makes each batch.",
         "short",
         (Query(mean("mha_serve_batch_requests", "model, lane"), "{{model}} {{lane}}"),),
+        width=6,
     ),
     Panel(
         "Tokens per request",
@@ -256,6 +258,7 @@ BATCHING = (
         "request brings to a batch.",
         "short",
         quantiles("mha_serve_request_tokens")[:2],
+        width=6,
     ),
     Panel(
         "Queue depth by model and lane",
@@ -267,6 +270,7 @@ BATCHING = (
                 "{{model}} {{lane}}",
             ),
         ),
+        width=6,
     ),
 )
 
