@@ -462,3 +462,45 @@ def test_the_sequence_map_forgets_sessions_that_are_gone():
     assert ids.get(("m", 2)) is None and ids.get(("m", 1)) == "s1"
     ids.end(("m", 1), "other")  # a stale end leaves a newer mapping alone
     assert ids.get(("m", 1)) == "s1"
+
+
+async def test_tritons_timeout_parameter_bounds_the_wait():
+    x = embeddings(1, 2, EMBED)
+    async with serving() as stubs:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stubs.oip.ModelInfer(infer_request(x, timeout=1))  # 1 microsecond
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        ok = await stubs.oip.ModelInfer(infer_request(x, timeout=60_000_000))
+        assert list(ok.outputs[0].shape) == [1, 2, EMBED]
+
+
+async def test_malformed_stream_messages_are_answered_in_band():
+    async with serving() as stubs:
+        call = stubs.channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=lambda b: b,
+            response_deserializer=ip.ModelStreamInferResponse.FromString,
+        )
+        good = infer_request(embeddings(1, 2, EMBED)).SerializeToString()
+        replies = [r async for r in call(iter([b"\xff\xff\xff", good]))]
+        assert "not a valid inference.ModelInferRequest" in replies[0].error_message
+        assert not replies[1].error_message
+        assert list(replies[1].infer_response.outputs[0].shape) == [1, 2, EMBED]
+
+
+def test_sequence_ids_of_every_kind_kserve_clients_send():
+    from mha_serve.engine import InvalidRequest
+    from mha_serve.transport.oip.sequences import sequence_of
+
+    request = ip.ModelInferRequest()
+    assert sequence_of(request.parameters) is None
+    request.parameters["sequence_id"].uint64_param = 2**64 - 1
+    request.parameters["sequence_end"].bool_param = True
+    assert sequence_of(request.parameters).id == 2**64 - 1
+    assert sequence_of(request.parameters).end
+    request.parameters["sequence_id"].string_param = ""  # none, but flags set: refused
+    with pytest.raises(InvalidRequest, match="sequence_id is not"):
+        sequence_of(request.parameters)
+    request.parameters["sequence_id"].double_param = 1.5
+    with pytest.raises(InvalidRequest, match="integer or a string"):
+        sequence_of(request.parameters)
