@@ -17,14 +17,15 @@ import queue
 import time
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 import grpc
 import numpy as np
 
+from mha_client import ops
 from mha_client.api import attention_pb2 as pb
 from mha_client.errors import MhaServeError
-from mha_client.sdk import AttendResult, SessionInfo, build_attend_request, parse_attend_response
+from mha_client.messages import AttendOptions, AttendResult, SessionInfo, step_request
 
 if TYPE_CHECKING:
     from mha_client.sdk import AsyncClient, Client
@@ -40,23 +41,15 @@ def _task_cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-def _check_keep(num_tokens: int) -> None:
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
-    if num_tokens >= 2**64:  # TruncateSessionRequest.num_tokens is a uint64
-        raise ValueError(
-            f"num_tokens {num_tokens} is past any session's length (the request holds < 2**64)"
-        )
+def _read_step(session: Session | AsyncSession, resp: pb.AttendResponse, x, start: float):
+    """A streamed step's reply, read as a unary one is (ops.step), into session.info."""
+    return ops.step_reader(session, x)(resp, (time.perf_counter() - start) * 1e3)
 
 
-def _step_request(session_id: str, x: np.ndarray, options: dict[str, Any]) -> pb.AttendRequest:
-    return build_attend_request("", x, session_id=session_id, **options)
+class _Handle:
+    """What both session classes hold: the client and the session's state as last returned."""
 
-
-class Session:
-    """A session on the server (blocking). Use as a context manager to close it on exit."""
-
-    def __init__(self, client: Client, info: SessionInfo) -> None:
+    def __init__(self, client: Any, info: SessionInfo) -> None:
         self._client = client
         self.info = info  # as of the last call that returned it
 
@@ -64,55 +57,42 @@ class Session:
     def id(self) -> str:
         return self.info.session_id
 
+
+class Session(_Handle):
+    """A session on the server (blocking). Use as a context manager to close it on exit."""
+
+    _client: Client
+
     def __enter__(self) -> Session:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def step(self, x: np.ndarray, *, timeout: float | None = None, **options: Any) -> AttendResult:
+    def step(
+        self, x: np.ndarray, *, timeout: float | None = None, **options: Unpack[AttendOptions]
+    ) -> AttendResult:
         """Append x (T, E) or (1, T, E); its tokens attend to all cached tokens and themselves."""
-        req = _step_request(self.id, x, options)
-        start = time.perf_counter()
-        resp = self._client._call(self._client._stub.Attend, req, timeout)
-        result = parse_attend_response(resp, np.ndim(x) == 2, (time.perf_counter() - start) * 1e3)
-        self.info = result.session or self.info
-        return result
+        return self._client._run(ops.step(self, x, options), timeout)
 
     def stream(self, *, timeout: float | None = None) -> SessionStream:
         """One bidirectional stream for many steps (timeout bounds the whole stream)."""
         return SessionStream(self, timeout)
 
     def refresh(self, *, timeout: float | None = None) -> SessionInfo:
-        req = pb.GetSessionRequest(session_id=self.id)
-        self.info = SessionInfo.from_proto(
-            self._client._call(self._client._stub.GetSession, req, timeout)
-        )
-        return self.info
+        return self._client._run(ops.refresh(self), timeout)
 
     def fork(self, *, ttl_s: float | None = None, timeout: float | None = None) -> Session:
         """A new session sharing this one's tokens (no copy until they diverge)."""
-        req = pb.ForkSessionRequest(session_id=self.id, ttl_s=ttl_s or 0.0)
-        info = self._client._call(self._client._stub.ForkSession, req, timeout)
-        return Session(self._client, SessionInfo.from_proto(info))
+        return Session(self._client, self._client._run(ops.fork(self.id, ttl_s), timeout))
 
     def truncate(self, num_tokens: int, *, timeout: float | None = None) -> SessionInfo:
         """Keep the first num_tokens tokens and drop the rest (e.g. rejected draft tokens)."""
-        _check_keep(num_tokens)
-        req = pb.TruncateSessionRequest(session_id=self.id, num_tokens=num_tokens)
-        self.info = SessionInfo.from_proto(
-            self._client._call(self._client._stub.TruncateSession, req, timeout)
-        )
-        return self.info
+        return self._client._run(ops.truncate(self, num_tokens), timeout)
 
     def close(self, *, timeout: float | None = None) -> None:
         """Frees the session's cache at once; closing a session that is already gone is a no-op."""
-        try:
-            req = pb.CloseSessionRequest(session_id=self.id)
-            self._client._call(self._client._stub.CloseSession, req, timeout)
-        except MhaServeError as err:
-            if err.code != grpc.StatusCode.NOT_FOUND:
-                raise
+        self._client._run(ops.close(self.id), timeout)
 
 
 class SessionStream:
@@ -139,7 +119,7 @@ class SessionStream:
         if not self._end.alive:
             raise RuntimeError(_CLOSED)
         start = time.perf_counter()
-        self._requests.put(_step_request(self._session.id, x, options))
+        self._requests.put(step_request(self._session.id, x, options))
         try:
             resp = next(self._replies)
         except grpc.RpcError as err:
@@ -150,9 +130,7 @@ class SessionStream:
                 "the stream ended before this step's reply",
                 self._session._client.target,
             ) from None
-        result = parse_attend_response(resp, np.ndim(x) == 2, (time.perf_counter() - start) * 1e3)
-        self._session.info = result.session or self._session.info
-        return result
+        return _read_step(self._session, resp, x, start)
 
     def close(self) -> None:
         """Ends the stream and waits for the server to finish it; closing twice is a no-op."""
@@ -164,16 +142,10 @@ class SessionStream:
                 pass
 
 
-class AsyncSession:
+class AsyncSession(_Handle):
     """A session on the server (asyncio). `async with` closes it on exit."""
 
-    def __init__(self, client: AsyncClient, info: SessionInfo) -> None:
-        self._client = client
-        self.info = info
-
-    @property
-    def id(self) -> str:
-        return self.info.session_id
+    _client: AsyncClient
 
     async def __aenter__(self) -> AsyncSession:
         return self
@@ -182,46 +154,27 @@ class AsyncSession:
         await self.close()
 
     async def step(
-        self, x: np.ndarray, *, timeout: float | None = None, **options: Any
+        self, x: np.ndarray, *, timeout: float | None = None, **options: Unpack[AttendOptions]
     ) -> AttendResult:
-        req = _step_request(self.id, x, options)
-        start = time.perf_counter()
-        resp = await self._client._call(self._client._stub.Attend, req, timeout)
-        result = parse_attend_response(resp, np.ndim(x) == 2, (time.perf_counter() - start) * 1e3)
-        self.info = result.session or self.info
-        return result
+        return await self._client._run(ops.step(self, x, options), timeout)
 
     def stream(self, *, timeout: float | None = None) -> AsyncSessionStream:
         return AsyncSessionStream(self, timeout)
 
     async def refresh(self, *, timeout: float | None = None) -> SessionInfo:
-        req = pb.GetSessionRequest(session_id=self.id)
-        info = await self._client._call(self._client._stub.GetSession, req, timeout)
-        self.info = SessionInfo.from_proto(info)
-        return self.info
+        return await self._client._run(ops.refresh(self), timeout)
 
     async def fork(
         self, *, ttl_s: float | None = None, timeout: float | None = None
     ) -> AsyncSession:
-        req = pb.ForkSessionRequest(session_id=self.id, ttl_s=ttl_s or 0.0)
-        info = await self._client._call(self._client._stub.ForkSession, req, timeout)
-        return AsyncSession(self._client, SessionInfo.from_proto(info))
+        info = await self._client._run(ops.fork(self.id, ttl_s), timeout)
+        return AsyncSession(self._client, info)
 
     async def truncate(self, num_tokens: int, *, timeout: float | None = None) -> SessionInfo:
-        _check_keep(num_tokens)
-        req = pb.TruncateSessionRequest(session_id=self.id, num_tokens=num_tokens)
-        self.info = SessionInfo.from_proto(
-            await self._client._call(self._client._stub.TruncateSession, req, timeout)
-        )
-        return self.info
+        return await self._client._run(ops.truncate(self, num_tokens), timeout)
 
     async def close(self, *, timeout: float | None = None) -> None:
-        try:
-            req = pb.CloseSessionRequest(session_id=self.id)
-            await self._client._call(self._client._stub.CloseSession, req, timeout)
-        except MhaServeError as err:
-            if err.code != grpc.StatusCode.NOT_FOUND:
-                raise
+        await self._client._run(ops.close(self.id), timeout)
 
 
 class AsyncSessionStream:
@@ -249,7 +202,7 @@ class AsyncSessionStream:
         if self._closed:
             raise RuntimeError(_CLOSED)
         start = time.perf_counter()
-        request = _step_request(self._session.id, x, options)
+        request = step_request(self._session.id, x, options)
         try:
             if self._call.done():  # an earlier step failed or was cancelled: say how it ended
                 raise await self._ended()
@@ -267,9 +220,7 @@ class AsyncSessionStream:
             raise await self._ended() from None  # the call was cancelled, not this task
         if resp is grpc.aio.EOF:
             raise await self._ended()
-        result = parse_attend_response(resp, np.ndim(x) == 2, (time.perf_counter() - start) * 1e3)
-        self._session.info = result.session or self._session.info
-        return result
+        return _read_step(self._session, resp, x, start)
 
     async def _ended(self) -> MhaServeError:
         """The ended call's status as the error to raise."""
