@@ -71,6 +71,11 @@ def test_dashboard_config_map_is_for_grafanas_sidecar(overlay):
     committed = generate().DASHBOARD
     assert name == committed.name
     assert json.loads(config_map["data"][name]) == json.loads(committed.read_text())
+    kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    kv.validate(config_map, kv.latest_version(), strict=True)
+    # `kubectl apply` (client-side) keeps the whole object in an annotation of at most
+    # 256 KiB; past that only --server-side applies it.
+    assert len(json.dumps(config_map)) < 256 * 1024
 
 
 def test_generated_manifests_are_current():
