@@ -1,5 +1,6 @@
 # One entry point for set-up, serving and testing. Each target installs what it needs.
 #   make serve   start mha-serve on the built-in models (mha, gqa, mqa); ARGS="--port 50052" to add flags
+#   make serve-ray  the Ray Serve app (deploy/ray/serve_config.yaml): gRPC proxy on 9000
 #   make test    lint, stub check and the whole test suite (what .ci/run runs)
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,19 +12,23 @@ TORCH_SPEC ?= torch==2.13.0+cpu
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 ARGS ?=
 
-.PHONY: install serve test lint protos clean
+.PHONY: install serve serve-ray test lint protos clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" || \
 	  $(PY) -m pip install --quiet "$(TORCH_SPEC)" --extra-index-url $(TORCH_CPU_INDEX)
-	$(PY) -m pip install --quiet -e ".[server,dev]"
+	$(PY) -m pip install --quiet -e ".[server,dev,ray]"
 	touch $@
 
 install: $(VENV)/.installed
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/mha-serve $(ARGS)
+
+# Starts a local Ray and the app on it (docs/ray.md); Ctrl-C stops both.
+serve-ray: $(VENV)/.installed
+	$(VENV)/bin/serve run deploy/ray/serve_config.yaml
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
