@@ -30,7 +30,10 @@ def dashboard() -> ModuleType:
     pytest.importorskip(
         "grafana_foundation_sdk", reason="pip install -e .[dev] (grafana-foundation-sdk)"
     )
-    return _load("mha_serve_deploy_dashboard", ROOT / "deploy" / "grafana" / "dashboard.py")
+    folder = ROOT / "deploy" / "grafana"
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))  # dashboard.py imports dashboard_panels.py beside it
+    return _load("mha_serve_deploy_dashboard", folder / "dashboard.py")
 
 
 @functools.cache

@@ -58,7 +58,7 @@ def test_template_variables_and_the_row_per_replica():
         assert variables[name]["type"] == "query" and variables[name]["multi"], name
     repeated = [p for p in board["panels"] if p["type"] == "row" and p.get("repeat")]
     assert [p["repeat"] for p in repeated] == ["instance"]
-    assert board["panels"][-1 - len(dashboard().PER_REPLICA)] is repeated[0], "repeat row last"
+    assert board["panels"][-1 - len(dashboard().ROWS[-1][1])] is repeated[0], "repeat row last"
 
 
 def test_every_server_query_follows_the_chosen_replicas():
