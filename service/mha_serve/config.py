@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from mha_serve.model.config import AttentionConfig
+from mha_serve.model.hf_config import is_hf_directory, read_hf_layer
 from mha_serve.spec import DTYPE_NAMES, MiB, ModelSpec
 
 DEFAULT_PORT = 50051
@@ -122,7 +123,9 @@ def _model_spec(entry: dict[str, Any], path: Path, index: int) -> ModelSpec:
             f"{sorted(_ATTENTION_KEYS | _SPEC_KEYS | {'name'})}"
         )
     try:
-        attention = AttentionConfig(**{k: v for k, v in entry.items() if k in _ATTENTION_KEYS})
+        attention = _hf_attention(entry, path.parent)
+        if attention is None:
+            attention = AttentionConfig(**{k: v for k, v in entry.items() if k in _ATTENTION_KEYS})
         return ModelSpec(
             name=entry["name"],
             attention=attention,
@@ -130,6 +133,25 @@ def _model_spec(entry: dict[str, Any], path: Path, index: int) -> ModelSpec:
         )
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where} ({entry['name']}): {e}") from None
+
+
+def _hf_attention(entry: dict[str, Any], base: Path) -> AttentionConfig | None:
+    """A Hugging Face model directory's layer: its attention comes from its config.json
+    (None for any other model); `layer` belongs to such a directory alone."""
+    checkpoint = entry.get("checkpoint")
+    if not isinstance(checkpoint, str) or not is_hf_directory(base / checkpoint):
+        if "layer" in entry:
+            raise ValueError(
+                f"layer is for a Hugging Face model directory, but checkpoint is {checkpoint!r}"
+            )
+        return None
+    given = sorted(set(entry) & _ATTENTION_KEYS)
+    if given:
+        raise ValueError(
+            f"{checkpoint} is a Hugging Face model directory, whose config.json sets the "
+            f"attention: remove {given} from the table"
+        )
+    return read_hf_layer(base / checkpoint, entry.get("layer")).attention
 
 
 def _relative_checkpoint(spec: ModelSpec, base: Path) -> ModelSpec:

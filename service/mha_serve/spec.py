@@ -84,7 +84,10 @@ class ModelSpec:
     name: str
     attention: AttentionConfig
     seed: int = 0  # seeded initialisation when there is no checkpoint
-    checkpoint: str | None = None  # safetensors file (ours or nn.MultiheadAttention's)
+    # A safetensors file (ours or nn.MultiheadAttention's), or a Hugging Face model
+    # directory (config.json + safetensors) whose attention of layer `layer` is served.
+    checkpoint: str | None = None
+    layer: int | None = None  # with a Hugging Face directory: which layer (0-based)
     max_seq_len: int = DEFAULT_MAX_SEQ_LEN
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE  # sequences per forward (and per request)
     max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES

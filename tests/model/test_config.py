@@ -86,6 +86,41 @@ def test_dict_round_trip(config):
     assert AttentionConfig.from_dict(d) == config
 
 
+def test_dict_round_trip_with_rope_and_scale():
+    config = AttentionConfig(
+        64,
+        8,
+        2,
+        rope={
+            "theta": 5e5,
+            "type": "llama3",
+            "factor": 8.0,
+            "original_max_position_embeddings": 32,
+        },
+        softmax_scale=0.25,
+    )
+    d = config.to_dict()
+    assert d["rope"]["type"] == "llama3" and d["softmax_scale"] == 0.25
+    assert AttentionConfig.from_dict(d) == config
+    assert config.scale == 0.25 and AttentionConfig(64, 8).scale == 8**-0.5
+
+
+@pytest.mark.parametrize(
+    ("rope", "piece"),
+    [
+        ({"type": "dynamic"}, "'dynamic' is not supported"),
+        ({"type": "longrope"}, "'longrope' is not supported"),
+        ({"type": "yarn", "factor": 4.0}, "original_max_position_embeddings"),
+        ({"theta": -1.0}, "theta and factor must be > 0"),
+        ({"thetaa": 1.0}, "unknown rope key(s) ['thetaa']"),
+    ],
+)
+def test_bad_rope_is_refused_by_name(rope, piece):
+    with pytest.raises(ValueError) as err:
+        AttentionConfig(64, 8, rope=rope)
+    assert piece in str(err.value), str(err.value)
+
+
 def test_from_dict_rejects_unknown_keys():
     with pytest.raises(ValueError) as err:
         AttentionConfig.from_dict({"embed_dim": 64, "num_heads": 8, "n_heads": 8, "dropout": 0.1})

@@ -13,6 +13,12 @@ ATOL = 1e-5  # float32 step against float32 forward: same math, different summat
 RTOL = 1e-5
 VARIANTS = {"mha": 8, "gqa": 2, "mqa": 1}  # num_kv_heads with num_heads 8
 E = 64
+# Rotary models: positions must continue from the cached length for steps to equal forward.
+ROPES = {
+    "none": None,
+    "rope": {"theta": 100.0},
+    "yarn": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+}
 
 
 def assert_close(actual, expected, *, what, atol=ATOL, rtol=RTOL):
@@ -34,7 +40,7 @@ def step(module, x, k, v, **kwargs):
     """One step of one sequence, as the engine runs it: project the new tokens x (1, n, E)
     at their absolute positions, append their K/V to the cached k, v (1, KVH, P, D), attend."""
     P, n = k.shape[2], x.shape[1]
-    q, k_new, v_new = module.project(x)
+    q, k_new, v_new = module.project(x, positions=torch.arange(P, P + n))
     k, v = torch.cat([k, k_new], 2), torch.cat([v, v_new], 2)  # (1, KVH, P+n, D)
     out = module.attend_cached(q, [(k, v)], past_lengths=[P], new_lengths=[n], **kwargs)
     return out, k, v
@@ -58,10 +64,11 @@ def run_chunks(module, x, sizes, **kwargs):
     return outs, weights, k, v
 
 
+@pytest.mark.parametrize("rope", ROPES)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("sizes", [[1] * 6, [5, 1, 1, 7], [13], [3, 4, 6]])
-def test_chunked_steps_equal_one_causal_forward(variant, sizes):
-    module = make(VARIANTS[variant])
+def test_chunked_steps_equal_one_causal_forward(variant, sizes, rope):
+    module = make(VARIANTS[variant], rope=ROPES[rope])
     torch.manual_seed(1)
     L = sum(sizes)
     x = torch.randn(1, L, E)
@@ -81,9 +88,10 @@ def test_chunked_steps_equal_one_causal_forward(variant, sizes):
     assert_close(v, v_all, what="stepped V")
 
 
+@pytest.mark.parametrize("rope", ROPES)
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_batched_ragged_step_equals_each_alone(variant):
-    module = make(VARIANTS[variant])
+def test_batched_ragged_step_equals_each_alone(variant, rope):
+    module = make(VARIANTS[variant], rope=ROPES[rope])
     torch.manual_seed(2)
     past_lengths = [0, 5, 11, 3]
     new_lengths = [4, 1, 3, 2]
@@ -92,8 +100,9 @@ def test_batched_ragged_step_equals_each_alone(variant):
     x = torch.full((B, T, E), float("nan"))  # padded tokens are junk: never seen
     for b, (seq, p, n) in enumerate(zip(seqs, past_lengths, new_lengths, strict=True)):
         x[b, :n] = seq[0, p:]
+    positions = torch.tensor(past_lengths)[:, None] + torch.arange(T)[None]  # (B, T)
     with torch.no_grad():
-        q, k_new, v_new = module.project(x)
+        q, k_new, v_new = module.project(x, positions=positions)
         kv = []
         for b, (seq, p, n) in enumerate(zip(seqs, past_lengths, new_lengths, strict=True)):
             _, k, v = module.project(seq[:, :p])  # (1, KVH, p, D)
@@ -117,7 +126,7 @@ def test_batched_ragged_step_equals_each_alone(variant):
             )
             assert torch.all(batch.weights[b, :, :, p + n :] == 0), "columns past the end"
             assert torch.all(batch.weights[b, :, n:] == 0), "padded rows of weights"
-            _, k_all, v_all = module.project(seq)
+            _, k_all, v_all = module.project(seq)  # positions 0..p+n-1
             assert_close(k_new[b, :, :n], k_all[0, :, p:], what=f"session {b} k_new")
             assert_close(v_new[b, :, :n], v_all[0, :, p:], what=f"session {b} v_new")
         assert not torch.isnan(batch.output).any() and not torch.isnan(batch.weights).any()
@@ -241,3 +250,23 @@ def test_low_precision_step_matches_float32(dtype):
     assert got[0].dtype == dtype and got_w[0].dtype == torch.float32
     assert_close(torch.cat(got, 1), want.output, atol=atol, rtol=0, what=f"{dtype} output")
     assert_close(got_w[2], want.weights[:, :, 6:], atol=atol, rtol=0, what=f"{dtype} weights")
+
+
+def test_rope_positions_matter_and_padding_keeps_real_positions():
+    """A rotary module's output depends on where tokens sit; a padded batch row equals the
+    sequence alone (its real tokens keep positions 0..n-1)."""
+    module = make(2, rope={"theta": 100.0})
+    torch.manual_seed(7)
+    x = torch.randn(2, 6, E)
+    with torch.no_grad():
+        q0, k0, _ = module.project(x[:1])
+        q3, k3, _ = module.project(x[:1], positions=torch.arange(3, 9))
+        scores0 = (q0 @ k0.repeat_interleave(4, 1).transpose(-1, -2))[0, :, 4, 1]
+        scores3 = (q3 @ k3.repeat_interleave(4, 1).transpose(-1, -2))[0, :, 4, 1]
+        assert_close(scores0, scores3, what="scores depend on relative positions only")
+        assert (q0 - q3).abs().max() > 1e-2, "shifted positions rotate q differently"
+        padded = module(x, lengths=torch.tensor([6, 4]), causal=True, need_weights=True)
+        alone = module(x[1:, :4], causal=True, need_weights=True)
+    assert_close(padded.output[1, :4], alone.output[0], what="padded row output")
+    assert_close(padded.weights[1, :, :4, :4], alone.weights[0], what="padded row weights")
+    assert torch.all(padded.output[1, 4:] == 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -27,6 +28,8 @@ from mha_serve.engine.types import (
     repeat_heads,
 )
 from mha_serve.model import MultiHeadAttention, init_weights, load_checkpoint
+from mha_serve.model.hf import load_hf_layer
+from mha_serve.model.hf_config import is_hf_directory
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +98,29 @@ class Engine:
 
     @staticmethod
     def _load(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> HostedModel:
-        if spec.checkpoint:
+        if spec.checkpoint and is_hf_directory(spec.checkpoint):
+            module, layer = load_hf_layer(spec.checkpoint, spec.layer, device=device, dtype=dtype)
+            if module.config != spec.attention:
+                raise ValueError(
+                    f"model {spec.name!r}: {spec.checkpoint} layer {spec.layer} is "
+                    f"{module.config}, but the spec says {spec.attention}; leave the attention "
+                    "keys out of a Hugging Face model's [[models]] table"
+                )
+            window = layer.sliding_window
+            if window is not None and spec.max_seq_len > window:
+                # Within the window, sliding-window attention is full causal attention.
+                log.warning(
+                    "model %s: %s layer %d attends a sliding window of %d tokens; "
+                    "max_seq_len (and session length) capped from %d to %d",
+                    spec.name,
+                    layer.family,
+                    layer.layer,
+                    window,
+                    spec.max_seq_len,
+                    window,
+                )
+                spec = dataclasses.replace(spec, max_seq_len=window)
+        elif spec.checkpoint:
             module = load_checkpoint(
                 spec.checkpoint, config=spec.attention, device=device, dtype=dtype
             )
@@ -104,6 +129,8 @@ class Engine:
             init_weights(module, spec.seed)
         module.eval().requires_grad_(False)
         source = spec.checkpoint or f"seed {spec.seed}"
+        if spec.layer is not None:
+            source += f" layer {spec.layer}"
         log.info(
             "loaded model %s (%s, %s) on %s %s",
             spec.name,

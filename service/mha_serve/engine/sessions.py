@@ -217,7 +217,13 @@ class Sessions:
         if first.head_mask is not None:
             head_mask = torch.tensor(first.head_mask, dtype=hosted.dtype, device=hosted.device)
         with torch.inference_mode():
-            q, k_new, v_new = hosted.module.project(x)  # (B, H, T, D), (B, KVH, T, D) x 2
+            positions = None  # only rotary models use them (no cost per step otherwise)
+            if hosted.spec.attention.rope is not None:
+                # Each session's new tokens continue from its cached length; the cache keeps
+                # K rotated at these absolute positions.
+                starts = torch.tensor([r.start for r in reservations], device=x.device)
+                positions = starts[:, None] + torch.arange(x.shape[1], device=x.device)  # (B, T)
+            q, k_new, v_new = hosted.module.project(x, positions)  # (B, H|KVH, T, D)
             if k_new.dtype != cache.dtype:  # a narrower cache (kv_cache_dtype): stored rounded
                 k_new, v_new = k_new.to(cache.dtype), v_new.to(cache.dtype)
             # An inf key need not show in this step's output (a -inf score is just a zero

@@ -3,7 +3,6 @@ fused SDPA; attention weights come from a separate explicit path, only when aske
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from torch import nn
 from .cached import attend_one, causal_from
 from .config import AttentionConfig
 from .overflow import overflowing_rows
+from .rope import cos_sin, inv_freq, rotate
 
 
 @dataclass
@@ -36,7 +36,12 @@ class MultiHeadAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.scale = config.scale
+        # RoPE frequencies: a plain float32 tensor, not a buffer, so that module.to(dtype)
+        # never rounds them (transformers keeps them float32 too). Moved to x's device on use.
+        self.rope_freq, self.rope_scaling = (None, 1.0)
+        if config.rope is not None:
+            self.rope_freq, self.rope_scaling = inv_freq(config.rope, config.head_dim)
         # Fused projection whose rows are [Wq; Wk; Wv] (as gpt-fast): one matmul,
         # and exactly nn.MultiheadAttention's in_proj_weight layout when KVH == H.
         self.wqkv = nn.Linear(
@@ -70,6 +75,8 @@ class MultiHeadAttention(nn.Module):
         rows query_range = (start, end) over the padded length (None = all);
         these two only narrow the weights and are ignored otherwise.
         head_mask (H,): gate on each query head's output before wo (0 prunes).
+        Rotary models place token i of every sequence at position i (padding is at the
+        end, so real tokens keep their positions).
         """
         c = self.config
         H, KVH = c.num_heads, c.num_kv_heads
@@ -197,7 +204,12 @@ class MultiHeadAttention(nn.Module):
             all_w[b, :, : w.shape[2], : w.shape[3]] = w[0]
         return AttentionOutput(output=out, weights=all_w)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of x (B, L, E); for a rotary model q and k are rotated at `positions`
+        (B, L) or (L,) absolute positions (None: 0..L-1), so cached keys need no more work.
+        Without RoPE, positions are ignored."""
         c = self.config
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
         B, L, _ = x.shape
@@ -207,6 +219,19 @@ class MultiHeadAttention(nn.Module):
         q = q.view(B, L, H, D).transpose(1, 2)  # (B, H, L, D)
         k = k.view(B, L, KVH, D).transpose(1, 2)  # (B, KVH, L, D)
         v = v.view(B, L, KVH, D).transpose(1, 2)  # (B, KVH, L, D)
+        if self.rope_freq is not None:
+            if positions is None:
+                positions = torch.arange(L, device=x.device)
+            positions = torch.as_tensor(positions, device=x.device)
+            if positions.dim() == 1:
+                positions = positions[None]  # (1, L)
+            if positions.shape not in ((1, L), (B, L)):
+                raise ValueError(
+                    f"positions must be (seq_len,) = ({L},) or (batch, seq_len) = ({B}, {L}), "
+                    f"got {tuple(positions.shape)}"
+                )
+            cos, sin = cos_sin(self.rope_freq, self.rope_scaling, positions, x.dtype)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # (B, H|KVH, L, D)
         return q, k, v
 
     def _merge_heads(

@@ -1,14 +1,84 @@
 """Shape of one attention module: MHA, GQA and MQA are the same config with a
-different num_kv_heads. Checked once at construction so nothing downstream re-checks."""
+different num_kv_heads; rotary position embeddings (RoPE) and the softmax scale are data
+too. Checked once at construction so nothing downstream re-checks. No torch here."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
 Variant = Literal["mha", "gqa", "mqa"]
 
 _BOOL_FIELDS = ("bias", "causal")
+# RoPE variants whose frequencies are fixed at load time, so that keys rotated once and
+# cached stay right. "dynamic" and "longrope" change frequencies with the sequence length.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embeddings as Hugging Face's Llama family applies them: the two
+    halves of each head's q and k rotated (rotate_half) by position * inv_freq, where
+    inv_freq = theta ** (-2i / head_dim), rescaled by `type` (transformers'
+    modeling_rope_utils: _compute_{linear_scaling,llama3,yarn}_parameters)."""
+
+    theta: float = 10000.0  # base wavelength (rope_theta)
+    type: str = "default"  # one of ROPE_TYPES
+    factor: float = 1.0  # linear, llama3, yarn: context extension factor
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 0  # llama3, yarn: the pretraining context
+    beta_fast: float = 32.0  # yarn: ramp bounds (rotations)
+    beta_slow: float = 1.0
+    attention_factor: float = 0.0  # yarn: cos/sin scale; 0 -> derived from factor, mscale
+    mscale: float = 0.0  # yarn (0: unset)
+    mscale_all_dim: float = 0.0  # yarn (0: unset)
+    truncate: bool = True  # yarn: round the correction range outwards
+
+    def __post_init__(self) -> None:
+        if self.type not in ROPE_TYPES:
+            raise ValueError(
+                f"rope type {self.type!r} is not supported; supported: {', '.join(ROPE_TYPES)} "
+                "(dynamic and longrope change frequencies with the sequence length, which keys "
+                "rotated once and cached cannot follow)"
+            )
+        for name in (
+            "theta",
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "beta_fast",
+            "beta_slow",
+            "attention_factor",
+            "mscale",
+            "mscale_all_dim",
+        ):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+            ):
+                raise ValueError(f"rope {name} must be a finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.theta <= 0 or self.factor <= 0:
+            raise ValueError(f"rope theta and factor must be > 0, got {self.theta}, {self.factor}")
+        if self.type in ("llama3", "yarn") and self.original_max_position_embeddings < 1:
+            raise ValueError(f"rope type {self.type} needs original_max_position_embeddings >= 1")
+        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"rope llama3 needs high_freq_factor > low_freq_factor, got "
+                f"{self.high_freq_factor} and {self.low_freq_factor}"
+            )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RopeConfig:
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(d) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown rope key(s) {unknown}; valid keys are {valid}")
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -19,6 +89,13 @@ class AttentionConfig:
     head_dim: int | None = None  # D: None -> embed_dim // num_heads
     bias: bool = True  # bias on the QKV and output projections
     causal: bool = False  # default masking for requests that do not say
+    # Rotary position embeddings applied to q and k after projection, at absolute
+    # positions (None: no positions at all, as nn.MultiheadAttention). A dict is read
+    # as RopeConfig's fields (TOML, checkpoint metadata).
+    rope: RopeConfig | None = None
+    # Multiplies q.k before the softmax; None -> 1 / sqrt(head_dim). (GPT-2 can scale by
+    # 1 / (layer + 1) too, or not at all.)
+    softmax_scale: float | None = None
 
     def __post_init__(self) -> None:
         # Values often come from TOML or safetensors metadata, so check types
@@ -36,6 +113,16 @@ class AttentionConfig:
                     f"{type(value).__name__}"
                 )
 
+        if isinstance(self.rope, dict):
+            object.__setattr__(self, "rope", RopeConfig.from_dict(self.rope))
+        if self.rope is not None and not isinstance(self.rope, RopeConfig):
+            raise ValueError(f"rope must be a table of RopeConfig fields, got {self.rope!r}")
+        if self.softmax_scale is not None:
+            scale = self.softmax_scale
+            if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
+                raise ValueError(f"softmax_scale must be a number > 0, got {scale!r}")
+            object.__setattr__(self, "softmax_scale", float(scale))
+
         if self.head_dim is None:
             if self.embed_dim % self.num_heads != 0:
                 raise ValueError(
@@ -45,6 +132,9 @@ class AttentionConfig:
             object.__setattr__(self, "head_dim", self.embed_dim // self.num_heads)
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
+
+        if self.rope is not None and self.head_dim % 2:
+            raise ValueError(f"rope needs an even head_dim, got {self.head_dim}")
 
         kvh, h = self.num_kv_heads, self.num_heads
         if kvh > h or h % kvh != 0:
@@ -70,9 +160,16 @@ class AttentionConfig:
         """Output width of the fused QKV projection."""
         return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
-    def to_dict(self) -> dict[str, int | bool]:
-        """Every field, resolved (no None), so the dict is the config on its own."""
-        return asdict(self)
+    @property
+    def scale(self) -> float:
+        """The factor on q.k before the softmax."""
+        return self.softmax_scale if self.softmax_scale is not None else self.head_dim**-0.5
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, resolved (no None: rope and softmax_scale only when set; rope as a
+        dict of its fields), so the dict is the config on its own."""
+        d = asdict(self)
+        return {k: v for k, v in d.items() if v is not None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AttentionConfig:

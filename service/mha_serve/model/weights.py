@@ -3,10 +3,12 @@ or torch.nn.MultiheadAttention's), and import from a live nn.MultiheadAttention.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -60,7 +62,12 @@ def save_checkpoint(module: MultiHeadAttention, path: PathLike) -> None:
     """safetensors file: wqkv.weight, wqkv.bias, wo.weight, wo.bias + config in metadata."""
     tensors = {k: t.detach().cpu().contiguous() for k, t in module.state_dict().items()}
     metadata = {"format": FORMAT}
-    metadata.update({k: str(v) for k, v in module.config.to_dict().items()})
+    metadata.update(
+        {
+            k: json.dumps(v) if isinstance(v, dict) else str(v)
+            for k, v in module.config.to_dict().items()
+        }
+    )
     save_file(tensors, str(path), metadata=metadata)
 
 
@@ -226,21 +233,30 @@ def _config_from_metadata(metadata: dict[str, str], path: Path) -> AttentionConf
     if not raw:
         return None
     try:
-        return AttentionConfig.from_dict({k: _parse_metadata_value(v) for k, v in raw.items()})
+        return AttentionConfig.from_dict(
+            {k: _parse_metadata_value(v, json_value=k == "rope") for k, v in raw.items()}
+        )
     except ValueError as e:
         raise ValueError(f"{path} metadata holds an invalid attention config {raw}: {e}") from e
 
 
-def _parse_metadata_value(s: str) -> int | bool | str | None:
+def _parse_metadata_value(s: str, *, json_value: bool = False) -> Any:
     low = s.strip().lower()
+    if json_value and low != "none":
+        try:
+            return json.loads(s)  # a table (rope), written by save_checkpoint
+        except json.JSONDecodeError:
+            return s  # AttentionConfig rejects it with the field's name
     if low in ("true", "false"):
         return low == "true"
     if low == "none":
         return None
-    try:
-        return int(s)
-    except ValueError:
-        return s  # AttentionConfig rejects it with the field's name
+    for parse in (int, float):
+        try:
+            return parse(s)
+        except ValueError:
+            pass
+    return s  # AttentionConfig rejects it with the field's name
 
 
 def _uniform(shape: torch.Size, bound: float, g: torch.Generator) -> torch.Tensor:

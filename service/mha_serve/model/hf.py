@@ -1,0 +1,143 @@
+"""One layer's attention of a Hugging Face model directory as a MultiHeadAttention: the
+family's tensors (safetensors only, never pickle) mapped onto our fused [Wq; Wk; Wv] and wo.
+
+What is served, per family (transformers' module names):
+  bert     BertSelfAttention (query/key/value) + BertSelfOutput.dense; the LayerNorm and
+           residual after it are not attention and are not applied
+  gpt2     GPT2Attention: c_attn (Conv1D, weight (E, 3E), transposed here) and c_proj
+  llama, mistral, qwen2
+           q_proj/k_proj/v_proj/o_proj with GQA (num_key_value_heads) and RoPE applied to
+           q and k; Qwen2's q/k/v biases (its o_proj has none: served as a zero bias)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .attention import MultiHeadAttention
+from .hf_config import HFLayer, read_hf_layer
+
+# Per family: the attention tensors of layer {i}, without the checkpoint's own prefix
+# ("bert.", "transformer.", "model." or none, found from the file).
+_NAMES = {
+    "bert": {
+        "q": "encoder.layer.{i}.attention.self.query",
+        "k": "encoder.layer.{i}.attention.self.key",
+        "v": "encoder.layer.{i}.attention.self.value",
+        "o": "encoder.layer.{i}.attention.output.dense",
+    },
+    "gpt2": {"qkv": "h.{i}.attn.c_attn", "o": "h.{i}.attn.c_proj"},
+    "rotary": {
+        "q": "layers.{i}.self_attn.q_proj",
+        "k": "layers.{i}.self_attn.k_proj",
+        "v": "layers.{i}.self_attn.v_proj",
+        "o": "layers.{i}.self_attn.o_proj",
+    },
+}
+
+
+def load_hf_layer(
+    directory: str | Path,
+    layer: int | None,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[MultiHeadAttention, HFLayer]:
+    """The attention of `layer` in DIR (config.json + model.safetensors or shards with
+    model.safetensors.index.json), in eval mode; dtype None keeps the checkpoint's."""
+    info = read_hf_layer(directory, layer)
+    c = info.attention
+    names = _NAMES["rotary" if info.family not in _NAMES else info.family]
+    names = {k: v.format(i=info.layer) for k, v in names.items()}
+    tensors = _read(info.directory, names, info)
+    E, H, KVH, D = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim
+    if info.family == "gpt2":  # Conv1D stores (in, out): x @ W + b
+        w = _get(tensors, names["qkv"] + ".weight", (E, 3 * E)).t()
+        b = _get(tensors, names["qkv"] + ".bias", (3 * E,))
+        wo = _get(tensors, names["o"] + ".weight", (E, E)).t()
+        bo = _get(tensors, names["o"] + ".bias", (E,))
+    else:
+        shapes = {"q": (H * D, E), "k": (KVH * D, E), "v": (KVH * D, E), "o": (E, H * D)}
+        w = torch.cat([_get(tensors, names[p] + ".weight", shapes[p]) for p in "qkv"])
+        wo = _get(tensors, names["o"] + ".weight", shapes["o"])
+        b = bo = None
+        if c.bias:
+            b = torch.cat([_get(tensors, names[p] + ".bias", shapes[p][:1]) for p in "qkv"])
+            bo = tensors.get(names["o"] + ".bias")
+            if bo is None and info.family == "qwen2":
+                bo = torch.zeros(E, dtype=wo.dtype)  # Qwen2's o_proj has no bias
+            bo = _get({"o": bo} if bo is not None else {}, "o", (E,), names["o"] + ".bias")
+    state = {"wqkv.weight": w, "wo.weight": wo}
+    if c.bias:
+        state.update({"wqkv.bias": b, "wo.bias": bo})
+    if dtype is None:
+        dtype = w.dtype
+    module = MultiHeadAttention(c, device=device, dtype=dtype)
+    module.load_state_dict({k: t.contiguous() for k, t in state.items()})
+    return module.eval(), info
+
+
+def _read(directory: Path, names: dict[str, str], info: HFLayer) -> dict[str, torch.Tensor]:
+    """The tensors whose names end with one of names' values (+ .weight/.bias), unprefixed."""
+    files = _safetensors_files(directory)
+    wanted = {n + s for n in names.values() for s in (".weight", ".bias")}
+    found: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is no dict)
+                    for name in wanted:
+                        if key == name or key.endswith("." + name):
+                            if name in found:
+                                raise ValueError(
+                                    f"{directory}: tensor {name!r} is present twice "
+                                    f"(prefixed differently, e.g. {key!r})"
+                                )
+                            found[name] = f.get_tensor(key)
+        except SafetensorError as e:
+            raise ValueError(f"{path} is not a valid safetensors file: {e}") from None
+    if not any(n + ".weight" in found for n in names.values()):
+        raise ValueError(
+            f"{directory}: no attention tensors of layer {info.layer} found for "
+            f"{info.family} (looked for {sorted(wanted)[:2]}...) in {[p.name for p in files]}"
+        )
+    return found
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(
+            p.name for p in directory.glob("*.pt*")
+        )
+        raise ValueError(
+            f"{directory} has no *.safetensors file{f' (only {pickles})' if pickles else ''}: "
+            "only safetensors is loaded, never pickle; convert a trusted checkpoint with "
+            "transformers' save_pretrained(..., safe_serialization=True)"
+        )
+    return files
+
+
+def _get(
+    tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], shown: str | None = None
+) -> torch.Tensor:
+    t = tensors.get(name)
+    if t is None:
+        raise ValueError(f"checkpoint is missing tensor {shown or name!r} (expected shape {shape})")
+    if tuple(t.shape) != shape:
+        raise ValueError(
+            f"checkpoint tensor {shown or name!r} has shape {tuple(t.shape)}, expected {shape}"
+        )
+    if not t.is_floating_point():
+        raise ValueError(
+            f"checkpoint tensor {shown or name!r} has dtype {t.dtype}, expected a float"
+        )
+    return t

@@ -1,0 +1,85 @@
+"""Rotary position embeddings (RoPE) as Hugging Face's Llama, Mistral and Qwen2 apply them:
+frequencies from a RopeConfig, fixed at load time, and the rotation of q and k at absolute
+positions. Frequencies follow transformers' modeling_rope_utils (default, linear, llama3,
+yarn) step for step, in float32, so served outputs match transformers to rounding."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import RopeConfig
+
+
+def inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    """(head_dim // 2,) float32 inverse frequencies on the CPU, and the factor on cos/sin."""
+    dim = head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim  # (dim/2,)
+    base = rope.theta**exponents  # (dim/2,)
+    freq = 1.0 / base
+    if rope.type == "default":
+        return freq, 1.0
+    if rope.type == "linear":
+        return freq / rope.factor, 1.0
+    if rope.type == "llama3":
+        return _llama3(freq, rope), 1.0
+    return _yarn(base, rope, dim)
+
+
+def _llama3(freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    factor, old = rope.factor, rope.original_max_position_embeddings
+    low_wavelen = old / rope.low_freq_factor
+    high_wavelen = old / rope.high_freq_factor
+    wavelen = 2 * math.pi / freq
+    scaled = torch.where(wavelen > low_wavelen, freq / factor, freq)  # long waves: / factor
+    smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(base: torch.Tensor, rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
+    factor, theta = rope.factor, rope.theta
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rope.attention_factor
+    if not attention_factor:
+        if rope.mscale and rope.mscale_all_dim:
+            attention_factor = mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
+        else:
+            attention_factor = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        n = rope.original_max_position_embeddings
+        return (dim * math.log(n / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # (dim/2,): 1 keeps the original frequency
+    freq = (1.0 / (factor * base)) * (1 - extrapolation) + (1.0 / base) * extrapolation
+    return freq, float(attention_factor)
+
+
+def cos_sin(
+    freq: torch.Tensor, scaling: float, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (B, 1, L, D) in dtype for positions (B, L): angles in float32, as
+    transformers computes them, then rounded to the activations' dtype."""
+    angles = positions[..., None].float() * freq.to(positions.device)  # (B, L, D/2)
+    emb = torch.cat([angles, angles], dim=-1)[:, None]  # (B, 1, L, D)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, h, L, D) rotated: x * cos + rotate_half(x) * sin, rotate_half = [-x2, x1]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # (B, h, L, D)
+    return x * cos + rotated * sin

