@@ -21,6 +21,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 
 from mha_client.api import attention_pb2 as pb
 from mha_serve.ray_app.context import Reply
+from mha_serve.transport.handlers import Malformed
 
 SERVICE = pb.DESCRIPTOR.services_by_name["AttentionService"]
 # grpc.health.v1 answers SERVING for these; the Ingress runs only once the app is up.
@@ -87,7 +88,7 @@ class Ingress:
             named = getattr(request, "session_id", "")
             if not session_id:
                 session_id = named  # empty: the replica answers INVALID_ARGUMENT
-            elif not named:
+            elif not named and not isinstance(request, Malformed):
                 request.session_id = session_id
             elif named != session_id:  # the servicer's rule; the replica sees one message
                 _end(
