@@ -504,3 +504,25 @@ def test_sequence_ids_of_every_kind_kserve_clients_send():
     request.parameters["sequence_id"].double_param = 1.5
     with pytest.raises(InvalidRequest, match="integer or a string"):
         sequence_of(request.parameters)
+
+
+async def test_a_streams_requests_batch_together_and_answer_in_order():
+    """Sent before the first answer, a stream's requests compute concurrently: they share
+    forward passes (the batcher waits up to 500 ms to fill one), yet replies keep their order."""
+    models = [ModelSpec("tiny", AttentionConfig(EMBED, HEADS, 2), max_queue_delay_ms=500)]
+    server = Server(ServerConfig(host="127.0.0.1", port=free_port(), metrics_port=0, models=models))
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            oip = ip_grpc.GRPCInferenceServiceStub(channel)
+            requests = []
+            for i in range(8):
+                request = infer_request(embeddings(1, 4, EMBED, seed=i))
+                request.id = f"r{i}"
+                requests.append(request)
+            replies = [r async for r in oip.ModelStreamInfer(iter(requests))]
+    finally:
+        await server.stop()
+    assert [r.infer_response.id for r in replies] == [f"r{i}" for i in range(8)]
+    sizes = [r.infer_response.parameters["batch_size"].int64_param for r in replies]
+    assert max(sizes) > 1, sizes

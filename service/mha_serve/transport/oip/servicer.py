@@ -8,7 +8,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from importlib import metadata
 from typing import Any, TypeVar
 
@@ -30,6 +30,7 @@ from mha_serve.transport.oip.convert import (
 )
 from mha_serve.transport.oip.convert import parameter as read_parameter
 from mha_serve.transport.oip.sequences import Sequence, SequenceMap, sequence_of
+from mha_serve.transport.oip.stream import pipelined
 from mha_serve.transport.status import EXPECTED, status_of
 
 log = logging.getLogger(__name__)
@@ -183,34 +184,39 @@ class InferenceServicer:
     async def ModelStreamInfer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Requests answered in order, one message each; an error answers its request with
-        error_message and the stream goes on (Triton's behaviour)."""
-        async for request in requests:
-            if isinstance(request, Malformed):
-                self._note_malformed("ModelStreamInfer", request, context)
-                yield pb.ModelStreamInferResponse(error_message=request.message)
-                continue
-            model = self._model_label(request.model_name)
-            code, reply = grpc.StatusCode.OK, None
-            metrics.IN_FLIGHT.inc()
-            try:
-                reply = pb.ModelStreamInferResponse(
-                    infer_response=await self._infer(request, context)
-                )
-            except EXPECTED as e:
-                code = status_of(e)
-                reply = _stream_error(request, str(e))
-            except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED
-                raise
-            except Exception as e:
-                code = grpc.StatusCode.INTERNAL
-                log.exception("ModelStreamInfer failed on model %s", model)
-                reply = _stream_error(request, f"internal error: {type(e).__name__}: {e}")
-            finally:
-                metrics.IN_FLIGHT.dec()
-                metrics.count_request("ModelStreamInfer", model, code.name, PROTOCOL)
+        """One message per request, in the requests' order; requests compute concurrently
+        (so they batch together), a sequence's one after another (stream.py). An error
+        answers its request with error_message and the stream goes on (Triton's behaviour)."""
+        async for reply in pipelined(
+            requests, functools.partial(self._stream_one, context=context), key=_sequence_key
+        ):
             yield reply
+
+    async def _stream_one(
+        self, request: pb.ModelInferRequest | Malformed, context: grpc.aio.ServicerContext
+    ) -> pb.ModelStreamInferResponse:
+        """One stream message's reply; raises only when cancelled."""
+        if isinstance(request, Malformed):
+            self._note_malformed("ModelStreamInfer", request, context)
+            return pb.ModelStreamInferResponse(error_message=request.message)
+        model = self._model_label(request.model_name)
+        code = grpc.StatusCode.OK
+        metrics.IN_FLIGHT.inc()
+        try:
+            return pb.ModelStreamInferResponse(infer_response=await self._infer(request, context))
+        except EXPECTED as e:
+            code = status_of(e)
+            return _stream_error(request, str(e))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as e:
+            code = grpc.StatusCode.INTERNAL
+            log.exception("ModelStreamInfer failed on model %s", model)
+            return _stream_error(request, f"internal error: {type(e).__name__}: {e}")
+        finally:
+            metrics.IN_FLIGHT.dec()
+            metrics.count_request("ModelStreamInfer", model, code.name, PROTOCOL)
 
     async def _infer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
@@ -342,6 +348,17 @@ class InferenceServicer:
         finally:
             if not counted:
                 metrics.count_request(method, model, code.name, PROTOCOL)
+
+
+def _sequence_key(request: pb.ModelInferRequest | Malformed) -> Hashable | None:
+    """Requests of one sequence run one after another on a stream (None: no sequence)."""
+    if isinstance(request, Malformed):
+        return None
+    try:
+        sequence = sequence_of(request.parameters)
+    except RequestError:  # answered by its own reply
+        return None
+    return None if sequence is None else (request.model_name, sequence.id)
 
 
 def _stream_error(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:
