@@ -115,8 +115,12 @@ THRESHOLD = re.compile(r"\s*(?:==|!=|>=|<=|>|<)\s*-?\d+(?:\.\d+)?(?=\s*(?:\)|\ba
 def without_threshold(expr: str) -> str:
     """An alert's expression with its threshold comparisons dropped: the quantity it watches.
     A healthy server keeps every alert quiet (its expression returns nothing), so the test
-    asks for the watched quantity instead: `up == 0` becomes `up`."""
-    return THRESHOLD.sub("", expr.strip())
+    asks for the watched quantity instead: `up == 0` becomes `up`, and `absent(up == 1)`
+    the series whose absence it watches, `up`."""
+    expr = THRESHOLD.sub("", expr.strip())
+    if expr.startswith("absent(") and expr.endswith(")"):
+        expr = expr.removeprefix("absent(").removesuffix(")")
+    return expr
 
 
 def alert_rules() -> list[dict]:
@@ -143,6 +147,7 @@ def test_the_threshold_is_what_is_dropped():
         "histogram_quantile(0.99, rate(x[5m])) > 1\nand rate(y[5m]) > 0.1"
     ) == ("histogram_quantile(0.99, rate(x[5m]))\nand rate(y[5m])")
     assert without_threshold("(a / b)\n> 0.05") == "(a / b)"
+    assert without_threshold('absent(up{job="x"} == 1)') == 'up{job="x"}'
 
 
 # --- the test ---------------------------------------------------------------------------

@@ -78,6 +78,7 @@ def test_the_alerts_the_issue_asks_for():
         "MhaServeKVCacheNearlyFull": "mha_serve_kv_cache_blocks",
         "MhaServeSessionsEvicted": 'reason="evicted"',
         "MhaServeTargetDown": "up{",
+        "MhaServeAbsent": "absent(up{",
         "MhaServeNotReady": "mha_serve_ready",
         "MhaServeRestarting": "process_start_time_seconds",
     }
