@@ -170,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
             default=argparse.SUPPRESS if suppress else DEFAULT_TIMEOUT_S,
             help=f"deadline per call (default {DEFAULT_TIMEOUT_S:g})",
         )
+        p.add_argument(
+            "--application",
+            metavar="NAME",
+            default=argparse.SUPPRESS if suppress else "",
+            help="the Ray Serve application to reach, when a Ray cluster's gRPC proxy serves "
+            "several (sent as the 'application' metadata; docs/ray.md)",
+        )
         add_security_arguments(p, suppress)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -442,7 +449,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse: --help (0) or a usage error (2)
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
     try:
-        with Client(args.target, timeout=args.timeout, security=security_of(args)) as client:
+        metadata = (("application", args.application),) if args.application else ()
+        with Client(
+            args.target, timeout=args.timeout, security=security_of(args), metadata=metadata
+        ) as client:
             return args.func(client, args)
     except UsageError as err:
         print(f"{parser.prog} {args.command}: error: {err}", file=sys.stderr)

@@ -122,9 +122,13 @@ class _Channel:
         options: Sequence[tuple[str, Any]] | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         security: ChannelSecurity | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
     ) -> None:
         self.target = target
         self.timeout = timeout  # default deadline in seconds per call; None waits forever
+        # Sent with every call, e.g. (("application", "mha"),): the Ray Serve app to reach
+        # when a Ray cluster's gRPC proxy serves several (docs/ray.md).
+        self.metadata = tuple(metadata) or None
         opts = channel_options(max_message_bytes, options)
         self._channel = open_channel(
             target, opts, aio=self._AIO, credentials=credentials, security=security
@@ -137,7 +141,10 @@ class _Channel:
             self._health_stub = ops.health_stubs()[1].HealthStub(self._channel)
         stub = self._health_stub if rpc.health else self._stub
         deadline = self.timeout if timeout is None else timeout
-        return getattr(stub, rpc.method), {"timeout": deadline, **rpc.kw}
+        kw = {"timeout": deadline, **rpc.kw}
+        if self.metadata:
+            kw["metadata"] = self.metadata
+        return getattr(stub, rpc.method), kw
 
 
 class Client(_Channel):

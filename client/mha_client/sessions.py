@@ -103,7 +103,9 @@ class SessionStream:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         client = session._client
         self._replies: Iterator[pb.AttendResponse] = client._stub.StreamSession(
-            iter(self._requests.get, _END), timeout=client.timeout if timeout is None else timeout
+            iter(self._requests.get, _END),
+            timeout=client.timeout if timeout is None else timeout,
+            metadata=getattr(client, "metadata", None),
         )
         # Ends the request stream once, on close() or when the stream is dropped unclosed
         # (gRPC's thread reading the requests would otherwise wait on the queue forever).
@@ -189,7 +191,9 @@ class AsyncSessionStream:
         client = session._client
         timeout = client.timeout if timeout is None else timeout
         self._deadline = None if timeout is None else time.monotonic() + timeout
-        self._call = client._stub.StreamSession(timeout=timeout)
+        self._call = client._stub.StreamSession(
+            timeout=timeout, metadata=getattr(client, "metadata", None)
+        )
         self._closed = False
 
     async def __aenter__(self) -> AsyncSessionStream:
