@@ -115,13 +115,14 @@ def build() -> dict:
     )
     for var in variables():
         board = board.with_variable(var)
+    ids = iter(range(1, 1000))  # stable panel ids: links and repeats refer to them
     for title, panels in ROWS:
-        row = dash.Row(title)
+        row = dash.Row(title).id(next(ids))
         if title == REPEATED_ROW:
             row = row.repeat("instance")
         board = board.with_row(row)
         for panel in panels:
-            board = board.with_panel(panel_builder(panel))
+            board = board.with_panel(panel_builder(panel).id(next(ids)))
     return json.loads(json.dumps(board.build(), cls=JSONEncoder))
 
 

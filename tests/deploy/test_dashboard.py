@@ -48,6 +48,11 @@ def test_every_panel_is_described_and_reads_the_chosen_datasource():
         assert len(refs) == len(set(refs)), f"{title}: refIds {refs}"
 
 
+def test_panel_ids_are_unique():
+    ids = [p["id"] for p in json.loads(COMMITTED.read_text())["panels"]]
+    assert len(ids) == len(set(ids)) and all(isinstance(i, int) and i > 0 for i in ids)
+
+
 def test_template_variables_and_the_row_per_replica():
     board = json.loads(COMMITTED.read_text())
     variables = {v["name"]: v for v in board["templating"]["list"]}
