@@ -8,7 +8,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import metadata
 from typing import Any, TypeVar
 
@@ -30,7 +30,7 @@ from mha_serve.transport.oip.convert import (
 )
 from mha_serve.transport.oip.convert import parameter as read_parameter
 from mha_serve.transport.oip.sequences import Sequence, SequenceMap, sequence_of
-from mha_serve.transport.oip.stream import pipelined
+from mha_serve.transport.oip.stream import pipelined, sequence_key, stream_error
 from mha_serve.transport.status import EXPECTED, status_of
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ class InferenceServicer:
         (so they batch together), a sequence's one after another (stream.py). An error
         answers its request with error_message and the stream goes on (Triton's behaviour)."""
         async for reply in pipelined(
-            requests, functools.partial(self._stream_one, context=context), key=_sequence_key
+            requests, functools.partial(self._stream_one, context=context), key=sequence_key
         ):
             yield reply
 
@@ -206,14 +206,14 @@ class InferenceServicer:
             return pb.ModelStreamInferResponse(infer_response=await self._infer(request, context))
         except EXPECTED as e:
             code = status_of(e)
-            return _stream_error(request, str(e))
+            return stream_error(request, str(e))
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
         except Exception as e:
             code = grpc.StatusCode.INTERNAL
             log.exception("ModelStreamInfer failed on model %s", model)
-            return _stream_error(request, f"internal error: {type(e).__name__}: {e}")
+            return stream_error(request, f"internal error: {type(e).__name__}: {e}")
         finally:
             metrics.IN_FLIGHT.dec()
             metrics.count_request("ModelStreamInfer", model, code.name, PROTOCOL)
@@ -348,25 +348,6 @@ class InferenceServicer:
         finally:
             if not counted:
                 metrics.count_request(method, model, code.name, PROTOCOL)
-
-
-def _sequence_key(request: pb.ModelInferRequest | Malformed) -> Hashable | None:
-    """Requests of one sequence run one after another on a stream (None: no sequence)."""
-    if isinstance(request, Malformed):
-        return None
-    try:
-        sequence = sequence_of(request.parameters)
-    except RequestError:  # answered by its own reply
-        return None
-    return None if sequence is None else (request.model_name, sequence.id)
-
-
-def _stream_error(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:
-    """A request's error on the stream, with its id and model so that a client can match it."""
-    return pb.ModelStreamInferResponse(
-        error_message=message,
-        infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id),
-    )
 
 
 def _deadline(context: grpc.aio.ServicerContext, timeout_us: Any) -> float | None:

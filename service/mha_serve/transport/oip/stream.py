@@ -13,6 +13,11 @@ import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from typing import Any, TypeVar
 
+from mha_client.api.inference import grpc_service_pb2 as pb
+from mha_serve.engine import RequestError
+from mha_serve.transport.handlers import Malformed
+from mha_serve.transport.oip.sequences import sequence_of
+
 R = TypeVar("R")
 
 MAX_IN_FLIGHT = 64  # requests of one stream computing or waiting to be sent
@@ -69,3 +74,22 @@ async def pipelined(
         for task in list(running):
             task.cancel()
         await asyncio.wait([reader])  # its outcome was raised above, or is moot now
+
+
+def sequence_key(request: pb.ModelInferRequest | Malformed) -> Hashable | None:
+    """Requests of one sequence run one after another on a stream (None: no sequence)."""
+    if isinstance(request, Malformed):
+        return None
+    try:
+        sequence = sequence_of(request.parameters)
+    except RequestError:  # answered by its own reply
+        return None
+    return None if sequence is None else (request.model_name, sequence.id)
+
+
+def stream_error(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:
+    """A request's error on the stream, with its id and model so that a client can match it."""
+    return pb.ModelStreamInferResponse(
+        error_message=message,
+        infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id),
+    )
