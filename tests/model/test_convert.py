@@ -1,0 +1,111 @@
+"""MHA -> GQA/MQA conversion by mean-pooling K/V heads: exact where the heads of a group are
+equal already, the pooled weights are the means, the report's figures, the command."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from mha_serve.engine import AttendCall, Engine
+from mha_serve.model import AttentionConfig, MultiHeadAttention, init_weights, load_checkpoint
+from mha_serve.model.convert import conversion_report, main, pool_kv_heads
+from mha_serve.model.weights import save_checkpoint
+from mha_serve.spec import ModelSpec
+
+ATOL = 1e-5  # float32, same math in another order
+ROPE = {"theta": 10000.0}
+
+
+def gqa_as_mha(gqa: MultiHeadAttention) -> MultiHeadAttention:
+    """The same function as an MHA module: each KV head repeated for its query heads."""
+    c = gqa.config
+    mha = MultiHeadAttention(dataclasses.replace(c, num_kv_heads=c.num_heads))
+    H, KVH, D, G = c.num_heads, c.num_kv_heads, c.head_dim, c.group_size
+    wq, wk, wv = gqa.wqkv.weight.detach().split([H * D, KVH * D, KVH * D])
+    bq, bk, bv = gqa.wqkv.bias.detach().split([H * D, KVH * D, KVH * D])
+
+    def rep(t):
+        return t.reshape(KVH, D, *t.shape[1:]).repeat_interleave(G, 0).reshape(H * D, *t.shape[1:])
+
+    mha.load_state_dict(
+        {
+            "wqkv.weight": torch.cat([wq, rep(wk), rep(wv)]),
+            "wqkv.bias": torch.cat([bq, rep(bk), rep(bv)]),
+            "wo.weight": gqa.wo.weight.detach(),
+            "wo.bias": gqa.wo.bias.detach(),
+        }
+    )
+    return mha.eval()
+
+
+@pytest.mark.parametrize("rope", [None, ROPE])
+@pytest.mark.parametrize("kvh", [2, 1])
+def test_pooling_an_mha_whose_group_heads_agree_is_exact(kvh, rope):
+    gqa = MultiHeadAttention(AttentionConfig(64, 8, kvh, rope=rope))
+    init_weights(gqa, 3)
+    mha = gqa_as_mha(gqa)
+    x = torch.randn(2, 11, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (mha(x, causal=True).output - gqa(x, causal=True).output).abs().max() < ATOL
+    back = pool_kv_heads(mha, kvh)
+    assert back.config == gqa.config
+    report = conversion_report(mha, back, x)
+    assert report["max_abs_error"] < ATOL, report
+    assert report["kv_bytes_per_token_before"] == 2 * 8 * 8 * 4
+    assert report["kv_bytes_per_token_after"] == 2 * kvh * 8 * 4
+    assert report["kv_bytes_saved_fraction"] == pytest.approx(1 - kvh / 8)
+
+
+def test_pooled_weights_are_group_means_and_queries_are_kept():
+    mha = MultiHeadAttention(AttentionConfig(32, 4))
+    init_weights(mha, 5)
+    gqa = pool_kv_heads(mha, 2)
+    D = 8
+    wk = mha.wqkv.weight[32:64].detach()
+    want_k0 = (wk[0:D] + wk[D : 2 * D]) / 2  # KV head 0 = mean of heads 0 and 1
+    assert torch.allclose(gqa.wqkv.weight[32 : 32 + D], want_k0, atol=1e-7)
+    assert torch.equal(gqa.wqkv.weight[:32], mha.wqkv.weight[:32])
+    assert torch.equal(gqa.wo.weight, mha.wo.weight)
+    x = torch.randn(1, 9, 32)
+    report = conversion_report(mha, gqa, x)
+    assert report["max_abs_error"] > 1e-3, "random heads differ: pooling changes the output"
+
+
+def test_num_kv_heads_must_divide():
+    mha = MultiHeadAttention(AttentionConfig(48, 6))
+    with pytest.raises(ValueError, match="num_kv_heads 4 must divide the model's 6"):
+        pool_kv_heads(mha, 4)
+
+
+def test_command_writes_a_servable_checkpoint_and_reports(tmp_path, capsys):
+    gqa = MultiHeadAttention(AttentionConfig(64, 8, 2, rope=ROPE, causal=True))
+    init_weights(gqa, 7)
+    src = tmp_path / "mha.safetensors"
+    save_checkpoint(gqa_as_mha(gqa), src)
+    out = tmp_path / "gqa.safetensors"
+    assert main([str(src), "--num-kv-heads", "2", "--out", str(out), "--samples", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["max_abs_error"] < ATOL and report["kv_bytes_saved_fraction"] == 0.75
+    loaded = load_checkpoint(out)
+    assert loaded.config == gqa.config  # GQA, RoPE and causal kept
+    # served as it is written: the engine's session steps equal the converted forward
+    engine = Engine(
+        [ModelSpec("g", loaded.config, checkpoint=str(out))],
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        max_response_bytes=2**24,
+    )
+    hosted = engine.get("g")
+    x = torch.randn(1, 6, 64)
+    full = engine.run(hosted, AttendCall("g", x, causal=True)).output
+    sid = engine.create_session("g").session_id
+    steps = [
+        engine.run(hosted, AttendCall("g", x[:, a:b], session_id=sid)).output
+        for a, b in ((0, 4), (4, 5), (5, 6))
+    ]
+    assert (torch.cat(steps, 1) - full).abs().max() < ATOL
+    assert main([str(src), "--num-kv-heads", "3", "--out", str(out)]) == 2
+    assert "must divide" in capsys.readouterr().err
