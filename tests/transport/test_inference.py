@@ -526,3 +526,19 @@ async def test_a_streams_requests_batch_together_and_answer_in_order():
     assert [r.infer_response.id for r in replies] == [f"r{i}" for i in range(8)]
     sizes = [r.infer_response.parameters["batch_size"].int64_param for r in replies]
     assert max(sizes) > 1, sizes
+
+
+def test_inference_stubs_pickle_under_their_own_modules():
+    """As mha.v1's (tests/test_protos.py): protoc would name them inference.*_pb2, which no
+    package provides; the grpc stub imports its sibling relatively (grpc/grpc#29390)."""
+    import pickle
+    from pathlib import Path
+
+    for module in (ip, mc):
+        for name in module.DESCRIPTOR.message_types_by_name:
+            cls = getattr(module, name)
+            assert cls.__module__ == module.__name__, name
+            assert module.__name__.startswith("mha_client.api.inference."), module.__name__
+            assert pickle.loads(pickle.dumps(cls())) == cls(), name
+    text = Path(ip_grpc.__file__).read_text()
+    assert "from . import grpc_service_pb2" in text and "from inference" not in text
