@@ -1,6 +1,6 @@
 """Writes the two Kubernetes objects that copy files kept elsewhere in deploy/.
 
-    python deploy/k8s/generate.py            # rewrite base/prometheusrule.yaml, base/grafana-dashboard.yaml
+    python deploy/k8s/generate.py            # rewrite monitoring/prometheusrule.yaml, grafana-dashboard.yaml
     python deploy/k8s/generate.py --check    # exit 1 when either is stale
 
 kustomize reads no file outside a kustomization's folder, so the alert rules
@@ -20,7 +20,7 @@ import yaml
 DEPLOY = Path(__file__).resolve().parents[1]
 RULES = DEPLOY / "prometheus" / "mha-serve.rules.yml"
 DASHBOARD = DEPLOY / "grafana" / "mha-serve.json"
-BASE = DEPLOY / "k8s" / "base"
+MONITORING = DEPLOY / "k8s" / "monitoring"
 LABELS = {"app.kubernetes.io/name": "mha-serve", "app.kubernetes.io/component": "server"}
 HEADER = "# Written by deploy/k8s/generate.py from {source}: edit that, then run the script.\n"
 
@@ -74,8 +74,8 @@ def dashboard_config_map() -> str:
 
 
 OUTPUTS = {
-    BASE / "prometheusrule.yaml": prometheus_rule,
-    BASE / "grafana-dashboard.yaml": dashboard_config_map,
+    MONITORING / "prometheusrule.yaml": prometheus_rule,
+    MONITORING / "grafana-dashboard.yaml": dashboard_config_map,
 }
 
 

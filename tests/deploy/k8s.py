@@ -15,12 +15,13 @@ yaml = pytest.importorskip("yaml", reason="PyYAML comes with kubernetes-validate
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu")  # the standalone server's; overlays/ray monitors the Ray app
 # The CRDs of the custom kinds, kept beside the project (../shared/schemas/README.md).
 CRDS = ROOT.parent / "shared" / "schemas" / "crds"
 CRD_FILES = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "monitoring.coreos.com_servicemonitors.yaml",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "monitoring.coreos.com_prometheusrules.yaml",
+    ("monitoring.coreos.com/v1", "PodMonitor"): "monitoring.coreos.com_podmonitors.yaml",
 }
 
 

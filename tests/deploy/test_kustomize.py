@@ -1,5 +1,6 @@
 """deploy/k8s overlays as kustomize builds them: the custom resources against their CRDs,
-the copies of the rules and the dashboard, scaling objects, and what the GPU overlay adds."""
+the copies of the rules and the dashboard, scaling objects, what the GPU overlay adds, and
+the Ray overlay's PodMonitor against the RayService it scrapes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.k8s import OVERLAYS, build, crd_errors, is_custom
+from tests.deploy.k8s import OVERLAYS, ROOT, build, crd_errors, is_custom
 from tests.deploy.sources import RULES, generate
 
 DASHBOARD = "mha-serve-dashboard"
@@ -27,10 +28,18 @@ def container(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return c
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+CUSTOM = {
+    "cpu": ["PrometheusRule", "ServiceMonitor"],
+    "gpu": ["PrometheusRule", "ServiceMonitor"],
+    "ray": ["PodMonitor", "PrometheusRule"],
+}
+RAY_SERVICE = ROOT / "deploy" / "ray" / "rayservice.yaml"
+
+
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "ray"])
 def test_custom_resources_match_their_crds(overlay):
     custom = [d for d in build(overlay) if is_custom(d)]
-    assert sorted(d["kind"] for d in custom) == ["PrometheusRule", "ServiceMonitor"]
+    assert sorted(d["kind"] for d in custom) == CUSTOM[overlay]
     errors = [line for doc in custom for line in crd_errors(doc)]
     assert not errors, "\n".join(errors)
 
@@ -57,13 +66,13 @@ def test_service_monitor_scrapes_the_metrics_port(overlay):
     assert "mha-serve" in service["metadata"]["name"]
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "ray"])
 def test_prometheus_rule_carries_the_rule_file(overlay):
     rule = one(build(overlay), "PrometheusRule")
     assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "ray"])
 def test_dashboard_config_map_is_for_grafanas_sidecar(overlay):
     config_map = one(build(overlay), "ConfigMap", DASHBOARD)
     assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
@@ -124,3 +133,26 @@ def test_gpu_overlay_runs_bfloat16_on_one_gpu():
         "tolerations"
     ]
     assert not [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
+
+
+def test_ray_pod_monitor_scrapes_every_replicas_port():
+    """The PodMonitor's port is the one each RayService worker declares, at the port the
+    serve config gives the replicas' metrics (one replica per worker: its local rank 0)."""
+    if not RAY_SERVICE.exists():
+        pytest.skip(f"{RAY_SERVICE} is absent: the Ray app brings it")
+    (endpoint,) = one(build("ray"), "PodMonitor")["spec"]["podMetricsEndpoints"]
+    assert endpoint["path"] == "/metrics"
+    service = yaml.safe_load(RAY_SERVICE.read_text())["spec"]
+    (app,) = yaml.safe_load(service["serveConfigV2"])["applications"]
+    metrics_port = app["args"]["metrics_port"]
+    groups = service["rayClusterConfig"]["workerGroupSpecs"]
+    assert groups
+    for group in groups:
+        ports = {
+            p["name"]: p["containerPort"]
+            for c in group["template"]["spec"]["containers"]
+            for p in c.get("ports", [])
+        }
+        assert ports.get(endpoint["port"]) == metrics_port, (group["groupName"], ports)
+    # The job ("<namespace>/<name>") is what the alert rules match.
+    assert "mha-serve" in one(build("ray"), "PodMonitor")["metadata"]["name"]

@@ -164,12 +164,16 @@ def test_schema_validation_rejects_unknown_fields(manifests):
         kv.validate(broken, MIN_KUBERNETES_VERSION, strict=True)
 
 
-def test_base_kustomization_lists_every_manifest():
-    kustomization = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
+@pytest.mark.parametrize(
+    ("folder", "folders"),
+    [("base", ["../monitoring"]), ("monitoring", []), ("overlays/ray", ["../../monitoring"])],
+)
+def test_kustomization_lists_every_manifest(folder, folders):
+    kustomization = yaml.safe_load((K8S / folder / "kustomization.yaml").read_text())
     assert kustomization["kind"] == "Kustomization"
     assert kustomization["apiVersion"] == "kustomize.config.k8s.io/v1beta1"
-    files = {p.name for p in (K8S / "base").glob("*.yaml")} - {"kustomization.yaml"}
-    assert sorted(kustomization["resources"]) == sorted(files)
+    files = {p.name for p in (K8S / folder).glob("*.yaml")} - {"kustomization.yaml"}
+    assert sorted(kustomization["resources"]) == sorted([*files, *folders])
 
 
 def test_config_map_is_the_built_in_models(manifests, tmp_path):
