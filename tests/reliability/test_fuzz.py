@@ -26,7 +26,7 @@ DEFINED = {
     grpc.StatusCode.OUT_OF_RANGE,
 }
 FUZZ = settings(
-    max_examples=200,
+    max_examples=150,
     deadline=None,
     derandomize=True,
     database=None,

@@ -21,7 +21,7 @@ from tests.reliability.load import ATTEND, Outcomes, attend_bytes, scrape
 
 pytestmark = pytest.mark.slow
 
-KILLS = 6  # of each kind
+KILLS = 4  # of each kind
 WAIT_S = 60.0
 
 # A client that starts a 16 MiB Attend and says so, then waits to be killed.

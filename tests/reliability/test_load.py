@@ -84,7 +84,7 @@ def capacity(server):
 
 def test_sustained_load_at_capacity_is_all_ok_and_counted(server, capacity):
     payload = attend_bytes("mha", BATCH, SEQ_LEN, seed=1)
-    requests = max(200, int(capacity * 10))  # about ten seconds
+    requests = max(200, int(capacity * 6))  # about six seconds
     before = scrape(server.metrics_port)
     out, elapsed = asyncio.run(
         closed_loop(server.target, payload, concurrency=CONCURRENCY, requests=requests)
