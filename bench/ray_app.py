@@ -224,14 +224,18 @@ def table(results: dict[str, Any]) -> str:
     lines = [
         f"32 clients, closed loop, model {MODEL} (embed 512, 8 heads), float32 on CPU.",
         "",
-        "| system | L=16 seq/s | p50 ms | L=128 seq/s | p50 ms |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "Cores: the system's process tree / other processes on the machine, averaged over",
+        "the measurement (from /proc).",
+        "",
+        "| system | L=16 seq/s | p50 ms | cores | L=128 seq/s | p50 ms | cores |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for system in ("ray", "mha-serve", "ray-app"):
         cells = []
         for seq_len in SEQ_LENS:
             p = tput[(system, seq_len)]
-            cells += [f"{p['sequences_per_s']:.0f}", f"{p['latency']['p50_ms']:.1f}"]
+            cores = f"{p['cpu_cores']['server']:.2f} / {p['cpu_cores']['other']:.2f}"
+            cells += [f"{p['sequences_per_s']:.0f}", f"{p['latency']['p50_ms']:.1f}", cores]
         lines.append(f"| {names[system]} | " + " | ".join(cells) + " |")
     lines += ["", "| ratio | L=16 | L=128 |", "| --- | ---: | ---: |"]
     for label, a, b in (
