@@ -16,8 +16,23 @@ from mha_serve.batching import (
     ModelLanes,
     QueueFull,
 )
+from mha_serve.batching.batcher import ArrivalStats
 
 WAIT_S = 5.0  # upper bound for anything that should happen "soon"
+
+
+class FakeClock:
+    """The batcher's clock, moved only by the test: frozen, a wait for company never ends,
+    so a batch that completes did not wait for one."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 class Recorder:
@@ -92,10 +107,9 @@ async def test_queue_bounds_refuse_at_once():
     await wait_entered(rec)  # item 0 is computing; the queue is empty again
     queued = [asyncio.ensure_future(b.submit(i, sequences=1, length=10)) for i in (1, 2)]
     await asyncio.sleep(0)
-    started = time.monotonic()
+    refused = b.submit(3, sequences=1, length=1)
     with pytest.raises(QueueFull, match=r"2 requests are queued \(limit 2\)"):
-        await b.submit(3, sequences=1, length=1)
-    assert time.monotonic() - started < 0.5  # refused at once, not after a wait
+        refused.send(None)  # refused at once: before the coroutine's first suspension
     queued[1].cancel()
     await asyncio.sleep(0)
     with pytest.raises(QueueFull, match="10 tokens are queued and this request adds 91"):
@@ -109,13 +123,13 @@ async def test_queue_bounds_refuse_at_once():
 async def test_expired_items_are_dropped_before_compute():
     rec = Recorder()
     rec.gate.clear()
-    b = Batcher("m", rec, policy(max_batch_size=1))
+    clock = FakeClock()
+    b = Batcher("m", rec, policy(max_batch_size=1), clock=clock)
     running = asyncio.ensure_future(b.submit(0, sequences=1, length=1))
     await wait_entered(rec)
-    late = asyncio.ensure_future(
-        b.submit(1, sequences=1, length=1, deadline=time.monotonic() + 0.05)
-    )
-    await asyncio.sleep(0.1)
+    late = asyncio.ensure_future(b.submit(1, sequences=1, length=1, deadline=clock() + 0.05))
+    await asyncio.sleep(0)
+    clock.advance(0.1)  # past its deadline while the lane is busy
     rec.gate.set()
     with pytest.raises(DeadlineExceeded, match="before compute started"):
         await late
@@ -147,10 +161,9 @@ async def test_event_loop_stays_free_while_a_batch_computes():
     rec.gate.clear()
     b = Batcher("m", rec, policy())
     running = asyncio.ensure_future(b.submit(0, sequences=1, length=1))
-    await wait_entered(rec)
-    started = time.monotonic()
-    await asyncio.sleep(0.01)  # would hang if run_batch ran on the loop
-    assert time.monotonic() - started < 1.0
+    await wait_entered(rec)  # run_batch holds its thread at the gate: were that thread the
+    ticks = [await asyncio.sleep(0, result=i) for i in range(3)]  # loop's, none would run
+    assert ticks == [0, 1, 2]
     rec.gate.set()
     await running
     await b.close()
@@ -236,123 +249,96 @@ def test_bad_policies_fail_with_the_fix():
         BatchPolicy(max_queue_delay_s=5)
 
 
-async def test_a_lone_client_does_not_wait_for_company():
-    rec = Recorder()
-    b = Batcher("m", rec, BatchPolicy(max_queue_delay_s=0.5))
-    for i in range(3):  # one request at a time, as a single client sends them
-        started = time.monotonic()
-        _, info = await b.submit(i, sequences=1, length=1)
-        assert time.monotonic() - started < 0.4, "waited for the 0.5 s batch delay"
-        assert info.queue_s < 0.4
-        await asyncio.sleep(0.6)  # arrivals further apart than the delay
-    await b.close()
+def arrivals(events) -> ArrivalStats:
+    """ArrivalStats after (key, time, found the lane busy with its key) arrivals."""
+    stats = ArrivalStats()
+    for key, now, busy in events:
+        stats.note(key, now, busy)
+    return stats
 
 
-async def test_a_fast_closed_loop_client_does_not_wait_for_company():
+def test_a_lone_client_does_not_wait_for_company():
+    """One request at a time, further apart than the delay: never a wait."""
+    stats = arrivals(("k", 0.6 * i, False) for i in range(5))
+    assert stats.company_wait("k", 0.5) == 0.0
+
+
+def test_a_fast_closed_loop_client_does_not_wait_for_company():
     """A decode stream sends its next step as soon as the last one answers: arrivals far
-    closer together than the delay, but none can ever join another's batch."""
-    rec = Recorder()
-    b = Batcher("m", rec, BatchPolicy(max_queue_delay_s=0.5))
-    for i in range(8):  # back to back: gaps of well under a millisecond
-        started = time.monotonic()
-        _, info = await b.submit(i, sequences=1, length=1)
-        assert time.monotonic() - started < 0.4, f"step {i} waited for the 0.5 s batch delay"
-        assert info.queue_s < 0.4
-    assert rec.batches == [[i] for i in range(8)]
+    closer together than the delay, but none ever finds another of its key in the lane."""
+    stats = arrivals(("k", 1e-4 * i, False) for i in range(50))
+    assert stats.gap_ewma < 0.5 and stats.company_wait("k", 0.5) == 0.0
     # Once other callers overlap it, the same lane waits for company again.
-    first = asyncio.ensure_future(b.submit(100, sequences=1, length=1))
-    await asyncio.sleep(0)
-    rest = [asyncio.ensure_future(b.submit(i, sequences=1, length=1)) for i in (101, 102)]
-    await asyncio.gather(first, *rest)
-    trickle = []
-    for i in range(103, 106):
-        trickle.append(asyncio.ensure_future(b.submit(i, sequences=1, length=1)))
-        await asyncio.sleep(0.02)
-    await asyncio.gather(*trickle)
-    assert [103, 104, 105] in rec.batches
-    await b.close()
+    for i in range(3):
+        stats.note("k", 0.01 + 1e-4 * i, True)
+    assert stats.company_wait("k", 0.5) == 0.5
 
 
-async def test_bursty_arrivals_still_wait_for_company():
-    rec = Recorder()
-    b = Batcher("m", rec, BatchPolicy(max_queue_delay_s=0.2))
-    await asyncio.gather(*(b.submit(i, sequences=1, length=1) for i in range(4)))  # a burst
-    late = []
-
-    async def trickle():
-        for i in range(4, 7):
-            late.append(asyncio.ensure_future(b.submit(i, sequences=1, length=1)))
-            await asyncio.sleep(0.02)  # closer together than the delay
-
-    await trickle()
-    await asyncio.gather(*late)
-    assert [4, 5, 6] in rec.batches  # the trickle was gathered into one batch
-    await b.close()
+def test_bursty_arrivals_wait_for_company():
+    stats = arrivals([("k", 0.0, False)] + [("k", 0.0, True)] * 3)  # a burst of 4
+    stats.note("k", 0.02, False)  # a trickle, closer together than the delay
+    assert stats.company_wait("k", 0.2) == 0.2
 
 
-async def test_a_closed_loop_client_does_not_wait_beside_traffic_of_another_key():
+def test_a_closed_loop_client_does_not_wait_beside_traffic_of_another_key():
     """A decode stream (key "s") on a lane that also carries a steady trickle of stateless
-    requests (key "a"): the trickle keeps batching, the stream's steps never wait for
-    company, since no request of the trickle could share their batch, nor for the
-    trickle's: a batch of "a" waiting for company stops waiting when a step queues."""
+    requests (key "a"): the trickle keeps waiting for company, the stream never does."""
+    events = [("a", 0.0, False)] + [("a", 0.0, True)] * 3
+    for i in range(30):  # a trickle of "a" every 35 ms, many arriving while "a" forms
+        events.append(("a", 0.035 * (i + 1), i % 3 != 0))
+        events.append(("s", 0.035 * (i + 1) + 0.001, False))  # a step between them
+    stats = arrivals(events)
+    assert stats.company_wait("a", 0.3) == 0.3
+    assert stats.company_wait("s", 0.3) == 0.0
+
+
+def test_a_long_steady_trickle_keeps_being_batched():
+    """Open-loop arrivals closer together than the delay: those that come while a batch is
+    forming count as company, so the lane keeps waiting for them round after round."""
+    events = [("k", 0.0, False)] + [("k", 0.0, True)] * 3
+    # 30 arrivals 20 ms apart with a 0.2 s delay: about 9 in 10 find a batch forming.
+    events += [("k", 0.02 * (i + 1), i % 10 != 0) for i in range(30)]
+    stats = arrivals(events)
+    assert stats.keeps_company("k") and stats.company_wait("k", 0.2) == 0.2
+
+
+def test_overlap_is_remembered_for_a_bounded_number_of_keys():
+    stats = arrivals((("key", i), 0.0, True) for i in range(200))
+    assert len(stats.overlap) == 64 and ("key", 199) in stats.overlap
+
+
+async def test_a_waiting_batch_is_flushed_by_size_and_a_lone_one_goes_at_once():
+    """On a frozen clock a wait for company never ends: a batch that completes either did
+    not wait or was flushed by its size, never by time."""
     rec = Recorder()
-    b = Batcher("m", rec, BatchPolicy(max_queue_delay_s=0.3))
-    stop = asyncio.Event()
-
-    async def trickle() -> list:
-        sent = []
-        while not stop.is_set():  # about 10 per 0.3 s wait
-            sent.append(asyncio.ensure_future(b.submit("a", sequences=1, length=1, key="a")))
-            await asyncio.sleep(0.035)  # not a divisor of the delay: no phase lock
-        return await asyncio.gather(*sent)
-
-    burst = [b.submit("a", sequences=1, length=1, key="a") for _ in range(4)]
-    await asyncio.gather(*burst)  # key "a" has had company: its batches wait for more
-    task = asyncio.ensure_future(trickle())
-    await asyncio.sleep(0.5)  # the trickle is under way and batching
-    waits = []
-    for _ in range(5):
-        started = time.monotonic()
-        await b.submit("s", sequences=1, length=1, key="s")
-        waits.append(time.monotonic() - started)
-    stop.set()
-    await task
-    # A step may wait for a batch of "a" to run (instant here), never for a 0.3 s delay.
-    assert max(waits) < 0.2, f"steps waited {[round(w, 3) for w in waits]} s"
-    trickle_sizes = [len(x) for x in rec.batches if x[0] == "a"]
-    assert max(trickle_sizes) >= 5, f"the trickle ran as batches of {trickle_sizes}"
-    assert all(x == ["s"] for x in rec.batches if "s" in x)  # keys never share a batch
+    b = Batcher("m", rec, BatchPolicy(max_queue_delay_s=0.5, max_batch_size=3), clock=FakeClock())
+    for i in range(3):  # a lone client: no company ever, so no wait
+        await asyncio.wait_for(b.submit(i, sequences=1, length=1), WAIT_S)
+    await asyncio.wait_for(
+        asyncio.gather(*(b.submit(i, sequences=1, length=1) for i in range(3, 6))), WAIT_S
+    )
+    assert b.arrivals.keeps_company(None)  # the burst overlapped
+    trickle = [asyncio.ensure_future(b.submit(i, sequences=1, length=1)) for i in range(6, 9)]
+    await asyncio.wait_for(asyncio.gather(*trickle), WAIT_S)  # flushed at max_batch_size
+    assert rec.batches[:3] == [[0], [1], [2]] and [6, 7, 8] in rec.batches
     await b.close()
 
 
 async def test_a_batch_waiting_for_company_lets_a_lone_request_of_another_key_go():
+    """Key "a" keeps company, so its batch waits (forever, on a frozen clock); a step of
+    key "s", which never has company, makes it stop waiting: both complete."""
     rec = Recorder()
-    b = Batcher("m", rec, BatchPolicy(max_queue_delay_s=0.5))
+    frozen = FakeClock()
+    b = Batcher("m", rec, BatchPolicy(max_queue_delay_s=0.5, max_batch_size=4), clock=frozen)
+    # A burst of 4 (flushed by its size): key "a" now keeps company.
     await asyncio.gather(*(b.submit("a", sequences=1, length=1, key="a") for _ in range(4)))
     waiting = asyncio.ensure_future(b.submit("a", sequences=1, length=1, key="a"))
-    await asyncio.sleep(0.05)  # that "a" now waits up to 0.5 s for company
-    started = time.monotonic()
-    await b.submit("s", sequences=1, length=1, key="s")  # a lone step: no company ever
-    assert time.monotonic() - started < 0.3, "the step waited out the other key's delay"
-    await waiting
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert not waiting.done()  # waiting for company
+    await asyncio.wait_for(b.submit("s", sequences=1, length=1, key="s"), WAIT_S)
+    await asyncio.wait_for(waiting, WAIT_S)
     assert rec.batches[-2:] == [["a"], ["s"]]  # the waiting batch ran early, then the step
-    await b.close()
-
-
-async def test_a_long_steady_trickle_keeps_being_batched():
-    """Open-loop arrivals closer together than the delay: those that come while a batch is
-    forming join it, and count as company, so the lane keeps waiting for them round after
-    round (they must not look like a lone client's)."""
-    rec = Recorder()
-    b = Batcher("m", rec, BatchPolicy(max_queue_delay_s=0.2))
-    await asyncio.gather(*(b.submit(i, sequences=1, length=1) for i in range(4)))  # a burst
-    trickle = []
-    for i in range(4, 34):  # 30 arrivals 20 ms apart: about 10 per 0.2 s wait
-        trickle.append(asyncio.ensure_future(b.submit(i, sequences=1, length=1)))
-        await asyncio.sleep(0.02)
-    await asyncio.gather(*trickle)
-    sizes = [len(batch) for batch in rec.batches[1:]]
-    assert sum(sizes) == 30 and len(sizes) <= 6, f"the trickle ran as batches of {sizes}"
     await b.close()
 
 
@@ -490,13 +476,13 @@ async def test_a_shut_down_executor_fails_the_batch_instead_of_hanging():
     await b.close()
 
 
-async def b_queued_behind_a(shared) -> tuple:
+async def b_queued_behind_a(shared, clock=time.monotonic) -> tuple:
     """Lanes a and b on one thread: a's batch holds it (its gate closed), b's item waits.
     Returns (a's gate, a, b, a's pending result, b's pending result)."""
     busy = Recorder()
     busy.gate.clear()
     a = Batcher("a", busy, policy(), executor=shared)
-    b = Batcher("b", Recorder(), policy(), executor=shared)
+    b = Batcher("b", Recorder(), policy(), executor=shared, clock=clock)
     held = asyncio.ensure_future(a.submit(1, sequences=1, length=1))
     await wait_entered(busy)
     waiting = asyncio.ensure_future(b.submit(2, sequences=1, length=1))
@@ -507,11 +493,13 @@ async def test_time_waiting_for_a_shared_thread_counts_as_queue_not_compute():
     from concurrent.futures import ThreadPoolExecutor
 
     shared = ThreadPoolExecutor(max_workers=1)
-    gate, a, b, held, waiting = await b_queued_behind_a(shared)
-    await asyncio.sleep(0.3)  # b's batch waits behind a's on the one thread
+    clock = FakeClock()
+    gate, a, b, held, waiting = await b_queued_behind_a(shared, clock)
+    await asyncio.sleep(0)
+    clock.advance(0.3)  # b's batch waits behind a's on the one thread
     gate.set()
     (_, info) = await asyncio.wait_for(waiting, WAIT_S)
-    assert info.queue_s >= 0.25 and info.compute_s < 0.25
+    assert info.queue_s == pytest.approx(0.3) and info.compute_s == 0.0
     await held
     await a.close()
     await b.close()

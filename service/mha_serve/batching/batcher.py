@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mha_serve.spec import BatchPolicy
@@ -22,10 +22,45 @@ from mha_serve.spec import BatchPolicy
 log = logging.getLogger(__name__)
 
 # A batch waits for company only when at least about one arrival in ten of its key lately
-# found the lane busy with that key (Batcher._overlap): other clients are sending
+# found the lane busy with that key (ArrivalStats): other clients are sending
 # concurrently requests that could share its batch.
 OVERLAP_TO_WAIT = 0.1
 _MAX_TRACKED_KEYS = 64  # batch keys whose overlap is remembered (head masks can vary freely)
+
+
+class ArrivalStats:
+    """What the batcher remembers of arrivals to decide whether a batch waits for company:
+    the smoothed gap between arrivals, and per batch key the smoothed share of its arrivals
+    that found the lane busy with that key (such items queued, or a batch of that key being
+    formed or running). A closed-loop client (a decode stream: each step waits for its
+    answer) never does, however close together its requests come and whatever other
+    traffic shares the lane: nobody can join its batch. Pure: times come from the caller."""
+
+    def __init__(self) -> None:
+        self.last_arrival: float | None = None
+        self.gap_ewma: float | None = None  # seconds
+        self.overlap: dict[Hashable, float] = {}
+
+    def note(self, key: Hashable, now: float, busy: bool) -> None:
+        """An arrival of `key` at `now`; busy: it found the lane busy with its key."""
+        if self.last_arrival is not None:
+            gap = now - self.last_arrival
+            self.gap_ewma = gap if self.gap_ewma is None else 0.8 * self.gap_ewma + 0.2 * gap
+        self.last_arrival = now
+        share = 0.8 * self.overlap.pop(key, 0.0) + 0.2 * busy
+        self.overlap[key] = share  # re-inserted: the dict runs from least to most recent
+        if len(self.overlap) > _MAX_TRACKED_KEYS:
+            del self.overlap[next(iter(self.overlap))]
+
+    def keeps_company(self, key: Hashable) -> bool:
+        """Whether requests of `key` lately came while others of it were in the lane."""
+        return self.overlap.get(key, 0.0) >= OVERLAP_TO_WAIT
+
+    def company_wait(self, key: Hashable, max_queue_delay_s: float) -> float:
+        """How long a batch of `key` waits for company: the delay while requests arrive
+        closer together than it and its key keeps company, else not at all."""
+        close = self.gap_ewma is not None and self.gap_ewma < max_queue_delay_s
+        return max_queue_delay_s if close and self.keeps_company(key) else 0.0
 
 
 class QueueFull(Exception):
@@ -46,9 +81,9 @@ class Item:
     sequences: int  # rows this item adds to a batch
     length: int  # its padded length: a batch costs sequences x longest length
     key: Hashable  # only items with equal keys share a batch
-    deadline: float | None  # time.monotonic() after which it is dropped unrun
+    deadline: float | None  # the batcher's clock (time.monotonic()) after which it is dropped
     future: asyncio.Future
-    enqueued: float = field(default_factory=time.monotonic)
+    enqueued: float  # the batcher's clock at submit
 
     @property
     def tokens(self) -> int:
@@ -88,9 +123,13 @@ class Batcher:
         *,
         on_batch: Observer | None = None,
         executor: Executor | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """clock: seconds, for deadlines, queue times and the wait for company (tests give
+        a fake one: a frozen clock never ends a wait for company)."""
         self.name = name
         self.policy = policy
+        self._clock = clock
         self._run_batch = run_batch
         self._on_batch = on_batch
         self._pending: collections.deque[Item] = collections.deque()
@@ -103,15 +142,7 @@ class Batcher:
         self._task: asyncio.Task | None = None
         self._closed = False
         # Smoothed gap between arrivals: waiting for company only pays when others come soon.
-        self._last_arrival: float | None = None
-        self._gap_ewma: float | None = None
-        # Per batch key, the smoothed share of its arrivals that found the lane busy with
-        # that key (such items queued, or a batch of that key being formed or running). A
-        # closed-loop client (a decode stream: each step waits for its answer) never does,
-        # however close together its requests come and whatever other traffic shares the
-        # lane: nobody can join its batch, and waiting for company would only add the
-        # delay to every step.
-        self._overlap: dict[Hashable, float] = {}
+        self.arrivals = ArrivalStats()  # decides whether a batch waits for company
         self._forming_key: Hashable | _Idle = _IDLE
         self._running_key: Hashable | _Idle = _IDLE
 
@@ -156,12 +187,8 @@ class Batcher:
                 f"(limit {p.max_queue_tokens}); retry with backoff or send smaller requests"
             )
         future = asyncio.get_running_loop().create_future()
-        item = Item(payload, sequences, length, key, deadline, future)
-        if self._last_arrival is not None:
-            gap = item.enqueued - self._last_arrival
-            self._gap_ewma = gap if self._gap_ewma is None else 0.8 * self._gap_ewma + 0.2 * gap
-        self._note_overlap(key)
-        self._last_arrival = item.enqueued
+        item = Item(payload, sequences, length, key, deadline, future, self._clock())
+        self.arrivals.note(key, item.enqueued, self._busy_with(key))
         self._pending.append(item)
         self._queued_tokens += tokens
         self._wakeup.set()
@@ -172,17 +199,13 @@ class Batcher:
             self._withdraw(item)
             raise
 
-    def _note_overlap(self, key: Hashable) -> None:
-        """An arrival of `key`: did it find the lane busy with its key?"""
-        busy = (
+    def _busy_with(self, key: Hashable) -> bool:
+        """Whether the lane holds requests of `key`: queued, or a batch forming or running."""
+        return (
             key == self._forming_key
             or key == self._running_key
             or any(item.key == key for item in self._pending)
         )
-        share = 0.8 * self._overlap.pop(key, 0.0) + 0.2 * busy
-        self._overlap[key] = share  # re-inserted: the dict runs from least to most recent
-        if len(self._overlap) > _MAX_TRACKED_KEYS:
-            del self._overlap[next(iter(self._overlap))]
 
     def _withdraw(self, item: Item) -> None:
         """A cancelled caller leaves the queue (if its batch has not started)."""
@@ -219,7 +242,7 @@ class Batcher:
         done = loop.create_future()
 
         def run() -> None:  # on the executor's thread; hands the outcome to the loop once
-            started = time.monotonic()  # not at submit: the thread may be busy with others
+            started = self._clock()  # not at submit: the thread may be busy with others
             try:
                 outcome: list[Any] | BaseException = list(self._run_batch(payloads))
                 if len(outcome) != len(batch):
@@ -229,14 +252,14 @@ class Batcher:
             except BaseException as e:  # the whole batch failed: every caller hears why
                 outcome = e
             loop.call_soon_threadsafe(
-                self._finish, batch, outcome, started, time.monotonic() - started, done
+                self._finish, batch, outcome, started, self._clock() - started, done
             )
 
         self._running_key = batch[0].key
         try:
             self._executor.submit(run)
         except RuntimeError as e:  # the executor was shut down
-            self._finish(batch, e, time.monotonic(), 0.0, done)
+            self._finish(batch, e, self._clock(), 0.0, done)
         await done
 
     def _finish(
@@ -292,17 +315,12 @@ class Batcher:
         self._forming_key = first.key  # an arrival of this key now is company: it may join
         batch, sequences, longest = [first], first.sequences, first.length
         real = first.tokens
-        busy = (
-            self._gap_ewma is not None
-            and self._gap_ewma < p.max_queue_delay_s
-            and self._overlap.get(first.key, 0.0) >= OVERLAP_TO_WAIT
-        )
-        flush_at = time.monotonic() + (p.max_queue_delay_s if busy else 0.0)
+        flush_at = self._clock() + self.arrivals.company_wait(first.key, p.max_queue_delay_s)
         while True:
             lone_waits = False  # a request of another key that will never get company
             for item in list(self._pending):
                 if item.key != first.key:
-                    lone_waits = lone_waits or self._overlap.get(item.key, 0.0) < OVERLAP_TO_WAIT
+                    lone_waits = lone_waits or not self.arrivals.keeps_company(item.key)
                     continue
                 if self._expired(item):
                     continue
@@ -313,7 +331,7 @@ class Batcher:
                 batch.append(item)
                 sequences, longest = sequences + item.sequences, max(longest, item.length)
                 real += item.tokens
-            remaining = flush_at - time.monotonic()
+            remaining = flush_at - self._clock()
             if sequences >= p.max_batch_size or remaining <= 0 or lone_waits:
                 break
             self._wakeup.clear()
@@ -331,13 +349,13 @@ class Batcher:
 
     def _expired(self, item: Item) -> bool:
         """Drops an item whose deadline has passed; its caller gets DeadlineExceeded."""
-        if item.deadline is None or time.monotonic() < item.deadline:
+        if item.deadline is None or self._clock() < item.deadline:
             return False
         if item in self._pending:
             self._pending.remove(item)
             self._queued_tokens -= item.tokens
         if not item.future.done():
-            waited = time.monotonic() - item.enqueued
+            waited = self._clock() - item.enqueued
             item.future.set_exception(
                 DeadlineExceeded(
                     f"{self.name}: the deadline passed after {waited * 1e3:.0f} ms in the queue, "
