@@ -167,3 +167,20 @@ def test_replica_caches_end_empty(client):
     for replica_id in replica_ids():
         usage = replica_handle("cache_usage", replica_id).remote().result(timeout_s=60)
         assert usage == {m: (0, 0) for m in ("mha", "gqa", "mqa")}, (replica_id, usage)
+
+
+def test_the_application_metadata_picks_the_app(cluster, capsys):
+    with Client(cluster.target, timeout=60, metadata=(("application", "mha"),)) as c:
+        assert [m.name for m in c.list_models()] == ["mha", "gqa", "mqa"]
+        session = c.create_session("mqa")
+        with session.stream() as stream:
+            assert stream.step(tokens(2)).session.num_tokens == 2
+        session.close()
+    # With a single application Ray's proxy routes every call to it, whatever the name
+    # (proxy_router.get_handle_for_endpoint); the name picks one when there are several.
+    with Client(cluster.target, timeout=60, metadata=(("application", "other"),)) as c:
+        assert len(c.list_models()) == 3
+    from mha_client.cli import main
+
+    assert main(["--target", cluster.target, "--application", "mha", "models"]) == 0
+    assert "gqa" in capsys.readouterr().out
