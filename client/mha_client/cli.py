@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 
 from mha_client.channel import ChannelSecurity
+from mha_client.cli_heads import add_heads_command
 from mha_client.cli_sessions import add_session_commands
 from mha_client.cli_types import positive_float
 from mha_client.errors import MhaServeError
@@ -281,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     attend.set_defaults(func=cmd_attend)
 
     add_session_commands(sub, common)
+    add_heads_command(sub, common)
 
     load = sub.add_parser("load", parents=[common], help="load test: throughput and latency")
     add_load_arguments(load)

@@ -242,3 +242,49 @@ class KVCacheInfo(_message.Message):
     evict_idle_sessions: bool
     dtype: DType
     def __init__(self, budget_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_sessions: _Optional[int] = ..., evict_idle_sessions: _Optional[bool] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class AnalyzeHeadsRequest(_message.Message):
+    __slots__ = ("attend", "include_weights")
+    ATTEND_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    attend: AttendRequest
+    include_weights: bool
+    def __init__(self, attend: _Optional[_Union[AttendRequest, _Mapping]] = ..., include_weights: _Optional[bool] = ...) -> None: ...
+
+class HeadStats(_message.Message):
+    __slots__ = ("head", "mean_entropy", "mean_max_weight", "importance")
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    MEAN_MAX_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    IMPORTANCE_FIELD_NUMBER: _ClassVar[int]
+    head: int
+    mean_entropy: float
+    mean_max_weight: float
+    importance: float
+    def __init__(self, head: _Optional[int] = ..., mean_entropy: _Optional[float] = ..., mean_max_weight: _Optional[float] = ..., importance: _Optional[float] = ...) -> None: ...
+
+class PruningStep(_message.Message):
+    __slots__ = ("num_pruned", "head", "output_error", "head_mask")
+    NUM_PRUNED_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_ERROR_FIELD_NUMBER: _ClassVar[int]
+    HEAD_MASK_FIELD_NUMBER: _ClassVar[int]
+    num_pruned: int
+    head: int
+    output_error: float
+    head_mask: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, num_pruned: _Optional[int] = ..., head: _Optional[int] = ..., output_error: _Optional[float] = ..., head_mask: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class AnalyzeHeadsResponse(_message.Message):
+    __slots__ = ("model", "heads", "pruning", "attention_weights", "compute_ms")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
+    PRUNING_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    heads: _containers.RepeatedCompositeFieldContainer[HeadStats]
+    pruning: _containers.RepeatedCompositeFieldContainer[PruningStep]
+    attention_weights: Tensor
+    compute_ms: float
+    def __init__(self, model: _Optional[str] = ..., heads: _Optional[_Iterable[_Union[HeadStats, _Mapping]]] = ..., pruning: _Optional[_Iterable[_Union[PruningStep, _Mapping]]] = ..., attention_weights: _Optional[_Union[Tensor, _Mapping]] = ..., compute_ms: _Optional[float] = ...) -> None: ...

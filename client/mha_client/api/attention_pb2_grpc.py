@@ -79,6 +79,11 @@ class AttentionServiceStub:
                 request_serializer=mha_dot_v1_dot_attention__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=mha_dot_v1_dot_attention__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.AnalyzeHeads = channel.unary_unary(
+                '/mha.v1.AttentionService/AnalyzeHeads',
+                request_serializer=mha_dot_v1_dot_attention__pb2.AnalyzeHeadsRequest.SerializeToString,
+                response_deserializer=mha_dot_v1_dot_attention__pb2.AnalyzeHeadsResponse.FromString,
+                _registered_method=True)
 
 
 class AttentionServiceServicer:
@@ -150,6 +155,15 @@ class AttentionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AnalyzeHeads(self, request, context):
+        """Which heads matter over the inputs sent: per head, attention entropy, peak
+        weight and importance (the output's change when that head alone is
+        masked), and a pruning curve masking the least important heads one by one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttentionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -197,6 +211,11 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=mha_dot_v1_dot_attention__pb2.GetModelInfoRequest.FromString,
                     response_serializer=mha_dot_v1_dot_attention__pb2.ModelInfo.SerializeToString,
+            ),
+            'AnalyzeHeads': grpc.unary_unary_rpc_method_handler(
+                    servicer.AnalyzeHeads,
+                    request_deserializer=mha_dot_v1_dot_attention__pb2.AnalyzeHeadsRequest.FromString,
+                    response_serializer=mha_dot_v1_dot_attention__pb2.AnalyzeHeadsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -442,6 +461,33 @@ class AttentionService:
             '/mha.v1.AttentionService/GetModelInfo',
             mha_dot_v1_dot_attention__pb2.GetModelInfoRequest.SerializeToString,
             mha_dot_v1_dot_attention__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AnalyzeHeads(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mha.v1.AttentionService/AnalyzeHeads',
+            mha_dot_v1_dot_attention__pb2.AnalyzeHeadsRequest.SerializeToString,
+            mha_dot_v1_dot_attention__pb2.AnalyzeHeadsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,10 +15,12 @@ from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_serve import metrics
 from mha_serve.engine import HostedModel
+from mha_serve.engine.heads import analyze as analyze_heads
 from mha_serve.serving import AsyncEngine, Unavailable
 from mha_serve.transport.auth import client_identity
 from mha_serve.transport.convert import encode_result, model_info, session_info, to_call
 from mha_serve.transport.handlers import Malformed, MalformedLog
+from mha_serve.transport.heads import heads_response
 from mha_serve.transport.status import EXPECTED, STATUS_OF, status_of
 
 log = logging.getLogger(__name__)
@@ -227,6 +229,25 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
 
         return await self._answer(
             "GetModelInfo", self._model_label(request.name), context, _sync(handle)
+        )
+
+    # --- head analysis -----------------------------------------------------------------
+
+    @_parsed
+    async def AnalyzeHeads(
+        self, request: pb.AnalyzeHeadsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AnalyzeHeadsResponse:
+        async def handle() -> pb.AnalyzeHeadsResponse:
+            engine = self.serving.engine
+            call, _ = to_call(request.attend, engine)
+            # 2H + 1 forwards: off the event loop, beside (not inside) the batched lanes.
+            analysis, compute_ms = await asyncio.to_thread(
+                analyze_heads, engine, call, include_weights=request.include_weights
+            )
+            return heads_response(call.model, analysis, compute_ms)
+
+        return await self._answer(
+            "AnalyzeHeads", self._model_label(request.attend.model), context, handle
         )
 
     def _info(self, hosted: HostedModel) -> pb.ModelInfo:
