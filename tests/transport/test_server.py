@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 import numpy as np
@@ -61,26 +62,39 @@ async def test_not_serving_until_warm_then_serving_then_draining():
 
         watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
         assert (await watch.read()).status == SERVING
-        # A slow call in flight while the server drains still completes.
+        # A call in flight (held in its forward by a gate) while the server drains completes.
+        lane = server.lanes["small"].fast
+        run, entered, release = lane._run_batch, threading.Event(), threading.Event()  # noqa: SLF001
+
+        def gated(calls):
+            entered.set()
+            assert release.wait(30), "the test never released the forward"
+            return run(calls)
+
+        lane._run_batch = gated  # noqa: SLF001
         slow = asyncio.ensure_future(attention.Attend(request(6, 2048), timeout=60))  # 1.5 MiB
-        await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(entered.wait, 30), "the call never reached its forward"
         stopping = asyncio.ensure_future(server.stop())
         assert (await watch.read()).status == NOT_SERVING
         watch.cancel()  # an open stream would hold the drain for the whole grace period
+        release.set()
         reply = await slow
         assert list(reply.output.shape) == [6, 2048, 64]
         await asyncio.wait_for(stopping, 20)
 
 
 async def test_drain_delay_keeps_answering_with_not_serving():
-    server = Server(config(drain_delay_s=1.0))
+    server = Server(config(drain_delay_s=5.0))
     await server.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         health = health_pb2_grpc.HealthStub(channel)
+        check = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
         stopping = asyncio.ensure_future(server.stop())
-        await asyncio.sleep(0.2)
         # Still answering during the delay, so load balancers see NOT_SERVING...
-        reply = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=2)
+        for _ in range(200):  # (bounded: the stop task flips it at its first step)
+            if (reply := await health.Check(check, timeout=2)).status == NOT_SERVING:
+                break
+            await asyncio.sleep(0.01)
         assert reply.status == NOT_SERVING
         # ...and calls already routed here are still served.
         attention = pb_grpc.AttentionServiceStub(channel)

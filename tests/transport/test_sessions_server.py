@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -22,11 +23,14 @@ EMBED = 32
 BLOCK_BYTES = 2 * 16 * 2 * 8 * 4
 
 
-async def serving(**server_kw):
+async def serving(*, clock=time.monotonic, sweep_s: float | None = None, **server_kw):
     spec = ModelSpec("tiny", AttentionConfig(EMBED, 4, 2), kv_cache_bytes=4 * BLOCK_BYTES)
-    server = Server(
-        ServerConfig(host="127.0.0.1", port=free_port(), metrics_port=0, models=[spec], **server_kw)
+    cfg = ServerConfig(
+        host="127.0.0.1", port=free_port(), metrics_port=0, models=[spec], **server_kw
     )
+    server = Server(cfg, clock=clock)
+    if sweep_s is not None:
+        server.session_sweep_s = sweep_s
     await server.start()
     return server
 
@@ -99,14 +103,24 @@ async def test_eviction_frees_the_least_recently_used_idle_session():
 
 
 async def test_idle_sessions_expire_after_their_ttl():
-    server = await serving(session_ttl_s=0.3)
+    """The sessions' clock is the test's: the TTL passes when the test says so, and the
+    sweeper (every 10 ms here) frees the session without any lookup of it."""
+    now = [1000.0]
+    server = await serving(session_ttl_s=30, clock=lambda: now[0], sweep_s=0.01)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = pb_grpc.AttentionServiceStub(channel)
             sid = (await stub.CreateSession(pb.CreateSessionRequest(model="tiny"))).session_id
             await stub.Attend(pb.AttendRequest(session_id=sid, input=tokens(20)))
             assert await used_blocks(stub) == 2
-            await asyncio.sleep(1.6)  # TTL 0.3 s; the sweep runs every second
+            for _ in range(20):  # sweeps within the TTL keep it
+                await asyncio.sleep(0.01)
+            assert await used_blocks(stub) == 2
+            now[0] += 31  # idle past its TTL of 30 s
+            for _ in range(500):  # a bounded wait for the next sweep (GetModelInfo looks
+                if await used_blocks(stub) == 0:  # up no session)
+                    break
+                await asyncio.sleep(0.01)
             assert await used_blocks(stub) == 0  # freed by the sweep, without a lookup
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Attend(pb.AttendRequest(session_id=sid, input=tokens(1)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -76,8 +77,10 @@ class Engine:
         session_id_prefix: str = "",
         max_sessions_per_client: int = 0,
         max_cache_bytes_per_client: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """session_id_prefix starts every session id (a Ray Serve replica's own id)."""
+        """session_id_prefix starts every session id (a Ray Serve replica's own id); clock:
+        the sessions' idle time and TTL (seconds; tests give a fake one)."""
         if not specs:
             raise ValueError("no models configured: add at least one [[models]] table")
         names = [s.name for s in specs]
@@ -89,7 +92,7 @@ class Engine:
         for spec in specs:
             self.models[spec.name] = self._load(spec, device, dtype)
         self.sessions = Sessions(
-            self.models, evict=evict_idle_sessions, default_ttl_s=session_ttl_s
+            self.models, evict=evict_idle_sessions, default_ttl_s=session_ttl_s, clock=clock
         )
         self.sessions.table.id_prefix = session_id_prefix
         self.sessions.table.set_client_limits(

@@ -49,9 +49,14 @@ class Sessions:
     """The session table and one KV cache per model that has a cache budget."""
 
     def __init__(
-        self, models: dict[str, HostedModel], *, evict: bool, default_ttl_s: float | None
+        self,
+        models: dict[str, HostedModel],
+        *,
+        evict: bool,
+        default_ttl_s: float | None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.table = SessionTable(evict=evict, default_ttl_s=default_ttl_s)
+        self.table = SessionTable(evict=evict, default_ttl_s=default_ttl_s, clock=clock)
         self.caches: dict[str, KVCache] = {}
         self._stepping: set[str] = set()  # sessions with a step received and not yet answered
         self._stepping_lock = threading.Lock()

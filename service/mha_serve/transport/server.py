@@ -6,6 +6,8 @@ import asyncio
 import gc
 import logging
 import signal
+import time
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,8 +34,10 @@ SERVICE_NAME = SERVICE.full_name  # "mha.v1.AttentionService"
 class Server:
     """One process serving the configured models; `start`, then `wait`, then `stop`."""
 
-    def __init__(self, cfg: ServerConfig) -> None:
+    def __init__(self, cfg: ServerConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+        """clock: the sessions' idle time and TTL (tests give a fake one)."""
         self.cfg = cfg
+        self.clock = clock
         self.health = health.aio.HealthServicer()
         self.servicer = AttentionServicer(max_request_bytes=cfg.max_receive_message_bytes)
         self.serving: AsyncEngine | None = None  # once the models are warm
@@ -142,6 +146,7 @@ class Server:
             session_ttl_s=self.cfg.session_ttl_s or None,
             max_sessions_per_client=self.cfg.max_sessions_per_client,
             max_cache_bytes_per_client=self.cfg.max_cache_bytes_per_client,
+            clock=self.clock,
         )
         engine.warmup()
         return engine
