@@ -242,7 +242,9 @@ def test_low_precision_step_matches_float32(dtype):
     try:
         with torch.no_grad():
             got, got_w, _, _ = run_chunks(low, x.to(dtype), [5, 1, 3], need_weights=True)
-    except RuntimeError as e:  # a CPU build without this dtype's kernels
+    except RuntimeError as e:  # a CPU build without this dtype's kernels; anything else fails
+        if "not implemented" not in str(e).lower():
+            raise
         pytest.skip(f"SDPA in {dtype} unsupported on CPU here: {e}")
     with torch.no_grad():
         want = module(x, causal=True, need_weights=True)
