@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 CALLS = 20_000
 CONTROL_CALLS = 2_500
-CLIENTS = 8
+CLIENTS = 16
 GROWTH_BOUND = 24 * 2**20  # resident growth allowed from mid-run to the end
 LEAK_BYTES = 64 * 1024  # per Attend, in the negative control
 LEAK_DIR = Path(__file__).parent / "leak"
@@ -36,7 +36,7 @@ async def mixed(target: str, calls: int, pid: int) -> tuple[dict[str, int], list
     """`calls` RPCs in rounds of 12 by CLIENTS clients; returns the statuses counted and
     the server's resident bytes at the start, mid-run and the end."""
     rng = np.random.default_rng(0)
-    x = tensor(rng.standard_normal((2, 16, 512), dtype=np.float32))
+    x = tensor(rng.standard_normal((1, 4, 512), dtype=np.float32))
     step = tensor(rng.standard_normal((1, 4, 512), dtype=np.float32))
     bad = pb.AttendRequest(model="mha", input=tensor(np.zeros((1, 4, 100), np.float32)))
     weights = pb.AttendRequest(model="gqa", input=x, weights=pb.WeightsRequest(enabled=True))
