@@ -20,6 +20,7 @@ ATOL = 1e-4  # float32: one full forward against the replica's cached path
 class Cluster:
     target: str  # the gRPC proxy, 127.0.0.1:PORT
     metrics_ports: tuple[int, ...]  # the replicas' /metrics on this node
+    config: dict  # what was deployed (deploy/ray/serve_config.yaml on these ports)
 
 
 def two_free_ports() -> int:
@@ -36,15 +37,18 @@ def two_free_ports() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(request):
+    """Ray with RAY_NUM_CPUS logical CPUs (a module may set more: one per replica)."""
     ray = pytest.importorskip("ray")
     from ray import serve
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    num_cpus = getattr(request.module, "RAY_NUM_CPUS", 2)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         port, metrics_port = free_port(), two_free_ports()
-        deploy(load_config(grpc_port=port, metrics_port=metrics_port))
-        yield Cluster(f"127.0.0.1:{port}", (metrics_port, metrics_port + 1))
+        config = load_config(grpc_port=port, metrics_port=metrics_port)
+        deploy(config)
+        yield Cluster(f"127.0.0.1:{port}", (metrics_port, metrics_port + 1), config)
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -71,11 +71,18 @@ class AttentionReplica:
             from mha_serve.ray_app.scrape import serve_replica_metrics
 
             port = metrics_port + context.rank.local_rank
-            serve_replica_metrics(
-                port,
-                {"replica": self.replica_id, "application": context.app_name},
-            )
-            log.info("replica %s: metrics on port %d", self.replica_id, port)
+            labels = {"replica": self.replica_id, "application": context.app_name}
+            try:
+                serve_replica_metrics(port, labels)
+                log.info("replica %s: metrics on port %d", self.replica_id, port)
+            except OSError as e:  # the port is taken: serve without metrics, say so loudly
+                log.error(
+                    "replica %s: no /metrics, port %d is taken (%s); give the app a "
+                    "metrics_port whose next ports (one per replica on a node) are free",
+                    self.replica_id,
+                    port,
+                    e,
+                )
         log.info("replica %s SERVING models: %s", self.replica_id, ", ".join(engine.models))
 
     async def call(self, method: str, request: Any, peer: str = "") -> Reply:
