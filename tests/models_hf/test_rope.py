@@ -1,0 +1,124 @@
+"""RoPE frequencies and rotation against transformers' own (ROPE_INIT_FUNCTIONS,
+LlamaRotaryEmbedding, apply_rotary_pos_emb), for every type we serve, and config.json in
+transformers 4's keys (rope_theta + rope_scaling) read like transformers 5's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from mha_serve.model.hf_config import read_hf_layer
+from mha_serve.model.rope import cos_sin, inv_freq, rotate
+
+PARAMETERS = [
+    {"rope_type": "default", "rope_theta": 10000.0},
+    {"rope_type": "linear", "rope_theta": 500000.0, "factor": 3.0},
+    {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    {
+        "rope_type": "yarn",
+        "rope_theta": 1e6,
+        "factor": 8.0,
+        "original_max_position_embeddings": 32,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.5,
+        "beta_fast": 16.0,
+        "truncate": False,
+    },
+    {
+        "rope_type": "yarn",
+        "rope_theta": 1e4,
+        "factor": 2.0,
+        "original_max_position_embeddings": 128,
+        "attention_factor": 0.9,
+    },
+]
+
+
+def llama_config(params):
+    return LlamaConfig(
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=1,
+        max_position_embeddings=256,
+        rope_parameters=params,
+    )
+
+
+@pytest.mark.parametrize("params", PARAMETERS, ids=lambda p: p["rope_type"])
+def test_frequencies_cos_sin_and_rotation_equal_transformers(tmp_path, params):
+    config = llama_config(dict(params))
+    (tmp_path / "config.json").write_text(json.dumps({**config.to_dict(), "model_type": "llama"}))
+    rope = read_hf_layer(tmp_path, 0).attention.rope
+    assert rope.type == params["rope_type"]
+    ours, scaling = inv_freq(rope, 32)
+    if params["rope_type"] == "default":
+        theirs, their_scaling = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    else:
+        theirs, their_scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
+    assert torch.equal(ours, theirs.float()), (ours - theirs).abs().max()
+    assert scaling == pytest.approx(their_scaling, rel=1e-12)
+    positions = torch.tensor([[0, 1, 7, 63, 200], [3, 4, 5, 6, 7]])
+    cos, sin = cos_sin(ours, scaling, positions, torch.float32)  # (B, 1, L, D)
+    x = torch.randn(2, 5, 128)
+    their_cos, their_sin = LlamaRotaryEmbedding(config)(x, positions)  # (B, L, D)
+    assert torch.equal(cos[:, 0], their_cos) and torch.equal(sin[:, 0], their_sin)
+    q, k = torch.randn(2, 4, 5, 32), torch.randn(2, 2, 5, 32)
+    want_q, want_k = apply_rotary_pos_emb(q, k, their_cos, their_sin)
+    assert torch.equal(rotate(q, cos, sin), want_q) and torch.equal(rotate(k, cos, sin), want_k)
+
+
+def test_transformers_4_keys_read_as_transformers_5(tmp_path):
+    base = {
+        "model_type": "llama",
+        "hidden_size": 128,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 1,
+        "max_position_embeddings": 256,
+    }
+    old = {
+        **base,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    }
+    new = {
+        **base,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    }
+    ropes = []
+    for name, cfg in (("old", old), ("new", new)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        ropes.append(read_hf_layer(tmp_path / name, 0).attention.rope)
+    assert ropes[0] == ropes[1] and ropes[0].type == "llama3" and ropes[0].theta == 500000.0
