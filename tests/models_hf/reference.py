@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from transformers import (
     BertModel,
+    DynamicCache,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -137,3 +138,33 @@ def reference_attention(
         x, position_embeddings=cos_sin, attention_mask=causal_mask(L)
     )[:2]
     return out, weights
+
+
+@torch.no_grad()
+def reference_decode(
+    family: str, base, layer: int, x: torch.Tensor, cuts: list[int]
+) -> tuple[list[torch.Tensor], DynamicCache]:
+    """transformers' own incremental path: x (1, L, E) fed in chunks [cuts[i], cuts[i+1])
+    through the attention module with a DynamicCache (rotary models: RoPE at the absolute
+    positions cache_position). Returns each chunk's output and the cache (keys rotated)."""
+    cache = DynamicCache(config=base.config)
+    outs = []
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        pos = torch.arange(a, b)
+        allowed = torch.arange(b)[None, :] <= pos[:, None]  # (b - a, b)
+        mask = torch.zeros(1, 1, b - a, b).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        chunk = x[:, a:b]
+        if family == "gpt2":
+            out = base.h[layer].attn(
+                chunk, past_key_values=cache, attention_mask=mask, cache_position=pos
+            )[0]
+        else:
+            out = base.layers[layer].self_attn(
+                chunk,
+                position_embeddings=base.rotary_emb(chunk, pos[None]),
+                attention_mask=mask,
+                past_key_values=cache,
+                cache_position=pos,
+            )[0]
+        outs.append(out)
+    return outs, cache

@@ -67,10 +67,9 @@ def load_hf_layer(
         b = bo = None
         if c.bias:
             b = torch.cat([_get(tensors, names[p] + ".bias", shapes[p][:1]) for p in "qkv"])
-            bo = tensors.get(names["o"] + ".bias")
-            if bo is None and info.family == "qwen2":
-                bo = torch.zeros(E, dtype=wo.dtype)  # Qwen2's o_proj has no bias
-            bo = _get({"o": bo} if bo is not None else {}, "o", (E,), names["o"] + ".bias")
+            if info.family == "qwen2":  # q/k/v biases only: o_proj's is zero
+                tensors.setdefault(names["o"] + ".bias", torch.zeros(E, dtype=wo.dtype))
+            bo = _get(tensors, names["o"] + ".bias", (E,))
     state = {"wqkv.weight": w, "wo.weight": wo}
     if c.bias:
         state.update({"wqkv.bias": b, "wo.bias": bo})

@@ -117,6 +117,11 @@ def _rotary(
         sliding = cfg.get("sliding_window")
     elif family == "qwen2":
         types = cfg.get("layer_types")
+        if types and len(types) != cfg["num_hidden_layers"]:
+            raise ValueError(
+                f"{where}: layer_types has {len(types)} entries for "
+                f"{cfg['num_hidden_layers']} layers"
+            )
         if types:
             sliding = cfg.get("sliding_window") if types[layer] == "sliding_attention" else None
         elif cfg.get("use_sliding_window") and layer >= cfg.get("max_window_layers", 0):
