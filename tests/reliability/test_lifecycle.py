@@ -138,10 +138,12 @@ def test_clients_killed_mid_request_and_mid_stream_leave_the_server_unaffected(s
     assert "Traceback" not in server.log()
 
 
-async def _load_then_sigterm(proc: ServerProcess) -> tuple[Outcomes, Outcomes, list, int]:
+async def _load_then_sigterm(
+    proc: ServerProcess,
+) -> tuple[Outcomes, Outcomes, list, int, float]:
     """Closed-loop load; SIGTERM once 50 calls were answered; each client stops at its
     first UNAVAILABLE. Returns the calls started before the signal, those after, the
-    health statuses watched, and the exit code."""
+    health statuses watched, the exit code and the seconds from the signal to the exit."""
     payload = attend_bytes("mha", 1, 64)
     before, after = Outcomes(), Outcomes()
     answered, signalled = asyncio.Event(), asyncio.Event()
@@ -168,11 +170,13 @@ async def _load_then_sigterm(proc: ServerProcess) -> tuple[Outcomes, Outcomes, l
         clients = [asyncio.create_task(client()) for _ in range(8)]
         await answered.wait()
         proc.proc.send_signal(signal.SIGTERM)
+        signal_at = time.perf_counter()
         signalled.set()
         statuses.append((await watch.read()).status)  # NOT_SERVING, before the port closes
+        watch.cancel()  # an open stream would hold the drain for the whole grace period
         await asyncio.gather(*clients)
     code = await asyncio.to_thread(proc.proc.wait, WAIT_S)
-    return before, after, statuses, code
+    return before, after, statuses, code, time.perf_counter() - signal_at
 
 
 def test_sigterm_under_load_drains_and_exits_zero(tmp_path):
@@ -181,10 +185,13 @@ def test_sigterm_under_load_drains_and_exits_zero(tmp_path):
     )
     try:
         proc.wait_serving()
-        before, after, statuses, code = asyncio.run(_load_then_sigterm(proc))
+        before, after, statuses, code, exit_s = asyncio.run(_load_then_sigterm(proc))
     finally:
         proc.stop()
-    print(f"\nSIGTERM under load: before the signal {before.summary()}; after {after.summary()}")
+    print(
+        f"\nSIGTERM under load: before the signal {before.summary()}; after "
+        f"{after.summary()}; exit code {code} {exit_s:.1f} s after the signal"
+    )
     assert statuses == [
         health_pb2.HealthCheckResponse.SERVING,
         health_pb2.HealthCheckResponse.NOT_SERVING,
