@@ -33,7 +33,7 @@ def tensor(x: np.ndarray) -> pb.Tensor:
 
 
 async def mixed(target: str, calls: int, pid: int) -> tuple[dict[str, int], list[int]]:
-    """`calls` RPCs in rounds of 12 by CLIENTS clients; returns the statuses counted and
+    """`calls` RPCs in rounds of 15 by CLIENTS clients; returns the statuses counted and
     the server's resident bytes at the start, mid-run and the end."""
     rng = np.random.default_rng(0)
     x = tensor(rng.standard_normal((1, 4, 512), dtype=np.float32))
