@@ -19,6 +19,7 @@ At teardown every session is closed and every step settled: the pool is empty ag
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -247,8 +248,11 @@ class TableMachine(RuleBasedStateMachine):
             res, labels = self.zombie_pending.pop(sid)
             zombie = True
         if keep:
-            self.table.commit(res)
-            if not zombie:
+            if zombie:  # closed while the step ran: kept into freed blocks, and said so
+                with pytest.raises(SessionNotFound, match="closed"):
+                    self.table.commit(res)
+            else:
+                self.table.commit(res)
                 self.expected[sid] += labels
         else:
             self.table.rollback(res)
@@ -415,7 +419,8 @@ class TableMachine(RuleBasedStateMachine):
         for res, _ in list(self.pending.values()):
             self.table.rollback(res)
         for res, _ in list(self.zombie_pending.values()):
-            self.table.commit(res)
+            with pytest.raises(SessionNotFound):
+                self.table.commit(res)
         for sid, n in self.pins.items():
             for _ in range(n):
                 self.table.unpin(sid)

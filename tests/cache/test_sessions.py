@@ -172,7 +172,8 @@ def test_closing_a_session_mid_step_frees_it_when_the_step_ends():
     res = table.reserve(s.id, 5)
     table.close(s.id)
     assert table.pool("m").num_used == 2, "blocks a running step writes stay held"
-    table.commit(res)
+    with pytest.raises(SessionNotFound, match="was closed"):  # the step's caller hears it
+        table.commit(res)
     assert_all_free(table)
     with pytest.raises(SessionNotFound, match="was closed"):
         table.get(s.id)
@@ -516,3 +517,26 @@ def test_a_failing_on_end_hook_leaves_the_table_whole():
     assert_all_free(table)
     with pytest.raises(SessionNotFound, match="was closed"):
         table.get(s.id)
+
+
+def test_one_busy_rule_covers_a_claimed_step_from_receipt_to_answer():
+    """claim() at receipt makes the session busy for another step, an unclaimed reserve and
+    a truncate, until release(); the claimer's own reserve goes ahead."""
+    table, _ = make()
+    s = table.create("m")
+    append(table, s.id, 3)
+    table.claim(s.id)
+    with pytest.raises(SessionBusy, match="one at a time"):
+        table.claim(s.id)
+    with pytest.raises(SessionBusy, match="one at a time"):
+        table.reserve(s.id, 1)
+    with pytest.raises(SessionBusy, match="truncate it once the step is answered"):
+        table.truncate(s.id, 1)
+    res = table.reserve(s.id, 2, claimed=True)
+    assert table.commit(res).num_tokens == 5
+    table.release(s.id)
+    assert table.truncate(s.id, 1).num_tokens == 1
+    table.claim(s.id)
+    table.close(s.id)
+    table.release(s.id)  # the session went while claimed: releasing it is no error
+    assert_all_free(table)

@@ -375,24 +375,25 @@ def test_a_failure_while_settling_rolls_back_only_the_steps_not_kept(engine, mon
     results = engine.run_batch(hosted, [AttendCall("mqa", x[:, 2:3], session_id=s) for s in ids])
     assert [str(r) for r in results] == ["device error"] * 2
     monkeypatch.undo()
-    stats, table = [], engine.sessions.table
-    real = table.session_stats
+    commits, table = [], engine.sessions.table
+    real = table.commit
 
-    def second_fails(sid):  # after the first step is kept
-        stats.append(sid)
-        if len(stats) == 2:
+    def second_fails(res, **kw):  # after the first step is kept
+        commits.append(res)
+        if len(commits) == 2:
             raise RuntimeError("bug")
-        return real(sid)
+        return real(res, **kw)
 
-    monkeypatch.setattr(table, "session_stats", second_fails)
+    monkeypatch.setattr(table, "commit", second_fails)
     first, second = engine.run_batch(
         hosted, [AttendCall("mqa", x[:, 2:3], session_id=s) for s in ids]
     )
     monkeypatch.undo()
     assert first.session.num_tokens == 3 and str(second) == "bug"
-    for sid in ids:  # neither is left busy
+    # Neither is left busy; the first step was kept, the second (its commit failed) was not.
+    for sid, kept in zip(ids, (4, 3), strict=True):
         step = engine.run(hosted, AttendCall("mqa", x[:, 3:4], session_id=sid))
-        assert step.session.num_tokens == 4
+        assert step.session.num_tokens == kept
 
 
 def test_a_deadline_passing_while_the_reply_is_built_still_rolls_the_step_back(engine, monkeypatch):

@@ -167,10 +167,10 @@ class SessionTable:
                     f"session {session_id!r} holds {s.num_tokens} tokens: it cannot be "
                     f"truncated to {n}"
                 )
-            if s.pending is not None:
+            if _busy(s):
                 raise SessionBusy(
-                    f"session {session_id!r} has a step of {s.pending.num_tokens} token(s) in "
-                    "flight; truncate it once the step is answered"
+                    f"session {session_id!r} has a step in flight; truncate it once the step "
+                    "is answered"
                 )
             m = self._models[s.model]
             keep = _cdiv(n, m.storage.block_size)
@@ -211,21 +211,38 @@ class SessionTable:
                 raise ValueError(f"unpin of session {session_id!r}, which is not pinned")
             self._unpin(s)
 
-    def reserve(self, session_id: str, num_new_tokens: int) -> Reservation:
+    def claim(self, session_id: str) -> None:
+        """Claims the session for one step, from its receipt to its answer: another step
+        of it meanwhile (on another call or stream) is refused with SessionBusy at once,
+        whether the first still queues or computes, and so is a truncate."""
+        with self._lock:
+            s = self._lookup(session_id, self._clock())
+            if _busy(s):
+                raise SessionBusy(_BUSY.format(session_id=session_id))
+            s.claimed = True
+
+    def release(self, session_id: str) -> None:
+        """The claimed step is answered (or failed); a session gone meanwhile is no error."""
+        with self._lock:
+            s = self._sessions.get(session_id) or self._zombies.get(session_id)
+            if s is not None:
+                s.claimed = False
+
+    def reserve(
+        self, session_id: str, num_new_tokens: int, *, claimed: bool = False
+    ) -> Reservation:
         """Room for num_new_tokens more tokens: checks max_len, allocates blocks (evicting
         if allowed), copies a shared partial last block first. Pins the session until
-        commit() or rollback(); num_tokens is unchanged until commit()."""
+        commit() or rollback(); num_tokens is unchanged until commit(). claimed: the caller
+        holds the session's claim (claim()); unclaimed, a claimed session is busy."""
         with self._lock:
             now = self._clock()
             s = self._lookup(session_id, now)
             n = num_new_tokens
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise InvalidSessionArgument(f"num_new_tokens must be an int >= 1, got {n!r}")
-            if s.pending is not None:
-                raise SessionBusy(
-                    f"session {session_id!r} already has a step of {s.pending.num_tokens} "
-                    "token(s) in flight; send its steps one at a time"
-                )
+            if s.pending is not None or (s.claimed and not claimed):
+                raise SessionBusy(_BUSY.format(session_id=session_id))
             m = self._models[s.model]
             bs, pool = m.storage.block_size, m.pool
             total = s.num_tokens + n
@@ -279,21 +296,25 @@ class SessionTable:
             s.last_used_s = now
             return res
 
-    def reserve_many(self, requests: Sequence[tuple[str, int]]) -> list[Reservation | CacheError]:
-        """reserve() for each (session_id, num_new_tokens) of one batch, with all of the
-        batch's sessions pinned first so that making room for one never evicts another.
+    def reserve_many(
+        self, requests: Sequence[tuple[str, int] | tuple[str, int, bool]]
+    ) -> list[Reservation | CacheError]:
+        """reserve() for each (session_id, num_new_tokens[, claimed]) of one batch, with all
+        of the batch's sessions pinned first so that making room for one never evicts another.
         Returns a Reservation or the CacheError for each, in order. Any other error (a
         device error copying a block) rolls back the batch's reservations and is raised."""
         with self._lock:
             pinned = []
             results: list[Reservation | CacheError] = []
             try:
-                for session_id, _ in requests:
+                for session_id, *_ in requests:
                     with contextlib.suppress(CacheError):  # reserve() raises it again, in place
                         pinned.append(self.pin(session_id))
-                for session_id, n in requests:
+                for session_id, n, *claimed in requests:
                     try:
-                        results.append(self.reserve(session_id, n))
+                        results.append(
+                            self.reserve(session_id, n, claimed=bool(claimed and claimed[0]))
+                        )
                     except CacheError as e:
                         results.append(e)
             except BaseException:
@@ -306,9 +327,11 @@ class SessionTable:
                     self._unpin(s)
             return results
 
-    def commit(self, res: Reservation, *, key_absmax: float = 0.0) -> Session:
-        """The step's K/V are written: count its tokens and unpin. key_absmax: max |k| of
-        the step's keys, kept in the session's bound (Session.key_absmax)."""
+    def commit(self, res: Reservation, *, key_absmax: float = 0.0) -> SessionStats:
+        """The step's K/V are written: count its tokens and unpin, and return the session's
+        stats (one transaction). key_absmax: max |k| of the step's keys, kept in the
+        session's bound (Session.key_absmax). SessionNotFound when the session was closed
+        while the step ran (its cache went with it)."""
         with self._lock:
             s = self._pending_owner(res)
             s.num_tokens = res.start + res.num_tokens
@@ -316,7 +339,10 @@ class SessionTable:
             s.pending = None
             s.last_used_s = self._clock()
             self._unpin(s)
-            return s
+            if s.id not in self._sessions:
+                reason, message = self._gone.get(s.id, ("closed", f"session {s.id!r} was closed"))
+                raise SessionNotFound(s.id, reason, message)
+            return self._session_stats(s)
 
     def rollback(self, res: Reservation) -> None:
         """The step failed: free the blocks it appended and unpin. (A copy-on-write copy
@@ -531,6 +557,18 @@ class SessionTable:
             fragmentation=(slots - stored) / slots if slots else 0.0,
             sessions=tuple(self._session_stats(s) for s in live),
         )
+
+
+_BUSY = (
+    "session {session_id!r} already has a step in flight (sent on another call or stream); "
+    "send a session's steps one at a time, each after the last one's reply"
+)
+
+
+def _busy(s: Session) -> bool:
+    """The one rule of one step at a time: a step received and not answered (claimed), or
+    one reserved and not committed or rolled back (pending)."""
+    return s.claimed or s.pending is not None
 
 
 def _cdiv(a: int, b: int) -> int:

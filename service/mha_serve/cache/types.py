@@ -46,6 +46,9 @@ class Session:
     num_tokens: int = 0  # committed tokens: their K/V are written
     in_use: int = 0  # pins: a pinned session is never evicted or expired
     pending: Reservation | None = None
+    # A step of it was received and is not yet answered (SessionTable.claim): with a
+    # pending reservation, what makes it busy (SessionTable._busy, the one rule).
+    claimed: bool = False
     # max |k| over every key the session holds or held since it was last emptied: a bound
     # on its keys that the engine's overflow check reads instead of the keys themselves.
     key_absmax: float = 0.0

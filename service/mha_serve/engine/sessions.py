@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -22,7 +21,6 @@ from mha_serve.cache import (
     KVCache,
     Reservation,
     Session,
-    SessionBusy,
     SessionTable,
 )
 from mha_serve.engine.errors import (
@@ -58,8 +56,6 @@ class Sessions:
     ) -> None:
         self.table = SessionTable(evict=evict, default_ttl_s=default_ttl_s, clock=clock)
         self.caches: dict[str, KVCache] = {}
-        self._stepping: set[str] = set()  # sessions with a step received and not yet answered
-        self._stepping_lock = threading.Lock()
         for name, hosted in models.items():
             spec = hosted.spec
             if spec.kv_cache_bytes == 0:
@@ -105,34 +101,18 @@ class Sessions:
 
     @contextlib.contextmanager
     def stepping(self, session_id: str) -> Iterator[None]:
-        """Claims the session for one step, from its receipt until its answer: another step
-        of it meanwhile (on another call or stream) is refused with SessionBusy at once,
-        whether the first still queues or computes. (The table's own pending step covers
-        only the compute, from reserve on.)"""
-        with self._stepping_lock:
-            if session_id in self._stepping:
-                raise SessionBusy(
-                    f"session {session_id!r} already has a step in flight (sent on another "
-                    "call or stream); send a session's steps one at a time, each after the "
-                    "last one's reply"
-                )
-            self._stepping.add(session_id)
+        """Claims the session for one step, from its receipt until its answer
+        (SessionTable.claim: another step meanwhile is refused with SessionBusy)."""
+        self.table.claim(session_id)
         try:
             yield
         finally:
-            with self._stepping_lock:
-                self._stepping.discard(session_id)
+            self.table.release(session_id)
 
     def truncate(self, session_id: str, num_tokens: int) -> Session:
-        """SessionTable.truncate, refused (SessionBusy) while a step of the session is
-        unanswered: a queued step has no reservation yet and would append after the cut."""
-        with self._stepping_lock:
-            if session_id in self._stepping:
-                raise SessionBusy(
-                    f"session {session_id!r} has a step in flight; truncate it once the step "
-                    "is answered"
-                )
-            return self.table.truncate(session_id, num_tokens)
+        """SessionTable.truncate: refused (SessionBusy) while a step of the session is
+        unanswered, queued or computing."""
+        return self.table.truncate(session_id, num_tokens)
 
     def validate_step(self, hosted: HostedModel, call: AttendCall) -> Session:
         """Session-specific checks, before the step queues (the table re-checks at reserve)."""
@@ -173,7 +153,9 @@ class Sessions:
         name = hosted.spec.name
         cache = self.cache(name)
         results: list[AttendResult | Exception | None] = [None] * len(calls)
-        reserved = self.table.reserve_many([(c.session_id, c.inputs.shape[1]) for c in calls])
+        reserved = self.table.reserve_many(
+            [(c.session_id, c.inputs.shape[1], c.claimed) for c in calls]
+        )
         # Until _settle takes them, any error rolls back the reservations still open.
         open_ = [r for r in reserved if isinstance(r, Reservation)]
         live: list[tuple[int, Reservation]] = []
@@ -298,17 +280,20 @@ class Sessions:
                     self.table.rollback(r)
                     results[i] = e
                     continue
-                settled = b + 1
-                self.table.commit(r, key_absmax=k_max[b])
-                try:
-                    result.session = self.table.session_stats(r.session_id)
+                try:  # one transaction: count the tokens, unpin, read the session's stats
+                    result.session = self.table.commit(r, key_absmax=k_max[b])
                 except CacheError as e:  # closed while the step ran: its cache went with it
                     results[i] = e
                     continue
+                finally:
+                    settled = b + 1
                 results[i] = result
         except BaseException as e:
             for _, r in live[settled:]:
                 self.table.rollback(r)
+            if settled and results[live[settled - 1][0]] is None:  # its commit failed (a bug):
+                with contextlib.suppress(ValueError):  # roll back, unless it was kept after all
+                    self.table.rollback(live[settled - 1][1])
             for i, _ in live:
                 if results[i] is None:  # not settled, or settled when it failed
                     results[i] = e

@@ -74,6 +74,8 @@ class AttendCall:
     # caller's thread): a session step whose caller is gone by its end is not kept.
     deadline: float | None = None
     cancelled: bool = False
+    # The caller holds the session's claim (Engine.stepping) for this step.
+    claimed: bool = False
 
     def heads(self, num_heads: int) -> list[int]:
         """Query heads whose weights are returned, in the order asked (None: all)."""

@@ -123,6 +123,7 @@ class AsyncEngine:
         if not call.session_id:
             return await self._attend(call, encode, received, deadline)
         with self.engine.stepping(call.session_id):  # until answered
+            call.claimed = True
             return await self._attend(call, encode, received, deadline)
 
     async def _attend(
