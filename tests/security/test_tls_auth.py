@@ -12,6 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
+from mha_client.api.inference import grpc_service_pb2 as oip
+from mha_client.api.inference import grpc_service_pb2_grpc as oip_grpc
 from mha_client.channel import ChannelSecurity
 from mha_client.errors import MhaServeError
 from mha_client.sdk import AsyncClient
@@ -162,6 +164,13 @@ async def test_token_on_plaintext_loopback_every_rpc_kind(monkeypatch):
             assert streamed.value.code() == grpc.StatusCode.UNAUTHENTICATED
             health = health_pb2_grpc.HealthStub(channel)
             assert (await health.Check(health_pb2.HealthCheckRequest())).status == SERVING
+            # The Open Inference Protocol's probes are exempt too; the rest of it is not.
+            inference = oip_grpc.GRPCInferenceServiceStub(channel)
+            assert (await inference.ServerLive(oip.ServerLiveRequest())).live
+            assert (await inference.ServerReady(oip.ServerReadyRequest())).ready
+            with pytest.raises(grpc.aio.AioRpcError) as metadata_call:
+                await inference.ServerMetadata(oip.ServerMetadataRequest())
+            assert metadata_call.value.code() == grpc.StatusCode.UNAUTHENTICATED
             metadata = (("authorization", f"Bearer {TOKEN}"),)
             models = await stub.ListModels(pb.ListModelsRequest(), metadata=metadata)
             assert [m.name for m in models.models] == ["small"]

@@ -20,7 +20,12 @@ from mha_serve.config import ServerConfig
 
 ENV_TOKEN = "MHA_SERVE_AUTH_TOKEN"
 # Health answers without a token: load balancers and kubelets probe it with no secrets.
-EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
+# So do the Open Inference Protocol's liveness and readiness (KServe's probes).
+EXEMPT_PREFIXES = (
+    "/grpc.health.v1.Health/",
+    "/inference.GRPCInferenceService/ServerLive",
+    "/inference.GRPCInferenceService/ServerReady",
+)
 ATTENTION_PREFIX = "/mha.v1.AttentionService/"
 TOKEN_ID_HEX = 12  # hex digits of a token's SHA-256 that name it in identities and logs
 
