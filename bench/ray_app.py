@@ -4,7 +4,8 @@ clients, and the streamed decode step at contexts 256 and 4096.
 
     python bench/ray_app.py [--duration 15] [--steps 64]
 
-Prints the table docs/ray.md shows and writes bench/results/ray_app.json.
+Prints the table docs/ray.md shows and writes bench/results/ray_app.json. A fourth system,
+an experiment and not the app (`build_direct`), measures what the Ingress hop costs.
 
 Each system runs alone in its own process tree while it is measured, on 127.0.0.1; the load
 generator (mha_client.loadgen) runs in this process. `--serve PORT` is the Ray app's own
@@ -50,15 +51,21 @@ OUT = BENCH / "results" / "ray_app.json"
 # --- the Ray app's own process ------------------------------------------------------
 
 
-def serve_forever(port: int, steps: int) -> int:
+def serve_forever(port: int, steps: int, direct: bool) -> int:
     import ray
 
     from tests.ray_app.cluster import deploy, load_config
 
     ray.init(num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False)
     try:
-        deploy(load_config(grpc_port=port, metrics_port=0))
-        print("handle-probe " + json.dumps(handle_probe(steps)), flush=True)
+        config = load_config(grpc_port=port, metrics_port=0)
+        if direct:  # the experiment below in place of the app's builder
+            (app,) = config["applications"]
+            app.update(import_path="ray_app:build_direct", args={}, deployments=[])
+            app["runtime_env"] = {"env_vars": {"PYTHONPATH": str(BENCH)}}
+        deploy(config)
+        probe = {} if direct else handle_probe(steps)
+        print("handle-probe " + json.dumps(probe), flush=True)
         print(f"listening on 127.0.0.1:{port}", flush=True)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -97,6 +104,33 @@ def handle_probe(steps: int) -> dict[str, Any]:
         call.remote("CloseSession", pb.CloseSessionRequest(session_id=sid)).result()
         out[str(context)] = float(np.median(times))
     return out
+
+
+def build_direct(args: dict[str, Any] | None = None) -> Any:
+    """EXPERIMENT, not the app: AttentionReplica as the proxy's own ingress, answering
+    stateless Attend and ListModels itself (no Ingress hop, no session routing): what the
+    Ingress hop costs stateless throughput."""
+    from ray import serve
+
+    from mha_serve.ray_app.replica import AttentionReplica
+
+    class DirectReplica(AttentionReplica):
+        async def Attend(self, request: Any, grpc_context: Any) -> Any:
+            reply = await self.call("Attend", request, grpc_context.peer())
+            if reply.code is not None:
+                grpc_context.set_code(reply.code)
+                grpc_context.set_details(reply.details)
+            return reply.response
+
+    deployment = serve.deployment(
+        DirectReplica,
+        name="AttentionReplica",
+        num_replicas=2,
+        max_ongoing_requests=256,
+        ray_actor_options={"num_cpus": 1},
+        logging_config={"enable_access_log": False},
+    )
+    return deployment.bind(None, {"torch_threads": 1}, 0)
 
 
 # --- measuring ------------------------------------------------------------------------
@@ -153,10 +187,12 @@ async def decode_steps(target: str, context: int, steps: int) -> dict[str, float
     }
 
 
-def start_ray_app(log_dir: Path, steps: int) -> tuple[Server, Any, dict]:
+def start_ray_app(log_dir: Path, steps: int, direct: bool = False) -> tuple[Server, Any, dict]:
     port = run_all.ray_baseline.free_port()
     cmd = [sys.executable, str(Path(__file__)), "--serve", str(port), "--steps", str(steps)]
-    server = Server("ray-app", cmd, log_dir)
+    server = Server(
+        "ray-direct" if direct else "ray-app", [*cmd, *(["--direct"] * direct)], log_dir
+    )
     probe = json.loads(server.wait_line(r"handle-probe (\{.*\})").group(1))
     server.wait_line(r"listening on")
     return server, lambda: GrpcTarget(f"127.0.0.1:{port}"), {"target": f"127.0.0.1:{port}", **probe}
@@ -186,12 +222,15 @@ def run(duration_s: float, steps: int, command: str) -> dict[str, Any]:
     }
     warmup = 2 * HEADLINE_CONCURRENCY + 10
     with tempfile.TemporaryDirectory(prefix="mha-bench-ray-") as tmp:
-        for system in ("ray", "mha-serve", "ray-app"):
+        for system in ("ray", "mha-serve", "ray-app", "ray-direct"):
             print(f"{system}: starting", flush=True)
             if system == "ray-app":
                 server, factory, probe = start_ray_app(Path(tmp), steps)
                 target = probe.pop("target")
                 results["handle_probe"] = probe
+            elif system == "ray-direct":
+                server, factory, _ = start_ray_app(Path(tmp), steps, direct=True)
+                target = None  # stateless Attend only
             elif system == "mha-serve":
                 server, factory, target = start_standalone(Path(tmp))
             else:
@@ -230,7 +269,8 @@ def table(results: dict[str, Any]) -> str:
         "| system | L=16 seq/s | p50 ms | cores | L=128 seq/s | p50 ms | cores |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for system in ("ray", "mha-serve", "ray-app"):
+    names["ray-direct"] = "experiment: replica as ingress, stateless only (no Ingress hop)"
+    for system in ("ray", "mha-serve", "ray-app", "ray-direct"):
         cells = []
         for seq_len in SEQ_LENS:
             p = tput[(system, seq_len)]
@@ -241,6 +281,7 @@ def table(results: dict[str, Any]) -> str:
     for label, a, b in (
         ("Ray app / `@serve.batch` (target >= 3x)", "ray-app", "ray"),
         ("Ray app / standalone", "ray-app", "mha-serve"),
+        ("experiment / Ray app (the Ingress hop)", "ray-direct", "ray-app"),
     ):
         r = [tput[(a, s)]["sequences_per_s"] / tput[(b, s)]["sequences_per_s"] for s in SEQ_LENS]
         lines.append(f"| {label} | {r[0]:.2f}x | {r[1]:.2f}x |")
@@ -272,9 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=15.0, help="measured seconds per point")
     p.add_argument("--steps", type=int, default=64, help="decode steps per context")
     p.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    p.add_argument("--direct", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:
-        return serve_forever(args.serve, args.steps)
+        return serve_forever(args.serve, args.steps, args.direct)
     command = "python bench/ray_app.py " + " ".join(argv if argv is not None else sys.argv[1:])
     results = run(args.duration, args.steps, command.strip())
     OUT.parent.mkdir(exist_ok=True)

@@ -51,3 +51,22 @@ def test_every_sample_gets_the_replica_labels():
     out.register(Labelled(registry, {"replica": "r1", "application": "mha"}))
     text = generate_latest(out).decode()
     assert 'mha_serve_demo_total{application="mha",model="mha",replica="r1"} 1.0' in text
+
+
+def test_the_proxy_registration_parses_plain_messages():
+    """Ray registers the services with a unittest.mock servicer; requests must still parse
+    into plain (picklable) messages, bad bytes into Malformed."""
+    from unittest.mock import Mock
+
+    from mha_client.api import attention_pb2 as pb
+    from mha_serve.ray_app.grpc_services import add_attention_service
+    from mha_serve.transport.handlers import Malformed
+
+    server = Mock()
+    add_attention_service(Mock(), server)
+    name, handlers = server.add_registered_method_handlers.call_args.args
+    assert name == "mha.v1.AttentionService"
+    parse = handlers["Attend"].request_deserializer
+    request = parse(pb.AttendRequest(model="gqa", session_id="s").SerializeToString())
+    assert type(request) is pb.AttendRequest and request.model == "gqa"
+    assert isinstance(parse(b"\xff\xff\xff"), Malformed)

@@ -70,7 +70,7 @@ class Ingress:
         handle = self._call.options(session_id=session_id) if session_id else self._call
         reply = await _forward(handle, session_id, method, request, grpc_context.peer())
         if reply.code is None:
-            return reply.response
+            return _message(reply.response)
         grpc_context.set_code(reply.code)
         grpc_context.set_details(reply.details)
         return _empty_response(method)  # not sent: the client gets the status alone
@@ -103,7 +103,7 @@ class Ingress:
             reply = await _forward(handle, session_id, "StreamSession", request, peer)
             if reply.code is not None:
                 _end(grpc_context, reply)
-            yield reply.response
+            yield _message(reply.response)
 
     # --- grpc.health.v1 ----------------------------------------------------------------
 
@@ -147,6 +147,23 @@ def _end(grpc_context: RayServegRPCContext, reply: Reply) -> None:
     grpc_context.set_code(reply.code)
     grpc_context.set_details(reply.details)
     raise StatusError(reply.details)
+
+
+class Serialized:
+    """A reply the servicer sent already serialized, as Ray's replica wants a message: it
+    calls SerializeToString() and the proxy sends those bytes."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def SerializeToString(self) -> bytes:
+        return self.data
+
+
+def _message(response: Any) -> Any:
+    return Serialized(response) if isinstance(response, bytes | bytearray) else response
 
 
 def _empty_response(method: str) -> Any:
