@@ -19,6 +19,11 @@ ATOL = 1e-5  # float32, same math in another order
 ROPE = {"theta": 10000.0}
 
 
+def assert_close(got, want, what):
+    diff = (got - want).abs()
+    assert diff.max() < ATOL, f"{what}: max abs diff {diff.max():.3e}, mean {diff.mean():.3e}"
+
+
 def gqa_as_mha(gqa: MultiHeadAttention) -> MultiHeadAttention:
     """The same function as an MHA module: each KV head repeated for its query heads."""
     c = gqa.config
@@ -49,7 +54,7 @@ def test_pooling_an_mha_whose_group_heads_agree_is_exact(kvh, rope):
     mha = gqa_as_mha(gqa)
     x = torch.randn(2, 11, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert (mha(x, causal=True).output - gqa(x, causal=True).output).abs().max() < ATOL
+        assert_close(mha(x, causal=True).output, gqa(x, causal=True).output, "MHA copy of GQA")
     back = pool_kv_heads(mha, kvh)
     assert back.config == gqa.config
     report = conversion_report(mha, back, x)
@@ -106,6 +111,6 @@ def test_command_writes_a_servable_checkpoint_and_reports(tmp_path, capsys):
         engine.run(hosted, AttendCall("g", x[:, a:b], session_id=sid)).output
         for a, b in ((0, 4), (4, 5), (5, 6))
     ]
-    assert (torch.cat(steps, 1) - full).abs().max() < ATOL
+    assert_close(torch.cat(steps, 1), full, "served converted steps")
     assert main([str(src), "--num-kv-heads", "3", "--out", str(out)]) == 2
     assert "must divide" in capsys.readouterr().err

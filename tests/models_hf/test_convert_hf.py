@@ -27,7 +27,8 @@ def test_minilm_to_gqa_and_mqa(minilm_dir, tmp_path, capsys, kvh, saved):
     with torch.no_grad():
         want = pool_kv_heads(original, kvh)(x).output
         got = load_checkpoint(out)(x).output
-    assert (got - want).abs().max() < 1e-6
+    diff = (got - want).abs()  # the file holds exactly the pooled weights: float32 rounding only
+    assert diff.max() < 1e-6, f"reloaded: max abs diff {diff.max():.3e}, mean {diff.mean():.3e}"
 
 
 def test_llama_gqa_to_mqa_keeps_rope(hf_dirs, tmp_path, capsys):
