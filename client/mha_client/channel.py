@@ -18,7 +18,8 @@ class ChannelSecurity:
     tls: TLS with the system's root certificates (or ca_file's); ca_file alone implies it.
     cert_file, key_file: this client's PEM certificate and key (mutual TLS).
     token: a bearer token sent with every call ("authorization: Bearer <token>"). Over
-    plaintext only to a loopback address: anywhere else it would cross the network readable.
+    plaintext only to a loopback address or a unix socket: anywhere else it would cross the
+    network readable.
     """
 
     tls: bool = False
@@ -64,6 +65,8 @@ class ChannelSecurity:
                 private_key=_read(self.key_file),
                 certificate_chain=_read(self.cert_file),
             )
+        elif self.token is not None and target.startswith("unix:"):
+            creds = grpc.local_channel_credentials(grpc.LocalConnectionType.UDS)
         elif self.token is not None:
             if not _is_loopback(target):
                 raise ValueError(

@@ -183,7 +183,18 @@ async def test_token_on_plaintext_loopback_every_rpc_kind(monkeypatch):
         await server.stop()
 
 
-def test_sdk_refuses_a_token_over_plaintext_to_another_host():
+@pytest.mark.parametrize(
+    "target", ["127.0.0.1:1", "localhost:1", "[::1]:1", "dns:///localhost:1", "unix:/tmp/s"]
+)
+def test_sdk_sends_a_token_over_plaintext_to_this_machine_only(target):
+    assert ChannelSecurity(token=TOKEN).credentials(target) is not None
+
+
+@pytest.mark.parametrize("target", ["example.com:50051", "10.0.0.1:1", "[2001:db8::1]:1"])
+def test_sdk_refuses_a_token_over_plaintext_to_another_host(target):
     with pytest.raises(ValueError, match="use TLS"):
-        ChannelSecurity(token=TOKEN).credentials("example.com:50051")
+        ChannelSecurity(token=TOKEN).credentials(target)
+
+
+def test_the_token_is_never_printed():
     assert TOKEN not in repr(ChannelSecurity(token=TOKEN))
