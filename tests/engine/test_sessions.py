@@ -368,10 +368,10 @@ def test_a_failure_while_settling_rolls_back_only_the_steps_not_kept(engine, mon
     for sid in ids:
         engine.run(hosted, AttendCall("mqa", x[:, :2], session_id=sid))
 
-    def fail(_):
+    def fail(*_):
         raise RuntimeError("device error")
 
-    monkeypatch.setattr(engine_sessions, "all_finite", fail)  # before any step is kept
+    monkeypatch.setattr(engine_sessions.Sessions, "_result", fail)  # before any step is kept
     results = engine.run_batch(hosted, [AttendCall("mqa", x[:, 2:3], session_id=s) for s in ids])
     assert [str(r) for r in results] == ["device error"] * 2
     monkeypatch.undo()

@@ -145,3 +145,41 @@ def test_overflowing_rows_catches_non_finite_values():
     v = torch.ones(2, 1, 3, 4)
     v[1, 0, 2, 0] = float("inf")
     assert overflowing_rows(q, k, v, [None, None]) == [1]
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+def test_input_bounds_hold_for_q_k_v_and_the_output(rotary):
+    """The bounds a session step uses instead of measuring (projected_bounds, output_bound)
+    are never below the real maxima, for random inputs, weights, head gates and positions."""
+    from mha_serve.model.config import RopeConfig
+    from mha_serve.model.overflow import output_bound, projected_bounds, weight_bounds
+
+    rope = RopeConfig() if rotary else None
+    module = MultiHeadAttention(AttentionConfig(64, 8, 2, rope=rope)).eval()
+    init_weights(module, 3)
+    g = torch.Generator().manual_seed(4)
+    for trial in range(20):
+        x = torch.randn(2, 7, 64, generator=g) * 10 ** (trial % 5)
+        gate = torch.rand(8, generator=g) * 3
+        positions = torch.randint(0, 5000, (2, 7), generator=g)
+        with torch.inference_mode():
+            q, k, v = module.project(x, positions)
+            out = module(x, causal=True, head_mask=gate).output
+        wb = weight_bounds(module)
+        q_b, k_b, v_b = projected_bounds(float(x.abs().max()), 64, wb, rotary=rotary)
+        assert float(q.abs().max()) <= q_b and float(k.abs().max()) <= k_b
+        assert float(v.abs().max()) <= v_b
+        if not rotary:  # the stateless forward rotates at 0..L-1: same bound either way
+            assert float(out.abs().max()) <= output_bound(v_b, float(gate.max()), wb)
+
+
+def test_weight_bounds_follow_the_weights():
+    module = MultiHeadAttention(AttentionConfig(64, 8)).eval()
+    init_weights(module, 5)
+    from mha_serve.model.overflow import weight_bounds
+
+    before = weight_bounds(module)
+    assert weight_bounds(module) is before  # computed once per version of the weights
+    with torch.no_grad():
+        module.wqkv.weight.mul_(1000)
+    assert weight_bounds(module).q_row == pytest.approx(before.q_row * 1000)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -14,7 +15,7 @@ from mha_serve.engine.errors import (
     InvalidRequest,
     ModelNotFound,
     TooLarge,
-    all_finite,
+    absmax,
     require_finite,
     scores_overflow_error,
 )
@@ -197,7 +198,8 @@ class Engine:
             v == v and abs(v) != float("inf") for v in call.head_mask
         ):
             raise InvalidRequest("head_mask contains NaN or Inf")
-        if not all_finite(x):
+        call.input_absmax = absmax(x)  # one pass: the finiteness check, and overflow bounds
+        if not call.input_absmax < math.inf:
             raise InvalidRequest("input contains NaN or Inf values; send finite embeddings")
         num_keys = seq_len
         if call.session_id is not None:  # keys: everything the session holds, plus the new tokens

@@ -1,5 +1,7 @@
 """Errors the engine raises for a bad request; transport maps each to a gRPC status."""
 
+import math
+
 import numpy as np
 import torch
 
@@ -46,6 +48,22 @@ def all_finite(t: torch.Tensor) -> bool:
         bits = t.detach().contiguous().view(torch.int16).numpy()
         return not bool(((bits & _BF16_EXPONENT) == _BF16_EXPONENT).any())
     return bool(np.isfinite(t.detach().numpy()).all())
+
+
+def absmax(t: torch.Tensor) -> float:
+    """max |x| of a CPU tensor as a float, with numpy (as all_finite, never a torch op on the
+    caller's thread); NaN or inf when it holds one. One pass for the finiteness check that
+    also bounds everything computed from it (mha_serve.model.overflow)."""
+    if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return float(t.detach().abs().max())
+    if t.dtype == torch.bfloat16:  # the largest magnitude is the largest sign-less bit pattern;
+        bits = t.detach().contiguous().view(torch.int16).numpy()  # NaN and inf lie above all
+        top = int((bits & 0x7FFF).max())  # finite ones (exponent bits all set)
+        if top >= _BF16_EXPONENT:
+            return math.nan if top > _BF16_EXPONENT else math.inf
+        return float(np.array([top << 16], dtype=np.uint32).view(np.float32)[0])
+    a = t.detach().numpy()
+    return float(max(a.max(), -a.min()))  # max and min propagate NaN
 
 
 def require_finite(t: torch.Tensor, what: str) -> torch.Tensor:

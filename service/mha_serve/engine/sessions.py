@@ -28,12 +28,20 @@ from mha_serve.engine.errors import (
     DeadlinePassed,
     InvalidRequest,
     RequestError,
-    all_finite,
     require_finite,
     scores_overflow_error,
 )
 from mha_serve.engine.types import DTYPES, AttendCall, AttendResult, HostedModel, repeat_heads
-from mha_serve.model.overflow import bound_crossed, row_absmax, score_limit, scores_overflow
+from mha_serve.model.overflow import (
+    MARGIN,
+    bound_crossed,
+    output_bound,
+    projected_bounds,
+    row_absmax_tensor,
+    score_limit,
+    scores_overflow,
+    weight_bounds,
+)
 
 log = logging.getLogger(__name__)
 
@@ -193,8 +201,9 @@ class Sessions:
 
     def _forward(self, hosted, cache, steps: list[AttendCall], live) -> tuple:
         """Writes the steps' K/V and attends; returns (AttentionOutput, heads, overflowed,
-        too_large, k_max): overflowed, the batch rows whose K/V did not fit the cache's
-        dtype; too_large, those whose scores overflow; k_max, each row's max |k|."""
+        too_large, k_max, finite): overflowed, the batch rows whose K/V did not fit the
+        cache's dtype; too_large, those whose scores overflow; k_max, a bound on each row's
+        max |k| (measured, or proven); finite, whether each row's output is."""
         reservations = [r for _, r in live]
         new_tokens = [c.inputs.shape[1] for c in steps]
         x = _batch_inputs(hosted, steps, new_tokens)  # (B, T, E)
@@ -219,30 +228,18 @@ class Sessions:
             # narrower cache, or a float16 model's own) overflows past |x| = 65504. The
             # same maxima bound each step's scores against all its session's keys (the
             # cached ones by the session's own bound), so the exact check runs only for a
-            # row the bound cannot clear (mha_serve.model.overflow).
-            q_max, k_max, v_max = row_absmax(q, k_new, v_new)
-            limit = score_limit(q.dtype, cache.dtype)
-            D = hosted.spec.attention.head_dim
-            overflowed: set[int] = set()  # K/V not finite in the cache's dtype
-            unsure: list[int] = []  # scores the bound cannot clear
-            for b, r in enumerate(reservations):
-                if not (k_max[b] < math.inf and v_max[b] < math.inf):
-                    overflowed.add(b)
-                elif bound_crossed(q_max[b], max(k_max[b], r.key_absmax), D, limit):
-                    unsure.append(b)
+            # row the bound cannot clear (mha_serve.model.overflow). First, bounds from each
+            # step's max |input| (read at validation) and the weights: a batch they clear
+            # needs no look at its tensors at all; otherwise its rows' max |q|, |k|, |v| are
+            # read with the output's, in one sync after the forward.
+            bounded = _bounded_rows(hosted, cache, steps, reservations)
+            maxima = None if bounded is not None else row_absmax_tensor(q, k_new, v_new)  # (3, B)
             # Write first, then read each session's positions in order: one copy of the
             # past (none for a session whose blocks are consecutive), no concatenation.
             cache.append(k_new, v_new, [r.slots for r in reservations])
             totals = [r.start + r.num_tokens for r in reservations]
             past = [r.start for r in reservations]
             kv = [cache.read(r.block_table, n) for r, n in zip(reservations, totals, strict=True)]
-            too_large = {  # (q in the cache's dtype, as the kernels see it)
-                b
-                for b in unsure
-                if scores_overflow(
-                    q[b, :, : new_tokens[b]].to(cache.dtype), kv[b][0][0], limit, first_pos=past[b]
-                )
-            }
             out = hosted.module.attend_cached(
                 q,
                 kv,
@@ -252,10 +249,39 @@ class Sessions:
                 weight_heads=sorted(set(heads)) if first.need_weights else None,
                 head_mask=head_mask,
             )
-        return out, heads, overflowed, too_large, k_max
+        if bounded is not None:  # no overflow anywhere: proven, not measured
+            return out, heads, set(), set(), bounded, [True] * len(steps)
+        with torch.inference_mode():
+            # The step's one device sync: max |q|, |k|, |v| and |output| of every row. Rows
+            # are refused after the forward, so the common case waits for nothing first.
+            out_max = row_absmax_tensor(out.output)
+            q_max, k_max, v_max, o_max = torch.cat([maxima, out_max]).tolist()
+            limit = score_limit(q.dtype, cache.dtype)
+            D = hosted.spec.attention.head_dim
+            overflowed: set[int] = set()  # K/V not finite in the cache's dtype
+            too_large: set[int] = set()  # scores overflow (exact check where the bound fails)
+            for b, r in enumerate(reservations):
+                if not (k_max[b] < math.inf and v_max[b] < math.inf):
+                    overflowed.add(b)
+                elif bound_crossed(q_max[b], max(k_max[b], r.key_absmax), D, limit):
+                    q_b = q[b, :, : new_tokens[b]].to(cache.dtype)  # as the kernels see it
+                    if scores_overflow(q_b, kv[b][0][0], limit, first_pos=past[b]):
+                        too_large.add(b)
+        finite = [m < math.inf for m in o_max]
+        return out, heads, overflowed, too_large, k_max, finite
 
     def _settle(
-        self, out, heads, overflowed, too_large, k_max, compute_ms: float, calls, live, results
+        self,
+        out,
+        heads,
+        overflowed,
+        too_large,
+        k_max,
+        finite,
+        compute_ms: float,
+        calls,
+        live,
+        results,
     ) -> None:
         """Keeps (commit) or drops (rollback) each step on its own: one step's failure, its
         caller gone, or its session closing meanwhile, is that step's answer alone. Should
@@ -264,7 +290,6 @@ class Sessions:
         already kept keep their answers."""
         settled = 0
         try:
-            finite = all_finite(out.output)  # one pass for the batch; per step only if not
             for b, (i, r) in enumerate(live):
                 call = calls[i]
                 try:
@@ -273,7 +298,7 @@ class Sessions:
                     if b in too_large:
                         dtypes = (out.output.dtype, self.caches[call.model].dtype)
                         raise scores_overflow_error(min(dtypes, key=lambda d: torch.finfo(d).max))
-                    result = self._result(out, b, r, call, heads, compute_ms, len(live), finite)
+                    result = self._result(out, b, r, call, heads, compute_ms, len(live), finite[b])
                     _raise_if_abandoned(call)  # last, right before commit: the smallest gap
                 except Exception as e:  # refused, caller gone, or a bug: not kept
                     settled = b + 1
@@ -305,7 +330,7 @@ class Sessions:
     def _result(
         out, b, r: Reservation, call: AttendCall, heads, compute_ms, batch, finite: bool
     ) -> AttendResult:
-        """Step b's share of the batch; `finite`: the whole batch output holds no NaN/Inf."""
+        """Step b's share of the batch; `finite`: its output row holds no NaN/Inf."""
         n = r.num_tokens
         output = out.output[b : b + 1, :n]
         dtype = call.output_dtype or call.inputs.dtype
@@ -354,6 +379,38 @@ def _overflow_message(dtype: torch.dtype) -> str:
         f"this step's keys or values overflowed to inf/NaN in {name}: the input values are "
         "too large for the model; scale the input down"
     )
+
+
+def _bounded_rows(
+    hosted: HostedModel,
+    cache: KVCache,
+    steps: list[AttendCall],
+    reservations: list[Reservation],
+) -> list[float] | None:
+    """Each step's bound on max |k| when the bounds from its max |input| prove that nothing
+    of the batch can overflow: not its K/V in the cache's dtype, not its scores against its
+    session's keys, not its output. None when any step's bounds cannot (or its input was not
+    validated): the batch's tensors are then measured."""
+    cfg = hosted.spec.attention
+    wb = weight_bounds(hosted.module)
+    limit = score_limit(hosted.dtype, cache.dtype) / MARGIN
+    out_limit = torch.finfo(hosted.dtype).max / MARGIN
+    gate = 1.0 if steps[0].head_mask is None else max(abs(g) for g in steps[0].head_mask)
+    k_bounds = []
+    for call, r in zip(steps, reservations, strict=True):
+        if call.input_absmax is None:
+            return None
+        q_b, k_b, v_b = projected_bounds(
+            call.input_absmax, cfg.embed_dim, wb, rotary=cfg.rope is not None
+        )
+        if (
+            not max(k_b, v_b) < limit
+            or bound_crossed(q_b, max(k_b, r.key_absmax), cfg.head_dim, limit * MARGIN)
+            or not output_bound(v_b, gate, wb) < out_limit
+        ):
+            return None
+        k_bounds.append(k_b)
+    return k_bounds
 
 
 def _batch_inputs(

@@ -76,6 +76,9 @@ class AttendCall:
     cancelled: bool = False
     # The caller holds the session's claim (Engine.stepping) for this step.
     claimed: bool = False
+    # max |input|, set by Engine.validate (None: not validated): bounds the step's q, k, v
+    # and output, so a step needs no check of its own while they are far from overflow.
+    input_absmax: float | None = None
 
     def heads(self, num_heads: int) -> list[int]:
         """Query heads whose weights are returned, in the order asked (None: all)."""

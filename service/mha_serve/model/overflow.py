@@ -16,6 +16,7 @@ can only end as inf or NaN, so the caller's finiteness check of the output holds
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -25,11 +26,15 @@ MARGIN = 2.0
 EXACT_CHUNK_ELEMENTS = 1 << 22
 
 
+def row_absmax_tensor(*tensors: torch.Tensor) -> torch.Tensor:
+    """(n, B) float32 on the tensors' device: max |x| over each batch row (dim 0) of each of
+    the n tensors, without a device sync. NaN anywhere in a row gives NaN (amax propagates it)."""
+    return torch.stack([t.abs().amax(dim=tuple(range(1, t.dim()))).float() for t in tensors])
+
+
 def row_absmax(*tensors: torch.Tensor) -> list[list[float]]:
-    """max |x| over each batch row (dim 0) of each tensor, as Python floats, with one device
-    sync for all of them. NaN anywhere in a row gives NaN (amax propagates it)."""
-    maxima = [t.abs().amax(dim=tuple(range(1, t.dim()))).float() for t in tensors]  # (B,) each
-    return torch.stack(maxima).tolist()
+    """row_absmax_tensor as Python floats: one device sync for all of them."""
+    return row_absmax_tensor(*tensors).tolist()
 
 
 def score_limit(*dtypes: torch.dtype) -> float:
@@ -90,3 +95,64 @@ def overflowing_rows(
             and scores_overflow(q[b], k[b], limit, first_pos=first_pos[b])
         )
     ]
+
+
+@dataclass(frozen=True)
+class WeightBounds:
+    """Per-model constants that bound a projection's output by its input: |w_i . x + b_i|
+    <= ||w_i||_2 ||x||_2 + |b_i| for each output element i (row w_i of the weight)."""
+
+    q_row: float  # max L2 norm of a row of Wq
+    k_row: float
+    v_row: float
+    q_bias: float  # max |b| of the q bias (0 without bias)
+    k_bias: float
+    v_bias: float
+    o_row_l1: float  # max L1 norm of a row of Wo: |Wo_i . y| <= ||Wo_i||_1 max|y|
+    o_bias: float
+
+
+def weight_bounds(module: torch.nn.Module) -> WeightBounds:
+    """The module's WeightBounds, computed once per version of its weights (kept on the
+    module, recomputed after any in-place change or a move to another tensor)."""
+    params = [module.wqkv.weight, module.wqkv.bias, module.wo.weight, module.wo.bias]
+    key = tuple((id(p), p._version) for p in params if p is not None)
+    cached = getattr(module, "_overflow_bounds", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    c = module.config
+    sizes = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+    with torch.no_grad():
+        rows = module.wqkv.weight.double().norm(dim=1).split(sizes)  # (qkv_dim,) -> q, k, v
+        bias = module.wqkv.bias
+        biases = [0.0] * 3 if bias is None else [b.abs().max() for b in bias.double().split(sizes)]
+        o_row = module.wo.weight.double().abs().sum(dim=1).max()
+        o_bias = 0.0 if module.wo.bias is None else module.wo.bias.double().abs().max()
+        bounds = WeightBounds(
+            *(float(r.max()) for r in rows),
+            *(float(b) for b in biases),
+            float(o_row),
+            float(o_bias),
+        )
+    module._overflow_bounds = (key, bounds)
+    return bounds
+
+
+def projected_bounds(
+    x_absmax: float, embed_dim: int, wb: WeightBounds, *, rotary: bool
+) -> tuple[float, float, float]:
+    """Bounds on max |q|, |k|, |v| from max |x| alone: ||x||_2 <= sqrt(E) max|x|. A rotation
+    (RoPE) mixes element pairs: |a cos - b sin| <= |a| + |b|, so q and k bounds double."""
+    x_norm = math.sqrt(embed_dim) * x_absmax
+    turn = 2.0 if rotary else 1.0
+    return (
+        turn * (x_norm * wb.q_row + wb.q_bias),
+        turn * (x_norm * wb.k_row + wb.k_bias),
+        x_norm * wb.v_row + wb.v_bias,
+    )
+
+
+def output_bound(v_absmax: float, gate_absmax: float, wb: WeightBounds) -> float:
+    """max |output| <= ||Wo_i||_1 max|y| + |b_o| with |y| <= max|gate| max|v| (attention
+    weights sum to 1, so each head's output is a convex combination of its values)."""
+    return wb.o_row_l1 * gate_absmax * v_absmax + wb.o_bias

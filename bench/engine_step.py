@@ -1,0 +1,87 @@
+"""One session's decode step in the engine against the same step in bare torch ops.
+
+Both run in this process on one torch thread, alternating in rounds so that both see the
+same machine: the engine's step (`Engine.attend` of one AttendCall with a session_id, as a
+front door calls it: validation, reserve, project, overflow bounds, cache write and read,
+attention, commit) and the bare ops
+it cannot do without (fused qkv projection, a copy into a preallocated contiguous K/V,
+scaled_dot_product_attention over it, the output projection). The difference is the
+engine's bookkeeping per step.
+
+    python bench/engine_step.py [--context 256] [--model mha] [--rounds 7] [--steps 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from mha_serve.config import default_models
+from mha_serve.engine import AttendCall, Engine
+
+
+def bare_step(module, x: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, pos: int):
+    """x (1, 1, E); k_all, v_all (1, KVH, S, D) preallocated: the step's minimal torch ops."""
+    c = module.config
+    H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
+    qkv = F.linear(x, module.wqkv.weight, module.wqkv.bias)
+    q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+    k_all[:, :, pos].copy_(k.view(1, KVH, D))
+    v_all[:, :, pos].copy_(v.view(1, KVH, D))
+    y = F.scaled_dot_product_attention(
+        q.view(1, 1, H, D).transpose(1, 2),
+        k_all[:, :, : pos + 1],
+        v_all[:, :, : pos + 1],
+        enable_gqa=KVH != H,
+    )
+    return F.linear(y.transpose(1, 2).reshape(1, 1, H * D), module.wo.weight, module.wo.bias)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--model", default="mha", choices=["mha", "gqa", "mqa"])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=200, help="steps per round and side")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    engine = Engine(
+        default_models(), device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**28
+    )
+    hosted = engine.get(args.model)
+    module = hosted.module
+    E = module.config.embed_dim
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randn(1, args.context, E, generator=g)
+    tokens = torch.randn(args.steps, 1, 1, E, generator=g)
+    c = module.config
+    k_all = torch.empty(1, c.num_kv_heads, args.context + args.steps, c.head_dim)
+    v_all = torch.empty_like(k_all)
+    engine_us, bare_us = [], []
+    with torch.inference_mode():
+        for _ in range(args.rounds):
+            sid = engine.create_session(args.model).session_id
+            engine.run_batch(hosted, [AttendCall(args.model, prompt, session_id=sid)])
+            start = time.perf_counter()
+            for t in range(args.steps):
+                engine.attend(AttendCall(args.model, tokens[t], session_id=sid))
+            engine_us.append((time.perf_counter() - start) / args.steps * 1e6)
+            engine.close_session(sid)
+            start = time.perf_counter()
+            for t in range(args.steps):
+                bare_step(module, tokens[t], k_all, v_all, args.context + t)
+            bare_us.append((time.perf_counter() - start) / args.steps * 1e6)
+    e, b = statistics.median(engine_us), statistics.median(bare_us)
+    print(
+        f"{args.model} context {args.context}, 1 torch thread, median of {args.rounds} rounds "
+        f"x {args.steps} steps: engine step {e:.0f} us, bare torch ops {b:.0f} us, "
+        f"overhead {e - b:.0f} us ({e / b:.2f}x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
