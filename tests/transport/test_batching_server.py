@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import grpc
 import numpy as np
@@ -80,12 +79,10 @@ async def test_full_queue_is_resource_exhausted_at_once(gated):
         if lane.queued_requests == 2:
             break
         await asyncio.sleep(0.01)
-    started = time.monotonic()
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.Attend(request(4), timeout=WAIT_S)
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # while the gate holds the lane: had it
+        await stub.Attend(request(4), timeout=WAIT_S)  # queued, DEADLINE_EXCEEDED would come
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "2 requests are queued (limit 2)" in err.value.details()
-    assert time.monotonic() - started < 2.0
     gate.open.set()
     for call in (first, *queued):
         assert (await call).output.shape[1] in (1, 2, 3)
@@ -128,12 +125,10 @@ async def test_cancelled_call_leaves_the_queue(gated):
 
 async def test_health_answers_during_a_long_batch(gated):
     _, gate, stub, channel = gated
-    first = await hold(gate, stub)
-    started = time.monotonic()
+    first = await hold(gate, stub)  # the batch is held at the gate until health answers
     reply = await health_pb2_grpc.HealthStub(channel).Check(
-        health_pb2.HealthCheckRequest(), timeout=2
+        health_pb2.HealthCheckRequest(), timeout=WAIT_S
     )
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
-    assert time.monotonic() - started < 2.0
     gate.open.set()
     await first
