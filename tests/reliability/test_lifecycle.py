@@ -199,7 +199,9 @@ def test_sigterm_under_load_drains_and_exits_zero(tmp_path):
     # Every call sent before the signal was answered OK: nothing in flight was lost.
     assert set(before.codes) == {"OK"}, before.summary()
     # After it: answered while draining, then refused (the port is closed) with UNAVAILABLE.
-    assert set(after.codes) <= {"OK", "UNAVAILABLE"}, after.summary()
+    # A call that reaches the port in the moment it closes, before the server took it from
+    # gRPC's queue, is CANCELLED by gRPC and never runs (docs/RELIABILITY.md): retryable.
+    assert set(after.codes) <= {"OK", "UNAVAILABLE", "CANCELLED"}, after.summary()
     assert after.codes["UNAVAILABLE"] == 8  # each client's last call
     assert code == 0, proc.log()
     assert "stopped" in proc.log()
