@@ -6,6 +6,8 @@ bfloat16 has no numpy dtype, so it is carried as uint16 bit patterns and decoded
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -50,9 +52,15 @@ def float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
     f32 = np.asarray(x, dtype=np.float32)
     bits = f32.view(np.uint32)
     # Adding 0x7FFF plus the lowest kept bit rounds half-way cases towards the even result;
-    # uint32 arithmetic only wraps for NaN bit patterns, which are overwritten below.
-    lsb = (bits >> np.uint32(16)) & np.uint32(1)
-    rounded = ((bits + np.uint32(0x7FFF) + lsb) >> np.uint32(16)).astype(np.uint16)
+    # uint32 arithmetic only wraps for NaN bit patterns, which are overwritten below. In place
+    # on one temporary: a 16 MiB input writes one uint32 buffer, not five.
+    tmp = bits >> np.uint32(16)
+    tmp &= np.uint32(1)
+    tmp += np.uint32(0x7FFF)
+    tmp += bits
+    tmp >>= np.uint32(16)
+    rounded = tmp.astype(np.uint16)
+    del tmp
     nan = np.isnan(f32)
     if nan.any():
         rounded[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
@@ -61,16 +69,13 @@ def float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
 
 def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     """float32 values of bfloat16 bit patterns (exact: bfloat16 is float32's top half)."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    wide = np.asarray(bits, dtype=np.uint16).astype(np.uint32)
+    wide <<= np.uint32(16)  # in place: the float32 result is the one buffer written
+    return wide.view(np.float32)
 
 
-def to_proto(array: np.ndarray, dtype: str | None = None) -> pb.Tensor:
-    """Encode a float array as a pb.Tensor.
-
-    dtype None sends float32 and float16 as they are and float64 as float32; "float32",
-    "float16" or "bfloat16" converts first. An array already in the wire dtype and little-endian is
-    copied exactly once, into the message bytes (non-contiguous ones included).
-    """
+def _wire_array(array: np.ndarray, dtype: str | None) -> tuple[int, np.ndarray]:
+    """The dtype enum and the array in its wire layout (no copy when it already is)."""
     arr = np.asarray(array)
     if not np.issubdtype(arr.dtype, np.floating):
         raise ValueError(
@@ -81,18 +86,38 @@ def to_proto(array: np.ndarray, dtype: str | None = None) -> pb.Tensor:
         dtype = "float16" if arr.dtype == np.float16 else "float32"
     enum = dtype_enum(dtype)
     if enum == pb.DTYPE_BFLOAT16:
-        wire = float32_to_bfloat16_bits(arr.astype(np.float32, copy=False))
-    else:
-        # copy=False: a no-op for arrays already in the wire dtype and byte order.
-        wire = arr.astype(_WIRE_NUMPY[enum], copy=False)
-    # tobytes() writes C order whatever the strides, so this is the one copy in every case.
+        return enum, float32_to_bfloat16_bits(arr.astype(np.float32, copy=False))
+    # copy=False: a no-op for arrays already in the wire dtype and byte order.
+    return enum, arr.astype(_WIRE_NUMPY[enum], copy=False)
+
+
+def to_proto(array: np.ndarray, dtype: str | None = None) -> pb.Tensor:
+    """Encode a float array as a pb.Tensor.
+
+    dtype None sends float32 and float16 as they are and float64 as float32; "float32",
+    "float16" or "bfloat16" converts first. An array already in the wire dtype and little-endian
+    costs two copies: tobytes() (C order whatever the strides) and protobuf's into the message.
+    array_field frames it with none.
+    """
+    enum, wire = _wire_array(array, dtype)
     return pb.Tensor(dtype=enum, shape=wire.shape, data=wire.tobytes())
 
 
-def from_proto(t: pb.Tensor) -> np.ndarray:
+def fill_proto(t: pb.Tensor, array: np.ndarray, dtype: str | None = None) -> None:
+    """to_proto into a message's Tensor field in place: nesting a built pb.Tensor in another
+    message costs protobuf three more copies of the payload (a merge), this none."""
+    enum, wire = _wire_array(array, dtype)
+    t.dtype = enum
+    t.shape[:] = wire.shape
+    t.data = wire.tobytes()
+
+
+def from_proto(t: pb.Tensor, data: Any = None) -> np.ndarray:
     """Decode a pb.Tensor to numpy: float32 or float16 as sent, bfloat16 as float32.
 
-    float32/float16 results are read-only views of the message bytes; `.copy()` to modify.
+    data: the tensor's bytes when framing kept them out of the message (parse_with_tensors);
+    None reads t.data (protobuf's copy). float32/float16 results are read-only views of those
+    bytes; `.copy()` to modify.
     """
     np_dtype = _WIRE_NUMPY.get(t.dtype)
     if np_dtype is None:
@@ -103,11 +128,13 @@ def from_proto(t: pb.Tensor) -> np.ndarray:
     shape = tuple(int(d) for d in t.shape)
     if any(d < 0 for d in shape):
         raise ValueError(f"tensor shape {list(shape)} has a negative dimension")
-    data = t.data
+    if data is None:
+        data = t.data  # once: each read of a bytes field copies it
     expected = math.prod(shape) * np_dtype.itemsize
-    if len(data) != expected:
+    nbytes = memoryview(data).nbytes
+    if nbytes != expected:
         raise ValueError(
-            f"tensor data has {len(data)} bytes but shape {list(shape)} of "
+            f"tensor data has {nbytes} bytes but shape {list(shape)} of "
             f"{dtype_name(t.dtype)} ({np_dtype.itemsize} bytes each) needs {expected}"
         )
     arr = np.frombuffer(data, dtype=np_dtype).reshape(shape)
@@ -115,3 +142,121 @@ def from_proto(t: pb.Tensor) -> np.ndarray:
         return bfloat16_bits_to_float32(arr)
     # Native byte order so downstream numpy code never sees a '<f4' vs '=f4' surprise.
     return arr.astype(np_dtype.newbyteorder("="), copy=False)
+
+
+# ----- hand framing: a tensor's bytes into and out of a serialized message, uncopied
+#
+# protobuf copies a bytes field on every step (setting it, nesting its message, serializing,
+# parsing, reading the field): 5 to 8 copies of a payload per direction. A serialized message
+# is its fields' encodings one after another, in any order, so a message can be written as
+# protobuf's encoding of its small fields followed by a hand-written Tensor field that refers
+# to the array's memory, and read by cutting the tensor fields out before protobuf parses the
+# rest: one payload copy to encode (the join) and none to decode (a view of the received bytes).
+
+_LEN = 2  # wire type of length-delimited fields (bytes, strings, messages, packed repeats)
+_TENSOR_DATA = 3  # Tensor.data's field number
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while shift < 64:
+        if pos >= len(buf):
+            raise ValueError("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+    raise ValueError("varint longer than 10 bytes")
+
+
+def tensor_field(field: int, dtype: int, shape: Sequence[int], payload: Any) -> list[Any]:
+    """Field `field` of a message, holding a Tensor of `payload`'s bytes, as parts whose
+    b"".join is its encoding. payload (any C-contiguous buffer: bytes, a numpy array) is
+    referenced, not copied."""
+    nbytes = memoryview(payload).nbytes
+    head = pb.Tensor(dtype=dtype, shape=shape).SerializeToString()
+    head += _varint(_TENSOR_DATA << 3 | _LEN) + _varint(nbytes)
+    return [_varint(field << 3 | _LEN) + _varint(len(head) + nbytes) + head, payload]
+
+
+def array_field(field: int, array: np.ndarray, dtype: str | None = None) -> list[Any]:
+    """tensor_field of an array, converted as to_proto converts it (copied only if the wire
+    dtype or a non-contiguous layout needs it)."""
+    enum, wire = _wire_array(array, dtype)
+    payload = np.ascontiguousarray(wire).reshape(-1).view(np.uint8)
+    return tensor_field(field, enum, wire.shape, payload)
+
+
+def split_fields(
+    buf: memoryview, fields: Iterable[int]
+) -> tuple[list[memoryview], dict[int, memoryview]] | None:
+    """buf's encoding without `fields` (slices to join) and each of those fields' value (a
+    view into buf). None when a field does not scan as length-delimited, occurs twice (protobuf
+    would merge the two) or the bytes are not a valid encoding: protobuf then gets them whole."""
+    wanted = set(fields)
+    rest: list[memoryview] = []
+    found: dict[int, memoryview] = {}
+    pos = kept = 0
+    try:
+        while pos < len(buf):
+            start = pos
+            key, pos = _read_varint(buf, pos)
+            number, wire_type = key >> 3, key & 7
+            if number == 0 or (number in wanted and wire_type != _LEN):
+                return None
+            if wire_type == 0:
+                _, pos = _read_varint(buf, pos)
+            elif wire_type == 1:
+                pos += 8
+            elif wire_type == 5:
+                pos += 4
+            elif wire_type == _LEN:
+                size, pos = _read_varint(buf, pos)
+                if number in wanted:
+                    if number in found or pos + size > len(buf):
+                        return None
+                    found[number] = buf[pos : pos + size]
+                    rest.append(buf[kept:start])
+                    kept = pos + size
+                pos += size
+            else:  # groups (3, 4) and invalid wire types
+                return None
+            if pos > len(buf):
+                return None
+    except ValueError:
+        return None
+    rest.append(buf[kept:])
+    return rest, found
+
+
+def parse_with_tensors(data: bytes, cls: Any, fields: dict[int, str]) -> tuple[Any, dict[str, Any]]:
+    """Parses `data` as a `cls` message whose Tensor fields (number -> name) keep their bytes
+    out of protobuf: the message (those tensors' dtype and shape set, data empty) and each
+    present tensor's data as a read-only view of `data`. Whatever the framing cannot vouch for
+    goes to protobuf whole, which then parses (or rejects) it exactly as cls.FromString."""
+    view = memoryview(data)
+    split = split_fields(view, fields)
+    if split is not None:
+        rest, tensors = split
+        inner = {n: split_fields(v, (_TENSOR_DATA,)) for n, v in tensors.items()}
+        if all(s is not None for s in inner.values()):
+            message = cls.FromString(b"".join(rest))
+            payloads: dict[str, Any] = {}
+            for number, (tensor_rest, data_field) in inner.items():  # type: ignore[misc]
+                sub = getattr(message, fields[number])
+                sub.SetInParent()
+                sub.MergeFromString(b"".join(tensor_rest))
+                payloads[fields[number]] = data_field.get(_TENSOR_DATA, b"")
+            return message, payloads
+    return cls.FromString(data), {}

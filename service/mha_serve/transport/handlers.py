@@ -64,13 +64,16 @@ class MalformedLog:
         )
 
 
-def lenient(message_cls: Any) -> Callable[[bytes], Any]:
-    """message_cls.FromString, returning Malformed instead of raising."""
+def lenient(
+    message_cls: Any, parser: Callable[[bytes], Any] | None = None
+) -> Callable[[bytes], Any]:
+    """message_cls.FromString (or `parser`), returning Malformed instead of raising."""
     type_name = message_cls.DESCRIPTOR.full_name
+    parser = parser or message_cls.FromString
 
     def parse(data: bytes) -> Any:
         try:
-            return message_cls.FromString(data)
+            return parser(data)
         except Exception as e:  # protobuf's DecodeError, or anything its parser raises
             return Malformed(type_name, e)
 
@@ -82,7 +85,11 @@ def add_service(
 ) -> None:
     """Registers servicer's method for each of `service`'s methods (named alike), with
     lenient parsing; `messages` is the generated _pb2 module holding the message classes.
-    The servicer's methods must answer a Malformed request themselves (`reject`)."""
+    The servicer's methods must answer a Malformed request themselves (`reject`).
+
+    A servicer's `request_parsers` (method name -> parse(bytes)) replace FromString for those
+    methods; any method may answer bytes, which are sent as they are (already serialized)."""
+    parsers = getattr(servicer, "request_parsers", {})
     handlers = {}
     for method in service.methods:
         request_cls = getattr(messages, method.input_type.name)
@@ -95,10 +102,20 @@ def add_service(
         }[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = kind(
             getattr(servicer, method.name),
-            request_deserializer=lenient(request_cls),
-            response_serializer=response_cls.SerializeToString,
+            request_deserializer=lenient(request_cls, parsers.get(method.name)),
+            response_serializer=_serializer(response_cls),
         )
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),)
     )
     server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _serializer(message_cls: Any) -> Callable[[Any], bytes]:
+    """message_cls.SerializeToString, passing bytes through (a response framed by hand)."""
+    serialize = message_cls.SerializeToString
+
+    def run(response: Any) -> bytes:
+        return response if isinstance(response, bytes) else serialize(response)
+
+    return run

@@ -17,8 +17,18 @@ from mha_serve import metrics
 from mha_serve.engine import HostedModel
 from mha_serve.engine.heads import analyze as analyze_heads
 from mha_serve.serving import AsyncEngine, Unavailable
+from mha_serve.serving.async_engine import offload
 from mha_serve.transport.auth import client_identity
-from mha_serve.transport.convert import encode_result, model_info, session_info, to_call
+from mha_serve.transport.convert import (
+    Frames,
+    Received,
+    encode_reply,
+    encode_result,
+    model_info,
+    parse_attend_request,
+    session_info,
+    to_call,
+)
 from mha_serve.transport.handlers import Malformed, MalformedLog
 from mha_serve.transport.heads import heads_response
 from mha_serve.transport.status import EXPECTED, STATUS_OF, status_of
@@ -43,6 +53,12 @@ def _parsed(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 
 class AttentionServicer(pb_grpc.AttentionServiceServicer):
     """mha.v1 over the AsyncEngine: decodes, delegates, encodes, maps errors to statuses."""
+
+    # On a gRPC server (handlers.add_service), Attend and StreamSession requests arrive parsed
+    # with a large input's bytes left in place, and large replies leave as framed bytes: one
+    # copy of a tensor each way instead of protobuf's five to eight (convert.FRAME_BYTES).
+    # Called directly (the Ray replica), they take and give messages.
+    request_parsers = {"Attend": parse_attend_request, "StreamSession": parse_attend_request}
 
     def __init__(self, *, max_request_bytes: int) -> None:
         self._serving: AsyncEngine | None = None  # set once models are loaded and warm
@@ -77,26 +93,32 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
 
     @_parsed
     async def Attend(
-        self, request: pb.AttendRequest, context: grpc.aio.ServicerContext
-    ) -> pb.AttendResponse:
+        self, request: pb.AttendRequest | Received, context: grpc.aio.ServicerContext
+    ) -> pb.AttendResponse | bytes:
+        received = request if isinstance(request, Received) else None
+        request = request.message if isinstance(request, Received) else request
         model = self._label(request)
         metrics.IN_FLIGHT.inc()
         try:
             return await self._answer(
-                "Attend", model, context, lambda: self._attend(request, context)
+                "Attend", model, context, lambda: self._attend(request, context, received)
             )
         finally:
             metrics.IN_FLIGHT.dec()
 
     async def StreamSession(
-        self, requests: AsyncIterator[pb.AttendRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.AttendResponse]:
+        self,
+        requests: AsyncIterator[pb.AttendRequest | Received],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.AttendResponse | bytes]:
         """One session's steps, one per message, answered in order; the first error ends the
         stream. Later messages may leave session_id empty; naming another session is an error."""
         session_id, model = "", ""
         async for request in requests:
             if isinstance(request, Malformed):
                 await self._reject("StreamSession", request, context)
+            received = request if isinstance(request, Received) else None
+            request = request.message if isinstance(request, Received) else request
             if not session_id:
                 session_id = request.session_id
                 if not session_id:
@@ -119,25 +141,43 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             metrics.IN_FLIGHT.inc()
             try:
                 response = await self._answer(
-                    "StreamSession", model, context, lambda r=request: self._attend(r, context)
+                    "StreamSession",
+                    model,
+                    context,
+                    lambda r=request, rc=received: self._attend(r, context, rc),
                 )
             finally:
                 metrics.IN_FLIGHT.dec()
             yield response
 
     async def _attend(
-        self, request: pb.AttendRequest, context: grpc.aio.ServicerContext
-    ) -> pb.AttendResponse:
+        self,
+        request: pb.AttendRequest,
+        context: grpc.aio.ServicerContext,
+        parsed: Received | None = None,
+    ) -> pb.AttendResponse | bytes:
+        """parsed: how the request came off the wire; then a large answer is framed bytes."""
         received = time.perf_counter()
         serving = self.serving
-        call, single = to_call(request, serving.engine)
+        call, single = to_call(request, serving.engine, parsed and parsed.input_data)
         remaining = context.time_remaining()
         response, timing = await serving.attend(
             call,
-            functools.partial(encode_result, single=single),
+            functools.partial(encode_result if parsed is None else encode_reply, single=single),
             received=received,
             deadline=None if remaining is None else time.monotonic() + remaining,
         )
+        if isinstance(response, Frames):  # the model and timing fields go after the tensors
+            tail = pb.AttendResponse(
+                model=call.model,
+                timing=pb.Timing(
+                    queue_ms=timing.queue_ms,
+                    compute_ms=timing.compute_ms,
+                    total_ms=timing.total_ms,
+                    batch_size=timing.batch_size,
+                ),
+            ).SerializeToString()
+            return await offload(response.join, tail, nbytes=response.nbytes)
         response.model = call.model
         response.timing.queue_ms = timing.queue_ms
         response.timing.compute_ms = timing.compute_ms

@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 import sys
 import warnings
+from typing import Any
 
 import torch
 
 from mha_client.api import attention_pb2 as pb
+from mha_client.tensors import tensor_field
 from mha_serve.engine import InvalidRequest
 
 TORCH_DTYPES = {
@@ -40,8 +42,10 @@ def torch_dtype(value: int, what: str, *, default: torch.dtype | None = None) ->
     return TORCH_DTYPES[value]
 
 
-def from_proto(tensor: pb.Tensor, what: str = "input") -> torch.Tensor:
-    """Decodes without copying the payload; the result is read-only memory, never written."""
+def from_proto(tensor: pb.Tensor, what: str = "input", data: Any = None) -> torch.Tensor:
+    """Decodes without copying the payload; the result is read-only memory, never written.
+    data: the tensor's bytes when framing kept them out of the message (a view of the
+    received bytes); None reads tensor.data, which is protobuf's copy."""
     if tensor.dtype == pb.DTYPE_UNSPECIFIED:
         raise InvalidRequest(
             f"{what}.dtype is unset; use DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16"
@@ -50,11 +54,13 @@ def from_proto(tensor: pb.Tensor, what: str = "input") -> torch.Tensor:
     shape = list(tensor.shape)
     if any(d < 0 for d in shape):
         raise InvalidRequest(f"{what}.shape {shape} has a negative dimension")
-    data = tensor.data  # once: every read of a bytes field copies it (4 ms for 16 MB)
+    if data is None:
+        data = tensor.data  # once: every read of a bytes field copies it (4 ms for 16 MB)
     expected = math.prod(shape) * dtype.itemsize
-    if len(data) != expected:
+    nbytes = memoryview(data).nbytes
+    if nbytes != expected:
         raise InvalidRequest(
-            f"{what}.data has {len(data)} bytes but shape {shape} in "
+            f"{what}.data has {nbytes} bytes but shape {shape} in "
             f"{str(dtype).removeprefix('torch.')} needs {expected}"
         )
     if expected == 0:  # never allocate: a zero dimension beside huge ones would overflow
@@ -62,12 +68,34 @@ def from_proto(tensor: pb.Tensor, what: str = "input") -> torch.Tensor:
     return torch.frombuffer(data, dtype=dtype).view(shape)
 
 
-def to_proto(tensor: torch.Tensor) -> pb.Tensor:
-    """Encodes a CPU tensor (one copy: into the message's bytes)."""
+def _wire_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's C-order bytes as a tensor numpy can view (a copy only if not contiguous)."""
     if tensor.dtype not in PROTO_DTYPES:
         raise TypeError(f"cannot send {tensor.dtype} on the wire")
     raw = tensor.detach().contiguous()
-    raw = raw.view(_BYTE_VIEWS.get(raw.dtype, raw.dtype))
+    return raw.view(_BYTE_VIEWS.get(raw.dtype, raw.dtype))
+
+
+def to_proto(tensor: torch.Tensor) -> pb.Tensor:
+    """Encodes a CPU tensor: two copies (tobytes, and protobuf's into the message)."""
+    raw = _wire_view(tensor)
     return pb.Tensor(
         dtype=PROTO_DTYPES[tensor.dtype], shape=list(tensor.shape), data=raw.numpy().tobytes()
     )
+
+
+def fill_proto(t: pb.Tensor, tensor: torch.Tensor) -> None:
+    """to_proto into a message's Tensor field in place (nesting a built pb.Tensor in another
+    message costs protobuf three more copies)."""
+    raw = _wire_view(tensor)
+    t.dtype = PROTO_DTYPES[tensor.dtype]
+    t.shape[:] = tensor.shape
+    t.data = raw.numpy().tobytes()
+
+
+def tensor_frames(field: int, tensor: torch.Tensor) -> list[Any]:
+    """Field `field` of a message holding this CPU tensor, as parts whose b"".join is its
+    encoding: the tensor's memory is referenced, not copied (the join is the one copy)."""
+    raw = _wire_view(tensor)
+    payload = raw.numpy().reshape(-1).view("u1")  # keeps the tensor's storage alive
+    return tensor_field(field, PROTO_DTYPES[tensor.dtype], tensor.shape, payload)

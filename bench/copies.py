@@ -1,0 +1,255 @@
+"""Payload copies of the tensor codec: how many payload-sized buffers each encode and decode
+path writes, counted from the process's page faults (not timed).
+
+Method: glibc is told to mmap every allocation of 256 KiB or more (mallopt) and numpy not to
+ask for huge pages, so every fresh payload-sized buffer (bytes, numpy, torch, protobuf's arena,
+gRPC's slices) costs one minor page fault per 4 KiB page when it is first written. Faults
+during a call / pages of the payload = payload-sized buffers written = copies (a conversion,
+bfloat16 to float32, counts too: it writes a buffer). A view costs none; reading costs none.
+A copy into a buffer kept warm across calls would escape the count; none of these paths keeps
+one (gRPC's counted below does not either). The settings stay for the process: run it alone.
+
+    python bench/copies.py [--mib 16] [--json-out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import json
+import resource
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+PAGE = resource.getpagesize()
+MMAP_THRESHOLD = 256 * 1024
+
+
+def setup() -> None:
+    """Every large allocation a fresh mmap; numpy without huge pages (one fault per 4 KiB)."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD (also stops its dynamic growth)
+    libc.mallopt(-1, MMAP_THRESHOLD)  # M_TRIM_THRESHOLD
+    import numpy as np
+
+    np._core.multiarray._set_madvise_hugepage(False)
+
+
+def count(fn: Callable[[], Any], nbytes: int, reps: int = 3) -> float:
+    """Payload-sized buffers written by fn() (median of reps calls, result dropped after)."""
+    counts = []
+    for _ in range(reps):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        result = fn()
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        del result
+        counts.append((after - before) * PAGE / nbytes)
+    return round(statistics.median(counts), 2)
+
+
+def codec_paths(shape: tuple[int, ...] = (16, 512, 512)) -> list[dict[str, Any]]:
+    """Every path, per dtype: (side, direction, path, copies). Excludes gRPC's own copy."""
+    import numpy as np
+    import torch
+
+    from mha_client.api import attention_pb2 as pb
+    from mha_client.messages import (
+        build_attend_request,
+        encode_attend_request,
+        parse_attend_response,
+    )
+    from mha_client.tensors import to_proto as np_to_proto
+    from mha_serve.engine import AttendResult
+    from mha_serve.transport.convert import (
+        encode_frames,
+        encode_result,
+        parse_attend_request,
+        to_call,
+    )
+    from mha_serve.transport.tensors import from_proto, to_proto
+
+    class _Engine:  # to_call asks nothing of the engine when the request names its model
+        pass
+
+    rows = []
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(shape, dtype=np.float32)
+    for dtype in ("float32", "float16", "bfloat16"):
+        tdtype = getattr(torch, dtype)
+        out = torch.from_numpy(x).to(tdtype)
+        result = AttendResult(output=out, weights=None)
+        nbytes = out.nbytes
+        request_bytes = build_attend_request("mha", x, input_dtype=dtype).SerializeToString()
+        response_bytes = encode_result(result, single=False).SerializeToString()
+        response = pb.AttendResponse.FromString(response_bytes)
+        paths = [
+            # server
+            (
+                "server",
+                "decode",
+                "protobuf: FromString, from_proto(input) (before issue 16)",
+                lambda rb=request_bytes: from_proto(pb.AttendRequest.FromString(rb).input),
+            ),
+            (
+                "server",
+                "decode",
+                "framed: parse_attend_request, to_call (now)",
+                lambda rb=request_bytes: to_call(
+                    (r := parse_attend_request(rb)).message, _Engine(), r.input_data
+                ),
+            ),
+            (
+                "server",
+                "encode",
+                "protobuf: AttendResponse(output=to_proto(y)).SerializeToString (before)",
+                lambda o=out: pb.AttendResponse(output=to_proto(o)).SerializeToString(),
+            ),
+            (
+                "server",
+                "encode",
+                "message: encode_result, SerializeToString (now: Ray replica, small replies)",
+                lambda r=result: encode_result(r, single=False).SerializeToString(),
+            ),
+            (
+                "server",
+                "encode",
+                "framed: encode_frames, join (now: gRPC server, replies >= 64 KiB)",
+                lambda r=result: encode_frames(r, single=False).join(b""),
+            ),
+            # client
+            (
+                "client",
+                "encode",
+                "protobuf: AttendRequest(input=to_proto(x)).SerializeToString (before)",
+                lambda d=dtype: pb.AttendRequest(
+                    model="mha", input=np_to_proto(x, d)
+                ).SerializeToString(),
+            ),
+            (
+                "client",
+                "encode",
+                "message: build_attend_request, SerializeToString (now: the SDK's stubs)",
+                lambda d=dtype: build_attend_request("mha", x, input_dtype=d).SerializeToString(),
+            ),
+            (
+                "client",
+                "encode",
+                "framed: encode_attend_request (bytes for a method without serializer)",
+                lambda d=dtype: encode_attend_request("mha", x, input_dtype=d),
+            ),
+            (
+                "client",
+                "decode",
+                "message: FromString, parse_attend_response(message) (the SDK's stubs)",
+                lambda rb=response_bytes: parse_attend_response(
+                    pb.AttendResponse.FromString(rb), False, 0.0
+                ),
+            ),
+            (
+                "client",
+                "decode",
+                "framed: parse_attend_response(bytes)",
+                lambda rb=response_bytes: parse_attend_response(rb, False, 0.0),
+            ),
+        ]
+        del response
+        for side, direction, path, fn in paths:
+            rows.append(
+                {
+                    "dtype": dtype,
+                    "side": side,
+                    "direction": direction,
+                    "path": path,
+                    "payload_bytes": nbytes,
+                    "copies": count(fn, nbytes),
+                }
+            )
+    return rows
+
+
+def grpc_copies(nbytes: int, reps: int = 3) -> dict[str, float]:
+    """gRPC's own buffers for one message of nbytes each way over loopback (client and server
+    in this process, bytes in and out, no protobuf): its send copy into slices, the kernel's
+    receive into slices and the slices' copy into the bytes handed to Python."""
+    import grpc
+
+    big = bytes(nbytes)
+    opts = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+
+    async def run() -> dict[str, float]:
+        server = grpc.aio.server(options=opts)
+
+        async def take(request: bytes, context: Any) -> bytes:
+            return b"k"
+
+        async def give(request: bytes, context: Any) -> bytes:
+            return big
+
+        handlers = {
+            "Take": grpc.unary_unary_rpc_method_handler(take),
+            "Give": grpc.unary_unary_rpc_method_handler(give),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("c.C", handlers),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=opts) as channel:
+            out: dict[str, list[float]] = {"request": [], "reply": []}
+            for _ in range(reps + 1):  # the first call sets up the connection: not counted
+                for name, method, payload in (("request", "Take", big), ("reply", "Give", b"g")):
+                    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                    reply = await channel.unary_unary(f"/c.C/{method}")(payload)
+                    after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                    del reply
+                    out[name].append((after - before) * PAGE / nbytes)
+        await server.stop(None)
+        return {k: round(statistics.median(v[1:]), 2) for k, v in out.items()}
+
+    return asyncio.run(run())
+
+
+def measure(mib: int = 16) -> dict[str, Any]:
+    setup()
+    shape = (mib, 512, 512)  # float32 (B, 512, 512): mib MiB
+    nbytes = mib * 2**20
+    return {
+        "method": "minor page faults x page size / payload bytes, large allocations mmapped",
+        "shape": list(shape),
+        "paths": codec_paths(shape),
+        # gRPC core per message one way (send copy + kernel receive + copy to bytes):
+        # beside the codec's, what a message costs in this process and its peer together.
+        "grpc_loopback": grpc_copies(nbytes),
+    }
+
+
+def format_table(results: dict[str, Any]) -> str:
+    lines = [f"payload copies ({results['method']}), shape {tuple(results['shape'])}"]
+    for r in results["paths"]:
+        lines.append(
+            f"  {r['dtype']:<9} {r['side']:<7} {r['direction']:<7} {r['copies']:5.2f}  {r['path']}"
+        )
+    g = results["grpc_loopback"]
+    lines.append(
+        f"  gRPC core, one message over loopback (both ends, no codec): request {g['request']:.2f}"
+        f", reply {g['reply']:.2f}"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mib", type=int, default=16, help="payload size (float32), MiB")
+    p.add_argument("--json-out")
+    args = p.parse_args(argv)
+    results = measure(args.mib)
+    print(format_table(results))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,448 @@
+"""Serving overhead against the machine's own limits (issue 16), side by side in one run.
+
+    python bench/overhead.py            # ~4 min: docs/benchmarks-overhead.md, bench/results/overhead.json
+    python bench/overhead.py --quick    # ~1.5 min smoke run, noisier
+
+1. Decode step, per model (mha, gqa, mqa) and context (256, 1024, 4096): a served streamed
+   step (a real server on loopback, StreamSession, request and reply as bytes; the steps of a
+   round end at the context, each round truncates back to where they start) against its
+   limit, the same step in plain torch in this process (fused qkv, a preallocated contiguous
+   K/V, scaled_dot_product_attention, wo) plus one round trip of a bare grpc.aio bidi echo
+   carrying the same request bytes. The three alternate in rounds; medians over all steps.
+   The step through the SDK's generated stubs (messages, as a user writes it) is reported too.
+2. Small stateless requests, 16 and 128 tokens, 32 clients (mha_client.loadgen, closed loop):
+   served seq/s against 1 / (1 / in-process best-batch seq/s + 1 / echo server req/s), the
+   three alternating in rounds.
+3. Wire: payload copies of a 16 MiB tensor in every codec path (bench/copies.py, in a process
+   of its own: it changes the allocator's settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from overhead_report import write_report  # noqa: E402
+
+EMBED = 512
+MODELS = ("mha", "gqa", "mqa")
+CONTEXTS = (256, 1024, 4096)
+STEP_METHOD = "/mha.v1.AttentionService/StreamSession"
+ATTEND_METHOD = "/mha.v1.AttentionService/Attend"
+MAX_MESSAGE = 64 << 20
+OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+]
+TARGETS = {"decode_step_ratio_max": 1.3, "small_16_min": 0.85, "small_128_min": 0.95, "copies": 2}
+
+
+# ----- the echo server: the wire's own cost, nothing else -------------------------------
+
+
+async def serve_echo(port: int) -> None:
+    """A minimal grpc.aio server: Attend answers its request bytes, StreamSession echoes each
+    message. No (de)serializers, no work."""
+
+    async def attend(request: bytes, context: Any) -> bytes:
+        return request
+
+    async def stream(requests: Any, context: Any) -> Any:
+        async for request in requests:
+            yield request
+
+    server = grpc.aio.server(options=OPTIONS)
+    handlers = {
+        "Attend": grpc.unary_unary_rpc_method_handler(attend),
+        "StreamSession": grpc.stream_stream_rpc_method_handler(stream),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("mha.v1.AttentionService", handlers),)
+    )
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    print("echo ready", flush=True)
+    await server.wait_for_termination()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+
+def start_served(tmp: Path, name: str, tree: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """mha-serve on its built-in models; tree: run that checkout's code instead (a baseline)."""
+    port = free_port()
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(str(tree / d) for d in ("service", "client"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mha_serve.transport.main", "--host", "127.0.0.1"]
+        + ["--port", str(port), "--metrics-port", "0", "--log-level", "WARNING"],
+        stdout=(tmp / f"{name}.log").open("wb"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    return proc, f"127.0.0.1:{port}"
+
+
+def start_servers(tmp: Path, baseline: Path | None) -> tuple[list[subprocess.Popen], dict]:
+    """{"served", "echo"[, "baseline"]}: address of each, all ready."""
+    from mha_client.sdk import Client
+
+    procs, targets = [], {}
+    for name, tree in (("served", None), ("baseline", baseline)):
+        if name == "served" or tree is not None:
+            proc, targets[name] = start_served(tmp, name, tree)
+            procs.append(proc)
+    echo_port = free_port()
+    echo_log = tmp / "echo.log"
+    procs.append(start([sys.executable, __file__, "--serve-echo", str(echo_port)], echo_log))
+    targets["echo"] = f"127.0.0.1:{echo_port}"
+    for name in ("served", "baseline"):
+        if name in targets:
+            with Client(targets[name]) as c:
+                c.wait_ready(180)
+    deadline = time.monotonic() + 60
+    while b"echo ready" not in echo_log.read_bytes():
+        if time.monotonic() > deadline or procs[-1].poll() is not None:
+            raise RuntimeError(f"echo server did not start: {echo_log.read_text()}")
+        time.sleep(0.1)
+    return procs, targets
+
+
+# ----- 1. decode step --------------------------------------------------------------------
+
+
+class BareStep:
+    """One model's decode step in plain torch: fused qkv, K/V written into a preallocated
+    contiguous (1, KVH, S, D) buffer, scaled_dot_product_attention, wo."""
+
+    def __init__(self, model: str, capacity: int) -> None:
+        import torch
+        from inprocess import load
+
+        self.module = load(model)
+        c = self.module.config
+        self.k = torch.zeros(1, c.num_kv_heads, capacity, c.head_dim)  # (1, KVH, S, D)
+        self.v = torch.zeros_like(self.k)
+
+    def __call__(self, x: Any, pos: int) -> Any:
+        import torch
+        import torch.nn.functional as F
+
+        m, c = self.module, self.module.config
+        H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
+        with torch.inference_mode():
+            qkv = F.linear(x, m.wqkv.weight, m.wqkv.bias)  # (1, 1, (H + 2 KVH) D)
+            q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+            self.k[:, :, pos].copy_(k.view(1, KVH, D))
+            self.v[:, :, pos].copy_(v.view(1, KVH, D))
+            y = F.scaled_dot_product_attention(
+                q.view(1, 1, H, D).transpose(1, 2),  # (1, H, 1, D)
+                self.k[:, :, : pos + 1],
+                self.v[:, :, : pos + 1],
+                enable_gqa=KVH != H,
+            )
+            return F.linear(y.transpose(1, 2).reshape(1, 1, H * D), m.wo.weight, m.wo.bias)
+
+
+class BytesStream:
+    """A bidi stream of bytes (no serializers): write one message, read one."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.call = channel.stream_stream(STEP_METHOD)()
+
+    async def round_trip(self, payload: bytes) -> bytes:
+        await self.call.write(payload)
+        return await self.call.read()
+
+    async def close(self) -> None:
+        await self.call.done_writing()
+        await self.call.read()  # the end of the stream
+
+
+async def decode_steps(targets: dict[str, str], rounds: int, steps: int) -> list[dict]:
+    """Per model and context: served (and baseline) steps, SDK steps, echo, bare torch."""
+    import torch
+
+    from mha_client.api import attention_pb2 as pb
+    from mha_client.messages import step_request
+    from mha_client.sdk import AsyncClient
+
+    torch.set_num_threads(1)  # a 1-token step is fastest on one thread here (engine does too)
+    servers = [n for n in ("served", "baseline") if n in targets]
+    rows = []
+    rng = np.random.default_rng(0)
+    clients = {n: AsyncClient(targets[n]) for n in servers}
+    channels = {n: grpc.aio.insecure_channel(a, options=OPTIONS) for n, a in targets.items()}
+    try:
+        for model in MODELS:
+            for ctx in CONTEXTS:
+                # Steps that end at the context (the models' max_seq_len is 4096).
+                start_len = ctx - steps
+                bare = BareStep(model, ctx)
+                prompt = rng.standard_normal((start_len, EMBED), dtype=np.float32)
+                tokens = rng.standard_normal((steps, 1, EMBED), dtype=np.float32)
+                xs = [torch.from_numpy(tokens[t]).view(1, 1, EMBED) for t in range(steps)]
+                sessions, payloads = {}, {}
+                for n in servers:
+                    sessions[n] = await clients[n].create_session(model)
+                    await sessions[n].step(prompt)
+                    payloads[n] = [
+                        step_request(sessions[n].id, tokens[t], {}).SerializeToString()
+                        for t in range(steps)
+                    ]
+                payloads["echo"] = payloads["served"]
+                sides = [*servers, "sdk", "echo", "bare"]
+                times: dict[str, list[float]] = {k: [] for k in sides}
+                server_total: list[float] = []  # receipt to reply, as the server timed it
+                for r in range(rounds + 1):  # round 0 warms up and is not counted
+                    sample: dict[str, list[float]] = {k: [] for k in sides}
+                    totals = []
+                    for n in [*servers, "echo"]:
+                        if n != "echo":
+                            await sessions[n].truncate(start_len)
+                        stream = BytesStream(channels[n])
+                        for p in payloads[n]:
+                            t = time.perf_counter()
+                            reply = await stream.round_trip(p)
+                            sample[n].append(time.perf_counter() - t)
+                            if n == "served":
+                                totals.append(pb.AttendResponse.FromString(reply).timing.total_ms)
+                        await stream.close()
+                    await sessions["served"].truncate(start_len)
+                    async with sessions["served"].stream() as sdk_stream:
+                        for t in range(steps):
+                            start = time.perf_counter()
+                            await sdk_stream.step(tokens[t])
+                            sample["sdk"].append(time.perf_counter() - start)
+                    for i, x in enumerate(xs):
+                        t = time.perf_counter()
+                        bare(x, start_len + i)
+                        sample["bare"].append(time.perf_counter() - t)
+                    if r > 0:
+                        for k in times:
+                            times[k] += sample[k]
+                        server_total += totals
+                for session in sessions.values():
+                    await session.close()
+                ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+                limit = ms["bare"] + ms["echo"]
+                row = {
+                    "model": model,
+                    "context": ctx,
+                    "served_ms": ms["served"],
+                    "sdk_ms": ms["sdk"],
+                    "inprocess_ms": ms["bare"],
+                    "echo_ms": ms["echo"],
+                    "limit_ms": limit,
+                    "ratio": ms["served"] / limit,
+                    "sdk_ratio": ms["sdk"] / limit,
+                    "server_total_ms": statistics.median(server_total),
+                    "steps": len(times["served"]),
+                }
+                line = (
+                    f"decode {model} ctx {ctx:5d}: served {row['served_ms']:.3f} ms "
+                    f"(sdk {row['sdk_ms']:.3f}) | in-process {row['inprocess_ms']:.3f} + echo "
+                    f"{row['echo_ms']:.3f} = {limit:.3f} ms | ratio {row['ratio']:.2f} "
+                    f"(sdk {row['sdk_ratio']:.2f})"
+                )
+                if "baseline" in ms:
+                    row["baseline_ms"] = ms["baseline"]
+                    row["baseline_ratio"] = ms["baseline"] / limit
+                    line += f" | baseline {ms['baseline']:.3f} ms ({row['baseline_ratio']:.2f})"
+                rows.append(row)
+                print(line, flush=True)
+    finally:
+        for c in clients.values():
+            await c.close()
+        for ch in channels.values():
+            await ch.close()
+    return rows
+
+
+# ----- 2. small stateless requests -------------------------------------------------------
+
+
+def small_requests(
+    targets: dict[str, str],
+    rounds: int,
+    duration_s: float,
+    concurrency: int,
+    sweep_s: float,
+    seq_lens: tuple[int, ...] = (16, 128),
+) -> list[dict]:
+    import torch
+    from inprocess import BATCH_SIZES, load, time_forward
+
+    from mha_client.loadgen import GrpcTarget, LoadSpec, Workload, parse_seq_lens, run_load_sync
+
+    module = load("mha")
+    rows = []
+    thread_counts = sorted({1, os.cpu_count() or 1})
+    for seq_len in seq_lens:
+        # The best (torch threads, batch size), found once; then timed again in every round
+        # beside the servers. One thread can beat all cores when the cores are shared.
+        best_threads, best_batch, best = 1, 1, 0.0
+        for threads in thread_counts:
+            torch.set_num_threads(threads)
+            for batch in BATCH_SIZES:
+                s, _ = time_forward(module, torch.randn(batch, seq_len, EMBED), sweep_s)
+                if batch / s > best:
+                    best_threads, best_batch, best = threads, batch, batch / s
+        torch.set_num_threads(best_threads)
+        workload = Workload("mha", parse_seq_lens(str(seq_len)), EMBED)
+        spec = LoadSpec(concurrency=concurrency, duration_s=duration_s, warmup=2 * concurrency)
+        samples: dict[str, list[float]] = {n: [] for n in (*targets, "inprocess")}
+        for r in range(rounds + 1):  # round 0 warms up (a server's first seconds are slow)
+            for name, target in targets.items():
+                result = run_load_sync(lambda t=target: GrpcTarget(t), workload, spec)
+                if result.errors:
+                    raise RuntimeError(f"{name}, {seq_len} tokens: errors {result.errors}")
+                if r > 0:
+                    samples[name].append(result.sequences_per_s)
+            if r == 0:
+                continue
+            s, _ = time_forward(module, torch.randn(best_batch, seq_len, EMBED), 1.0)
+            samples["inprocess"].append(best_batch / s)
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        ceiling = 1 / (1 / med["inprocess"] + 1 / med["echo"])
+        row = {
+            "seq_len": seq_len,
+            "concurrency": concurrency,
+            "served_seq_per_s": med["served"],
+            "inprocess_seq_per_s": med["inprocess"],
+            "inprocess_best_batch": best_batch,
+            "inprocess_torch_threads": best_threads,
+            "echo_req_per_s": med["echo"],
+            "ceiling_seq_per_s": ceiling,
+            "ratio": med["served"] / ceiling,
+            "samples": samples,
+        }
+        line = ""
+        if "baseline" in med:
+            row["baseline_seq_per_s"] = med["baseline"]
+            row["baseline_ratio"] = med["baseline"] / ceiling
+            line = f" | baseline {med['baseline']:.0f} seq/s ({row['baseline_ratio']:.2f})"
+        rows.append(row)
+        print(
+            f"small L={seq_len}: served {med['served']:.0f} seq/s | in-process "
+            f"{med['inprocess']:.0f} (batch {best_batch}, {best_threads} threads), echo {med['echo']:.0f} req/s -> "
+            f"ceiling {ceiling:.0f} | ratio {row['ratio']:.2f}{line}",
+            flush=True,
+        )
+    return rows
+
+
+# ----- 3. wire copies, and the run ---------------------------------------------------------
+
+
+def wire_copies(tmp: Path) -> dict[str, Any]:
+    out = tmp / "copies.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "copies.py"), "--json-out", str(out)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return json.loads(out.read_text())
+
+
+def machine() -> dict[str, Any]:
+    model = ""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "loadavg_at_start": os.getloadavg(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer rounds and shorter loads")
+    p.add_argument("--rounds", type=int, help="alternating rounds (default 3, quick 2)")
+    p.add_argument("--steps", type=int, default=64, help="decode steps per round and side")
+    p.add_argument("--duration", type=float, help="seconds per load point (default 5, quick 2)")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--docs", type=Path, default=ROOT / "docs")
+    p.add_argument("--json-out", type=Path, default=ROOT / "bench" / "results" / "overhead.json")
+    p.add_argument("--from-json", type=Path, help="redraw the docs from a run, no measuring")
+    p.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="also measure mha-serve as this checkout's code runs it (before/after in one run)",
+    )
+    p.add_argument("--serve-echo", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.serve_echo:
+        asyncio.run(serve_echo(args.serve_echo))
+        return 0
+    if args.from_json:
+        write_report(json.loads(args.from_json.read_text()), args.docs, TARGETS)
+        return 0
+    rounds = args.rounds or (2 if args.quick else 3)
+    duration = args.duration or (2.0 if args.quick else 5.0)
+    started = time.perf_counter()
+    results: dict[str, Any] = {
+        "command": " ".join(["python", "bench/overhead.py", *(argv or sys.argv[1:])]),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "settings": {"rounds": rounds, "steps": args.steps, "duration_s": duration},
+        "baseline_tree": None if args.baseline_tree is None else str(args.baseline_tree),
+        "targets": TARGETS,
+    }
+    with tempfile.TemporaryDirectory(prefix="mha-overhead-") as d:
+        tmp = Path(d)
+        results["wire"] = wire_copies(tmp)
+        procs, targets = start_servers(tmp, args.baseline_tree)
+        try:
+            results["decode"] = asyncio.run(decode_steps(targets, rounds, args.steps))
+            results["small"] = small_requests(
+                targets, rounds, duration, args.concurrency, 0.2 if args.quick else 0.4
+            )
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                proc.wait(30)
+    results["machine"]["loadavg_at_end"] = os.getloadavg()
+    results["elapsed_s"] = time.perf_counter() - started
+    args.json_out.parent.mkdir(parents=True, exist_ok=True)
+    args.json_out.write_text(json.dumps(results, indent=2) + "\n")
+    write_report(results, args.docs, TARGETS)
+    print(f"wrote {args.json_out} and {args.docs / 'benchmarks-overhead.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
