@@ -44,6 +44,7 @@ from mha_client.tensors import to_proto  # noqa: E402
 MODEL, EMBED = "mha", 512
 CONTEXTS = (256, 4096)
 WARMUP_STEPS = 4
+DECODE_ROUNDS = 4  # the two systems' decode steps alternate in this many rounds
 RAY_NUM_CPUS = 2  # as the tests and a 2-core machine
 OUT = BENCH / "results" / "ray_app.json"
 
@@ -180,6 +181,12 @@ async def decode_steps(target: str, context: int, steps: int) -> dict[str, float
         async for _ in replies:
             pass
         await stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=60)
+    return {"times_ms": times, "server_ms": server}
+
+
+def summary(rounds: list[dict[str, list[float]]]) -> dict[str, float]:
+    times = [t for r in rounds for t in r["times_ms"]]
+    server = [t for r in rounds for t in r["server_ms"]]
     return {
         "median_ms": float(np.median(times)),
         "mean_ms": float(np.mean(times)),
@@ -222,34 +229,55 @@ def run(duration_s: float, steps: int, command: str) -> dict[str, Any]:
     }
     warmup = 2 * HEADLINE_CONCURRENCY + 10
     with tempfile.TemporaryDirectory(prefix="mha-bench-ray-") as tmp:
-        for system in ("ray", "mha-serve", "ray-app", "ray-direct"):
-            print(f"{system}: starting", flush=True)
-            if system == "ray-app":
-                server, factory, probe = start_ray_app(Path(tmp), steps)
-                target = probe.pop("target")
-                results["handle_probe"] = probe
-            elif system == "ray-direct":
-                server, factory, _ = start_ray_app(Path(tmp), steps, direct=True)
-                target = None  # stateless Attend only
-            elif system == "mha-serve":
-                server, factory, target = start_standalone(Path(tmp))
-            else:
-                server, factory = start_system(system, Path(tmp))
-                target = None  # HTTP: no sessions in the baseline
-            try:
+        # The decode steps of the standalone server and the Ray app alternate, in rounds,
+        # with both up: whatever else the machine runs meanwhile falls on both alike.
+        decode_targets: dict[str, str] = {}
+        servers: list[Server] = []
+        try:
+            for system in ("ray", "mha-serve", "ray-app", "ray-direct"):
+                print(f"{system}: starting", flush=True)
+                if system == "ray-app":
+                    server, factory, probe = start_ray_app(Path(tmp), steps)
+                    decode_targets[system] = probe.pop("target")
+                    results["handle_probe"] = probe
+                elif system == "ray-direct":
+                    server, factory, _ = start_ray_app(Path(tmp), steps, direct=True)
+                elif system == "mha-serve":
+                    server, factory, decode_targets[system] = start_standalone(Path(tmp))
+                else:
+                    server, factory = start_system(system, Path(tmp))
+                servers.append(server)
                 for seq_len in SEQ_LENS:
                     point = measure_point(
                         system, server, factory, seq_len, HEADLINE_CONCURRENCY, duration_s, warmup
                     )
                     results["load"].append(point)
-                if target is not None:
-                    for context in CONTEXTS:
-                        d = asyncio.run(decode_steps(target, context, steps))
-                        results["decode"].setdefault(system, {})[str(context)] = d
-                        print(f"  {system} decode at {context}: {d}", flush=True)
-            finally:
-                print(f"{system}: stopped in {server.stop():.1f} s", flush=True)
+                if system == "ray-app":
+                    results["decode"] = alternate_decode(decode_targets, steps)
+                if system != "mha-serve":  # the standalone server stays for the decode steps
+                    while servers:
+                        stopping = servers.pop()
+                        print(f"{stopping.name}: stopped in {stopping.stop():.1f} s", flush=True)
+        finally:
+            for server in servers:
+                server.stop()
     return results
+
+
+def alternate_decode(targets: dict[str, str], steps: int) -> dict[str, dict]:
+    """DECODE_ROUNDS rounds per context; in each, steps/DECODE_ROUNDS steps per system."""
+    out: dict[str, dict] = {name: {} for name in targets}
+    for context in CONTEXTS:
+        rounds: dict[str, list] = {name: [] for name in targets}
+        for _ in range(DECODE_ROUNDS):
+            for name, target in targets.items():
+                rounds[name].append(
+                    asyncio.run(decode_steps(target, context, max(1, steps // DECODE_ROUNDS)))
+                )
+        for name in targets:
+            out[name][str(context)] = summary(rounds[name])
+            print(f"  {name} decode at {context}: {out[name][str(context)]}", flush=True)
+    return out
 
 
 # --- the report ---------------------------------------------------------------------
