@@ -536,7 +536,16 @@ def test_one_busy_rule_covers_a_claimed_step_from_receipt_to_answer():
     assert table.commit(res).num_tokens == 5
     table.release(s.id)
     assert table.truncate(s.id, 1).num_tokens == 1
+    # A step whose caller left released its claim; its reservation is still pending: a new
+    # step may claim (it queues behind), not reserve until that one is rolled back.
     table.claim(s.id)
+    gone = table.reserve(s.id, 1, claimed=True)
+    table.release(s.id)
+    table.claim(s.id)
+    with pytest.raises(SessionBusy):
+        table.reserve(s.id, 1, claimed=True)
+    table.rollback(gone)
+    table.commit(table.reserve(s.id, 1, claimed=True))
     table.close(s.id)
     table.release(s.id)  # the session went while claimed: releasing it is no error
     assert_all_free(table)

@@ -217,7 +217,7 @@ class SessionTable:
         whether the first still queues or computes, and so is a truncate."""
         with self._lock:
             s = self._lookup(session_id, self._clock())
-            if _busy(s):
+            if _busy(s, claiming=True):
                 raise SessionBusy(_BUSY.format(session_id=session_id))
             s.claimed = True
 
@@ -565,10 +565,13 @@ _BUSY = (
 )
 
 
-def _busy(s: Session) -> bool:
+def _busy(s: Session, *, claiming: bool = False) -> bool:
     """The one rule of one step at a time: a step received and not answered (claimed), or
-    one reserved and not committed or rolled back (pending)."""
-    return s.claimed or s.pending is not None
+    one reserved and not committed or rolled back (pending). A new step's claim (claiming)
+    waits only for the first: a step whose caller left (cancelled, or past its deadline)
+    released its claim and is rolled back once its batch ends, before the new step, queued
+    behind it, reserves."""
+    return s.claimed or (not claiming and s.pending is not None)
 
 
 def _cdiv(a: int, b: int) -> int:
