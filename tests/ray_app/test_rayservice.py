@@ -85,3 +85,22 @@ def test_the_serve_config_matches_rays_schema_and_the_app():
     assert replicas.num_replicas == 2
     assert replicas.ray_actor_options.num_gpus == 0
     assert ray_app.ROUTER.rsplit(".", 1)[0] == "mha_serve.ray_app.router"
+
+
+def test_the_commented_autoscaling_settings_are_valid():
+    """serve_config.yaml's autoscaling block, uncommented in place of num_replicas, is a
+    config Ray accepts, with the documented settings."""
+    schema = pytest.importorskip("ray.serve.schema")
+    lines = CONFIG.read_text().splitlines()
+    start = lines.index("        # autoscaling_config:")
+    end = next(i for i in range(start, len(lines)) if "ray_actor_options:" in lines[i])
+    lines[start:end] = [line.replace("# ", "", 1) for line in lines[start:end]]
+    config = yaml.safe_load("\n".join(lines))
+    (app,) = config["applications"]
+    replica = next(d for d in app["deployments"] if d["name"] == "AttentionReplica")
+    del replica["num_replicas"]
+    parsed = schema.ServeDeploySchema.model_validate(config)
+    (deployment,) = [d for d in parsed.applications[0].deployments if d.name == "AttentionReplica"]
+    scaling = deployment.autoscaling_config
+    assert scaling["min_replicas"] == 2 and scaling["max_replicas"] == 8
+    assert scaling["target_ongoing_requests"] == 32
