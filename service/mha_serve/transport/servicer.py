@@ -7,7 +7,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 
@@ -18,6 +18,7 @@ from mha_serve.engine import HostedModel
 from mha_serve.engine.heads import analyze as analyze_heads
 from mha_serve.serving import AsyncEngine, Unavailable
 from mha_serve.serving.async_engine import offload
+from mha_serve.transport.answer import answer, note_malformed, parsed, sync
 from mha_serve.transport.auth import client_identity
 from mha_serve.transport.convert import (
     Frames,
@@ -31,7 +32,7 @@ from mha_serve.transport.convert import (
 )
 from mha_serve.transport.handlers import Malformed, MalformedLog
 from mha_serve.transport.heads import heads_response
-from mha_serve.transport.status import EXPECTED, STATUS_OF, status_of
+from mha_serve.transport.status import STATUS_OF, status_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,20 +40,10 @@ T = TypeVar("T")
 __all__ = ["STATUS_OF", "AttentionServicer", "Unavailable", "status_of"]
 
 
-def _parsed(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-    """A unary method that first answers a request whose bytes did not parse."""
-
-    @functools.wraps(method)
-    async def run(self: AttentionServicer, request: Any, context: grpc.aio.ServicerContext) -> T:
-        if isinstance(request, Malformed):
-            await self._reject(method.__name__, request, context)
-        return await method(self, request, context)
-
-    return run
-
-
 class AttentionServicer(pb_grpc.AttentionServiceServicer):
     """mha.v1 over the AsyncEngine: decodes, delegates, encodes, maps errors to statuses."""
+
+    PROTOCOL = metrics.PROTOCOL_MHA_V1
 
     # On a gRPC server (handlers.add_service), Attend and StreamSession requests arrive parsed
     # with a large input's bytes left in place, and large replies leave as framed bytes: one
@@ -91,7 +82,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
 
     # --- attention ---------------------------------------------------------------------
 
-    @_parsed
+    @parsed
     async def Attend(
         self, request: pb.AttendRequest | Received, context: grpc.aio.ServicerContext
     ) -> pb.AttendResponse | bytes:
@@ -187,7 +178,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
 
     # --- sessions ----------------------------------------------------------------------
 
-    @_parsed
+    @parsed
     async def CreateSession(
         self, request: pb.CreateSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionInfo:
@@ -202,9 +193,9 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             )
 
         model = self._model_label(request.model)
-        return await self._answer("CreateSession", model, context, _sync(handle))
+        return await self._answer("CreateSession", model, context, sync(handle))
 
-    @_parsed
+    @parsed
     async def GetSession(
         self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionInfo:
@@ -212,9 +203,9 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             return session_info(self.serving.get_session(request.session_id))
 
         model = self._session_label(request.session_id)
-        return await self._answer("GetSession", model, context, _sync(handle))
+        return await self._answer("GetSession", model, context, sync(handle))
 
-    @_parsed
+    @parsed
     async def ForkSession(
         self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionInfo:
@@ -224,9 +215,9 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             )
 
         model = self._session_label(request.session_id)
-        return await self._answer("ForkSession", model, context, _sync(handle))
+        return await self._answer("ForkSession", model, context, sync(handle))
 
-    @_parsed
+    @parsed
     async def TruncateSession(
         self, request: pb.TruncateSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionInfo:
@@ -236,9 +227,9 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             )
 
         model = self._session_label(request.session_id)
-        return await self._answer("TruncateSession", model, context, _sync(handle))
+        return await self._answer("TruncateSession", model, context, sync(handle))
 
-    @_parsed
+    @parsed
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.CloseSessionResponse:
@@ -247,20 +238,20 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             return pb.CloseSessionResponse()
 
         model = self._session_label(request.session_id)
-        return await self._answer("CloseSession", model, context, _sync(handle))
+        return await self._answer("CloseSession", model, context, sync(handle))
 
     # --- models ------------------------------------------------------------------------
 
-    @_parsed
+    @parsed
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
         def handle() -> pb.ListModelsResponse:
             return pb.ListModelsResponse(models=[self._info(h) for h in self.serving.models()])
 
-        return await self._answer("ListModels", "", context, _sync(handle))
+        return await self._answer("ListModels", "", context, sync(handle))
 
-    @_parsed
+    @parsed
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
@@ -268,12 +259,12 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             return self._info(self.serving.model(request.name))
 
         return await self._answer(
-            "GetModelInfo", self._model_label(request.name), context, _sync(handle)
+            "GetModelInfo", self._model_label(request.name), context, sync(handle)
         )
 
     # --- head analysis -----------------------------------------------------------------
 
-    @_parsed
+    @parsed
     async def AnalyzeHeads(
         self, request: pb.AnalyzeHeadsRequest, context: grpc.aio.ServicerContext
     ) -> pb.AnalyzeHeadsResponse:
@@ -303,8 +294,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         self, method: str, request: Malformed, context: grpc.aio.ServicerContext
     ) -> None:
         """INVALID_ARGUMENT for bytes that are no valid message; the log only summarises."""
-        metrics.count_request(method, "unknown", grpc.StatusCode.INVALID_ARGUMENT.name)
-        self.malformed_log.note(method, context.peer(), request)
+        note_malformed(method, request, context, self.malformed_log, protocol=self.PROTOCOL)
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
 
     async def _answer(
@@ -314,45 +304,4 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         context: grpc.aio.ServicerContext,
         handle: Callable[[], Awaitable[T]],
     ) -> T:
-        """Runs a handler; expected errors become their status, anything else INTERNAL.
-        An error status is counted before it is sent: a client that has it finds it counted."""
-        code, counted = grpc.StatusCode.OK, False
-        try:
-            return await handle()
-        except EXPECTED as e:
-            code = status_of(e)
-            if _over(context):  # its deadline passed: gRPC answers DEADLINE_EXCEEDED itself,
-                raise asyncio.CancelledError from e  # and aborting a finished call logs an ERROR
-            metrics.count_request(method, model, code.name)
-            counted = True
-            await context.abort(code, str(e))
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        except Exception as e:
-            if isinstance(e, grpc.aio.AbortError):
-                raise
-            code = grpc.StatusCode.INTERNAL
-            log.exception("%s failed on model %s", method, model)
-            metrics.count_request(method, model, code.name)
-            counted = True
-            await context.abort(code, f"internal error in {method}: {type(e).__name__}: {e}")
-        finally:
-            if not counted:
-                metrics.count_request(method, model, code.name)
-
-
-def _over(context: grpc.aio.ServicerContext) -> bool:
-    """Whether the call is over already: done() turns true only once a status was sent (grpcio
-    1.85), so a passed deadline is read from the time remaining."""
-    remaining = context.time_remaining()
-    return context.done() or (remaining is not None and remaining <= 0)
-
-
-def _sync(fn: Callable[[], T]) -> Callable[[], Awaitable[T]]:
-    """A quick synchronous handler as the coroutine function _answer expects."""
-
-    async def run() -> T:
-        return fn()
-
-    return run
+        return await answer(method, model, context, handle, protocol=self.PROTOCOL)

@@ -19,6 +19,7 @@ from mha_serve import metrics
 from mha_serve.cache import CacheError, SessionBusy, SessionNotFound
 from mha_serve.engine import AttendCall, HostedModel, InvalidRequest, ModelNotFound, RequestError
 from mha_serve.serving import AsyncEngine, Timing, Unavailable
+from mha_serve.transport.answer import answer, note_malformed, parsed, sync
 from mha_serve.transport.auth import client_identity
 from mha_serve.transport.handlers import Malformed, MalformedLog, add_service
 from mha_serve.transport.oip.convert import (
@@ -51,21 +52,10 @@ def _version() -> str:
         return "0"
 
 
-def _parsed(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-    """A unary method that first answers a request whose bytes did not parse."""
-
-    @functools.wraps(method)
-    async def run(self: InferenceServicer, request: Any, context: grpc.aio.ServicerContext) -> T:
-        if isinstance(request, Malformed):
-            self._note_malformed(method.__name__, request, context)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        return await method(self, request, context)
-
-    return run
-
-
 class InferenceServicer:
     """The Open Inference Protocol over the AsyncEngine (`serving()` returns it once warm)."""
+
+    PROTOCOL = PROTOCOL
 
     def __init__(
         self,
@@ -112,20 +102,18 @@ class InferenceServicer:
 
     # --- health and metadata -----------------------------------------------------------
 
-    @_parsed
+    @parsed
     async def ServerLive(self, request, context) -> pb.ServerLiveResponse:
-        return await self._answer(
-            "ServerLive", "", context, _sync(pb.ServerLiveResponse, live=True)
-        )
+        return await self._answer("ServerLive", "", context, sync(pb.ServerLiveResponse, live=True))
 
-    @_parsed
+    @parsed
     async def ServerReady(self, request, context) -> pb.ServerReadyResponse:
         def handle() -> pb.ServerReadyResponse:
             return pb.ServerReadyResponse(ready=self._ready())
 
-        return await self._answer("ServerReady", "", context, _sync(handle))
+        return await self._answer("ServerReady", "", context, sync(handle))
 
-    @_parsed
+    @parsed
     async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
         def handle() -> pb.ModelReadyResponse:
             if not self._ready():
@@ -136,16 +124,16 @@ class InferenceServicer:
             return pb.ModelReadyResponse(ready=False)
 
         model = self._model_label(request.name)
-        return await self._answer("ModelReady", model, context, _sync(handle))
+        return await self._answer("ModelReady", model, context, sync(handle))
 
-    @_parsed
+    @parsed
     async def ServerMetadata(self, request, context) -> pb.ServerMetadataResponse:
         response = pb.ServerMetadataResponse(
             name=SERVER_NAME, version=_version(), extensions=EXTENSIONS
         )
-        return await self._answer("ServerMetadata", "", context, _sync(lambda: response))
+        return await self._answer("ServerMetadata", "", context, sync(lambda: response))
 
-    @_parsed
+    @parsed
     async def ModelMetadata(
         self, request: pb.ModelMetadataRequest, context
     ) -> pb.ModelMetadataResponse:
@@ -153,9 +141,9 @@ class InferenceServicer:
             return model_metadata(self._hosted(request.name, request.version))
 
         model = self._model_label(request.name)
-        return await self._answer("ModelMetadata", model, context, _sync(handle))
+        return await self._answer("ModelMetadata", model, context, sync(handle))
 
-    @_parsed
+    @parsed
     async def ModelConfig(self, request: pb.ModelConfigRequest, context) -> pb.ModelConfigResponse:
         def handle() -> pb.ModelConfigResponse:
             hosted = self._hosted(request.name, request.version)
@@ -164,11 +152,11 @@ class InferenceServicer:
             return pb.ModelConfigResponse(config=config)
 
         model = self._model_label(request.name)
-        return await self._answer("ModelConfig", model, context, _sync(handle))
+        return await self._answer("ModelConfig", model, context, sync(handle))
 
     # --- inference ---------------------------------------------------------------------
 
-    @_parsed
+    @parsed
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInferResponse:
@@ -312,8 +300,7 @@ class InferenceServicer:
     def _note_malformed(
         self, method: str, request: Malformed, context: grpc.aio.ServicerContext
     ) -> None:
-        metrics.count_request(method, "unknown", grpc.StatusCode.INVALID_ARGUMENT.name, PROTOCOL)
-        self.malformed_log.note(method, context.peer(), request)
+        note_malformed(method, request, context, self.malformed_log, protocol=PROTOCOL)
 
     async def _answer(
         self,
@@ -322,32 +309,7 @@ class InferenceServicer:
         context: grpc.aio.ServicerContext,
         handle: Callable[[], Awaitable[T]],
     ) -> T:
-        """Runs a handler; expected errors become their status (status_of, as mha.v1's),
-        anything else INTERNAL. Counted before the status is sent."""
-        code, counted = grpc.StatusCode.OK, False
-        try:
-            return await handle()
-        except EXPECTED as e:
-            code = status_of(e)
-            if _over(context):  # gRPC answered DEADLINE_EXCEEDED itself
-                raise asyncio.CancelledError from e
-            metrics.count_request(method, model, code.name, PROTOCOL)
-            counted = True
-            await context.abort(code, str(e))
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        except Exception as e:
-            if isinstance(e, grpc.aio.AbortError):
-                raise
-            code = grpc.StatusCode.INTERNAL
-            log.exception("%s failed on model %s", method, model)
-            metrics.count_request(method, model, code.name, PROTOCOL)
-            counted = True
-            await context.abort(code, f"internal error in {method}: {type(e).__name__}: {e}")
-        finally:
-            if not counted:
-                metrics.count_request(method, model, code.name, PROTOCOL)
+        return await answer(method, model, context, handle, protocol=PROTOCOL)
 
 
 def _deadline(context: grpc.aio.ServicerContext, timeout_us: Any) -> float | None:
@@ -358,21 +320,6 @@ def _deadline(context: grpc.aio.ServicerContext, timeout_us: Any) -> float | Non
     if timeout_us:
         deadlines.append(now + timeout_us / 1e6)
     return min(deadlines, default=None)
-
-
-def _over(context: grpc.aio.ServicerContext) -> bool:
-    """Whether the call is over already (grpcio's done() turns true only once a status was sent)."""
-    remaining = context.time_remaining()
-    return context.done() or (remaining is not None and remaining <= 0)
-
-
-def _sync(fn: Callable[..., T], **kwargs: Any) -> Callable[[], Awaitable[T]]:
-    """A quick synchronous handler (called with kwargs) as the coroutine function _answer expects."""
-
-    async def run() -> T:
-        return fn(**kwargs)
-
-    return run
 
 
 def add_inference_service(
