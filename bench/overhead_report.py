@@ -37,6 +37,11 @@ def render(results: dict[str, Any], targets: dict[str, Any]) -> str:
             if results.get("baseline_tree")
             else []
         ),
+        *(
+            [f"Served servers started with `{' '.join(results['server_args'])}`.", ""]
+            if results.get("server_args")
+            else []
+        ),
         "## Decode step",
         "",
         "Served: a StreamSession step through a real mha-serve on loopback (request and reply "
