@@ -403,8 +403,13 @@ def _bounded_rows(
         q_b, k_b, v_b = projected_bounds(
             call.input_absmax, cfg.embed_dim, wb, rotary=cfg.rope is not None
         )
+        # Every tensor on the way must fit too, not only K/V and the output: the input in
+        # the model's dtype, q in the model's and the cache's (the kernels round it to the
+        # cache's), the gate and the gated heads (a huge gate on tiny values times a small
+        # Wo clears the output's bound, yet is inf in float16 and 0 * inf is NaN).
         if (
-            not max(k_b, v_b) < limit
+            not max(q_b, k_b, v_b) < limit
+            or not max(call.input_absmax, gate, gate * v_b) < out_limit
             or bound_crossed(q_b, max(k_b, r.key_absmax), cfg.head_dim, limit * MARGIN)
             or not output_bound(v_b, gate, wb) < out_limit
         ):

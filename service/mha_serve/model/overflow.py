@@ -110,13 +110,17 @@ class WeightBounds:
     v_bias: float
     o_row_l1: float  # max L1 norm of a row of Wo: |Wo_i . y| <= ||Wo_i||_1 max|y|
     o_bias: float
+    # max |rotated q or k| over max |unrotated|: RoPE's cos and sin carry its attention
+    # factor (yarn's can be any number), |a f cos - b f sin| <= f (|a| + |b|) <= 2 f max.
+    rotation: float = 2.0
 
 
 def weight_bounds(module: torch.nn.Module) -> WeightBounds:
     """The module's WeightBounds, computed once per version of its weights (kept on the
     module, recomputed after any in-place change or a move to another tensor)."""
     params = [module.wqkv.weight, module.wqkv.bias, module.wo.weight, module.wo.bias]
-    key = tuple((id(p), p._version) for p in params if p is not None)
+    scaling = float(getattr(module, "rope_scaling", 1.0))
+    key = (scaling, *((id(p), p._version) for p in params if p is not None))
     cached = getattr(module, "_overflow_bounds", None)
     if cached is not None and cached[0] == key:
         return cached[1]
@@ -133,6 +137,7 @@ def weight_bounds(module: torch.nn.Module) -> WeightBounds:
             *(float(b) for b in biases),
             float(o_row),
             float(o_bias),
+            2.0 * max(1.0, abs(scaling)),
         )
     module._overflow_bounds = (key, bounds)
     return bounds
@@ -142,9 +147,10 @@ def projected_bounds(
     x_absmax: float, embed_dim: int, wb: WeightBounds, *, rotary: bool
 ) -> tuple[float, float, float]:
     """Bounds on max |q|, |k|, |v| from max |x| alone: ||x||_2 <= sqrt(E) max|x|. A rotation
-    (RoPE) mixes element pairs: |a cos - b sin| <= |a| + |b|, so q and k bounds double."""
+    (RoPE) mixes element pairs: |a cos - b sin| <= |a| + |b|, so q and k bounds double,
+    times the attention factor its cos and sin carry (wb.rotation)."""
     x_norm = math.sqrt(embed_dim) * x_absmax
-    turn = 2.0 if rotary else 1.0
+    turn = wb.rotation if rotary else 1.0
     return (
         turn * (x_norm * wb.q_row + wb.q_bias),
         turn * (x_norm * wb.k_row + wb.k_bias),

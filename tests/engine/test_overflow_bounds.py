@@ -1,0 +1,92 @@
+"""A session step that the input bounds clear (engine/sessions.py _bounded_rows) reads none
+of its tensors, so each bound must hold for every tensor on the way: a step they clear
+wrongly would answer NaN as OK, or keep an inf key that poisons its session."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mha_serve.engine import AttendCall, Engine, InvalidRequest, ModelSpec
+from mha_serve.model import AttentionConfig
+from mha_serve.model.config import RopeConfig
+from mha_serve.model.overflow import projected_bounds, weight_bounds
+
+
+def engine_of(spec: ModelSpec, dtype: torch.dtype) -> Engine:
+    return Engine([spec], device=torch.device("cpu"), dtype=dtype, max_response_bytes=2**30)
+
+
+def answer_is_finite_or_refused(engine: Engine, call: AttendCall) -> None:
+    try:
+        result = engine.attend(call)
+    except InvalidRequest:
+        assert engine.sessions.table.get(call.session_id).num_tokens == 0  # nothing kept
+        return
+    assert torch.isfinite(result.output).all(), result.output
+
+
+def test_a_huge_head_gate_on_a_float16_model_is_not_cleared_by_the_output_bound():
+    """head_mask 1e5 is inf in float16: zero values times it are NaN, although the output's
+    bound (||Wo||_1 * gate * max|v| = 0 for a zero input without bias) clears it."""
+    spec = ModelSpec("m", AttentionConfig(32, 4, 2, bias=False), seed=1)
+    engine = engine_of(spec, torch.float16)
+    sid = engine.sessions.create("m", None, None).id
+    x = torch.zeros(1, 2, 32, dtype=torch.float16)
+    answer_is_finite_or_refused(
+        engine, AttendCall("m", x, session_id=sid, head_mask=[1e5, 1.0, 1.0, 1.0])
+    )
+
+
+def test_an_input_past_a_float16_models_range_is_not_cleared():
+    """A float32 input of 1e5 is inf in a float16 model, whatever its small weights make of
+    the bounds on q, k and v (asked for float16 outputs: no conversion checks them)."""
+    spec = ModelSpec("m", AttentionConfig(32, 4, 2, bias=False), seed=1)
+    engine = engine_of(spec, torch.float16)
+    with torch.no_grad():
+        engine.get("m").module.wqkv.weight.mul_(1e-4)
+    sid = engine.sessions.create("m", None, None).id
+    x = torch.full((1, 2, 32), 1e5)
+    call = AttendCall("m", x, session_id=sid, output_dtype=torch.float16)
+    answer_is_finite_or_refused(engine, call)
+
+
+def yarn_engine(attention_factor: float) -> Engine:
+    rope = RopeConfig(
+        type="yarn", factor=4.0, attention_factor=attention_factor,
+        original_max_position_embeddings=64,
+    )  # fmt: skip
+    cfg = AttentionConfig(8, 1, 1, head_dim=8, bias=False, rope=rope)
+    engine = engine_of(ModelSpec("r", cfg, seed=1, kv_cache_dtype="float16"), torch.float32)
+    with torch.no_grad():  # k dim 0 = ||x||_2 for a constant x (the bound's tight case)
+        w = torch.zeros(24, 8)
+        w[0:8] = torch.eye(8) * 1e-9
+        w[8] = 1 / math.sqrt(8)
+        w[16:24] = torch.eye(8)
+        engine.get("r").module.wqkv.weight.copy_(w)
+    return engine
+
+
+@pytest.mark.parametrize("attention_factor", [0.5, 1.0, 5.0])
+def test_the_rotary_bound_counts_the_attention_factor(attention_factor):
+    engine = yarn_engine(attention_factor)
+    module = engine.get("r").module
+    x = torch.full((1, 3, 8), 100.0)
+    with torch.inference_mode():
+        q, k, _ = module.project(x, torch.tensor([[0, 5, 17]]))
+    q_b, k_b, _ = projected_bounds(100.0, 8, weight_bounds(module), rotary=True)
+    assert float(q.abs().max()) <= q_b and float(k.abs().max()) <= k_b
+
+
+def test_a_yarn_key_past_float16_is_refused_not_cached():
+    """yarn's attention factor 5 scales cos and sin: a key of 15000 before the rotation is
+    75000 after it, inf in a float16 cache. Bounded as 2 * 15000 it was kept, answered NaN
+    as OK, and every later step of the session was NaN."""
+    engine = yarn_engine(5.0)
+    sid = engine.sessions.create("r", None, None).id
+    x = torch.full((1, 1, 8), 15000 / math.sqrt(8))
+    answer_is_finite_or_refused(engine, AttendCall("r", x, session_id=sid))
+    step = engine.attend(AttendCall("r", torch.ones(1, 1, 8), session_id=sid))
+    assert torch.isfinite(step.output).all()
