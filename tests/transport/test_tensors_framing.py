@@ -158,3 +158,50 @@ def test_streamed_session_steps_are_framed_and_exact(server):
                 rest = [stream.step(x[t : t + 1]).output for t in range(64, 70)]
     steps = np.concatenate([first, *rest])
     np.testing.assert_allclose(steps, whole, rtol=1e-5, atol=1e-5)
+
+
+class _Context:
+    """What the servicer asks of a grpc.aio context on an Attend that succeeds."""
+
+    def time_remaining(self) -> None:
+        return None
+
+    def done(self) -> bool:
+        return False
+
+    def peer(self) -> str:
+        return "test"
+
+    async def abort(self, code, details=""):
+        raise AssertionError(f"aborted {code}: {details}")
+
+
+async def test_servicer_answers_a_message_in_messages_and_parsed_bytes_in_bytes():
+    """Called with a message (the Ray replica) the servicer answers a message; with a request
+    as the gRPC handlers parse it, a large reply leaves framed, equal to that message."""
+    from mha_serve.config import default_models
+    from mha_serve.engine import Engine
+    from mha_serve.engine.threads import ComputeThreads
+    from mha_serve.serving import AsyncEngine
+    from mha_serve.transport.servicer import AttentionServicer
+
+    engine = Engine(
+        default_models(), device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**28
+    )
+    compute = ComputeThreads()
+    serving = AsyncEngine(engine, compute)
+    servicer = AttentionServicer(max_request_bytes=2**26)
+    servicer.attach(serving)
+    try:
+        x = np.random.default_rng(3).standard_normal((64, 512), dtype=np.float32)
+        request = build_attend_request("mha", x)
+        as_message = await servicer.Attend(request, _Context())
+        parsed = parse_attend_request(request.SerializeToString())
+        as_bytes = await servicer.Attend(parsed, _Context())
+    finally:
+        await serving.close()
+        compute.shutdown()
+    assert isinstance(as_message, pb.AttendResponse) and isinstance(as_bytes, bytes)
+    decoded = pb.AttendResponse.FromString(as_bytes)
+    assert decoded.output == as_message.output and decoded.model == as_message.model == "mha"
+    assert decoded.timing.batch_size == 1 and decoded.timing.total_ms > 0
