@@ -90,3 +90,13 @@ def test_a_yarn_key_past_float16_is_refused_not_cached():
     answer_is_finite_or_refused(engine, AttendCall("r", x, session_id=sid))
     step = engine.attend(AttendCall("r", torch.ones(1, 1, 8), session_id=sid))
     assert torch.isfinite(step.output).all()
+
+
+def test_weight_bounds_follow_weights_replaced_through_data():
+    """`param.data = t` (and module.to(dtype)) keeps the parameter's id and version: bounds
+    kept for the old tensor would clear steps of weights 1000x larger."""
+    engine = engine_of(ModelSpec("m", AttentionConfig(32, 4, 2), seed=1), torch.float32)
+    module = engine.get("m").module
+    before = weight_bounds(module)
+    module.wqkv.weight.data = module.wqkv.weight.data * 1000
+    assert weight_bounds(module).q_row == pytest.approx(before.q_row * 1000)

@@ -117,10 +117,11 @@ class WeightBounds:
 
 def weight_bounds(module: torch.nn.Module) -> WeightBounds:
     """The module's WeightBounds, computed once per version of its weights (kept on the
-    module, recomputed after any in-place change or a move to another tensor)."""
+    module, recomputed after any in-place change, a new parameter, or a new tensor under
+    one: `.data = t` and module.to(dtype) keep the parameter's id and version)."""
     params = [module.wqkv.weight, module.wqkv.bias, module.wo.weight, module.wo.bias]
     scaling = float(getattr(module, "rope_scaling", 1.0))
-    key = (scaling, *((id(p), p._version) for p in params if p is not None))
+    key = (scaling, *((id(p), p.data_ptr(), p.dtype, p._version) for p in params if p is not None))
     cached = getattr(module, "_overflow_bounds", None)
     if cached is not None and cached[0] == key:
         return cached[1]
