@@ -100,3 +100,28 @@ def test_weight_bounds_follow_weights_replaced_through_data():
     before = weight_bounds(module)
     module.wqkv.weight.data = module.wqkv.weight.data * 1000
     assert weight_bounds(module).q_row == pytest.approx(before.q_row * 1000)
+
+
+def test_a_tiny_step_over_large_cached_values_is_not_cleared():
+    """The output averages the session's cached values, not only the step's own: a tiny
+    step (its own values' bound clears the output's) over a cached value of 20000, gated
+    by 8, is 160000: inf in float16. The session's bound covers its values too."""
+    cfg = AttentionConfig(8, 1, 1, head_dim=8, bias=False)
+    engine = engine_of(ModelSpec("m", cfg, seed=1), torch.float16)
+    module = engine.get("m").module
+    with torch.no_grad():  # q = k = 0 (uniform attention), v = x, output = gated heads
+        w = torch.zeros(24, 8)
+        w[16:24] = torch.eye(8)
+        module.wqkv.weight.copy_(w)
+        module.wo.weight.copy_(torch.eye(8))
+    sid = engine.sessions.create("m", None, None).id
+    x = torch.zeros(1, 1, 8, dtype=torch.float16)
+    x[..., 0] = 20000
+    engine.attend(AttendCall("m", x, session_id=sid, head_mask=[1.0]))
+    tiny = torch.full((1, 1, 8), 1e-3, dtype=torch.float16)
+    try:
+        result = engine.attend(AttendCall("m", tiny, session_id=sid, head_mask=[8.0]))
+    except InvalidRequest:
+        assert engine.sessions.table.get(sid).num_tokens == 1  # nothing kept
+        return
+    assert torch.isfinite(result.output).all(), result.output

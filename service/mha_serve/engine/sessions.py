@@ -201,9 +201,11 @@ class Sessions:
 
     def _forward(self, hosted, cache, steps: list[AttendCall], live) -> tuple:
         """Writes the steps' K/V and attends; returns (AttentionOutput, heads, overflowed,
-        too_large, k_max, finite): overflowed, the batch rows whose K/V did not fit the
-        cache's dtype; too_large, those whose scores overflow; k_max, a bound on each row's
-        max |k| (measured, or proven); finite, whether each row's output is."""
+        too_large, kv_max, finite): overflowed, the batch rows whose K/V did not fit the
+        cache's dtype; too_large, those whose scores overflow; kv_max, a bound on each row's
+        max |k| and |v| (measured, or proven), kept as its session's bound (key_absmax: a
+        later step's output averages the cached values too, not only its own); finite,
+        whether each row's output is."""
         reservations = [r for _, r in live]
         new_tokens = [c.inputs.shape[1] for c in steps]
         x = _batch_inputs(hosted, steps, new_tokens)  # (B, T, E)
@@ -268,7 +270,8 @@ class Sessions:
                     if scores_overflow(q_b, kv[b][0][0], limit, first_pos=past[b]):
                         too_large.add(b)
         finite = [m < math.inf for m in o_max]
-        return out, heads, overflowed, too_large, k_max, finite
+        kv_max = [max(k, v) for k, v in zip(k_max, v_max, strict=True)]
+        return out, heads, overflowed, too_large, kv_max, finite
 
     def _settle(
         self,
@@ -276,7 +279,7 @@ class Sessions:
         heads,
         overflowed,
         too_large,
-        k_max,
+        kv_max,
         finite,
         compute_ms: float,
         calls,
@@ -306,7 +309,7 @@ class Sessions:
                     results[i] = e
                     continue
                 try:  # one transaction: count the tokens, unpin, read the session's stats
-                    result.session = self.table.commit(r, key_absmax=k_max[b])
+                    result.session = self.table.commit(r, key_absmax=kv_max[b])
                 except CacheError as e:  # closed while the step ran: its cache went with it
                     results[i] = e
                     continue
@@ -387,16 +390,18 @@ def _bounded_rows(
     steps: list[AttendCall],
     reservations: list[Reservation],
 ) -> list[float] | None:
-    """Each step's bound on max |k| when the bounds from its max |input| prove that nothing
-    of the batch can overflow: not its K/V in the cache's dtype, not its scores against its
-    session's keys, not its output. None when any step's bounds cannot (or its input was not
-    validated): the batch's tensors are then measured."""
+    """Each step's bound on max |k| and |v| when the bounds from its max |input| prove that
+    nothing of the batch can overflow: not its K/V in the cache's dtype, not its scores
+    against its session's keys, not its output, which averages the session's cached values
+    too. The session's bound (Reservation.key_absmax) covers its cached keys and values.
+    None when any step's bounds cannot (or its input was not validated): the batch's
+    tensors are then measured."""
     cfg = hosted.spec.attention
     wb = weight_bounds(hosted.module)
     limit = score_limit(hosted.dtype, cache.dtype) / MARGIN
     out_limit = torch.finfo(hosted.dtype).max / MARGIN
     gate = 1.0 if steps[0].head_mask is None else max(abs(g) for g in steps[0].head_mask)
-    k_bounds = []
+    kv_bounds = []
     for call, r in zip(steps, reservations, strict=True):
         if call.input_absmax is None:
             return None
@@ -407,15 +412,16 @@ def _bounded_rows(
         # the model's dtype, q in the model's and the cache's (the kernels round it to the
         # cache's), the gate and the gated heads (a huge gate on tiny values times a small
         # Wo clears the output's bound, yet is inf in float16 and 0 * inf is NaN).
+        v_all = max(v_b, r.key_absmax)  # the output averages every value the step sees
         if (
             not max(q_b, k_b, v_b) < limit
-            or not max(call.input_absmax, gate, gate * v_b) < out_limit
+            or not max(call.input_absmax, gate, gate * v_all) < out_limit
             or bound_crossed(q_b, max(k_b, r.key_absmax), cfg.head_dim, limit * MARGIN)
-            or not output_bound(v_b, gate, wb) < out_limit
+            or not output_bound(v_all, gate, wb) < out_limit
         ):
             return None
-        k_bounds.append(k_b)
-    return k_bounds
+        kv_bounds.append(max(k_b, v_b))
+    return kv_bounds
 
 
 def _batch_inputs(
