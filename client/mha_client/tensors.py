@@ -166,9 +166,19 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+# protobuf (upb) reads a tag or a length in at most 5 bytes and rejects a longer one (a
+# redundant 0x80 byte more), though a value's varint may take 10: framing that accepted a
+# 6-byte tag or length would answer a message protobuf rejects.
+_TAG_OR_LEN_BYTES = 5
+# Fields split_fields reads before it hands a message to protobuf whole. An AttendRequest
+# has 8 fields and a Tensor 3; a request of 64 MiB made of 2-byte fields would otherwise
+# keep this Python loop (and the event loop running it) busy for 40 s, protobuf's C 0.7 s.
+MAX_SCAN_FIELDS = 256
+
+
+def _read_varint(buf: memoryview, pos: int, max_bytes: int = 10) -> tuple[int, int]:
     result = shift = 0
-    while shift < 64:
+    while shift < 7 * max_bytes:
         if pos >= len(buf):
             raise ValueError("truncated varint")
         byte = buf[pos]
@@ -177,7 +187,7 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         if byte < 0x80:
             return result, pos
         shift += 7
-    raise ValueError("varint longer than 10 bytes")
+    raise ValueError(f"varint longer than {max_bytes} bytes")
 
 
 def tensor_field(field: int, dtype: int, shape: Sequence[int], payload: Any) -> list[Any]:
@@ -203,17 +213,20 @@ def split_fields(
 ) -> tuple[list[memoryview], dict[int, memoryview]] | None:
     """buf's encoding without `fields` (slices to join) and each of those fields' value (a
     view into buf). None when a field does not scan as length-delimited, occurs twice (protobuf
-    would merge the two) or the bytes are not a valid encoding: protobuf then gets them whole."""
+    would merge the two), the bytes are not a valid encoding or hold more than MAX_SCAN_FIELDS
+    fields: protobuf then gets them whole."""
     wanted = set(fields)
     rest: list[memoryview] = []
     found: dict[int, memoryview] = {}
     pos = kept = 0
     try:
-        while pos < len(buf):
+        for _ in range(MAX_SCAN_FIELDS):
+            if pos >= len(buf):
+                break
             start = pos
-            key, pos = _read_varint(buf, pos)
+            key, pos = _read_varint(buf, pos, _TAG_OR_LEN_BYTES)
             number, wire_type = key >> 3, key & 7
-            if number == 0 or (number in wanted and wire_type != _LEN):
+            if number == 0 or key > 0xFFFFFFFF or (number in wanted and wire_type != _LEN):
                 return None
             if wire_type == 0:
                 _, pos = _read_varint(buf, pos)
@@ -222,7 +235,7 @@ def split_fields(
             elif wire_type == 5:
                 pos += 4
             elif wire_type == _LEN:
-                size, pos = _read_varint(buf, pos)
+                size, pos = _read_varint(buf, pos, _TAG_OR_LEN_BYTES)
                 if number in wanted:
                     if number in found or pos + size > len(buf):
                         return None
@@ -234,6 +247,8 @@ def split_fields(
                 return None
             if pos > len(buf):
                 return None
+        else:  # a valid message this long is a hostile one (or unpacked repeats): C parses it
+            return None
     except ValueError:
         return None
     rest.append(buf[kept:])
