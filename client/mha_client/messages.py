@@ -220,7 +220,10 @@ def encode_attend_request(model: str, x: np.ndarray, **options: Any) -> bytes:
     """build_attend_request's request, serialized with one copy of x's bytes (protobuf's
     way costs five): for a channel method sending bytes as they are (no request_serializer)."""
     arr = np.asarray(x)
-    head = build_attend_request(model, arr[..., :0], **options)  # checks all but x's bytes
+    # Checks all but x's bytes on an empty slice; a wrong rank whole, for build's error to
+    # name x's shape (and a 0-d x to raise ValueError, not IndexError).
+    probe = arr[..., :0] if arr.ndim in (2, 3) else arr
+    head = build_attend_request(model, probe, **options)
     head.ClearField("input")
     tensor = array_field(2, arr, options.get("input_dtype"))
     return b"".join([head.SerializeToString(), *tensor])
