@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from unittest import mock
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -19,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mha_client.api import attention_pb2 as pb
-from mha_client.messages import _RESPONSE_TENSORS, parse_attend_response
+from mha_client.messages import _RESPONSE_TENSORS, build_attend_request, parse_attend_response
 from mha_client.tensors import MAX_SCAN_FIELDS, parse_with_tensors, split_fields
 from mha_serve.cache import SessionStats
 from mha_serve.config import default_models
@@ -27,6 +28,7 @@ from mha_serve.engine import AttendResult, Engine
 from mha_serve.transport import convert
 from mha_serve.transport.convert import encode_frames, encode_result, to_call
 from mha_serve.transport.handlers import Malformed, lenient
+from tests.helpers import ServerProcess
 
 FUZZ = settings(
     max_examples=300,
@@ -509,3 +511,39 @@ def test_the_received_bytes_are_read_in_place_and_never_written(engine, pad):
     assert stepped.output.shape == (1, 40, 512)
     del parsed, call  # the view keeps the bytes it reads alive, not gRPC
     assert torch.equal(framed.output, reference.output)
+
+
+# ----- over a real server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc = ServerProcess(log_path=tmp_path_factory.mktemp("wire_fuzz") / "server.log")
+    try:
+        proc.wait_serving()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def test_a_server_answers_protobufs_verdict_on_padded_tags(server):
+    """A framed-size request (128 KiB) whose input tag takes 5 bytes is answered as the plain
+    one; in 6 bytes protobuf rejects it, and so does the server (was: OK, with the output)."""
+    x = np.random.default_rng(3).standard_normal((64, 512)).astype(np.float32)
+    body = b"".join(
+        f
+        for n, wt, v in _fields(build_attend_request("mha", x).SerializeToString())
+        for f in [_encode([(n, wt, v)], [0, 4 if n == 2 else 0])]
+    )
+    with grpc.insecure_channel(server.target) as channel:
+        attend = channel.unary_unary("/mha.v1.AttentionService/Attend")
+        plain = pb.AttendResponse.FromString(
+            attend(build_attend_request("mha", x).SerializeToString(), timeout=30)
+        )
+        padded = pb.AttendResponse.FromString(attend(body, timeout=30))
+        assert padded.output == plain.output
+        too_long = body.replace(b"\x92\x80\x80\x80\x00", b"\x92\x80\x80\x80\x80\x00", 1)
+        assert _protobuf(pb.AttendRequest, too_long) is None
+        with pytest.raises(grpc.RpcError) as e:
+            attend(too_long, timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
