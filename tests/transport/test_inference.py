@@ -542,3 +542,22 @@ def test_inference_stubs_pickle_under_their_own_modules():
             assert pickle.loads(pickle.dumps(cls())) == cls(), name
     text = Path(ip_grpc.__file__).read_text()
     assert "from . import grpc_service_pb2" in text and "from inference" not in text
+
+
+async def test_a_clients_sequence_is_out_of_another_clients_reach(tmp_path):
+    """Sequence ids are the clients' own small numbers: with tokens, client B sending A's
+    sequence id without start is refused, never steps A's session (its cached keys)."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("token-a\ntoken-b\n")
+    async with serving(auth_token_file=str(tokens)) as stubs:
+        x = embeddings(1, 1, EMBED)
+        a = (("authorization", "Bearer token-a"),)
+        b = (("authorization", "Bearer token-b"),)
+        start = infer_request(x, sequence_id=7, sequence_start=True)
+        await stubs.oip.ModelInfer(start, metadata=a)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stubs.oip.ModelInfer(infer_request(x, sequence_id=7), metadata=b)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "START flag" in err.value.details()
+        reply = await stubs.oip.ModelInfer(infer_request(x, sequence_id=7), metadata=a)
+        assert list(output(reply, "OUTPUT").shape) == [1, 1, EMBED]  # A's steps go on

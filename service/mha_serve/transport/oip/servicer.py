@@ -251,7 +251,10 @@ class InferenceServicer:
         """One step of a sequence's session: start creates it (replacing a live one of the same
         id), end closes it after the step, whatever the step's outcome."""
         model = call.model
-        key = (model, sequence.id)
+        # A sequence id names a sequence of its client only (the same identity that limits
+        # count against: certificate, token or peer address): another client sending the
+        # same id never reaches this one's cached keys. (Triton's ids are global per model.)
+        key = (model, owner, sequence.id)
         if sequence.start:
             session_id = serving.create_session(model, None, None, owner).session_id
             previous = self.sequences.start(key, session_id, live=self._live)
