@@ -549,3 +549,22 @@ def test_one_busy_rule_covers_a_claimed_step_from_receipt_to_answer():
     table.close(s.id)
     table.release(s.id)  # the session went while claimed: releasing it is no error
     assert_all_free(table)
+
+
+def test_a_claimed_session_is_pinned_until_its_step_is_answered():
+    """A step waiting in the queue (claimed, not yet reserved) never finds its session
+    expired or evicted; once answered, the session ages and can go as usual."""
+    clock = Clock()
+    table, _ = make(2, evict=True, clock=clock)
+    s = table.create("m", ttl_s=5)
+    append(table, s.id, 2 * BS)  # both blocks
+    table.claim(s.id)
+    clock.now += 60
+    assert table.expire() == []  # past its TTL, but claimed
+    other = table.create("m")
+    with pytest.raises(CacheExhausted):  # eviction may not take the claimed session
+        table.reserve(other.id, 1)
+    table.release(s.id)
+    assert table.get(s.id).num_tokens == 2 * BS  # idle time starts at the release
+    clock.now += 6
+    assert table.expire() == [s.id]

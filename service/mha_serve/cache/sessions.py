@@ -214,19 +214,23 @@ class SessionTable:
     def claim(self, session_id: str) -> None:
         """Claims the session for one step, from its receipt to its answer: another step
         of it meanwhile (on another call or stream) is refused with SessionBusy at once,
-        whether the first still queues or computes, and so is a truncate."""
+        whether the first still queues or computes, and so is a truncate. The claim pins the
+        session: a step waiting in the queue never finds it expired or evicted."""
         with self._lock:
             s = self._lookup(session_id, self._clock())
             if _busy(s, claiming=True):
                 raise SessionBusy(_BUSY.format(session_id=session_id))
             s.claimed = True
+            s.in_use += 1
 
     def release(self, session_id: str) -> None:
-        """The claimed step is answered (or failed); a session gone meanwhile is no error."""
+        """The claimed step is answered (or failed): unclaimed and unpinned. A session closed
+        meanwhile is freed now (its last pin)."""
         with self._lock:
             s = self._sessions.get(session_id) or self._zombies.get(session_id)
-            if s is not None:
+            if s is not None and s.claimed:
                 s.claimed = False
+                self._unpin(s)
 
     def reserve(
         self, session_id: str, num_new_tokens: int, *, claimed: bool = False
