@@ -47,14 +47,14 @@ def is_custom(doc: dict[str, Any]) -> bool:
     return (doc["apiVersion"], doc["kind"]) in CRD_FILES
 
 
-def _strict(schema: Any) -> Any:
+def strict(schema: Any) -> Any:
     """The CRD's schema with unknown fields refused, as `kubectl apply --validate=strict`
     does (the API server would otherwise prune a misspelt key in silence)."""
     if isinstance(schema, list):
-        return [_strict(s) for s in schema]
+        return [strict(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _strict(v) for k, v in schema.items()}
+    out = {k: strict(v) for k, v in schema.items()}
     if (
         "properties" in schema
         and "additionalProperties" not in schema
@@ -74,7 +74,7 @@ def _crd_validator(api_version: str, kind: str):
     group, version = api_version.split("/")
     assert crd["spec"]["group"] == group and crd["spec"]["names"]["kind"] == kind
     (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
-    schema = _strict(served["schema"]["openAPIV3Schema"])
+    schema = strict(served["schema"]["openAPIV3Schema"])
     return jsonschema.Draft7Validator(schema)
 
 

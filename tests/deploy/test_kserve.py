@@ -14,6 +14,7 @@ import pytest
 
 from mha_serve.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, SERVER_KEYS, build_config
 from mha_serve.transport.main import ENV_PREFIX, parser
+from tests.deploy.k8s import strict
 
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with kubernetes-validate (the dev extra)")
 jsonschema = pytest.importorskip("jsonschema", reason="comes with kubernetes-validate")
@@ -42,22 +43,6 @@ def runtime() -> dict[str, Any]:
 def container(runtime) -> dict[str, Any]:
     (only,) = runtime["spec"]["containers"]
     return only
-
-
-def strict(schema: Any) -> Any:
-    """The schema with unknown fields refused where it lists its fields."""
-    if isinstance(schema, list):
-        return [strict(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: strict(v) for k, v in schema.items()}
-    if (
-        "properties" in schema
-        and "additionalProperties" not in schema
-        and not schema.get("x-kubernetes-preserve-unknown-fields")
-    ):
-        out["additionalProperties"] = False
-    return out
 
 
 @functools.cache

@@ -10,28 +10,13 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.deploy.k8s import strict
 from tests.ray_app.cluster import CONFIG
 
 ROOT = Path(__file__).resolve().parents[2]
 RAYSERVICE = ROOT / "deploy" / "ray" / "rayservice.yaml"
 CRD = ROOT.parent / "shared" / "schemas" / "crds" / "ray.io_rayservices.yaml"
 jsonschema = pytest.importorskip("jsonschema", reason="comes with kubernetes-validate (dev)")
-
-
-def strict(schema: Any) -> Any:
-    """The schema with unknown fields refused where it lists its fields."""
-    if isinstance(schema, list):
-        return [strict(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: strict(v) for k, v in schema.items()}
-    if (
-        "properties" in schema
-        and "additionalProperties" not in schema
-        and not schema.get("x-kubernetes-preserve-unknown-fields")
-    ):
-        out["additionalProperties"] = False
-    return out
 
 
 @pytest.fixture(scope="module")
