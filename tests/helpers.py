@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -80,3 +81,15 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def serving_process(log_dir: Path, *args: str):
+    """A ServerProcess, SERVING, stopped at the end: exit code 0 on SIGTERM or the test fails."""
+    proc = ServerProcess(*args, log_path=log_dir / "mha-serve.log")
+    try:
+        proc.wait_serving()
+        yield proc
+    finally:
+        code = proc.stop()
+        assert code == 0, f"mha-serve exited {code} on SIGTERM:\n{proc.log()}"

@@ -6,18 +6,13 @@ import grpc
 import pytest
 
 from mha_client.api import attention_pb2_grpc as pb_grpc
-from tests.helpers import ServerProcess
+from tests.helpers import serving_process
 
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    proc = ServerProcess(log_path=tmp_path_factory.mktemp("server") / "mha-serve.log")
-    try:
-        proc.wait_serving()
+    with serving_process(tmp_path_factory.mktemp("server")) as proc:
         yield proc
-    finally:
-        code = proc.stop()
-        assert code == 0, f"mha-serve exited {code} on SIGTERM:\n{proc.log()}"
 
 
 @pytest.fixture(scope="session")
