@@ -214,6 +214,11 @@ def build_attend_request(
 
 # The AttendResponse fields that hold tensors, by field number.
 _RESPONSE_TENSORS = {2: "output", 3: "attention_weights"}
+# Requests and replies with this many bytes go framed (one payload copy to encode, none to
+# decode); below it protobuf's C code is quicker and a copy of a few KiB is nothing (a 1-token
+# step: 5 us built vs 13 us framed, replies 13 vs 25 us; at 128 KiB a built request is 270 us
+# vs 20 framed). The server frames at the same size (mha_serve.transport.convert).
+FRAME_BYTES = 1 << 16
 
 
 def encode_attend_request(model: str, x: np.ndarray, **options: Any) -> bytes:
@@ -227,6 +232,23 @@ def encode_attend_request(model: str, x: np.ndarray, **options: Any) -> bytes:
     head.ClearField("input")
     tensor = array_field(2, arr, options.get("input_dtype"))
     return b"".join([head.SerializeToString(), *tensor])
+
+
+def attend_request_bytes(model: str, x: np.ndarray, **options: Any) -> bytes:
+    """build_attend_request's request serialized, as the SDK sends it (its Attend and
+    StreamSession methods have no request_serializer): framed when x is large."""
+    arr = np.asarray(x)
+    if arr.nbytes >= FRAME_BYTES:
+        return encode_attend_request(model, arr, **options)
+    return build_attend_request(model, arr, **options).SerializeToString()
+
+
+def read_attend_reply(data: bytes, squeeze: bool, round_trip_ms: float) -> AttendResult:
+    """An AttendResponse as the SDK receives it (bytes: no response_deserializer): a large
+    one's arrays are views of data, a small one is parsed by protobuf whole."""
+    if len(data) >= FRAME_BYTES:
+        return parse_attend_response(data, squeeze, round_trip_ms)
+    return parse_attend_response(pb.AttendResponse.FromString(data), squeeze, round_trip_ms)
 
 
 def parse_attend_response(
@@ -273,3 +295,8 @@ def check_keep(num_tokens: int) -> None:
 def step_request(session_id: str, x: np.ndarray, options: dict[str, Any]) -> pb.AttendRequest:
     """A session step: x's tokens appended to session_id (the model is the session's)."""
     return build_attend_request("", x, session_id=session_id, **options)
+
+
+def step_request_bytes(session_id: str, x: np.ndarray, options: dict[str, Any]) -> bytes:
+    """step_request serialized as the SDK sends it (attend_request_bytes)."""
+    return attend_request_bytes("", x, session_id=session_id, **options)

@@ -17,10 +17,10 @@ from mha_client.messages import (
     AttendResult,
     ModelInfo,
     SessionInfo,
-    build_attend_request,
+    attend_request_bytes,
     check_keep,
-    parse_attend_response,
-    step_request,
+    read_attend_reply,
+    step_request_bytes,
 )
 
 T = TypeVar("T")
@@ -30,13 +30,15 @@ ERROR = object()  # Rpc.on_tolerated: answer the tolerated error itself instead 
 @dataclass
 class Rpc(Generic[T]):
     """One unary call: `method` of the AttentionService stub (of the Health stub when
-    `health`), its request, and `read(reply, round_trip_ms)` for the result. A status in
-    `tolerate` answers `on_tolerated` instead of raising (a close of a session already gone)."""
+    `health`, of the BytesStub when `raw`: request and reply serialized), its request, and
+    `read(reply, round_trip_ms)` for the result. A status in `tolerate` answers
+    `on_tolerated` instead of raising (a close of a session already gone)."""
 
     method: str
     request: Any
     read: Callable[[Any, float], T]
     health: bool = False
+    raw: bool = False
     kw: dict[str, Any] = field(default_factory=dict)
     tolerate: tuple[grpc.StatusCode, ...] = ()
     on_tolerated: Any = None
@@ -63,9 +65,23 @@ def model_info(name: str) -> Rpc[ModelInfo]:
     return Rpc("GetModelInfo", pb.GetModelInfoRequest(name=name), _read(ModelInfo))
 
 
+class BytesStub:
+    """Attend and StreamSession without (de)serializers: they send the bytes they are given
+    and answer the bytes received, which the SDK encodes and decodes itself, a large tensor
+    framed (messages.FRAME_BYTES: one payload copy to send, none to read, besides gRPC's)."""
+
+    def __init__(self, channel: Any) -> None:
+        service = pb.DESCRIPTOR.services_by_name["AttentionService"].full_name
+        self.Attend = channel.unary_unary(f"/{service}/Attend", _registered_method=True)
+        self.StreamSession = channel.stream_stream(
+            f"/{service}/StreamSession", _registered_method=True
+        )
+
+
 def attend(model: str, x: np.ndarray, options: dict[str, Any]) -> Rpc[AttendResult]:
-    request = build_attend_request(model, x, **options)
-    return Rpc("Attend", request, lambda r, ms: parse_attend_response(r, np.ndim(x) == 2, ms))
+    request = attend_request_bytes(model, x, **options)
+    squeeze = np.ndim(x) == 2
+    return Rpc("Attend", request, lambda r, ms: read_attend_reply(r, squeeze, ms), raw=True)
 
 
 def create_session(model: str, max_len: int | None, ttl_s: float | None) -> Rpc[SessionInfo]:
@@ -75,14 +91,15 @@ def create_session(model: str, max_len: int | None, ttl_s: float | None) -> Rpc[
 
 def step(session: Any, x: np.ndarray, options: dict[str, Any]) -> Rpc[AttendResult]:
     """A session step; the reply's session state becomes session.info."""
-    return Rpc("Attend", step_request(session.id, x, options), step_reader(session, x))
+    request = step_request_bytes(session.id, x, options)
+    return Rpc("Attend", request, step_reader(session, x), raw=True)
 
 
-def step_reader(session: Any, x: np.ndarray) -> Callable[[Any, float], AttendResult]:
-    """Reads a step's reply (unary or streamed) into its result and session.info."""
+def step_reader(session: Any, x: np.ndarray) -> Callable[[bytes, float], AttendResult]:
+    """Reads a step's reply (unary or streamed, as bytes) into its result and session.info."""
 
-    def read(reply: pb.AttendResponse, round_trip_ms: float) -> AttendResult:
-        result = parse_attend_response(reply, np.ndim(x) == 2, round_trip_ms)
+    def read(reply: bytes, round_trip_ms: float) -> AttendResult:
+        result = read_attend_reply(reply, np.ndim(x) == 2, round_trip_ms)
         session.info = result.session or session.info
         return result
 

@@ -134,12 +134,13 @@ class _Channel:
             target, opts, aio=self._AIO, credentials=credentials, security=security
         )
         self._stub = pb_grpc.AttentionServiceStub(self._channel)
+        self._bytes_stub = ops.BytesStub(self._channel)  # Attend, StreamSession: framed codec
         self._health_stub: Any = None  # made at the first health call (its package may lack)
 
     def _method(self, rpc: ops.Rpc, timeout: float | None) -> tuple[Any, dict[str, Any]]:
         if rpc.health and self._health_stub is None:
             self._health_stub = ops.health_stubs()[1].HealthStub(self._channel)
-        stub = self._health_stub if rpc.health else self._stub
+        stub = self._health_stub if rpc.health else self._bytes_stub if rpc.raw else self._stub
         deadline = self.timeout if timeout is None else timeout
         kw = {"timeout": deadline, **rpc.kw}
         if self.metadata:

@@ -23,9 +23,8 @@ import grpc
 import numpy as np
 
 from mha_client import ops
-from mha_client.api import attention_pb2 as pb
 from mha_client.errors import MhaServeError
-from mha_client.messages import AttendOptions, AttendResult, SessionInfo, step_request
+from mha_client.messages import AttendOptions, AttendResult, SessionInfo, step_request_bytes
 
 if TYPE_CHECKING:
     from mha_client.sdk import AsyncClient, Client
@@ -41,7 +40,7 @@ def _task_cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-def _read_step(session: Session | AsyncSession, resp: pb.AttendResponse, x, start: float):
+def _read_step(session: Session | AsyncSession, resp: bytes, x, start: float):
     """A streamed step's reply, read as a unary one is (ops.step), into session.info."""
     return ops.step_reader(session, x)(resp, (time.perf_counter() - start) * 1e3)
 
@@ -102,7 +101,7 @@ class SessionStream:
         self._session = session
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         client = session._client
-        self._replies: Iterator[pb.AttendResponse] = client._stub.StreamSession(
+        self._replies: Iterator[bytes] = client._bytes_stub.StreamSession(
             iter(self._requests.get, _END),
             timeout=client.timeout if timeout is None else timeout,
             metadata=getattr(client, "metadata", None),
@@ -121,7 +120,7 @@ class SessionStream:
         if not self._end.alive:
             raise RuntimeError(_CLOSED)
         start = time.perf_counter()
-        self._requests.put(step_request(self._session.id, x, options))
+        self._requests.put(step_request_bytes(self._session.id, x, options))
         try:
             resp = next(self._replies)
         except grpc.RpcError as err:
@@ -191,7 +190,7 @@ class AsyncSessionStream:
         client = session._client
         timeout = client.timeout if timeout is None else timeout
         self._deadline = None if timeout is None else time.monotonic() + timeout
-        self._call = client._stub.StreamSession(
+        self._call = client._bytes_stub.StreamSession(
             timeout=timeout, metadata=getattr(client, "metadata", None)
         )
         self._closed = False
@@ -206,7 +205,7 @@ class AsyncSessionStream:
         if self._closed:
             raise RuntimeError(_CLOSED)
         start = time.perf_counter()
-        request = step_request(self._session.id, x, options)
+        request = step_request_bytes(self._session.id, x, options)
         try:
             if self._call.done():  # an earlier step failed or was cancelled: say how it ended
                 raise await self._ended()
