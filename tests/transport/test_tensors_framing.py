@@ -28,10 +28,6 @@ from tests.helpers import ServerProcess
 DTYPES = ["float32", "float16", "bfloat16"]
 
 
-class _Engine:  # to_call asks nothing of the engine when the request names its model
-    pass
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
@@ -50,8 +46,8 @@ def test_parsed_request_gives_the_call_protobuf_gives(dtype, seq_len):
     if framed:  # the message lacks only the bytes, which are a view of what was received
         assert parsed.message.input.data == b""
         assert bytes(parsed.input_data) == request.input.data
-    call, single = to_call(parsed.message, _Engine(), parsed.input_data)
-    reference, _ = to_call(request, _Engine())
+    call, single = to_call(parsed.message, parsed.input_data)
+    reference, _ = to_call(request)
     assert not single and call.lengths == [seq_len, 1, 1] and call.causal is True
     assert call.inputs.dtype == reference.inputs.dtype == getattr(torch, dtype)
     assert torch.equal(_bits(call.inputs), _bits(reference.inputs))

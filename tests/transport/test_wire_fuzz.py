@@ -501,16 +501,16 @@ def test_the_received_bytes_are_read_in_place_and_never_written(engine, pad):
     parsed = convert.parse_attend_request(received)
     assert parsed.input_data is not None and parsed.input_data.obj is received
     session = engine.create_session("mha")
-    step = pb.AttendRequest(session_id=session.session_id)
+    step = pb.AttendRequest(model="mha", session_id=session.session_id)
     step.input.CopyFrom(pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 40, 512], data=x[0].tobytes()))
     step_bytes = bytes(bytearray(step.SerializeToString()))
     step_parsed = convert.parse_attend_request(step_bytes)
     try:
-        call, _ = to_call(parsed.message, engine, parsed.input_data)
+        call, _ = to_call(parsed.message, parsed.input_data)
         assert _within(call.inputs, received)  # a view: no copy made
         framed = engine.attend(call)
-        reference = engine.attend(to_call(pb.AttendRequest.FromString(data), engine)[0])
-        step_call, _ = to_call(step_parsed.message, engine, step_parsed.input_data)
+        reference = engine.attend(to_call(pb.AttendRequest.FromString(data))[0])
+        step_call, _ = to_call(step_parsed.message, step_parsed.input_data)
         assert _within(step_call.inputs, step_bytes)
         stepped = engine.attend(step_call)
     finally:

@@ -1,16 +1,31 @@
-"""Every Prometheus metric of mha-serve, defined in this one place."""
+"""Every Prometheus metric of mha-serve, defined in this one place.
+
+One process (the standalone server, a Ray replica) or several: with `--frontend-workers N`
+the gRPC frontends and the engine process share prometheus-client's multiprocess mode
+(PROMETHEUS_MULTIPROC_DIR, set before this module is first imported): counters and
+histograms add up across processes, the two plain gauges say how (`multiprocess_mode`),
+and the gauges read live from the engine (queue depth, KV cache, sessions) are one
+collector, LIVE, in the engine's process, beside the files (serve_metrics).
+"""
 
 from __future__ import annotations
 
 import functools
+import os
+import threading
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
     disable_created_metrics,
+    multiprocess,
     start_http_server,
 )
+from prometheus_client.core import GaugeMetricFamily
 
 # No `*_created` series beside every counter and histogram: in the text format they are
 # gauges of start timestamps that double the series count and that no query here reads.
@@ -75,9 +90,6 @@ BATCH_REQUESTS = Histogram(
     ["model", "lane"],
     buckets=BATCH_SIZE_BUCKETS,
 )
-QUEUE_DEPTH = Gauge(
-    "mha_serve_queue_depth", "Requests waiting for a batch, by model and lane.", ["model", "lane"]
-)
 REQUEST_TOKENS = Histogram(
     "mha_serve_request_tokens",
     "Tokens (batch x seq_len) per Attend or session step.",
@@ -93,22 +105,14 @@ WEIGHTS_BYTES = Counter(
 IN_FLIGHT = Gauge(
     "mha_serve_requests_in_flight",
     "Attend requests and session steps received and not yet answered.",
+    multiprocess_mode="livesum",  # frontend workers: the sum over live processes
 )
 READY = Gauge(
-    "mha_serve_ready", "1 when models are loaded and warm and the server is not draining."
+    "mha_serve_ready",
+    "1 when models are loaded and warm and the server is not draining.",
+    # Frontend workers: 1 while any live frontend serves (the engine process never sets it).
+    multiprocess_mode="livemax",
 )
-
-
-KV_CACHE_BLOCKS = Gauge(
-    "mha_serve_kv_cache_blocks", "KV cache blocks per model: total and used.", ["model", "state"]
-)
-KV_CACHE_BUDGET_BYTES = Gauge(
-    "mha_serve_kv_cache_budget_bytes", "KV cache memory budget per model.", ["model"]
-)
-KV_CACHE_BYTES_USED = Gauge(
-    "mha_serve_kv_cache_bytes_used", "KV cache memory held by sessions per model.", ["model"]
-)
-SESSIONS = Gauge("mha_serve_sessions", "Open KV-cache sessions per model.", ["model"])
 SESSIONS_ENDED = Counter(
     "mha_serve_sessions_ended_total",
     "Sessions that ended, by reason: closed, expired (idle past their TTL) or evicted.",
@@ -128,17 +132,80 @@ def count_session_end(reason: str) -> None:
     _ended(reason).inc()
 
 
+class LiveGauges:
+    """The gauges read at scrape time from the engine: queue depth per lane, and per model
+    the KV cache (the same figures GetModelInfo returns) and its sessions. A collector of
+    its own, not Gauge.set_function, so that it works unchanged in multiprocess mode (where
+    only the engine's process can read them)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[tuple[str, str], Callable[[], int]] = {}
+        self._caches: dict[str, Callable] = {}
+
+    def watch_queue(self, model: str, lane: str, depth: Callable[[], int]) -> None:
+        with self._lock:
+            self._queues[(model, lane)] = depth
+
+    def watch_kv_cache(self, model: str, cache_info: Callable) -> None:
+        with self._lock:
+            self._caches[model] = cache_info
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return self._families()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        with self._lock:
+            queues, caches = dict(self._queues), dict(self._caches)
+        return self._families(queues, {m: info() for m, info in caches.items()})
+
+    @staticmethod
+    def _families(queues: dict | None = None, caches: dict | None = None):
+        queues, caches = queues or {}, caches or {}
+        depth = GaugeMetricFamily(
+            "mha_serve_queue_depth",
+            "Requests waiting for a batch, by model and lane.",
+            labels=["model", "lane"],
+        )
+        for (model, lane), read in queues.items():
+            depth.add_metric([model, lane], read())
+        blocks = GaugeMetricFamily(
+            "mha_serve_kv_cache_blocks",
+            "KV cache blocks per model: total and used.",
+            labels=["model", "state"],
+        )
+        budget = GaugeMetricFamily(
+            "mha_serve_kv_cache_budget_bytes", "KV cache memory budget per model.", labels=["model"]
+        )
+        used = GaugeMetricFamily(
+            "mha_serve_kv_cache_bytes_used",
+            "KV cache memory held by sessions per model.",
+            labels=["model"],
+        )
+        sessions = GaugeMetricFamily(
+            "mha_serve_sessions", "Open KV-cache sessions per model.", labels=["model"]
+        )
+        for model, info in caches.items():
+            blocks.add_metric([model, "total"], info.num_blocks)
+            blocks.add_metric([model, "used"], info.num_blocks_used)
+            budget.add_metric([model], info.budget_bytes)
+            used.add_metric([model], info.num_blocks_used * info.bytes_per_block)
+            sessions.add_metric([model], info.num_sessions)
+        return iter((depth, blocks, budget, used, sessions))
+
+
+LIVE = LiveGauges()
+REGISTRY.register(LIVE)
+
+
 def watch_kv_cache(model: str, cache_info) -> None:
-    """Gauges read at scrape time from cache_info() (the engine's CacheInfo of the model),
-    the same figures GetModelInfo returns."""
-    first = cache_info()
-    KV_CACHE_BLOCKS.labels(model, "total").set(first.num_blocks)
-    KV_CACHE_BLOCKS.labels(model, "used").set_function(lambda: cache_info().num_blocks_used)
-    KV_CACHE_BUDGET_BYTES.labels(model).set(first.budget_bytes)
-    KV_CACHE_BYTES_USED.labels(model).set_function(
-        lambda: cache_info().num_blocks_used * first.bytes_per_block
-    )
-    SESSIONS.labels(model).set_function(lambda: cache_info().num_sessions)
+    """KV-cache gauges read at scrape time from cache_info() (the engine's CacheInfo)."""
+    LIVE.watch_kv_cache(model, cache_info)
+
+
+def watch_queue(model: str, lane: str, depth: Callable[[], int]) -> None:
+    """mha_serve_queue_depth{model, lane}, read at scrape time."""
+    LIVE.watch_queue(model, lane, depth)
 
 
 @functools.cache
@@ -194,6 +261,27 @@ def count_request(method: str, model: str, code: str, protocol: str = PROTOCOL_M
     _request_counter(method, model, code, protocol).inc()
 
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def multiprocess_mode() -> bool:
+    """Whether this process writes its metrics to PROMETHEUS_MULTIPROC_DIR's files."""
+    return bool(os.environ.get(MULTIPROC_ENV))
+
+
 def serve_metrics(port: int, host: str = "0.0.0.0") -> None:
-    """Starts the HTTP /metrics endpoint in a background thread."""
-    start_http_server(port, addr=host)
+    """Starts the HTTP /metrics endpoint in a background thread: this process's metrics,
+    or in multiprocess mode every process's files plus this process's LIVE gauges."""
+    if not multiprocess_mode():
+        start_http_server(port, addr=host)
+        return
+    registry = CollectorRegistry(auto_describe=True)
+    multiprocess.MultiProcessCollector(registry)
+    registry.register(LIVE)
+    start_http_server(port, addr=host, registry=registry)
+
+
+def process_gone(pid: int) -> None:
+    """Multiprocess mode: a process exited; its live* gauges stop counting."""
+    if multiprocess_mode():
+        multiprocess.mark_process_dead(pid)

@@ -22,6 +22,7 @@ from mha_serve.batching import ModelLanes
 from mha_serve.cache import CacheError, SessionStats
 from mha_serve.engine import AttendCall, AttendResult, Engine, HostedModel, RequestError
 from mha_serve.engine.faults import isolate_failures, out_of_memory_is_exhausted
+from mha_serve.engine.heads import analyze as analyze_heads
 from mha_serve.engine.threads import ComputeThreads
 from mha_serve.engine.types import CacheInfo
 
@@ -99,7 +100,7 @@ class AsyncEngine:
         """Metric label: the model name when hosted, so unknown names cannot grow the label set."""
         return name if name in self.engine.models else "unknown"
 
-    def session_label(self, session_id: str) -> str:
+    async def session_label(self, session_id: str) -> str:
         """The model label of a session's RPC: its model, or "unknown" for no live session."""
         name = ""
         if session_id:
@@ -119,20 +120,27 @@ class AsyncEngine:
     ) -> tuple[T, Timing]:
         """Validates, queues and computes one Attend or session step, then encodes its
         result with `encode` (off the loop when large). received: time.perf_counter() at
-        receipt; deadline: time.monotonic() by which the caller stops waiting."""
+        receipt; deadline: time.monotonic() by which the caller stops waiting. A session
+        step may leave call.model empty: it is set to its session's model."""
+        computed = await self.compute(call, received=received, deadline=deadline)
+        return await finish(call, computed, encode, received)
+
+    async def compute(
+        self, call: AttendCall, *, received: float, deadline: float | None
+    ) -> Computed:
+        """attend without the encoding and the request metrics: what a frontend worker asks
+        of the engine process (serving/remote.py), which then encodes and counts itself."""
+        if call.session_id and not call.model:  # a step may leave the model to its session
+            call.model = self.engine.session_model(call.session_id)
         if not call.session_id:
-            return await self._attend(call, encode, received, deadline)
+            return await self._compute(call, received, deadline)
         with self.engine.stepping(call.session_id):  # until answered
             call.claimed = True
-            return await self._attend(call, encode, received, deadline)
+            return await self._compute(call, received, deadline)
 
-    async def _attend(
-        self,
-        call: AttendCall,
-        encode: Callable[[AttendResult], T],
-        received: float,
-        deadline: float | None,
-    ) -> tuple[T, Timing]:
+    async def _compute(
+        self, call: AttendCall, received: float, deadline: float | None
+    ) -> Computed:
         # Validation scans the input (NaN/Inf): off the event loop when it is large.
         hosted = await offload(self.engine.validate, call, nbytes=call.inputs.nbytes)
         batch, seq_len, _ = call.inputs.shape
@@ -152,37 +160,42 @@ class AsyncEngine:
             raise
         # Queue time includes decoding and validation before the request was queued.
         queue_ms = (submitted - received + info.queue_s) * 1e3
-        weights_bytes = 0 if result.weights is None else result.weights.nbytes
-        reply = await offload(encode, result, nbytes=result.output.nbytes + weights_bytes)
-        total_s = time.perf_counter() - received
-        metrics.observe_attend(
-            call.model,
-            tokens=batch * seq_len,
-            queue_s=queue_ms / 1e3,
-            total_s=total_s,
-            weights_bytes=weights_bytes,
+        return Computed(result, queue_ms, info.compute_s * 1e3)
+
+    async def analyze_heads(self, call: AttendCall, include_weights: bool) -> tuple[Any, float]:
+        """(HeadAnalysis, compute_ms): 2H + 1 forwards off the event loop, beside (not
+        inside) the batched lanes."""
+        return await asyncio.to_thread(
+            analyze_heads, self.engine, call, include_weights=include_weights
         )
-        # batch_size: computed sequences (steps refused at reserve are not)
-        return reply, Timing(queue_ms, info.compute_s * 1e3, total_s * 1e3, result.batch_size)
 
     # --- sessions and models -----------------------------------------------------------
+    # Coroutines, so that a front door awaits them alike here and in a frontend worker,
+    # where they are a round trip to the engine process (serving/remote.py).
 
-    def create_session(
+    async def create_session(
         self, model: str, max_len: int | None, ttl_s: float | None, owner: str = ""
     ) -> SessionStats:
         return self.engine.create_session(model, max_len, ttl_s, owner)
 
-    def get_session(self, session_id: str) -> SessionStats:
+    async def get_session(self, session_id: str) -> SessionStats:
         return self.engine.get_session(session_id)
 
-    def fork_session(self, session_id: str, ttl_s: float | None) -> SessionStats:
+    async def fork_session(self, session_id: str, ttl_s: float | None) -> SessionStats:
         return self.engine.fork_session(session_id, ttl_s)
 
-    def truncate_session(self, session_id: str, num_tokens: int) -> SessionStats:
+    async def truncate_session(self, session_id: str, num_tokens: int) -> SessionStats:
         return self.engine.truncate_session(session_id, num_tokens)
 
-    def close_session(self, session_id: str) -> None:
+    async def close_session(self, session_id: str) -> None:
         self.engine.close_session(session_id)
+
+    async def cache_info(self, model: str) -> CacheInfo | None:
+        return self.engine.cache_info(model)
+
+    @property
+    def max_response_bytes(self) -> int:
+        return self.engine.max_response_bytes
 
     def models(self) -> list[HostedModel]:
         return list(self.engine.models.values())
@@ -190,8 +203,36 @@ class AsyncEngine:
     def model(self, name: str) -> HostedModel:
         return self.engine.get(name)
 
-    def cache_info(self, model: str) -> CacheInfo | None:
-        return self.engine.cache_info(model)
+
+@dataclass(frozen=True, slots=True)
+class Computed:
+    """A computed Attend or step, before its encoding (AsyncEngine.compute)."""
+
+    result: AttendResult
+    queue_ms: float
+    compute_ms: float
+
+
+async def finish(
+    call: AttendCall, computed: Computed, encode: Callable[[AttendResult], T], received: float
+) -> tuple[T, Timing]:
+    """Encodes a computed call (off the loop when large) and counts it in the request
+    metrics: the part of attend that runs where the reply is sent."""
+    result = computed.result
+    batch, seq_len, _ = call.inputs.shape
+    weights_bytes = 0 if result.weights is None else result.weights.nbytes
+    reply = await offload(encode, result, nbytes=result.output.nbytes + weights_bytes)
+    total_s = time.perf_counter() - received
+    metrics.observe_attend(
+        call.model,
+        tokens=batch * seq_len,
+        queue_s=computed.queue_ms / 1e3,
+        total_s=total_s,
+        weights_bytes=weights_bytes,
+    )
+    # batch_size: computed sequences (steps refused at reserve are not)
+    timing = Timing(computed.queue_ms, computed.compute_ms, total_s * 1e3, result.batch_size)
+    return reply, timing
 
 
 def lanes_for(engine: Engine, hosted: HostedModel, compute: ComputeThreads) -> ModelLanes:
@@ -208,7 +249,5 @@ def lanes_for(engine: Engine, hosted: HostedModel, compute: ComputeThreads) -> M
         weights_executor=compute.weights,
     )
     for lane, batcher in (("fast", lanes.fast), ("weights", lanes.weights)):
-        metrics.QUEUE_DEPTH.labels(spec.name, lane).set_function(
-            lambda b=batcher: b.queued_requests
-        )
+        metrics.watch_queue(spec.name, lane, lambda b=batcher: b.queued_requests)
     return lanes

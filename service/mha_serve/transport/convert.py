@@ -10,7 +10,7 @@ import torch
 from mha_client.api import attention_pb2 as pb
 from mha_client.tensors import parse_with_tensors
 from mha_serve.cache import SessionStats
-from mha_serve.engine import AttendCall, AttendResult, Engine, HostedModel, InvalidRequest
+from mha_serve.engine import AttendCall, AttendResult, HostedModel, InvalidRequest
 from mha_serve.engine.types import CacheInfo
 from mha_serve.transport.tensors import (
     PROTO_DTYPES,
@@ -46,15 +46,12 @@ def parse_attend_request(data: bytes) -> Received:
     return Received(message, payloads.get("input"))
 
 
-def to_call(
-    request: pb.AttendRequest, engine: Engine, input_data: Any = None
-) -> tuple[AttendCall, bool]:
+def to_call(request: pb.AttendRequest, input_data: Any = None) -> tuple[AttendCall, bool]:
     """The engine call for a request, and whether the input was a single 2-D sequence.
-    input_data: input.data's bytes when parsing kept them out of the message (Received)."""
+    input_data: input.data's bytes when parsing kept them out of the message (Received).
+    A session step may leave the model empty: the engine sets its session's."""
     model = request.model
-    if request.session_id and not model:  # a step may leave the model to its session
-        model = engine.session_model(request.session_id)
-    if not model:
+    if not model and not request.session_id:
         raise InvalidRequest("model is empty; name one of the models ListModels returns")
     if not request.HasField("input"):
         raise InvalidRequest("input is missing; send a (batch, seq_len, embed_dim) tensor")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import time
@@ -15,10 +14,9 @@ from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_serve import metrics
 from mha_serve.engine import HostedModel
-from mha_serve.engine.heads import analyze as analyze_heads
 from mha_serve.serving import AsyncEngine, Unavailable
 from mha_serve.serving.async_engine import offload
-from mha_serve.transport.answer import answer, note_malformed, parsed, sync
+from mha_serve.transport.answer import answer, note_malformed, parsed
 from mha_serve.transport.auth import client_identity
 from mha_serve.transport.convert import (
     Frames,
@@ -71,14 +69,16 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     def _model_label(self, name: str) -> str:
         return "unknown" if self._serving is None else self._serving.model_label(name)
 
-    def _session_label(self, session_id: str) -> str:
-        return "unknown" if self._serving is None else self._serving.session_label(session_id)
+    async def _session_label(self, session_id: str) -> str:
+        if self._serving is None:
+            return "unknown"
+        return await self._serving.session_label(session_id)
 
-    def _label(self, request: pb.AttendRequest) -> str:
+    async def _label(self, request: pb.AttendRequest) -> str:
         """The model label of an Attend: a session step may leave the model to its session."""
         if request.model or not request.session_id:
             return self._model_label(request.model)
-        return self._session_label(request.session_id)
+        return await self._session_label(request.session_id)
 
     # --- attention ---------------------------------------------------------------------
 
@@ -88,7 +88,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     ) -> pb.AttendResponse | bytes:
         received = request if isinstance(request, Received) else None
         request = request.message if isinstance(request, Received) else request
-        model = self._label(request)
+        model = await self._label(request)
         metrics.IN_FLIGHT.inc()
         try:
             return await self._answer(
@@ -119,7 +119,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
                         "the first message of a StreamSession needs session_id (CreateSession "
                         "makes one)",
                     )
-                model = self._label(request)
+                model = await self._label(request)
             elif not request.session_id:
                 request.session_id = session_id
             elif request.session_id != session_id:
@@ -150,7 +150,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         """parsed: how the request came off the wire; then a large answer is framed bytes."""
         received = time.perf_counter()
         serving = self.serving
-        call, single = to_call(request, serving.engine, parsed and parsed.input_data)
+        call, single = to_call(request, parsed and parsed.input_data)
         remaining = context.time_remaining()
         response, timing = await serving.attend(
             call,
@@ -182,9 +182,9 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     async def CreateSession(
         self, request: pb.CreateSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionInfo:
-        def handle() -> pb.SessionInfo:
+        async def handle() -> pb.SessionInfo:
             return session_info(
-                self.serving.create_session(
+                await self.serving.create_session(
                     request.model,
                     request.max_len or None,
                     request.ttl_s or None,
@@ -193,52 +193,52 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             )
 
         model = self._model_label(request.model)
-        return await self._answer("CreateSession", model, context, sync(handle))
+        return await self._answer("CreateSession", model, context, handle)
 
     @parsed
     async def GetSession(
         self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionInfo:
-        def handle() -> pb.SessionInfo:
-            return session_info(self.serving.get_session(request.session_id))
+        async def handle() -> pb.SessionInfo:
+            return session_info(await self.serving.get_session(request.session_id))
 
-        model = self._session_label(request.session_id)
-        return await self._answer("GetSession", model, context, sync(handle))
+        model = await self._session_label(request.session_id)
+        return await self._answer("GetSession", model, context, handle)
 
     @parsed
     async def ForkSession(
         self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionInfo:
-        def handle() -> pb.SessionInfo:
+        async def handle() -> pb.SessionInfo:
             return session_info(
-                self.serving.fork_session(request.session_id, request.ttl_s or None)
+                await self.serving.fork_session(request.session_id, request.ttl_s or None)
             )
 
-        model = self._session_label(request.session_id)
-        return await self._answer("ForkSession", model, context, sync(handle))
+        model = await self._session_label(request.session_id)
+        return await self._answer("ForkSession", model, context, handle)
 
     @parsed
     async def TruncateSession(
         self, request: pb.TruncateSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionInfo:
-        def handle() -> pb.SessionInfo:
+        async def handle() -> pb.SessionInfo:
             return session_info(
-                self.serving.truncate_session(request.session_id, request.num_tokens)
+                await self.serving.truncate_session(request.session_id, request.num_tokens)
             )
 
-        model = self._session_label(request.session_id)
-        return await self._answer("TruncateSession", model, context, sync(handle))
+        model = await self._session_label(request.session_id)
+        return await self._answer("TruncateSession", model, context, handle)
 
     @parsed
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.CloseSessionResponse:
-        def handle() -> pb.CloseSessionResponse:
-            self.serving.close_session(request.session_id)
+        async def handle() -> pb.CloseSessionResponse:
+            await self.serving.close_session(request.session_id)
             return pb.CloseSessionResponse()
 
-        model = self._session_label(request.session_id)
-        return await self._answer("CloseSession", model, context, sync(handle))
+        model = await self._session_label(request.session_id)
+        return await self._answer("CloseSession", model, context, handle)
 
     # --- models ------------------------------------------------------------------------
 
@@ -246,21 +246,21 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
-        def handle() -> pb.ListModelsResponse:
-            return pb.ListModelsResponse(models=[self._info(h) for h in self.serving.models()])
+        async def handle() -> pb.ListModelsResponse:
+            return pb.ListModelsResponse(
+                models=[await self._info(h) for h in self.serving.models()]
+            )
 
-        return await self._answer("ListModels", "", context, sync(handle))
+        return await self._answer("ListModels", "", context, handle)
 
     @parsed
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
-        def handle() -> pb.ModelInfo:
-            return self._info(self.serving.model(request.name))
+        async def handle() -> pb.ModelInfo:
+            return await self._info(self.serving.model(request.name))
 
-        return await self._answer(
-            "GetModelInfo", self._model_label(request.name), context, sync(handle)
-        )
+        return await self._answer("GetModelInfo", self._model_label(request.name), context, handle)
 
     # --- head analysis -----------------------------------------------------------------
 
@@ -269,11 +269,9 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         self, request: pb.AnalyzeHeadsRequest, context: grpc.aio.ServicerContext
     ) -> pb.AnalyzeHeadsResponse:
         async def handle() -> pb.AnalyzeHeadsResponse:
-            engine = self.serving.engine
-            call, _ = to_call(request.attend, engine)
-            # 2H + 1 forwards: off the event loop, beside (not inside) the batched lanes.
-            analysis, compute_ms = await asyncio.to_thread(
-                analyze_heads, engine, call, include_weights=request.include_weights
+            call, _ = to_call(request.attend)
+            analysis, compute_ms = await self.serving.analyze_heads(
+                call, request.include_weights
             )
             return heads_response(call.model, analysis, compute_ms)
 
@@ -281,13 +279,13 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             "AnalyzeHeads", self._model_label(request.attend.model), context, handle
         )
 
-    def _info(self, hosted: HostedModel) -> pb.ModelInfo:
+    async def _info(self, hosted: HostedModel) -> pb.ModelInfo:
         serving = self.serving
         return model_info(
             hosted,
-            serving.cache_info(hosted.spec.name),
+            await serving.cache_info(hosted.spec.name),
             self.max_request_bytes,
-            serving.engine.max_response_bytes,
+            serving.max_response_bytes,
         )
 
     async def _reject(

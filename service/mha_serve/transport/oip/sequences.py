@@ -64,6 +64,14 @@ class SequenceMap:
     def get(self, key: SequenceKey) -> str | None:
         return self._sessions.get(key)
 
+    @property
+    def prune_due(self) -> bool:
+        """Whether the next start prunes (its `live` is asked about every session held)."""
+        return len(self._sessions) >= self._prune_at
+
+    def session_ids(self) -> set[str]:
+        return set(self._sessions.values())
+
     def start(self, key: SequenceKey, session_id: str, live: Callable[[str], bool]) -> str | None:
         """Maps key to a new session; returns the session it held before (to close), if any."""
         previous = self._sessions.pop(key, None)

@@ -145,14 +145,14 @@ class InferenceServicer:
 
     @parsed
     async def ModelConfig(self, request: pb.ModelConfigRequest, context) -> pb.ModelConfigResponse:
-        def handle() -> pb.ModelConfigResponse:
+        async def handle() -> pb.ModelConfigResponse:
             hosted = self._hosted(request.name, request.version)
-            sessions = self.serving.cache_info(hosted.spec.name) is not None
+            sessions = await self.serving.cache_info(hosted.spec.name) is not None
             config = model_config(hosted, sessions=sessions, session_ttl_s=self.session_ttl_s)
             return pb.ModelConfigResponse(config=config)
 
         model = self._model_label(request.name)
-        return await self._answer("ModelConfig", model, context, sync(handle))
+        return await self._answer("ModelConfig", model, context, handle)
 
     # --- inference ---------------------------------------------------------------------
 
@@ -256,11 +256,12 @@ class InferenceServicer:
         # same id never reaches this one's cached keys. (Triton's ids are global per model.)
         key = (model, owner, sequence.id)
         if sequence.start:
-            session_id = serving.create_session(model, None, None, owner).session_id
-            previous = self.sequences.start(key, session_id, live=self._live)
+            session_id = (await serving.create_session(model, None, None, owner)).session_id
+            live = await self._live_sessions() if self.sequences.prune_due else set()
+            previous = self.sequences.start(key, session_id, live=live.__contains__)
             if previous is not None:
                 with contextlib.suppress(CacheError, RequestError):  # gone already: fine
-                    serving.close_session(previous)
+                    await serving.close_session(previous)
         else:
             session_id = self.sequences.get(key)
             if session_id is None:
@@ -289,14 +290,16 @@ class InferenceServicer:
             if close:
                 self.sequences.end(key, session_id)
                 with contextlib.suppress(CacheError, RequestError):
-                    serving.close_session(session_id)
+                    await serving.close_session(session_id)
 
-    def _live(self, session_id: str) -> bool:
-        try:
-            self.serving.get_session(session_id)
-        except (CacheError, RequestError):
-            return False
-        return True
+    async def _live_sessions(self) -> set[str]:
+        """The sessions of the sequence map still alive (asked before a prune)."""
+        live = set()
+        for session_id in self.sequences.session_ids():
+            with contextlib.suppress(CacheError, RequestError):
+                await self.serving.get_session(session_id)
+                live.add(session_id)
+        return live
 
     # --- errors ------------------------------------------------------------------------
 
