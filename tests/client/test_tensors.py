@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mha_client import tensors
 from mha_client.api import attention_pb2 as pb
 from mha_client.tensors import (
     DTYPE_ENUMS,
@@ -153,3 +154,19 @@ def test_bfloat16_matches_torch():
     np.testing.assert_array_equal(ours[finite], theirs[finite])
     # NaN bit patterns differ between implementations; both must still decode to NaN.
     assert np.isnan(bfloat16_bits_to_float32(ours[~finite])).all()
+
+
+def test_bfloat16_in_chunks_is_bfloat16_in_one(monkeypatch):
+    # Chunk edges fall inside the array, NaNs and half-way cases on and beside them.
+    rng = np.random.default_rng(2)
+    bits = rng.integers(0, 2**32, 1000, dtype=np.uint64).astype(np.uint32)
+    bits[::7] = [f for f, _ in BF16_CASES] * 13  # 143 hand-made patterns along the array
+    bits[[6, 7, 13, 14]] = [0x7F800001, 0xFFFFFFFF, 0x3F808000, 0x3F818000]
+    x = bits.view(np.float32).reshape(10, 100)
+    whole = float32_to_bfloat16_bits(x)
+    monkeypatch.setattr(tensors, "BF16_CHUNK", 7)
+    chunked = float32_to_bfloat16_bits(x)
+    np.testing.assert_array_equal(chunked, whole)
+    assert chunked.shape == (10, 100) and chunked.dtype == np.uint16
+    # A strided view converts as its contiguous copy does.
+    np.testing.assert_array_equal(float32_to_bfloat16_bits(x.T), whole.T)
