@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import grpc
 import numpy as np
 
+from mha_client.channel import ChannelSecurity, open_channel
 from mha_client.sdk import DEFAULT_MAX_MESSAGE_BYTES, build_attend_request, channel_options
 
 GRPC_ATTEND_METHOD = "/mha.v1.AttentionService/Attend"
@@ -58,6 +59,8 @@ class GrpcTarget:
 
     No (de)serializers: requests are encoded once before the run and replies stay bytes, so
     the generator's own protobuf work does not count against the server it measures.
+    security: TLS, mutual TLS and a bearer token, as for the SDK (None: plaintext); metadata:
+    sent with every call (e.g. the Ray Serve application).
     """
 
     def __init__(
@@ -67,19 +70,24 @@ class GrpcTarget:
         method: str = GRPC_ATTEND_METHOD,
         channels: int = 1,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        security: ChannelSecurity | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
     ) -> None:
         if channels < 1:
             raise ValueError(f"channels must be >= 1, got {channels}")
         self.address = address
+        self._metadata = tuple(metadata or ()) or None
         # A local subchannel pool gives each channel its own TCP connection; by default
         # channels with equal arguments share one.
         opts = channel_options(max_message_bytes, [("grpc.use_local_subchannel_pool", 1)])
-        self._channels = [grpc.aio.insecure_channel(address, options=opts) for _ in range(channels)]
+        self._channels = [
+            open_channel(address, opts, aio=True, security=security) for _ in range(channels)
+        ]
         self._calls = itertools.cycle([ch.unary_unary(method) for ch in self._channels])
 
     async def send(self, payload: bytes, timeout: float | None) -> bytes:
         try:
-            return await next(self._calls)(payload, timeout=timeout)
+            return await next(self._calls)(payload, timeout=timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
             raise TargetError(err.code().name, err.details() or "") from None
 
@@ -538,7 +546,9 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_load(client: Any, args: argparse.Namespace) -> int:
-    """Runs the load against args.target with the model's embed_dim; prints the summary."""
+    """Runs the load against args.target with the model's embed_dim; prints the summary.
+    Its channels are secured as the CLI's client is (the same --tls, --ca-file, --cert-file,
+    --key-file, --token-file and --application)."""
     embed_dim = client.model_info(args.model).embed_dim
     workload = Workload(args.model, args.seq_len, embed_dim, args.batch, args.weights, args.seed)
     duration = args.duration
@@ -554,9 +564,13 @@ def cmd_load(client: Any, args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         seed=args.seed,
     )
-    target = args.target
+    target, security, metadata = args.target, client.security, client.metadata
     result = run_load_sync(
-        lambda: GrpcTarget(target), workload, spec, label=target, progress=sys.stderr
+        lambda: GrpcTarget(target, security=security, metadata=metadata),
+        workload,
+        spec,
+        label=target,
+        progress=sys.stderr,
     )
     print(result.format())
     if args.json_out is not None:

@@ -126,6 +126,7 @@ class _Channel:
     ) -> None:
         self.target = target
         self.timeout = timeout  # default deadline in seconds per call; None waits forever
+        self.security = security  # as given (None: plaintext, or explicit credentials)
         # Sent with every call, e.g. (("application", "mha"),): the Ray Serve app to reach
         # when a Ray cluster's gRPC proxy serves several (docs/ray.md).
         self.metadata = tuple(metadata) or None
