@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -84,25 +85,41 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
 
 
 def test_tritonclient_gets_what_mha_v1_gets(server, stub, triton_python, tmp_path):
+    check_tritonclient(
+        server.target, stub, triton_python, tmp_path, lambda: num_sessions(stub), server.log
+    )
+
+
+def check_tritonclient(
+    target: str,
+    stub,
+    triton_python: Path,
+    work: Path,
+    num_sessions_now: Callable[[], int],
+    log: Callable[[], str] = lambda: "",
+) -> None:
+    """Runs triton_client.py against `target` and checks its numbers against the same calls
+    through mha.v1 (`stub`); num_sessions_now(): the sessions the server holds (the
+    sequences' sessions must be closed at the end). Shared with tests/ray_app."""
     rng = np.random.default_rng(19)
     x = rng.standard_normal((2, 5, 512), dtype=np.float32)
     steps = [rng.standard_normal((1, n, 512), dtype=np.float32) for n in (4, 1, 2)]
-    sessions_before = num_sessions(stub)
-    np.savez(tmp_path / "inputs.npz", x=x, **{f"step{i}": s for i, s in enumerate(steps)})
-    descriptors = tmp_path / "descriptors"
+    sessions_before = num_sessions_now()
+    np.savez(work / "inputs.npz", x=x, **{f"step{i}": s for i, s in enumerate(steps)})
+    descriptors = work / "descriptors"
     descriptors.mkdir()
     for module in (grpc_service_pb2, model_config_pb2):
         (descriptors / f"{module.__name__.rsplit('.', 1)[1]}.pb").write_bytes(
             module.DESCRIPTOR.serialized_pb
         )
     run = subprocess.run(
-        [str(triton_python), str(SCRIPT), server.target, str(tmp_path)],
+        [str(triton_python), str(SCRIPT), target, str(work)],
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert run.returncode == 0, f"{run.stdout}\n{run.stderr}\nserver log:\n{server.log()[-3000:]}"
-    got = np.load(tmp_path / "outputs.npz")
+    assert run.returncode == 0, f"{run.stdout}\n{run.stderr}\nserver log:\n{log()[-3000:]}"
+    got = np.load(work / "outputs.npz")
 
     def close(name: str, expected: np.ndarray, atol: float = ATOL_FP32) -> None:
         diff = np.abs(got[name] - expected)
@@ -135,7 +152,7 @@ def test_tritonclient_gets_what_mha_v1_gets(server, stub, triton_python, tmp_pat
         close(f"infer_step{i}", out)
         close(f"stream_step{i}", out)
     stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
-    assert num_sessions(stub) == sessions_before  # sequence_end closed both sequences' sessions
+    assert num_sessions_now() == sessions_before  # sequence_end closed both sequences' sessions
 
 
 def num_sessions(stub) -> int:

@@ -2,7 +2,8 @@
 
 Replica counts, GPUs and autoscaling are deployment settings, set in the config file's
 `deployments:` list (docs/ray.md); what is fixed here is what correctness needs: the
-session router on AttentionReplica, and room for a batch's worth of concurrent calls.
+session router on AttentionReplica, room for a batch's worth of concurrent calls, and the
+one SequenceDirectory that every Ingress replica asks where a Triton sequence lives.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def build(args: dict[str, Any] | None = None) -> Any:
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
+    from mha_serve.ray_app.directory import SequenceDirectory
     from mha_serve.ray_app.ingress import Ingress
     from mha_serve.ray_app.replica import AttentionReplica
 
@@ -44,11 +46,19 @@ def build(args: dict[str, Any] | None = None) -> Any:
         request_router_config=RequestRouterConfig(request_router_class=ROUTER),
         logging_config=LOGGING,
     ).bind(args.get("config_file"), args.get("overrides") or {}, int(args.get("metrics_port", 0)))
-    ingress = serve.deployment(
-        Ingress,
+    # One replica, always: it is the one place every Ingress replica finds a Triton
+    # sequence's session (directory.py). Not a knob for the config file.
+    directory = _light(serve, SequenceDirectory).bind(replicas)
+    return _light(serve, Ingress).bind(replicas, directory)
+
+
+def _light(serve: Any, cls: type) -> Any:
+    """A deployment of one replica that computes nothing (no CPU reserved) and takes many
+    calls at once (the Ingress: more replicas through the config file)."""
+    return serve.deployment(
+        cls,
         num_replicas=1,
         max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
         ray_actor_options={"num_cpus": 0},
         logging_config=LOGGING,
     )
-    return ingress.bind(replicas)

@@ -23,3 +23,9 @@ def replica_of(session_id: str) -> str | None:
     if cut < 1 or session_id[cut] != SEPARATOR:
         return None
     return session_id[:cut]
+
+
+def pinned_to(replica_unique_id: str) -> str:
+    """A session id naming that replica and no session: a call carrying it reaches the
+    replica through SessionRouter (or, once it is gone, any replica)."""
+    return session_prefix(replica_unique_id) + "0" * HEX_DIGITS

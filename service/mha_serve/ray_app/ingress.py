@@ -15,12 +15,12 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
-from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.exceptions import BackPressureError
 from ray.serve.grpc_util import RayServegRPCContext
 
 from mha_client.api import attention_pb2 as pb
-from mha_serve.ray_app.context import Reply
+from mha_serve.ray_app.context import Caller, Reply
+from mha_serve.ray_app.forward import end_stream, forward, message, unary_answer
+from mha_serve.ray_app.oip_ingress import InferenceIngress
 from mha_serve.transport.handlers import Malformed
 
 SERVICE = pb.DESCRIPTOR.services_by_name["AttentionService"]
@@ -28,14 +28,12 @@ SERVICE = pb.DESCRIPTOR.services_by_name["AttentionService"]
 HEALTH_SERVICES = frozenset({"", SERVICE.full_name})
 
 
-class StatusError(Exception):
-    """Ends a stream with the status set on Ray's gRPC context (the proxy sends it)."""
+class Ingress(InferenceIngress):
+    """mha.v1, the Open Inference Protocol (InferenceIngress) and grpc.health.v1 over Ray
+    Serve's gRPC proxy; forwards to AttentionReplica."""
 
-
-class Ingress:
-    """mha.v1 and grpc.health.v1 over Ray Serve's gRPC proxy; forwards to AttentionReplica."""
-
-    def __init__(self, replicas: Any) -> None:
+    def __init__(self, replicas: Any, directory: Any) -> None:
+        super().__init__(replicas, directory)
         self._call = replicas.options(method_name="call")
         self._step = replicas.options(method_name="stream_step")
 
@@ -68,12 +66,9 @@ class Ingress:
     async def _unary(self, method: str, request: Any, grpc_context: RayServegRPCContext) -> Any:
         session_id = getattr(request, "session_id", "")
         handle = self._call.options(session_id=session_id) if session_id else self._call
-        reply = await _forward(handle, session_id, method, request, grpc_context.peer())
-        if reply.code is None:
-            return _message(reply.response)
-        grpc_context.set_code(reply.code)
-        grpc_context.set_details(reply.details)
-        return _empty_response(method)  # not sent: the client gets the status alone
+        caller = Caller.of(grpc_context)
+        reply = await forward(handle, method, request, caller, session_id=session_id)
+        return unary_answer(grpc_context, reply, _empty_response(method))
 
     # --- streamed session steps --------------------------------------------------------
 
@@ -83,7 +78,7 @@ class Ingress:
         """Each message goes to its session's replica as one stream_step, answered in order;
         the first error ends the stream with its status (AttentionServicer.StreamSession's
         rules, which the replica applies to each message)."""
-        session_id, peer = "", grpc_context.peer()
+        session_id, caller = "", Caller.of(grpc_context)
         async for request in requests:
             named = getattr(request, "session_id", "")
             if not session_id:
@@ -91,7 +86,7 @@ class Ingress:
             elif not named and not isinstance(request, Malformed):
                 request.session_id = session_id
             elif named != session_id:  # the servicer's rule; the replica sees one message
-                _end(
+                end_stream(
                     grpc_context,
                     Reply(
                         code=grpc.StatusCode.INVALID_ARGUMENT,
@@ -100,10 +95,10 @@ class Ingress:
                     ),
                 )
             handle = self._step.options(session_id=session_id) if session_id else self._step
-            reply = await _forward(handle, session_id, "StreamSession", request, peer)
+            reply = await forward(handle, request, caller, session_id=session_id)
             if reply.code is not None:
-                _end(grpc_context, reply)
-            yield _message(reply.response)
+                end_stream(grpc_context, reply)
+            yield message(reply.response)
 
     # --- grpc.health.v1 ----------------------------------------------------------------
 
@@ -120,51 +115,5 @@ class Ingress:
         await asyncio.Event().wait()  # no change to report until the client leaves
 
 
-async def _forward(handle: Any, session_id: str, method: str, request: Any, peer: str) -> Reply:
-    """One call to AttentionReplica; Ray's own failures become statuses that say what
-    happened (a session's replica dying mid-call: NOT_FOUND, as after it)."""
-    try:
-        if method == "StreamSession":
-            return await handle.remote(request, peer)
-        return await handle.remote(method, request, peer)
-    except BackPressureError as e:
-        return Reply(code=grpc.StatusCode.RESOURCE_EXHAUSTED, details=str(e))
-    except (RayActorError, ActorUnavailableError) as e:
-        if session_id:
-            return Reply(
-                code=grpc.StatusCode.NOT_FOUND,
-                details=f"session {session_id!r} is gone: its Ray Serve replica stopped "
-                f"during this call, and its KV cache went with it ({type(e).__name__}); "
-                "create a new session and send its tokens again",
-            )
-        return Reply(
-            code=grpc.StatusCode.UNAVAILABLE,
-            details=f"the replica serving this call stopped ({type(e).__name__}); retry",
-        )
-
-
-def _end(grpc_context: RayServegRPCContext, reply: Reply) -> None:
-    grpc_context.set_code(reply.code)
-    grpc_context.set_details(reply.details)
-    raise StatusError(reply.details)
-
-
-class Serialized:
-    """A reply the servicer sent already serialized, as Ray's replica wants a message: it
-    calls SerializeToString() and the proxy sends those bytes."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def SerializeToString(self) -> bytes:
-        return self.data
-
-
-def _message(response: Any) -> Any:
-    return Serialized(response) if isinstance(response, bytes | bytearray) else response
-
-
-def _empty_response(method: str) -> Any:
-    return getattr(pb, SERVICE.methods_by_name[method].output_type.name)()
+def _empty_response(method: str) -> type:
+    return getattr(pb, SERVICE.methods_by_name[method].output_type.name)

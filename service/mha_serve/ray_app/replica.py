@@ -1,5 +1,6 @@
 """AttentionReplica: one Ray Serve replica running the standalone server's engine, lanes and
-servicer, answering the Ingress one call (or one stream message) at a time.
+servicers (mha.v1 and the Open Inference Protocol), answering the Ingress one call (or one
+stream message) at a time.
 
 Its engine starts every session id with this replica's id (ids.py), so SessionRouter sends
 the session's later calls here. A call for a session whose id names another replica reached
@@ -9,6 +10,7 @@ here because that replica is gone: it answers NOT_FOUND saying so.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,9 +21,12 @@ from mha_serve import metrics
 from mha_serve.config import ServerConfig, build_config
 from mha_serve.engine import Engine, resolve_device, resolve_dtype
 from mha_serve.engine.threads import ComputeThreads
-from mha_serve.ray_app.context import CallContext, Reply
+from mha_serve.ray_app.context import CallContext, Caller, Reply
 from mha_serve.ray_app.ids import replica_of, session_prefix
 from mha_serve.serving import AsyncEngine
+from mha_serve.transport.oip import InferenceServicer
+from mha_serve.transport.oip.sequences import sequence_of
+from mha_serve.transport.oip.stream import stream_error
 from mha_serve.transport.servicer import AttentionServicer
 
 log = logging.getLogger(__name__)
@@ -38,6 +43,18 @@ UNARY_METHODS = frozenset(
         "CloseSession",
         "ListModels",
         "GetModelInfo",
+    }
+)
+# The Open Inference Protocol's unary methods (ModelStreamInfer: `infer`, one message a call).
+OIP_METHODS = frozenset(
+    {
+        "ServerLive",
+        "ServerReady",
+        "ModelReady",
+        "ServerMetadata",
+        "ModelMetadata",
+        "ModelConfig",
+        "ModelInfer",
     }
 )
 
@@ -66,6 +83,9 @@ class AttentionReplica:
         self.serving.start()
         self.servicer = AttentionServicer(max_request_bytes=cfg.max_receive_message_bytes)
         self.servicer.attach(self.serving)
+        self.oip = InferenceServicer(
+            lambda: self.serving, ready=lambda: True, session_ttl_s=cfg.session_ttl_s
+        )
         metrics.READY.set(1)
         if metrics_port:
             from mha_serve.ray_app.scrape import serve_replica_metrics
@@ -85,39 +105,72 @@ class AttentionReplica:
                 )
         log.info("replica %s SERVING models: %s", self.replica_id, ", ".join(engine.models))
 
-    async def call(self, method: str, request: Any, peer: str = "") -> Reply:
-        """One unary mha.v1 call, answered by the servicer."""
+    async def call(self, method: str, request: Any, caller: Caller | str = "") -> Reply:
+        """One unary call (mha.v1 or the Open Inference Protocol), answered by its servicer."""
+        if method in OIP_METHODS:
+            return await self.infer(method, request, caller)
         if method not in UNARY_METHODS:
-            raise ValueError(f"{method!r} is not one of {sorted(UNARY_METHODS)}")
-        gone = self._gone(method, request)
+            raise ValueError(f"{method!r} is not one of {sorted(UNARY_METHODS | OIP_METHODS)}")
+        gone = self._gone(method, getattr(request, "session_id", ""))
         if gone is not None:
             return gone
-        context = CallContext(peer)
-        try:
-            response = await getattr(self.servicer, method)(request, context)
-        except grpc.aio.AbortError:
-            return context.reply()
-        return context.reply(response)
+        context = CallContext(caller)
+        return await _answered(context, lambda: getattr(self.servicer, method)(request, context))
 
-    async def stream_step(self, request: Any, peer: str = "") -> Reply:
+    async def stream_step(self, request: Any, caller: Caller | str = "") -> Reply:
         """One message of a StreamSession (the Ingress fills in the stream's session_id),
         answered by the servicer's StreamSession: the same checks, metrics and codes."""
-        gone = self._gone("StreamSession", request)
+        gone = self._gone("StreamSession", getattr(request, "session_id", ""))
         if gone is not None:
             return gone
-        context = CallContext(peer)
-        try:
-            responses = [r async for r in self.servicer.StreamSession(_one(request), context)]
-        except grpc.aio.AbortError:
-            return context.reply()
-        return context.reply(responses[0])
+        context = CallContext(caller)
+        return await _answered(
+            context, lambda: _first(self.servicer.StreamSession, request, context)
+        )
 
-    def cache_usage(self) -> dict[str, tuple[int, int]]:
+    async def infer(
+        self, method: str, request: Any, caller: Caller | str = "", session_id: str = ""
+    ) -> Reply:
+        """One Open Inference Protocol call, or one ModelStreamInfer message (its reply,
+        error_message included, is the response). session_id: the session the Ingress's
+        SequenceDirectory holds for the request's sequence, when the call steps one. The
+        reply says which session the sequence steps afterwards (SequenceDirectory keeps it)."""
+        context = CallContext(caller)
+        stream = method == "ModelStreamInfer"
+        gone = self._gone(method, session_id, _sequence_text(request))
+        if gone is not None:
+            if stream:
+                return Reply(response=stream_error(request, gone.details))
+            return gone
+        if stream:
+            reply = await _answered(
+                context, lambda: _first(self.oip.ModelStreamInfer, request, context)
+            )
+        elif method in OIP_METHODS:
+            reply = await _answered(context, lambda: getattr(self.oip, method)(request, context))
+        else:
+            raise ValueError(f"{method!r} is not one of {sorted(OIP_METHODS)} or ModelStreamInfer")
+        if method in ("ModelInfer", "ModelStreamInfer"):
+            reply.sequence_session = self.oip.sequence_session(request, context)
+        return reply
+
+    async def live_sessions(self, session_ids: list[str]) -> list[str]:
+        """Those of session_ids that live here (SequenceDirectory prunes the rest)."""
+        live = []
+        for session_id in session_ids:
+            try:
+                await _value(self.serving.get_session(session_id))
+            except Exception:  # gone, closed, expired, or not an id of ours
+                continue
+            live.append(session_id)
+        return live
+
+    async def cache_usage(self) -> dict[str, tuple[int, int]]:
         """(live sessions, KV blocks in use) per model with a cache: what tests and
         operators read to see a replica's cache end empty."""
         usage = {}
         for hosted in self.serving.models():
-            info = self.serving.cache_info(hosted.spec.name)
+            info = await _value(self.serving.cache_info(hosted.spec.name))
             if info is not None:
                 usage[hosted.spec.name] = (info.num_sessions, info.num_blocks_used)
         return usage
@@ -125,24 +178,27 @@ class AttentionReplica:
     def replica_id_of(self) -> str:
         return self.replica_id
 
-    def record_routing_stats(self) -> dict[str, int]:
+    async def record_routing_stats(self) -> dict[str, int]:
         """Live sessions here, for the controller and routers (RunningReplica.routing_stats)."""
-        return {"sessions": sum(n for n, _ in self.cache_usage().values())}
+        return {"sessions": sum(n for n, _ in (await self.cache_usage()).values())}
 
-    def _gone(self, method: str, request: Any) -> Reply | None:
+    def _gone(self, method: str, session_id: str, what: str = "") -> Reply | None:
         """NOT_FOUND for a session that lived on another replica: the router sends a call
-        here only when that replica is gone (dead or removed), and its cache with it."""
-        session_id = getattr(request, "session_id", "")
+        here only when that replica is gone (dead or removed), and its cache with it.
+        what: the session's name for the client (a Triton sequence), when not its id."""
         owner = replica_of(session_id) if session_id else None
         if owner is None or owner == self.replica_id:
             return None
-        metrics.count_request(method, "unknown", grpc.StatusCode.NOT_FOUND.name)
+        protocol = metrics.PROTOCOL_KSERVE_V2 if what else metrics.PROTOCOL_MHA_V1
+        metrics.count_request(method, "unknown", grpc.StatusCode.NOT_FOUND.name, protocol)
+        named = f"{what} (session {session_id!r})" if what else f"session {session_id!r}"
+        again = "start it again with sequence_start" if what else "create a new session"
         return Reply(
             code=grpc.StatusCode.NOT_FOUND,
             details=(
-                f"session {session_id!r} is gone: it lived on Ray Serve replica {owner!r}, "
-                "which is no longer running (it died or was scaled down), and its KV cache "
-                "went with it; create a new session and send its tokens again"
+                f"{named} is gone: it lived on Ray Serve replica {owner!r}, which is no "
+                "longer running (it died or was scaled down), and its KV cache went with it; "
+                f"{again} and send its tokens again"
             ),
         )
 
@@ -164,5 +220,40 @@ def load_engine(cfg: ServerConfig, session_id_prefix: str) -> Engine:
     return engine
 
 
+async def _answered(context: CallContext, call: Any) -> Reply:
+    """The servicer's answer to one call, or the status it aborted with. A call whose
+    deadline passed (the servicer then raises CancelledError, as grpcio would answer
+    DEADLINE_EXCEEDED itself) answers DEADLINE_EXCEEDED; a real cancellation propagates."""
+    try:
+        return context.reply(await call())
+    except grpc.aio.AbortError:
+        return context.reply()
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        remaining = context.time_remaining()
+        if (task is not None and task.cancelling()) or remaining is None or remaining > 0:
+            raise
+        return Reply(code=grpc.StatusCode.DEADLINE_EXCEEDED, details="Deadline Exceeded")
+
+
+async def _first(stream: Any, request: Any, context: CallContext) -> Any:
+    """The one reply of a stream method to a stream of one request."""
+    return [r async for r in stream(_one(request), context)][0]
+
+
 async def _one(request: Any) -> AsyncIterator[Any]:
     yield request
+
+
+async def _value(result: Any) -> Any:
+    """AsyncEngine's session and cache methods, whether they are coroutines or not."""
+    return await result if inspect.isawaitable(result) else result
+
+
+def _sequence_text(request: Any) -> str:
+    """'sequence 7 to model 'mha'' for a request that steps a Triton sequence, else ''."""
+    try:
+        sequence = sequence_of(request.parameters)
+    except Exception:  # malformed or invalid: answered by the servicer, not named here
+        return ""
+    return "" if sequence is None else sequence.describe(request.model_name)

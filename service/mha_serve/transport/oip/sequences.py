@@ -13,7 +13,7 @@ from mha_serve.engine import InvalidRequest
 # mha.v1): clients that never send sequence_end cannot grow it without bound.
 PRUNE_AT = 1024
 
-SequenceKey = tuple[str, int | str]  # (model, the client's sequence id)
+SequenceKey = tuple[str, str, int | str]  # (model, the client's identity, its sequence id)
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,14 @@ class Sequence:
     def describe(self, model: str) -> str:
         shown = repr(self.id) if isinstance(self.id, str) else str(self.id)  # as Triton: 42, 'a'
         return f"sequence {shown} to model '{model}'"
+
+    def not_started(self, model: str) -> InvalidRequest:
+        """Triton's refusal of a step whose sequence is not active (every door says it so)."""
+        return InvalidRequest(
+            f"inference request for {self.describe(model)} must specify the START flag on the "
+            "first request of the sequence (no such sequence is active: it never started, "
+            "or it ended)"
+        )
 
 
 def sequence_of(params: Any) -> Sequence | None:

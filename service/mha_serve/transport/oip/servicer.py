@@ -17,7 +17,7 @@ import grpc
 from mha_client.api.inference import grpc_service_pb2 as pb
 from mha_serve import metrics
 from mha_serve.cache import CacheError, SessionBusy, SessionNotFound
-from mha_serve.engine import AttendCall, HostedModel, InvalidRequest, ModelNotFound, RequestError
+from mha_serve.engine import AttendCall, HostedModel, ModelNotFound, RequestError
 from mha_serve.serving import AsyncEngine, Timing, Unavailable
 from mha_serve.transport.answer import answer, note_malformed, parsed, sync
 from mha_serve.transport.auth import client_identity
@@ -30,7 +30,7 @@ from mha_serve.transport.oip.convert import (
     to_call,
 )
 from mha_serve.transport.oip.convert import parameter as read_parameter
-from mha_serve.transport.oip.sequences import Sequence, SequenceMap, sequence_of
+from mha_serve.transport.oip.sequences import Sequence, SequenceKey, SequenceMap, sequence_of
 from mha_serve.transport.oip.stream import pipelined, sequence_key, stream_error
 from mha_serve.transport.status import EXPECTED, status_of
 
@@ -254,7 +254,7 @@ class InferenceServicer:
         # A sequence id names a sequence of its client only (the same identity that limits
         # count against: certificate, token or peer address): another client sending the
         # same id never reaches this one's cached keys. (Triton's ids are global per model.)
-        key = (model, owner, sequence.id)
+        key = sequence_key_of(model, owner, sequence)
         if sequence.start:
             session_id = (await serving.create_session(model, None, None, owner)).session_id
             live = await self._live_sessions() if self.sequences.prune_due else set()
@@ -265,11 +265,7 @@ class InferenceServicer:
         else:
             session_id = self.sequences.get(key)
             if session_id is None:
-                raise InvalidRequest(
-                    f"inference request for {sequence.describe(model)} must specify the START "
-                    "flag on the first request of the sequence (no such sequence is active: "
-                    "it never started, or it ended)"
-                )
+                raise sequence.not_started(model)
         call.session_id = session_id
         close = sequence.end
         try:
@@ -291,6 +287,21 @@ class InferenceServicer:
                 self.sequences.end(key, session_id)
                 with contextlib.suppress(CacheError, RequestError):
                     await serving.close_session(session_id)
+
+    def sequence_session(self, request: Any, context: grpc.aio.ServicerContext) -> str | None:
+        """The session the request's sequence steps now (after the request: None once it
+        ended or its session is gone), None for a stateless or unreadable request. What a
+        front door that routes sequences (the Ray app) reads after each call."""
+        if isinstance(request, Malformed):
+            return None
+        try:
+            sequence = sequence_of(request.parameters)
+            if sequence is None:
+                return None
+            model = self._hosted(request.model_name, request.model_version).spec.name
+        except RequestError:
+            return None
+        return self.sequences.get(sequence_key_of(model, client_identity(context), sequence))
 
     async def _live_sessions(self) -> set[str]:
         """The sessions of the sequence map still alive (asked before a prune)."""
@@ -316,6 +327,11 @@ class InferenceServicer:
         handle: Callable[[], Awaitable[T]],
     ) -> T:
         return await answer(method, model, context, handle, protocol=PROTOCOL)
+
+
+def sequence_key_of(model: str, owner: str, sequence: Sequence) -> SequenceKey:
+    """A sequence id names a sequence of one client (its identity) on one model."""
+    return (model, owner, sequence.id)
 
 
 def _deadline(context: grpc.aio.ServicerContext, timeout_us: Any) -> float | None:

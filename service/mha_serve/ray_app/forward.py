@@ -1,0 +1,75 @@
+"""How an Ingress call reaches AttentionReplica and comes back: Ray's own failures made
+statuses that say what happened, replies made what Ray's proxy sends (shared by mha.v1 and
+the Open Inference Protocol)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError
+from ray.serve.grpc_util import RayServegRPCContext
+
+from mha_serve.ray_app.context import Reply
+
+
+class StatusError(Exception):
+    """Ends a stream with the status set on Ray's gRPC context (the proxy sends it)."""
+
+
+async def forward(handle: Any, *args: Any, session_id: str = "", what: str = "") -> Reply:
+    """handle.remote(*args), a call to AttendReplica answering a Reply. session_id: the
+    session the call is pinned to (what: its name for the client, a Triton sequence)."""
+    try:
+        return await handle.remote(*args)
+    except BackPressureError as e:
+        return Reply(code=grpc.StatusCode.RESOURCE_EXHAUSTED, details=str(e))
+    except (RayActorError, ActorUnavailableError) as e:
+        if session_id:
+            named = f"{what} (session {session_id!r})" if what else f"session {session_id!r}"
+            again = "start it again with sequence_start" if what else "create a new session"
+            return Reply(
+                code=grpc.StatusCode.NOT_FOUND,
+                details=f"{named} is gone: its Ray Serve replica stopped during this call, "
+                f"and its KV cache went with it ({type(e).__name__}); {again} and send its "
+                "tokens again",
+            )
+        return Reply(
+            code=grpc.StatusCode.UNAVAILABLE,
+            details=f"the replica serving this call stopped ({type(e).__name__}); retry",
+        )
+
+
+def end_stream(grpc_context: RayServegRPCContext, reply: Reply) -> None:
+    """Ends a stream with the reply's status."""
+    grpc_context.set_code(reply.code)
+    grpc_context.set_details(reply.details)
+    raise StatusError(reply.details)
+
+
+def unary_answer(grpc_context: RayServegRPCContext, reply: Reply, empty: type) -> Any:
+    """What a unary Ingress method returns: the response, or its status set on Ray's
+    context and an empty message (not sent: the client gets the status alone)."""
+    if reply.code is None:
+        return message(reply.response)
+    grpc_context.set_code(reply.code)
+    grpc_context.set_details(reply.details)
+    return empty()
+
+
+class Serialized:
+    """A reply the servicer sent already serialized, as Ray's replica wants a message: it
+    calls SerializeToString() and the proxy sends those bytes."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def SerializeToString(self) -> bytes:
+        return self.data
+
+
+def message(response: Any) -> Any:
+    return Serialized(response) if isinstance(response, bytes | bytearray) else response
