@@ -9,7 +9,10 @@ bfloat16 to float32, counts too: it writes a buffer). A view costs none; reading
 A copy into a buffer kept warm across calls would escape the count; none of these paths keeps
 one (gRPC's counted below does not either). The settings stay for the process: run it alone.
 
-    python bench/copies.py [--mib 16] [--json-out FILE]
+    python bench/copies.py [--mib 16] [--round-trips] [--json-out FILE]
+
+--round-trips also times the SDK's Attend round trips (now against its stubs before), side by
+side in one run, before the allocator is set up for counting.
 """
 
 from __future__ import annotations
@@ -216,6 +219,77 @@ def grpc_copies(nbytes: int, reps: int = 3) -> dict[str, float]:
     return asyncio.run(run())
 
 
+ROUND_TRIP_SHAPES = {"1 token": (1, 512), "16 tokens": (16, 512), "1 MiB": (512, 512)}
+
+
+def sdk_round_trips(mib: int = 16, reps: int = 20) -> list[dict[str, Any]]:
+    """Timed, not counted: Client.attend (the SDK now) against the SDK before on the same
+    channel (ops.attend as it was: build_attend_request, the generated stub's protobuf both
+    ways, parse_attend_response),
+    to a gRPC server in this process answering a prepared reply of x's size: the codec is the
+    only difference. Medians of alternating calls, ms. Run before setup() (malloc's defaults)."""
+    import time
+    from concurrent import futures
+
+    import grpc
+    import numpy as np
+
+    from mha_client import ops
+    from mha_client.api import attention_pb2 as pb
+    from mha_client.messages import build_attend_request, parse_attend_response
+    from mha_client.sdk import Client
+    from mha_client.tensors import fill_proto
+
+    reply = [b""]
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: reply[0])
+    service = grpc.method_handlers_generic_handler("mha.v1.AttentionService", {"Attend": handler})
+    opts = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=opts)
+    server.add_generic_rpc_handlers((service,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    rng = np.random.default_rng(0)
+    rows = []
+    shapes = {**ROUND_TRIP_SHAPES, f"{mib} MiB": (mib, 512, 512)}
+    with Client(f"127.0.0.1:{port}", timeout=60) as client:
+        for label, shape in shapes.items():
+            x = rng.standard_normal(shape, dtype=np.float32)
+            response = pb.AttendResponse(model="m", timing=pb.Timing(batch_size=1))
+            fill_proto(response.output, x)
+            reply[0] = response.SerializeToString()
+            squeeze = x.ndim == 2
+            calls = {  # before: ops.attend as it was, through the same Client._run
+                "before": lambda x=x, sq=squeeze: client._run(
+                    ops.Rpc(
+                        "Attend",
+                        build_attend_request("m", x),
+                        lambda r, ms: parse_attend_response(r, sq, ms),
+                    )
+                ),
+                "now": lambda x=x: client.attend("m", x),
+            }
+            n = reps if x.nbytes >= 2**20 else reps * 10
+            times: dict[str, list[float]] = {"before": [], "now": []}
+            for i in range(n + 1):  # the first round warms both up: not counted
+                for name in ("before", "now") if i % 2 else ("now", "before"):
+                    start = time.perf_counter()
+                    calls[name]()
+                    times[name].append((time.perf_counter() - start) * 1e3)
+            before, now = (statistics.median(times[k][1:]) for k in ("before", "now"))
+            rows.append(
+                {
+                    "input": label,
+                    "bytes": x.nbytes,
+                    "calls": n,
+                    "before_ms": round(before, 3),
+                    "now_ms": round(now, 3),
+                    "now_over_before": round(now / before, 2),
+                }
+            )
+    server.stop(None)
+    return rows
+
+
 def measure(mib: int = 16) -> dict[str, Any]:
     setup()
     shape = (mib, 512, 512)  # float32 (B, 512, 512): mib MiB
@@ -247,10 +321,24 @@ def format_table(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=int, default=16, help="payload size (float32), MiB")
+    p.add_argument(
+        "--round-trips",
+        action="store_true",
+        help="also time Client.attend round trips, the SDK now against its stubs before",
+    )
     p.add_argument("--json-out")
     args = p.parse_args(argv)
+    trips = sdk_round_trips(args.mib) if args.round_trips else None  # before setup()
     results = measure(args.mib)
     print(format_table(results))
+    if trips is not None:
+        results["sdk_round_trips"] = trips
+        print("SDK round trips to an in-process server answering a reply of x's size (ms, medians)")
+        for r in trips:
+            print(
+                f"  {r['input']:<10} before {r['before_ms']:8.3f}  now {r['now_ms']:8.3f}  "
+                f"now/before {r['now_over_before']:.2f}  ({r['calls']} calls each)"
+            )
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(results, f, indent=2)

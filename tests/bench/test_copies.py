@@ -20,7 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def counts(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("copies") / "copies.json"
     subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "copies.py"), "--mib", "4", "--json-out", str(out)],
+        [
+            *(sys.executable, str(ROOT / "bench" / "copies.py"), "--mib", "4", "--round-trips"),
+            *("--json-out", str(out)),
+        ],
         check=True,
         capture_output=True,
         timeout=300,
@@ -29,7 +32,7 @@ def counts(tmp_path_factory) -> dict:
     return {
         (r["dtype"], r["side"], r["direction"], r["path"].split(":")[0]): r["copies"]
         for r in results["paths"]
-    } | {"grpc": results["grpc_loopback"]}
+    } | {"grpc": results["grpc_loopback"], "round_trips": results["sdk_round_trips"]}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -69,3 +72,10 @@ def test_client_codec_copies_a_payload_at_most_once(counts):
 def test_grpc_own_copies_are_seen_too(counts):
     # Its send copy, the kernel's receive into its slices, their copy into Python bytes.
     assert counts["grpc"]["request"] >= 2 and counts["grpc"]["reply"] >= 2
+
+
+def test_round_trips_time_the_sdk_before_and_now_on_every_size(counts):
+    # Timed, so nothing is asserted of the times (CI never gates on wall-clock): each size ran.
+    rows = counts["round_trips"]
+    assert [r["input"] for r in rows] == ["1 token", "16 tokens", "1 MiB", "4 MiB"]
+    assert all(r["before_ms"] > 0 and r["now_ms"] > 0 for r in rows)
