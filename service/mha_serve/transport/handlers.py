@@ -17,6 +17,8 @@ from typing import Any
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 
+from mha_serve.transport.drain import Drain
+
 log = logging.getLogger(__name__)
 
 LOG_EVERY_S = 60.0  # at most one line about malformed requests per this many seconds
@@ -81,11 +83,19 @@ def lenient(
 
 
 def add_service(
-    server: grpc.aio.Server, servicer: Any, service: ServiceDescriptor, messages: Any
+    server: grpc.aio.Server,
+    servicer: Any,
+    service: ServiceDescriptor,
+    messages: Any,
+    *,
+    drain: Drain | None = None,
+    always_answered: tuple[str, ...] = (),
 ) -> None:
     """Registers servicer's method for each of `service`'s methods (named alike), with
     lenient parsing; `messages` is the generated _pb2 module holding the message classes.
-    The servicer's methods must answer a Malformed request themselves (`reject`).
+    The servicer's methods must answer a Malformed request themselves (`reject`). With a
+    `drain`, each method but those `always_answered` (a protocol's own health checks) refuses
+    new calls once the server drains (drain.py; the servicer names its metrics' `PROTOCOL`).
 
     A servicer's `request_parsers` (method name -> parse(bytes)) replace FromString for those
     methods; any method may answer bytes, which are sent as they are (already serialized)."""
@@ -100,8 +110,17 @@ def add_service(
             (True, False): grpc.stream_unary_rpc_method_handler,
             (True, True): grpc.stream_stream_rpc_method_handler,
         }[(method.client_streaming, method.server_streaming)]
+        handler = getattr(servicer, method.name)
+        if drain is not None and method.name not in always_answered:
+            handler = drain.guard(
+                handler,
+                method=method.name,
+                protocol=servicer.PROTOCOL,
+                request_streaming=method.client_streaming,
+                response_streaming=method.server_streaming,
+            )
         handlers[method.name] = kind(
-            getattr(servicer, method.name),
+            handler,
             request_deserializer=lenient(request_cls, parsers.get(method.name)),
             response_serializer=_serializer(response_cls),
         )

@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from mha_client.api import attention_pb2 as pb
+from mha_client.api.inference import grpc_service_pb2 as inference_pb
 from mha_serve import metrics
 from mha_serve.config import ServerConfig
 from mha_serve.engine import Engine, resolve_device, resolve_dtype
@@ -21,14 +22,23 @@ from mha_serve.engine.threads import ComputeThreads
 from mha_serve.serving import AsyncEngine
 from mha_serve.serving.async_engine import SESSION_SWEEP_S
 from mha_serve.transport.auth import TokenInterceptor, load_tokens, server_credentials
+from mha_serve.transport.drain import Drain
 from mha_serve.transport.handlers import add_service
+from mha_serve.transport.oip import SERVICE as INFERENCE_SERVICE
 from mha_serve.transport.oip import SERVICE_NAME as INFERENCE_SERVICE_NAME
-from mha_serve.transport.oip import add_inference_service
+from mha_serve.transport.oip import InferenceServicer
 from mha_serve.transport.servicer import AttentionServicer
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["AttentionService"]
 SERVICE_NAME = SERVICE.full_name  # "mha.v1.AttentionService"
+# Once the calls in the handlers are done, gRPC's own stop gets this long (at most) before it
+# cancels what is left: refusals on their way out, a large request still arriving, and the
+# streams no drain counts (health Watch, reflection), which would otherwise hold the stop.
+CLOSE_GRACE_S = 2.0
+# The Open Inference Protocol's health checks, answered while draining (ready: false), as
+# grpc.health.v1 is.
+INFERENCE_HEALTH = ("ServerLive", "ServerReady", "ModelReady")
 
 
 class Server:
@@ -59,6 +69,7 @@ class Server:
         )
         self.port: int | None = None
         self._stopped = asyncio.Event()
+        self.drain = Drain()  # both doors' calls: refused once draining, waited for on stop
 
     @property
     def lanes(self) -> dict:
@@ -73,15 +84,20 @@ class Server:
     async def listen(self) -> None:
         """Opens the port with health NOT_SERVING; Attend answers UNAVAILABLE until `load`."""
         cfg = self.cfg
-        add_service(
-            self.server, self.servicer, pb.DESCRIPTOR.services_by_name["AttentionService"], pb
-        )
+        add_service(self.server, self.servicer, SERVICE, pb, drain=self.drain)
         # The Open Inference Protocol on the same port, over the same engine (issue 19).
-        self.inference = add_inference_service(
-            self.server,
+        self.inference = InferenceServicer(
             lambda: self.serving,
             ready=lambda: self.serving is not None and not self._stopped.is_set(),
             session_ttl_s=cfg.session_ttl_s,
+        )
+        add_service(
+            self.server,
+            self.inference,
+            INFERENCE_SERVICE,
+            inference_pb,
+            drain=self.drain,
+            always_answered=INFERENCE_HEALTH,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -152,7 +168,10 @@ class Server:
         return engine
 
     async def stop(self) -> None:
-        """Drains: health NOT_SERVING, refuse new calls, let in-flight ones finish within grace."""
+        """Drains (docs/RELIABILITY.md, "Shutdown"): health NOT_SERVING; after drain_delay_s,
+        new calls are answered UNAVAILABLE by their handlers and open streams end UNAVAILABLE
+        at their next message; the calls in the handlers get up to grace_period_s to finish;
+        then the port closes, cancelling only calls still running at the end of the grace."""
         if self._stopped.is_set():
             return
         self._stopped.set()
@@ -160,11 +179,28 @@ class Server:
         await self.health.enter_graceful_shutdown()
         if self.cfg.drain_delay_s > 0:  # still answering, health NOT_SERVING
             log.info(
-                "draining: NOT_SERVING for %.1f s before closing the port", self.cfg.drain_delay_s
+                "draining: NOT_SERVING for %.1f s before refusing new calls",
+                self.cfg.drain_delay_s,
             )
             await asyncio.sleep(self.cfg.drain_delay_s)
-        log.info("draining: up to %.1f s for in-flight calls", self.cfg.grace_period_s)
-        await self.server.stop(self.cfg.grace_period_s)
+        grace_s, started = self.cfg.grace_period_s, time.monotonic()
+        self.drain.close()
+        log.info(
+            "draining: new calls refused UNAVAILABLE; up to %.1f s for %d in flight and "
+            "for new calls to stop coming",
+            grace_s,
+            self.drain.in_flight,
+        )
+        await self.drain.wait(grace_s)
+        if self.drain.in_flight:
+            log.warning(
+                "grace period of %.1f s over: cancelling %d calls still in flight",
+                grace_s,
+                self.drain.in_flight,
+            )
+        log.info("closing the port; %d calls refused while draining", self.drain.refused)
+        left_s = max(0.0, grace_s - (time.monotonic() - started))
+        await self.server.stop(min(left_s, CLOSE_GRACE_S))
         if self.serving is not None:
             await self.serving.close()
         self.compute.shutdown()

@@ -1,0 +1,145 @@
+"""Graceful stop for the gRPC doors (docs/RELIABILITY.md, "Shutdown"): once the server drains,
+each new call is answered UNAVAILABLE by its own handler, an open stream ends UNAVAILABLE at
+its next message, and the server waits for the calls still in their handlers, and for the
+calls to stop coming, before it closes the port: gRPC cancels a call that reaches a closing
+server, so the port closes only when none is arriving (or the grace period is over)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import grpc
+
+from mha_serve import metrics
+
+SHUTTING_DOWN = "the server is shutting down; retry on another replica"
+# The port closes once no call arrived or ended for this long: a client answered or refused
+# has moved on (or backs off), so no call of its reaches the closing server (CANCELLED).
+QUIET_S = 0.25
+
+
+class Draining(Exception):
+    """A stream's next message was read, or awaited, once draining began."""
+
+
+class Drain:
+    """Counts the calls inside the handlers it guards; once `close`d, refuses new ones."""
+
+    def __init__(self, quiet_s: float = QUIET_S) -> None:
+        self.quiet_s = quiet_s
+        self.in_flight = 0  # calls inside a guarded handler
+        self.closed = False
+        self.refused = 0  # calls and stream messages answered UNAVAILABLE once closed
+        self._last_activity = 0.0  # loop time at which a call last arrived or ended
+        self._idle = asyncio.Event()
+        self._idle.set()
+        # Tasks waiting for a stream's next message, and those `close` cancelled for it.
+        self._reading: set[asyncio.Task] = set()
+        self._interrupted: set[asyncio.Task] = set()
+
+    def close(self) -> None:
+        """Draining begins: new calls are refused and streams waiting for a message end."""
+        self.closed = True
+        for task in self._reading:
+            self._interrupted.add(task)
+            task.cancel()
+
+    async def wait(self, timeout_s: float) -> None:
+        """Once closed: until no call is in a guarded handler and none arrived or ended for
+        `quiet_s`, or `timeout_s` passed (then `in_flight` says how many are still running)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        while self.in_flight == 0 and (now := loop.time()) < deadline:
+            quiet_at = self._last_activity + self.quiet_s
+            if now >= quiet_at:
+                return
+            await asyncio.sleep(min(quiet_at, deadline) - now)
+
+    def guard(
+        self,
+        handler: Callable[..., Any],
+        *,
+        method: str,
+        protocol: str,
+        request_streaming: bool,
+        response_streaming: bool,
+    ) -> Callable[..., Any]:
+        """`handler` (a coroutine function, or an async generator function for streamed
+        responses) refusing calls once draining began; streamed requests are read through
+        `messages`, and a stream that Draining ends is answered UNAVAILABLE after its replies."""
+
+        def requests(request: Any) -> Any:
+            return self.messages(request) if request_streaming else request
+
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if self.closed:
+                await self._refuse(method, protocol, context)
+            with self._counted():
+                try:
+                    return await handler(requests(request), context)
+                except Draining:
+                    await self._refuse(method, protocol, context)
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if self.closed:
+                await self._refuse(method, protocol, context)
+            with self._counted():
+                try:
+                    async with contextlib.aclosing(handler(requests(request), context)) as out:
+                        async for reply in out:
+                            yield reply
+                except Draining:
+                    await self._refuse(method, protocol, context)
+
+        return stream if response_streaming else unary
+
+    @contextlib.contextmanager
+    def _counted(self) -> Iterator[None]:
+        self.in_flight += 1
+        self._idle.clear()
+        self._touch()
+        try:
+            yield
+        finally:
+            self._touch()
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    def _touch(self) -> None:
+        self._last_activity = asyncio.get_running_loop().time()
+
+    async def messages(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """A stream's messages until draining begins; then Draining, at once if it waits for
+        one (the task reading is cancelled), else when the next one is asked for."""
+        iterator = aiter(requests)
+        while True:
+            if self.closed:
+                raise Draining
+            task = asyncio.current_task()  # the reader (not always the handler's own task)
+            self._reading.add(task)
+            try:
+                message = await anext(iterator)
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if task not in self._interrupted:
+                    raise
+                task.uncancel()
+                raise Draining from None
+            finally:
+                self._reading.discard(task)
+                self._interrupted.discard(task)
+            yield message
+
+    async def _refuse(self, method: str, protocol: str, context: grpc.aio.ServicerContext) -> None:
+        """UNAVAILABLE (retryable elsewhere), counted like every answered call."""
+        self.refused += 1
+        self._touch()
+        metrics.count_request(method, "unknown", grpc.StatusCode.UNAVAILABLE.name, protocol)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
