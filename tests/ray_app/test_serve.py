@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mha_client.errors import MhaServeError
 from mha_client.sdk import Client
 from mha_serve.ray_app.ids import replica_of
+from tests.ray_app.cluster import APP
 from tests.ray_app.conftest import ATOL, replica_handle, replica_ids
 
 pytestmark = pytest.mark.slow
@@ -184,3 +185,34 @@ def test_the_application_metadata_picks_the_app(cluster, capsys):
 
     assert main(["--target", cluster.target, "--application", "mha", "models"]) == 0
     assert "gqa" in capsys.readouterr().out
+
+
+def test_a_call_past_its_deadline_is_dropped_not_computed(client):
+    """The deadline the Ingress forwards reaches the engine: a call that reaches a replica
+    past it is dropped from its lane (DEADLINE_EXCEEDED saying so), and a session step past
+    it keeps nothing; one within it is answered."""
+    import time
+
+    from ray import serve
+
+    from mha_client.api import attention_pb2 as pb
+    from mha_client.tensors import to_proto
+    from mha_serve.ray_app.context import Caller
+
+    call = serve.get_deployment_handle("AttentionReplica", APP).options(method_name="call")
+    request = pb.AttendRequest(model="mha", input=to_proto(tokens(4)))
+    late, soon = Caller(deadline=time.time() - 1), Caller(deadline=time.time() + 600)
+    reply = call.remote("Attend", request, late).result(timeout_s=60)
+    assert reply.code == grpc.StatusCode.DEADLINE_EXCEEDED, reply
+    assert "deadline passed" in reply.details, reply.details
+    assert call.remote("Attend", request, soon).result(timeout_s=60).code is None
+
+    session = client.create_session("mha")
+    step = pb.AttendRequest(session_id=session.id, input=to_proto(tokens(2)))
+    pinned = call.options(session_id=session.id)
+    reply = pinned.remote("Attend", step, late).result(timeout_s=60)
+    assert reply.code == grpc.StatusCode.DEADLINE_EXCEEDED, reply
+    assert session.refresh().num_tokens == 0
+    assert pinned.remote("Attend", step, soon).result(timeout_s=60).code is None
+    assert session.refresh().num_tokens == 2
+    session.close()

@@ -228,12 +228,13 @@ async def _answered(context: CallContext, call: Any) -> Reply:
         return context.reply(await call())
     except grpc.aio.AbortError:
         return context.reply()
-    except asyncio.CancelledError:
+    except asyncio.CancelledError as e:
         task = asyncio.current_task()
         remaining = context.time_remaining()
         if (task is not None and task.cancelling()) or remaining is None or remaining > 0:
             raise
-        return Reply(code=grpc.StatusCode.DEADLINE_EXCEEDED, details="Deadline Exceeded")
+        why = f": {e.__cause__}" if e.__cause__ is not None else ""
+        return Reply(code=grpc.StatusCode.DEADLINE_EXCEEDED, details=f"Deadline Exceeded{why}")
 
 
 async def _first(stream: Any, request: Any, context: CallContext) -> Any:
