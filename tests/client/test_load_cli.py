@@ -1,0 +1,51 @@
+"""`mha-client load` sends what every command sends: its load requests carry the CLI's
+metadata (--application) as its model lookup does (the numpy echo servicer, no torch)."""
+
+from __future__ import annotations
+
+import json
+from concurrent import futures
+
+import grpc
+
+from mha_client.api import attention_pb2_grpc as pb_grpc
+from mha_client.cli import main
+from tests.client.test_sdk_fake import EchoServicer
+
+
+class MetadataEcho(EchoServicer):
+    """The echo servicer, remembering each call's application metadata."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.applications: list[tuple[str, str | None]] = []
+
+    def _note(self, method: str, context) -> None:
+        metadata = dict(context.invocation_metadata())
+        self.applications.append((method, metadata.get("application")))
+
+    def GetModelInfo(self, request, context):
+        self._note("GetModelInfo", context)
+        return super().GetModelInfo(request, context)
+
+    def Attend(self, request, context):
+        self._note("Attend", context)
+        return super().Attend(request, context)
+
+
+def test_load_requests_carry_the_application_metadata(tmp_path, capsys):
+    servicer = MetadataEcho()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_AttentionServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    out = tmp_path / "load.json"
+    try:
+        argv = ["--application", "mha", "load", "echo", "--target", f"127.0.0.1:{port}"]
+        argv += ["--requests", "4", "--warmup", "1", "--seq-len", "2", "--json-out", str(out)]
+        assert main(argv) == 0, capsys.readouterr().err
+    finally:
+        server.stop(grace=None)
+    assert json.loads(out.read_text())["ok"] == 4
+    assert servicer.applications[0] == ("GetModelInfo", "mha")
+    assert servicer.applications[1:] == [("Attend", "mha")] * 5  # warm-up included
