@@ -216,3 +216,18 @@ def test_a_call_past_its_deadline_is_dropped_not_computed(client):
     assert pinned.remote("Attend", step, soon).result(timeout_s=60).code is None
     assert session.refresh().num_tokens == 2
     session.close()
+
+
+def test_the_ingress_tells_live_replicas_from_gone_ones(cluster):
+    """What decides UNAVAILABLE (unreachable, still runs) against NOT_FOUND (gone) when Ray
+    fails a session's call (forward.py; the cases themselves: test_forward.py)."""
+    import asyncio
+
+    from ray import serve
+
+    from mha_serve.ray_app.router import liveness
+
+    alive = liveness(serve.get_deployment_handle("AttentionReplica", APP))
+    for replica_id in replica_ids():
+        assert asyncio.run(alive(replica_id)), replica_id
+    assert not asyncio.run(alive("gone0replica"))

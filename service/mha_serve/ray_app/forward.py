@@ -4,41 +4,66 @@ the Open Inference Protocol)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorDiedError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.grpc_util import RayServegRPCContext
 
 from mha_serve.ray_app.context import Reply
+from mha_serve.ray_app.ids import replica_of
 
 
 class StatusError(Exception):
     """Ends a stream with the status set on Ray's gRPC context (the proxy sends it)."""
 
 
-async def forward(handle: Any, *args: Any, session_id: str = "", what: str = "") -> Reply:
-    """handle.remote(*args), a call to AttendReplica answering a Reply. session_id: the
-    session the call is pinned to (what: its name for the client, a Triton sequence)."""
+async def forward(
+    handle: Any,
+    *args: Any,
+    session_id: str = "",
+    what: str = "",
+    alive: Callable[[str], Awaitable[bool]] | None = None,
+) -> Reply:
+    """handle.remote(*args), a call to AttentionReplica answering a Reply. session_id: the
+    session the call is pinned to (what: its name for the client, a Triton sequence);
+    alive(replica id): whether that replica still runs, asked when Ray reports it
+    unreachable (ActorUnavailableError): a replica restarting or briefly cut off keeps its
+    sessions, so that is UNAVAILABLE (retry), and NOT_FOUND only once it is really gone."""
     try:
         return await handle.remote(*args)
     except BackPressureError as e:
         return Reply(code=grpc.StatusCode.RESOURCE_EXHAUSTED, details=str(e))
-    except (RayActorError, ActorUnavailableError) as e:
-        if session_id:
-            named = f"{what} (session {session_id!r})" if what else f"session {session_id!r}"
-            again = "start it again with sequence_start" if what else "create a new session"
+    except RayActorError as e:
+        failure = f"{type(e).__name__}: {_first_line(e)}"
+        owner = replica_of(session_id) if session_id else None
+        if owner is None:
             return Reply(
-                code=grpc.StatusCode.NOT_FOUND,
-                details=f"{named} is gone: its Ray Serve replica stopped during this call, "
-                f"and its KV cache went with it ({type(e).__name__}); {again} and send its "
-                "tokens again",
+                code=grpc.StatusCode.UNAVAILABLE,
+                details=f"the replica serving this call stopped or is unreachable ({failure}); "
+                "retry",
             )
+        named = f"{what} (session {session_id!r})" if what else f"session {session_id!r}"
+        if not isinstance(e, ActorDiedError) and (alive is None or await alive(owner)):
+            return Reply(
+                code=grpc.StatusCode.UNAVAILABLE,
+                details=f"the Ray Serve replica {owner!r} holding {named} did not answer "
+                f"({failure}), but it still runs: retry",
+            )
+        again = "start it again with sequence_start" if what else "create a new session"
         return Reply(
-            code=grpc.StatusCode.UNAVAILABLE,
-            details=f"the replica serving this call stopped ({type(e).__name__}); retry",
+            code=grpc.StatusCode.NOT_FOUND,
+            details=f"{named} is gone: its Ray Serve replica {owner!r} stopped during this "
+            f"call, and its KV cache went with it ({type(e).__name__}); {again} and send its "
+            "tokens again",
         )
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else ""
 
 
 def end_stream(grpc_context: RayServegRPCContext, reply: Reply) -> None:

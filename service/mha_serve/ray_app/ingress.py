@@ -67,7 +67,9 @@ class Ingress(InferenceIngress):
         session_id = getattr(request, "session_id", "")
         handle = self._call.options(session_id=session_id) if session_id else self._call
         caller = Caller.of(grpc_context)
-        reply = await forward(handle, method, request, caller, session_id=session_id)
+        reply = await forward(
+            handle, method, request, caller, session_id=session_id, alive=self._alive
+        )
         return unary_answer(grpc_context, reply, _empty_response(method))
 
     # --- streamed session steps --------------------------------------------------------
@@ -95,7 +97,7 @@ class Ingress(InferenceIngress):
                     ),
                 )
             handle = self._step.options(session_id=session_id) if session_id else self._step
-            reply = await forward(handle, request, caller, session_id=session_id)
+            reply = await forward(handle, request, caller, session_id=session_id, alive=self._alive)
             if reply.code is not None:
                 end_stream(grpc_context, reply)
             yield message(reply.response)

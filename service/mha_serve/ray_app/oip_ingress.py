@@ -22,6 +22,7 @@ from mha_client.api.inference import grpc_service_pb2 as pb
 from mha_serve.engine import RequestError
 from mha_serve.ray_app.context import CallContext, Caller, Reply
 from mha_serve.ray_app.forward import forward, message, unary_answer
+from mha_serve.ray_app.router import liveness
 from mha_serve.transport.auth import client_identity
 from mha_serve.transport.handlers import Malformed
 from mha_serve.transport.oip.sequences import Sequence, sequence_of
@@ -34,6 +35,7 @@ class InferenceIngress:
 
     def __init__(self, replicas: Any, directory: Any) -> None:
         self._infer = replicas.options(method_name="infer")
+        self._alive = liveness(replicas)
         self._close = replicas.options(method_name="call")
         self._directory_get = directory.options(method_name="get")
         self._directory_start = directory.options(method_name="start")
@@ -112,6 +114,7 @@ class InferenceIngress:
             session_id,
             session_id=session_id,
             what=what,
+            alive=self._alive,
         )
         if reply.sequence_session != session_id:  # ended, or its session is gone
             await self._directory_end.remote(key, session_id)

@@ -214,6 +214,8 @@ def load_engine(cfg: ServerConfig, session_id_prefix: str) -> Engine:
         max_response_bytes=cfg.max_send_message_bytes,
         evict_idle_sessions=cfg.evict_idle_sessions,
         session_ttl_s=cfg.session_ttl_s or None,
+        max_sessions_per_client=cfg.max_sessions_per_client,
+        max_cache_bytes_per_client=cfg.max_cache_bytes_per_client,
         session_id_prefix=session_id_prefix,
     )
     engine.warmup()

@@ -14,8 +14,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import ray
+from ray.serve._private.common import DeploymentID
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from mha_serve.ray_app.ids import replica_of
@@ -56,16 +59,34 @@ class SessionRouter(RequestRouter):
         """Whether the replica's actor still lives (a GCS lookup, off the event loop)."""
         if unique_id in self._gone:
             return False
-        name = ReplicaID(unique_id, self._deployment_id).to_full_id_str()
-        try:
-            await asyncio.to_thread(ray.get_actor, name, namespace=SERVE_NAMESPACE)
+        if await asyncio.to_thread(replica_alive, unique_id, self._deployment_id):
             return True
-        except ValueError:  # no live actor of that name
-            self._gone[unique_id] = None
-            while len(self._gone) > MAX_REMEMBERED_GONE:
-                self._gone.pop(next(iter(self._gone)))
-            log.info("replica %s is gone; its sessions answer NOT_FOUND", unique_id)
-            return False
+        self._gone[unique_id] = None
+        while len(self._gone) > MAX_REMEMBERED_GONE:
+            self._gone.pop(next(iter(self._gone)))
+        log.info("replica %s is gone; its sessions answer NOT_FOUND", unique_id)
+        return False
+
+
+def liveness(handle: Any) -> Callable[[str], Awaitable[bool]]:
+    """alive(replica unique id) for the replicas of the deployment `handle` calls."""
+    deployment_id = DeploymentID(name=handle.deployment_name, app_name=handle.app_name)
+
+    async def alive(unique_id: str) -> bool:
+        return await asyncio.to_thread(replica_alive, unique_id, deployment_id)
+
+    return alive
+
+
+def replica_alive(unique_id: str, deployment_id: DeploymentID) -> bool:
+    """Whether that replica's actor still lives: a GCS lookup (blocking; run it off the
+    event loop). Ray names a replica's actor after its ids; a dead one's name is freed."""
+    name = ReplicaID(unique_id, deployment_id).to_full_id_str()
+    try:
+        ray.get_actor(name, namespace=SERVE_NAMESPACE)
+    except ValueError:  # no live actor of that name
+        return False
+    return True
 
 
 def _session_id(pending_request: PendingRequest | None) -> str:
