@@ -162,6 +162,7 @@ async def test_draining_refuses_new_calls_unavailable_and_lets_in_flight_ones_fi
         assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
         assert (await oip.ServerLive(ip.ServerLiveRequest())).live
         assert not (await oip.ServerReady(ip.ServerReadyRequest())).ready
+        assert not (await oip.ModelReady(ip.ModelReadyRequest(name="small"))).ready
         assert not stopping.done()  # still waiting for the two calls in flight
 
         gate.release()
