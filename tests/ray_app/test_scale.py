@@ -1,6 +1,7 @@
 """A replica added while sessions step: the running sessions stay on their replicas (every
 step equal to its recompute), the routers learn of the new replica, new sessions land on
-it, and every cache ends empty."""
+it, and every cache ends empty. Then one removed: only its sessions answer NOT_FOUND.
+(In file order: the second test scales the first one's three replicas down.)"""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import grpc
 import pytest
 
 from mha_client.api import attention_pb2_grpc as pb_grpc
+from mha_serve.ray_app.ids import replica_of
 from tests.ray_app.cluster import deploy
 from tests.ray_app.conftest import replica_handle, replica_ids
 from tests.ray_app.drivers import MODELS, TIMEOUT_S, Driver
@@ -69,6 +71,46 @@ def test_a_replica_added_under_load(cluster, models):
                 assert d.replicas <= before | new
                 await d.close()
             return before | new
+
+    for replica_id in asyncio.run(main()):
+        usage = replica_handle("cache_usage", replica_id).remote().result(timeout_s=TIMEOUT_S)
+        assert usage == {m: (0, 0) for m in MODELS}, (replica_id, usage)
+
+
+def test_a_replica_removed_takes_only_its_sessions(cluster, models):
+    """Scaled down from 3 to 2 (Ray picks which replica stops: docs/ray.md, Downscaling):
+    the stopped replica's sessions answer NOT_FOUND saying their replica is gone, the others
+    go on, every step equal to its recompute, and the remaining caches end empty."""
+    before = replica_ids()
+    assert len(before) == 3
+
+    async def main() -> set[str]:
+        async with grpc.aio.insecure_channel(cluster.target) as channel:
+            stub = pb_grpc.AttentionServiceStub(channel)
+            driver = Driver(stub, models, 500)
+            for _ in range(MAX_NEW_SESSIONS):
+                await driver.create()
+                if driver.replicas == before:
+                    break
+            assert driver.replicas == before, driver.replicas
+            for sid in list(driver.sessions):
+                x = driver.tokens(2)
+                driver.check(sid, x, await stub.Attend(driver.step_request(sid, x), timeout=60))
+            after = await asyncio.to_thread(scale_to, cluster.config, 2)
+            (removed,) = before - after
+            for sid in list(driver.sessions):
+                x = driver.tokens(1)
+                call = stub.Attend(driver.step_request(sid, x), timeout=TIMEOUT_S)
+                if replica_of(sid) != removed:
+                    driver.check(sid, x, await call)
+                    continue
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call
+                assert info.value.code() == grpc.StatusCode.NOT_FOUND, info.value
+                assert "is gone" in info.value.details() and removed in info.value.details()
+                del driver.sessions[sid]
+            await driver.close()
+            return after
 
     for replica_id in asyncio.run(main()):
         usage = replica_handle("cache_usage", replica_id).remote().result(timeout_s=TIMEOUT_S)

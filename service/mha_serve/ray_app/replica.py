@@ -197,7 +197,8 @@ class AttentionReplica:
             code=grpc.StatusCode.NOT_FOUND,
             details=(
                 f"{named} is gone: it lived on Ray Serve replica {owner!r}, which is no "
-                "longer running (it died or was scaled down), and its KV cache went with it; "
+                "longer running or is stopping (it died, or was scaled down or replaced), and "
+                "its KV cache went with it; "
                 f"{again} and send its tokens again"
             ),
         )

@@ -4,8 +4,10 @@ Ray Serve runs one router per handle owner (each Ingress replica). A call that c
 session id (`handle.options(session_id=...)`) goes to exactly the replica named in it, never
 elsewhere while that replica lives: if this router does not know the replica yet (just
 started, not yet announced here), the call waits for the next replica update. When the
-replica is gone (its actor is dead), the call goes to any live replica, which answers
-NOT_FOUND saying so (AttentionReplica). Calls without a session spread by load: the lower
+replica is gone (its actor is dead), or has left this router's view after being in it (Ray
+is stopping it: scaled down, or replaced), the call goes to any live replica, which answers
+NOT_FOUND saying so (AttentionReplica): Ray never routes to a stopping replica, so waiting
+for it would only delay that answer by its drain. Calls without a session spread by load: the lower
 queue of two random replicas, as Ray's default router does.
 """
 
@@ -26,7 +28,7 @@ from mha_serve.ray_app.ids import replica_of
 log = logging.getLogger(__name__)
 
 SERVE_NAMESPACE = "serve"  # the namespace of Ray Serve's actors
-MAX_REMEMBERED_GONE = 4096  # ids of dead replicas kept to skip the actor lookup
+MAX_REMEMBERED = 4096  # replica ids kept (dead ones: to skip the actor lookup)
 
 
 class SessionRouter(RequestRouter):
@@ -35,6 +37,15 @@ class SessionRouter(RequestRouter):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._gone: dict[str, None] = {}  # replica ids known dead, oldest first
+        self._seen: dict[str, None] = {}  # replica ids once in this router's view
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Ray's news of the running replicas; remembered, so that one leaving the view is
+        known to be stopping rather than not yet announced."""
+        for replica in replicas:
+            self._seen[replica.replica_id.unique_id] = None
+        _trim(self._seen)
+        super().update_replicas(replicas)
 
     async def choose_replicas(
         self,
@@ -50,7 +61,9 @@ class SessionRouter(RequestRouter):
         for replica in candidate_replicas:
             if replica.replica_id.unique_id == owner:
                 return [[replica]]
-        if owner is not None and await self._alive(owner):
+        if owner in self._seen:  # it left the view: stopping or stopped, never coming back
+            self._forget(owner)
+        elif owner is not None and await self._alive(owner):
             return []  # alive but not in this router's view yet: wait for the update
         # Gone (or no replica at all in the id): any replica answers NOT_FOUND.
         return [candidate_replicas]
@@ -61,11 +74,19 @@ class SessionRouter(RequestRouter):
             return False
         if await asyncio.to_thread(replica_alive, unique_id, self._deployment_id):
             return True
-        self._gone[unique_id] = None
-        while len(self._gone) > MAX_REMEMBERED_GONE:
-            self._gone.pop(next(iter(self._gone)))
-        log.info("replica %s is gone; its sessions answer NOT_FOUND", unique_id)
+        self._forget(unique_id)
         return False
+
+    def _forget(self, unique_id: str) -> None:
+        if unique_id not in self._gone:
+            self._gone[unique_id] = None
+            _trim(self._gone)
+            log.info("replica %s is gone or stopping; its sessions answer NOT_FOUND", unique_id)
+
+
+def _trim(ids: dict[str, None]) -> None:
+    while len(ids) > MAX_REMEMBERED:
+        ids.pop(next(iter(ids)))
 
 
 def liveness(handle: Any) -> Callable[[str], Awaitable[bool]]:

@@ -1,0 +1,78 @@
+"""SessionRouter's choices, without a cluster: a session's call goes to the replica its id
+names; to any replica (which answers NOT_FOUND) once that replica has left the router's
+view (Ray is stopping it) or its actor is dead; and waits while a live replica is not yet
+in the view."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("ray")
+
+from ray.serve.request_router import RequestRouter  # noqa: E402
+
+from mha_serve.ray_app import router as router_module  # noqa: E402
+from mha_serve.ray_app.ids import pinned_to  # noqa: E402
+from mha_serve.ray_app.router import SessionRouter  # noqa: E402
+
+
+def replica(unique_id: str):
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=unique_id))
+
+
+def pending(session_id: str):
+    return SimpleNamespace(
+        metadata=SimpleNamespace(session_id=session_id),
+        routing_context=SimpleNamespace(should_backoff=False),
+    )
+
+
+@pytest.fixture
+def router(monkeypatch):
+    """A SessionRouter whose base class keeps nothing, and whose actor lookup answers from
+    `alive` (no GCS here)."""
+    monkeypatch.setattr(RequestRouter, "update_replicas", lambda self, replicas: None)
+    router = SessionRouter.__new__(SessionRouter)
+    router._gone, router._seen, router._deployment_id = {}, {}, None
+    router.alive, router.asked = set(), []
+
+    def lookup(unique_id: str, deployment_id) -> bool:
+        router.asked.append(unique_id)
+        return unique_id in router.alive
+
+    monkeypatch.setattr(router_module, "replica_alive", lookup)
+    return router
+
+
+def choose(router, candidates, session_id: str):
+    return asyncio.run(router.choose_replicas(candidates, pending(session_id)))
+
+
+def test_a_session_goes_to_its_replica_and_the_rest_spread(router):
+    a, b = replica("a"), replica("b")
+    router.update_replicas([a, b])
+    assert choose(router, [a, b], pinned_to("b")) == [[b]]
+    (pair,) = choose(router, [a, b], "")
+    assert sorted(r.replica_id.unique_id for r in pair) == ["a", "b"]
+
+
+def test_a_replica_that_left_the_view_answers_at_once_though_it_still_drains(router):
+    a, b = replica("a"), replica("b")
+    router.update_replicas([a, b])
+    router.update_replicas([a])  # Ray stops b (downscale): its actor still lives, draining
+    router.alive = {"a", "b"}
+    assert choose(router, [a], pinned_to("b")) == [[a]]  # a answers NOT_FOUND
+    assert router.asked == []  # no lookup: having left the view says enough
+
+
+def test_an_unannounced_live_replica_is_waited_for_and_a_dead_one_is_not(router):
+    a = replica("a")
+    router.update_replicas([a])
+    router.alive = {"a", "new"}
+    assert choose(router, [a], pinned_to("new")) == []  # wait for the next update
+    assert choose(router, [a], pinned_to("dead")) == [[a]]
+    assert choose(router, [a], pinned_to("dead")) == [[a]]
+    assert router.asked == ["new", "dead"]  # a dead one is remembered
