@@ -77,6 +77,8 @@ def test_defaults_without_file():
         ("[server]\ndevice = 'tpu'\n", "device 'tpu' is not one of auto, cpu, cuda"),
         ("[server]\ngrace_period_s = -1\n", "grace_period_s -1.0 is negative"),
         ("[server]\nmax_concurrent_rpcs = 0\n", "max_concurrent_rpcs 0 must be at least 1"),
+        ("[server]\nfrontend_workers = 0\n", "frontend_workers 0 must be 1..64"),
+        ("[server]\nfrontend_workers = 65\n", "frontend_workers 65 must be 1..64"),
         ("[server]\nweights_torch_threads = 0\n", "weights_torch_threads 0 must be at least 1"),
         (
             "[[models]]\nname = 'a'\nembed_dim = 64\nnum_heads = 8\nmax_queue_delay_ms = 5000\n",

@@ -22,6 +22,7 @@ DEFAULT_MAX_CONCURRENT_RPCS = 4096
 DEFAULT_SESSION_TTL_S = 600.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 DTYPES = ("auto", *DTYPE_NAMES)
+MAX_FRONTEND_WORKERS = 64
 
 
 @dataclass
@@ -66,6 +67,10 @@ class ServerConfig:
     # live sessions and KV-cache bytes it may hold; beyond either RESOURCE_EXHAUSTED. 0: no limit.
     max_sessions_per_client: int = 0
     max_cache_bytes_per_client: int = 0
+    # Processes that run gRPC, protobuf and the codec, sharing the port (SO_REUSEPORT), in
+    # front of one engine process that holds the models, batches and sessions
+    # (transport/workers.py). 1: one process does everything, no hop between them.
+    frontend_workers: int = 1
     models: list[ModelSpec] = field(default_factory=lambda: default_models())
 
 
@@ -207,6 +212,10 @@ def build_config(file_path: str | None, overrides: dict[str, Any]) -> ServerConf
             raise ValueError(f"{key} {getattr(cfg, key)} is negative; use 0 or more")
     if cfg.weights_torch_threads < 1:
         raise ValueError(f"weights_torch_threads {cfg.weights_torch_threads} must be at least 1")
+    if not 1 <= cfg.frontend_workers <= MAX_FRONTEND_WORKERS:
+        raise ValueError(
+            f"frontend_workers {cfg.frontend_workers} must be 1..{MAX_FRONTEND_WORKERS}"
+        )
     if cfg.max_concurrent_rpcs < 1:
         raise ValueError(f"max_concurrent_rpcs {cfg.max_concurrent_rpcs} must be at least 1")
     cfg.log_level = cfg.log_level.upper()

@@ -21,6 +21,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     disable_created_metrics,
     multiprocess,
     start_http_server,
@@ -269,15 +270,49 @@ def multiprocess_mode() -> bool:
     return bool(os.environ.get(MULTIPROC_ENV))
 
 
-def serve_metrics(port: int, host: str = "0.0.0.0") -> None:
+class ProcessTree:
+    """process_* (CPU seconds, memory, open files) summed over this process and `others()`
+    (the frontend workers), so that one server's CPU and memory are what the dashboard
+    shows whether it runs in one process or several; the start time is this process's."""
+
+    SUMMED = (
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_virtual_memory_bytes",
+        "process_open_fds",
+    )
+
+    def __init__(self, others: Callable[[], list[int]]) -> None:
+        self.others = others
+
+    def collect(self) -> Iterator:
+        families = {}
+        for pid in [os.getpid(), *self.others()]:
+            collector = ProcessCollector(pid=lambda p=pid: p, registry=None)
+            for family in collector.collect():  # nothing for a process gone meanwhile
+                name = family.name + ("_total" if family.type == "counter" else "")
+                if name not in families:
+                    families[name] = family
+                elif name in self.SUMMED:
+                    kept = families[name].samples[0]
+                    value = kept.value + family.samples[0].value
+                    families[name].samples[0] = kept._replace(value=value)
+        return iter(families.values())
+
+
+def serve_metrics(
+    port: int, host: str = "0.0.0.0", *, others: Callable[[], list[int]] | None = None
+) -> None:
     """Starts the HTTP /metrics endpoint in a background thread: this process's metrics,
-    or in multiprocess mode every process's files plus this process's LIVE gauges."""
+    or in multiprocess mode every process's files, this process's LIVE gauges and the
+    process_* figures of this process and `others()`."""
     if not multiprocess_mode():
         start_http_server(port, addr=host)
         return
     registry = CollectorRegistry(auto_describe=True)
     multiprocess.MultiProcessCollector(registry)
     registry.register(LIVE)
+    registry.register(ProcessTree(others or list))
     start_http_server(port, addr=host, registry=registry)
 
 

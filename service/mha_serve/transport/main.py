@@ -34,6 +34,7 @@ HELP = {
     "auth_token_file": "file of bearer tokens, one per line, required on every call but health (or the token in MHA_SERVE_AUTH_TOKEN)",
     "max_sessions_per_client": "live sessions one client (certificate, token or peer address) may hold; 0: no limit",
     "max_cache_bytes_per_client": "KV-cache bytes one client's sessions may hold; 0: no limit",
+    "frontend_workers": "processes serving gRPC on the port in front of one engine process (1: one process; docs/operations.md)",
 }
 
 
@@ -71,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"mha-serve: configuration error: {e}", file=sys.stderr)
         return 2
+    if cfg.frontend_workers > 1:
+        problem = _multiprocess_metrics()
+        if problem:
+            print(f"mha-serve: configuration error: {problem}", file=sys.stderr)
+            return 2
     try:  # torch loads here, after the flags are checked
         from mha_serve.engine import resolve_device
         from mha_serve.transport.server import serve
@@ -89,12 +95,55 @@ def main(argv: list[str] | None = None) -> int:
         level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
 
+    if cfg.frontend_workers > 1:
+        return _run_frontend_workers(cfg)
     try:
         asyncio.run(serve(cfg))
     except (ValueError, OSError) as e:
         logging.getLogger("mha-serve").error("cannot start: %s", e)
         return 1
     return 0
+
+
+def _multiprocess_metrics() -> str | None:
+    """Frontend workers share prometheus-client's multiprocess mode: its directory is set
+    here, before prometheus_client is first imported in this process or in a frontend
+    (they inherit the environment). An error message, or None."""
+    import tempfile
+
+    if not os.environ.get(METRICS_DIR_ENV):
+        os.environ[METRICS_DIR_ENV] = tempfile.mkdtemp(prefix="mha-serve-metrics-")
+        os.environ[OWNED_METRICS_DIR_ENV] = os.environ[METRICS_DIR_ENV]
+    metrics_dir = os.environ[METRICS_DIR_ENV]
+    try:  # files of an earlier run would add to this one's counts
+        for stale in os.listdir(metrics_dir):
+            if stale.endswith(".db"):
+                os.unlink(os.path.join(metrics_dir, stale))
+    except OSError as e:
+        return f"{METRICS_DIR_ENV}={metrics_dir}: {e}"
+    return None
+
+
+def _run_frontend_workers(cfg) -> int:
+    """The engine process and its frontends (transport/workers.py)."""
+    import shutil
+
+    from mha_serve.transport.workers import run
+
+    try:
+        return run(cfg)
+    except (ValueError, OSError) as e:
+        logging.getLogger("mha-serve").error("cannot start: %s", e)
+        return 1
+    finally:
+        metrics_dir = os.environ.get(METRICS_DIR_ENV)
+        if metrics_dir and os.environ.get(OWNED_METRICS_DIR_ENV) == metrics_dir:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+# prometheus-client's multiprocess directory, and ours when we made it (removed at exit).
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+OWNED_METRICS_DIR_ENV = "MHA_SERVE_OWNED_METRICS_DIR"
 
 
 if __name__ == "__main__":

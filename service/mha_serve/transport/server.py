@@ -44,8 +44,15 @@ INFERENCE_HEALTH = ("ServerLive", "ServerReady", "ModelReady")
 class Server:
     """One process serving the configured models; `start`, then `wait`, then `stop`."""
 
-    def __init__(self, cfg: ServerConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
-        """clock: the sessions' idle time and TTL (tests give a fake one)."""
+    def __init__(
+        self,
+        cfg: ServerConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        reuse_port: bool = False,
+    ) -> None:
+        """clock: the sessions' idle time and TTL (tests give a fake one); reuse_port: share
+        the port with other processes (frontend workers, transport/workers.py)."""
         self.cfg = cfg
         self.clock = clock
         self.health = health.aio.HealthServicer()
@@ -63,8 +70,9 @@ class Server:
                 ("grpc.max_receive_message_length", cfg.max_receive_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_send_message_bytes),
                 # grpc enables SO_REUSEPORT by default: a second server on a taken port
-                # would silently share its traffic instead of failing.
-                ("grpc.so_reuseport", 0),
+                # would silently share its traffic instead of failing. Frontend workers
+                # share it on purpose.
+                ("grpc.so_reuseport", 1 if reuse_port else 0),
             ],
         )
         self.port: int | None = None
@@ -135,9 +143,7 @@ class Server:
 
     async def load(self) -> None:
         """Loads and warms the models on the compute thread, then reports SERVING."""
-        loop = asyncio.get_running_loop()
-        engine = await loop.run_in_executor(self.compute.main, self._load_engine)
-        self.serving = AsyncEngine(engine, self.compute, session_sweep_s=self.session_sweep_s)
+        self.serving = await self.open_serving()
         self.serving.start()
         self.servicer.attach(self.serving)
         # Everything loaded so far lives as long as the process: out of the collector's
@@ -149,23 +155,14 @@ class Server:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         metrics.READY.set(1)
-        log.info("SERVING models: %s", ", ".join(engine.models))
+        log.info("SERVING models: %s", ", ".join(m.spec.name for m in self.serving.models()))
 
-    def _load_engine(self) -> Engine:
-        device = resolve_device(self.cfg.device)
-        engine = Engine(
-            self.cfg.models,
-            device=device,
-            dtype=resolve_dtype(self.cfg.dtype, device),
-            max_response_bytes=self.cfg.max_send_message_bytes,
-            evict_idle_sessions=self.cfg.evict_idle_sessions,
-            session_ttl_s=self.cfg.session_ttl_s or None,
-            max_sessions_per_client=self.cfg.max_sessions_per_client,
-            max_cache_bytes_per_client=self.cfg.max_cache_bytes_per_client,
-            clock=self.clock,
-        )
-        engine.warmup()
-        return engine
+    async def open_serving(self) -> AsyncEngine:
+        """The engine to serve from, warm: loaded here on the compute thread (a frontend
+        worker's connects to the engine process instead)."""
+        loop = asyncio.get_running_loop()
+        engine = await loop.run_in_executor(self.compute.main, load_engine, self.cfg, self.clock)
+        return AsyncEngine(engine, self.compute, session_sweep_s=self.session_sweep_s)
 
     async def stop(self) -> None:
         """Drains (docs/RELIABILITY.md, "Shutdown"): health NOT_SERVING; after drain_delay_s,
@@ -208,6 +205,24 @@ class Server:
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
+
+
+def load_engine(cfg: ServerConfig, clock: Callable[[], float] = time.monotonic) -> Engine:
+    """The configured models, loaded and warm (call on the compute thread)."""
+    device = resolve_device(cfg.device)
+    engine = Engine(
+        cfg.models,
+        device=device,
+        dtype=resolve_dtype(cfg.dtype, device),
+        max_response_bytes=cfg.max_send_message_bytes,
+        evict_idle_sessions=cfg.evict_idle_sessions,
+        session_ttl_s=cfg.session_ttl_s or None,
+        max_sessions_per_client=cfg.max_sessions_per_client,
+        max_cache_bytes_per_client=cfg.max_cache_bytes_per_client,
+        clock=clock,
+    )
+    engine.warmup()
+    return engine
 
 
 async def serve(cfg: ServerConfig) -> None:

@@ -270,9 +270,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     ) -> pb.AnalyzeHeadsResponse:
         async def handle() -> pb.AnalyzeHeadsResponse:
             call, _ = to_call(request.attend)
-            analysis, compute_ms = await self.serving.analyze_heads(
-                call, request.include_weights
-            )
+            analysis, compute_ms = await self.serving.analyze_heads(call, request.include_weights)
             return heads_response(call.model, analysis, compute_ms)
 
         return await self._answer(

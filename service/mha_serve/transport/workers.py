@@ -1,0 +1,301 @@
+"""`mha-serve --frontend-workers N`: N gRPC frontend processes on one port in front of one
+engine process (the reference design is vLLM v1's API-server / engine-core split).
+
+- The **engine process** (the one started, PID 1 in a container) loads the models and runs
+  the one AsyncEngine: batches, KV caches, sessions, the session sweeper. It serves them to
+  the frontends over a Unix socket each (serving/remote.py) and serves /metrics.
+- Each **frontend** runs a grpc.aio server on the same port (SO_REUSEPORT: the kernel spreads
+  connections, so one client channel stays on one frontend): both protocols' servicers,
+  protobuf, the framed codec, health and reflection. Its servicers are the standalone
+  server's, over a RemoteEngine. Tensors cross through shared memory when large.
+- Sessions live only in the engine, so any frontend carries any session's steps, and the
+  one-step-at-a-time claim holds across frontends. A stream stays on the frontend holding it.
+- Startup: the engine process reserves the port, starts the frontends, loads the models;
+  a frontend listens only once the engine is warm, so every connection it accepts is served.
+- SIGTERM (or SIGINT): each frontend drains as the standalone server does (health
+  NOT_SERVING, new calls UNAVAILABLE, in-flight calls get the grace period), then the
+  engine stops. A frontend that dies otherwise is started again; its calls in flight fail
+  UNAVAILABLE on their clients, and its session steps are rolled back in the engine.
+- Metrics: prometheus-client's multiprocess mode (metrics/__init__.py); the engine
+  process's /metrics sums every process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from mha_serve import metrics
+from mha_serve.config import ServerConfig
+from mha_serve.engine.threads import ComputeThreads
+from mha_serve.serving import AsyncEngine
+from mha_serve.serving.remote import EngineHost, RemoteEngine, clean_shared_memory
+from mha_serve.transport.server import Server, load_engine
+
+log = logging.getLogger(__name__)
+
+# A frontend that dies this soon after its start, this many times in a row, stops the server
+# (a crash loop: a bad flag, a port it cannot bind) instead of being started forever.
+CRASH_LOOP_S = 10.0
+MAX_QUICK_DEATHS = 3
+RESTART_DELAY_S = 1.0
+STOP_MARGIN_S = 10.0  # beyond drain + grace before a frontend that does not exit is killed
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """Binds (not listens) host:port with SO_REUSEPORT: the frontends' listeners join it, a
+    process without the option cannot take the port meanwhile, and port 0 gets its number."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"could not listen on {host}:{port}: {e.strerror}") from e
+    return sock
+
+
+# --- a frontend --------------------------------------------------------------------------
+
+
+class FrontendServer(Server):
+    """The standalone server's gRPC side over the engine process's RemoteEngine."""
+
+    def __init__(self, cfg: ServerConfig, engine_path: str, engine_pid: int) -> None:
+        super().__init__(cfg, reuse_port=True)
+        self.engine_path, self.engine_pid = engine_path, engine_pid
+        self.remote: RemoteEngine | None = None
+
+    async def start(self) -> None:
+        """Connects to the engine (its models warm), then listens: nothing is accepted that
+        cannot be served."""
+        self.remote = await RemoteEngine.connect(self.engine_path, engine_pid=self.engine_pid)
+        await self.listen()
+        await self.load()
+
+    async def open_serving(self) -> RemoteEngine:
+        return self.remote
+
+
+def frontend_main(cfg: ServerConfig, engine_path: str, engine_pid: int, index: int) -> None:
+    """A frontend process's entry (multiprocessing, spawn): serves until SIGTERM/SIGINT or
+    until the engine process goes away (then exits 1)."""
+    logging.basicConfig(
+        level=cfg.log_level,
+        format=f"%(asctime)s %(levelname)s frontend-{index} %(name)s: %(message)s",
+    )
+    sys.exit(asyncio.run(_frontend(cfg, engine_path, engine_pid, index)))
+
+
+async def _frontend(cfg: ServerConfig, engine_path: str, engine_pid: int, index: int) -> int:
+    server = FrontendServer(cfg, engine_path, engine_pid)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start()
+        server.remote.notify(("listening", index, os.getpid()))
+        lost = asyncio.create_task(server.remote.lost.wait())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({lost, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        lost.cancel()
+        stopping.cancel()
+    finally:
+        await server.stop()
+    if not stop.is_set():
+        log.error("the engine process is gone; this frontend exits")
+        return 1
+    return 0
+
+
+# --- the engine process ------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Frontend:
+    index: int
+    process: multiprocessing.process.BaseProcess
+    started: float
+    quick_deaths: int = 0
+
+
+class EngineProcess:
+    """Loads the engine, starts and watches the frontends, stops them all on a signal."""
+
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.count = cfg.frontend_workers
+        self.run_dir = Path(tempfile.mkdtemp(prefix="mha-serve-"))
+        self.engine_path = str(self.run_dir / "engine.sock")
+        self.frontends: dict[int, _Frontend] = {}
+        self.listening: dict[int, int] = {}  # index -> pid, as each frontend reports
+        self.all_listening = asyncio.Event()
+        self.stopping = asyncio.Event()
+        self.failed: str | None = None
+        self.host = EngineHost(self.engine_path, on_message=self._on_message)
+        self.compute = ComputeThreads(cfg.torch_threads, cfg.weights_torch_threads)
+        self.serving: AsyncEngine | None = None
+        self._context = multiprocessing.get_context("spawn")  # fork is unsafe after gRPC
+
+    def _on_message(self, message: tuple) -> None:
+        if message[0] == "listening":
+            _, index, pid = message
+            self.listening[index] = pid
+            log.info("frontend worker %d (pid %d) listening", index, pid)
+            if len(self.listening) >= self.count:
+                self.all_listening.set()
+
+    def _spawn(self, index: int) -> None:
+        frontend_cfg = dataclasses.replace(self.cfg, port=self.port, metrics_port=0)
+        process = self._context.Process(
+            target=frontend_main,
+            args=(frontend_cfg, self.engine_path, os.getpid(), index),
+            name=f"mha-serve-frontend-{index}",
+        )
+        process.start()
+        previous = self.frontends.get(index)
+        self.frontends[index] = _Frontend(index, process, time.monotonic())
+        if previous is not None:
+            self.frontends[index].quick_deaths = previous.quick_deaths
+        asyncio.get_running_loop().add_reader(process.sentinel, self._exited, index)
+
+    def _exited(self, index: int) -> None:
+        frontend = self.frontends[index]
+        process = frontend.process
+        asyncio.get_running_loop().remove_reader(process.sentinel)
+        process.join()
+        metrics.process_gone(process.pid)
+        self.listening.pop(index, None)
+        if self.stopping.is_set():
+            return
+        log.error(
+            "frontend worker %d (pid %d) exited with %s; starting it again",
+            index,
+            process.pid,
+            process.exitcode,
+        )
+        quick = time.monotonic() - frontend.started < CRASH_LOOP_S
+        frontend.quick_deaths = frontend.quick_deaths + 1 if quick else 0
+        if frontend.quick_deaths >= MAX_QUICK_DEATHS:
+            self.failed = (
+                f"frontend worker {index} died {MAX_QUICK_DEATHS} times within "
+                f"{CRASH_LOOP_S:.0f} s of its start; see its log above"
+            )
+            self.stopping.set()
+            return
+        asyncio.get_running_loop().call_later(RESTART_DELAY_S, self._restart, index)
+
+    def _restart(self, index: int) -> None:
+        if not self.stopping.is_set():
+            self._spawn(index)
+
+    def others(self) -> list[int]:
+        """The live frontends' pids (their CPU and memory count in /metrics)."""
+        return [f.process.pid for f in self.frontends.values() if f.process.is_alive()]
+
+    async def run(self) -> int:
+        cfg = self.cfg
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        placeholder = reserve_port(cfg.host, cfg.port)
+        self.port = placeholder.getsockname()[1]
+        try:
+            await self.host.start()
+            if cfg.metrics_port:
+                metrics_host = cfg.metrics_host or cfg.host
+                metrics.serve_metrics(cfg.metrics_port, metrics_host, others=self.others)
+                log.info("metrics on http://%s:%d/metrics", metrics_host, cfg.metrics_port)
+            for index in range(self.count):
+                self._spawn(index)
+            if not await self._until_stopping(self._load()):
+                return self._exit_code()
+            if not await self._until_stopping(self.all_listening.wait()):
+                return self._exit_code()
+            log.info(
+                "gRPC listening on %s:%d with %d frontend workers; SERVING models: %s",
+                cfg.host,
+                self.port,
+                self.count,
+                ", ".join(self.serving.engine.models),
+            )
+            await self.stopping.wait()
+            return self._exit_code()
+        finally:
+            await self._stop()
+            placeholder.close()
+
+    async def _until_stopping(self, work) -> bool:
+        """Runs work until done (True) or until a signal or a crash loop comes first."""
+        task = asyncio.ensure_future(work)
+        stopping = asyncio.create_task(self.stopping.wait())
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if task.done():
+            task.result()  # a failed load ends the process here
+            return True
+        task.cancel()
+        log.info("stopping while starting")
+        return False
+
+    async def _load(self) -> None:
+        loop = asyncio.get_running_loop()
+        engine = await loop.run_in_executor(self.compute.main, load_engine, self.cfg)
+        self.serving = AsyncEngine(engine, self.compute)
+        self.serving.start()
+        gc.collect()
+        gc.freeze()  # as the standalone server does (Server.load)
+        self.host.ready(self.serving)
+
+    def _exit_code(self) -> int:
+        if self.failed:
+            log.error("stopping: %s", self.failed)
+            return 1
+        return 0
+
+    async def _stop(self) -> None:
+        """Frontends drain first (each as the standalone server does), then the engine."""
+        self.stopping.set()
+        loop = asyncio.get_running_loop()
+        for frontend in self.frontends.values():
+            loop.remove_reader(frontend.process.sentinel)
+        live = [f.process for f in self.frontends.values() if f.process.is_alive()]
+        for process in live:
+            process.terminate()  # SIGTERM: the frontend drains
+        limit = self.cfg.drain_delay_s + self.cfg.grace_period_s + STOP_MARGIN_S
+        deadline = time.monotonic() + limit
+        for process in live:
+            await asyncio.to_thread(process.join, max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                log.error("frontend pid %d still running after %.0f s: killed", process.pid, limit)
+                process.kill()
+                await asyncio.to_thread(process.join)
+            elif process.exitcode != 0 and not self.failed:
+                self.failed = f"frontend pid {process.pid} exited with {process.exitcode}"
+            metrics.process_gone(process.pid)
+        await self.host.close()
+        if self.serving is not None:
+            await self.serving.close()
+        self.compute.shutdown()
+        clean_shared_memory(os.getpid())
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        log.info("stopped")
+
+
+def run(cfg: ServerConfig) -> int:
+    """The process's exit code: 0 after a signal, 1 when it could not start or a frontend
+    kept dying."""
+    return asyncio.run(EngineProcess(cfg).run())

@@ -1,0 +1,193 @@
+"""The engine behind a Unix socket (serving/remote.py): a RemoteEngine answers exactly what
+the AsyncEngine it stands for answers, for inline and shared-memory tensors, sessions,
+errors, cancellation and a lost engine. One process, a real socket, the real engine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from mha_serve.cache import SessionNotFound
+from mha_serve.config import default_models
+from mha_serve.engine import AttendCall, Engine, InvalidRequest, ModelNotFound
+from mha_serve.engine.threads import ComputeThreads
+from mha_serve.serving import AsyncEngine, Unavailable
+from mha_serve.serving import remote as remote_mod
+from mha_serve.serving.remote import EngineHost, RemoteEngine
+
+
+def _identity(result):
+    return result
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(
+        default_models(), device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**28
+    )
+
+
+def _run(engine: Engine, tmp_path, body) -> None:
+    """body(local AsyncEngine, RemoteEngine, host) on one loop, over a real socket."""
+
+    async def main() -> None:
+        compute = ComputeThreads(1, 1)
+        serving = AsyncEngine(engine, compute)
+        host = EngineHost(tmp_path / "engine.sock")
+        await host.start()
+        host.ready(serving)
+        remote = await RemoteEngine.connect(tmp_path / "engine.sock", engine_pid=os.getpid())
+        try:
+            await body(serving, remote, host)
+        finally:
+            await remote.close()
+            await host.close()
+            await serving.close()
+            compute.shutdown()
+
+    asyncio.run(main())
+
+
+def _x(*shape: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _leftovers() -> list[str]:
+    return [p.name for p in remote_mod.SHM_DIR.glob(f"{remote_mod.SHM_PREFIX}{os.getpid()}-*")]
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "weights"),
+    [
+        ((2, 16, 512), torch.float32, True),  # inline both ways
+        ((1, 700, 512), torch.float32, False),  # 1.4 MB: shared memory both ways
+        ((1, 1100, 512), torch.bfloat16, True),  # shared memory, bf16, weights 1100x1100
+    ],
+)
+def test_remote_attend_equals_local(engine, tmp_path, shape, dtype, weights):
+    async def body(local: AsyncEngine, remote: RemoteEngine, host) -> None:
+        x = _x(*shape, seed=1, dtype=dtype)
+        kwargs = {"need_weights": weights, "weight_heads": [3, 1] if weights else None}
+        want, _ = await local.attend(
+            AttendCall("gqa", x.clone(), **kwargs), _identity, received=0.0, deadline=None
+        )
+        got, timing = await remote.attend(
+            AttendCall("gqa", x.clone(), **kwargs), _identity, received=0.0, deadline=None
+        )
+        assert got.output.dtype == want.output.dtype == dtype
+        assert torch.equal(got.output, want.output)
+        if weights:
+            assert torch.equal(got.weights, want.weights) and got.weight_heads == [3, 1]
+        else:
+            assert got.weights is None
+        assert timing.batch_size == shape[0] and timing.total_ms >= timing.compute_ms
+
+    _run(engine, tmp_path, body)
+    assert _leftovers() == []  # every shared-memory tensor was taken and unlinked
+
+
+def test_remote_session_steps_equal_a_causal_recompute(engine, tmp_path):
+    async def body(local: AsyncEngine, remote: RemoteEngine, host) -> None:
+        full = _x(1, 24, 512, seed=2)
+        stats = await remote.create_session("mqa", 64, None, "tester")
+        sid = stats.session_id
+        outputs = []
+        for start, end in ((0, 10), (10, 11), (11, 24)):
+            call = AttendCall("", full[:, start:end].clone(), session_id=sid)  # model from it
+            result, _ = await remote.attend(call, _identity, received=0.0, deadline=None)
+            assert call.model == "mqa"  # the engine's resolution reaches the frontend's call
+            outputs.append(result.output)
+        ref, _ = await local.attend(
+            AttendCall("mqa", full.clone(), causal=True), _identity, received=0.0, deadline=None
+        )
+        assert torch.allclose(torch.cat(outputs, dim=1), ref.output, atol=1e-5)
+        assert (await remote.get_session(sid)).num_tokens == 24
+        fork = await remote.fork_session(sid, None)
+        assert (await remote.truncate_session(fork.session_id, 5)).num_tokens == 5
+        assert await remote.session_label(sid) == "mqa"
+        info = await remote.cache_info("mqa")
+        assert info == await local.cache_info("mqa") and info.num_sessions == 2
+        await remote.close_session(fork.session_id)
+        await remote.close_session(sid)
+        assert (await local.cache_info("mqa")).num_blocks_used == 0
+
+    _run(engine, tmp_path, body)
+
+
+def test_remote_errors_keep_their_class_and_message(engine, tmp_path):
+    async def body(local: AsyncEngine, remote: RemoteEngine, host) -> None:
+        for op, args in (("get_session", ("nope",)), ("close_session", ("nope",))):
+            with pytest.raises(SessionNotFound) as want:
+                await getattr(local, op)(*args)
+            with pytest.raises(SessionNotFound) as got:
+                await getattr(remote, op)(*args)
+            assert str(got.value) == str(want.value) and got.value.session_id == "nope"
+        bad = _x(1, 4, 512, seed=3)
+        bad[0, 2, 7] = float("nan")
+        with pytest.raises(InvalidRequest, match="NaN"):
+            await remote.attend(AttendCall("mha", bad), _identity, received=0.0, deadline=None)
+        with pytest.raises(ModelNotFound) as got_model:
+            remote.model("nope")
+        with pytest.raises(ModelNotFound) as want_model:
+            local.model("nope")
+        assert str(got_model.value) == str(want_model.value)
+        assert [m.spec.name for m in remote.models()] == ["mha", "gqa", "mqa"]
+        assert remote.model("gqa").num_parameters == local.model("gqa").num_parameters
+        assert remote.model_label("nope") == "unknown" and remote.model_label("mha") == "mha"
+
+    _run(engine, tmp_path, body)
+
+
+def test_a_cancelled_remote_call_is_cancelled_in_the_engine(engine, tmp_path):
+    async def body(local: AsyncEngine, remote: RemoteEngine, host) -> None:
+        entered, release, cancelled = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        original = local.compute
+
+        async def gated(call, **kwargs):
+            entered.set()
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+            return await original(call, **kwargs)
+
+        local.compute = gated
+        sid = (await remote.create_session("mha", None, None)).session_id
+        call = AttendCall("mha", _x(1, 3, 512, seed=4), session_id=sid)
+        task = asyncio.create_task(remote.attend(call, _identity, received=0.0, deadline=None))
+        await entered.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(cancelled.wait(), 30)  # the engine's task got the cancel
+        local.compute = original
+        step = AttendCall("mha", _x(1, 2, 512, seed=5), session_id=sid)
+        await remote.attend(step, _identity, received=0.0, deadline=None)  # not left busy
+        assert (await remote.get_session(sid)).num_tokens == 2  # the cancelled step not kept
+
+    _run(engine, tmp_path, body)
+
+
+def test_a_lost_engine_fails_pending_and_later_calls_unavailable(engine, tmp_path):
+    async def body(local: AsyncEngine, remote: RemoteEngine, host: EngineHost) -> None:
+        entered = asyncio.Event()
+
+        async def hang(session_id):
+            entered.set()
+            await asyncio.Event().wait()
+
+        local.get_session = hang
+        pending = asyncio.create_task(remote.get_session("any"))
+        await entered.wait()
+        await host.close()  # the engine's end goes away with a call in flight
+        with pytest.raises(Unavailable, match="engine process is gone"):
+            await pending
+        assert remote.lost.is_set()
+        with pytest.raises(Unavailable):
+            await remote.cache_info("mha")
+
+    _run(engine, tmp_path, body)
