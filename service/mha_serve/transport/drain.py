@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -33,7 +34,7 @@ class Drain:
         self.in_flight = 0  # calls inside a guarded handler
         self.closed = False
         self.refused = 0  # calls and stream messages answered UNAVAILABLE once closed
-        self._last_activity = 0.0  # loop time at which a call last arrived or ended
+        self._last_activity = 0.0  # time.monotonic() at which a call last arrived or ended
         self._idle = asyncio.Event()
         self._idle.set()
         # Tasks waiting for a stream's next message, and those `close` cancelled for it.
@@ -50,11 +51,10 @@ class Drain:
     async def wait(self, timeout_s: float) -> None:
         """Once closed: until no call is in a guarded handler and none arrived or ended for
         `quiet_s`, or `timeout_s` passed (then `in_flight` says how many are still running)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        deadline = time.monotonic() + timeout_s
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout_s)
-        while self.in_flight == 0 and (now := loop.time()) < deadline:
+        while self.in_flight == 0 and (now := time.monotonic()) < deadline:
             quiet_at = self._last_activity + self.quiet_s
             if now >= quiet_at:
                 return
@@ -79,40 +79,41 @@ class Drain:
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if self.closed:
                 await self._refuse(method, protocol, context)
-            with self._counted():
-                try:
-                    return await handler(requests(request), context)
-                except Draining:
-                    await self._refuse(method, protocol, context)
+            self._enter()
+            try:
+                return await handler(requests(request), context)
+            except Draining:
+                await self._refuse(method, protocol, context)
+            finally:
+                self._exit()
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             if self.closed:
                 await self._refuse(method, protocol, context)
-            with self._counted():
-                try:
-                    async with contextlib.aclosing(handler(requests(request), context)) as out:
-                        async for reply in out:
-                            yield reply
-                except Draining:
-                    await self._refuse(method, protocol, context)
+            self._enter()
+            try:
+                async with contextlib.aclosing(handler(requests(request), context)) as out:
+                    async for reply in out:
+                        yield reply
+            except Draining:
+                await self._refuse(method, protocol, context)
+            finally:
+                self._exit()
 
         return stream if response_streaming else unary
 
-    @contextlib.contextmanager
-    def _counted(self) -> Iterator[None]:
+    # (Plain calls, not a context manager: a few microseconds less on every call.)
+    def _enter(self) -> None:
+        if self.in_flight == 0:
+            self._idle.clear()
         self.in_flight += 1
-        self._idle.clear()
-        self._touch()
-        try:
-            yield
-        finally:
-            self._touch()
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self._idle.set()
+        self._last_activity = time.monotonic()
 
-    def _touch(self) -> None:
-        self._last_activity = asyncio.get_running_loop().time()
+    def _exit(self) -> None:
+        self._last_activity = time.monotonic()
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
 
     async def messages(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """A stream's messages until draining begins; then Draining, at once if it waits for
@@ -140,6 +141,6 @@ class Drain:
     async def _refuse(self, method: str, protocol: str, context: grpc.aio.ServicerContext) -> None:
         """UNAVAILABLE (retryable elsewhere), counted like every answered call."""
         self.refused += 1
-        self._touch()
+        self._last_activity = time.monotonic()
         metrics.count_request(method, "unknown", grpc.StatusCode.UNAVAILABLE.name, protocol)
         await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
