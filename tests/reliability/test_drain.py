@@ -123,7 +123,7 @@ async def test_draining_refuses_new_calls_unavailable_and_lets_in_flight_ones_fi
         assert not (await idle_oip.read()).error_message
 
         # In flight: a stream's step held in its forward, with its next step already sent,
-        # and an Attend queued behind it.
+        # and an Attend and an Open Inference Protocol stream's request queued behind it.
         gate = Gate(server)
         held = v1.StreamSession()
         held_sid = (await v1.CreateSession(pb.CreateSessionRequest(model="small"))).session_id
@@ -131,11 +131,13 @@ async def test_draining_refuses_new_calls_unavailable_and_lets_in_flight_ones_fi
         await gate.held()
         await held.write(pb.AttendRequest(input=tensor(step2)))
         queued = asyncio.ensure_future(v1.Attend(pb.AttendRequest(model="small", input=tensor(x))))
-        await gate.queued(1)
+        queued_oip = oip.ModelStreamInfer()
+        await queued_oip.write(infer(x))
+        await gate.queued(2)
 
         stopping = asyncio.ensure_future(server.stop())
         await until(lambda: server.drain.closed, "draining began")
-        assert server.drain.in_flight == 2  # the held stream and the queued Attend
+        assert server.drain.in_flight == 3  # the held stream, the queued Attend and stream
 
         # New calls, unary and streaming, of both doors: UNAVAILABLE, saying why.
         new_stream = v1.StreamSession()
@@ -163,7 +165,7 @@ async def test_draining_refuses_new_calls_unavailable_and_lets_in_flight_ones_fi
         assert (await oip.ServerLive(ip.ServerLiveRequest())).live
         assert not (await oip.ServerReady(ip.ServerReadyRequest())).ready
         assert not (await oip.ModelReady(ip.ModelReadyRequest(name="small"))).ready
-        assert not stopping.done()  # still waiting for the two calls in flight
+        assert not stopping.done()  # still waiting for the calls in flight
 
         gate.release()
         # The held step finishes with its right answer; the step sent after it is refused
@@ -172,6 +174,10 @@ async def test_draining_refuses_new_calls_unavailable_and_lets_in_flight_ones_fi
         assert await status(held.read()) == (UNAVAILABLE, SHUTTING_DOWN)
         assert server.serving.engine.get_session(held_sid).num_tokens == 4
         assert (await queued).output.data == expected
+        # The stream's request read before draining is answered, then the stream ends.
+        reply = await queued_oip.read()
+        assert not reply.error_message and reply.infer_response.raw_output_contents[0] == expected
+        assert await status(queued_oip.read()) == (UNAVAILABLE, SHUTTING_DOWN)
         await asyncio.wait_for(stopping, WAIT_S)
     assert server.drain.in_flight == 0
 
