@@ -165,10 +165,11 @@ class Server:
         return AsyncEngine(engine, self.compute, session_sweep_s=self.session_sweep_s)
 
     async def stop(self) -> None:
-        """Drains (docs/RELIABILITY.md, "Shutdown"): health NOT_SERVING; after drain_delay_s,
-        new calls are answered UNAVAILABLE by their handlers and open streams end UNAVAILABLE
-        at their next message; the calls in the handlers get up to grace_period_s to finish;
-        then the port closes, cancelling only calls still running at the end of the grace."""
+        """Drains (docs/RELIABILITY.md, "Shutdown: the policy"): health NOT_SERVING; after
+        drain_delay_s, new calls are answered UNAVAILABLE by their handlers and open streams end
+        UNAVAILABLE at their next message; within grace_period_s, the port closes once the calls
+        in the handlers are done and calls stopped coming (drain.QUIET_S): gRPC cancels only
+        calls still running when the grace period ends."""
         if self._stopped.is_set():
             return
         self._stopped.set()
