@@ -18,6 +18,8 @@ import pytest
 
 from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
+from mha_client.api.inference import grpc_service_pb2 as ip
+from mha_client.api.inference import grpc_service_pb2_grpc as ip_grpc
 from tests.e2e import test_client as _client_tests
 from tests.e2e import test_client_sessions as _sdk_session_tests
 from tests.e2e import test_errors as _error_tests
@@ -249,3 +251,47 @@ def test_a_killed_frontend_is_started_again_and_no_session_is_lost(server):
     ref = array(fresh.Attend(pb.AttendRequest(model="mha", input=tensor(x), causal=True)).output)
     np.testing.assert_allclose(np.concatenate([first, rest]), ref, atol=ATOL)
     fresh.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+
+
+def test_a_triton_sequence_steps_through_every_frontend(server):
+    """A sequence lives beside the engine: started on one frontend, stepped and ended on the
+    others, it equals the same steps through mha.v1."""
+    channels = channels_on_every_frontend(server)
+    try:
+        oips = [ip_grpc.GRPCInferenceServiceStub(c) for c in channels]
+        v1 = pb_grpc.AttentionServiceStub(channels[0])
+        steps = [
+            np.random.default_rng(n).standard_normal((1, n, 512), np.float32) for n in (4, 1, 2)
+        ]
+        steps += [steps[1]] * (len(oips) - 1)
+        sid = v1.CreateSession(pb.CreateSessionRequest(model="mqa"), timeout=10).session_id
+        want = [
+            array(v1.Attend(pb.AttendRequest(session_id=sid, input=tensor(x))).output)
+            for x in steps
+        ]
+        v1.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+        got = []
+        for i, x in enumerate(steps):
+            request = ip.ModelInferRequest(
+                model_name="mqa",
+                inputs=[
+                    ip.ModelInferRequest.InferInputTensor(
+                        name="INPUT", datatype="FP32", shape=x.shape
+                    )
+                ],
+                raw_input_contents=[x.tobytes()],
+            )
+            request.parameters["sequence_id"].string_param = "chat-1"
+            request.parameters["sequence_start"].bool_param = i == 0
+            request.parameters["sequence_end"].bool_param = i == len(steps) - 1
+            reply = oips[(len(oips) - 1 - i) % len(oips)].ModelInfer(request, timeout=30)
+            shape = list(reply.outputs[0].shape)
+            got.append(np.frombuffer(reply.raw_output_contents[0], np.float32).reshape(shape))
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g.reshape(w.shape), w, atol=1e-6)
+        with pytest.raises(grpc.RpcError) as err:  # ended, on every frontend
+            oips[0].ModelInfer(request, timeout=30)
+        assert "must specify the START flag" in err.value.details()
+    finally:
+        for channel in channels:
+            channel.close()

@@ -151,7 +151,7 @@ class AttentionReplica:
         else:
             raise ValueError(f"{method!r} is not one of {sorted(OIP_METHODS)} or ModelStreamInfer")
         if method in ("ModelInfer", "ModelStreamInfer"):
-            reply.sequence_session = self.oip.sequence_session(request, context)
+            reply.sequence_session = await self.oip.sequence_session(request, context)
         return reply
 
     async def live_sessions(self, session_ids: list[str]) -> list[str]:

@@ -25,6 +25,7 @@ from mha_serve.engine.faults import isolate_failures, out_of_memory_is_exhausted
 from mha_serve.engine.heads import analyze as analyze_heads
 from mha_serve.engine.threads import ComputeThreads
 from mha_serve.engine.types import CacheInfo
+from mha_serve.serving.sequences import Sequences
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -74,6 +75,8 @@ class AsyncEngine:
                 metrics.watch_kv_cache(name, functools.partial(engine.cache_info, name))
         engine.on_session_end(metrics.count_session_end)
         self._sweeper: asyncio.Task | None = None
+        # Triton's sequences (the Open Inference Protocol door) -> this engine's sessions.
+        self.sequences = Sequences(self._alive)
 
     def start(self) -> None:
         """Starts the sweeper of idle sessions (on the running loop)."""
@@ -93,6 +96,13 @@ class AsyncEngine:
             expired = self.engine.expire_sessions()  # counted by the on_session_end hook
             if expired:
                 log.info("expired %d idle session(s)", len(expired))
+
+    def _alive(self, session_id: str) -> bool:
+        try:
+            self.engine.get_session(session_id)
+        except (CacheError, RequestError):
+            return False
+        return True
 
     # --- labels ------------------------------------------------------------------------
 
@@ -138,9 +148,7 @@ class AsyncEngine:
             call.claimed = True
             return await self._compute(call, received, deadline)
 
-    async def _compute(
-        self, call: AttendCall, received: float, deadline: float | None
-    ) -> Computed:
+    async def _compute(self, call: AttendCall, received: float, deadline: float | None) -> Computed:
         # Validation scans the input (NaN/Inf): off the event loop when it is large.
         hosted = await offload(self.engine.validate, call, nbytes=call.inputs.nbytes)
         batch, seq_len, _ = call.inputs.shape

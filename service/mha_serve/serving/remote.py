@@ -45,6 +45,7 @@ from mha_serve.cache import CacheError, SessionStats
 from mha_serve.engine import AttendCall, AttendResult, HostedModel, ModelNotFound, RequestError
 from mha_serve.engine.types import CacheInfo
 from mha_serve.serving.async_engine import AsyncEngine, Computed, Timing, Unavailable, finish
+from mha_serve.serving.sequences import SequenceKey
 from mha_serve.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,9 @@ _ENGINE_OPS = (
     "close_session",
     "cache_info",
     "session_label",
+    "sequences.get",
+    "sequences.start",
+    "sequences.end",
 )
 
 
@@ -321,7 +325,10 @@ class EngineHost:
                 computed = await serving.compute(call, received=received, deadline=deadline)
                 value: Any = (computed, call.model)
             else:
-                value = await getattr(serving, op)(*args)
+                target = serving
+                for name in op.split("."):
+                    target = getattr(target, name)
+                value = await target(*args)
             reply = ("ok", rid, value)
         except asyncio.CancelledError:
             return  # the caller is gone; nobody waits for an answer
@@ -355,6 +362,7 @@ class RemoteEngine:
         self.lost = asyncio.Event()  # set when the engine process went away
         self._closing = False
         self._receiver = asyncio.create_task(self._receive(), name="engine-replies")
+        self.sequences = RemoteSequences(self)
 
     @classmethod
     async def connect(cls, path: str | Path, *, engine_pid: int) -> RemoteEngine:
@@ -481,6 +489,22 @@ class RemoteEngine:
                 f"model {name!r} is not served here; available: {', '.join(self._models)}"
             )
         return view
+
+
+class RemoteSequences:
+    """The engine process's Sequences (Triton sequence -> session), a round trip each."""
+
+    def __init__(self, remote: RemoteEngine) -> None:
+        self._remote = remote
+
+    async def get(self, key: SequenceKey) -> str | None:
+        return await self._remote._call("sequences.get", key)
+
+    async def start(self, key: SequenceKey, session_id: str) -> str | None:
+        return await self._remote._call("sequences.start", key, session_id)
+
+    async def end(self, key: SequenceKey, session_id: str) -> None:
+        await self._remote._call("sequences.end", key, session_id)
 
 
 def clean_shared_memory(engine_pid: int) -> int:

@@ -30,7 +30,7 @@ from mha_serve.transport.oip.convert import (
     to_call,
 )
 from mha_serve.transport.oip.convert import parameter as read_parameter
-from mha_serve.transport.oip.sequences import Sequence, SequenceKey, SequenceMap, sequence_of
+from mha_serve.transport.oip.sequences import Sequence, SequenceKey, sequence_of
 from mha_serve.transport.oip.stream import pipelined, sequence_key, stream_error
 from mha_serve.transport.status import EXPECTED, status_of
 
@@ -67,7 +67,6 @@ class InferenceServicer:
         self._serving = serving
         self._ready = ready
         self.session_ttl_s = session_ttl_s  # reported in ModelConfig (0: sessions never expire)
-        self.sequences = SequenceMap()
         self.malformed_log = MalformedLog()
 
     @property
@@ -255,15 +254,15 @@ class InferenceServicer:
         # count against: certificate, token or peer address): another client sending the
         # same id never reaches this one's cached keys. (Triton's ids are global per model.)
         key = sequence_key_of(model, owner, sequence)
+        sequences = serving.sequences  # the engine's: every frontend worker finds them
         if sequence.start:
             session_id = (await serving.create_session(model, None, None, owner)).session_id
-            live = await self._live_sessions() if self.sequences.prune_due else set()
-            previous = self.sequences.start(key, session_id, live=live.__contains__)
+            previous = await sequences.start(key, session_id)
             if previous is not None:
                 with contextlib.suppress(CacheError, RequestError):  # gone already: fine
                     await serving.close_session(previous)
         else:
-            session_id = self.sequences.get(key)
+            session_id = await sequences.get(key)
             if session_id is None:
                 raise sequence.not_started(model)
         call.session_id = session_id
@@ -271,7 +270,7 @@ class InferenceServicer:
         try:
             return await serving.attend(call, encode, received=received, deadline=deadline)
         except SessionNotFound as e:  # expired, evicted or closed through mha.v1
-            self.sequences.end(key, session_id)
+            await sequences.end(key, session_id)
             close = False
             raise SessionNotFound(
                 e.session_id,
@@ -284,11 +283,11 @@ class InferenceServicer:
             raise
         finally:
             if close:
-                self.sequences.end(key, session_id)
+                await sequences.end(key, session_id)
                 with contextlib.suppress(CacheError, RequestError):
                     await serving.close_session(session_id)
 
-    def sequence_session(self, request: Any, context: grpc.aio.ServicerContext) -> str | None:
+    async def sequence_session(self, request: Any, context: grpc.aio.ServicerContext) -> str | None:
         """The session the request's sequence steps now (after the request: None once it
         ended or its session is gone), None for a stateless or unreadable request. What a
         front door that routes sequences (the Ray app) reads after each call."""
@@ -301,16 +300,8 @@ class InferenceServicer:
             model = self._hosted(request.model_name, request.model_version).spec.name
         except RequestError:
             return None
-        return self.sequences.get(sequence_key_of(model, client_identity(context), sequence))
-
-    async def _live_sessions(self) -> set[str]:
-        """The sessions of the sequence map still alive (asked before a prune)."""
-        live = set()
-        for session_id in self.sequences.session_ids():
-            with contextlib.suppress(CacheError, RequestError):
-                await self.serving.get_session(session_id)
-                live.add(session_id)
-        return live
+        key = sequence_key_of(model, client_identity(context), sequence)
+        return await self.serving.sequences.get(key)
 
     # --- errors ------------------------------------------------------------------------
 
