@@ -12,7 +12,7 @@ import torch
 
 from mha_serve.cache import SessionNotFound
 from mha_serve.config import default_models
-from mha_serve.engine import AttendCall, Engine, InvalidRequest, ModelNotFound
+from mha_serve.engine import AttendCall, Engine, InvalidRequest, ModelNotFound, TooLarge
 from mha_serve.engine.threads import ComputeThreads
 from mha_serve.serving import AsyncEngine, Unavailable
 from mha_serve.serving import remote as remote_mod
@@ -191,3 +191,26 @@ def test_a_lost_engine_fails_pending_and_later_calls_unavailable(engine, tmp_pat
             await remote.cache_info("mha")
 
     _run(engine, tmp_path, body)
+
+
+def test_a_full_shared_memory_is_resource_exhausted_both_ways(engine, tmp_path, monkeypatch):
+    def no_room(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(remote_mod.os, "posix_fallocate", no_room)
+
+    async def body(local: AsyncEngine, remote: RemoteEngine, host) -> None:
+        big = _x(1, 700, 512, seed=6)  # 1.4 MB: the request itself needs shared memory
+        with pytest.raises(TooLarge, match="no room in .* for a 1433600-byte tensor"):
+            await remote.attend(AttendCall("mha", big), _identity, received=0.0, deadline=None)
+        small = _x(1, 400, 512, seed=7)  # inline, but its weights (5 MB) need shared memory
+        call = AttendCall("mha", small, need_weights=True)
+        with pytest.raises(TooLarge, match="no room"):
+            await remote.attend(call, _identity, received=0.0, deadline=None)
+        result, _ = await remote.attend(  # the link still serves
+            AttendCall("mha", small), _identity, received=0.0, deadline=None
+        )
+        assert result.output.shape == (1, 400, 512)
+
+    _run(engine, tmp_path, body)
+    assert _leftovers() == []

@@ -42,7 +42,14 @@ import torch
 
 from mha_serve.batching import Closed, DeadlineExceeded, QueueFull
 from mha_serve.cache import CacheError, SessionStats
-from mha_serve.engine import AttendCall, AttendResult, HostedModel, ModelNotFound, RequestError
+from mha_serve.engine import (
+    AttendCall,
+    AttendResult,
+    HostedModel,
+    ModelNotFound,
+    RequestError,
+    TooLarge,
+)
 from mha_serve.engine.types import CacheInfo
 from mha_serve.serving.async_engine import AsyncEngine, Computed, Timing, Unavailable, finish
 from mha_serve.serving.sequences import SequenceKey
@@ -126,7 +133,14 @@ class _Shm:
         path = SHM_DIR / f"{SHM_PREFIX}{owner}-{os.getpid()}-{next(cls._count)}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, data.nbytes)
+            try:  # claimed up front: a full /dev/shm is an error here, not a SIGBUS later
+                os.posix_fallocate(fd, 0, data.nbytes)
+            except OSError as e:
+                raise TooLarge(
+                    f"no room in {SHM_DIR} for a {data.nbytes}-byte tensor between the "
+                    f"frontend and engine processes ({e.strerror}); give {SHM_DIR} more space "
+                    "(docs/operations.md, frontend workers) or send smaller requests"
+                ) from None
             with mmap.mmap(fd, data.nbytes) as mapped:
                 view = np.frombuffer(mapped, dtype=np.uint8)
                 view[:] = data  # the one copy
@@ -339,7 +353,11 @@ class EngineHost:
             reply = ("error", rid, _error_state(e))
         if writer.is_closing():
             return
-        writer.writelines(pack(reply, os.getpid()))
+        try:
+            parts = pack(reply, os.getpid())
+        except TooLarge as e:  # the answer's tensors found no room: the caller gets why
+            parts = pack(("error", rid, _error_state(e)), os.getpid())
+        writer.writelines(parts)
         await writer.drain()
 
 
