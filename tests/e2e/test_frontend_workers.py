@@ -295,3 +295,29 @@ def test_a_triton_sequence_steps_through_every_frontend(server):
     finally:
         for channel in channels:
             channel.close()
+
+
+def test_head_analysis_crosses_to_the_engine_and_back(stub):
+    """AnalyzeHeads runs in the engine process; its analysis (tensors included) comes back
+    whole: the same figures as the engine computes in this process."""
+    import torch
+
+    from mha_serve.config import default_models
+    from mha_serve.engine import AttendCall, Engine
+    from mha_serve.engine.heads import analyze
+
+    x = np.random.default_rng(13).standard_normal((1, 12, 512), np.float32)
+    reply = stub.AnalyzeHeads(
+        pb.AnalyzeHeadsRequest(
+            attend=pb.AttendRequest(model="gqa", input=tensor(x)), include_weights=True
+        ),
+        timeout=60,
+    )
+    engine = Engine(
+        default_models(), device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**28
+    )
+    want, _ = analyze(engine, AttendCall("gqa", torch.from_numpy(x)), include_weights=True)
+    assert reply.model == "gqa" and [h.head for h in reply.heads] == list(range(8))
+    np.testing.assert_allclose([h.mean_entropy for h in reply.heads], want.mean_entropy, atol=1e-5)
+    np.testing.assert_allclose([h.importance for h in reply.heads], want.importance, atol=1e-5)
+    np.testing.assert_allclose(array(reply.attention_weights), want.weights.numpy(), atol=1e-6)

@@ -20,8 +20,10 @@ TOKEN = "cli-token-abcdef"
 METRICS_HOST = "127.0.0.2"  # loopback too, but not the API's address
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+@pytest.fixture(scope="module", params=["1", "2"], ids=["one-process", "frontend-workers-2"])
+def served(tmp_path_factory, request):
+    """The same security in one process and with 2 frontend workers (each frontend loads
+    the certificates and checks the token; the engine process serves /metrics)."""
     directory = tmp_path_factory.mktemp("serve-command")
     ca = Authority(directory)
     server, alice = ca.issue("mha-serve", server=True), ca.issue("alice", server=False)
@@ -36,6 +38,8 @@ def served(tmp_path_factory):
         ca.ca_file,
         "--metrics-host",
         METRICS_HOST,
+        "--frontend-workers",
+        request.param,
         env={"MHA_SERVE_TLS_CERT_FILE": server.cert, "MHA_SERVE_TLS_KEY_FILE": server.key},
         log_path=directory / "mha-serve.log",
     )
