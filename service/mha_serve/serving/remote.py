@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copyreg
 import io
 import itertools
 import logging
@@ -32,6 +33,7 @@ import os
 import pickle
 import struct
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,6 +106,11 @@ class Hello:
 # --- frames ------------------------------------------------------------------------------
 
 _NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16}
+# Received tensors are views of the frame's (immutable) bytes, which nothing writes to, as
+# transport/tensors.py's of the wire's: torch's warning about them is filtered once.
+warnings.filterwarnings(
+    "ignore", message="The given NumPy array is not writable", category=UserWarning
+)
 
 
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
@@ -176,45 +183,47 @@ class _Shm:
         return removed
 
 
+# The process whose shared-memory files this process's tensors go to: the engine's pid (in a
+# frontend, set on connecting), so that the engine process can remove leftovers at exit.
+_owner = [os.getpid()]
+
+
+def _reduce_tensor(t: torch.Tensor) -> tuple:
+    """How a tensor pickles here: its bytes out of band (protocol 5: no copy into the
+    pickle), or through shared memory when large."""
+    data = _as_bytes(t)
+    shape = tuple(t.shape)
+    if data.nbytes >= SHM_BYTES:
+        return _from_shm, (_Shm.write(data, _owner[0]), data.nbytes, t.dtype, shape)
+    return _from_bytes, (pickle.PickleBuffer(data), t.dtype, shape)
+
+
+def _from_bytes(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if len(memoryview(buffer)) == 0:
+        return torch.empty(shape, dtype=dtype)
+    return _tensor_over(buffer, dtype, shape)
+
+
+def _from_shm(name: str, nbytes: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    return _tensor_over(_Shm.take(name, nbytes), dtype, shape)
+
+
 class _Pickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO, buffers: list[Any], owner: int) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.buffers, self.owner = buffers, owner
-
-    def persistent_id(self, obj: Any) -> Any:
-        if not isinstance(obj, torch.Tensor):
-            return None
-        data = _as_bytes(obj)
-        shape = tuple(obj.shape)
-        if data.nbytes >= SHM_BYTES:
-            return ("shm", obj.dtype, shape, _Shm.write(data, self.owner), data.nbytes)
-        self.buffers.append(data)
-        return ("inline", obj.dtype, shape, len(self.buffers) - 1)
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, buffers: list[memoryview]) -> None:
-        super().__init__(file)
-        self.buffers = buffers
-
-    def persistent_load(self, pid: Any) -> torch.Tensor:
-        kind, dtype, shape = pid[0], pid[1], pid[2]
-        buffer = self.buffers[pid[3]] if kind == "inline" else _Shm.take(pid[3], pid[4])
-        if len(buffer) == 0:
-            return torch.empty(shape, dtype=dtype)
-        return _tensor_over(buffer, dtype, shape)
+    # Looked up by exact type in C: no Python call for the other objects of a message.
+    dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
 
 
 def _pad(n: int) -> int:
     return -n % ALIGN
 
 
-def pack(message: Any, owner: int) -> list[Any]:
+def pack(message: Any) -> list[Any]:
     """A message's frame as parts to write (tensors' bytes are referenced, not copied)."""
-    buffers: list[Any] = []
+    out_of_band: list[pickle.PickleBuffer] = []
     meta = io.BytesIO()
-    _Pickler(meta, buffers, owner).dump(message)
+    _Pickler(meta, protocol=5, buffer_callback=out_of_band.append).dump(message)
     pickled = meta.getvalue()
+    buffers = [b.raw() for b in out_of_band]
     lengths = [b.nbytes for b in buffers]
     head = _HEAD.pack(len(pickled), len(buffers)) + struct.pack(f"<{len(lengths)}Q", *lengths)
     parts = [head, pickled]
@@ -240,7 +249,7 @@ async def read_frame(reader: asyncio.StreamReader) -> Any:
         offset += _pad(offset)
         buffers.append(body[offset : offset + n])
         offset += n
-    return _Unpickler(io.BytesIO(body[:size]), buffers).load()
+    return pickle.loads(body[:size], buffers=buffers)
 
 
 def _error_state(e: BaseException) -> tuple[type, tuple, dict]:
@@ -305,7 +314,7 @@ class EngineHost:
                 [ModelView(h.spec, h.device, h.dtype, h.num_parameters) for h in hosted],
                 serving.max_response_bytes,
             )
-            writer.writelines(pack(("hello", 0, hello), os.getpid()))
+            writer.writelines(pack(("hello", 0, hello)))
             while True:
                 message = await read_frame(reader)
                 kind, rid = message[0], message[1]
@@ -354,9 +363,9 @@ class EngineHost:
         if writer.is_closing():
             return
         try:
-            parts = pack(reply, os.getpid())
+            parts = pack(reply)
         except TooLarge as e:  # the answer's tensors found no room: the caller gets why
-            parts = pack(("error", rid, _error_state(e)), os.getpid())
+            parts = pack(("error", rid, _error_state(e)))
         writer.writelines(parts)
         await writer.drain()
 
@@ -376,7 +385,6 @@ class RemoteEngine:
         self.max_response_bytes = hello.max_response_bytes
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
-        self._engine_pid = 0
         self.lost = asyncio.Event()  # set when the engine process went away
         self._closing = False
         self._receiver = asyncio.create_task(self._receive(), name="engine-replies")
@@ -389,9 +397,8 @@ class RemoteEngine:
         kind, _, hello = await read_frame(reader)
         if kind != "hello":
             raise RuntimeError(f"engine process sent {kind!r} before its hello")
-        remote = cls(reader, writer, hello)
-        remote._engine_pid = engine_pid
-        return remote
+        _owner[0] = engine_pid  # this frontend's shared-memory files: the engine's to clean
+        return cls(reader, writer, hello)
 
     def start(self) -> None:
         """The engine process sweeps the sessions; nothing to start here."""
@@ -410,7 +417,7 @@ class RemoteEngine:
     def notify(self, message: tuple) -> None:
         """A message for the engine process that wants no answer (e.g. 'listening')."""
         if not self._writer.is_closing():
-            self._writer.writelines(pack(message, self._engine_pid))
+            self._writer.writelines(pack(message))
 
     async def _receive(self) -> None:
         try:
@@ -442,14 +449,14 @@ class RemoteEngine:
         rid = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[rid] = future
-        self._writer.writelines(pack(("call", rid, op, args), self._engine_pid))
+        self._writer.writelines(pack(("call", rid, op, args)))
         try:
             await self._writer.drain()
             return await future
         except asyncio.CancelledError:  # (awaiting it cancelled the future too)
             answered = future.done() and not future.cancelled()
             if not answered and not self._writer.is_closing():
-                self._writer.writelines(pack(("cancel", rid), self._engine_pid))
+                self._writer.writelines(pack(("cancel", rid)))
             raise
         finally:
             self._pending.pop(rid, None)
