@@ -23,6 +23,7 @@ import grpc
 import numpy as np
 
 from mha_client.channel import ChannelSecurity, open_channel
+from mha_client.cli_types import positive_int
 from mha_client.sdk import DEFAULT_MAX_MESSAGE_BYTES, build_attend_request, channel_options
 
 GRPC_ATTEND_METHOD = "/mha.v1.AttentionService/Attend"
@@ -540,6 +541,13 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--batch", type=int, default=1, help="sequences per request (default 1)")
     p.add_argument("--weights", action="store_true", help="ask for attention weights too")
+    p.add_argument(
+        "--channels",
+        type=positive_int,
+        default=1,
+        help="TCP connections the clients share, taken in turn (default 1); a server with "
+        "--frontend-workers N spreads connections, not calls, over its frontends: give N or more",
+    )
     p.add_argument("--warmup", type=int, default=20, help="requests left out of the stats")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", type=Path, metavar="FILE.json", help="write the results here")
@@ -566,7 +574,7 @@ def cmd_load(client: Any, args: argparse.Namespace) -> int:
     )
     target, security, metadata = args.target, client.security, client.metadata
     result = run_load_sync(
-        lambda: GrpcTarget(target, security=security, metadata=metadata),
+        lambda: GrpcTarget(target, channels=args.channels, security=security, metadata=metadata),
         workload,
         spec,
         label=target,

@@ -19,6 +19,7 @@ class MetadataEcho(EchoServicer):
     def __init__(self) -> None:
         super().__init__()
         self.applications: list[tuple[str, str | None]] = []
+        self.peers: list[str] = []  # each Attend's client address and port: its connection
 
     def _note(self, method: str, context) -> None:
         metadata = dict(context.invocation_metadata())
@@ -30,6 +31,7 @@ class MetadataEcho(EchoServicer):
 
     def Attend(self, request, context):
         self._note("Attend", context)
+        self.peers.append(context.peer())
         return super().Attend(request, context)
 
 
@@ -49,3 +51,22 @@ def test_load_requests_carry_the_application_metadata(tmp_path, capsys):
     assert json.loads(out.read_text())["ok"] == 4
     assert servicer.applications[0] == ("GetModelInfo", "mha")
     assert servicer.applications[1:] == [("Attend", "mha")] * 5  # warm-up included
+
+
+def test_load_spreads_its_calls_over_the_channels_asked(tmp_path, capsys):
+    """--channels N: N connections (what spreads load over a server's frontend workers)."""
+    servicer = MetadataEcho()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_AttentionServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        argv = ["load", "echo", "--target", f"127.0.0.1:{port}", "--channels", "3"]
+        argv += ["--requests", "9", "--warmup", "0", "--seq-len", "2", "--concurrency", "3"]
+        assert main(argv) == 0, capsys.readouterr().err
+    finally:
+        server.stop(grace=None)
+    assert len(set(servicer.peers[:9])) == 3  # calls taken in turn over 3 connections
+    capsys.readouterr()
+    assert main(["load", "echo", "--channels", "0"]) == 2  # argparse's exit, with the reason
+    assert "'0' is not a positive integer" in capsys.readouterr().err
