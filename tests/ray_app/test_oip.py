@@ -102,13 +102,16 @@ def test_sequences_reach_their_replica_over_infer_and_the_stream(channel, models
             want = models.step("gqa", history[seq_id], 1)[None]
             np.testing.assert_allclose(output(reply), want, atol=ATOL, err_msg=str(seq_id))
             assert replica_of(reply.parameters["session_id"].string_param) == owners[seq_id]
-    # The stream: every sequence steps once and ends, interleaved, in one stream.
+    # The stream: every sequence steps once and ends, in one stream, all in flight at once
+    # (each message's calls need a request id of their own: forward.own_request_id).
     steps = {s: rng.standard_normal((1, 1, EMBED), dtype=np.float32) for s in history}
     requests = [infer_request(x, "gqa", s, end=True, request_id=str(s)) for s, x in steps.items()]
     replies = list(stub.ModelStreamInfer(iter(requests), timeout=TIMEOUT_S))
     assert [r.infer_response.id for r in replies] == [str(s) for s in steps]
     for seq_id, reply in zip(steps, replies, strict=True):
         assert not reply.error_message, reply.error_message
+        session_id = reply.infer_response.parameters["session_id"].string_param
+        assert replica_of(session_id) == owners[seq_id]
         history[seq_id] = np.concatenate([history[seq_id], steps[seq_id][0]])
         want = models.step("gqa", history[seq_id], 1)[None]
         np.testing.assert_allclose(output(reply.infer_response), want, atol=ATOL)
@@ -155,3 +158,13 @@ def test_a_bad_request_gets_a_triton_error_and_mha_v1_goes_on(channel):
         mha_pb.ListModelsRequest(), timeout=TIMEOUT_S
     )
     assert [m.name for m in models.models] == ["mha", "gqa", "mqa"]
+
+
+def test_reflection_lists_both_protocols(channel):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    (reply,) = stub.ServerReflectionInfo(iter([request]), timeout=TIMEOUT_S)
+    names = {s.name for s in reply.list_services_response.service}
+    assert {"inference.GRPCInferenceService", "mha.v1.AttentionService"} <= names, names

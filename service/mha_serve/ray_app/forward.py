@@ -4,11 +4,14 @@ the Open Inference Protocol)."""
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 from ray.exceptions import ActorDiedError, RayActorError
+from ray.serve import context as serve_context
 from ray.serve.exceptions import BackPressureError
 from ray.serve.grpc_util import RayServegRPCContext
 
@@ -64,6 +67,20 @@ async def forward(
 def _first_line(e: Exception) -> str:
     text = str(e).strip().splitlines()
     return text[0][:300] if text else ""
+
+
+def own_request_id() -> None:
+    """Gives the calls this task makes through handles a request id of their own.
+
+    A handle call inherits the id of the request the Ingress is serving (Ray 2.60:
+    default_impl.get_request_metadata reads the serve request context), and the router
+    finds a call's pending request by that id: calls made at once for one request (a
+    ModelStreamInfer's messages, in flight together) would share it, and the replica
+    chosen for one would go to another, or none (seen: a stream stuck for its deadline).
+    The context is a contextvar, so this holds for the calling task alone."""
+    context = serve_context._get_serve_request_context()
+    fresh = dataclasses.replace(context, _internal_request_id=str(uuid.uuid4()))
+    serve_context._serve_request_context.set(fresh)
 
 
 def end_stream(grpc_context: RayServegRPCContext, reply: Reply) -> None:

@@ -21,7 +21,7 @@ from mha_client.api import attention_pb2 as mha_pb
 from mha_client.api.inference import grpc_service_pb2 as pb
 from mha_serve.engine import RequestError
 from mha_serve.ray_app.context import CallContext, Caller, Reply
-from mha_serve.ray_app.forward import forward, message, unary_answer
+from mha_serve.ray_app.forward import forward, message, own_request_id, unary_answer
 from mha_serve.ray_app.router import liveness
 from mha_serve.transport.auth import client_identity
 from mha_serve.transport.handlers import Malformed
@@ -73,6 +73,7 @@ class InferenceIngress:
             yield message(reply)
 
     async def _stream_one(self, request: Any, caller: Caller) -> Any:
+        own_request_id()  # this message's calls run beside the others' (pipelined)
         reply = await self._oip_call("ModelStreamInfer", request, caller)
         if reply.code is None:
             return reply.response
