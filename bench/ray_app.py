@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import os
 import signal
 import sys
 import threading
@@ -57,6 +58,11 @@ def serve_forever(port: int, steps: int, direct: bool) -> int:
 
     from tests.ray_app.cluster import deploy, load_config
 
+    # The proxy calls the Ingress over gRPC rather than as Ray actor calls, with room for
+    # large messages (docs/ray.md, Benchmark; deploy/ray/Dockerfile sets the same): set for
+    # the cluster this process starts, as `serve run` would inherit it.
+    os.environ.setdefault("RAY_SERVE_PROXY_USE_GRPC", "1")
+    os.environ.setdefault("RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH", str(512 * 2**20))
     ray.init(num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False)
     try:
         config = load_config(grpc_port=port, metrics_port=0)
@@ -82,15 +88,17 @@ def handle_probe(steps: int) -> dict[str, Any]:
     hop, no proxy and no Ingress): what the proxy hop and the Ingress add is the rest."""
     from ray import serve
 
+    from mha_serve.ray_app.forward import calls
+
     handle = serve.get_deployment_handle("AttentionReplica", "mha")
     rng = np.random.default_rng(1)
     out = {}
     for context in CONTEXTS:
-        create = handle.options(method_name="call")
+        create = calls(handle, "call")  # as the Ingress calls it
         reply = create.remote("CreateSession", pb.CreateSessionRequest(model=MODEL)).result()
         sid = reply.response.session_id
-        call = handle.options(method_name="call", session_id=sid)
-        step = handle.options(method_name="stream_step", session_id=sid)
+        call = create.options(session_id=sid)
+        step = calls(handle, "stream_step").options(session_id=sid)
         prefill = pb.AttendRequest(session_id=sid, input=to_proto(tokens(rng, context - 1)))
         assert call.remote("Attend", prefill).result().code is None
         times = []

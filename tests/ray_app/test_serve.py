@@ -231,3 +231,12 @@ def test_the_ingress_tells_live_replicas_from_gone_ones(cluster):
     for replica_id in replica_ids():
         assert asyncio.run(alive(replica_id)), replica_id
     assert not asyncio.run(alive("gone0replica"))
+
+
+def test_messages_past_grpc_default_4_mib_go_both_ways(client, models):
+    """Past gRPC's default 4 MiB on every hop (the proxy, the Ingress's calls, and with
+    RAY_SERVE_PROXY_USE_GRPC Ray's own gRPC, whose cap deploy/ray/Dockerfile raises): a
+    4.5 MB request and its 4.5 MB reply pass and are right."""
+    x = rng.standard_normal((2, 1100, 512), dtype=np.float32)  # 4.5 MB each way
+    want, _ = models.forward("mqa", x)
+    np.testing.assert_allclose(client.attend("mqa", x).output, want, atol=ATOL)

@@ -20,6 +20,7 @@ import logging
 from collections import defaultdict
 from typing import Any
 
+from mha_serve.ray_app.forward import calls
 from mha_serve.ray_app.ids import pinned_to, replica_of
 from mha_serve.transport.oip.sequences import SequenceKey, SequenceMap
 
@@ -31,7 +32,7 @@ class SequenceDirectory:
     awaits, and the map changes only between them)."""
 
     def __init__(self, replicas: Any) -> None:
-        self._live = replicas.options(method_name="live_sessions")
+        self._live = calls(replicas, "live_sessions")
         self._sequences = SequenceMap()
 
     def get(self, key: SequenceKey) -> str | None:

@@ -23,6 +23,13 @@ class StatusError(Exception):
     """Ends a stream with the status set on Ray's gRPC context (the proxy sends it)."""
 
 
+def calls(handle: Any, method: str) -> Any:
+    """A handle calling `method` of its deployment's replicas, as Ray actor calls. (Ray's
+    inter-deployment gRPC, `_by_reference=False`, measured no cheaper per call here and caps
+    messages at 4 MiB unless configured: docs/ray.md, Benchmark.)"""
+    return handle.options(method_name=method)
+
+
 async def forward(
     handle: Any,
     *args: Any,

@@ -19,7 +19,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 
 from mha_client.api import attention_pb2 as pb
 from mha_serve.ray_app.context import Caller, Reply
-from mha_serve.ray_app.forward import end_stream, forward, message, unary_answer
+from mha_serve.ray_app.forward import calls, end_stream, forward, message, unary_answer
 from mha_serve.ray_app.oip_ingress import InferenceIngress
 from mha_serve.transport.handlers import Malformed
 
@@ -34,8 +34,8 @@ class Ingress(InferenceIngress):
 
     def __init__(self, replicas: Any, directory: Any) -> None:
         super().__init__(replicas, directory)
-        self._call = replicas.options(method_name="call")
-        self._step = replicas.options(method_name="stream_step")
+        self._call = calls(replicas, "call")
+        self._step = calls(replicas, "stream_step")
 
     # --- unary mha.v1 ------------------------------------------------------------------
 

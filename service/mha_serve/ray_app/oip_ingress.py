@@ -21,7 +21,7 @@ from mha_client.api import attention_pb2 as mha_pb
 from mha_client.api.inference import grpc_service_pb2 as pb
 from mha_serve.engine import RequestError
 from mha_serve.ray_app.context import CallContext, Caller, Reply
-from mha_serve.ray_app.forward import forward, message, own_request_id, unary_answer
+from mha_serve.ray_app.forward import calls, forward, message, own_request_id, unary_answer
 from mha_serve.ray_app.router import liveness
 from mha_serve.transport.auth import client_identity
 from mha_serve.transport.handlers import Malformed
@@ -34,12 +34,12 @@ class InferenceIngress:
     """inference.GRPCInferenceService through Ray's gRPC proxy (a base of Ingress)."""
 
     def __init__(self, replicas: Any, directory: Any) -> None:
-        self._infer = replicas.options(method_name="infer")
+        self._infer = calls(replicas, "infer")
         self._alive = liveness(replicas)
-        self._close = replicas.options(method_name="call")
-        self._directory_get = directory.options(method_name="get")
-        self._directory_start = directory.options(method_name="start")
-        self._directory_end = directory.options(method_name="end")
+        self._close = calls(replicas, "call")
+        self._directory_get = calls(directory, "get")
+        self._directory_start = calls(directory, "start")
+        self._directory_end = calls(directory, "end")
 
     async def ServerLive(self, request: Any, grpc_context: RayServegRPCContext) -> Any:
         return await self._oip_unary("ServerLive", request, grpc_context)
