@@ -75,3 +75,43 @@ def test_no_session_is_unavailable():
         reply, asked = answer(error, alive=None, session_id="")
         assert asked == [] and reply.code == grpc.StatusCode.UNAVAILABLE, reply
         assert "retry" in reply.details
+
+
+class Hanging:
+    """A DeploymentHandle whose call never answers; it records its cancellation."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.cancelled = False
+
+    async def _wait(self):
+        self.started.set()
+        await asyncio.Event().wait()
+
+    def remote(self, *args):
+        handle = self
+
+        class Response:
+            def __await__(self):
+                return handle._wait().__await__()
+
+            def cancel(self):
+                handle.cancelled = True
+
+        return Response()
+
+
+def test_a_caller_that_leaves_cancels_its_call():
+    """A stream message's call carries a request id of its own (own_request_id), so Ray's
+    cancellation of the stream does not reach it by id: forward cancels it itself."""
+
+    async def run() -> Hanging:
+        handle = Hanging()
+        task = asyncio.create_task(forward(handle, "Attend", None, session_id=SESSION))
+        await handle.started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return handle
+
+    assert asyncio.run(run()).cancelled

@@ -4,6 +4,7 @@ the Open Inference Protocol)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
 from collections.abc import Awaitable, Callable
@@ -42,8 +43,12 @@ async def forward(
     alive(replica id): whether that replica still runs, asked when Ray reports it
     unreachable (ActorUnavailableError): a replica restarting or briefly cut off keeps its
     sessions, so that is UNAVAILABLE (retry), and NOT_FOUND only once it is really gone."""
+    response = handle.remote(*args)
     try:
-        return await handle.remote(*args)
+        return await response
+    except asyncio.CancelledError:  # the caller left: so does the call (a step rolls back)
+        response.cancel()
+        raise
     except BackPressureError as e:
         return Reply(code=grpc.StatusCode.RESOURCE_EXHAUSTED, details=str(e))
     except RayActorError as e:
@@ -84,7 +89,9 @@ def own_request_id() -> None:
     finds a call's pending request by that id: calls made at once for one request (a
     ModelStreamInfer's messages, in flight together) would share it, and the replica
     chosen for one would go to another, or none (seen: a stream stuck for its deadline).
-    The context is a contextvar, so this holds for the calling task alone."""
+    The context is a contextvar, so this holds for the calling task alone. Ray cancels a
+    request's calls by its id when the request is cancelled; these no longer carry it, so
+    `forward` cancels its call itself when its task is cancelled."""
     context = serve_context._get_serve_request_context()
     fresh = dataclasses.replace(context, _internal_request_id=str(uuid.uuid4()))
     serve_context._serve_request_context.set(fresh)
