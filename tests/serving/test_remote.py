@@ -18,6 +18,8 @@ from mha_serve.serving import AsyncEngine, Unavailable
 from mha_serve.serving import remote as remote_mod
 from mha_serve.serving.remote import EngineHost, RemoteEngine
 
+BODY_TIMEOUT_S = 120
+
 
 def _identity(result):
     return result
@@ -40,8 +42,8 @@ def _run(engine: Engine, tmp_path, body) -> None:
         await host.start()
         host.ready(serving)
         remote = await RemoteEngine.connect(tmp_path / "engine.sock", engine_pid=os.getpid())
-        try:
-            await body(serving, remote, host)
+        try:  # bounded: a reply that never comes fails the test instead of hanging it
+            await asyncio.wait_for(body(serving, remote, host), BODY_TIMEOUT_S)
         finally:
             await remote.close()
             await host.close()
@@ -214,3 +216,70 @@ def test_a_full_shared_memory_is_resource_exhausted_both_ways(engine, tmp_path, 
 
     _run(engine, tmp_path, body)
     assert _leftovers() == []
+
+
+def test_a_half_packed_message_leaves_no_file_and_no_waiter(engine, tmp_path, monkeypatch):
+    """The reply's output finds room, its weights do not: the output's file goes too, the
+    caller gets why, and nothing is left waiting in the frontend."""
+    real, calls = remote_mod.os.posix_fallocate, []
+
+    def third_has_no_room(fd, offset, length):
+        calls.append(length)
+        if len(calls) == 3:  # request input, reply output: room; reply weights: none
+            raise OSError(28, "No space left on device")
+        real(fd, offset, length)
+
+    monkeypatch.setattr(remote_mod.os, "posix_fallocate", third_has_no_room)
+
+    async def body(local: AsyncEngine, remote: RemoteEngine, host) -> None:
+        call = AttendCall("mha", _x(1, 700, 512, seed=8), need_weights=True)
+        with pytest.raises(TooLarge, match="no room"):
+            await remote.attend(call, _identity, received=0.0, deadline=None)
+        assert len(calls) == 3 and _leftovers() == []
+        assert remote._pending == {}
+
+    _run(engine, tmp_path, body)
+
+
+def test_a_reply_that_cannot_be_packed_still_answers(engine, tmp_path, monkeypatch):
+    """Any failure to send an answer's tensors (here not an OSError at all) reaches the
+    caller as an error: never a call left waiting for good."""
+    real = remote_mod._Shm.write
+
+    def broken_after_the_request(data, engine_pid, frontend_pid):
+        if broken_after_the_request.used:
+            raise RuntimeError("mapping failed")
+        broken_after_the_request.used = True
+        return real(data, engine_pid, frontend_pid)
+
+    broken_after_the_request.used = False
+    monkeypatch.setattr(remote_mod._Shm, "write", staticmethod(broken_after_the_request))
+
+    async def body(local: AsyncEngine, remote: RemoteEngine, host) -> None:
+        big = _x(1, 700, 512, seed=9)
+        with pytest.raises(RuntimeError, match="mapping failed"):
+            await remote.attend(AttendCall("mha", big), _identity, received=0.0, deadline=None)
+        small, _ = await remote.attend(  # the link still serves
+            AttendCall("mha", big[:, :4].clone()), _identity, received=0.0, deadline=None
+        )
+        assert small.output.shape == (1, 4, 512)
+
+    _run(engine, tmp_path, body)
+    assert _leftovers() == []
+
+
+def test_sequence_changes_are_one_engine_call_each(engine, tmp_path):
+    """start_sequence makes, maps and replaces in one call; end_sequence unmaps and closes."""
+
+    async def body(local: AsyncEngine, remote: RemoteEngine, host) -> None:
+        key = ("gqa", "peer:test", 7)
+        first = await remote.start_sequence(key, "gqa", "peer:test")
+        second = await remote.start_sequence(key, "gqa", "peer:test")  # replaces the first
+        assert await remote.sequence_session(key) == second != first
+        with pytest.raises(SessionNotFound):
+            await local.get_session(first)
+        await remote.end_sequence(key, second, close=True)
+        assert await remote.sequence_session(key) is None
+        assert (await local.cache_info("gqa")).num_sessions == 0
+
+    _run(engine, tmp_path, body)

@@ -25,7 +25,7 @@ from mha_serve.engine.faults import isolate_failures, out_of_memory_is_exhausted
 from mha_serve.engine.heads import analyze as analyze_heads
 from mha_serve.engine.threads import ComputeThreads
 from mha_serve.engine.types import CacheInfo
-from mha_serve.serving.sequences import Sequences
+from mha_serve.serving.sequences import SequenceKey, Sequences
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -176,6 +176,31 @@ class AsyncEngine:
         return await asyncio.to_thread(
             analyze_heads, self.engine, call, include_weights=include_weights
         )
+
+    # --- Triton's sequences (the Open Inference Protocol door) -----------------------------
+    # Each change is one call with no await inside: a caller cancelled between two round
+    # trips (a frontend worker's) can never leave a session made and not mapped, or unmapped
+    # and not closed.
+
+    async def sequence_session(self, key: SequenceKey) -> str | None:
+        """The session a sequence steps now, None when it is not active."""
+        return self.sequences.get(key)
+
+    async def start_sequence(self, key: SequenceKey, model: str, owner: str) -> str:
+        """A new session for the sequence; a live one of the same key is closed."""
+        session_id = self.engine.create_session(model, None, None, owner).session_id
+        previous = self.sequences.start(key, session_id)
+        if previous is not None:
+            with contextlib.suppress(CacheError, RequestError):  # gone already: fine
+                self.engine.close_session(previous)
+        return session_id
+
+    async def end_sequence(self, key: SequenceKey, session_id: str, close: bool) -> None:
+        """Forgets the sequence's session, and closes it when `close`."""
+        self.sequences.end(key, session_id)
+        if close:
+            with contextlib.suppress(CacheError, RequestError):
+                self.engine.close_session(session_id)
 
     # --- sessions and models -----------------------------------------------------------
     # Coroutines, so that a front door awaits them alike here and in a frontend worker,

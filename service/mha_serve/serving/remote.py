@@ -31,8 +31,11 @@ import logging
 import mmap
 import os
 import pickle
+import secrets
+import socket
 import struct
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,7 +56,14 @@ from mha_serve.engine import (
     TooLarge,
 )
 from mha_serve.engine.types import CacheInfo
-from mha_serve.serving.async_engine import AsyncEngine, Computed, Timing, Unavailable, finish
+from mha_serve.serving.async_engine import (
+    AsyncEngine,
+    Computed,
+    Timing,
+    Unavailable,
+    finish,
+    offload,
+)
 from mha_serve.serving.sequences import SequenceKey
 from mha_serve.spec import ModelSpec
 
@@ -79,9 +89,9 @@ _ENGINE_OPS = (
     "close_session",
     "cache_info",
     "session_label",
-    "sequences.get",
-    "sequences.start",
-    "sequences.end",
+    "sequence_session",
+    "start_sequence",
+    "end_sequence",
 )
 
 
@@ -130,25 +140,25 @@ def _tensor_over(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> tor
 
 
 class _Shm:
-    """Names of the shared-memory files of one process: SHM_PREFIX + owner pid + a count.
-    The engine process removes what is left of its frontends' and its own at exit."""
+    """Shared-memory files: SHM_PREFIX, the engine's pid, the frontend's pid (the two ends of
+    the link it crosses), then a random part no other local user can guess. The engine
+    removes a frontend's leftovers when its link ends, and everything of its own at exit."""
 
-    _count = itertools.count()
-
-    @classmethod
-    def write(cls, data: np.ndarray, owner: int) -> str:
-        path = SHM_DIR / f"{SHM_PREFIX}{owner}-{os.getpid()}-{next(cls._count)}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    @staticmethod
+    def write(data: np.ndarray, engine: int, frontend: int) -> str:
+        name = f"{SHM_PREFIX}{engine}-{frontend}-{secrets.token_hex(8)}"
+        path = SHM_DIR / name
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:  # no inode left, no file descriptor left, a name taken
+            raise _no_room(data.nbytes, e) from None
         try:
             try:  # claimed up front: a full /dev/shm is an error here, not a SIGBUS later
                 os.posix_fallocate(fd, 0, data.nbytes)
+                mapped = mmap.mmap(fd, data.nbytes)
             except OSError as e:
-                raise TooLarge(
-                    f"no room in {SHM_DIR} for a {data.nbytes}-byte tensor between the "
-                    f"frontend and engine processes ({e.strerror}); give {SHM_DIR} more space "
-                    "(docs/operations.md, frontend workers) or send smaller requests"
-                ) from None
-            with mmap.mmap(fd, data.nbytes) as mapped:
+                raise _no_room(data.nbytes, e) from None
+            with mapped:
                 view = np.frombuffer(mapped, dtype=np.uint8)
                 view[:] = data  # the one copy
                 del view
@@ -157,7 +167,7 @@ class _Shm:
             raise
         finally:
             os.close(fd)
-        return path.name
+        return name
 
     @staticmethod
     def take(name: str, nbytes: int) -> mmap.mmap:
@@ -173,19 +183,34 @@ class _Shm:
             os.unlink(path)
 
     @staticmethod
-    def clean(owner: int) -> int:
-        """Removes the files of engine process `owner` nobody took (a peer died first)."""
+    def unlink(name: str) -> None:
+        with contextlib.suppress(OSError):
+            (SHM_DIR / name).unlink()
+
+    @staticmethod
+    def clean(engine: int, frontend: int | None = None) -> int:
+        """Removes the files nobody took: of one frontend's link, or all of an engine's."""
+        pattern = f"{SHM_PREFIX}{engine}-" + ("*" if frontend is None else f"{frontend}-*")
         removed = 0
-        for path in SHM_DIR.glob(f"{SHM_PREFIX}{owner}-*"):
+        for path in SHM_DIR.glob(pattern):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
                 removed += 1
         return removed
 
 
-# The process whose shared-memory files this process's tensors go to: the engine's pid (in a
-# frontend, set on connecting), so that the engine process can remove leftovers at exit.
-_owner = [os.getpid()]
+def _no_room(nbytes: int, e: OSError) -> TooLarge:
+    return TooLarge(
+        f"no room in {SHM_DIR} for a {nbytes}-byte tensor between the frontend and engine "
+        f"processes ({e.strerror}); give {SHM_DIR} more space (docs/operations.md, frontend "
+        "workers) or send smaller requests"
+    )
+
+
+# The link the message being packed crosses (engine pid, frontend pid), and the shared-memory
+# files written for it so far (removed again if the message fails to pack). Set by pack;
+# pickling runs on one thread at a time per process (see pack).
+_link = threading.local()
 
 
 def _reduce_tensor(t: torch.Tensor) -> tuple:
@@ -194,7 +219,9 @@ def _reduce_tensor(t: torch.Tensor) -> tuple:
     data = _as_bytes(t)
     shape = tuple(t.shape)
     if data.nbytes >= SHM_BYTES:
-        return _from_shm, (_Shm.write(data, _owner[0]), data.nbytes, t.dtype, shape)
+        name = _Shm.write(data, *_link.ends)
+        _link.written.append(name)
+        return _from_shm, (name, data.nbytes, t.dtype, shape)
     return _from_bytes, (pickle.PickleBuffer(data), t.dtype, shape)
 
 
@@ -217,11 +244,21 @@ def _pad(n: int) -> int:
     return -n % ALIGN
 
 
-def pack(message: Any) -> list[Any]:
-    """A message's frame as parts to write (tensors' bytes are referenced, not copied)."""
+def pack(message: Any, engine: int, frontend: int) -> list[Any]:
+    """A message's frame as parts to write (tensors' bytes are referenced, not copied), for
+    the link between engine and frontend (pids: its shared-memory files' names). Thread-safe:
+    a large message is packed on a worker thread."""
     out_of_band: list[pickle.PickleBuffer] = []
     meta = io.BytesIO()
-    _Pickler(meta, protocol=5, buffer_callback=out_of_band.append).dump(message)
+    _link.ends, _link.written = (engine, frontend), []
+    try:
+        _Pickler(meta, protocol=5, buffer_callback=out_of_band.append).dump(message)
+    except BaseException:
+        for name in _link.written:  # a later tensor found no room: the earlier ones go
+            _Shm.unlink(name)
+        raise
+    finally:
+        _link.written = []
     pickled = meta.getvalue()
     buffers = [b.raw() for b in out_of_band]
     lengths = [b.nbytes for b in buffers]
@@ -306,6 +343,7 @@ class EngineHost:
         me = asyncio.current_task()
         self._connections.add(me)
         calls: dict[int, asyncio.Task] = {}
+        frontend = _peer_pid(writer)
         try:
             await self._ready.wait()
             serving = self.serving
@@ -314,12 +352,14 @@ class EngineHost:
                 [ModelView(h.spec, h.device, h.dtype, h.num_parameters) for h in hosted],
                 serving.max_response_bytes,
             )
-            writer.writelines(pack(("hello", 0, hello)))
+            writer.writelines(pack(("hello", 0, hello), os.getpid(), frontend))
             while True:
                 message = await read_frame(reader)
                 kind, rid = message[0], message[1]
                 if kind == "call":
-                    task = asyncio.create_task(self._call(rid, message[2], message[3], writer))
+                    task = asyncio.create_task(
+                        self._call(rid, message[2], message[3], writer, frontend)
+                    )
                     calls[rid] = task
                     task.add_done_callback(lambda _, r=rid: calls.pop(r, None))
                 elif kind == "cancel":
@@ -335,11 +375,16 @@ class EngineHost:
         finally:
             for task in list(calls.values()):
                 task.cancel()
+            await asyncio.gather(*calls.values(), return_exceptions=True)
             writer.close()
+            _Shm.clean(os.getpid(), frontend)  # replies it never took
             self._connections.discard(me)
 
-    async def _call(self, rid: int, op: str, args: tuple, writer: asyncio.StreamWriter) -> None:
+    async def _call(
+        self, rid: int, op: str, args: tuple, writer: asyncio.StreamWriter, frontend: int
+    ) -> None:
         serving = self.serving
+        nbytes = 0
         try:
             if op not in _ENGINE_OPS:
                 raise ValueError(f"no engine operation {op!r}")
@@ -347,11 +392,11 @@ class EngineHost:
                 call, received, deadline = args
                 computed = await serving.compute(call, received=received, deadline=deadline)
                 value: Any = (computed, call.model)
+                nbytes = computed.result.output.nbytes
+                if computed.result.weights is not None:
+                    nbytes += computed.result.weights.nbytes
             else:
-                target = serving
-                for name in op.split("."):
-                    target = getattr(target, name)
-                value = await target(*args)
+                value = await getattr(serving, op)(*args)
             reply = ("ok", rid, value)
         except asyncio.CancelledError:
             return  # the caller is gone; nobody waits for an answer
@@ -360,14 +405,27 @@ class EngineHost:
         except Exception as e:  # the frontend answers INTERNAL; the traceback is here
             log.exception("engine operation %s failed", op)
             reply = ("error", rid, _error_state(e))
-        if writer.is_closing():
-            return
+        me = os.getpid()
+        try:  # a large answer is copied into shared memory off this loop (every frontend's)
+            parts = await offload(pack, reply, me, frontend, nbytes=nbytes)
+        except Exception as e:  # no room for its tensors, or worse: the caller gets why
+            if not isinstance(e, EXPECTED):
+                log.exception("engine operation %s: its answer could not be sent", op)
+            parts = pack(("error", rid, _error_state(e)), me, frontend)
         try:
-            parts = pack(reply)
-        except TooLarge as e:  # the answer's tensors found no room: the caller gets why
-            parts = pack(("error", rid, _error_state(e)))
-        writer.writelines(parts)
-        await writer.drain()
+            if writer.is_closing():
+                raise ConnectionResetError
+            writer.writelines(parts)
+            await writer.drain()
+        except ConnectionError:  # the frontend left meanwhile: nobody takes its files
+            _Shm.clean(me, frontend)
+
+
+def _peer_pid(writer: asyncio.StreamWriter) -> int:
+    """The process at the other end of a Unix socket (SO_PEERCRED)."""
+    sock = writer.get_extra_info("socket")
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[0]
 
 
 # --- a frontend's end ----------------------------------------------------------------------
@@ -387,8 +445,8 @@ class RemoteEngine:
         self._pending: dict[int, asyncio.Future] = {}
         self.lost = asyncio.Event()  # set when the engine process went away
         self._closing = False
+        self._engine_pid = 0  # set by connect: shared-memory names carry it
         self._receiver = asyncio.create_task(self._receive(), name="engine-replies")
-        self.sequences = RemoteSequences(self)
 
     @classmethod
     async def connect(cls, path: str | Path, *, engine_pid: int) -> RemoteEngine:
@@ -397,8 +455,9 @@ class RemoteEngine:
         kind, _, hello = await read_frame(reader)
         if kind != "hello":
             raise RuntimeError(f"engine process sent {kind!r} before its hello")
-        _owner[0] = engine_pid  # this frontend's shared-memory files: the engine's to clean
-        return cls(reader, writer, hello)
+        remote = cls(reader, writer, hello)
+        remote._engine_pid = engine_pid
+        return remote
 
     def start(self) -> None:
         """The engine process sweeps the sessions; nothing to start here."""
@@ -417,7 +476,7 @@ class RemoteEngine:
     def notify(self, message: tuple) -> None:
         """A message for the engine process that wants no answer (e.g. 'listening')."""
         if not self._writer.is_closing():
-            self._writer.writelines(pack(message))
+            self._writer.writelines(self._pack(message))
 
     async def _receive(self) -> None:
         try:
@@ -443,20 +502,28 @@ class RemoteEngine:
                 future.set_exception(Unavailable(why))
         self._pending.clear()
 
-    async def _call(self, op: str, *args: Any) -> Any:
+    def _pack(self, message: Any) -> list[Any]:
+        return pack(message, self._engine_pid, os.getpid())
+
+    async def _call(self, op: str, *args: Any, nbytes: int = 0) -> Any:
+        """One operation of the engine's, answered; nbytes: its tensors' size (a large
+        request is copied into shared memory off the event loop)."""
         if self.lost.is_set():
             raise Unavailable("the engine process is gone; retry")
         rid = next(self._ids)
+        parts = await offload(self._pack, ("call", rid, op, args), nbytes=nbytes)
         future = asyncio.get_running_loop().create_future()
         self._pending[rid] = future
-        self._writer.writelines(pack(("call", rid, op, args)))
         try:
+            self._writer.writelines(parts)
             await self._writer.drain()
             return await future
+        except ConnectionError:  # the engine went away while the request was on its way
+            raise Unavailable("the engine process is gone; retry") from None
         except asyncio.CancelledError:  # (awaiting it cancelled the future too)
             answered = future.done() and not future.cancelled()
             if not answered and not self._writer.is_closing():
-                self._writer.writelines(pack(("cancel", rid)))
+                self._writer.writelines(self._pack(("cancel", rid)))
             raise
         finally:
             self._pending.pop(rid, None)
@@ -478,11 +545,22 @@ class RemoteEngine:
         deadline: float | None,
     ) -> tuple[T, Timing]:
         computed: Computed
-        computed, call.model = await self._call("compute", call, received, deadline)
+        computed, call.model = await self._call(
+            "compute", call, received, deadline, nbytes=call.inputs.nbytes
+        )
         return await finish(call, computed, encode, received)
 
     async def analyze_heads(self, call: AttendCall, include_weights: bool) -> tuple[Any, float]:
         return await self._call("analyze_heads", call, include_weights)
+
+    async def sequence_session(self, key: SequenceKey) -> str | None:
+        return await self._call("sequence_session", key)
+
+    async def start_sequence(self, key: SequenceKey, model: str, owner: str) -> str:
+        return await self._call("start_sequence", key, model, owner)
+
+    async def end_sequence(self, key: SequenceKey, session_id: str, *, close: bool) -> None:
+        await self._call("end_sequence", key, session_id, close)
 
     async def create_session(
         self, model: str, max_len: int | None, ttl_s: float | None, owner: str = ""
@@ -514,22 +592,6 @@ class RemoteEngine:
                 f"model {name!r} is not served here; available: {', '.join(self._models)}"
             )
         return view
-
-
-class RemoteSequences:
-    """The engine process's Sequences (Triton sequence -> session), a round trip each."""
-
-    def __init__(self, remote: RemoteEngine) -> None:
-        self._remote = remote
-
-    async def get(self, key: SequenceKey) -> str | None:
-        return await self._remote._call("sequences.get", key)
-
-    async def start(self, key: SequenceKey, session_id: str) -> str | None:
-        return await self._remote._call("sequences.start", key, session_id)
-
-    async def end(self, key: SequenceKey, session_id: str) -> None:
-        await self._remote._call("sequences.end", key, session_id)
 
 
 def clean_shared_memory(engine_pid: int) -> int:

@@ -50,8 +50,7 @@ class SequenceMap:
 
 
 class Sequences:
-    """A SequenceMap with coroutines, as a front door uses it: here over the engine's own
-    sessions (alive: is a session still there), or a round trip in a frontend worker."""
+    """The engine's SequenceMap and its liveness check (alive: is a session still there)."""
 
     def __init__(self, alive: Callable[[str], bool], prune_at: int = PRUNE_AT) -> None:
         self._map = SequenceMap(prune_at)
@@ -60,13 +59,13 @@ class Sequences:
     def __len__(self) -> int:
         return len(self._map)
 
-    async def get(self, key: SequenceKey) -> str | None:
+    def get(self, key: SequenceKey) -> str | None:
         return self._map.get(key)
 
-    async def start(self, key: SequenceKey, session_id: str) -> str | None:
+    def start(self, key: SequenceKey, session_id: str) -> str | None:
         """Maps key to a new session; returns the session it held before (to close), if any.
         Past PRUNE_AT keys, those whose session is gone are dropped first."""
         return self._map.start(key, session_id, live=self._alive)
 
-    async def end(self, key: SequenceKey, session_id: str) -> None:
+    def end(self, key: SequenceKey, session_id: str) -> None:
         self._map.end(key, session_id)

@@ -70,9 +70,14 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         return "unknown" if self._serving is None else self._serving.model_label(name)
 
     async def _session_label(self, session_id: str) -> str:
+        """A metric label never fails a call: with frontend workers it is a round trip that
+        can fail (the engine gone), and the call itself then answers why."""
         if self._serving is None:
             return "unknown"
-        return await self._serving.session_label(session_id)
+        try:
+            return await self._serving.session_label(session_id)
+        except Exception:
+            return "unknown"
 
     async def _label(self, request: pb.AttendRequest) -> str:
         """The model label of an Attend: a session step may leave the model to its session."""

@@ -56,6 +56,7 @@ STOP_MARGIN_S = 10.0  # beyond drain + grace before a frontend that does not exi
 def reserve_port(host: str, port: int) -> socket.socket:
     """Binds (not listens) host:port with SO_REUSEPORT: the frontends' listeners join it, a
     process without the option cannot take the port meanwhile, and port 0 gets its number."""
+    host = host.strip("[]")  # "[::]" as gRPC writes it
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -105,15 +106,24 @@ async def _frontend(cfg: ServerConfig, engine_path: str, engine_pid: int, index:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    stopping = asyncio.create_task(stop.wait())
+    starting = asyncio.create_task(server.start())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():  # a signal while the engine loads: nothing to drain yet
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        if server.remote is not None:
+            await server.remote.close()
+        server.compute.shutdown()
+        return 0
     try:
-        await server.start()
+        starting.result()  # the engine went away before its hello: the error, and exit 1
         server.remote.notify(("listening", index, os.getpid()))
         lost = asyncio.create_task(server.remote.lost.wait())
-        stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({lost, stopping}, return_when=asyncio.FIRST_COMPLETED)
         lost.cancel()
-        stopping.cancel()
     finally:
+        stopping.cancel()
         await server.stop()
     if not stop.is_set():
         log.error("the engine process is gone; this frontend exits")
@@ -207,6 +217,11 @@ class EngineProcess:
         return [f.process.pid for f in self.frontends.values() if f.process.is_alive()]
 
     async def run(self) -> int:
+        """Serves until a signal (or a crash loop); the exit code, once all has stopped."""
+        await self._run()
+        return self._exit_code()
+
+    async def _run(self) -> None:
         cfg = self.cfg
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -222,9 +237,9 @@ class EngineProcess:
             for index in range(self.count):
                 self._spawn(index)
             if not await self._until_stopping(self._load()):
-                return self._exit_code()
+                return
             if not await self._until_stopping(self.all_listening.wait()):
-                return self._exit_code()
+                return
             log.info(
                 "gRPC listening on %s:%d with %d frontend workers; SERVING models: %s",
                 cfg.host,
@@ -233,7 +248,6 @@ class EngineProcess:
                 ", ".join(self.serving.engine.models),
             )
             await self.stopping.wait()
-            return self._exit_code()
         finally:
             await self._stop()
             placeholder.close()
@@ -272,6 +286,8 @@ class EngineProcess:
         loop = asyncio.get_running_loop()
         for frontend in self.frontends.values():
             loop.remove_reader(frontend.process.sentinel)
+        if self.serving is None:  # stopped while loading: frontends waiting for their hello
+            await self.host.close()  # get the link's end at once
         live = [f.process for f in self.frontends.values() if f.process.is_alive()]
         for process in live:
             process.terminate()  # SIGTERM: the frontend drains

@@ -16,7 +16,7 @@ import grpc
 
 from mha_client.api.inference import grpc_service_pb2 as pb
 from mha_serve import metrics
-from mha_serve.cache import CacheError, SessionBusy, SessionNotFound
+from mha_serve.cache import SessionBusy, SessionNotFound
 from mha_serve.engine import AttendCall, HostedModel, ModelNotFound, RequestError
 from mha_serve.serving import AsyncEngine, Timing, Unavailable
 from mha_serve.transport.answer import answer, note_malformed, parsed, sync
@@ -254,15 +254,12 @@ class InferenceServicer:
         # count against: certificate, token or peer address): another client sending the
         # same id never reaches this one's cached keys. (Triton's ids are global per model.)
         key = sequence_key_of(model, owner, sequence)
-        sequences = serving.sequences  # the engine's: every frontend worker finds them
+        # The engine keeps the sequences (every frontend worker finds them); each change is
+        # one engine call, so no cancellation between two leaves a session behind.
         if sequence.start:
-            session_id = (await serving.create_session(model, None, None, owner)).session_id
-            previous = await sequences.start(key, session_id)
-            if previous is not None:
-                with contextlib.suppress(CacheError, RequestError):  # gone already: fine
-                    await serving.close_session(previous)
+            session_id = await serving.start_sequence(key, model, owner)
         else:
-            session_id = await sequences.get(key)
+            session_id = await serving.sequence_session(key)
             if session_id is None:
                 raise sequence.not_started(model)
         call.session_id = session_id
@@ -270,7 +267,7 @@ class InferenceServicer:
         try:
             return await serving.attend(call, encode, received=received, deadline=deadline)
         except SessionNotFound as e:  # expired, evicted or closed through mha.v1
-            await sequences.end(key, session_id)
+            await serving.end_sequence(key, session_id, close=False)
             close = False
             raise SessionNotFound(
                 e.session_id,
@@ -282,10 +279,8 @@ class InferenceServicer:
             close = False  # the step in flight owns the session; it is not ours to close
             raise
         finally:
-            if close:
-                await sequences.end(key, session_id)
-                with contextlib.suppress(CacheError, RequestError):
-                    await serving.close_session(session_id)
+            if close:  # shielded: a cancelled step's sequence still ends
+                await asyncio.shield(serving.end_sequence(key, session_id, close=True))
 
     async def sequence_session(self, request: Any, context: grpc.aio.ServicerContext) -> str | None:
         """The session the request's sequence steps now (after the request: None once it
@@ -301,7 +296,7 @@ class InferenceServicer:
         except RequestError:
             return None
         key = sequence_key_of(model, client_identity(context), sequence)
-        return await self.serving.sequences.get(key)
+        return await self.serving.sequence_session(key)
 
     # --- errors ------------------------------------------------------------------------
 
