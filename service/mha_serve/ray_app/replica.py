@@ -10,6 +10,7 @@ here because that replica is gone: it answers NOT_FOUND saying so.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 from collections.abc import AsyncIterator
@@ -18,8 +19,7 @@ from typing import Any
 import grpc
 
 from mha_serve import metrics
-from mha_serve.config import ServerConfig, build_config
-from mha_serve.engine import Engine, resolve_device, resolve_dtype
+from mha_serve.config import build_config
 from mha_serve.engine.threads import ComputeThreads
 from mha_serve.ray_app.context import CallContext, Caller, Reply
 from mha_serve.ray_app.ids import replica_of, session_prefix
@@ -27,6 +27,7 @@ from mha_serve.serving import AsyncEngine
 from mha_serve.transport.oip import InferenceServicer
 from mha_serve.transport.oip.sequences import sequence_of
 from mha_serve.transport.oip.stream import stream_error
+from mha_serve.transport.server import load_engine
 from mha_serve.transport.servicer import AttentionServicer
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,8 @@ class AttentionReplica:
         loop = asyncio.get_running_loop()
         # Loaded and warmed on the compute thread, as the standalone server does (threads.py).
         engine = await loop.run_in_executor(
-            self.compute.main, load_engine, cfg, session_prefix(self.replica_id)
+            self.compute.main,
+            functools.partial(load_engine, cfg, session_id_prefix=session_prefix(self.replica_id)),
         )
         self.serving = AsyncEngine(engine, self.compute)
         self.serving.start()
@@ -202,25 +204,6 @@ class AttentionReplica:
                 f"{again} and send its tokens again"
             ),
         )
-
-
-def load_engine(cfg: ServerConfig, session_id_prefix: str) -> Engine:
-    """The engine as the standalone server builds it (transport/server.py), warmed up, its
-    session ids naming this replica."""
-    device = resolve_device(cfg.device)
-    engine = Engine(
-        cfg.models,
-        device=device,
-        dtype=resolve_dtype(cfg.dtype, device),
-        max_response_bytes=cfg.max_send_message_bytes,
-        evict_idle_sessions=cfg.evict_idle_sessions,
-        session_ttl_s=cfg.session_ttl_s or None,
-        max_sessions_per_client=cfg.max_sessions_per_client,
-        max_cache_bytes_per_client=cfg.max_cache_bytes_per_client,
-        session_id_prefix=session_id_prefix,
-    )
-    engine.warmup()
-    return engine
 
 
 async def _answered(context: CallContext, call: Any) -> Reply:

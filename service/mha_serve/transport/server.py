@@ -208,8 +208,14 @@ class Server:
         await self.server.wait_for_termination()
 
 
-def load_engine(cfg: ServerConfig, clock: Callable[[], float] = time.monotonic) -> Engine:
-    """The configured models, loaded and warm (call on the compute thread)."""
+def load_engine(
+    cfg: ServerConfig,
+    clock: Callable[[], float] = time.monotonic,
+    *,
+    session_id_prefix: str = "",
+) -> Engine:
+    """The configured models, loaded and warm (call on the compute thread); session ids
+    start with session_id_prefix (a Ray replica's names it)."""
     device = resolve_device(cfg.device)
     engine = Engine(
         cfg.models,
@@ -221,6 +227,7 @@ def load_engine(cfg: ServerConfig, clock: Callable[[], float] = time.monotonic) 
         max_sessions_per_client=cfg.max_sessions_per_client,
         max_cache_bytes_per_client=cfg.max_cache_bytes_per_client,
         clock=clock,
+        session_id_prefix=session_id_prefix,
     )
     engine.warmup()
     return engine
