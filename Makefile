@@ -27,8 +27,10 @@ serve: $(VENV)/.installed
 	$(VENV)/bin/mha-serve $(ARGS)
 
 # Starts a local Ray and the app on it (docs/ray.md); Ctrl-C stops both.
+# The proxy calls the Ingress over gRPC, as deploy/ray/Dockerfile sets (docs/ray.md, Benchmark).
 serve-ray: $(VENV)/.installed
-	$(VENV)/bin/serve run deploy/ray/serve_config.yaml
+	RAY_SERVE_PROXY_USE_GRPC=1 RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH=536870912 \
+	  $(VENV)/bin/serve run deploy/ray/serve_config.yaml
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
