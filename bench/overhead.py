@@ -39,7 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from overhead_report import write_report  # noqa: E402
+from overhead_report import render, write_report  # noqa: E402
 
 EMBED = 512
 MODELS = ("mha", "gqa", "mqa")
@@ -426,6 +426,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FLAG",
         help="a flag for the served servers, e.g. --server-arg=--torch-threads=1 (repeatable)",
     )
+    p.add_argument(
+        "--frontend-workers",
+        default=None,
+        metavar="N,N,...",
+        help="then bench/frontend_workers.py's curve for these --frontend-workers values "
+        "(default 1,2 on <= 4 cores, else 1,2,4,8; 'none' skips it)",
+    )
     p.add_argument("--serve-echo", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_echo:
@@ -465,7 +472,14 @@ def main(argv: list[str] | None = None) -> int:
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
     args.json_out.write_text(json.dumps(results, indent=2) + "\n")
     write_report(results, args.docs, TARGETS)
+    print(render(results, TARGETS, notes=False))  # every ratio with the limit it measured
     print(f"wrote {args.json_out} and {args.docs / 'benchmarks-overhead.md'}")
+    if args.frontend_workers != "none":  # the many-cores part, in the same command
+        import frontend_workers  # (it imports this module: not at the top)
+
+        workers = args.frontend_workers or ",".join(map(str, frontend_workers.default_workers()))
+        fw_args = ["--workers", workers, "--rounds", str(rounds), "--duration", str(duration)]
+        return frontend_workers.main(fw_args + [f"--server-arg={a}" for a in args.server_arg])
     return 0
 
 

@@ -12,7 +12,7 @@ def _mark(ok: bool) -> str:
     return "meets" if ok else "misses"
 
 
-def render(results: dict[str, Any], targets: dict[str, Any]) -> str:
+def render(results: dict[str, Any], targets: dict[str, Any], notes: bool = True) -> str:
     m = results["machine"]
     s = results["settings"]
     out = [
@@ -128,7 +128,7 @@ def render(results: dict[str, Any], targets: dict[str, Any]) -> str:
         "Python, about 3, plus slack in its buffers.",
         "",
     ]
-    if NOTES.exists():
+    if notes and NOTES.exists():
         out += [NOTES.read_text().rstrip(), ""]
     return "\n".join(out)
 
