@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
 import pytest
 
@@ -17,9 +19,16 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def stub(server):
+    with attention_stub(server.target) as s:
+        yield s
+
+
+@contextlib.contextmanager
+def attention_stub(target: str):
+    """An AttentionService stub whose channel takes messages up to 256 MiB each way."""
     options = [
         ("grpc.max_receive_message_length", 256 * 2**20),
         ("grpc.max_send_message_length", 256 * 2**20),
     ]
-    with grpc.insecure_channel(server.target, options=options) as channel:
+    with grpc.insecure_channel(target, options=options) as channel:
         yield pb_grpc.AttentionServiceStub(channel)

@@ -24,6 +24,7 @@ from tests.e2e import test_client as _client_tests
 from tests.e2e import test_client_sessions as _sdk_session_tests
 from tests.e2e import test_errors as _error_tests
 from tests.e2e import test_sessions as _session_tests
+from tests.e2e.conftest import attention_stub
 from tests.helpers import serving_process
 
 pytestmark = pytest.mark.slow
@@ -53,12 +54,8 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stub(server):
-    options = [
-        ("grpc.max_receive_message_length", 256 * 2**20),
-        ("grpc.max_send_message_length", 256 * 2**20),
-    ]
-    with grpc.insecure_channel(server.target, options=options) as channel:
-        yield pb_grpc.AttentionServiceStub(channel)
+    with attention_stub(server.target) as s:
+        yield s
 
 
 # --- helpers -------------------------------------------------------------------------------
