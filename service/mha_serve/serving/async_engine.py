@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from mha_serve import metrics
-from mha_serve.batching import ModelLanes
+from mha_serve.batching import Closed, DeadlineExceeded, ModelLanes, QueueFull
 from mha_serve.cache import CacheError, SessionStats
 from mha_serve.engine import AttendCall, AttendResult, Engine, HostedModel, RequestError
 from mha_serve.engine.faults import isolate_failures, out_of_memory_is_exhausted
 from mha_serve.engine.heads import analyze as analyze_heads
 from mha_serve.engine.threads import ComputeThreads
 from mha_serve.engine.types import CacheInfo
-from mha_serve.serving.sequences import SequenceKey, Sequences
+from mha_serve.serving.sequences import SequenceKey, SequenceMap
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -34,6 +34,11 @@ SESSION_SWEEP_S = 1.0  # how often idle sessions are checked against their TTL
 # Payloads above this are validated and encoded on a worker thread so that the event loop
 # keeps answering health checks and other calls (a 64 MiB reply takes ~0.5 s to encode).
 OFFLOAD_BYTES = 1 << 20
+
+
+# Errors a request can cause; anything else is a bug (INTERNAL, logged with its traceback):
+# every door's status mapping (transport/status.py) and the engine process's link (remote.py).
+EXPECTED = (RequestError, CacheError, QueueFull, Closed, DeadlineExceeded)
 
 
 class Unavailable(RequestError):
@@ -76,7 +81,7 @@ class AsyncEngine:
         engine.on_session_end(metrics.count_session_end)
         self._sweeper: asyncio.Task | None = None
         # Triton's sequences (the Open Inference Protocol door) -> this engine's sessions.
-        self.sequences = Sequences(self._alive)
+        self.sequences = SequenceMap()
 
     def start(self) -> None:
         """Starts the sweeper of idle sessions (on the running loop)."""
@@ -189,7 +194,7 @@ class AsyncEngine:
     async def start_sequence(self, key: SequenceKey, model: str, owner: str) -> str:
         """A new session for the sequence; a live one of the same key is closed."""
         session_id = self.engine.create_session(model, None, None, owner).session_id
-        previous = self.sequences.start(key, session_id)
+        previous = self.sequences.start(key, session_id, live=self._alive)
         if previous is not None:
             with contextlib.suppress(CacheError, RequestError):  # gone already: fine
                 self.engine.close_session(previous)

@@ -45,18 +45,17 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from mha_serve.batching import Closed, DeadlineExceeded, QueueFull
-from mha_serve.cache import CacheError, SessionStats
+from mha_serve.cache import SessionStats
 from mha_serve.engine import (
     AttendCall,
     AttendResult,
     HostedModel,
     ModelNotFound,
-    RequestError,
     TooLarge,
 )
 from mha_serve.engine.types import CacheInfo
 from mha_serve.serving.async_engine import (
+    EXPECTED,
     AsyncEngine,
     Computed,
     Timing,
@@ -77,8 +76,6 @@ SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gette
 SHM_PREFIX = "mha-serve-"
 ALIGN = 16
 _HEAD = struct.Struct("<II")
-# Errors a request can cause (transport/status.py's EXPECTED): sent back without a traceback.
-EXPECTED = (RequestError, CacheError, QueueFull, Closed, DeadlineExceeded)
 _ENGINE_OPS = (
     "compute",
     "analyze_heads",

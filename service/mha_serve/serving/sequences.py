@@ -47,25 +47,3 @@ class SequenceMap:
         """Forgets key if it still names session_id (a new start may have replaced it)."""
         if self._sessions.get(key) == session_id:
             del self._sessions[key]
-
-
-class Sequences:
-    """The engine's SequenceMap and its liveness check (alive: is a session still there)."""
-
-    def __init__(self, alive: Callable[[str], bool], prune_at: int = PRUNE_AT) -> None:
-        self._map = SequenceMap(prune_at)
-        self._alive = alive
-
-    def __len__(self) -> int:
-        return len(self._map)
-
-    def get(self, key: SequenceKey) -> str | None:
-        return self._map.get(key)
-
-    def start(self, key: SequenceKey, session_id: str) -> str | None:
-        """Maps key to a new session; returns the session it held before (to close), if any.
-        Past PRUNE_AT keys, those whose session is gone are dropped first."""
-        return self._map.start(key, session_id, live=self._alive)
-
-    def end(self, key: SequenceKey, session_id: str) -> None:
-        self._map.end(key, session_id)

@@ -14,8 +14,9 @@ from typing import Any, TypeVar
 import grpc
 
 from mha_serve import metrics
+from mha_serve.serving import EXPECTED
 from mha_serve.transport.handlers import Malformed, MalformedLog
-from mha_serve.transport.status import EXPECTED, status_of
+from mha_serve.transport.status import status_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

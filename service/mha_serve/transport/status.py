@@ -6,7 +6,6 @@ import grpc
 
 from mha_serve.batching import Closed, DeadlineExceeded, QueueFull
 from mha_serve.cache import (
-    CacheError,
     CacheExhausted,
     ClientQuotaExceeded,
     InvalidSessionArgument,
@@ -19,7 +18,6 @@ from mha_serve.engine import (
     DeadlinePassed,
     InvalidRequest,
     ModelNotFound,
-    RequestError,
     TooLarge,
 )
 from mha_serve.serving import Unavailable
@@ -42,8 +40,6 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     SessionBusy: grpc.StatusCode.ABORTED,
     InvalidSessionArgument: grpc.StatusCode.INVALID_ARGUMENT,
 }
-# Errors a request can cause; anything else is a bug (INTERNAL, logged with its traceback).
-EXPECTED = (RequestError, CacheError, QueueFull, Closed, DeadlineExceeded)
 
 
 def status_of(error: Exception) -> grpc.StatusCode:

@@ -7,14 +7,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from mha_serve.engine import InvalidRequest
-from mha_serve.serving.sequences import PRUNE_AT, SequenceKey, SequenceMap, Sequences
+from mha_serve.serving.sequences import PRUNE_AT, SequenceKey, SequenceMap
 
 __all__ = [
     "PRUNE_AT",
     "Sequence",
     "SequenceKey",
     "SequenceMap",
-    "Sequences",
     "sequence_of",
 ]
 

@@ -18,7 +18,7 @@ from mha_client.api.inference import grpc_service_pb2 as pb
 from mha_serve import metrics
 from mha_serve.cache import SessionBusy, SessionNotFound
 from mha_serve.engine import AttendCall, HostedModel, ModelNotFound, RequestError
-from mha_serve.serving import AsyncEngine, Timing, Unavailable
+from mha_serve.serving import EXPECTED, AsyncEngine, Timing, Unavailable
 from mha_serve.transport.answer import answer, note_malformed, parsed, sync
 from mha_serve.transport.auth import client_identity
 from mha_serve.transport.handlers import Malformed, MalformedLog, add_service
@@ -32,7 +32,7 @@ from mha_serve.transport.oip.convert import (
 from mha_serve.transport.oip.convert import parameter as read_parameter
 from mha_serve.transport.oip.sequences import Sequence, SequenceKey, sequence_of
 from mha_serve.transport.oip.stream import pipelined, sequence_key, stream_error
-from mha_serve.transport.status import EXPECTED, status_of
+from mha_serve.transport.status import status_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
