@@ -62,7 +62,8 @@ def codec_paths(shape: tuple[int, ...] = (16, 512, 512)) -> list[dict[str, Any]]
     from mha_client.api import attention_pb2 as pb
     from mha_client.messages import build_attend_request, parse_attend_response
     from mha_client.tensors import to_proto as np_to_proto
-    from mha_serve.engine import AttendResult
+    from mha_serve.engine import AttendOutcome
+    from mha_serve.engine.types import array_of
     from mha_serve.transport.convert import (
         encode_frames,
         encode_result,
@@ -75,8 +76,8 @@ def codec_paths(shape: tuple[int, ...] = (16, 512, 512)) -> list[dict[str, Any]]
     x = rng.standard_normal(shape, dtype=np.float32)
     for dtype in ("float32", "float16", "bfloat16"):
         tdtype = getattr(torch, dtype)
-        out = torch.from_numpy(x).to(tdtype)
-        result = AttendResult(output=out, weights=None)
+        out = array_of(torch.from_numpy(x).to(tdtype))
+        result = AttendOutcome(output=out, weights=None)
         nbytes = out.nbytes
         request_bytes = build_attend_request("mha", x, input_dtype=dtype).SerializeToString()
         response_bytes = encode_result(result, single=False).SerializeToString()

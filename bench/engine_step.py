@@ -1,9 +1,9 @@
 """One session's decode step in the engine against the same step in bare torch ops.
 
 Both run in this process on one torch thread, alternating in rounds so that both see the
-same machine: the engine's step (`Engine.attend` of one AttendCall with a session_id, as a
-front door calls it: validation, reserve, project, overflow bounds, cache write and read,
-attention, commit) and the bare ops
+same machine: the engine's step (`Engine.attend` of one AttendRequest with a session_id, as
+a front door calls it: validation, reserve, project, overflow bounds, cache write and read,
+attention, commit, the outcome's arrays) and the bare ops
 it cannot do without (fused qkv projection, a copy into a preallocated contiguous K/V,
 scaled_dot_product_attention over it, the output projection). The difference is the
 engine's bookkeeping per step.
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from mha_serve.config import default_models
-from mha_serve.engine import AttendCall, Engine
+from mha_serve.engine import AttendRequest, Engine, array_of
 
 
 def bare_step(module, x: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, pos: int):
@@ -58,6 +58,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompt = torch.randn(1, args.context, E, generator=g)
     tokens = torch.randn(args.steps, 1, 1, E, generator=g)
+    token_arrays = [array_of(t) for t in tokens]  # as the wire gives them
     c = module.config
     k_all = torch.empty(1, c.num_kv_heads, args.context + args.steps, c.head_dim)
     v_all = torch.empty_like(k_all)
@@ -65,10 +66,10 @@ def main() -> None:
     with torch.inference_mode():
         for _ in range(args.rounds):
             sid = engine.create_session(args.model).session_id
-            engine.run_batch(hosted, [AttendCall(args.model, prompt, session_id=sid)])
+            engine.attend(AttendRequest(args.model, array_of(prompt), session_id=sid))
             start = time.perf_counter()
             for t in range(args.steps):
-                engine.attend(AttendCall(args.model, tokens[t], session_id=sid))
+                engine.attend(AttendRequest(args.model, token_arrays[t], session_id=sid))
             engine_us.append((time.perf_counter() - start) / args.steps * 1e6)
             engine.close_session(sid)
             start = time.perf_counter()

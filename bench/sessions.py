@@ -262,7 +262,7 @@ def inprocess_steps(context: int, steps: int) -> list[dict]:
     import torch
 
     from mha_serve.config import default_models
-    from mha_serve.engine import AttendCall, Engine
+    from mha_serve.engine import Array, AttendRequest, Engine
 
     engine = Engine(
         default_models(), device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**30
@@ -271,14 +271,14 @@ def inprocess_steps(context: int, steps: int) -> list[dict]:
     rows = []
     for model in MODELS:
         hosted = engine.get(model)
-        x = torch.from_numpy(
-            np.random.default_rng(0).standard_normal((1, context, EMBED), dtype=np.float32)
-        )
+        x = np.random.default_rng(0).standard_normal((1, context, EMBED), dtype=np.float32)
         sid = engine.create_session(model).session_id
-        engine.run(hosted, AttendCall(model, x[:, : context - steps - 1], session_id=sid))
+        prompt = Array(np.ascontiguousarray(x[:, : context - steps - 1]), "float32")
+        engine.attend(AttendRequest(model, prompt, session_id=sid))
         times = []
         for t in range(context - steps - 1, context):
-            call = AttendCall(model, x[:, t : t + 1], session_id=sid)
+            token = Array(np.ascontiguousarray(x[:, t : t + 1]), "float32")
+            call = engine.prepare(AttendRequest(model, token, session_id=sid))
             start = time.perf_counter()
             engine.run_batch(hosted, [call])
             times.append(time.perf_counter() - start)

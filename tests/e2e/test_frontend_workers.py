@@ -300,7 +300,7 @@ def test_head_analysis_crosses_to_the_engine_and_back(stub):
     import torch
 
     from mha_serve.config import default_models
-    from mha_serve.engine import AttendCall, Engine
+    from mha_serve.engine import Array, AttendRequest, Engine
     from mha_serve.engine.heads import analyze
 
     x = np.random.default_rng(13).standard_normal((1, 12, 512), np.float32)
@@ -313,8 +313,23 @@ def test_head_analysis_crosses_to_the_engine_and_back(stub):
     engine = Engine(
         default_models(), device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**28
     )
-    want, _ = analyze(engine, AttendCall("gqa", torch.from_numpy(x)), include_weights=True)
+    want = analyze(engine, AttendRequest("gqa", Array(x, "float32")), include_weights=True)
     assert reply.model == "gqa" and [h.head for h in reply.heads] == list(range(8))
     np.testing.assert_allclose([h.mean_entropy for h in reply.heads], want.mean_entropy, atol=1e-5)
     np.testing.assert_allclose([h.importance for h in reply.heads], want.importance, atol=1e-5)
-    np.testing.assert_allclose(array(reply.attention_weights), want.weights.numpy(), atol=1e-6)
+    np.testing.assert_allclose(array(reply.attention_weights), want.weights.data, atol=1e-6)
+
+
+def _maps(pid: int) -> str:
+    with open(f"/proc/{pid}/maps") as f:
+        return f.read()
+
+
+def test_frontends_load_no_torch_and_the_engine_does(server):
+    """A frontend runs gRPC, protobuf and the codec over Arrays: libtorch is never mapped in
+    it (each held ~240 MiB it never used before); the engine process computes with it."""
+    pids = frontend_pids(server)
+    assert len(pids) == WORKERS
+    for pid in pids.values():
+        assert "libtorch" not in _maps(pid), f"frontend pid {pid} mapped libtorch"
+    assert "libtorch" in _maps(server.proc.pid)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mha_serve.config import default_models
-from mha_serve.engine import AttendCall, Engine
+from mha_serve.engine import Engine
+from tests.engine_calls import req, run, run_batch
 
 ATOL = 1e-5  # float32: a padded, masked batch vs each call alone
 
@@ -27,16 +28,16 @@ def rand(*shape: int, seed: int) -> torch.Tensor:
 def test_mixed_lengths_batch_equals_calls_alone(engine, name, causal):
     hosted = engine.get(name)
     calls = [
-        AttendCall(name, rand(1, 16, 512, seed=1), causal=causal),
-        AttendCall(name, rand(3, 5, 512, seed=2), causal=causal, lengths=[5, 2, 4]),
-        AttendCall(name, rand(2, 9, 512, seed=3).half(), causal=causal, lengths=[9, 9]),
-        AttendCall(name, rand(1, 1, 512, seed=4), causal=causal, output_dtype=torch.bfloat16),
+        req(name, rand(1, 16, 512, seed=1), causal=causal),
+        req(name, rand(3, 5, 512, seed=2), causal=causal, lengths=[5, 2, 4]),
+        req(name, rand(2, 9, 512, seed=3).half(), causal=causal, lengths=[9, 9]),
+        req(name, rand(1, 1, 512, seed=4), causal=causal, output_dtype=torch.bfloat16),
     ]
     keys = {engine.batch_key(hosted, c) for c in calls}
     assert len(keys) == 1
-    batched = engine.run_batch(hosted, calls)
+    batched = run_batch(engine, hosted, calls)
     for call, got in zip(calls, batched, strict=True):
-        alone = engine.run(hosted, call)
+        alone = run(engine, hosted, call)
         assert got.output.shape == call.inputs.shape and got.output.dtype == alone.output.dtype
         diff = (got.output.float() - alone.output.float()).abs()
         tol = ATOL if alone.output.dtype == torch.float32 else 1e-2
@@ -47,15 +48,15 @@ def test_mixed_lengths_batch_equals_calls_alone(engine, name, causal):
 def test_batch_key_separates_masking_and_head_gates(engine):
     hosted = engine.get("gqa")
     x = rand(1, 3, 512, seed=5)
-    base = engine.batch_key(hosted, AttendCall("gqa", x))
-    assert base == engine.batch_key(hosted, AttendCall("gqa", x, causal=False))  # the default
-    assert base != engine.batch_key(hosted, AttendCall("gqa", x, causal=True))
-    assert base != engine.batch_key(hosted, AttendCall("gqa", x, head_mask=[1.0] * 8))
+    base = engine.batch_key(hosted, req("gqa", x))
+    assert base == engine.batch_key(hosted, req("gqa", x, causal=False))  # the default
+    assert base != engine.batch_key(hosted, req("gqa", x, causal=True))
+    assert base != engine.batch_key(hosted, req("gqa", x, head_mask=[1.0] * 8))
 
 
 def test_shared_head_mask_applies_to_every_call(engine):
     hosted = engine.get("mha")
     mask = [1.0, 0.0] * 4
-    calls = [AttendCall("mha", rand(1, n, 512, seed=n), head_mask=mask) for n in (3, 8)]
-    for call, got in zip(calls, engine.run_batch(hosted, calls), strict=True):
-        torch.testing.assert_close(got.output, engine.run(hosted, call).output, atol=ATOL, rtol=0)
+    calls = [req("mha", rand(1, n, 512, seed=n), head_mask=mask) for n in (3, 8)]
+    for call, got in zip(calls, run_batch(engine, hosted, calls), strict=True):
+        torch.testing.assert_close(got.output, run(engine, hosted, call).output, atol=ATOL, rtol=0)

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from mha_serve.config import default_models
-from mha_serve.engine import AttendCall, Engine, InvalidRequest, ModelNotFound, ModelSpec, TooLarge
+from mha_serve.engine import Engine, InvalidRequest, ModelNotFound, ModelSpec, TooLarge
 from mha_serve.model import AttentionConfig, MultiHeadAttention, init_weights
+from tests.engine_calls import attend, req
 
 MiB = 2**20
 
@@ -32,7 +33,7 @@ def test_output_equals_the_module_with_the_same_seed(engine):
         module = MultiHeadAttention(spec.attention)
         init_weights(module, spec.seed)
         inputs = x(2, 9)
-        result = engine.attend(AttendCall(spec.name, inputs, lengths=[9, 4], need_weights=True))
+        result = attend(engine, req(spec.name, inputs, lengths=[9, 4], need_weights=True))
         with torch.inference_mode():
             ref = module(inputs, lengths=torch.tensor([9, 4]), need_weights=True)
         torch.testing.assert_close(result.output, ref.output, atol=1e-6, rtol=0)
@@ -41,18 +42,19 @@ def test_output_equals_the_module_with_the_same_seed(engine):
 
 
 def test_output_dtype_follows_input_unless_asked(engine):
-    bf16 = engine.attend(AttendCall("gqa", x(1, 5, dtype=torch.bfloat16)))
+    bf16 = attend(engine, req("gqa", x(1, 5, dtype=torch.bfloat16)))
     assert bf16.output.dtype == torch.bfloat16
-    f16 = engine.attend(AttendCall("gqa", x(1, 5), output_dtype=torch.float16))
+    f16 = attend(engine, req("gqa", x(1, 5), output_dtype=torch.float16))
     assert f16.output.dtype == torch.float16
-    f32 = engine.attend(AttendCall("gqa", x(1, 5)))
+    f32 = attend(engine, req("gqa", x(1, 5)))
     torch.testing.assert_close(f16.output.float(), f32.output, atol=2e-3, rtol=2e-3)
 
 
 def test_weights_narrowed_and_cast(engine):
-    full = engine.attend(AttendCall("mqa", x(1, 12), need_weights=True, causal=True))
-    part = engine.attend(
-        AttendCall(
+    full = attend(engine, req("mqa", x(1, 12), need_weights=True, causal=True))
+    part = attend(
+        engine,
+        req(
             "mqa",
             x(1, 12),
             need_weights=True,
@@ -61,7 +63,7 @@ def test_weights_narrowed_and_cast(engine):
             query_start=4,
             query_end=9,
             weights_dtype=torch.bfloat16,
-        )
+        ),
     )
     assert part.weights.shape == (1, 2, 5, 12) and part.weights.dtype == torch.bfloat16
     assert part.weight_heads == [6, 1] and part.weight_query_start == 4
@@ -75,61 +77,59 @@ def test_model_not_found_lists_models(engine):
     with pytest.raises(
         ModelNotFound, match=r"'big' is not served here; available: mha, gqa, mqa, tiny"
     ):
-        engine.validate(AttendCall("big", x(1, 2)))
+        engine.prepare(req("big", x(1, 2)))
 
 
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (AttendCall("mha", torch.zeros(3, 512)), r"got shape \[3, 512\]"),
-        (AttendCall("mha", x(1, 3, 64)), "expects embed_dim 512, got 64"),
-        (AttendCall("mha", torch.zeros(1, 0, 512)), "input is empty"),
-        (AttendCall("mha", x(1, 3).double()), "float32, float16, bfloat16"),
-        (AttendCall("mha", x(2, 3), lengths=[3]), "1 entries for a batch of 2"),
-        (AttendCall("mha", x(2, 3), lengths=[3, 4]), r"lengths\[1\] = 4 .* 1..3"),
+        (req("mha", torch.zeros(3, 512)), r"got shape \[3, 512\]"),
+        (req("mha", x(1, 3, 64)), "expects embed_dim 512, got 64"),
+        (req("mha", torch.zeros(1, 0, 512)), "input is empty"),
+        (req("mha", x(1, 3).double()), "float32, float16, bfloat16"),
+        (req("mha", x(2, 3), lengths=[3]), "1 entries for a batch of 2"),
+        (req("mha", x(2, 3), lengths=[3, 4]), r"lengths\[1\] = 4 .* 1..3"),
         (
-            AttendCall("mha", x(1, 3), head_mask=[1.0] * 7),
+            req("mha", x(1, 3), head_mask=[1.0] * 7),
             "head_mask has 7 values; model 'mha' has 8 heads",
         ),
-        (AttendCall("mha", x(1, 3), head_mask=[float("nan")] * 8), "head_mask contains NaN"),
+        (req("mha", x(1, 3), head_mask=[float("nan")] * 8), "head_mask contains NaN"),
         (
-            AttendCall("mha", x(1, 3), need_weights=True, weight_heads=[0, 9]),
+            req("mha", x(1, 3), need_weights=True, weight_heads=[0, 9]),
             "head 9 is out of range",
         ),
-        (AttendCall("mha", x(1, 3), need_weights=True, query_start=3), r"rows \[3, 0\)"),
-        (AttendCall("mha", torch.full((1, 2, 512), float("inf"))), "NaN or Inf"),
+        (req("mha", x(1, 3), need_weights=True, query_start=3), r"rows \[3, 0\)"),
+        (req("mha", torch.full((1, 2, 512), float("inf"))), "NaN or Inf"),
     ],
 )
 def test_invalid_calls_say_what_was_expected(engine, call, match):
     with pytest.raises(InvalidRequest, match=match):
-        engine.validate(call)
+        engine.prepare(call)
 
 
 def test_length_and_batch_limits():
     spec = ModelSpec("small", AttentionConfig(16, 2), max_seq_len=8, max_batch_size=2)
     engine = Engine([spec], device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=MiB)
     with pytest.raises(InvalidRequest, match="seq_len 9 exceeds model 'small' max_seq_len 8"):
-        engine.validate(AttendCall("small", x(1, 9, 16)))
+        engine.prepare(req("small", x(1, 9, 16)))
     with pytest.raises(InvalidRequest, match="batch 3 exceeds model 'small' max_batch_size 2"):
-        engine.validate(AttendCall("small", x(3, 8, 16)))
-    engine.validate(AttendCall("small", x(2, 8, 16)))
+        engine.prepare(req("small", x(3, 8, 16)))
+    engine.prepare(req("small", x(2, 8, 16)))
 
 
 def test_weight_budget_refuses_up_front_and_narrowing_fits(engine):
     # tiny: 4 heads x 16 x 16 x 4 bytes = 4096 bytes fits the 4096-byte budget; batch 2 does not.
-    engine.validate(AttendCall("tiny", x(1, 16, 32), need_weights=True))
+    engine.prepare(req("tiny", x(1, 16, 32), need_weights=True))
     with pytest.raises(TooLarge, match=r"would be 8.0 KiB .* limit is 4.0 KiB; narrow the request"):
-        engine.validate(AttendCall("tiny", x(2, 16, 32), need_weights=True))
-    engine.validate(
-        AttendCall("tiny", x(2, 16, 32), need_weights=True, weights_dtype=torch.float16)
-    )
-    engine.validate(AttendCall("tiny", x(2, 16, 32), need_weights=True, weight_heads=[0, 1]))
+        engine.prepare(req("tiny", x(2, 16, 32), need_weights=True))
+    engine.prepare(req("tiny", x(2, 16, 32), need_weights=True, weights_dtype=torch.float16))
+    engine.prepare(req("tiny", x(2, 16, 32), need_weights=True, weight_heads=[0, 1]))
 
 
 def test_output_larger_than_response_limit_is_too_large(engine):
     # 8 MiB response limit; 5 x 1024 x 512 x 4 bytes = 10 MiB of output.
     with pytest.raises(TooLarge, match="the output alone is 10.0 MiB"):
-        engine.validate(AttendCall("mha", torch.zeros(5, 1024, 512)))
+        engine.prepare(req("mha", torch.zeros(5, 1024, 512)))
 
 
 def test_bad_engine_configs_fail_with_the_fix():
@@ -147,7 +147,7 @@ def test_bad_engine_configs_fail_with_the_fix():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_all_finite_matches_torch_on_every_dtype(dtype):
-    from mha_serve.engine.errors import all_finite
+    from mha_serve.engine.checks import all_finite
 
     x = torch.randn(3, 7, dtype=torch.float32).to(dtype)
     assert all_finite(x)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mha_serve.engine import AttendCall, Engine, InvalidRequest, TooLarge
+from mha_serve.engine import Engine, InvalidRequest, TooLarge
 from mha_serve.engine.heads import analyze
 from mha_serve.engine.types import ModelSpec
 from mha_serve.model import AttentionConfig
+from tests.engine_calls import req
 
 
 @pytest.fixture(scope="module")
@@ -19,17 +20,18 @@ def engine() -> Engine:
 
 def test_analysis_of_the_hosted_module(engine):
     x = torch.randn(1, 16, 32)
-    analysis, ms = analyze(engine, AttendCall("m", x), include_weights=True)
+    analysis = analyze(engine, req("m", x), include_weights=True)
+    ms = analysis.compute_ms
     assert len(analysis.importance) == 4 and analysis.weights.shape == (4, 16, 16) and ms > 0
 
 
 @pytest.mark.parametrize(
     ("call", "error", "piece"),
     [
-        (AttendCall("m", torch.randn(1, 17, 32)), TooLarge, "attention weights would be"),
-        (AttendCall("m", torch.randn(1, 4, 32), head_mask=[1.0] * 4), InvalidRequest, "head_mask"),
-        (AttendCall("m", torch.randn(1, 4, 32), session_id="s"), InvalidRequest, "session_id"),
-        (AttendCall("m", torch.randn(1, 4, 16)), InvalidRequest, "embed_dim 32"),
+        (req("m", torch.randn(1, 17, 32)), TooLarge, "attention weights would be"),
+        (req("m", torch.randn(1, 4, 32), head_mask=[1.0] * 4), InvalidRequest, "head_mask"),
+        (req("m", torch.randn(1, 4, 32), session_id="s"), InvalidRequest, "session_id"),
+        (req("m", torch.randn(1, 4, 16)), InvalidRequest, "embed_dim 32"),
     ],
 )
 def test_refused_like_an_attend(engine, call, error, piece):

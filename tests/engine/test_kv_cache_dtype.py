@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from mha_serve.config import default_models
-from mha_serve.engine import AttendCall, Engine, InvalidRequest, ModelSpec
+from mha_serve.engine import Engine, InvalidRequest, ModelSpec
 from mha_serve.model import AttentionConfig, cached
+from tests.engine_calls import req, run, run_batch
 
 REL_TOL = {"bfloat16": 1e-2, "float16": 1e-3}  # of max |reference output|
 PEAKY_REL_TOL = {"bfloat16": 3e-2, "float16": 3e-3}  # the same, with queries 8x larger
@@ -46,13 +47,13 @@ def decode_error(engine: Engine, name: str) -> float:
     hosted = engine.get(name)
     n, prefill = cached.GROUPED_MIN_KEYS + 40, cached.GROUPED_MIN_KEYS - 40
     x = seq(n, seed=3)
-    sid = engine.sessions.create(name, None, None).id
-    outs = [engine.run(hosted, AttendCall(name, x[:, :prefill], session_id=sid)).output]
+    sid = engine.sessions.create(name, None, None).session_id
+    outs = [run(engine, hosted, req(name, x[:, :prefill], session_id=sid)).output]
     for t in range(prefill, n):
-        r = engine.run(hosted, AttendCall(name, x[:, t : t + 1], session_id=sid))
+        r = run(engine, hosted, req(name, x[:, t : t + 1], session_id=sid))
         assert r.output.dtype == torch.float32  # the model's dtype, whatever the cache's
         outs.append(r.output)
-    ref = engine.run(hosted, AttendCall(name, x, causal=True)).output
+    ref = run(engine, hosted, req(name, x, causal=True)).output
     engine.sessions.table.close(sid)
     return float((torch.cat(outs, dim=1) - ref).abs().max() / ref.abs().max())
 
@@ -81,10 +82,10 @@ def test_narrow_cache_weights_stay_within_tolerance(narrow):
     kv_dtype, engine = narrow
     hosted = engine.get("gqa")
     x = seq(50, seed=4)
-    sid = engine.sessions.create("gqa", None, None).id
-    engine.run(hosted, AttendCall("gqa", x[:, :40], session_id=sid))
-    step = engine.run(hosted, AttendCall("gqa", x[:, 40:], session_id=sid, need_weights=True))
-    ref = engine.run(hosted, AttendCall("gqa", x, causal=True, need_weights=True))
+    sid = engine.sessions.create("gqa", None, None).session_id
+    run(engine, hosted, req("gqa", x[:, :40], session_id=sid))
+    step = run(engine, hosted, req("gqa", x[:, 40:], session_id=sid, need_weights=True))
+    ref = run(engine, hosted, req("gqa", x, causal=True, need_weights=True))
     assert step.weights.dtype == torch.float32 and step.weights.shape == (1, 8, 10, 50)
     err = (step.weights - ref.weights[:, :, 40:]).abs().max()
     assert err <= WEIGHTS_ATOL[kv_dtype], f"weights max error {err:.2e}"
@@ -113,22 +114,22 @@ def test_float16_overflow_fails_the_step_and_keeps_the_session():
     with torch.no_grad():  # only the keys grow large: queries and values stay as they were
         hosted.module.wqkv.weight[32:48] *= 1e6
     x = seq(12, seed=5, embed=32)
-    ok, bad = (engine.sessions.create("tiny", None, None).id for _ in range(2))
-    engine.run(hosted, AttendCall("tiny", x[:, :8] * 1e-6, session_id=ok))
-    engine.run(hosted, AttendCall("tiny", x[:, :8] * 1e-6, session_id=bad))
+    ok, bad = (engine.sessions.create("tiny", None, None).session_id for _ in range(2))
+    run(engine, hosted, req("tiny", x[:, :8] * 1e-6, session_id=ok))
+    run(engine, hosted, req("tiny", x[:, :8] * 1e-6, session_id=bad))
     calls = [
-        AttendCall("tiny", x[:, 8:9] * 1e-6, session_id=ok),
-        AttendCall("tiny", x[:, 8:9], session_id=bad),  # keys ~1e6: inf in float16
+        req("tiny", x[:, 8:9] * 1e-6, session_id=ok),
+        req("tiny", x[:, 8:9], session_id=bad),  # keys ~1e6: inf in float16
     ]
     with torch.inference_mode():
-        q, k, _ = hosted.module.project(calls[1].inputs)
+        q, k, _ = hosted.module.project(x[:, 8:9])
         assert torch.isfinite(q.half()).all() and not torch.isfinite(k.half()).all()
-    kept, refused = engine.run_batch(hosted, calls)
+    kept, refused = run_batch(engine, hosted, calls)
     assert not isinstance(kept, Exception) and kept.session.num_tokens == 9
     assert isinstance(refused, InvalidRequest)
     assert "keys or values overflowed to inf/NaN in the KV cache's float16" in str(refused)
     assert engine.sessions.table.session_stats(bad).num_tokens == 8  # nothing of it kept
-    step = engine.run(hosted, AttendCall("tiny", x[:, 8:9] * 1e-6, session_id=bad))
+    step = run(engine, hosted, req("tiny", x[:, 8:9] * 1e-6, session_id=bad))
     assert step.session.num_tokens == 9 and torch.isfinite(step.output).all()
 
 
@@ -150,15 +151,15 @@ def test_a_float16_models_own_cache_refuses_an_inf_key_too():
             hosted.module.wqkv.bias[[0, 32]] = 0
     x = seq(12, seed=6, embed=32).half()
     x[..., 0] = 0
-    sid = engine.sessions.create("tiny16", None, None).id
-    engine.run(hosted, AttendCall("tiny16", x[:, :4], session_id=sid))
+    sid = engine.sessions.create("tiny16", None, None).session_id
+    run(engine, hosted, req("tiny16", x[:, :4], session_id=sid))
     poison = x[:, 4:5].clone()
     poison[..., 0] = 2.0  # key dim 0: 120000, inf in float16; query dim 0: -2, score -inf
     with pytest.raises(InvalidRequest, match="overflowed to inf/NaN in the KV cache's float16"):
-        engine.run(hosted, AttendCall("tiny16", poison, session_id=sid))
+        run(engine, hosted, req("tiny16", poison, session_id=sid))
     assert engine.sessions.table.session_stats(sid).num_tokens == 4  # nothing of it kept
     for t in range(5, 12):  # later steps (queries of either sign) still work
-        step = engine.run(hosted, AttendCall("tiny16", x[:, t : t + 1], session_id=sid))
+        step = run(engine, hosted, req("tiny16", x[:, t : t + 1], session_id=sid))
         assert torch.isfinite(step.output).all()
     assert step.session.num_tokens == 11
 

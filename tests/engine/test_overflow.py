@@ -11,8 +11,9 @@ import textwrap
 import pytest
 import torch
 
-from mha_serve.engine import AttendCall, Engine, InvalidRequest, ModelSpec
+from mha_serve.engine import Engine, InvalidRequest, ModelSpec
 from mha_serve.model import AttentionConfig
+from tests.engine_calls import attend, req, run_batch
 
 # q = x[0:4], k = x[4:8], v = x[0:4], output = attention output: queries and keys set apart.
 TINY = AttentionConfig(embed_dim=8, num_heads=1, head_dim=4, bias=False)
@@ -44,13 +45,13 @@ def token(q0: float = 0.0, k0: float = 0.0) -> torch.Tensor:
 
 
 def step(engine: Engine, session_id: str, x: torch.Tensor):
-    return engine.attend(AttendCall("tiny", x, session_id=session_id))
+    return attend(engine, req("tiny", x, session_id=session_id))
 
 
 def test_a_query_against_a_cached_key_is_refused_and_nothing_is_kept(engine):
     """The new token's own key is 0, so only the session's bound on its cached keys can
     see that q . k = 2e38 overflows (past the limit with its margin)."""
-    sid = engine.sessions.create("tiny", None, None).id
+    sid = engine.sessions.create("tiny", None, None).session_id
     first = step(engine, sid, token(k0=1e19))
     assert first.session.num_tokens == 1
     with pytest.raises(InvalidRequest, match="attention scores of this input overflow float32"):
@@ -61,7 +62,7 @@ def test_a_query_against_a_cached_key_is_refused_and_nothing_is_kept(engine):
 
 
 def test_forks_inherit_the_bound_and_an_emptied_session_drops_it(engine):
-    sid = engine.sessions.create("tiny", None, None).id
+    sid = engine.sessions.create("tiny", None, None).session_id
     step(engine, sid, token(k0=1e19))
     child = engine.sessions.table.fork(sid)
     with pytest.raises(InvalidRequest, match="attention scores"):
@@ -71,7 +72,7 @@ def test_forks_inherit_the_bound_and_an_emptied_session_drops_it(engine):
 
 
 def test_a_huge_prefill_is_refused_and_a_bounded_one_is_not(engine):
-    sid = engine.sessions.create("tiny", None, None).id
+    sid = engine.sessions.create("tiny", None, None).session_id
     x = torch.cat([token(k0=1e19), token(q0=2e19)], dim=1)  # (1, 2, 8)
     with pytest.raises(InvalidRequest, match="attention scores"):
         step(engine, sid, x)
@@ -82,11 +83,11 @@ def test_a_huge_prefill_is_refused_and_a_bounded_one_is_not(engine):
 
 def test_stateless_batch_refuses_only_the_overflowing_call(engine):
     hosted = engine.get("tiny")
-    bad = AttendCall("tiny", torch.cat([token(k0=1e19), token(q0=2e19)], dim=1), causal=False)
-    good = AttendCall("tiny", torch.cat([token(k0=1.0), token(q0=2.0)], dim=1), causal=False)
-    results = engine.run_batch(hosted, [bad, good])
+    bad = req("tiny", torch.cat([token(k0=1e19), token(q0=2e19)], dim=1), causal=False)
+    good = req("tiny", torch.cat([token(k0=1.0), token(q0=2.0)], dim=1), causal=False)
+    results = run_batch(engine, hosted, [bad, good])
     assert isinstance(results[0], InvalidRequest) and "attention scores" in str(results[0])
-    alone = engine.attend(good)
+    alone = attend(engine, good)
     torch.testing.assert_close(results[1].output, alone.output)
 
 
@@ -94,15 +95,16 @@ SCRIPT = textwrap.dedent(
     """
     import torch
     from mha_serve.config import default_models
-    from mha_serve.engine import AttendCall, Engine, InvalidRequest
+    from mha_serve.engine import Engine, InvalidRequest
+    from tests.engine_calls import attend, req
     engine = Engine(default_models(), device=torch.device("cpu"), dtype=torch.float32,
                     max_response_bytes=2**26)
     x = torch.full((1, 4, 512), 1e20)
     outcomes = []
-    for call in (AttendCall("mha", x), AttendCall("gqa", x, causal=True),
-                 AttendCall("mqa", x, session_id=engine.sessions.create("mqa", None, None).id)):
+    for call in (req("mha", x), req("gqa", x, causal=True),
+                 req("mqa", x, session_id=engine.sessions.create("mqa", None, None).session_id)):
         try:
-            engine.attend(call)
+            attend(engine, call)
             outcomes.append("OK")
         except InvalidRequest as e:
             outcomes.append("refused" if "attention scores" in str(e) else str(e))
@@ -155,7 +157,7 @@ def test_a_validated_step_far_from_overflow_measures_nothing(engine, monkeypatch
         return real(*tensors)
 
     monkeypatch.setattr(engine_sessions, "row_absmax_tensor", spy)
-    sid = engine.sessions.create("tiny", None, None).id
+    sid = engine.sessions.create("tiny", None, None).session_id
     assert step(engine, sid, token(q0=1.0, k0=2.0)).session.num_tokens == 1
     assert measured == []
     with pytest.raises(InvalidRequest, match="attention scores"):

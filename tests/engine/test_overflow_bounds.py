@@ -9,19 +9,20 @@ import math
 import pytest
 import torch
 
-from mha_serve.engine import AttendCall, Engine, InvalidRequest, ModelSpec
+from mha_serve.engine import AttendRequest, Engine, InvalidRequest, ModelSpec
 from mha_serve.model import AttentionConfig
 from mha_serve.model.config import RopeConfig
 from mha_serve.model.overflow import projected_bounds, weight_bounds
+from tests.engine_calls import attend, req
 
 
 def engine_of(spec: ModelSpec, dtype: torch.dtype) -> Engine:
     return Engine([spec], device=torch.device("cpu"), dtype=dtype, max_response_bytes=2**30)
 
 
-def answer_is_finite_or_refused(engine: Engine, call: AttendCall) -> None:
+def answer_is_finite_or_refused(engine: Engine, call: AttendRequest) -> None:
     try:
-        result = engine.attend(call)
+        result = attend(engine, call)
     except InvalidRequest:
         assert engine.sessions.table.get(call.session_id).num_tokens == 0  # nothing kept
         return
@@ -33,11 +34,9 @@ def test_a_huge_head_gate_on_a_float16_model_is_not_cleared_by_the_output_bound(
     bound (||Wo||_1 * gate * max|v| = 0 for a zero input without bias) clears it."""
     spec = ModelSpec("m", AttentionConfig(32, 4, 2, bias=False), seed=1)
     engine = engine_of(spec, torch.float16)
-    sid = engine.sessions.create("m", None, None).id
+    sid = engine.sessions.create("m", None, None).session_id
     x = torch.zeros(1, 2, 32, dtype=torch.float16)
-    answer_is_finite_or_refused(
-        engine, AttendCall("m", x, session_id=sid, head_mask=[1e5, 1.0, 1.0, 1.0])
-    )
+    answer_is_finite_or_refused(engine, req("m", x, session_id=sid, head_mask=[1e5, 1.0, 1.0, 1.0]))
 
 
 def test_an_input_past_a_float16_models_range_is_not_cleared():
@@ -47,9 +46,9 @@ def test_an_input_past_a_float16_models_range_is_not_cleared():
     engine = engine_of(spec, torch.float16)
     with torch.no_grad():
         engine.get("m").module.wqkv.weight.mul_(1e-4)
-    sid = engine.sessions.create("m", None, None).id
+    sid = engine.sessions.create("m", None, None).session_id
     x = torch.full((1, 2, 32), 1e5)
-    call = AttendCall("m", x, session_id=sid, output_dtype=torch.float16)
+    call = req("m", x, session_id=sid, output_dtype=torch.float16)
     answer_is_finite_or_refused(engine, call)
 
 
@@ -85,10 +84,10 @@ def test_a_yarn_key_past_float16_is_refused_not_cached():
     75000 after it, inf in a float16 cache. Bounded as 2 * 15000 it was kept, answered NaN
     as OK, and every later step of the session was NaN."""
     engine = yarn_engine(5.0)
-    sid = engine.sessions.create("r", None, None).id
+    sid = engine.sessions.create("r", None, None).session_id
     x = torch.full((1, 1, 8), 15000 / math.sqrt(8))
-    answer_is_finite_or_refused(engine, AttendCall("r", x, session_id=sid))
-    step = engine.attend(AttendCall("r", torch.ones(1, 1, 8), session_id=sid))
+    answer_is_finite_or_refused(engine, req("r", x, session_id=sid))
+    step = attend(engine, req("r", torch.ones(1, 1, 8), session_id=sid))
     assert torch.isfinite(step.output).all()
 
 
@@ -114,13 +113,13 @@ def test_a_tiny_step_over_large_cached_values_is_not_cleared():
         w[16:24] = torch.eye(8)
         module.wqkv.weight.copy_(w)
         module.wo.weight.copy_(torch.eye(8))
-    sid = engine.sessions.create("m", None, None).id
+    sid = engine.sessions.create("m", None, None).session_id
     x = torch.zeros(1, 1, 8, dtype=torch.float16)
     x[..., 0] = 20000
-    engine.attend(AttendCall("m", x, session_id=sid, head_mask=[1.0]))
+    attend(engine, req("m", x, session_id=sid, head_mask=[1.0]))
     tiny = torch.full((1, 1, 8), 1e-3, dtype=torch.float16)
     try:
-        result = engine.attend(AttendCall("m", tiny, session_id=sid, head_mask=[8.0]))
+        result = attend(engine, req("m", tiny, session_id=sid, head_mask=[8.0]))
     except InvalidRequest:
         assert engine.sessions.table.get(sid).num_tokens == 1  # nothing kept
         return

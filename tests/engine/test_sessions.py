@@ -13,7 +13,6 @@ from mha_serve.cache import CacheExhausted, SessionBusy, SessionFull, SessionNot
 from mha_serve.config import default_models
 from mha_serve.engine import (
     Abandoned,
-    AttendCall,
     DeadlinePassed,
     Engine,
     InvalidRequest,
@@ -22,6 +21,7 @@ from mha_serve.engine import (
 )
 from mha_serve.engine import sessions as engine_sessions
 from mha_serve.model import AttentionConfig, MultiHeadAttention, cached
+from tests.engine_calls import State, req, run, run_batch, torched
 
 ATOL = 1e-5  # float32: cached steps vs one causal forward
 
@@ -44,13 +44,13 @@ def test_ragged_batched_steps_equal_full_recompute(engine, name):
     full = [seq(p + n, seed=i) for i, (p, n) in enumerate(zip(pasts, news, strict=True))]
     ids = []
     for i, p in enumerate(pasts):
-        sid = engine.sessions.create(name, None, None).id
-        engine.run(hosted, AttendCall(name, full[i][:, :p], session_id=sid))  # prefill alone
+        sid = engine.sessions.create(name, None, None).session_id
+        run(engine, hosted, req(name, full[i][:, :p], session_id=sid))  # prefill alone
         ids.append(sid)
-    calls = [AttendCall(name, full[i][:, p:], session_id=ids[i]) for i, p in enumerate(pasts)]
-    results = engine.run_batch(hosted, calls)  # one batch: ragged new tokens, own keys each
+    calls = [req(name, full[i][:, p:], session_id=ids[i]) for i, p in enumerate(pasts)]
+    results = run_batch(engine, hosted, calls)  # one batch: ragged new tokens, own keys each
     for i, (r, p) in enumerate(zip(results, pasts, strict=True)):
-        ref = engine.run(hosted, AttendCall(name, full[i], causal=True)).output[:, p:]
+        ref = run(engine, hosted, req(name, full[i], causal=True)).output[:, p:]
         diff = (r.output - ref).abs()
         assert diff.max() < ATOL, f"session {i}: max {diff.max():.2e} mean {diff.mean():.2e}"
         assert r.batch_size == 4 and r.session.num_tokens == p + news[i]
@@ -65,12 +65,10 @@ def test_decode_steps_equal_full_recompute_on_both_attention_kernels(
     monkeypatch.setattr(cached, "GROUPED_MIN_KEYS", grouped_min_keys)
     hosted = engine.get(name)
     x = seq(40, seed=5)
-    sid = engine.sessions.create(name, None, None).id
-    engine.run(hosted, AttendCall(name, x[:, :30], session_id=sid))
-    steps = [
-        engine.run(hosted, AttendCall(name, x[:, t : t + 1], session_id=sid)) for t in range(30, 40)
-    ]
-    ref = engine.run(hosted, AttendCall(name, x, causal=True)).output[:, 30:]
+    sid = engine.sessions.create(name, None, None).session_id
+    run(engine, hosted, req(name, x[:, :30], session_id=sid))
+    steps = [run(engine, hosted, req(name, x[:, t : t + 1], session_id=sid)) for t in range(30, 40)]
+    ref = run(engine, hosted, req(name, x, causal=True)).output[:, 30:]
     diff = (torch.cat([s.output for s in steps], dim=1) - ref).abs()
     assert diff.max() < ATOL, f"max {diff.max():.2e} mean {diff.mean():.2e}"
 
@@ -94,11 +92,12 @@ def test_grouped_decode_matches_sdpa(kvh, keys):
 def test_weights_of_a_step_are_rows_of_the_full_causal_weights(engine):
     hosted = engine.get("gqa")
     x = seq(40, seed=9)
-    sid = engine.sessions.create("gqa", None, None).id
-    engine.run(hosted, AttendCall("gqa", x[:, :30], session_id=sid))
-    step = engine.run(
+    sid = engine.sessions.create("gqa", None, None).session_id
+    run(engine, hosted, req("gqa", x[:, :30], session_id=sid))
+    step = run(
+        engine,
         hosted,
-        AttendCall(
+        req(
             "gqa",
             x[:, 30:],
             session_id=sid,
@@ -108,7 +107,7 @@ def test_weights_of_a_step_are_rows_of_the_full_causal_weights(engine):
             query_end=9,
         ),
     )
-    ref = engine.run(hosted, AttendCall("gqa", x, causal=True, need_weights=True))
+    ref = run(engine, hosted, req("gqa", x, causal=True, need_weights=True))
     assert step.weights.shape == (1, 3, 6, 40) and step.weight_heads == [7, 2, 7]
     torch.testing.assert_close(step.weights, ref.weights[:, [7, 2, 7], 33:39], atol=ATOL, rtol=0)
 
@@ -116,23 +115,23 @@ def test_weights_of_a_step_are_rows_of_the_full_causal_weights(engine):
 def test_contiguous_and_scattered_blocks_read_the_same(engine):
     hosted = engine.get("mha")
     pool = engine.sessions.table.pool("mha")
-    a, c = (engine.sessions.create("mha", None, None).id for _ in range(2))
+    a, c = (engine.sessions.create("mha", None, None).session_id for _ in range(2))
     x = seq(50, seed=3)
     # Another holder takes the block after each of a's, so a's blocks scatter (read by a
     # copy); c's single prefill gets consecutive blocks (read in place).
     fences = []
     try:
         for start in range(0, 48, 16):
-            engine.run(hosted, AttendCall("mha", x[:, start : start + 16], session_id=a))
+            run(engine, hosted, req("mha", x[:, start : start + 16], session_id=a))
             fences += pool.allocate(1, after=engine.sessions.table.get(a).block_table[-1])
-        engine.run(hosted, AttendCall("mha", x[:, :48], session_id=c))
+        run(engine, hosted, req("mha", x[:, :48], session_id=c))
         blocks_a = engine.sessions.table.get(a).block_table
         blocks_c = engine.sessions.table.get(c).block_table
         assert any(y != x_ + 1 for x_, y in zip(blocks_a, blocks_a[1:], strict=False))
         assert all(y == x_ + 1 for x_, y in zip(blocks_c, blocks_c[1:], strict=False))
         tail = x[:, 48:]
-        out_a = engine.run(hosted, AttendCall("mha", tail, session_id=a)).output
-        out_c = engine.run(hosted, AttendCall("mha", tail, session_id=c)).output
+        out_a = run(engine, hosted, req("mha", tail, session_id=a)).output
+        out_c = run(engine, hosted, req("mha", tail, session_id=c)).output
         torch.testing.assert_close(out_a, out_c, atol=ATOL, rtol=0)
     finally:  # the engine is shared by this module's tests
         pool.decref(fences)
@@ -142,19 +141,20 @@ def test_an_overflowing_step_fails_alone_and_is_not_kept(engine):
     """Batched with a healthy step, a step whose keys and values overflow gets its own error
     and leaves its session as it was; the other step is answered and kept."""
     hosted = engine.get("mha")
-    good, bad = (engine.sessions.create("mha", None, None).id for _ in range(2))
+    good, bad = (engine.sessions.create("mha", None, None).session_id for _ in range(2))
     x = seq(9, seed=3)
-    engine.run(hosted, AttendCall("mha", x[:, :8], session_id=good))
-    engine.run(hosted, AttendCall("mha", x[:, :8], session_id=bad))
+    run(engine, hosted, req("mha", x[:, :8], session_id=good))
+    run(engine, hosted, req("mha", x[:, :8], session_id=bad))
     huge = torch.full((1, 1, 512), 3e38)
-    ok, failed = engine.run_batch(
+    ok, failed = run_batch(
+        engine,
         hosted,
-        [AttendCall("mha", x[:, 8:], session_id=good), AttendCall("mha", huge, session_id=bad)],
+        [req("mha", x[:, 8:], session_id=good), req("mha", huge, session_id=bad)],
     )
     assert isinstance(failed, InvalidRequest)
     assert "keys or values overflowed to inf/NaN in float32" in str(failed)
     assert engine.sessions.table.session_stats(bad).num_tokens == 8  # rolled back
-    ref = engine.run(hosted, AttendCall("mha", x, causal=True)).output[:, 8:]
+    ref = run(engine, hosted, req("mha", x, causal=True)).output[:, 8:]
     assert (ok.output - ref).abs().max() < ATOL and ok.session.num_tokens == 9
 
 
@@ -171,14 +171,12 @@ def test_small_batched_steps_run_single_threaded_and_restore_the_count(engine, m
 
     monkeypatch.setattr(MultiHeadAttention, "attend_cached", spy)
     hosted = engine.get("gqa")
-    ids = [engine.sessions.create("gqa", None, None).id for _ in range(4)]
+    ids = [engine.sessions.create("gqa", None, None).session_id for _ in range(4)]
     for i, sid in enumerate(ids):
-        engine.run(hosted, AttendCall("gqa", seq(8, seed=i), session_id=sid))  # one: all threads
-    engine.run_batch(hosted, [AttendCall("gqa", seq(1, seed=9), session_id=sid) for sid in ids])
-    long_prefill = [
-        AttendCall("gqa", seq(300, seed=i), session_id=sid) for i, sid in enumerate(ids)
-    ]
-    engine.run_batch(hosted, long_prefill)  # many new tokens: all threads
+        run(engine, hosted, req("gqa", seq(8, seed=i), session_id=sid))  # one: all threads
+    run_batch(engine, hosted, [req("gqa", seq(1, seed=9), session_id=sid) for sid in ids])
+    long_prefill = [req("gqa", seq(300, seed=i), session_id=sid) for i, sid in enumerate(ids)]
+    run_batch(engine, hosted, long_prefill)  # many new tokens: all threads
     assert seen == [full] * 4 + [1, full]
     assert torch.get_num_threads() == full
 
@@ -217,7 +215,7 @@ def test_interleaved_batched_steps_forks_truncates_and_closes_through_the_engine
         op = data.draw(st.sampled_from(ops))
         live = list(history)  # insertion order: ids are random, draws must not depend on them
         if op == "create" or not live:
-            history[eng.sessions.create("m", None, None).id] = torch.empty(1, 0, 32)
+            history[eng.sessions.create("m", None, None).session_id] = torch.empty(1, 0, 32)
         elif op == "fence":  # take the block after a session's last: its next one lands apart
             blocks = eng.sessions.table.get(data.draw(st.sampled_from(live))).block_table
             if blocks and blocks[-1] + 1 < pool.num_blocks and pool.refcount(blocks[-1] + 1) == 0:
@@ -225,8 +223,8 @@ def test_interleaved_batched_steps_forks_truncates_and_closes_through_the_engine
         elif op == "step":
             ids = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=4, unique=True))
             xs = [torch.randn(1, data.draw(st.integers(1, 9)), 32, generator=gen) for _ in ids]
-            results = eng.run_batch(
-                hosted, [AttendCall("m", x, session_id=s) for s, x in zip(ids, xs, strict=True)]
+            results = run_batch(
+                eng, hosted, [req("m", x, session_id=s) for s, x in zip(ids, xs, strict=True)]
             )
             for sid, x, r in zip(ids, xs, results, strict=True):
                 if isinstance(r, SessionNotFound):  # evicted for an earlier step of the batch
@@ -237,7 +235,7 @@ def test_interleaved_batched_steps_forks_truncates_and_closes_through_the_engine
                 assert not isinstance(r, Exception), r
                 past = history[sid].shape[1]
                 history[sid] = torch.cat([history[sid], x], dim=1)
-                ref = eng.run(hosted, AttendCall("m", history[sid], causal=True)).output[:, past:]
+                ref = run(eng, hosted, req("m", history[sid], causal=True)).output[:, past:]
                 assert (r.output - ref).abs().max() < ATOL
                 assert r.session.num_tokens == history[sid].shape[1]
         elif op == "fork":
@@ -268,10 +266,10 @@ def test_a_session_closed_while_its_step_runs_answers_alone(engine, monkeypatch)
     """The closed session's step answers NOT_FOUND; the other step of the batch is kept and
     nothing stays pinned or allocated."""
     hosted = engine.get("gqa")
-    keep, gone = (engine.sessions.create("gqa", None, None).id for _ in range(2))
+    keep, gone = (engine.sessions.create("gqa", None, None).session_id for _ in range(2))
     x = seq(6, seed=4)
     for sid in (keep, gone):
-        engine.run(hosted, AttendCall("gqa", x[:, :5], session_id=sid))
+        run(engine, hosted, req("gqa", x[:, :5], session_id=sid))
     pool = engine.sessions.table.pool("gqa")
     blocks_of_gone = list(engine.sessions.table.get(gone).block_table)
     real = MultiHeadAttention.attend_cached
@@ -281,14 +279,14 @@ def test_a_session_closed_while_its_step_runs_answers_alone(engine, monkeypatch)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(MultiHeadAttention, "attend_cached", close_meanwhile)
-    ok, closed = engine.run_batch(
-        hosted, [AttendCall("gqa", x[:, 5:], session_id=s) for s in (keep, gone)]
+    ok, closed = run_batch(
+        engine, hosted, [req("gqa", x[:, 5:], session_id=s) for s in (keep, gone)]
     )
     assert isinstance(closed, SessionNotFound) and "closed" in str(closed)
     assert ok.session.num_tokens == 6
     assert all(pool.refcount(b) == 0 for b in blocks_of_gone)  # freed when its step ended
     monkeypatch.undo()
-    again = engine.run(hosted, AttendCall("gqa", x[:, :1], session_id=keep))  # not left busy
+    again = run(engine, hosted, req("gqa", x[:, :1], session_id=keep))  # not left busy
     assert again.session.num_tokens == 7
     engine.sessions.table.close(keep)
 
@@ -297,9 +295,9 @@ def test_a_session_closed_while_its_step_runs_answers_alone(engine, monkeypatch)
 def test_a_failing_forward_keeps_nothing_and_restores_the_thread_count(engine, monkeypatch, where):
     """A failure anywhere between reserving and settling (in the forward, or before it)."""
     hosted = engine.get("gqa")
-    ids = [engine.sessions.create("gqa", None, None).id for _ in range(4)]
+    ids = [engine.sessions.create("gqa", None, None).session_id for _ in range(4)]
     for i, sid in enumerate(ids):
-        engine.run(hosted, AttendCall("gqa", seq(3, seed=i), session_id=sid))
+        run(engine, hosted, req("gqa", seq(3, seed=i), session_id=sid))
     pool = engine.sessions.table.pool("gqa")
     used, threads = pool.num_used, torch.get_num_threads()
 
@@ -309,25 +307,25 @@ def test_a_failing_forward_keeps_nothing_and_restores_the_thread_count(engine, m
     monkeypatch.setattr(
         MultiHeadAttention if where == "attend_cached" else engine_sessions, where, broken
     )
-    calls = [AttendCall("gqa", seq(14, seed=9), session_id=sid) for sid in ids]  # new blocks
+    calls = [req("gqa", seq(14, seed=9), session_id=sid) for sid in ids]  # new blocks
     with pytest.raises(RuntimeError, match="device lost"):
-        engine.run_batch(hosted, calls)
+        run_batch(engine, hosted, calls)
     assert pool.num_used == used and torch.get_num_threads() == threads
     assert all(engine.sessions.table.get(s).num_tokens == 3 for s in ids)
     monkeypatch.undo()
-    assert all(engine.run(hosted, c).session.num_tokens == 17 for c in calls)  # none left busy
+    assert all(run(engine, hosted, c).session.num_tokens == 17 for c in calls)  # none left busy
 
 
 def test_a_step_whose_output_overflows_only_in_the_dtype_asked_fails_alone(engine):
     hosted = engine.get("mha")
-    sid = engine.sessions.create("mha", None, None).id
+    sid = engine.sessions.create("mha", None, None).session_id
     x = seq(4, seed=6) * 1e6  # finite in float32; outputs far beyond float16's 65504
-    engine.run(hosted, AttendCall("mha", x[:, :3], session_id=sid))
-    narrow = AttendCall("mha", x[:, 3:], session_id=sid, output_dtype=torch.float16)
-    (failed,) = engine.run_batch(hosted, [narrow])
+    run(engine, hosted, req("mha", x[:, :3], session_id=sid))
+    narrow = req("mha", x[:, 3:], session_id=sid, output_dtype=torch.float16)
+    (failed,) = run_batch(engine, hosted, [narrow])
     assert isinstance(failed, InvalidRequest) and "overflowed to NaN/Inf in float16" in str(failed)
     assert engine.sessions.table.session_stats(sid).num_tokens == 3  # not kept
-    (ok,) = engine.run_batch(hosted, [AttendCall("mha", x[:, 3:], session_id=sid)])
+    (ok,) = run_batch(engine, hosted, [req("mha", x[:, 3:], session_id=sid)])
     assert ok.output.dtype == torch.float32 and ok.session.num_tokens == 4
 
 
@@ -337,23 +335,24 @@ def test_a_step_whose_caller_is_gone_is_not_kept(engine, gone):
     hears the reply: the step is rolled back (its retry must not find it appended already);
     the other step of the batch is kept."""
     hosted = engine.get("gqa")
-    kept_id, gone_id = (engine.sessions.create("gqa", None, None).id for _ in range(2))
+    kept_id, gone_id = (engine.sessions.create("gqa", None, None).session_id for _ in range(2))
     x = seq(6, seed=9)
     for sid in (kept_id, gone_id):
-        engine.run(hosted, AttendCall("gqa", x[:, :4], session_id=sid))
-    late = AttendCall("gqa", x[:, 4:5], session_id=gone_id)
+        run(engine, hosted, req("gqa", x[:, :4], session_id=sid))
+    late = req("gqa", x[:, 4:5], session_id=gone_id)
+    state = State()  # as serving's ticket: prepared before the caller left
+    steps = [req("gqa", x[:, 4:5], session_id=kept_id), late]
+    batch = [engine.prepare(steps[0]), engine.prepare(late, state)]
     if gone == "cancelled":
-        late.cancelled = True
+        state.cancelled = True
     else:
-        late.deadline = time.monotonic() - 1e-3
-    kept, abandoned = engine.run_batch(
-        hosted, [AttendCall("gqa", x[:, 4:5], session_id=kept_id), late]
-    )
+        state.deadline = time.monotonic() - 1e-3
+    kept, abandoned = (torched(r) for r in engine.run_batch(hosted, batch))
     assert isinstance(abandoned, Abandoned) and "nothing of it was kept" in str(abandoned)
     assert isinstance(abandoned, DeadlinePassed) == (gone == "deadline")
     assert engine.sessions.table.session_stats(gone_id).num_tokens == 4
     assert kept.session.num_tokens == 5
-    retry = engine.run(hosted, AttendCall("gqa", x[:, 4:5], session_id=gone_id))
+    retry = run(engine, hosted, req("gqa", x[:, 4:5], session_id=gone_id))
     assert retry.session.num_tokens == 5
     torch.testing.assert_close(retry.output, kept.output, rtol=0, atol=ATOL)  # same tokens
 
@@ -363,16 +362,16 @@ def test_a_failure_while_settling_rolls_back_only_the_steps_not_kept(engine, mon
     no step is left pending (its session would answer busy, ABORTED, for good), the steps
     not kept answer that error, and a step already kept keeps its answer."""
     hosted = engine.get("mqa")
-    ids = [engine.sessions.create("mqa", None, None).id for _ in range(2)]
+    ids = [engine.sessions.create("mqa", None, None).session_id for _ in range(2)]
     x = seq(4, seed=11)
     for sid in ids:
-        engine.run(hosted, AttendCall("mqa", x[:, :2], session_id=sid))
+        run(engine, hosted, req("mqa", x[:, :2], session_id=sid))
 
     def fail(*_):
         raise RuntimeError("device error")
 
-    monkeypatch.setattr(engine_sessions.Sessions, "_result", fail)  # before any step is kept
-    results = engine.run_batch(hosted, [AttendCall("mqa", x[:, 2:3], session_id=s) for s in ids])
+    monkeypatch.setattr(engine_sessions, "_step_outputs", fail)  # before any step is kept
+    results = run_batch(engine, hosted, [req("mqa", x[:, 2:3], session_id=s) for s in ids])
     assert [str(r) for r in results] == ["device error"] * 2
     monkeypatch.undo()
     commits, table = [], engine.sessions.table
@@ -385,14 +384,12 @@ def test_a_failure_while_settling_rolls_back_only_the_steps_not_kept(engine, mon
         return real(res, **kw)
 
     monkeypatch.setattr(table, "commit", second_fails)
-    first, second = engine.run_batch(
-        hosted, [AttendCall("mqa", x[:, 2:3], session_id=s) for s in ids]
-    )
+    first, second = run_batch(engine, hosted, [req("mqa", x[:, 2:3], session_id=s) for s in ids])
     monkeypatch.undo()
     assert first.session.num_tokens == 3 and str(second) == "bug"
     # Neither is left busy; the first step was kept, the second (its commit failed) was not.
     for sid, kept in zip(ids, (4, 3), strict=True):
-        step = engine.run(hosted, AttendCall("mqa", x[:, 3:4], session_id=sid))
+        step = run(engine, hosted, req("mqa", x[:, 3:4], session_id=sid))
         assert step.session.num_tokens == kept
 
 
@@ -400,17 +397,18 @@ def test_a_deadline_passing_while_the_reply_is_built_still_rolls_the_step_back(e
     """The caller-gone check runs last, after the reply's tensors are made (weights can
     take milliseconds), right before the step is kept."""
     hosted = engine.get("gqa")
-    sid = engine.sessions.create("gqa", None, None).id
-    real = engine_sessions.Sessions._result
+    sid = engine.sessions.create("gqa", None, None).session_id
+    real = engine_sessions._step_outputs
+    state = State()
 
-    def slow(*args):  # _result(out, b, reservation, call, ...): the deadline passes in it
-        args[3].deadline = time.monotonic() + 0.01
+    def slow(*args):  # _step_outputs(out, b, reservation, ...): the deadline passes in it
+        state.deadline = time.monotonic() + 0.01
         time.sleep(0.05)
         return real(*args)
 
-    monkeypatch.setattr(engine_sessions.Sessions, "_result", staticmethod(slow))
-    call = AttendCall("gqa", seq(2, seed=12), session_id=sid)
-    (result,) = engine.run_batch(hosted, [call])
+    monkeypatch.setattr(engine_sessions, "_step_outputs", slow)
+    call = req("gqa", seq(2, seed=12), session_id=sid)
+    (result,) = run_batch(engine, hosted, [call], [state])
     assert isinstance(result, DeadlinePassed)
     assert engine.sessions.table.session_stats(sid).num_tokens == 0
 
@@ -423,14 +421,14 @@ def test_weights_are_checked_again_against_the_session_as_it_is_when_the_step_ru
         [spec], device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**20
     )
     hosted = engine.get("tiny")
-    sid = engine.sessions.create("tiny", None, None).id
+    sid = engine.sessions.create("tiny", None, None).session_id
     x = torch.randn(1, 20, 32, generator=torch.Generator().manual_seed(13))
-    engine.run(hosted, AttendCall("tiny", x[:, :8], session_id=sid))
-    late = AttendCall("tiny", x[:, 18:19], session_id=sid, need_weights=True)
-    engine.validate(late)  # 4 heads x 1 row x 9 keys x 4 bytes = 144 <= 200
-    engine.run(hosted, AttendCall("tiny", x[:, 8:18], session_id=sid))  # now 18 tokens
+    run(engine, hosted, req("tiny", x[:, :8], session_id=sid))
+    late = req("tiny", x[:, 18:19], session_id=sid, need_weights=True)
+    engine.prepare(late)  # 4 heads x 1 row x 9 keys x 4 bytes = 144 <= 200
+    run(engine, hosted, req("tiny", x[:, 8:18], session_id=sid))  # now 18 tokens
     with pytest.raises(TooLarge, match="19 keys"):  # 304 bytes
-        engine.run(hosted, late)
+        run(engine, hosted, late)
     assert engine.sessions.table.session_stats(sid).num_tokens == 18
 
 
@@ -442,20 +440,18 @@ def test_a_truncated_session_equals_a_recompute_of_what_it_kept(engine, name):
     hosted = engine.get(name)
     x = seq(30, seed=14)
     draft = seq(6, seed=15)
-    sid = engine.sessions.create(name, None, None).id
-    engine.run(hosted, AttendCall(name, x[:, :18], session_id=sid))
-    engine.run(hosted, AttendCall(name, draft, session_id=sid))  # 24 tokens
+    sid = engine.sessions.create(name, None, None).session_id
+    run(engine, hosted, req(name, x[:, :18], session_id=sid))
+    run(engine, hosted, req(name, draft, session_id=sid))  # 24 tokens
     fork = engine.sessions.table.fork(sid).id
     engine.sessions.table.truncate(sid, 20)  # keeps 18 + the first 2 draft tokens
     kept = torch.cat([x[:, :18], draft[:, :2]], dim=1)
-    step = engine.run(hosted, AttendCall(name, x[:, 20:30], session_id=sid))
-    ref = engine.run(hosted, AttendCall(name, torch.cat([kept, x[:, 20:30]], 1), causal=True))
+    step = run(engine, hosted, req(name, x[:, 20:30], session_id=sid))
+    ref = run(engine, hosted, req(name, torch.cat([kept, x[:, 20:30]], 1), causal=True))
     assert (step.output - ref.output[:, 20:]).abs().max() < ATOL
     assert step.session.num_tokens == 30
-    forked = engine.run(hosted, AttendCall(name, x[:, 29:30], session_id=fork))
-    ref = engine.run(
-        hosted, AttendCall(name, torch.cat([x[:, :18], draft, x[:, 29:30]], 1), causal=True)
-    )
+    forked = run(engine, hosted, req(name, x[:, 29:30], session_id=fork))
+    ref = run(engine, hosted, req(name, torch.cat([x[:, :18], draft, x[:, 29:30]], 1), causal=True))
     assert (forked.output - ref.output[:, 24:]).abs().max() < ATOL
 
 
@@ -463,7 +459,7 @@ def test_a_session_claimed_for_a_step_refuses_another_step_and_a_truncate_until_
     engine,
 ):
     sessions = engine.sessions
-    sid = sessions.create("gqa", None, None).id
+    sid = sessions.create("gqa", None, None).session_id
     with sessions.stepping(sid):
         with (
             pytest.raises(SessionBusy, match="already has a step in flight"),

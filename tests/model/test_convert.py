@@ -9,11 +9,12 @@ import json
 import pytest
 import torch
 
-from mha_serve.engine import AttendCall, Engine
+from mha_serve.engine import Engine
 from mha_serve.model import AttentionConfig, MultiHeadAttention, init_weights, load_checkpoint
 from mha_serve.model.convert import conversion_report, main, pool_kv_heads
 from mha_serve.model.weights import save_checkpoint
 from mha_serve.spec import ModelSpec
+from tests.engine_calls import req, run
 
 ATOL = 1e-5  # float32, same math in another order
 ROPE = {"theta": 10000.0}
@@ -105,10 +106,10 @@ def test_command_writes_a_servable_checkpoint_and_reports(tmp_path, capsys):
     )
     hosted = engine.get("g")
     x = torch.randn(1, 6, 64)
-    full = engine.run(hosted, AttendCall("g", x, causal=True)).output
+    full = run(engine, hosted, req("g", x, causal=True)).output
     sid = engine.create_session("g").session_id
     steps = [
-        engine.run(hosted, AttendCall("g", x[:, a:b], session_id=sid)).output
+        run(engine, hosted, req("g", x[:, a:b], session_id=sid)).output
         for a, b in ((0, 4), (4, 5), (5, 6))
     ]
     assert_close(torch.cat(steps, 1), full, "served converted steps")

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mha_serve.engine import AttendCall, Engine
+from mha_serve.engine import Engine
 from mha_serve.engine.types import ModelSpec
 from mha_serve.model.hf_config import read_hf_layer
+from tests.engine_calls import req, run
 from tests.models_hf.reference import CHECKPOINTS, load_reference, reference_decode
 
 ATOL = 1e-5  # fp32 against fp32
@@ -34,7 +35,7 @@ def test_steps_and_cache_equal_transformers_incremental_decode(hf_dirs, name):
     want, cache = reference_decode(name, base, layer, x, CUTS)
     sid = engine.create_session(name).session_id
     for (a, b), w in zip(zip(CUTS, CUTS[1:], strict=False), want, strict=True):
-        got = engine.run(hosted, AttendCall(name, x[:, a:b], session_id=sid)).output
+        got = run(engine, hosted, req(name, x[:, a:b], session_id=sid)).output
         diff = (got - w).abs()
         assert diff.max() < ATOL, (
             f"{name} step [{a}, {b}): max {diff.max():.3e}, mean {diff.mean():.3e}"

@@ -4,6 +4,8 @@ over real channels to a real `mha-serve` process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -244,3 +246,39 @@ def test_sigterm_under_load_drains_and_exits_zero(tmp_path, drain_delay_s, clien
     assert seen.wrong == 0  # every OK answer is the right one
     assert seen.exit_code == 0, proc.log()
     assert "stopped" in proc.log()
+
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of pid (from /proc: no psutil)."""
+    from pathlib import Path
+
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_frontends_start_exits_zero(tmp_path):
+    """SIGTERM at the moment the frontend workers exist but have not started (the engine
+    loading, the frontends importing): the engine passes it on, a frontend gets it once its
+    handlers are in place (it starts with the signals blocked), and the server exits 0.
+    Each frontend is also signalled directly at once, the earliest a signal can come."""
+    proc = ServerProcess("--frontend-workers", "2", log_path=tmp_path / "server.log")
+    deadline = time.monotonic() + 60
+    children: list[int] = []
+    while len(children) < 2 and time.monotonic() < deadline and proc.proc.poll() is None:
+        children = _children(proc.proc.pid)
+    assert len(children) >= 2, proc.log()
+    for child in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGTERM)
+    proc.proc.send_signal(signal.SIGTERM)
+    code = proc.proc.wait(60)
+    proc.stop()
+    log = proc.log()
+    assert code == 0, log
+    assert "exited with -15" not in log and "stopping:" not in log, log

@@ -12,17 +12,21 @@ import torch
 
 from mha_serve.cache import SessionNotFound
 from mha_serve.config import default_models
-from mha_serve.engine import AttendCall, Engine, InvalidRequest, ModelNotFound, TooLarge
+from mha_serve.engine import Engine, InvalidRequest, ModelNotFound, TooLarge
 from mha_serve.engine.threads import ComputeThreads
 from mha_serve.serving import AsyncEngine, Unavailable
-from mha_serve.serving import remote as remote_mod
-from mha_serve.serving.remote import EngineHost, RemoteEngine
+from mha_serve.serving import link as remote_mod
+from mha_serve.serving.host import EngineHost
+from mha_serve.serving.remote import RemoteEngine
+from tests.engine_calls import req, torched
 
 BODY_TIMEOUT_S = 120
 
 
-def _identity(result):
-    return result
+async def _attend(client, request):
+    """(outcome with tensors, timing) of one attend through either EngineClient."""
+    served = await client.attend(request, torched, received=0.0, deadline=None)
+    return served.reply, served.timing
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +77,8 @@ def test_remote_attend_equals_local(engine, tmp_path, shape, dtype, weights):
     async def body(local: AsyncEngine, remote: RemoteEngine, host) -> None:
         x = _x(*shape, seed=1, dtype=dtype)
         kwargs = {"need_weights": weights, "weight_heads": [3, 1] if weights else None}
-        want, _ = await local.attend(
-            AttendCall("gqa", x.clone(), **kwargs), _identity, received=0.0, deadline=None
-        )
-        got, timing = await remote.attend(
-            AttendCall("gqa", x.clone(), **kwargs), _identity, received=0.0, deadline=None
-        )
+        want, _ = await _attend(local, req("gqa", x.clone(), **kwargs))
+        got, timing = await _attend(remote, req("gqa", x.clone(), **kwargs))
         assert got.output.dtype == want.output.dtype == dtype
         assert torch.equal(got.output, want.output)
         if weights:
@@ -98,13 +98,12 @@ def test_remote_session_steps_equal_a_causal_recompute(engine, tmp_path):
         sid = stats.session_id
         outputs = []
         for start, end in ((0, 10), (10, 11), (11, 24)):
-            call = AttendCall("", full[:, start:end].clone(), session_id=sid)  # model from it
-            result, _ = await remote.attend(call, _identity, received=0.0, deadline=None)
-            assert call.model == "mqa"  # the engine's resolution reaches the frontend's call
-            outputs.append(result.output)
-        ref, _ = await local.attend(
-            AttendCall("mqa", full.clone(), causal=True), _identity, received=0.0, deadline=None
-        )
+            call = req("", full[:, start:end].clone(), session_id=sid)  # model from it
+            served = await remote.attend(call, torched, received=0.0, deadline=None)
+            assert served.model == "mqa"  # the engine's resolution reaches the frontend
+            assert call.model == ""  # and the request stays as the client asked it
+            outputs.append(served.reply.output)
+        ref, _ = await _attend(local, req("mqa", full.clone(), causal=True))
         assert torch.allclose(torch.cat(outputs, dim=1), ref.output, atol=1e-5)
         assert (await remote.get_session(sid)).num_tokens == 24
         fork = await remote.fork_session(sid, None)
@@ -130,7 +129,7 @@ def test_remote_errors_keep_their_class_and_message(engine, tmp_path):
         bad = _x(1, 4, 512, seed=3)
         bad[0, 2, 7] = float("nan")
         with pytest.raises(InvalidRequest, match="NaN"):
-            await remote.attend(AttendCall("mha", bad), _identity, received=0.0, deadline=None)
+            await _attend(remote, req("mha", bad))
         with pytest.raises(ModelNotFound) as got_model:
             remote.model("nope")
         with pytest.raises(ModelNotFound) as want_model:
@@ -159,16 +158,16 @@ def test_a_cancelled_remote_call_is_cancelled_in_the_engine(engine, tmp_path):
 
         local.compute = gated
         sid = (await remote.create_session("mha", None, None)).session_id
-        call = AttendCall("mha", _x(1, 3, 512, seed=4), session_id=sid)
-        task = asyncio.create_task(remote.attend(call, _identity, received=0.0, deadline=None))
+        call = req("mha", _x(1, 3, 512, seed=4), session_id=sid)
+        task = asyncio.create_task(_attend(remote, call))
         await entered.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         await asyncio.wait_for(cancelled.wait(), 30)  # the engine's task got the cancel
         local.compute = original
-        step = AttendCall("mha", _x(1, 2, 512, seed=5), session_id=sid)
-        await remote.attend(step, _identity, received=0.0, deadline=None)  # not left busy
+        step = req("mha", _x(1, 2, 512, seed=5), session_id=sid)
+        await _attend(remote, step)  # not left busy
         assert (await remote.get_session(sid)).num_tokens == 2  # the cancelled step not kept
 
     _run(engine, tmp_path, body)
@@ -204,14 +203,12 @@ def test_a_full_shared_memory_is_resource_exhausted_both_ways(engine, tmp_path, 
     async def body(local: AsyncEngine, remote: RemoteEngine, host) -> None:
         big = _x(1, 700, 512, seed=6)  # 1.4 MB: the request itself needs shared memory
         with pytest.raises(TooLarge, match="no room in .* for a 1433600-byte tensor"):
-            await remote.attend(AttendCall("mha", big), _identity, received=0.0, deadline=None)
+            await _attend(remote, req("mha", big))
         small = _x(1, 400, 512, seed=7)  # inline, but its weights (5 MB) need shared memory
-        call = AttendCall("mha", small, need_weights=True)
+        call = req("mha", small, need_weights=True)
         with pytest.raises(TooLarge, match="no room"):
-            await remote.attend(call, _identity, received=0.0, deadline=None)
-        result, _ = await remote.attend(  # the link still serves
-            AttendCall("mha", small), _identity, received=0.0, deadline=None
-        )
+            await _attend(remote, call)
+        result, _ = await _attend(remote, req("mha", small))  # the link still serves
         assert result.output.shape == (1, 400, 512)
 
     _run(engine, tmp_path, body)
@@ -232,9 +229,9 @@ def test_a_half_packed_message_leaves_no_file_and_no_waiter(engine, tmp_path, mo
     monkeypatch.setattr(remote_mod.os, "posix_fallocate", third_has_no_room)
 
     async def body(local: AsyncEngine, remote: RemoteEngine, host) -> None:
-        call = AttendCall("mha", _x(1, 700, 512, seed=8), need_weights=True)
+        call = req("mha", _x(1, 700, 512, seed=8), need_weights=True)
         with pytest.raises(TooLarge, match="no room"):
-            await remote.attend(call, _identity, received=0.0, deadline=None)
+            await _attend(remote, call)
         assert len(calls) == 3 and _leftovers() == []
         assert remote._pending == {}
 
@@ -244,7 +241,7 @@ def test_a_half_packed_message_leaves_no_file_and_no_waiter(engine, tmp_path, mo
 def test_a_reply_that_cannot_be_packed_still_answers(engine, tmp_path, monkeypatch):
     """Any failure to send an answer's tensors (here not an OSError at all) reaches the
     caller as an error: never a call left waiting for good."""
-    real = remote_mod._Shm.write
+    real = remote_mod.Shm.write
 
     def broken_after_the_request(data, engine_pid, frontend_pid):
         if broken_after_the_request.used:
@@ -253,15 +250,13 @@ def test_a_reply_that_cannot_be_packed_still_answers(engine, tmp_path, monkeypat
         return real(data, engine_pid, frontend_pid)
 
     broken_after_the_request.used = False
-    monkeypatch.setattr(remote_mod._Shm, "write", staticmethod(broken_after_the_request))
+    monkeypatch.setattr(remote_mod.Shm, "write", staticmethod(broken_after_the_request))
 
     async def body(local: AsyncEngine, remote: RemoteEngine, host) -> None:
         big = _x(1, 700, 512, seed=9)
         with pytest.raises(RuntimeError, match="mapping failed"):
-            await remote.attend(AttendCall("mha", big), _identity, received=0.0, deadline=None)
-        small, _ = await remote.attend(  # the link still serves
-            AttendCall("mha", big[:, :4].clone()), _identity, received=0.0, deadline=None
-        )
+            await _attend(remote, req("mha", big))
+        small, _ = await _attend(remote, req("mha", big[:, :4].clone()))  # still serves
         assert small.output.shape == (1, 4, 512)
 
     _run(engine, tmp_path, body)

@@ -81,7 +81,7 @@ async def test_a_step_cancelled_while_computing_is_not_kept(gated):
         with pytest.raises(asyncio.CancelledError):
             await step
         deadline = time.monotonic() + 10
-        while not gate.calls[0].cancelled:  # the server has seen the cancel
+        while not gate.calls[0].state.cancelled:  # the server has seen the cancel
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
         gate.open()

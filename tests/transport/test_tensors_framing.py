@@ -12,7 +12,8 @@ import torch
 from mha_client.api import attention_pb2 as pb
 from mha_client.messages import build_attend_request, encode_attend_request, parse_attend_response
 from mha_client.sdk import Client
-from mha_serve.engine import AttendResult
+from mha_serve.engine import AttendOutcome
+from mha_serve.engine.types import array_of, tensor_of
 from mha_serve.transport.convert import (
     FRAME_BYTES,
     Frames,
@@ -48,9 +49,9 @@ def test_parsed_request_gives_the_call_protobuf_gives(dtype, seq_len):
         assert bytes(parsed.input_data) == request.input.data
     call, single = to_call(parsed.message, parsed.input_data)
     reference, _ = to_call(request)
-    assert not single and call.lengths == [seq_len, 1, 1] and call.causal is True
-    assert call.inputs.dtype == reference.inputs.dtype == getattr(torch, dtype)
-    assert torch.equal(_bits(call.inputs), _bits(reference.inputs))
+    assert not single and call.lengths == (seq_len, 1, 1) and call.causal is True
+    assert call.inputs.dtype == reference.inputs.dtype == dtype
+    assert torch.equal(_bits(tensor_of(call.inputs)), _bits(tensor_of(reference.inputs)))
 
 
 @pytest.mark.parametrize(
@@ -79,12 +80,13 @@ def test_bytes_the_framing_cannot_vouch_for_get_protobufs_verdict(mangle):
     assert message == expected
 
 
-def _result(dtype: torch.dtype, seq_len: int, weights: bool) -> AttendResult:
+def _result(dtype: torch.dtype, seq_len: int, weights: bool) -> AttendOutcome:
     g = torch.Generator().manual_seed(0)
-    return AttendResult(
-        output=torch.randn(2, seq_len, 512, generator=g).to(dtype),
-        weights=torch.rand(2, 3, seq_len, seq_len, generator=g).to(dtype) if weights else None,
-        weight_heads=[0, 2, 5] if weights else [],
+    w = torch.rand(2, 3, seq_len, seq_len, generator=g).to(dtype) if weights else None
+    return AttendOutcome(
+        output=array_of(torch.randn(2, seq_len, 512, generator=g).to(dtype)),
+        weights=None if w is None else array_of(w),
+        weight_heads=(0, 2, 5) if weights else (),
         weight_query_start=1 if weights else 0,
     )
 
@@ -101,7 +103,7 @@ def test_framed_reply_is_the_message_reply(dtype, weights, single):
     expected = encode_result(result, single)
     expected.MergeFrom(tail)
     assert framed == expected
-    output = result.output[0] if single else result.output
+    output = tensor_of(result.output[0] if single else result.output)
     assert framed.output.data == _bits(output).numpy().tobytes()
 
 

@@ -24,7 +24,8 @@ from mha_client.messages import _RESPONSE_TENSORS, build_attend_request, parse_a
 from mha_client.tensors import MAX_SCAN_FIELDS, parse_with_tensors, split_fields
 from mha_serve.cache import SessionStats
 from mha_serve.config import default_models
-from mha_serve.engine import AttendResult, Engine
+from mha_serve.engine import AttendOutcome, Engine
+from mha_serve.engine.types import array_of, tensor_of
 from mha_serve.transport import convert
 from mha_serve.transport.convert import encode_frames, encode_result, to_call
 from mha_serve.transport.handlers import Malformed, lenient
@@ -436,10 +437,10 @@ def test_framed_reply_is_the_serialized_message(
     weights = None
     if heads is not None:
         weights = torch.rand(batch, len(heads), seq_len, seq_len, generator=g).to(weights_dtype)
-    result = AttendResult(
-        output=output,
-        weights=weights,
-        weight_heads=heads or [],
+    result = AttendOutcome(
+        output=array_of(output),
+        weights=None if weights is None else array_of(weights),
+        weight_heads=tuple(heads or ()),
         weight_query_start=seed % 3 if heads else 0,
         session=_session() if session else None,
     )
@@ -477,9 +478,11 @@ def engine() -> Engine:
     )
 
 
-def _within(t: torch.Tensor, buffer: bytes) -> bool:
+def _within(a, buffer: bytes) -> bool:
+    """Whether an Array's memory lies inside buffer (a view of it, not a copy)."""
     base = np.frombuffer(buffer, np.uint8).ctypes.data
-    return base <= t.data_ptr() and t.data_ptr() + t.nbytes <= base + len(buffer)
+    start = a.data.ctypes.data
+    return base <= start and start + a.nbytes <= base + len(buffer)
 
 
 @pytest.mark.parametrize("pad", [0, 1, 2, 3])  # the input's bytes need not be aligned
@@ -516,11 +519,11 @@ def test_the_received_bytes_are_read_in_place_and_never_written(engine, pad):
     finally:
         engine.close_session(session.session_id)
     assert received == data and step_bytes == step.SerializeToString()  # never written
-    assert torch.equal(framed.output, reference.output)
-    assert torch.equal(framed.weights, reference.weights)
+    assert torch.equal(tensor_of(framed.output), tensor_of(reference.output))
+    assert torch.equal(tensor_of(framed.weights), tensor_of(reference.weights))
     assert stepped.output.shape == (1, 40, 512)
     del parsed, call  # the view keeps the bytes it reads alive, not gRPC
-    assert torch.equal(framed.output, reference.output)
+    assert torch.equal(tensor_of(framed.output), tensor_of(reference.output))
 
 
 # ----- over a real server

@@ -1,7 +1,17 @@
 """Paged KV cache: block pool (ids, refcounts), per-model K/V storage under a byte
-budget, and the session table that maps sessions to blocks. Knows nothing of gRPC."""
+budget, and the session table that maps sessions to blocks. Knows nothing of gRPC.
 
-from .block_pool import BlockPool
+The torch-using names load on first use (PEP 562), so that the errors and the small
+dataclasses (`mha_serve.cache.errors`, `mha_serve.cache.types`) import without torch: a
+frontend worker reads them and never loads torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mha_serve.lazy import lazy_attributes
+
 from .errors import (
     CacheError,
     CacheExhausted,
@@ -11,9 +21,26 @@ from .errors import (
     SessionFull,
     SessionNotFound,
 )
-from .kv_cache import DEFAULT_BLOCK_SIZE, PAD_SLOT, KVCache, slot_mapping
-from .sessions import SessionTable
 from .types import BlockStorage, ModelCacheStats, Reservation, Session, SessionStats
+
+# name -> submodule that defines it
+_LAZY = {
+    "BlockPool": "block_pool",
+    "DEFAULT_BLOCK_SIZE": "kv_cache",
+    "PAD_SLOT": "kv_cache",
+    "KVCache": "kv_cache",
+    "slot_mapping": "kv_cache",
+    "SessionTable": "sessions",
+}
+
+if TYPE_CHECKING:
+    from .block_pool import BlockPool
+    from .kv_cache import DEFAULT_BLOCK_SIZE, PAD_SLOT, KVCache, slot_mapping
+    from .sessions import SessionTable
+
+
+__getattr__ = lazy_attributes(__name__, _LAZY, globals())
+
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",

@@ -11,23 +11,25 @@ from collections.abc import Callable
 import torch
 
 from mha_serve.cache import SessionStats
-from mha_serve.engine.errors import (
-    InvalidRequest,
-    ModelNotFound,
-    TooLarge,
-    absmax,
-    require_finite,
-    scores_overflow_error,
+from mha_serve.engine.checks import absmax, require_finite, scores_overflow_error
+from mha_serve.engine.errors import InvalidRequest, ModelNotFound, TooLarge
+from mha_serve.engine.requests import (
+    UNATTENDED,
+    AttendOutcome,
+    AttendRequest,
+    CacheInfo,
+    CallState,
 )
 from mha_serve.engine.sessions import Sessions
 from mha_serve.engine.types import (
+    DTYPE_NAME,
     DTYPES,
-    AttendCall,
-    AttendResult,
-    CacheInfo,
     HostedModel,
     ModelSpec,
+    Prepared,
+    array_of,
     repeat_heads,
+    tensor_of,
 )
 from mha_serve.model import MultiHeadAttention, init_weights, load_checkpoint
 from mha_serve.model.hf import load_hf_layer
@@ -35,7 +37,6 @@ from mha_serve.model.hf_config import is_hf_directory
 
 log = logging.getLogger(__name__)
 
-WIRE_DTYPES = tuple(DTYPES.values())
 # Room left in a response for everything that is not tensor data.
 RESPONSE_OVERHEAD_BYTES = 64 * 1024
 
@@ -64,7 +65,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class Engine:
-    """The models of one server process; `attend` runs one call to completion."""
+    """The models of one server process. `prepare` accepts a request (every check that needs
+    no compute), `run_batch` computes requests of one batch key together; `attend` is both
+    for one request."""
 
     def __init__(
         self,
@@ -93,11 +96,13 @@ class Engine:
         for spec in specs:
             self.models[spec.name] = self._load(spec, device, dtype)
         self.sessions = Sessions(
-            self.models, evict=evict_idle_sessions, default_ttl_s=session_ttl_s, clock=clock
-        )
-        self.sessions.table.id_prefix = session_id_prefix
-        self.sessions.table.set_client_limits(
-            max_sessions=max_sessions_per_client, max_bytes=max_cache_bytes_per_client
+            self.models,
+            evict=evict_idle_sessions,
+            default_ttl_s=session_ttl_s,
+            clock=clock,
+            id_prefix=session_id_prefix,
+            max_sessions_per_client=max_sessions_per_client,
+            max_cache_bytes_per_client=max_cache_bytes_per_client,
         )
 
     @staticmethod
@@ -153,18 +158,21 @@ class Engine:
             )
         return hosted
 
-    def validate(self, call: AttendCall) -> HostedModel:
-        """Every check that needs no compute, so a bad request is refused before it queues."""
-        hosted = self.get(call.model)
+    def prepare(self, request: AttendRequest, state: CallState = UNATTENDED) -> Prepared:
+        """Every check that needs no compute, so a bad request is refused before it queues;
+        the engine's record of the call (its tensor, bounds and batch key) once accepted.
+        state: what the caller's side tracks of the call (deadline, cancellation, claim)."""
+        hosted = self.get(request.model)
         spec, cfg = hosted.spec, hosted.spec.attention
-        x = call.inputs
-        if x.dim() != 3:
+        inputs = request.inputs
+        shape = list(inputs.shape)
+        if len(shape) != 3:
             raise InvalidRequest(
-                f"input must be (batch, seq_len, embed_dim) or (seq_len, embed_dim); got shape {list(x.shape)}"
+                f"input must be (batch, seq_len, embed_dim) or (seq_len, embed_dim); got shape {shape}"
             )
-        batch, seq_len, embed_dim = x.shape
+        batch, seq_len, embed_dim = shape
         if batch == 0 or seq_len == 0:
-            raise InvalidRequest(f"input is empty (shape {list(x.shape)}); send at least one token")
+            raise InvalidRequest(f"input is empty (shape {shape}); send at least one token")
         if embed_dim != cfg.embed_dim:
             raise InvalidRequest(
                 f"model {spec.name!r} expects embed_dim {cfg.embed_dim}, got {embed_dim}"
@@ -177,39 +185,47 @@ class Engine:
             raise InvalidRequest(
                 f"batch {batch} exceeds model {spec.name!r} max_batch_size {spec.max_batch_size}; send fewer sequences per request"
             )
-        if x.dtype not in WIRE_DTYPES:
-            raise InvalidRequest(f"input dtype {x.dtype} is not one of float32, float16, bfloat16")
-        if call.lengths is not None:
-            if len(call.lengths) != batch:
+        for what, name in (
+            ("input dtype", inputs.dtype),
+            ("weights dtype", request.weights_dtype),
+            ("output dtype", request.output_dtype or inputs.dtype),
+        ):
+            if name not in DTYPES:
+                raise InvalidRequest(f"{what} {name} is not one of float32, float16, bfloat16")
+        lengths = request.lengths
+        if lengths is not None:
+            if len(lengths) != batch:
                 raise InvalidRequest(
-                    f"lengths has {len(call.lengths)} entries for a batch of {batch}; give one per sequence or none"
+                    f"lengths has {len(lengths)} entries for a batch of {batch}; give one per sequence or none"
                 )
-            bad = [(i, n) for i, n in enumerate(call.lengths) if not 1 <= n <= seq_len]
+            bad = [(i, n) for i, n in enumerate(lengths) if not 1 <= n <= seq_len]
             if bad:
                 i, n = bad[0]
                 raise InvalidRequest(
                     f"lengths[{i}] = {n} is out of range: each length must be in 1..{seq_len} (the padded seq_len)"
                 )
-        if call.head_mask is not None and len(call.head_mask) != cfg.num_heads:
+        head_mask = request.head_mask
+        if head_mask is not None and len(head_mask) != cfg.num_heads:
             raise InvalidRequest(
-                f"head_mask has {len(call.head_mask)} values; model {spec.name!r} has {cfg.num_heads} heads"
+                f"head_mask has {len(head_mask)} values; model {spec.name!r} has {cfg.num_heads} heads"
             )
-        if call.head_mask is not None and not all(
-            v == v and abs(v) != float("inf") for v in call.head_mask
-        ):
+        if head_mask is not None and not all(v == v and abs(v) != math.inf for v in head_mask):
             raise InvalidRequest("head_mask contains NaN or Inf")
-        call.input_absmax = absmax(x)  # one pass: the finiteness check, and overflow bounds
-        if not call.input_absmax < math.inf:
+        x = tensor_of(inputs)
+        input_absmax = absmax(x)  # one pass: the finiteness check, and overflow bounds
+        if not input_absmax < math.inf:
             raise InvalidRequest("input contains NaN or Inf values; send finite embeddings")
         num_keys = seq_len
-        if call.session_id is not None:  # keys: everything the session holds, plus the new tokens
-            num_keys += self.sessions.validate_step(hosted, call).num_tokens
-        self._check_response_size(hosted, call, num_keys)
-        return hosted
+        if request.session_id is not None:  # keys: what the session holds, plus the new tokens
+            num_keys += self.sessions.validate_step(hosted, request)
+        self._check_response_size(hosted, request, num_keys)
+        return Prepared(
+            request, state, hosted, x, input_absmax, self.batch_key(hosted, request), num_keys
+        )
 
-    def _check_response_size(self, hosted: HostedModel, call: AttendCall, num_keys: int) -> None:
+    def _check_response_size(self, hosted: HostedModel, call: AttendRequest, num_keys: int) -> None:
         batch, seq_len, embed_dim = call.inputs.shape
-        out_dtype = call.output_dtype or call.inputs.dtype
+        out_dtype = DTYPES[call.output_dtype or call.inputs.dtype]
         out_bytes = batch * seq_len * embed_dim * out_dtype.itemsize
         if out_bytes + RESPONSE_OVERHEAD_BYTES > self.max_response_bytes:
             raise TooLarge(
@@ -235,7 +251,8 @@ class Engine:
                 f"weights query rows [{call.query_start}, {call.query_end}) are not a non-empty range within seq_len {seq_len}"
             )
         rows = end - start
-        size = batch * len(heads) * rows * num_keys * call.weights_dtype.itemsize
+        itemsize = DTYPES[call.weights_dtype].itemsize
+        size = batch * len(heads) * rows * num_keys * itemsize
         limit = min(
             hosted.spec.max_weights_bytes,
             self.max_response_bytes - out_bytes - RESPONSE_OVERHEAD_BYTES,
@@ -243,28 +260,31 @@ class Engine:
         if size > limit:
             raise TooLarge(
                 f"attention weights would be {_mib(size)} (batch {batch} x {len(heads)} heads x "
-                f"{rows} query rows x {num_keys} keys x {call.weights_dtype.itemsize} bytes) but the limit "
+                f"{rows} query rows x {num_keys} keys x {itemsize} bytes) but the limit "
                 f"is {_mib(limit)}; narrow the request: fewer heads (weights.heads), a range of query "
                 f"rows (weights.query_start/query_end), or float16/bfloat16 weights (weights.dtype)"
             )
 
-    def attend(self, call: AttendCall) -> AttendResult:
-        """Validates, then runs the forward pass; raises RequestError subclasses for bad calls."""
-        return self.run(self.validate(call), call)
+    def attend(self, request: AttendRequest, state: CallState = UNATTENDED) -> AttendOutcome:
+        """Prepares, then computes one request; raises RequestError subclasses for bad calls."""
+        return self.run(self.prepare(request, state))
 
-    def run(self, hosted: HostedModel, call: AttendCall) -> AttendResult:
-        """The forward pass of a call that `validate` accepted (returning `hosted`)."""
-        if call.session_id is not None:
-            (result,) = self.sessions.run_steps(hosted, [call], self._check_response_size)
-            if isinstance(result, Exception):
-                raise result
-            return result
+    def run(self, p: Prepared) -> AttendOutcome:
+        """The forward pass of one prepared request."""
+        (outcome,) = self.run_batch(p.hosted, [p])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def _run_one(self, p: Prepared) -> AttendOutcome:
+        """A stateless request alone: its forward, its weights when asked."""
+        hosted, call = p.hosted, p.request
         start = time.perf_counter()
         batch, seq_len, _ = call.inputs.shape
-        x = call.inputs.to(hosted.device, hosted.dtype, non_blocking=True)
-        lengths = None
+        x = p.inputs.to(hosted.device, hosted.dtype, non_blocking=True)
+        lengths = None  # a list: the module checks it on the host (a device tensor would sync)
         if call.lengths is not None and any(n != seq_len for n in call.lengths):
-            lengths = torch.tensor(call.lengths, dtype=torch.long, device=hosted.device)
+            lengths = list(call.lengths)
         head_mask = None
         if call.head_mask is not None:
             head_mask = torch.tensor(call.head_mask, dtype=hosted.dtype, device=hosted.device)
@@ -280,88 +300,98 @@ class Engine:
                 query_range=(call.query_start, query_end) if call.need_weights else None,
                 head_mask=head_mask,
             )
-            if out.overflow:
-                raise scores_overflow_error(hosted.dtype)
-            output = require_finite(out.output.to(call.output_dtype or call.inputs.dtype), "output")
-            weights = None
-            if out.weights is not None:
-                weights = repeat_heads(out.weights, heads).to(call.weights_dtype)
-                weights = require_finite(weights, "attention weights")
+            output = out.output.to(DTYPES[call.output_dtype or call.inputs.dtype])
             # Contiguous on the compute thread: encoding then runs no torch copy elsewhere.
             output = output.cpu().contiguous()
-            weights = None if weights is None else weights.cpu().contiguous()
-        return AttendResult(
-            output=output,
-            weights=weights,
-            weight_heads=list(heads) if call.need_weights else [],
+            weights = None
+            if out.weights is not None:
+                weights = repeat_heads(out.weights, heads).to(DTYPES[call.weights_dtype])
+                weights = weights.cpu().contiguous()
+            if out.overflow.rows():  # read with the output, never before the forward ends
+                raise scores_overflow_error(hosted.dtype)
+            require_finite(output, "output")
+            if weights is not None:
+                require_finite(weights, "attention weights")
+        return AttendOutcome(
+            output=array_of(output),
+            weights=None if weights is None else array_of(weights),
+            weight_heads=tuple(heads) if call.need_weights else (),
             weight_query_start=call.query_start if call.need_weights else 0,
             compute_ms=(time.perf_counter() - start) * 1e3,
             batch_size=batch,
         )
 
     @staticmethod
-    def batch_key(hosted: HostedModel, call: AttendCall) -> tuple:
+    def batch_key(hosted: HostedModel, call: AttendRequest) -> tuple:
         """Calls with equal keys can share one forward pass (same masking and head gates)."""
-        head_mask = tuple(call.head_mask) if call.head_mask is not None else None
         if call.session_id is not None:  # session steps batch with each other (always causal)
-            return ("session", head_mask)
+            return ("session", call.head_mask)
         causal = hosted.spec.attention.causal if call.causal is None else call.causal
-        return (causal, head_mask)
+        return (causal, call.head_mask)
 
     def run_batch(
-        self, hosted: HostedModel, calls: list[AttendCall]
-    ) -> list[AttendResult | Exception]:
-        """Several validated calls with equal `batch_key` and no weights as one padded forward.
-
-        Sequences are padded to the longest; the model masks padding, so each result equals
-        the call run alone (tests/engine/test_batching.py).
-        """
-        if calls[0].session_id is not None:
-            return self.sessions.run_steps(hosted, calls, self._check_response_size)
-        if len(calls) == 1:
+        self, hosted: HostedModel, batch: list[Prepared]
+    ) -> list[AttendOutcome | Exception]:
+        """Prepared requests of one model with equal `key` as one padded forward (requests
+        for weights come one at a time). Sequences are padded to the longest; the model
+        masks padding, so each outcome equals the request run alone
+        (tests/engine/test_batching.py)."""
+        if batch[0].request.session_id is not None:
+            return self.sessions.run_steps(hosted, batch, self._check_response_size)
+        if len(batch) == 1:
             try:
-                return [self.run(hosted, calls[0])]
+                return [self._run_one(batch[0])]
             except InvalidRequest as e:
                 return [e]
-        assert not any(c.need_weights for c in calls), "weights calls run one by one (run)"
+        assert not any(p.request.need_weights for p in batch), "weights calls run one by one"
         start = time.perf_counter()
-        longest = max(c.inputs.shape[1] for c in calls)
-        total = sum(c.inputs.shape[0] for c in calls)
+        longest = max(p.inputs.shape[1] for p in batch)
+        total = sum(p.inputs.shape[0] for p in batch)
         embed_dim = hosted.spec.attention.embed_dim
         # Uninitialised padding is fine: the model zeroes padded positions before projecting.
         x = torch.empty(total, longest, embed_dim, device=hosted.device, dtype=hosted.dtype)
         lengths: list[int] = []
         row = 0
-        for c in calls:
-            batch, seq_len, _ = c.inputs.shape
-            x[row : row + batch, :seq_len].copy_(c.inputs, non_blocking=True)
-            lengths += c.lengths if c.lengths is not None else [seq_len] * batch
-            row += batch
+        for p in batch:
+            n, seq_len, _ = p.inputs.shape
+            x[row : row + n, :seq_len].copy_(p.inputs, non_blocking=True)
+            lengths += p.request.lengths if p.request.lengths is not None else [seq_len] * n
+            row += n
         padded = any(n != longest for n in lengths)
-        lengths_t = torch.tensor(lengths, device=hosted.device) if padded else None
-        first = calls[0]
+        lengths_t = lengths if padded else None  # checked on the host by the module
+        first = batch[0].request
         head_mask = None
         if first.head_mask is not None:
             head_mask = torch.tensor(first.head_mask, dtype=hosted.dtype, device=hosted.device)
         with torch.inference_mode():
             forward = hosted.module(x, lengths=lengths_t, causal=first.causal, head_mask=head_mask)
-        out, overflow = forward.output, set(forward.overflow)
-        results, row = [], 0
+            outputs = []
+            row = 0
+            for p in batch:
+                n, seq_len, _ = p.inputs.shape
+                out = forward.output[row : row + n, :seq_len]
+                outputs.append(out.to(DTYPES[p.request.output_dtype or p.request.inputs.dtype]))
+                row += n
+            outputs = [o.cpu().contiguous() for o in outputs]  # the copies we send
+            overflow = set(forward.overflow.rows())  # read with the outputs
+        results: list[AttendOutcome | Exception] = []
         compute_ms = (time.perf_counter() - start) * 1e3
-        for c in calls:
-            batch, seq_len, _ = c.inputs.shape
+        row = 0
+        for p, output in zip(batch, outputs, strict=True):
+            n = p.inputs.shape[0]
             try:
-                if overflow.intersection(range(row, row + batch)):
+                if overflow.intersection(range(row, row + n)):
                     raise scores_overflow_error(hosted.dtype)
-                output = out[row : row + batch, :seq_len].to(c.output_dtype or c.inputs.dtype)
-                output = require_finite(output.cpu().contiguous(), "output")  # the copy we send
-                results.append(AttendResult(output, None, compute_ms=compute_ms, batch_size=total))
+                require_finite(output, "output")
+                results.append(
+                    AttendOutcome(array_of(output), None, compute_ms=compute_ms, batch_size=total)
+                )
             except InvalidRequest as e:  # only this call's caller hears of it
                 results.append(e)
-            row += batch
+            row += n
         return results
 
-    # --- sessions: the one API every front door calls ----------------------------------
+    # --- sessions: the one API every front door calls (through Sessions alone) ----------
 
     def create_session(
         self,
@@ -375,39 +405,36 @@ class Engine:
         if not model:
             raise InvalidRequest("model is empty; name one of the models ListModels returns")
         self.get(model)
-        session = self.sessions.create(model, max_len, ttl_s, owner)
-        return self.sessions.table.session_stats(session.id)
+        return self.sessions.create(model, max_len, ttl_s, owner)
 
     def get_session(self, session_id: str) -> SessionStats:
-        return self.sessions.table.session_stats(_session_id(session_id))
+        return self.sessions.stats(_session_id(session_id))
 
     def session_model(self, session_id: str) -> str:
         """The model of a live session (SessionNotFound says why there is none)."""
-        return self.sessions.table.get(_session_id(session_id)).model
+        return self.sessions.model_of(_session_id(session_id))
 
     def fork_session(self, session_id: str, ttl_s: float | None = None) -> SessionStats:
         """A new session sharing the parent's tokens (copy-on-write); ttl_s None: the parent's."""
-        table = self.sessions.table
-        return table.session_stats(table.fork(_session_id(session_id), ttl_s=ttl_s).id)
+        return self.sessions.fork(_session_id(session_id), ttl_s)
 
     def truncate_session(self, session_id: str, num_tokens: int) -> SessionStats:
-        session = self.sessions.truncate(_session_id(session_id), num_tokens)
-        return self.sessions.table.session_stats(session.id)
+        return self.sessions.truncate(_session_id(session_id), num_tokens)
 
     def close_session(self, session_id: str) -> None:
-        self.sessions.table.close(_session_id(session_id))
+        self.sessions.close(_session_id(session_id))
 
     def expire_sessions(self) -> list[str]:
         """Frees idle sessions past their TTL (lookups also expire them lazily)."""
-        return self.sessions.table.expire()
+        return self.sessions.expire()
 
-    def on_session_end(self, hook) -> None:
+    def on_session_end(self, hook: Callable[[str], None]) -> None:
         """hook(reason) each time a session ends: "closed", "expired" or "evicted"."""
-        self.sessions.table.on_end = hook
+        self.sessions.on_end(hook)
 
     def stepping(self, session_id: str):
         """Claims a session for one step from its receipt to its answer (Sessions.stepping)."""
-        return self.sessions.stepping(session_id)
+        return self.sessions.stepping(_session_id(session_id))
 
     def cache_info(self, model: str) -> CacheInfo | None:
         """The model's KV cache, None when it serves no sessions."""
@@ -420,19 +447,19 @@ class Engine:
             bytes_per_token=cache.bytes_per_token,
             bytes_per_block=cache.bytes_per_block,
             num_blocks=cache.num_blocks,
-            num_blocks_used=self.sessions.table.pool(model).num_used,
+            num_blocks_used=self.sessions.num_blocks_used(model),
             num_sessions=self.sessions.num_sessions(model),
-            evict_idle_sessions=self.sessions.table.evict,
-            dtype=cache.dtype,
+            evict_idle_sessions=self.sessions.evicts,
+            dtype=DTYPE_NAME[cache.dtype],
         )
 
     def warmup(self) -> None:
         """One small forward per model (both paths), so the first request pays no lazy init."""
         for name, hosted in self.models.items():
             embed_dim = hosted.spec.attention.embed_dim
-            x = torch.zeros(1, 4, embed_dim)
-            self.attend(AttendCall(model=name, inputs=x))
-            self.attend(AttendCall(model=name, inputs=x, need_weights=True, lengths=[3]))
+            x = array_of(torch.zeros(1, 4, embed_dim))
+            self.attend(AttendRequest(model=name, inputs=x))
+            self.attend(AttendRequest(model=name, inputs=x, need_weights=True, lengths=(3,)))
 
 
 def _session_id(session_id: str) -> str:

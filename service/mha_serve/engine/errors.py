@@ -1,9 +1,5 @@
-"""Errors the engine raises for a bad request; transport maps each to a gRPC status."""
-
-import math
-
-import numpy as np
-import torch
+"""Errors the engine raises for a bad request; transport maps each to a gRPC status.
+No torch here: a frontend worker maps them too (the checks that raise them: checks.py)."""
 
 
 class RequestError(Exception):
@@ -30,59 +26,3 @@ class DeadlinePassed(Abandoned):
 
 class TooLarge(RequestError):
     """The reply would exceed a size limit; the message says how to narrow it (RESOURCE_EXHAUSTED)."""
-
-
-# numpy has no bfloat16: its NaN and Inf are the values whose 8 exponent bits are all set.
-_BF16_EXPONENT = 0x7F80
-
-
-def all_finite(t: torch.Tensor) -> bool:
-    """Whether a CPU tensor holds no NaN/Inf, checked with numpy.
-
-    Not torch.isfinite: a torch op on another thread (the event loop) would start a second
-    OpenMP thread pool, and two pools on 2 cores slow every forward pass.
-    """
-    if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return bool(torch.isfinite(t).all())
-    if t.dtype == torch.bfloat16:
-        bits = t.detach().contiguous().view(torch.int16).numpy()
-        return not bool(((bits & _BF16_EXPONENT) == _BF16_EXPONENT).any())
-    return bool(np.isfinite(t.detach().numpy()).all())
-
-
-def absmax(t: torch.Tensor) -> float:
-    """max |x| of a CPU tensor as a float, with numpy (as all_finite, never a torch op on the
-    caller's thread); NaN or inf when it holds one. One pass for the finiteness check that
-    also bounds everything computed from it (mha_serve.model.overflow)."""
-    if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return float(t.detach().abs().max())
-    if t.dtype == torch.bfloat16:  # the largest magnitude is the largest sign-less bit pattern;
-        bits = t.detach().contiguous().view(torch.int16).numpy()  # NaN and inf lie above all
-        top = int((bits & 0x7FFF).max())  # finite ones (exponent bits all set)
-        if top >= _BF16_EXPONENT:
-            return math.nan if top > _BF16_EXPONENT else math.inf
-        return float(np.array([top << 16], dtype=np.uint32).view(np.float32)[0])
-    a = t.detach().numpy()
-    return float(max(a.max(), -a.min()))  # max and min propagate NaN
-
-
-def require_finite(t: torch.Tensor, what: str) -> torch.Tensor:
-    """Finite inputs can still overflow (|x| ~ 1e20 in float32, or > 65504 in float16)."""
-    if not all_finite(t):
-        raise InvalidRequest(
-            f"the {what} overflowed to NaN/Inf in {str(t.dtype).removeprefix('torch.')}: the input "
-            "values are too large for the model's dtype or the requested dtype; scale the input "
-            "down or ask for a wider dtype (float32)"
-        )
-    return t
-
-
-def scores_overflow_error(dtype: torch.dtype) -> InvalidRequest:
-    """A request whose attention scores (q . k) or values would overflow the compute dtype:
-    refused whatever a kernel would make of them (mha_serve.model.overflow)."""
-    name = str(dtype).removeprefix("torch.")
-    return InvalidRequest(
-        f"the attention scores of this input overflow {name} (a product q . k of its queries "
-        f"and keys reaches {torch.finfo(dtype).max:.3g}, or its values are not finite): the "
-        "input values are too large for the model; scale the input down"
-    )

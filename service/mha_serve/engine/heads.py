@@ -8,36 +8,52 @@ import time
 
 import torch
 
+from mha_serve.engine.checks import scores_overflow_error
 from mha_serve.engine.engine import Engine
-from mha_serve.engine.errors import InvalidRequest, scores_overflow_error
-from mha_serve.engine.types import AttendCall
-from mha_serve.model.heads import HeadAnalysis, analyze_heads
+from mha_serve.engine.errors import InvalidRequest
+from mha_serve.engine.requests import AttendRequest, HeadReport, PruningLevel
+from mha_serve.engine.types import array_of
+from mha_serve.model.heads import analyze_heads
 
 
-def analyze(
-    engine: Engine, call: AttendCall, *, include_weights: bool
-) -> tuple[HeadAnalysis, float]:
-    """(analysis, compute_ms) of call's model over call's inputs (stateless: no session,
-    no head_mask of its own). The weights the analysis reads count against the model's
-    max_weights_bytes like an Attend asking for all heads."""
-    if call.session_id is not None:
+def analyze(engine: Engine, request: AttendRequest, *, include_weights: bool) -> HeadReport:
+    """The analysis of request's model over its inputs (stateless: no session, no head_mask
+    of its own). The weights the analysis reads count against the model's max_weights_bytes
+    like an Attend asking for all heads."""
+    if request.session_id is not None:
         raise InvalidRequest("head analysis runs on stateless inputs; leave session_id empty")
-    if call.head_mask is not None:
+    if request.head_mask is not None:
         raise InvalidRequest("head analysis masks heads itself; leave head_mask empty")
-    call = dataclasses.replace(
-        call, need_weights=True, weight_heads=None, query_start=0, query_end=0
+    request = dataclasses.replace(
+        request, need_weights=True, weight_heads=None, query_start=0, query_end=0
     )
-    hosted = engine.validate(call)
+    p = engine.prepare(request)
+    hosted = p.hosted
     start = time.perf_counter()
-    batch, seq_len, _ = call.inputs.shape
-    x = call.inputs.to(hosted.device, hosted.dtype)
+    batch, seq_len, _ = request.inputs.shape
+    x = p.inputs.to(hosted.device, hosted.dtype)
     lengths = None
-    if call.lengths is not None and any(n != seq_len for n in call.lengths):
-        lengths = torch.tensor(call.lengths, dtype=torch.long, device=hosted.device)
+    if request.lengths is not None and any(n != seq_len for n in request.lengths):
+        lengths = torch.tensor(request.lengths, dtype=torch.long, device=hosted.device)
     with torch.inference_mode():
-        if hosted.module(x, lengths=lengths, causal=call.causal).overflow:
+        if hosted.module(x, lengths=lengths, causal=request.causal).overflow.rows():
             raise scores_overflow_error(hosted.dtype)
         analysis = analyze_heads(
-            hosted.module, x, lengths=lengths, causal=call.causal, include_weights=include_weights
+            hosted.module,
+            x,
+            lengths=lengths,
+            causal=request.causal,
+            include_weights=include_weights,
         )
-    return analysis, (time.perf_counter() - start) * 1e3
+    weights = analysis.weights
+    return HeadReport(
+        mean_entropy=analysis.mean_entropy,
+        mean_max_weight=analysis.mean_max_weight,
+        importance=analysis.importance,
+        pruning=[
+            PruningLevel(s.num_pruned, s.head, s.output_error, s.head_mask)
+            for s in analysis.pruning
+        ],
+        weights=None if weights is None else array_of(weights.cpu().contiguous()),
+        compute_ms=(time.perf_counter() - start) * 1e3,
+    )

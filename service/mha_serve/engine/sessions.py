@@ -13,6 +13,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -20,18 +21,14 @@ from mha_serve.cache import (
     CacheError,
     KVCache,
     Reservation,
-    Session,
+    SessionStats,
     SessionTable,
 )
-from mha_serve.engine.errors import (
-    Abandoned,
-    DeadlinePassed,
-    InvalidRequest,
-    RequestError,
-    require_finite,
-    scores_overflow_error,
-)
-from mha_serve.engine.types import DTYPES, AttendCall, AttendResult, HostedModel, repeat_heads
+from mha_serve.engine.checks import require_finite, scores_overflow_error
+from mha_serve.engine.errors import Abandoned, DeadlinePassed, InvalidRequest, RequestError
+from mha_serve.engine.requests import Array, AttendOutcome, AttendRequest, CallState
+from mha_serve.engine.types import DTYPES, HostedModel, Prepared, array_of, repeat_heads
+from mha_serve.model import AttentionOutput
 from mha_serve.model.overflow import (
     MARGIN,
     bound_crossed,
@@ -51,8 +48,24 @@ SMALL_STEP_MIN_SESSIONS = 4
 SMALL_STEP_MAX_KV_BYTES = 1 << 20
 
 
+@dataclass(slots=True)
+class StepForward:
+    """What one batched forward of session steps leaves for Sessions._settle to keep or
+    refuse, row by row (row b is the b-th step that reserved room)."""
+
+    out: AttentionOutput
+    heads: list[int]  # the query heads whose weights were asked (all steps ask the same)
+    overflowed: set[int]  # rows whose K/V did not fit the cache's dtype (refused)
+    too_large: set[int]  # rows whose scores overflow (refused)
+    # A bound on each row's max |k| and |v| (measured, or proven), kept as its session's
+    # bound (key_absmax): a later step's output averages the cached values too.
+    kv_max: list[float]
+    finite: list[bool]  # whether each row's output is
+
+
 class Sessions:
-    """The session table and one KV cache per model that has a cache budget."""
+    """The session table and one KV cache per model that has a cache budget: the one API
+    through which the engine creates, steps, forks, truncates and closes sessions."""
 
     def __init__(
         self,
@@ -61,8 +74,18 @@ class Sessions:
         evict: bool,
         default_ttl_s: float | None,
         clock: Callable[[], float] = time.monotonic,
+        id_prefix: str = "",
+        max_sessions_per_client: int = 0,
+        max_cache_bytes_per_client: int = 0,
     ) -> None:
-        self.table = SessionTable(evict=evict, default_ttl_s=default_ttl_s, clock=clock)
+        """id_prefix starts every session id (a Ray Serve replica's own id); the per-client
+        limits bound each owner's live sessions and KV bytes (0: none)."""
+        self.table = SessionTable(
+            evict=evict, default_ttl_s=default_ttl_s, clock=clock, id_prefix=id_prefix
+        )
+        self.table.set_client_limits(
+            max_sessions=max_sessions_per_client, max_bytes=max_cache_bytes_per_client
+        )
         self.caches: dict[str, KVCache] = {}
         for name, hosted in models.items():
             spec = hosted.spec
@@ -101,11 +124,42 @@ class Sessions:
     def num_sessions(self, model: str) -> int:
         return self.table.num_sessions(model)
 
+    def num_blocks_used(self, model: str) -> int:
+        return self.table.pool(model).num_used
+
+    @property
+    def evicts(self) -> bool:
+        """Whether a full cache evicts idle sessions (else it refuses new tokens)."""
+        return self.table.evict
+
+    def on_end(self, hook: Callable[[str], None]) -> None:
+        """hook(reason) each time a session ends: "closed", "expired" or "evicted"."""
+        self.table.on_end = hook
+
     def create(
         self, model: str, max_len: int | None, ttl_s: float | None, owner: str = ""
-    ) -> Session:
+    ) -> SessionStats:
         self.cache(model)
-        return self.table.create(model, max_len=max_len, ttl_s=ttl_s, owner=owner)
+        session = self.table.create(model, max_len=max_len, ttl_s=ttl_s, owner=owner)
+        return self.table.session_stats(session.id)
+
+    def stats(self, session_id: str) -> SessionStats:
+        return self.table.session_stats(session_id)
+
+    def model_of(self, session_id: str) -> str:
+        """The model of a live session (SessionNotFound says why there is none)."""
+        return self.table.get(session_id).model
+
+    def fork(self, session_id: str, ttl_s: float | None) -> SessionStats:
+        """A new session sharing the parent's tokens (copy-on-write); ttl_s None: the parent's."""
+        return self.table.session_stats(self.table.fork(session_id, ttl_s=ttl_s).id)
+
+    def close(self, session_id: str) -> None:
+        self.table.close(session_id)
+
+    def expire(self) -> list[str]:
+        """Frees idle sessions past their TTL; returns their ids."""
+        return self.table.expire()
 
     @contextlib.contextmanager
     def stepping(self, session_id: str) -> Iterator[None]:
@@ -117,13 +171,14 @@ class Sessions:
         finally:
             self.table.release(session_id)
 
-    def truncate(self, session_id: str, num_tokens: int) -> Session:
+    def truncate(self, session_id: str, num_tokens: int) -> SessionStats:
         """SessionTable.truncate: refused (SessionBusy) while a step of the session is
         unanswered, queued or computing."""
-        return self.table.truncate(session_id, num_tokens)
+        return self.table.session_stats(self.table.truncate(session_id, num_tokens).id)
 
-    def validate_step(self, hosted: HostedModel, call: AttendCall) -> Session:
-        """Session-specific checks, before the step queues (the table re-checks at reserve)."""
+    def validate_step(self, hosted: HostedModel, call: AttendRequest) -> int:
+        """Session-specific checks, before the step queues (the table re-checks at reserve);
+        the tokens the session holds."""
         session = self.table.get(call.session_id)
         if session.model != call.model:
             raise InvalidRequest(
@@ -135,21 +190,21 @@ class Sessions:
             raise InvalidRequest(
                 f"a session step takes one sequence, (T, embed_dim) or (1, T, embed_dim); got batch {batch}"
             )
-        if call.lengths is not None and call.lengths != [seq_len]:
+        if call.lengths is not None and tuple(call.lengths) != (seq_len,):
             raise InvalidRequest("a session step's tokens are all real: leave lengths empty")
         if call.causal is False:
             raise InvalidRequest(
                 "session steps are causal (cached keys are exact only for causal attention); "
                 "leave causal unset or true"
             )
-        return session
+        return session.num_tokens
 
     def run_steps(
         self,
         hosted: HostedModel,
-        calls: list[AttendCall],
-        check_weights: Callable[[HostedModel, AttendCall, int], None] | None = None,
-    ) -> list[AttendResult | Exception]:
+        calls: list[Prepared],
+        check_weights: Callable[[HostedModel, AttendRequest, int], None] | None = None,
+    ) -> list[AttendOutcome | Exception]:
         """One batched forward for steps of different sessions of one model.
 
         Steps with weights arrive one at a time (their own lane); steps without share a batch.
@@ -160,9 +215,9 @@ class Sessions:
         start = time.perf_counter()
         name = hosted.spec.name
         cache = self.cache(name)
-        results: list[AttendResult | Exception | None] = [None] * len(calls)
+        results: list[AttendOutcome | Exception | None] = [None] * len(calls)
         reserved = self.table.reserve_many(
-            [(c.session_id, c.inputs.shape[1], c.claimed) for c in calls]
+            [(p.request.session_id, p.inputs.shape[1], p.state.claimed) for p in calls]
         )
         # Until _settle takes them, any error rolls back the reservations still open.
         open_ = [r for r in reserved if isinstance(r, Reservation)]
@@ -173,9 +228,9 @@ class Sessions:
                 if isinstance(r, CacheError):
                     results[i] = r
                     continue
-                if calls[i].need_weights and check_weights is not None:
+                if calls[i].request.need_weights and check_weights is not None:
                     try:
-                        check_weights(hosted, calls[i], r.start + r.num_tokens)
+                        check_weights(hosted, calls[i].request, r.start + r.num_tokens)
                     except RequestError as e:
                         open_ = [x for x in open_ if x is not r]
                         self.table.rollback(r)
@@ -196,20 +251,21 @@ class Sessions:
             if small and threads > 1:
                 torch.set_num_threads(threads)
         compute_ms = (time.perf_counter() - start) * 1e3
-        self._settle(*forward, compute_ms, calls, live, results)
+        self._settle(forward, compute_ms, calls, live, results)
         return results
 
-    def _forward(self, hosted, cache, steps: list[AttendCall], live) -> tuple:
-        """Writes the steps' K/V and attends; returns (AttentionOutput, heads, overflowed,
-        too_large, kv_max, finite): overflowed, the batch rows whose K/V did not fit the
-        cache's dtype; too_large, those whose scores overflow; kv_max, a bound on each row's
-        max |k| and |v| (measured, or proven), kept as its session's bound (key_absmax: a
-        later step's output averages the cached values too, not only its own); finite,
-        whether each row's output is."""
+    def _forward(
+        self,
+        hosted: HostedModel,
+        cache: KVCache,
+        steps: list[Prepared],
+        live: list[tuple[int, Reservation]],
+    ) -> StepForward:
+        """Writes the steps' K/V and attends; what is left to keep or refuse per row."""
         reservations = [r for _, r in live]
-        new_tokens = [c.inputs.shape[1] for c in steps]
+        new_tokens = [p.inputs.shape[1] for p in steps]
         x = _batch_inputs(hosted, steps, new_tokens)  # (B, T, E)
-        first = steps[0]
+        first = steps[0].request
         heads = first.heads(hosted.spec.attention.num_heads)
         head_mask = None
         if first.head_mask is not None:
@@ -252,7 +308,7 @@ class Sessions:
                 head_mask=head_mask,
             )
         if bounded is not None:  # no overflow anywhere: proven, not measured
-            return out, heads, set(), set(), bounded, [True] * len(steps)
+            return StepForward(out, heads, set(), set(), bounded, [True] * len(steps))
         with torch.inference_mode():
             # The step's one device sync: max |q|, |k|, |v| and |output| of every row. Rows
             # are refused after the forward, so the common case waits for nothing first.
@@ -271,51 +327,56 @@ class Sessions:
                         too_large.add(b)
         finite = [m < math.inf for m in o_max]
         kv_max = [max(k, v) for k, v in zip(k_max, v_max, strict=True)]
-        return out, heads, overflowed, too_large, kv_max, finite
+        return StepForward(out, heads, overflowed, too_large, kv_max, finite)
 
     def _settle(
         self,
-        out,
-        heads,
-        overflowed,
-        too_large,
-        kv_max,
-        finite,
+        forward: StepForward,
         compute_ms: float,
-        calls,
-        live,
-        results,
+        calls: list[Prepared],
+        live: list[tuple[int, Reservation]],
+        results: list[AttendOutcome | Exception | None],
     ) -> None:
         """Keeps (commit) or drops (rollback) each step on its own: one step's failure, its
         caller gone, or its session closing meanwhile, is that step's answer alone. Should
         settling itself fail, the steps not yet settled are rolled back and answered with
         that error (a pending step left behind would keep its session busy for good); those
         already kept keep their answers."""
+        out, heads = forward.out, forward.heads
         settled = 0
         try:
             for b, (i, r) in enumerate(live):
-                call = calls[i]
+                p = calls[i]
+                cache_dtype = self.caches[p.hosted.spec.name].dtype
                 try:
-                    if b in overflowed:
-                        raise InvalidRequest(_overflow_message(self.caches[call.model].dtype))
-                    if b in too_large:
-                        dtypes = (out.output.dtype, self.caches[call.model].dtype)
+                    if b in forward.overflowed:
+                        raise InvalidRequest(_overflow_message(cache_dtype))
+                    if b in forward.too_large:
+                        dtypes = (out.output.dtype, cache_dtype)
                         raise scores_overflow_error(min(dtypes, key=lambda d: torch.finfo(d).max))
-                    result = self._result(out, b, r, call, heads, compute_ms, len(live), finite[b])
-                    _raise_if_abandoned(call)  # last, right before commit: the smallest gap
+                    output, weights = _step_outputs(out, b, r, p.request, heads, forward.finite[b])
+                    _raise_if_abandoned(p.state)  # last, right before commit: the smallest gap
                 except Exception as e:  # refused, caller gone, or a bug: not kept
                     settled = b + 1
                     self.table.rollback(r)
                     results[i] = e
                     continue
                 try:  # one transaction: count the tokens, unpin, read the session's stats
-                    result.session = self.table.commit(r, key_absmax=kv_max[b])
+                    stats = self.table.commit(r, key_absmax=forward.kv_max[b])
                 except CacheError as e:  # closed while the step ran: its cache went with it
                     results[i] = e
                     continue
                 finally:
                     settled = b + 1
-                results[i] = result
+                results[i] = AttendOutcome(
+                    output=output,
+                    weights=weights,
+                    weight_heads=tuple(heads) if p.request.need_weights else (),
+                    weight_query_start=p.request.query_start if p.request.need_weights else 0,
+                    compute_ms=compute_ms,
+                    batch_size=len(live),
+                    session=stats,
+                )
         except BaseException as e:
             for _, r in live[settled:]:
                 self.table.rollback(r)
@@ -329,42 +390,42 @@ class Sessions:
                 raise
             log.exception("settling a batch of %d session steps failed", len(live))
 
-    @staticmethod
-    def _result(
-        out, b, r: Reservation, call: AttendCall, heads, compute_ms, batch, finite: bool
-    ) -> AttendResult:
-        """Step b's share of the batch; `finite`: its output row holds no NaN/Inf."""
-        n = r.num_tokens
-        output = out.output[b : b + 1, :n]
-        dtype = call.output_dtype or call.inputs.dtype
-        if dtype != output.dtype:  # (no call at all otherwise: this runs per session per step)
-            output = output.to(dtype)
-        if not finite or output.dtype != out.output.dtype:  # a narrower dtype may overflow
-            require_finite(output, "output")
-        weights = None
-        if out.weights is not None:
-            q_end = call.query_end or n
-            w = out.weights[b : b + 1, :, call.query_start : q_end, : r.start + n]  # (1, n, R, S)
-            w = repeat_heads(w, heads)
-            weights = require_finite(w.to(call.weights_dtype), "attention weights").cpu()
-        # Contiguous here, on the compute thread: encoding then copies nothing with torch,
-        # so no other thread ever runs a torch op big enough to start an OpenMP team.
-        return AttendResult(
-            output=(output if output.device.type == "cpu" else output.cpu()).contiguous(),
-            weights=None if weights is None else weights.contiguous(),
-            weight_heads=list(heads) if call.need_weights else [],
-            weight_query_start=call.query_start if call.need_weights else 0,
-            compute_ms=compute_ms,
-            batch_size=batch,
-        )
+
+def _step_outputs(
+    out: AttentionOutput,
+    b: int,
+    r: Reservation,
+    call: AttendRequest,
+    heads: list[int],
+    finite: bool,
+) -> tuple[Array, Array | None]:
+    """Step b's share of the batch's output and weights; `finite`: its output row holds no
+    NaN/Inf."""
+    n = r.num_tokens
+    output = out.output[b : b + 1, :n]
+    dtype = DTYPES[call.output_dtype or call.inputs.dtype]
+    if dtype != output.dtype:  # (no call at all otherwise: this runs per session per step)
+        output = output.to(dtype)
+    if not finite or output.dtype != out.output.dtype:  # a narrower dtype may overflow
+        require_finite(output, "output")
+    weights = None
+    if out.weights is not None:
+        q_end = call.query_end or n
+        w = out.weights[b : b + 1, :, call.query_start : q_end, : r.start + n]  # (1, h, R, S)
+        w = repeat_heads(w, heads)
+        weights = require_finite(w.to(DTYPES[call.weights_dtype]), "attention weights").cpu()
+    # Contiguous here, on the compute thread: encoding then copies nothing with torch,
+    # so no other thread ever runs a torch op big enough to start an OpenMP team.
+    output = (output if output.device.type == "cpu" else output.cpu()).contiguous()
+    return array_of(output), None if weights is None else array_of(weights.contiguous())
 
 
-def _raise_if_abandoned(call: AttendCall) -> None:
+def _raise_if_abandoned(state: CallState) -> None:
     """Its caller stopped waiting (cancelled, or past its deadline): the step is not kept,
     so that a retry does not find it appended already."""
-    if call.cancelled:
+    if state.cancelled:
         raise Abandoned("the caller cancelled before the step was kept; nothing of it was kept")
-    if call.deadline is not None and time.monotonic() > call.deadline:
+    if state.deadline is not None and time.monotonic() > state.deadline:
         raise DeadlinePassed(
             "the caller's deadline passed before the step was kept; nothing of it was kept"
         )
@@ -387,7 +448,7 @@ def _overflow_message(dtype: torch.dtype) -> str:
 def _bounded_rows(
     hosted: HostedModel,
     cache: KVCache,
-    steps: list[AttendCall],
+    steps: list[Prepared],
     reservations: list[Reservation],
 ) -> list[float] | None:
     """Each step's bound on max |k| and |v| when the bounds from its max |input| prove that
@@ -400,11 +461,10 @@ def _bounded_rows(
     wb = weight_bounds(hosted.module)
     limit = score_limit(hosted.dtype, cache.dtype) / MARGIN
     out_limit = torch.finfo(hosted.dtype).max / MARGIN
-    gate = 1.0 if steps[0].head_mask is None else max(abs(g) for g in steps[0].head_mask)
+    head_mask = steps[0].request.head_mask
+    gate = 1.0 if head_mask is None else max(abs(g) for g in head_mask)
     kv_bounds = []
     for call, r in zip(steps, reservations, strict=True):
-        if call.input_absmax is None:
-            return None
         q_b, k_b, v_b = projected_bounds(
             call.input_absmax, cfg.embed_dim, wb, rotary=cfg.rope is not None
         )
@@ -425,7 +485,7 @@ def _bounded_rows(
 
 
 def _batch_inputs(
-    hosted: HostedModel, steps: list[AttendCall], new_tokens: list[int]
+    hosted: HostedModel, steps: list[Prepared], new_tokens: list[int]
 ) -> torch.Tensor:
     """The steps' tokens as one (B, T, E) tensor on the model's device and dtype: no copy
     for a lone step in the model's dtype; padded rows (unequal steps) are zeros."""

@@ -1,12 +1,14 @@
-"""The small dataclasses that cross the engine boundary: model specs, calls and results."""
+"""The engine's torch-side types: a hosted model, the engine's record of an accepted call,
+and Arrays (engine/requests.py) as tensors and back without a copy."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass
 
 import torch
 
-from mha_serve.cache import SessionStats
+from mha_serve.engine.requests import Array, AttendRequest, CallState, ModelView
 from mha_serve.model import MultiHeadAttention
 from mha_serve.spec import (  # re-exported: the engine's callers name them from here
     DEFAULT_KV_BLOCK_SIZE,
@@ -26,18 +28,24 @@ __all__ = [
     "DEFAULT_MAX_WEIGHTS_BYTES",
     "DTYPES",
     "KV_CACHE_DTYPES",
-    "AttendCall",
-    "AttendResult",
-    "CacheInfo",
     "HostedModel",
     "MiB",
     "ModelSpec",
+    "Prepared",
+    "array_of",
     "repeat_heads",
+    "tensor_of",
 ]
 
 # Compute dtypes by the names the config uses ("auto" aside): the server's dtype, and a
 # model's kv_cache_dtype.
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+DTYPE_NAME = {dtype: name for name, dtype in DTYPES.items()}
+# A request's Array may be a view of the (immutable) bytes it came in, which nothing writes
+# to: torch's warning about wrapping read-only memory is filtered once.
+warnings.filterwarnings(
+    "ignore", message="The given NumPy array is not writable", category=UserWarning
+)
 
 
 @dataclass
@@ -53,36 +61,42 @@ class HostedModel:
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.module.parameters())
 
+    def view(self) -> ModelView:
+        """What a front door reads of it (no module, no torch)."""
+        return ModelView(self.spec, str(self.device), DTYPE_NAME[self.dtype], self.num_parameters)
 
-@dataclass
-class AttendCall:
-    """One stateless Attend request, already decoded from the wire."""
 
-    model: str
-    inputs: torch.Tensor  # (B, L, E) on the CPU, float32/float16/bfloat16
-    lengths: list[int] | None = None  # real length per sequence; None: all L
-    causal: bool | None = None  # None: the model's default
-    need_weights: bool = False
-    weight_heads: list[int] | None = None  # None: all heads
-    query_start: int = 0
-    query_end: int = 0  # 0: to the end of the padded sequence
-    weights_dtype: torch.dtype = torch.float32
-    head_mask: list[float] | None = None
-    output_dtype: torch.dtype | None = None  # None: the input's dtype
-    session_id: str | None = None  # a session step: inputs (1, T, E) are appended to it
-    # The caller's deadline (time.monotonic()), and whether it stopped waiting (set from the
-    # caller's thread): a session step whose caller is gone by its end is not kept.
-    deadline: float | None = None
-    cancelled: bool = False
-    # The caller holds the session's claim (Engine.stepping) for this step.
-    claimed: bool = False
-    # max |input|, set by Engine.validate (None: not validated): bounds the step's q, k, v
-    # and output, so a step needs no check of its own while they are far from overflow.
-    input_absmax: float | None = None
+@dataclass(eq=False, slots=True)
+class Prepared:
+    """A request the engine accepted (Engine.prepare): the request, the caller's state, and
+    what its forward needs, computed once. The engine's own record of the call; nothing
+    writes to it after prepare."""
 
-    def heads(self, num_heads: int) -> list[int]:
-        """Query heads whose weights are returned, in the order asked (None: all)."""
-        return self.weight_heads if self.weight_heads is not None else list(range(num_heads))
+    request: AttendRequest
+    state: CallState
+    hosted: HostedModel
+    inputs: torch.Tensor  # request.inputs as a CPU tensor over the same memory, (B, L, E)
+    # max |input|: bounds the step's q, k, v and output, so a step needs no check of its
+    # own while they are far from overflow (mha_serve.model.overflow).
+    input_absmax: float
+    key: tuple  # requests of equal keys can share one forward (Engine.batch_key)
+    num_keys: int  # keys each query attends to at validation (a session's past + its tokens)
+
+
+def tensor_of(a: Array) -> torch.Tensor:
+    """The Array's memory as a CPU tensor (no copy); never written."""
+    x = torch.from_numpy(a.data)
+    return x.view(torch.bfloat16) if a.dtype == "bfloat16" else x
+
+
+def array_of(t: torch.Tensor) -> Array:
+    """A CPU tensor as an Array over the same memory (a copy only if not contiguous)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return Array(t.view(torch.int16).numpy(), "bfloat16")
+    return Array(t.numpy(), DTYPE_NAME[t.dtype])
 
 
 def repeat_heads(weights: torch.Tensor, heads: list[int]) -> torch.Tensor:
@@ -92,29 +106,3 @@ def repeat_heads(weights: torch.Tensor, heads: list[int]) -> torch.Tensor:
     if unique == heads:
         return weights
     return weights[:, [unique.index(h) for h in heads]]
-
-
-@dataclass
-class AttendResult:
-    output: torch.Tensor  # (B, L, E) on the CPU in the requested dtype
-    weights: torch.Tensor | None  # (B, h, R, S) on the CPU
-    weight_heads: list[int] = field(default_factory=list)
-    weight_query_start: int = 0
-    compute_ms: float = 0.0
-    batch_size: int = 0
-    session: SessionStats | None = None  # the session after a step
-
-
-@dataclass(frozen=True)
-class CacheInfo:
-    """One model's KV cache as the engine reports it (ModelInfo.kv_cache, metrics)."""
-
-    budget_bytes: int
-    block_size: int  # tokens per block
-    bytes_per_token: int
-    bytes_per_block: int
-    num_blocks: int
-    num_blocks_used: int
-    num_sessions: int
-    evict_idle_sessions: bool
-    dtype: torch.dtype  # element type of the stored K/V

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +13,7 @@ from torch import nn
 
 from .cached import attend_one, causal_from
 from .config import AttentionConfig
-from .overflow import overflowing_rows
+from .overflow import NO_OVERFLOW, NoOverflow, OverflowCheck
 from .rope import cos_sin, inv_freq, rotate
 
 
@@ -21,9 +21,10 @@ from .rope import cos_sin, inv_freq, rotate
 class AttentionOutput:
     output: torch.Tensor  # (B, L, E), rows at padded positions are 0
     weights: torch.Tensor | None  # (B, len(heads), R, S) float32; None unless need_weights
-    # Batch rows whose attention scores (or values) overflow the compute dtype: their
-    # output and weights are meaningless and must not be returned (overflow.py).
-    overflow: list[int] = field(default_factory=list)
+    # Which batch rows' attention scores (or values) overflow the compute dtype: their output
+    # and weights are meaningless and must not be returned. Read it (.rows(), a device sync)
+    # where the output is read: the forward itself never waits for the device (overflow.py).
+    overflow: OverflowCheck | NoOverflow = NO_OVERFLOW
 
 
 class MultiHeadAttention(nn.Module):
@@ -93,7 +94,7 @@ class MultiHeadAttention(nn.Module):
             x = x.masked_fill(~valid[:, :, None], 0.0)
 
         q, k, v = self.project(x)  # (B, H, L, D), (B, KVH, L, D), (B, KVH, L, D)
-        overflow = overflowing_rows(q, k, v, [0 if causal else None] * B)
+        overflow = OverflowCheck(q, k, v, [0 if causal else None] * B)  # read with the output
 
         # No mask at all when nothing is padded, so SDPA can pick its fastest
         # kernel (is_causal needs no mask tensor); a boolean mask only for padding.

@@ -74,27 +74,65 @@ def scores_overflow(
     return False
 
 
+class OverflowCheck:
+    """Which batch rows' scores or values overflow the compute dtype, decided when read.
+
+    The forward only queues each row's max |q|, |k|, |v| on the device and goes on; `rows()`
+    waits for them (one device sync, where the caller reads the output anyway) and runs the
+    exact check for the rows whose cheap bound is crossed. q (B, H, R, D), k and v
+    (B, KVH, S, D); first_pos[b]: absolute position of row b's first query when causal,
+    None when not."""
+
+    __slots__ = ("_first_pos", "_k", "_maxima", "_q", "_rows")
+
+    def __init__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: list[int | None]
+    ) -> None:
+        self._q, self._k, self._first_pos = q, k, first_pos
+        self._maxima = row_absmax_tensor(q, k, v)  # (3, B), on the device: no sync
+        self._rows: list[int] | None = None
+
+    def rows(self) -> list[int]:
+        """The overflowing rows (the first call waits for the device; later ones do not)."""
+        if self._rows is None:
+            q, k = self._q, self._k
+            limit = score_limit(q.dtype, k.dtype)
+            D = q.shape[-1]
+            q_max, k_max, v_max = self._maxima.tolist()
+            self._rows = [
+                b
+                for b in range(q.shape[0])
+                if not v_max[b] < math.inf
+                or (
+                    bound_crossed(q_max[b], k_max[b], D, limit)
+                    and scores_overflow(q[b], k[b], limit, first_pos=self._first_pos[b])
+                )
+            ]
+            self._q = self._k = self._maxima = None  # the check is done: free them
+        return self._rows
+
+
+class NoOverflow:
+    """The OverflowCheck of a forward with nothing to check (a session step's attention,
+    whose engine checks its bounds itself)."""
+
+    __slots__ = ()
+
+    def rows(self) -> list[int]:
+        return []
+
+
+NO_OVERFLOW = NoOverflow()
+
+
 def overflowing_rows(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     first_pos: list[int | None],
 ) -> list[int]:
-    """Batch rows whose scores or values overflow: q (B, H, R, D), k and v (B, KVH, S, D).
-    first_pos[b]: absolute position of row b's first query when causal, None when not.
-    One device sync; the exact check only for rows the bound flags."""
-    limit = score_limit(q.dtype, k.dtype)
-    D = q.shape[-1]
-    q_max, k_max, v_max = row_absmax(q, k, v)
-    return [
-        b
-        for b in range(q.shape[0])
-        if not v_max[b] < math.inf
-        or (
-            bound_crossed(q_max[b], k_max[b], D, limit)
-            and scores_overflow(q[b], k[b], limit, first_pos=first_pos[b])
-        )
-    ]
+    """OverflowCheck(...).rows() at once: batch rows whose scores or values overflow."""
+    return OverflowCheck(q, k, v, first_pos).rows()
 
 
 @dataclass(frozen=True)

@@ -5,19 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from mha_client.api import attention_pb2 as pb
 from mha_client.tensors import parse_with_tensors
-from mha_serve.cache import SessionStats
-from mha_serve.engine import AttendCall, AttendResult, HostedModel, InvalidRequest
-from mha_serve.engine.types import CacheInfo
+from mha_serve.cache.types import SessionStats
+from mha_serve.engine.errors import InvalidRequest
+from mha_serve.engine.requests import Array, AttendOutcome, AttendRequest, CacheInfo, ModelView
 from mha_serve.transport.tensors import (
     PROTO_DTYPES,
+    dtype_name,
     fill_proto,
     from_proto,
     tensor_frames,
-    torch_dtype,
 )
 
 VARIANTS = {"mha": pb.VARIANT_MHA, "gqa": pb.VARIANT_GQA, "mqa": pb.VARIANT_MQA}
@@ -46,8 +44,8 @@ def parse_attend_request(data: bytes) -> Received:
     return Received(message, payloads.get("input"))
 
 
-def to_call(request: pb.AttendRequest, input_data: Any = None) -> tuple[AttendCall, bool]:
-    """The engine call for a request, and whether the input was a single 2-D sequence.
+def to_call(request: pb.AttendRequest, input_data: Any = None) -> tuple[AttendRequest, bool]:
+    """The engine's request for a message, and whether the input was a single 2-D sequence.
     input_data: input.data's bytes when parsing kept them out of the message (Received).
     A session step may leave the model empty: the engine sets its session's."""
     model = request.model
@@ -56,9 +54,9 @@ def to_call(request: pb.AttendRequest, input_data: Any = None) -> tuple[AttendCa
     if not request.HasField("input"):
         raise InvalidRequest("input is missing; send a (batch, seq_len, embed_dim) tensor")
     x = from_proto(request.input, "input", input_data)
-    single = x.dim() == 2
+    single = x.ndim == 2
     if single:
-        x = x.unsqueeze(0)  # (L, E) -> (1, L, E)
+        x = Array(x.data[None], x.dtype)  # (L, E) -> (1, L, E)
     weights = request.weights
     if not weights.enabled and (
         weights.heads or weights.query_start or weights.query_end or weights.dtype
@@ -67,24 +65,24 @@ def to_call(request: pb.AttendRequest, input_data: Any = None) -> tuple[AttendCa
             "weights.heads/query_start/query_end/dtype are set but weights.enabled is false; "
             "set weights.enabled to get attention weights"
         )
-    call = AttendCall(
+    call = AttendRequest(
         model=model,
         inputs=x,
-        lengths=list(request.lengths) or None,
+        lengths=tuple(request.lengths) or None,
         causal=request.causal if request.HasField("causal") else None,
         need_weights=weights.enabled,
-        weight_heads=list(weights.heads) or None,
+        weight_heads=tuple(weights.heads) or None,
         query_start=weights.query_start,
         query_end=weights.query_end,
-        weights_dtype=torch_dtype(weights.dtype, "weights.dtype", default=torch.float32),
-        head_mask=list(request.head_mask) or None,
-        output_dtype=torch_dtype(request.output_dtype, "output_dtype"),
+        weights_dtype=dtype_name(weights.dtype, "weights.dtype", default="float32"),
+        head_mask=tuple(request.head_mask) or None,
+        output_dtype=dtype_name(request.output_dtype, "output_dtype"),
         session_id=request.session_id or None,
     )
     return call, single
 
 
-def encode_result(result: AttendResult, single: bool) -> pb.AttendResponse:
+def encode_result(result: AttendOutcome, single: bool) -> pb.AttendResponse:
     """Output and weights into a response message, two copies each (tobytes and protobuf's);
     encode_frames makes one."""
     response = pb.AttendResponse(
@@ -98,7 +96,7 @@ def encode_result(result: AttendResult, single: bool) -> pb.AttendResponse:
     return response
 
 
-def encode_reply(result: AttendResult, single: bool) -> pb.AttendResponse | Frames:
+def encode_reply(result: AttendOutcome, single: bool) -> pb.AttendResponse | Frames:
     """Frames when the tensors are large (FRAME_BYTES), a message otherwise."""
     nbytes = result.output.nbytes + (0 if result.weights is None else result.weights.nbytes)
     if nbytes >= FRAME_BYTES:
@@ -118,7 +116,7 @@ class Frames:
         return b"".join([*self.parts, *tail])
 
 
-def encode_frames(result: AttendResult, single: bool) -> Frames:
+def encode_frames(result: AttendOutcome, single: bool) -> Frames:
     """encode_result's response as Frames: no copy of output or weights until join()."""
     head = pb.AttendResponse(
         weight_heads=result.weight_heads,
@@ -148,7 +146,7 @@ def session_info(stats: SessionStats) -> pb.SessionInfo:
 
 
 def model_info(
-    hosted: HostedModel,
+    hosted: ModelView,
     cache: CacheInfo | None,
     max_request_bytes: int,
     max_response_bytes: int,
@@ -164,7 +162,7 @@ def model_info(
         bias=cfg.bias,
         causal_default=cfg.causal,
         dtype=PROTO_DTYPES[hosted.dtype],
-        device=str(hosted.device),
+        device=hosted.device,
         limits=pb.ModelLimits(
             max_seq_len=spec.max_seq_len,
             max_batch_size=spec.max_batch_size,

@@ -1,211 +1,52 @@
-"""The grpc.aio server: AttentionService, health, reflection, metrics and graceful stop."""
+"""The standalone server: the gRPC server (grpc_server.py) over the engine in this process,
+loaded and warmed on the compute thread; `serve` runs it until SIGTERM or SIGINT."""
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import signal
 import time
 from collections.abc import Callable
+from typing import Any
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-
-from mha_client.api import attention_pb2 as pb
-from mha_client.api.inference import grpc_service_pb2 as inference_pb
-from mha_serve import metrics
 from mha_serve.config import ServerConfig
 from mha_serve.engine import Engine, resolve_device, resolve_dtype
 from mha_serve.engine.threads import ComputeThreads
 from mha_serve.serving import AsyncEngine
 from mha_serve.serving.async_engine import SESSION_SWEEP_S
-from mha_serve.transport.auth import TokenInterceptor, load_tokens, server_credentials
-from mha_serve.transport.drain import Drain
-from mha_serve.transport.handlers import add_service
-from mha_serve.transport.oip import SERVICE as INFERENCE_SERVICE
-from mha_serve.transport.oip import SERVICE_NAME as INFERENCE_SERVICE_NAME
-from mha_serve.transport.oip import InferenceServicer
-from mha_serve.transport.servicer import AttentionServicer
+from mha_serve.transport.grpc_server import SERVICE_NAME, GrpcServer
 
 log = logging.getLogger(__name__)
-SERVICE = pb.DESCRIPTOR.services_by_name["AttentionService"]
-SERVICE_NAME = SERVICE.full_name  # "mha.v1.AttentionService"
-# Once the calls in the handlers are done, gRPC's own stop gets this long (at most) before it
-# cancels what is left: refusals on their way out, a large request still arriving, and the
-# streams no drain counts (health Watch, reflection), which would otherwise hold the stop.
-CLOSE_GRACE_S = 2.0
-# The Open Inference Protocol's health checks, answered while draining (ready: false), as
-# grpc.health.v1 is.
-INFERENCE_HEALTH = ("ServerLive", "ServerReady", "ModelReady")
+
+__all__ = ["SERVICE_NAME", "Server", "load_engine", "serve"]
 
 
-class Server:
+class Server(GrpcServer):
     """One process serving the configured models; `start`, then `wait`, then `stop`."""
 
-    def __init__(
-        self,
-        cfg: ServerConfig,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-        reuse_port: bool = False,
-    ) -> None:
-        """clock: the sessions' idle time and TTL (tests give a fake one); reuse_port: share
-        the port with other processes (frontend workers, transport/workers.py)."""
-        self.cfg = cfg
-        self.clock = clock
-        self.health = health.aio.HealthServicer()
-        self.servicer = AttentionServicer(max_request_bytes=cfg.max_receive_message_bytes)
-        self.serving: AsyncEngine | None = None  # once the models are warm
+    serving: AsyncEngine | None
+
+    def __init__(self, cfg: ServerConfig, **kwargs: Any) -> None:
+        """kwargs: GrpcServer's (clock, reuse_port)."""
+        super().__init__(cfg, **kwargs)
         self.session_sweep_s = SESSION_SWEEP_S
         # Every forward runs on these two threads; the event loop only wraps request bytes.
         self.compute = ComputeThreads(cfg.torch_threads, cfg.weights_torch_threads)
-        tokens = load_tokens(cfg.auth_token_file)  # never logged
-        self.requires_token = bool(tokens)
-        self.server = grpc.aio.server(
-            interceptors=[TokenInterceptor(tokens)] if tokens else None,
-            maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
-            options=[
-                ("grpc.max_receive_message_length", cfg.max_receive_message_bytes),
-                ("grpc.max_send_message_length", cfg.max_send_message_bytes),
-                # grpc enables SO_REUSEPORT by default: a second server on a taken port
-                # would silently share its traffic instead of failing. Frontend workers
-                # share it on purpose.
-                ("grpc.so_reuseport", 1 if reuse_port else 0),
-            ],
-        )
-        self.port: int | None = None
-        self._stopped = asyncio.Event()
-        self.drain = Drain()  # both doors' calls: refused once draining, waited for on stop
 
     @property
     def lanes(self) -> dict:
         """Each model's lanes (empty until the models are warm)."""
         return {} if self.serving is None else self.serving.lanes
 
-    async def start(self) -> None:
-        """Listens at once (health NOT_SERVING), then loads and warms the models off the loop."""
-        await self.listen()
-        await self.load()
-
-    async def listen(self) -> None:
-        """Opens the port with health NOT_SERVING; Attend answers UNAVAILABLE until `load`."""
-        cfg = self.cfg
-        add_service(self.server, self.servicer, SERVICE, pb, drain=self.drain)
-        # The Open Inference Protocol on the same port, over the same engine (issue 19).
-        self.inference = InferenceServicer(
-            lambda: self.serving,
-            ready=lambda: self.serving is not None and not self._stopped.is_set(),
-            session_ttl_s=cfg.session_ttl_s,
-        )
-        add_service(
-            self.server,
-            self.inference,
-            INFERENCE_SERVICE,
-            inference_pb,
-            drain=self.drain,
-            always_answered=INFERENCE_HEALTH,
-        )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, INFERENCE_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
-            self.server,
-        )
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        address = f"{cfg.host}:{cfg.port}"
-        credentials = server_credentials(cfg)
-        try:
-            if credentials is None:
-                self.port = self.server.add_insecure_port(address)
-            else:
-                self.port = self.server.add_secure_port(address, credentials)
-        except RuntimeError as e:  # grpc raises RuntimeError when it cannot bind
-            raise OSError(
-                f"could not listen on {address}: the port is taken or the host is not local"
-            ) from e
-        await self.server.start()
-        security = "plaintext" if credentials is None else "TLS"
-        if cfg.tls_client_ca_file:
-            security = "mutual TLS"
-        log.info(
-            "gRPC listening on %s:%d, %s%s (NOT_SERVING until warm)",
-            cfg.host,
-            self.port,
-            security,
-            ", bearer token required" if self.requires_token else "",
-        )
-        if cfg.metrics_port:
-            metrics_host = cfg.metrics_host or cfg.host
-            metrics.serve_metrics(cfg.metrics_port, metrics_host)
-            log.info("metrics on http://%s:%d/metrics", metrics_host, cfg.metrics_port)
-
-    async def load(self) -> None:
-        """Loads and warms the models on the compute thread, then reports SERVING."""
-        self.serving = await self.open_serving()
-        self.serving.start()
-        self.servicer.attach(self.serving)
-        # Everything loaded so far lives as long as the process: out of the collector's
-        # sight, a full collection no longer walks torch's and grpc's objects (one took
-        # 98 ms in the middle of a decode loop here; none over 1 ms after this). Before
-        # SERVING, so that no request waits for this one.
-        gc.collect()
-        gc.freeze()
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        metrics.READY.set(1)
-        log.info("SERVING models: %s", ", ".join(m.spec.name for m in self.serving.models()))
-
     async def open_serving(self) -> AsyncEngine:
-        """The engine to serve from, warm: loaded here on the compute thread (a frontend
-        worker's connects to the engine process instead)."""
+        """The models, loaded and warmed here on the compute thread."""
         loop = asyncio.get_running_loop()
         engine = await loop.run_in_executor(self.compute.main, load_engine, self.cfg, self.clock)
         return AsyncEngine(engine, self.compute, session_sweep_s=self.session_sweep_s)
 
-    async def stop(self) -> None:
-        """Drains (docs/RELIABILITY.md, "Shutdown: the policy"): health NOT_SERVING; after
-        drain_delay_s, new calls are answered UNAVAILABLE by their handlers and open streams end
-        UNAVAILABLE at their next message; within grace_period_s, the port closes once the calls
-        in the handlers are done and calls stopped coming (drain.QUIET_S): gRPC cancels only
-        calls still running when the grace period ends."""
-        if self._stopped.is_set():
-            return
-        self._stopped.set()
-        metrics.READY.set(0)
-        await self.health.enter_graceful_shutdown()
-        if self.cfg.drain_delay_s > 0:  # still answering, health NOT_SERVING
-            log.info(
-                "draining: NOT_SERVING for %.1f s before refusing new calls",
-                self.cfg.drain_delay_s,
-            )
-            await asyncio.sleep(self.cfg.drain_delay_s)
-        grace_s, started = self.cfg.grace_period_s, time.monotonic()
-        self.drain.close()
-        log.info(
-            "draining: new calls refused UNAVAILABLE; up to %.1f s for %d in flight and "
-            "for new calls to stop coming",
-            grace_s,
-            self.drain.in_flight,
-        )
-        await self.drain.wait(grace_s)
-        if self.drain.in_flight:
-            log.warning(
-                "grace period of %.1f s over: cancelling %d calls still in flight",
-                grace_s,
-                self.drain.in_flight,
-            )
-        log.info("closing the port; %d calls refused while draining", self.drain.refused)
-        left_s = max(0.0, grace_s - (time.monotonic() - started))
-        await self.server.stop(min(left_s, CLOSE_GRACE_S))
-        if self.serving is not None:
-            await self.serving.close()
+    def close_serving(self) -> None:
         self.compute.shutdown()
-        log.info("stopped")
-
-    async def wait(self) -> None:
-        await self.server.wait_for_termination()
 
 
 def load_engine(

@@ -13,9 +13,9 @@ import grpc
 from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_serve import metrics
-from mha_serve.engine import HostedModel
-from mha_serve.serving import AsyncEngine, Unavailable
-from mha_serve.serving.async_engine import offload
+from mha_serve.engine.requests import ModelView
+from mha_serve.serving import EngineClient, Unavailable
+from mha_serve.serving.finish import offload
 from mha_serve.transport.answer import answer, note_malformed, parsed
 from mha_serve.transport.auth import client_identity
 from mha_serve.transport.convert import (
@@ -50,19 +50,19 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     request_parsers = {"Attend": parse_attend_request, "StreamSession": parse_attend_request}
 
     def __init__(self, *, max_request_bytes: int) -> None:
-        self._serving: AsyncEngine | None = None  # set once models are loaded and warm
+        self._serving: EngineClient | None = None  # set once models are loaded and warm
         self.max_request_bytes = max_request_bytes
         self.malformed_log = MalformedLog()
 
     @property
-    def serving(self) -> AsyncEngine:
+    def serving(self) -> EngineClient:
         if self._serving is None:
             raise Unavailable(
                 "the server is still loading its models; retry when health reports SERVING"
             )
         return self._serving
 
-    def attach(self, serving: AsyncEngine) -> None:
+    def attach(self, serving: EngineClient) -> None:
         """Starts serving: the warm engine behind its lanes."""
         self._serving = serving
 
@@ -157,15 +157,16 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         serving = self.serving
         call, single = to_call(request, parsed and parsed.input_data)
         remaining = context.time_remaining()
-        response, timing = await serving.attend(
+        served = await serving.attend(
             call,
             functools.partial(encode_result if parsed is None else encode_reply, single=single),
             received=received,
             deadline=None if remaining is None else time.monotonic() + remaining,
         )
+        response, timing = served.reply, served.timing
         if isinstance(response, Frames):  # the model and timing fields go after the tensors
             tail = pb.AttendResponse(
-                model=call.model,
+                model=served.model,
                 timing=pb.Timing(
                     queue_ms=timing.queue_ms,
                     compute_ms=timing.compute_ms,
@@ -174,7 +175,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
                 ),
             ).SerializeToString()
             return await offload(response.join, tail, nbytes=response.nbytes)
-        response.model = call.model
+        response.model = served.model
         response.timing.queue_ms = timing.queue_ms
         response.timing.compute_ms = timing.compute_ms
         response.timing.total_ms = timing.total_ms
@@ -275,14 +276,14 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     ) -> pb.AnalyzeHeadsResponse:
         async def handle() -> pb.AnalyzeHeadsResponse:
             call, _ = to_call(request.attend)
-            analysis, compute_ms = await self.serving.analyze_heads(call, request.include_weights)
-            return heads_response(call.model, analysis, compute_ms)
+            report = await self.serving.analyze_heads(call, request.include_weights)
+            return heads_response(call.model, report)
 
         return await self._answer(
             "AnalyzeHeads", self._model_label(request.attend.model), context, handle
         )
 
-    async def _info(self, hosted: HostedModel) -> pb.ModelInfo:
+    async def _info(self, hosted: ModelView) -> pb.ModelInfo:
         serving = self.serving
         return model_info(
             hosted,

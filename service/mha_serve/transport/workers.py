@@ -4,10 +4,11 @@ engine process (the reference design is vLLM v1's API-server / engine-core split
 - The **engine process** (the one started, PID 1 in a container) loads the models and runs
   the one AsyncEngine: batches, KV caches, sessions, the session sweeper. It serves them to
   the frontends over a Unix socket each (serving/remote.py) and serves /metrics.
-- Each **frontend** runs a grpc.aio server on the same port (SO_REUSEPORT: the kernel spreads
-  connections, so one client channel stays on one frontend): both protocols' servicers,
-  protobuf, the framed codec, health and reflection. Its servicers are the standalone
-  server's, over a RemoteEngine. Tensors cross through shared memory when large.
+- Each **frontend** (transport/frontend.py) runs a grpc.aio server on the same port
+  (SO_REUSEPORT: the kernel spreads connections, so one client channel stays on one
+  frontend): both protocols' servicers, protobuf, the framed codec, health and reflection.
+  Its servicers are the standalone server's, over a RemoteEngine; it never imports torch.
+  Arrays cross through shared memory when large.
 - Sessions live only in the engine, so any frontend carries any session's steps, and the
   one-step-at-a-time claim holds across frontends. A stream stays on the frontend holding it.
 - Startup: the engine process reserves the port, starts the frontends, loads the models;
@@ -31,17 +32,18 @@ import os
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import time
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 from mha_serve import metrics
 from mha_serve.config import ServerConfig
 from mha_serve.engine.threads import ComputeThreads
 from mha_serve.serving import AsyncEngine
-from mha_serve.serving.remote import EngineHost, RemoteEngine, clean_shared_memory
-from mha_serve.transport.server import Server, load_engine
+from mha_serve.serving.host import EngineHost, clean_shared_memory
+from mha_serve.transport.frontend import STOP_SIGNALS, frontend_main
+from mha_serve.transport.server import load_engine
 
 log = logging.getLogger(__name__)
 
@@ -66,72 +68,6 @@ def reserve_port(host: str, port: int) -> socket.socket:
         sock.close()
         raise OSError(f"could not listen on {host}:{port}: {e.strerror}") from e
     return sock
-
-
-# --- a frontend --------------------------------------------------------------------------
-
-
-class FrontendServer(Server):
-    """The standalone server's gRPC side over the engine process's RemoteEngine."""
-
-    def __init__(self, cfg: ServerConfig, engine_path: str, engine_pid: int) -> None:
-        super().__init__(cfg, reuse_port=True)
-        self.engine_path, self.engine_pid = engine_path, engine_pid
-        self.remote: RemoteEngine | None = None
-
-    async def start(self) -> None:
-        """Connects to the engine (its models warm), then listens: nothing is accepted that
-        cannot be served."""
-        self.remote = await RemoteEngine.connect(self.engine_path, engine_pid=self.engine_pid)
-        await self.listen()
-        await self.load()
-
-    async def open_serving(self) -> RemoteEngine:
-        return self.remote
-
-
-def frontend_main(cfg: ServerConfig, engine_path: str, engine_pid: int, index: int) -> None:
-    """A frontend process's entry (multiprocessing, spawn): serves until SIGTERM/SIGINT or
-    until the engine process goes away (then exits 1)."""
-    logging.basicConfig(
-        level=cfg.log_level,
-        format=f"%(asctime)s %(levelname)s frontend-{index} %(name)s: %(message)s",
-    )
-    sys.exit(asyncio.run(_frontend(cfg, engine_path, engine_pid, index)))
-
-
-async def _frontend(cfg: ServerConfig, engine_path: str, engine_pid: int, index: int) -> int:
-    server = FrontendServer(cfg, engine_path, engine_pid)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    stopping = asyncio.create_task(stop.wait())
-    starting = asyncio.create_task(server.start())
-    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if not starting.done():  # a signal while the engine loads: nothing to drain yet
-        starting.cancel()
-        await asyncio.gather(starting, return_exceptions=True)
-        if server.remote is not None:
-            await server.remote.close()
-        server.compute.shutdown()
-        return 0
-    try:
-        starting.result()  # the engine went away before its hello: the error, and exit 1
-        server.remote.notify(("listening", index, os.getpid()))
-        lost = asyncio.create_task(server.remote.lost.wait())
-        await asyncio.wait({lost, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        lost.cancel()
-    finally:
-        stopping.cancel()
-        await server.stop()
-    if not stop.is_set():
-        log.error("the engine process is gone; this frontend exits")
-        return 1
-    return 0
-
-
-# --- the engine process ------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -175,7 +111,16 @@ class EngineProcess:
             args=(frontend_cfg, self.engine_path, os.getpid(), index),
             name=f"mha-serve-frontend-{index}",
         )
-        process.start()
+        # The child inherits the signal mask: it gets SIGTERM/SIGINT only once its handlers
+        # are in place (frontend.py), so a stop while it starts ends it as any other (exit 0).
+        # multiprocessing starts its resource tracker on the first start, with these two
+        # signals unblocked again after: started first, it leaves the mask alone.
+        resource_tracker.ensure_running()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         previous = self.frontends.get(index)
         self.frontends[index] = _Frontend(index, process, time.monotonic())
         if previous is not None:

@@ -10,11 +10,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from mha_client.api.inference import grpc_service_pb2 as pb
 from mha_client.api.inference import model_config_pb2 as mc
-from mha_serve.engine import AttendCall, AttendResult, HostedModel, InvalidRequest
+from mha_serve.engine.errors import InvalidRequest
+from mha_serve.engine.requests import AttendOutcome, AttendRequest, ModelView
 from mha_serve.transport.oip.tensors import (
     CONFIG_TYPES,
     DATATYPES,
@@ -90,7 +89,7 @@ def _numbers(value: str | int, name: str, cast: Callable[[str], Any]) -> list:
         ) from None
 
 
-def _dtype(value: str | None, name: str) -> torch.dtype | None:
+def _dtype(value: str | None, name: str) -> str | None:
     if value is None:
         return None
     if value not in DATATYPES:
@@ -119,8 +118,8 @@ def requested_outputs(request: pb.ModelInferRequest, model: str) -> Outputs:
     return Outputs(output=OUTPUT in names, weights=ATTENTION_WEIGHTS in names)
 
 
-def to_call(request: pb.ModelInferRequest, hosted: HostedModel) -> tuple[AttendCall, Outputs]:
-    """The engine call for a ModelInfer request (no session yet), and the outputs asked."""
+def to_call(request: pb.ModelInferRequest, hosted: ModelView) -> tuple[AttendRequest, Outputs]:
+    """The engine's request for a ModelInfer (no session yet), and the outputs asked."""
     model, embed_dim = hosted.spec.name, hosted.spec.attention.embed_dim
     names = [t.name for t in request.inputs]
     if names != [INPUT]:
@@ -157,24 +156,24 @@ def to_call(request: pb.ModelInferRequest, hosted: HostedModel) -> tuple[AttendC
                 "requested outputs; request it to get attention weights"
             )
     lengths, heads, mask = get("lengths"), get("weight_heads"), get("head_mask")
-    call = AttendCall(
+    call = AttendRequest(
         model=model,
         inputs=x,
-        lengths=None if lengths is None else _numbers(lengths, "lengths", int),
+        lengths=None if lengths is None else tuple(_numbers(lengths, "lengths", int)),
         causal=get("causal"),
         need_weights=outputs.weights,
-        weight_heads=None if heads is None else _numbers(heads, "weight_heads", int),
+        weight_heads=None if heads is None else tuple(_numbers(heads, "weight_heads", int)),
         query_start=get("query_start") or 0,
         query_end=get("query_end") or 0,
-        weights_dtype=_dtype(get("weights_dtype"), "weights_dtype") or torch.float32,
-        head_mask=None if mask is None else _numbers(mask, "head_mask", float),
+        weights_dtype=_dtype(get("weights_dtype"), "weights_dtype") or "float32",
+        head_mask=None if mask is None else tuple(_numbers(mask, "head_mask", float)),
         output_dtype=_dtype(get("output_dtype"), "output_dtype"),
     )
     return call, outputs
 
 
 def encode_response(
-    result: AttendResult, outputs: Outputs, *, model: str, request_id: str
+    result: AttendOutcome, outputs: Outputs, *, model: str, request_id: str
 ) -> pb.ModelInferResponse:
     """Raw outputs in the order OUTPUT, ATTENTION_WEIGHTS (those asked); the weights tensor
     says which heads and first query row it holds."""
@@ -194,7 +193,7 @@ def encode_response(
     return response
 
 
-def model_metadata(hosted: HostedModel) -> pb.ModelMetadataResponse:
+def model_metadata(hosted: ModelView) -> pb.ModelMetadataResponse:
     cfg = hosted.spec.attention
     meta = pb.ModelMetadataResponse.TensorMetadata
     dtype = NAMES[hosted.dtype]
@@ -210,7 +209,7 @@ def model_metadata(hosted: HostedModel) -> pb.ModelMetadataResponse:
     )
 
 
-def model_config(hosted: HostedModel, *, sessions: bool, session_ttl_s: float) -> mc.ModelConfig:
+def model_config(hosted: ModelView, *, sessions: bool, session_ttl_s: float) -> mc.ModelConfig:
     """Triton's configuration of a model: tensors, scheduling, and in `parameters` the model's
     shape, the datatypes INPUT takes and each request parameter with its type."""
     spec, cfg = hosted.spec, hosted.spec.attention

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -16,9 +17,10 @@ import grpc
 
 from mha_client.api.inference import grpc_service_pb2 as pb
 from mha_serve import metrics
-from mha_serve.cache import SessionBusy, SessionNotFound
-from mha_serve.engine import AttendCall, HostedModel, ModelNotFound, RequestError
-from mha_serve.serving import EXPECTED, AsyncEngine, Timing, Unavailable
+from mha_serve.cache.errors import SessionBusy, SessionNotFound
+from mha_serve.engine.errors import ModelNotFound, RequestError
+from mha_serve.engine.requests import AttendRequest, ModelView
+from mha_serve.serving import EXPECTED, EngineClient, Served, Unavailable
 from mha_serve.transport.answer import answer, note_malformed, parsed, sync
 from mha_serve.transport.auth import client_identity
 from mha_serve.transport.handlers import Malformed, MalformedLog, add_service
@@ -59,7 +61,7 @@ class InferenceServicer:
 
     def __init__(
         self,
-        serving: Callable[[], AsyncEngine | None],
+        serving: Callable[[], EngineClient | None],
         *,
         ready: Callable[[], bool],
         session_ttl_s: float = 0.0,
@@ -70,7 +72,7 @@ class InferenceServicer:
         self.malformed_log = MalformedLog()
 
     @property
-    def serving(self) -> AsyncEngine:
+    def serving(self) -> EngineClient:
         serving = self._serving()
         if serving is None:
             raise Unavailable(
@@ -82,7 +84,7 @@ class InferenceServicer:
         serving = self._serving()
         return "unknown" if serving is None else serving.model_label(name)
 
-    def _hosted(self, name: str, version: str) -> HostedModel:
+    def _hosted(self, name: str, version: str) -> ModelView:
         """The model a request names; Triton's message for an unknown name or version."""
         serving = self.serving
         try:
@@ -219,14 +221,13 @@ class InferenceServicer:
         )
         deadline = _deadline(context, read_parameter(request.parameters, "timeout", model))
         if sequence is None:
-            response, timing = await serving.attend(
-                call, encode, received=received, deadline=deadline
-            )
+            served = await serving.attend(call, encode, received=received, deadline=deadline)
         else:
             owner = client_identity(context)  # whom a new session counts against (limits)
-            response, timing = await self._step(
+            served = await self._step(
                 serving, sequence, call, encode, owner=owner, received=received, deadline=deadline
             )
+        response, timing = served.reply, served.timing
         for name, value in (
             ("queue_ms", timing.queue_ms),
             ("compute_ms", timing.compute_ms),
@@ -238,15 +239,15 @@ class InferenceServicer:
 
     async def _step(
         self,
-        serving: AsyncEngine,
+        serving: EngineClient,
         sequence: Sequence,
-        call: AttendCall,
+        call: AttendRequest,
         encode: Callable[..., pb.ModelInferResponse],
         *,
         owner: str,
         received: float,
         deadline: float | None,
-    ) -> tuple[pb.ModelInferResponse, Timing]:
+    ) -> Served[pb.ModelInferResponse]:
         """One step of a sequence's session: start creates it (replacing a live one of the same
         id), end closes it after the step, whatever the step's outcome."""
         model = call.model
@@ -262,7 +263,7 @@ class InferenceServicer:
             session_id = await serving.sequence_session(key)
             if session_id is None:
                 raise sequence.not_started(model)
-        call.session_id = session_id
+        call = dataclasses.replace(call, session_id=session_id)
         close = sequence.end
         try:
             return await serving.attend(call, encode, received=received, deadline=deadline)
@@ -332,7 +333,7 @@ def _deadline(context: grpc.aio.ServicerContext, timeout_us: Any) -> float | Non
 
 def add_inference_service(
     server: grpc.aio.Server,
-    serving: Callable[[], AsyncEngine | None],
+    serving: Callable[[], EngineClient | None],
     *,
     ready: Callable[[], bool],
     session_ttl_s: float = 0.0,
