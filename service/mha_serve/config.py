@@ -71,6 +71,10 @@ class ServerConfig:
     # front of one engine process that holds the models, batches and sessions
     # (transport/workers.py). 1: one process does everything, no hop between them.
     frontend_workers: int = 1
+    # A lone small request (a decode step, a few tokens) that finds its model's lane idle
+    # runs on the event loop's thread, single-threaded, instead of crossing to the compute
+    # thread and back (batching/batcher.py); concurrent requests still queue and batch.
+    inline_lone_requests: bool = True
     models: list[ModelSpec] = field(default_factory=lambda: default_models())
 
 

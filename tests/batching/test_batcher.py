@@ -520,3 +520,83 @@ async def test_closing_a_lane_whose_batch_waits_behind_another_lane_finishes_tha
     assert (await waiting)[0] == 20 and (await held)[0] == 10
     await a.close()
     shared.shutdown()
+
+
+# ----- a lone small item runs on the caller's thread (no crossing) -----------------------
+
+
+class ThreadRecorder(Recorder):
+    """A Recorder that also notes the thread each batch ran on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[int] = []
+
+    def __call__(self, payloads: list) -> list:
+        self.threads.append(threading.get_ident())
+        return super().__call__(payloads)
+
+
+def inline_batcher(rec: Recorder, small=lambda p: True, **kw) -> Batcher:
+    return Batcher("m", rec, policy(**kw), inline=small, run_inline=rec)
+
+
+async def test_a_lone_small_item_runs_on_the_loops_thread_with_the_same_result():
+    rec = ThreadRecorder()
+    b = inline_batcher(rec)
+    result, info = await b.submit(3, sequences=1, length=1)
+    assert result == 30 and info.batch_size == 1 and info.num_requests == 1
+    assert rec.threads == [threading.get_ident()] and b.num_inline == 1
+    await b.close()
+
+
+async def test_items_that_come_together_batch_as_before_on_the_lanes_thread():
+    """Three callers at once: each is not alone after its turn of the loop, so all three
+    queue, and they share one batch on the lane's thread."""
+    rec = ThreadRecorder()
+    b = inline_batcher(rec, max_queue_delay_s=0.0)
+    results = await asyncio.gather(*(b.submit(i, sequences=1, length=1) for i in (1, 2, 3)))
+    assert [r for r, _ in results] == [10, 20, 30]
+    assert b.num_inline == 0 and rec.batches == [[1, 2, 3]]
+    assert threading.get_ident() not in rec.threads
+    await b.close()
+
+
+async def test_a_busy_lane_or_a_large_item_goes_through_the_queue():
+    rec = ThreadRecorder()
+    b = inline_batcher(rec, small=lambda p: p < 100)
+    assert (await b.submit(500, sequences=1, length=1))[0] == 5000  # large: the lane
+    assert b.num_inline == 0 and rec.threads[-1] != threading.get_ident()
+    assert (await b.submit(1, sequences=1, length=1))[0] == 10  # small and alone: here
+    assert b.num_inline == 1 and rec.threads[-1] == threading.get_ident()
+    # the lane busy with a large item: a small one meanwhile queues behind it
+    rec.gate.clear()
+    rec.entered.clear()
+    big = asyncio.create_task(b.submit(700, sequences=1, length=1))
+    await wait_entered(rec)
+    small = asyncio.create_task(b.submit(2, sequences=1, length=1))
+    await asyncio.sleep(0.01)
+    assert not small.done()
+    rec.gate.set()
+    assert (await big)[0] == 7000 and (await small)[0] == 20
+    assert b.num_inline == 1 and rec.threads[-1] != threading.get_ident()
+    await b.close()
+
+
+async def test_an_inline_item_keeps_the_errors_and_deadlines_of_the_lane():
+    def run(payloads):
+        if payloads[0] == "boom":
+            raise RuntimeError("the whole batch failed")
+        return [ValueError("its own error")]
+
+    clock = FakeClock()
+    b = Batcher("m", run, policy(), clock=clock, inline=lambda p: True, run_inline=run)
+    with pytest.raises(ValueError, match="its own error"):
+        await b.submit("x", sequences=1, length=1)
+    with pytest.raises(RuntimeError, match="the whole batch failed"):
+        await b.submit("boom", sequences=1, length=1)
+    with pytest.raises(DeadlineExceeded):
+        await b.submit("x", sequences=1, length=1, deadline=clock.now - 1)
+    await b.close()
+    with pytest.raises(Closed):
+        await b.submit("x", sequences=1, length=1)

@@ -44,6 +44,7 @@ class Gate:
             return run(calls)
 
         self.lane._run_batch = gated  # noqa: SLF001
+        self.lane._inline = None  # noqa: SLF001 - held here, never run on the loop
 
     async def held(self) -> None:
         assert await asyncio.to_thread(self.entered.wait, WAIT_S), "no batch reached the gate"

@@ -74,7 +74,17 @@ async def served():
     spec = ModelSpec(
         "small", AttentionConfig(EMBED, 4, 2), seed=5, kv_cache_bytes=1 << 20, max_queue_delay_ms=0
     )
-    server = Server(ServerConfig(host="127.0.0.1", port=free_port(), metrics_port=0, models=[spec]))
+    # The tests hold the compute thread with a request: it must cross there, never run on
+    # the event loop that the test's own client shares (inline_lone_requests).
+    server = Server(
+        ServerConfig(
+            host="127.0.0.1",
+            port=free_port(),
+            metrics_port=0,
+            models=[spec],
+            inline_lone_requests=False,
+        )
+    )
     await server.start()
     async with AsyncClient(f"127.0.0.1:{server.port}") as client:
         yield server, client
@@ -175,3 +185,38 @@ async def test_a_failing_step_batch_keeps_the_others_and_leaks_no_block(served, 
     for s in sessions:
         await s.close()
     assert engine.cache_info("small").num_blocks_used == 0
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (RuntimeError, grpc.StatusCode.INTERNAL),
+        (torch.OutOfMemoryError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ],
+)
+async def test_a_lone_request_failing_on_the_event_loop_keeps_the_policy(error, code):
+    """A lone small request runs on the event loop's thread (no crossing): a fault there is
+    answered as on the compute thread (its status), a failed step is not kept, and the
+    server goes on."""
+    spec = ModelSpec("small", AttentionConfig(EMBED, 4, 2), seed=5, kv_cache_bytes=1 << 20)
+    server = Server(ServerConfig(host="127.0.0.1", port=free_port(), metrics_port=0, models=[spec]))
+    await server.start()
+    try:
+        async with AsyncClient(f"127.0.0.1:{server.port}") as client:
+            x, session = inputs(1, 4)[0], await client.create_session("small")
+            expected = (await client.attend("small", x)).output
+            await session.step(x)
+            Faults(server.serving.engine.models["small"].module, error)
+            poisoned = x.copy()
+            poisoned[1, 2] = POISON
+            lane = server.lanes["small"].fast
+            for call in (client.attend("small", poisoned), session.step(poisoned)):
+                before = lane.num_inline
+                got, details = await outcome(call)
+                assert got == code and "injected fault" in details
+                assert lane.num_inline == before + 1  # it ran on the loop, alone
+            assert (await session.refresh()).num_tokens == 4  # the failed step not kept
+            np.testing.assert_array_equal((await client.attend("small", x)).output, expected)
+            assert (await session.step(x)).session.num_tokens == 8
+    finally:
+        await server.stop()

@@ -49,6 +49,7 @@ async def gated():
     lane = server.lanes["small"].fast
     gate = Gate(lane._run_batch)  # noqa: SLF001 - the test's hold on the compute thread
     lane._run_batch = gate
+    lane._inline = None  # noqa: SLF001 - held here, never run on the loop
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         yield server, gate, pb_grpc.AttentionServiceStub(channel), channel
     gate.open.set()

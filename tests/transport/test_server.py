@@ -72,6 +72,7 @@ async def test_not_serving_until_warm_then_serving_then_draining():
             return run(calls)
 
         lane._run_batch = gated  # noqa: SLF001
+        lane._inline = None  # noqa: SLF001 - held here, never run on the loop
         slow = asyncio.ensure_future(attention.Attend(request(6, 2048), timeout=60))  # 1.5 MiB
         assert await asyncio.to_thread(entered.wait, 30), "the call never reached its forward"
         stopping = asyncio.ensure_future(server.stop())

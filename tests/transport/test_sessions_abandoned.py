@@ -32,6 +32,7 @@ class Gate:
         self.calls: list = []
         self.batches: list[int] = []  # calls per batch, in order
         self.lane._run_batch = self._gated  # noqa: SLF001
+        self.lane._inline = None  # noqa: SLF001 - held here, never run on the loop
 
     def _gated(self, calls):
         self.calls += calls

@@ -144,6 +144,7 @@ async def test_steps_of_many_sessions_share_one_forward():
         return run(calls)
 
     lane._run_batch = gated
+    lane._inline = None  # noqa: SLF001 - held here, never run on the loop
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = pb_grpc.AttentionServiceStub(channel)

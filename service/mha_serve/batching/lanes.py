@@ -25,14 +25,24 @@ class ModelLanes:
         on_batch: Callable[[str, BatchInfo], None] | None = None,
         fast_executor: Executor | None = None,
         weights_executor: Executor | None = None,
+        inline: Callable[[Any], bool] | None = None,
+        run_inline: RunBatch | None = None,
     ) -> None:
-        """The executors run each lane's batches (None: a thread of the lane's own)."""
+        """The executors run each lane's batches (None: a thread of the lane's own);
+        inline/run_inline: the fast lane's lone small items on the caller's thread
+        (Batcher)."""
 
         def observer(lane: str) -> Callable[[BatchInfo], None] | None:
             return None if on_batch is None else (lambda info: on_batch(lane, info))
 
         self.fast = Batcher(
-            name, run_batch, policy, on_batch=observer("fast"), executor=fast_executor
+            name,
+            run_batch,
+            policy,
+            on_batch=observer("fast"),
+            executor=fast_executor,
+            inline=inline,
+            run_inline=run_inline,
         )
 
         # max_batch_size 1: the first item of a batch is always taken, so one request per batch.

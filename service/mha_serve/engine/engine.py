@@ -39,6 +39,11 @@ log = logging.getLogger(__name__)
 
 # Room left in a response for everything that is not tensor data.
 RESPONSE_OVERHEAD_BYTES = 64 * 1024
+# A request this small runs on the event loop's thread when its lane is idle (Engine.
+# runs_inline, batching/batcher.py): at most this many tokens, attending to at most this
+# many keys' K/V bytes. Larger work keeps the compute thread and its torch threads.
+INLINE_MAX_TOKENS = 16
+INLINE_MAX_KV_BYTES = 4 << 20
 
 
 def resolve_device(name: str) -> torch.device:
@@ -320,6 +325,17 @@ class Engine:
             compute_ms=(time.perf_counter() - start) * 1e3,
             batch_size=batch,
         )
+
+    @staticmethod
+    def runs_inline(p: Prepared) -> bool:
+        """Whether a prepared request is small enough to run on the event loop's thread,
+        single-threaded, when its lane is idle: no weights, few tokens, a short context."""
+        batch, seq_len, _ = p.inputs.shape
+        if p.request.need_weights or batch * seq_len > INLINE_MAX_TOKENS:
+            return False
+        cfg = p.hosted.spec.attention
+        kv_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * p.hosted.dtype.itemsize
+        return batch * p.num_keys * kv_bytes <= INLINE_MAX_KV_BYTES
 
     @staticmethod
     def batch_key(hosted: HostedModel, call: AttendRequest) -> tuple:

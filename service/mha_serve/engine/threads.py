@@ -13,13 +13,22 @@ lane (batches of different models take turns). Requests for attention weights ke
 of their own so that they never hold up the fast lanes; by default it runs torch
 single-threaded, which starts no second team. On a machine with cores to spare, give it
 more (`weights_torch_threads`), keeping both counts together within the cores.
+
+A lone small request runs on the event loop's own thread instead (batching/batcher.py:
+no thread crossing): `on_caller` makes that thread's torch single-threaded, so it never
+starts a team of its own either.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def _use_threads(n: int) -> None:
@@ -50,6 +59,24 @@ class ComputeThreads:
             initializer=_use_threads,
             initargs=(weights_torch_threads,),
         )
+
+    def on_caller(self, fn: Callable[..., T]) -> Callable[..., T]:
+        """fn for the caller's thread (the event loop's): torch runs single-threaded there,
+        set on its first call. torch.set_num_threads also sets the count that threads yet
+        to start take; a helper thread puts that back, so only the caller's changes."""
+        local = threading.local()
+
+        def run(*args, **kwargs) -> T:
+            if not getattr(local, "single", False):
+                default = torch.get_num_threads()
+                _use_threads(1)
+                restore = threading.Thread(target=torch.set_num_threads, args=(default,))
+                restore.start()
+                restore.join()
+                local.single = True
+            return fn(*args, **kwargs)
+
+        return run
 
     def shutdown(self) -> None:
         """Waits for work already running; both executors take nothing after this."""

@@ -64,11 +64,15 @@ class AsyncEngine:
         compute: ComputeThreads,
         *,
         session_sweep_s: float = SESSION_SWEEP_S,
+        inline: bool = True,
     ) -> None:
+        """inline: lone small requests run on the event loop's thread when their lane is
+        idle (ServerConfig.inline_lone_requests)."""
         self.engine = engine
         self.session_sweep_s = session_sweep_s
         self.lanes = {
-            name: lanes_for(engine, hosted, compute) for name, hosted in engine.models.items()
+            name: lanes_for(engine, hosted, compute, inline=inline)
+            for name, hosted in engine.models.items()
         }
         self._views = {name: hosted.view() for name, hosted in engine.models.items()}
         for name in engine.models:
@@ -235,18 +239,25 @@ class AsyncEngine:
         self.engine.close_session(session_id)
 
 
-def lanes_for(engine: Engine, hosted: HostedModel, compute: ComputeThreads) -> ModelLanes:
-    """A model's batch queues, bound to the engine; its limits come from the model's spec."""
+def lanes_for(
+    engine: Engine, hosted: HostedModel, compute: ComputeThreads, *, inline: bool = True
+) -> ModelLanes:
+    """A model's batch queues, bound to the engine; its limits come from the model's spec.
+    inline: lone small requests may run on the event loop's thread (False: never)."""
     spec = hosted.spec
+    # A failed batch runs again call by call (engine/faults.py, docs/RELIABILITY.md).
+    run_batch = isolate_failures(functools.partial(engine.run_batch, hosted))
     lanes = ModelLanes(
         spec.name,
-        # A failed batch runs again call by call (engine/faults.py, docs/RELIABILITY.md).
-        run_batch=isolate_failures(functools.partial(engine.run_batch, hosted)),
+        run_batch=run_batch,
         run_one=out_of_memory_is_exhausted(engine.run),
         policy=spec.batch_policy(),
         on_batch=functools.partial(metrics.observe_batch, spec.name),
         fast_executor=compute.main,
         weights_executor=compute.weights,
+        # A lone small request on the event loop's thread: no crossing (batcher.py).
+        inline=engine.runs_inline if inline else None,
+        run_inline=compute.on_caller(run_batch),
     )
     for lane, batcher in (("fast", lanes.fast), ("weights", lanes.weights)):
         metrics.watch_queue(spec.name, lane, lambda b=batcher: b.queued_requests)

@@ -35,6 +35,7 @@ HELP = {
     "max_sessions_per_client": "live sessions one client (certificate, token or peer address) may hold; 0: no limit",
     "max_cache_bytes_per_client": "KV-cache bytes one client's sessions may hold; 0: no limit",
     "frontend_workers": "processes serving gRPC on the port in front of one engine process (1: one process; docs/operations.md)",
+    "inline_lone_requests": "a lone small request (a decode step) that finds its lane idle runs on the event loop's thread, no thread crossing; false: every request crosses to the compute thread",
 }
 
 

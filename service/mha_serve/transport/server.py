@@ -43,7 +43,12 @@ class Server(GrpcServer):
         """The models, loaded and warmed here on the compute thread."""
         loop = asyncio.get_running_loop()
         engine = await loop.run_in_executor(self.compute.main, load_engine, self.cfg, self.clock)
-        return AsyncEngine(engine, self.compute, session_sweep_s=self.session_sweep_s)
+        return AsyncEngine(
+            engine,
+            self.compute,
+            session_sweep_s=self.session_sweep_s,
+            inline=self.cfg.inline_lone_requests,
+        )
 
     def close_serving(self) -> None:
         self.compute.shutdown()

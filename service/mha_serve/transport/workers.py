@@ -213,7 +213,7 @@ class EngineProcess:
     async def _load(self) -> None:
         loop = asyncio.get_running_loop()
         engine = await loop.run_in_executor(self.compute.main, load_engine, self.cfg)
-        self.serving = AsyncEngine(engine, self.compute)
+        self.serving = AsyncEngine(engine, self.compute, inline=self.cfg.inline_lone_requests)
         self.serving.start()
         gc.collect()
         gc.freeze()  # as the standalone server does (Server.load)
