@@ -5,12 +5,11 @@ synchronous `run_batch(payloads) -> results` runs each batch on the batcher's ex
 thread of its own unless one is given; the server shares one between lanes).
 
 A lone small item pays no thread crossing: when the lane is idle (nothing queued, forming
-or running), waiting for company would not pay, and the item is still alone after one turn
-of the event loop (every other call the loop holds ready has had its chance to come) with
-the loop itself idle (at most LOOP_READY_MAX other callbacks ready: a busy loop means other
-calls in progress, which the loop must keep serving while the lane's thread computes), an
-item that `inline(payload)` calls small runs as a batch of one on the caller's thread, the
-event loop's (`run_inline`). Two or more at once queue and batch as before.
+or running), waiting for company would not pay, and the event loop itself is idle (at most
+LOOP_READY_MAX other callbacks ready: more mean other calls in progress, which could join a
+batch and which the loop must keep serving while the lane's thread computes), an item that
+`inline(payload)` calls small runs as a batch of one on the caller's thread, the event
+loop's (`run_inline`). Calls that come together queue and batch as before.
 """
 
 from __future__ import annotations
@@ -171,7 +170,6 @@ class Batcher:
         self._inline = inline if run_inline is not None else None
         self._run_inline = run_inline
         self.num_inline = 0  # items run on the caller's thread (a lone small item, idle lane)
-        self._hoping_alone = 0  # items taking their turn of the loop before running inline
 
     @property
     def queued_requests(self) -> int:
@@ -213,16 +211,8 @@ class Batcher:
                 f"{self.name}: {self._queued_tokens} tokens are queued and this request adds {tokens} "
                 f"(limit {p.max_queue_tokens}); retry with backoff or send smaller requests"
             )
-        if self._inline is not None and self._idle(key) and self._inline(payload):
-            self._hoping_alone += 1
-            try:  # one turn of the loop: calls it holds ready reach the lane meanwhile
-                await asyncio.sleep(0)
-            finally:
-                self._hoping_alone -= 1
-            if self._closed:
-                raise Closed(f"{self.name}: the server is shutting down; retry on another replica")
-            if self._hoping_alone == 0 and self._idle(key) and _loop_idle():  # alone: no crossing
-                return self._run_alone(payload, sequences, key, deadline, self._clock())
+        if self._inline is not None and self._idle(key) and _loop_idle() and self._inline(payload):
+            return self._run_alone(payload, sequences, key, deadline, self._clock())
         now = self._clock()
         future = asyncio.get_running_loop().create_future()
         item = Item(payload, sequences, length, key, deadline, future, now)

@@ -132,14 +132,24 @@ class KVCache:
         inside its session's blocks) is two slice copies, no index tensors.
         """
         KVH, D, T = self.num_kv_heads, self.head_dim, k.shape[2]
-        run = len(slots) == 1 and 0 < len(slots[0]) <= T and _consecutive(slots[0])
-        fits = all(t.shape == (1, KVH, T, D) and t.dtype == self.dtype for t in (k, v))
-        if not (run and fits and slots[0][0] >= 0 and slots[0][-1] < self.num_slots):
-            self.write(k, v, slot_mapping(slots, T))  # checks everything, says what is wrong
-            return
-        first, n = slots[0][0], len(slots[0])
-        for cache, new in ((self.k, k), (self.v, v)):
-            cache.view(KVH, self.num_slots, D)[:, first : first + n].copy_(new[0, :, :n])
+        if len(slots) == 1:
+            run = slots[0]
+            n = len(run)
+            first = run[0] if n else -1
+            shape = (1, KVH, T, D)
+            if (
+                0 < n <= T
+                and first >= 0
+                and run[-1] < self.num_slots
+                and (n == 1 or _consecutive(run))
+                and k.shape == shape
+                and v.shape == shape
+                and k.dtype == v.dtype == self.dtype
+            ):
+                self._k_slots[:, :, first : first + n].copy_(k[:, :, :n])
+                self._v_slots[:, :, first : first + n].copy_(v[:, :, :n])
+                return
+        self.write(k, v, slot_mapping(slots, T))  # checks everything, says what is wrong
 
     def read(self, block_table: Sequence[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One session's K and V at positions 0..length-1, (1, KVH, length, D) each: views

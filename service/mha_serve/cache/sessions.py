@@ -308,6 +308,12 @@ class SessionTable:
         Returns a Reservation or the CacheError for each, in order. Any other error (a
         device error copying a block) rolls back the batch's reservations and is raised."""
         with self._lock:
+            if len(requests) == 1:  # no other session of the batch to keep from eviction
+                session_id, n, *claimed = requests[0]
+                try:
+                    return [self.reserve(session_id, n, claimed=bool(claimed and claimed[0]))]
+                except CacheError as e:
+                    return [e]
             pinned = []
             results: list[Reservation | CacheError] = []
             try:

@@ -166,8 +166,12 @@ class Engine:
     def prepare(self, request: AttendRequest, state: CallState = UNATTENDED) -> Prepared:
         """Every check that needs no compute, so a bad request is refused before it queues;
         the engine's record of the call (its tensor, bounds and batch key) once accepted.
-        state: what the caller's side tracks of the call (deadline, cancellation, claim)."""
-        hosted = self.get(request.model)
+        state: what the caller's side tracks of the call (deadline, cancellation, claim). A
+        session step that leaves the model empty computes on its session's (Prepared.hosted)."""
+        model = request.model
+        if not model and request.session_id is not None:
+            model = self.sessions.model_of(_session_id(request.session_id))
+        hosted = self.get(model)
         spec, cfg = hosted.spec, hosted.spec.attention
         inputs = request.inputs
         shape = list(inputs.shape)

@@ -180,10 +180,10 @@ class Sessions:
         """Session-specific checks, before the step queues (the table re-checks at reserve);
         the tokens the session holds."""
         session = self.table.get(call.session_id)
-        if session.model != call.model:
+        if session.model != hosted.spec.name:
             raise InvalidRequest(
                 f"session {call.session_id!r} belongs to model {session.model!r}, not "
-                f"{call.model!r}; leave model empty or name {session.model!r}"
+                f"{hosted.spec.name!r}; leave model empty or name {session.model!r}"
             )
         batch, seq_len, _ = call.inputs.shape
         if batch != 1:
@@ -266,7 +266,7 @@ class Sessions:
         new_tokens = [p.inputs.shape[1] for p in steps]
         x = _batch_inputs(hosted, steps, new_tokens)  # (B, T, E)
         first = steps[0].request
-        heads = first.heads(hosted.spec.attention.num_heads)
+        heads = first.heads(hosted.spec.attention.num_heads) if first.need_weights else []
         head_mask = None
         if first.head_mask is not None:
             head_mask = torch.tensor(first.head_mask, dtype=hosted.dtype, device=hosted.device)
@@ -295,9 +295,8 @@ class Sessions:
             # Write first, then read each session's positions in order: one copy of the
             # past (none for a session whose blocks are consecutive), no concatenation.
             cache.append(k_new, v_new, [r.slots for r in reservations])
-            totals = [r.start + r.num_tokens for r in reservations]
             past = [r.start for r in reservations]
-            kv = [cache.read(r.block_table, n) for r, n in zip(reservations, totals, strict=True)]
+            kv = [cache.read(r.block_table, r.start + r.num_tokens) for r in reservations]
             out = hosted.module.attend_cached(
                 q,
                 kv,

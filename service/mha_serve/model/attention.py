@@ -168,7 +168,7 @@ class MultiHeadAttention(nn.Module):
         row past_lengths[b] + t of a causal `forward` over the whole sequence.
         """
         B, H, T, D = self._check_queries(q)
-        heads = self._check_heads(weight_heads)
+        heads = self._check_heads(weight_heads) if need_weights else []
         gate = self._check_head_mask(head_mask, q)
         if not len(kv) == len(past_lengths) == len(new_lengths) == B:
             raise ValueError(
@@ -216,7 +216,7 @@ class MultiHeadAttention(nn.Module):
         B, L, _ = x.shape
         # F.linear, not self.wqkv(x): a decode step is small enough for Module.__call__ to show.
         qkv = F.linear(x, self.wqkv.weight, self.wqkv.bias)
-        q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+        q, k, v = qkv.split_with_sizes([H * D, KVH * D, KVH * D], dim=-1)
         q = q.view(B, L, H, D).transpose(1, 2)  # (B, H, L, D)
         k = k.view(B, L, KVH, D).transpose(1, 2)  # (B, KVH, L, D)
         v = v.view(B, L, KVH, D).transpose(1, 2)  # (B, KVH, L, D)
@@ -287,17 +287,18 @@ class MultiHeadAttention(nn.Module):
                 f"sequence {b}: new_lengths must be in [1, new_len={T}] and past_lengths >= 0, "
                 f"got new {new} and past {past}"
             )
+        want = (1, KVH, past + new, D)
+        device = q.device
         for name, t in (("keys", keys), ("values", values)):
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            want = (1, KVH, past + new, D)
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+            if not isinstance(t, torch.Tensor) or t.shape != want:  # (runs per step: lean)
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(
                     f"sequence {b}: {name} must be (1, num_kv_heads, past + new, head_dim) = "
                     f"{want} for {past} + {new} positions, got {shape}"
                 )
-            if t.device != q.device or not t.is_floating_point():
+            if t.device != device or not t.is_floating_point():
                 raise ValueError(
-                    f"sequence {b}: {name} is {t.dtype} on {t.device}; q is {q.dtype} on {q.device}"
+                    f"sequence {b}: {name} is {t.dtype} on {t.device}; q is {q.dtype} on {device}"
                 )
 
     def _check_input(self, x: torch.Tensor) -> tuple[int, int]:

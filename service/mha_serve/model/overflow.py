@@ -153,16 +153,28 @@ class WeightBounds:
     rotation: float = 2.0
 
 
+_WB = ("weight", "bias")
+
+
 def weight_bounds(module: torch.nn.Module) -> WeightBounds:
     """The module's WeightBounds, computed once per version of its weights (kept on the
     module, recomputed after any in-place change, a new parameter, or a new tensor under
     one: `.data = t` and module.to(dtype) keep the parameter's id and version)."""
-    params = [module.wqkv.weight, module.wqkv.bias, module.wo.weight, module.wo.bias]
-    scaling = float(getattr(module, "rope_scaling", 1.0))
-    key = (scaling, *((id(p), p.data_ptr(), p.dtype, p._version) for p in params if p is not None))
-    cached = getattr(module, "_overflow_bounds", None)
+    # The modules' own dicts, not attribute access: nn.Module's __getattr__ costs a Python
+    # call each, and this runs on every step.
+    linears = module._modules
+    params = [
+        linear._parameters[name] for linear in (linears["wqkv"], linears["wo"]) for name in _WB
+    ]
+    scaling = module.__dict__.get("rope_scaling", 1.0)
+    key = [scaling]
+    for p in params:
+        if p is not None:
+            key += (id(p), p.data_ptr(), p.dtype, p._version)
+    cached = module.__dict__.get("_overflow_bounds")
     if cached is not None and cached[0] == key:
         return cached[1]
+    scaling = float(scaling)
     c = module.config
     sizes = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
     with torch.no_grad():

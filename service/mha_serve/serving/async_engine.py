@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import time
@@ -159,8 +158,6 @@ class AsyncEngine:
         """attend without the encoding and the request metrics: what a frontend worker asks
         of the engine process (serving/host.py), which then encodes and counts itself."""
         session_id = request.session_id
-        if session_id and not request.model:  # a step may leave the model to its session
-            request = dataclasses.replace(request, model=self.engine.session_model(session_id))
         ticket = Ticket(received, deadline)
         if not session_id:
             return await self._compute(request, ticket)
@@ -172,9 +169,10 @@ class AsyncEngine:
         # Validation scans the input (NaN/Inf): off the event loop when it is large.
         prepared = await offload(self.engine.prepare, request, ticket, nbytes=request.inputs.nbytes)
         batch, seq_len, _ = request.inputs.shape
+        model = prepared.hosted.spec.name  # a step's session's, when the request left it empty
         submitted = time.perf_counter()
         try:
-            outcome, info = await self.lanes[request.model].submit(
+            outcome, info = await self.lanes[model].submit(
                 prepared,
                 need_weights=request.need_weights,
                 sequences=batch,
@@ -187,7 +185,7 @@ class AsyncEngine:
             raise
         # Queue time includes decoding and validation before the request was queued.
         queue_ms = (submitted - ticket.received + info.queue_s) * 1e3
-        return Computed(request, outcome, queue_ms, info.compute_s * 1e3)
+        return Computed(request, model, outcome, queue_ms, info.compute_s * 1e3)
 
     async def analyze_heads(self, request: AttendRequest, include_weights: bool) -> HeadReport:
         """2H + 1 forwards off the event loop, beside (not inside) the batched lanes."""

@@ -30,10 +30,12 @@ async def offload(fn: Callable[..., T], *args: Any, nbytes: int) -> T:
 
 @dataclass(frozen=True, slots=True)
 class Computed:
-    """A computed Attend or step, before its encoding: the request as computed (a step's
-    model filled in), the engine's outcome, and serving's timing of it."""
+    """A computed Attend or step, before its encoding: the request, the model that computed
+    it (a step's session's, when the request left it empty), the engine's outcome, and
+    serving's timing of it."""
 
     request: AttendRequest
+    model: str
     outcome: AttendOutcome
     queue_ms: float
     compute_ms: float
@@ -50,7 +52,7 @@ async def finish(
     reply = await offload(encode, outcome, nbytes=outcome.output.nbytes + weights_bytes)
     total_s = time.perf_counter() - received
     metrics.observe_attend(
-        request.model,
+        computed.model,
         tokens=batch * seq_len,
         queue_s=computed.queue_ms / 1e3,
         total_s=total_s,
@@ -58,4 +60,4 @@ async def finish(
     )
     # batch_size: computed sequences (steps refused at reserve are not)
     timing = Timing(computed.queue_ms, computed.compute_ms, total_s * 1e3, outcome.batch_size)
-    return Served(reply, timing, request.model)
+    return Served(reply, timing, computed.model)
