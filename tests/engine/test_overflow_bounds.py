@@ -124,3 +124,34 @@ def test_a_tiny_step_over_large_cached_values_is_not_cleared():
         assert engine.sessions.table.get(sid).num_tokens == 1  # nothing kept
         return
     assert torch.isfinite(result.output).all(), result.output
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_stateless_requests_the_bounds_clear_take_no_maxima_and_others_are_measured(
+    monkeypatch, dtype
+):
+    """A stateless forward whose inputs the bounds clear builds no OverflowCheck (no maxima,
+    no device sync); inputs they cannot clear are measured, and those that do overflow
+    are refused, never answered. Both answer what the measured path answers."""
+    from mha_serve.model import attention as attention_mod
+
+    built = []
+    real = attention_mod.OverflowCheck
+
+    def counted(*args, **kwargs):
+        built.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_mod, "OverflowCheck", counted)
+    spec = ModelSpec("m", AttentionConfig(32, 4, 2), seed=1)
+    engine = engine_of(spec, dtype)
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0)).to(dtype)
+    cleared = attend(engine, req("m", x, lengths=[5, 3]))
+    assert built == []
+    monkeypatch.setattr("mha_serve.engine.engine._proven", lambda *_: False)  # measure
+    measured = attend(engine, req("m", x, lengths=[5, 3]))
+    assert built == [1] and torch.equal(cleared.output, measured.output)
+    monkeypatch.undo()
+    huge = torch.full((1, 3, 32), 6e4 if dtype == torch.float16 else 1e20, dtype=dtype)
+    with pytest.raises(InvalidRequest):
+        attend(engine, req("m", huge))

@@ -24,20 +24,17 @@ from mha_serve.cache import (
     SessionStats,
     SessionTable,
 )
+from mha_serve.engine.bounds import cleared, gate_absmax
 from mha_serve.engine.checks import require_finite, scores_overflow_error
 from mha_serve.engine.errors import Abandoned, DeadlinePassed, InvalidRequest, RequestError
 from mha_serve.engine.requests import Array, AttendOutcome, AttendRequest, CallState
 from mha_serve.engine.types import DTYPES, HostedModel, Prepared, array_of, repeat_heads
 from mha_serve.model import AttentionOutput
 from mha_serve.model.overflow import (
-    MARGIN,
     bound_crossed,
-    output_bound,
-    projected_bounds,
     row_absmax_tensor,
     score_limit,
     scores_overflow,
-    weight_bounds,
 )
 
 log = logging.getLogger(__name__)
@@ -451,35 +448,16 @@ def _bounded_rows(
     reservations: list[Reservation],
 ) -> list[float] | None:
     """Each step's bound on max |k| and |v| when the bounds from its max |input| prove that
-    nothing of the batch can overflow: not its K/V in the cache's dtype, not its scores
-    against its session's keys, not its output, which averages the session's cached values
-    too. The session's bound (Reservation.key_absmax) covers its cached keys and values.
-    None when any step's bounds cannot (or its input was not validated): the batch's
-    tensors are then measured."""
-    cfg = hosted.spec.attention
-    wb = weight_bounds(hosted.module)
-    limit = score_limit(hosted.dtype, cache.dtype) / MARGIN
-    out_limit = torch.finfo(hosted.dtype).max / MARGIN
-    head_mask = steps[0].request.head_mask
-    gate = 1.0 if head_mask is None else max(abs(g) for g in head_mask)
+    nothing of the batch can overflow (engine/bounds.py); the session's bound
+    (Reservation.key_absmax) covers its cached keys and values. None when any step's cannot:
+    the batch's tensors are then measured."""
+    gate = gate_absmax(steps[0].request.head_mask)
     kv_bounds = []
-    for call, r in zip(steps, reservations, strict=True):
-        q_b, k_b, v_b = projected_bounds(
-            call.input_absmax, cfg.embed_dim, wb, rotary=cfg.rope is not None
-        )
-        # Every tensor on the way must fit too, not only K/V and the output: the input in
-        # the model's dtype, q in the model's and the cache's (the kernels round it to the
-        # cache's), the gate and the gated heads (a huge gate on tiny values times a small
-        # Wo clears the output's bound, yet is inf in float16 and 0 * inf is NaN).
-        v_all = max(v_b, r.key_absmax)  # the output averages every value the step sees
-        if (
-            not max(q_b, k_b, v_b) < limit
-            or not max(call.input_absmax, gate, gate * v_all) < out_limit
-            or bound_crossed(q_b, max(k_b, r.key_absmax), cfg.head_dim, limit * MARGIN)
-            or not output_bound(v_all, gate, wb) < out_limit
-        ):
+    for p, r in zip(steps, reservations, strict=True):
+        bound = cleared(hosted, cache.dtype, p.input_absmax, r.key_absmax, gate)
+        if bound is None:
             return None
-        kv_bounds.append(max(k_b, v_b))
+        kv_bounds.append(bound)
     return kv_bounds
 
 

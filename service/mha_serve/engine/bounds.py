@@ -1,0 +1,60 @@
+"""Whether a request's inputs prove that nothing it computes can overflow: the bounds from its
+max |input| and the model's weights (mha_serve.model.overflow), checked before the forward.
+A request they clear needs no look at its tensors at all (no maxima, no device sync); one
+they cannot clear is measured (the model's OverflowCheck, the step's maxima)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from mha_serve.engine.types import HostedModel
+from mha_serve.model.overflow import (
+    MARGIN,
+    bound_crossed,
+    output_bound,
+    projected_bounds,
+    score_limit,
+    weight_bounds,
+)
+
+
+@functools.cache
+def _limits(dtype: torch.dtype, cache_dtype: torch.dtype) -> tuple[float, float]:
+    """(score limit over MARGIN, largest output over MARGIN) for a model and cache dtype."""
+    return score_limit(dtype, cache_dtype) / MARGIN, torch.finfo(dtype).max / MARGIN
+
+
+def gate_absmax(head_mask: tuple[float, ...] | None) -> float:
+    return 1.0 if head_mask is None else max(abs(g) for g in head_mask)
+
+
+def cleared(
+    hosted: HostedModel,
+    cache_dtype: torch.dtype,
+    input_absmax: float,
+    cached_absmax: float,
+    gate: float,
+) -> float | None:
+    """A bound on max |k| and |v| of the new tokens when the bounds prove that nothing can
+    overflow: not K/V in the cache's dtype, not a score against the new and the cached keys
+    (cached_absmax bounds those, and the cached values), not the output, which averages
+    every value seen. None when they cannot prove it."""
+    cfg = hosted.spec.attention
+    wb = weight_bounds(hosted.module)
+    limit, out_limit = _limits(hosted.dtype, cache_dtype)
+    q_b, k_b, v_b = projected_bounds(input_absmax, cfg.embed_dim, wb, rotary=cfg.rope is not None)
+    # Every tensor on the way must fit too, not only K/V and the output: the input in the
+    # model's dtype, q in the model's and the cache's (the kernels round it to the cache's),
+    # the gate and the gated heads (a huge gate on tiny values times a small Wo clears the
+    # output's bound, yet is inf in float16 and 0 * inf is NaN).
+    v_all = max(v_b, cached_absmax)  # the output averages every value the query sees
+    if (
+        not max(q_b, k_b, v_b) < limit
+        or not max(input_absmax, gate, gate * v_all) < out_limit
+        or bound_crossed(q_b, max(k_b, cached_absmax), cfg.head_dim, limit * MARGIN)
+        or not output_bound(v_all, gate, wb) < out_limit
+    ):
+        return None
+    return max(k_b, v_b)
