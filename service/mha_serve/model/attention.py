@@ -1,5 +1,7 @@
-"""The attention module: one class for MHA, GQA and MQA. Embeddings always come from
-fused SDPA; attention weights come from a separate explicit path, only when asked."""
+"""The attention module: one class for MHA, GQA and MQA, and for the families' options
+(RoPE, q/k RMSNorm, sliding window, soft-capping: all read from the config). Embeddings
+come from fused SDPA (from the explicit float32 kernel where scores are soft-capped, which
+SDPA cannot do); attention weights come from a separate explicit path, only when asked."""
 
 from __future__ import annotations
 
@@ -11,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cached import attend_one, causal_from
+from .cached import attend_one, capped_scores, explicit_attention, key_mask
 from .config import AttentionConfig
-from .overflow import overflowing_rows
+from .overflow import overflowing_rows, score_limit
 from .rope import cos_sin, inv_freq, rotate
 
 
@@ -54,6 +56,17 @@ class MultiHeadAttention(nn.Module):
             device=device,
             dtype=dtype,
         )
+        # q/k RMSNorm weights (Qwen3, OLMo-2, Gemma 3), in the state dict as q_norm, k_norm:
+        # (D,) shared by every head, or (H*D,) and (KVH*D,) over the whole projection.
+        self.q_norm = self.k_norm = None
+        if config.qk_norm is not None:
+            whole = config.qk_norm.scope == "projection"
+            H, KVH, D = config.num_heads, config.num_kv_heads, config.head_dim
+            for name, width in (
+                ("q_norm", H * D if whole else D),
+                ("k_norm", KVH * D if whole else D),
+            ):
+                setattr(self, name, nn.Parameter(torch.ones(width, device=device, dtype=dtype)))
 
     def forward(
         self,
@@ -93,22 +106,34 @@ class MultiHeadAttention(nn.Module):
             x = x.masked_fill(~valid[:, :, None], 0.0)
 
         q, k, v = self.project(x)  # (B, H, L, D), (B, KVH, L, D), (B, KVH, L, D)
-        overflow = overflowing_rows(q, k, v, [0 if causal else None] * B)
-
-        # No mask at all when nothing is padded, so SDPA can pick its fastest
-        # kernel (is_causal needs no mask tensor); a boolean mask only for padding.
-        mask = None
-        if valid is not None:
-            mask = _allowed(valid, causal, 0, L).expand(B, 1, L, L)  # (B, 1, L, L)
-        y = F.scaled_dot_product_attention(
+        overflow = overflowing_rows(
             q,
             k,
             v,
-            attn_mask=mask,
-            is_causal=causal and mask is None,
-            scale=self.scale,
-            enable_gqa=KVH != H,  # SDPA broadcasts kv heads; no repeat_interleave copy
-        )  # (B, H, L, D)
+            [0 if causal else None] * B,
+            window=c.sliding_window,
+            limit=score_limit(q.dtype, k.dtype) / c.score_factor,
+        )
+
+        # No mask at all when nothing is padded and no window cuts keys off, so SDPA can
+        # pick its fastest kernel (is_causal needs no mask tensor).
+        mask = None
+        if valid is not None or _cuts(c.sliding_window, L):
+            mask = self._allowed(valid, causal, 0, L, L, x.device)  # (B|1, 1, L, L)
+        if c.softcap is None:
+            y = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=causal and mask is None,
+                scale=self.scale,
+                enable_gqa=KVH != H,  # SDPA broadcasts kv heads; no repeat_interleave copy
+            )  # (B, H, L, D)
+        else:
+            if mask is None and causal:
+                mask = self._allowed(None, True, 0, L, L, x.device)  # (1, 1, L, L)
+            y = explicit_attention(q, k, v, mask, self.scale, c.softcap)  # (B, H, L, D)
         out = self._merge_heads(y, gate, valid)  # (B, L, E)
 
         weights = None
@@ -129,10 +154,10 @@ class MultiHeadAttention(nn.Module):
         """softmax(q k^T * scale + mask) in float32, only for the requested heads
         and rows, so memory is B * len(heads) * R * S, never B * H * L * S."""
         allowed = None
-        if causal or valid is not None:
-            allowed = _allowed(valid, causal, q_start, q_end, q.shape[2], q.device)
-        # Every row keeps at least key 0 (lengths >= 1), so no row is all -inf
-        # and masked columns come out exactly 0.
+        if causal or valid is not None or _cuts(self.config.sliding_window, q.shape[2]):
+            allowed = self._allowed(valid, causal, q_start, q_end, q.shape[2], q.device)
+        # Every row keeps at least one key (its own, or any for a padded row), so no row is
+        # all -inf and masked columns come out exactly 0.
         weights = self._softmax(q[:, :, q_start:q_end], k, heads, allowed)  # (B, n, R, S)
         if valid is not None:
             weights = weights.masked_fill(~valid[:, None, q_start:q_end, None], 0.0)
@@ -148,42 +173,65 @@ class MultiHeadAttention(nn.Module):
         need_weights: bool = False,
         weight_heads: Sequence[int] | None = None,
         head_mask: torch.Tensor | None = None,
+        first_keys: Sequence[int] | None = None,
     ) -> AttentionOutput:
         """Attention of new tokens over keys already laid out by absolute position (a KV
-        cache read): the engine's session step. Always causal (a cache is exact only so).
+        cache read): the engine's session step. Always causal (a cache is exact only so),
+        and within the config's sliding window.
 
         q (B, H, T, D): the new tokens' queries (`project`). kv[b] = (keys, values), each
-        (1, KVH, S_b, D): sequence b's positions 0..S_b-1 in order, its new tokens last,
-        S_b = past_lengths[b] + new_lengths[b] (KVCache.read), new_lengths[b] in 1..T.
+        (1, KVH, S_b, D): sequence b's positions first_keys[b]..past_lengths[b] +
+        new_lengths[b] - 1 in order, its new tokens last (KVCache.read), new_lengths[b] in
+        1..T. first_keys None: every sequence from position 0; with a sliding window W a
+        read may start anywhere up to past_lengths[b] + 1 - W (keys before the window of the
+        step's first token are never seen, so need not be read, or kept).
         Keys and values may be narrower than q (a bfloat16 cache for a float32 model): the
         queries are then rounded to their dtype for the fused kernels, whose softmax and
         sums stay float32, and the outputs come back in q's dtype; weights are computed in
         float32 from the unrounded queries.
 
         New token t of sequence b (absolute position past_lengths[b] + t) attends to
-        positions 0..past_lengths[b] + t. Returns output (B, T, E) (rows of padded tokens
-        0) and, when asked, weights (B, len(heads), T, max S_b) float32 over absolute
-        positions (columns past a sequence's end, rows of padded tokens 0): row t equals
+        positions 0..past_lengths[b] + t (the last W of them with a window). Returns output
+        (B, T, E) (rows of padded tokens 0) and, when asked, weights (B, len(heads), T,
+        max(past_lengths[b] + new_lengths[b])) float32 over absolute positions (columns
+        before a sequence's read or past its end, rows of padded tokens 0): row t equals
         row past_lengths[b] + t of a causal `forward` over the whole sequence.
         """
+        c = self.config
         B, H, T, D = self._check_queries(q)
         heads = self._check_heads(weight_heads)
         gate = self._check_head_mask(head_mask, q)
-        if not len(kv) == len(past_lengths) == len(new_lengths) == B:
+        if first_keys is None:
+            first_keys = [0] * B
+        if not len(kv) == len(past_lengths) == len(new_lengths) == len(first_keys) == B:
             raise ValueError(
-                f"q has batch {B} but kv, past_lengths and new_lengths have "
-                f"{len(kv)}, {len(past_lengths)} and {len(new_lengths)} entries"
+                f"q has batch {B} but kv, past_lengths, new_lengths and first_keys have "
+                f"{len(kv)}, {len(past_lengths)}, {len(new_lengths)} and {len(first_keys)} "
+                "entries"
             )
         ys, weights = [], []
-        for b, ((keys, values), past, new) in enumerate(
-            zip(kv, past_lengths, new_lengths, strict=True)
+        for b, ((keys, values), past, new, first) in enumerate(
+            zip(kv, past_lengths, new_lengths, first_keys, strict=True)
         ):
-            self._check_cached(b, keys, values, past, new, T, q)
+            self._check_cached(b, keys, values, past, new, first, T, q)
             q_b = q[b : b + 1, :, :new]  # (1, H, n, D)
-            ys.append(attend_one(q_b, keys, values, past, self.scale))  # (1, H, n, D)
+            y_b = attend_one(
+                q_b,
+                keys,
+                values,
+                past,
+                self.scale,
+                first_key=first,
+                window=c.sliding_window,
+                softcap=c.softcap,
+            )  # (1, H, n, D)
+            ys.append(y_b)
             if need_weights:
-                allowed = causal_from(past, new, keys.shape[2], q.device)  # (1, 1, n, S_b)
-                weights.append(self._softmax(q_b, keys, heads, allowed))  # (1, n_h, n, S_b)
+                S_b = keys.shape[2]
+                allowed = key_mask(past, new, first, S_b, c.sliding_window, q.device)
+                weights.append(
+                    (first, self._softmax(q_b, keys, heads, allowed))
+                )  # (1, n_h, n, S_b)
         new_valid = None
         if B == 1 and new_lengths[0] == T:
             y = ys[0]
@@ -198,26 +246,34 @@ class MultiHeadAttention(nn.Module):
         out = self._merge_heads(y, gate, new_valid)  # (B, T, E)
         if not need_weights:
             return AttentionOutput(output=out, weights=None)
-        S = max(w.shape[-1] for w in weights)
+        S = max(first + w.shape[-1] for first, w in weights)  # absolute positions
         all_w = torch.zeros(B, len(heads), T, S, dtype=torch.float32, device=q.device)
-        for b, w in enumerate(weights):
-            all_w[b, :, : w.shape[2], : w.shape[3]] = w[0]
+        for b, (first, w) in enumerate(weights):
+            all_w[b, :, : w.shape[2], first : first + w.shape[3]] = w[0]
         return AttentionOutput(output=out, weights=all_w)
 
     def project(
         self, x: torch.Tensor, positions: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of x (B, L, E); for a rotary model q and k are rotated at `positions`
-        (B, L) or (L,) absolute positions (None: 0..L-1), so cached keys need no more work.
-        Without RoPE, positions are ignored."""
+        """q, k, v of x (B, L, E); with q/k norm, q and k are RMS-normalised first; for a
+        rotary model q and k are then rotated at `positions` (B, L) or (L,) absolute
+        positions (None: 0..L-1), so cached keys need no more work. Without RoPE, positions
+        are ignored."""
         c = self.config
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
         B, L, _ = x.shape
         # F.linear, not self.wqkv(x): a decode step is small enough for Module.__call__ to show.
         qkv = F.linear(x, self.wqkv.weight, self.wqkv.bias)
-        q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
-        q = q.view(B, L, H, D).transpose(1, 2)  # (B, H, L, D)
-        k = k.view(B, L, KVH, D).transpose(1, 2)  # (B, KVH, L, D)
+        q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)  # (B, L, H*D | KVH*D)
+        norm = c.qk_norm
+        if norm is not None and norm.scope == "projection":  # OLMo-2: over all heads at once
+            q, k = _rms_norm(q, self.q_norm, norm.eps), _rms_norm(k, self.k_norm, norm.eps)
+        q = q.view(B, L, H, D)  # (B, L, H, D)
+        k = k.view(B, L, KVH, D)  # (B, L, KVH, D)
+        if norm is not None and norm.scope == "head":  # Qwen3, Gemma 3: each head on its own
+            q, k = _rms_norm(q, self.q_norm, norm.eps), _rms_norm(k, self.k_norm, norm.eps)
+        q = q.transpose(1, 2)  # (B, H, L, D)
+        k = k.transpose(1, 2)  # (B, KVH, L, D)
         v = v.view(B, L, KVH, D).transpose(1, 2)  # (B, KVH, L, D)
         if self.rope_freq is not None:
             if positions is None:
@@ -249,15 +305,49 @@ class MultiHeadAttention(nn.Module):
     def _softmax(
         self, q: torch.Tensor, k: torch.Tensor, heads: list[int], allowed: torch.Tensor | None
     ) -> torch.Tensor:
-        """softmax(q k^T * scale) in float32 over allowed keys, for query heads `heads`:
+        """softmax(q k^T * scale) in float32 over allowed keys (scores soft-capped when the
+        config says so), for query heads `heads`:
         q (B, H, R, D), k (B, KVH, S, D), allowed broadcastable to (B, 1, R, S)."""
         idx = torch.tensor(heads, device=q.device)
-        qh = q[:, idx].float() * self.scale  # (B, n, R, D)
-        kh = k[:, idx // self.config.group_size].float()  # (B, n, S, D): GQA head h reads kv h // G
-        scores = qh @ kh.transpose(-2, -1)  # (B, n, R, S)
+        qh = q[:, idx]  # (B, n, R, D)
+        kh = k[:, idx // self.config.group_size]  # (B, n, S, D): GQA head h reads kv h // G
+        scores = capped_scores(qh, kh, self.scale, self.config.softcap)  # (B, n, R, S) float32
         if allowed is not None:
             scores.masked_fill_(~allowed, float("-inf"))
         return torch.softmax(scores, dim=-1)  # (B, n, R, S)
+
+    def _allowed(
+        self,
+        valid: torch.Tensor | None,
+        causal: bool,
+        q_start: int,
+        q_end: int,
+        S: int,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """Bool mask, True where query row i in [q_start, q_end) may attend to key j (rows
+        and keys at positions 0..): j <= i when causal; i - j < window (|i - j| < window when
+        not causal) with a sliding window; j real when padded. (B|1, 1, R|1, S).
+
+        A padded query row may see every key: its output is dropped, and a row with no key
+        at all (its window past the real keys) would be NaN."""
+        window = self.config.sliding_window
+        rows = torch.arange(q_start, q_end, device=device)[:, None]  # (R, 1)
+        cols = torch.arange(S, device=device)[None, :]  # (1, S)
+        allowed = None
+        if causal:
+            allowed = rows >= cols  # (R, S)
+        if _cuts(window, max(S, q_end)):
+            near = (rows - cols < window) if causal else ((rows - cols).abs() < window)
+            allowed = near if allowed is None else allowed & near
+        if allowed is not None:
+            allowed = allowed[None, None]  # (1, 1, R, S)
+        if valid is not None:
+            keys = valid[:, None, None, :]  # (B, 1, 1, S)
+            allowed = keys if allowed is None else allowed & keys  # (B, 1, R, S)
+            allowed = allowed | ~valid[:, None, q_start:q_end, None]  # padded rows: any key
+        assert allowed is not None, "_allowed needs causal, a window or padding"
+        return allowed
 
     def _check_queries(self, q: torch.Tensor) -> tuple[int, int, int, int]:
         H, D = self.config.num_heads, self.config.head_dim
@@ -277,22 +367,31 @@ class MultiHeadAttention(nn.Module):
         values: torch.Tensor,
         past: int,
         new: int,
+        first: int,
         T: int,
         q: torch.Tensor,
     ) -> None:
-        KVH, D = self.config.num_kv_heads, self.config.head_dim
+        KVH, D, W = self.config.num_kv_heads, self.config.head_dim, self.config.sliding_window
         if not 1 <= new <= T or past < 0:
             raise ValueError(
                 f"sequence {b}: new_lengths must be in [1, new_len={T}] and past_lengths >= 0, "
                 f"got new {new} and past {past}"
             )
+        # Every key the step's first token sees must be there: all of them without a window.
+        earliest = 0 if W is None else max(0, past + 1 - W)
+        if not 0 <= first <= earliest:
+            raise ValueError(
+                f"sequence {b}: first_keys must be in [0, {earliest}] (the first position the "
+                f"step's first token sees, window {W}), got {first}"
+            )
         for name, t in (("keys", keys), ("values", values)):
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            want = (1, KVH, past + new, D)
+            want = (1, KVH, past + new - first, D)
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
                 raise ValueError(
-                    f"sequence {b}: {name} must be (1, num_kv_heads, past + new, head_dim) = "
-                    f"{want} for {past} + {new} positions, got {shape}"
+                    f"sequence {b}: {name} must be (1, num_kv_heads, past + new - first, "
+                    f"head_dim) = {want} for {past} + {new} positions read from position {first}, "
+                    f"got {shape}"
                 )
             if t.device != q.device or not t.is_floating_point():
                 raise ValueError(
@@ -400,27 +499,14 @@ def _check_query_range(query_range: tuple[int, int] | None, L: int) -> tuple[int
     return start, end
 
 
-def _allowed(
-    valid: torch.Tensor | None,
-    causal: bool,
-    q_start: int,
-    q_end: int,
-    S: int | None = None,
-    device: torch.device | None = None,
-) -> torch.Tensor:
-    """Bool mask, True where query row i in [q_start, q_end) may attend to key j.
+def _cuts(window: int | None, L: int) -> bool:
+    """Whether a sliding window hides any key of an L-token sequence from some query."""
+    return window is not None and window < L
 
-    (B, 1, 1, S) for padding only, (1, 1, R, S) for causal only, (B, 1, R, S) for both.
-    """
-    if valid is not None:
-        S, device = valid.shape[1], valid.device
-    allowed = None
-    if causal:
-        rows = torch.arange(q_start, q_end, device=device)[:, None]  # (R, 1)
-        cols = torch.arange(S, device=device)[None, :]  # (1, S)
-        allowed = (rows >= cols)[None, None]  # (1, 1, R, S)
-    if valid is not None:
-        keys = valid[:, None, None, :]  # (B, 1, 1, S)
-        allowed = keys if allowed is None else allowed & keys  # (B, 1, R, S)
-    assert allowed is not None, "_allowed needs causal or padding"
-    return allowed
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, in float32 (as transformers'
+    Qwen3, OLMo-2 and Gemma 3 norms), back in x's dtype."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype)

@@ -20,6 +20,9 @@ from .config import AttentionConfig
 
 FORMAT = "mha-serve/1"  # safetensors metadata "format" of the files we write
 BIAS_INIT_BOUND = 0.02  # small but nonzero, so default weights exercise the bias paths
+NORM_INIT_BOUND = 0.5  # q/k norm gains in 1 +- this: unequal, so each one's place matters
+# Config fields stored as JSON tables in a checkpoint's metadata (the rest as plain strings).
+_TABLE_FIELDS = ("rope", "qk_norm")
 
 # torch.nn.MultiheadAttention's names for our four tensors; rows of in_proj_weight
 # are [Wq; Wk; Wv], which is exactly our fused wqkv when KVH == H and D == E / H.
@@ -56,10 +59,14 @@ def init_weights(module: MultiHeadAttention, seed: int) -> None:
             linear.weight.copy_(_uniform(linear.weight.shape, bound, g))
             if linear.bias is not None:
                 linear.bias.copy_(_uniform(linear.bias.shape, BIAS_INIT_BOUND, g))
+        for norm in (module.q_norm, module.k_norm):  # q/k RMSNorm gains: 1 +- NORM_INIT_BOUND
+            if norm is not None:
+                norm.copy_(1.0 + _uniform(norm.shape, NORM_INIT_BOUND, g))
 
 
 def save_checkpoint(module: MultiHeadAttention, path: PathLike) -> None:
-    """safetensors file: wqkv.weight, wqkv.bias, wo.weight, wo.bias + config in metadata."""
+    """safetensors file: wqkv.weight, wqkv.bias, wo.weight, wo.bias (q_norm, k_norm with
+    q/k norm) + config in metadata."""
     tensors = {k: t.detach().cpu().contiguous() for k, t in module.state_dict().items()}
     metadata = {"format": FORMAT}
     metadata.update(
@@ -186,6 +193,11 @@ def _expected_shapes(config: AttentionConfig) -> dict[str, tuple[int, ...]]:
     if config.bias:
         shapes["wqkv.bias"] = (config.qkv_dim,)
         shapes["wo.bias"] = (config.embed_dim,)
+    if config.qk_norm is not None:
+        whole = config.qk_norm.scope == "projection"
+        H, KVH, D = config.num_heads, config.num_kv_heads, config.head_dim
+        shapes["q_norm"] = (H * D if whole else D,)
+        shapes["k_norm"] = (KVH * D if whole else D,)
     return shapes
 
 
@@ -234,7 +246,7 @@ def _config_from_metadata(metadata: dict[str, str], path: Path) -> AttentionConf
         return None
     try:
         return AttentionConfig.from_dict(
-            {k: _parse_metadata_value(v, json_value=k == "rope") for k, v in raw.items()}
+            {k: _parse_metadata_value(v, json_value=k in _TABLE_FIELDS) for k, v in raw.items()}
         )
     except ValueError as e:
         raise ValueError(f"{path} metadata holds an invalid attention config {raw}: {e}") from e
@@ -244,7 +256,7 @@ def _parse_metadata_value(s: str, *, json_value: bool = False) -> Any:
     low = s.strip().lower()
     if json_value and low != "none":
         try:
-            return json.loads(s)  # a table (rope), written by save_checkpoint
+            return json.loads(s)  # a table (rope, qk_norm), written by save_checkpoint
         except json.JSONDecodeError:
             return s  # AttentionConfig rejects it with the field's name
     if low in ("true", "false"):
