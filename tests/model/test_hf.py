@@ -147,7 +147,8 @@ def test_config_file_and_engine_serve_a_directory_layer(tmp_path):
     engine = Engine(
         [spec], device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**24
     )
-    assert engine.get("m").spec.max_seq_len == 64  # capped at the sliding window
+    hosted = engine.get("m")  # max_seq_len is the context, not the window (issue 26)
+    assert hosted.spec.max_seq_len == 4096 and hosted.module.config.sliding_window == 64
     toml.write_text('[[models]]\nname = "m"\ncheckpoint = "llama"\nlayer = 1\nnum_heads = 4\n')
     with pytest.raises(ValueError, match=r"remove \['num_heads'\]"):
         load_config_file(toml)
