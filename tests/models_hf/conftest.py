@@ -10,7 +10,7 @@ import pytest
 
 from mha_client.sdk import Client
 from tests.helpers import ServerProcess
-from tests.models_hf.reference import CHECKPOINTS, write_checkpoints
+from tests.models_hf.reference import SERVED, write_checkpoints
 
 MINILM_LAYERS = 6
 
@@ -28,10 +28,10 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def served(tmp_path_factory, minilm_dir, hf_dirs):
-    """(client, {model name: (family key, directory, layer)}) for a live server."""
+    """(client, {model name: (checkpoint key, directory, layer)}) for a live server."""
     root = tmp_path_factory.mktemp("server")
     models = {f"minilm{i}": ("minilm", minilm_dir, i) for i in range(MINILM_LAYERS)}
-    models.update({name: (name, d, CHECKPOINTS[name][2]) for name, d in hf_dirs.items()})
+    models.update({name: (ck, hf_dirs[ck], layer) for name, (ck, layer) in SERVED.items()})
     tables = [
         f'[[models]]\nname = "{name}"\ncheckpoint = "{d}"\nlayer = {layer}\n'
         "kv_cache_bytes = 8388608\n"
