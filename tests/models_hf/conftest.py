@@ -36,8 +36,8 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def served(tmp_path_factory, minilm_dir, hf_dirs):
-    """(client, {model name: (checkpoint key, directory, layer)}) for a live server."""
+def server(tmp_path_factory, minilm_dir, hf_dirs):
+    """(the server process, client, {model name: (checkpoint key, directory, layer)})."""
     root = tmp_path_factory.mktemp("server")
     models = {f"minilm{i}": ("minilm", minilm_dir, i) for i in range(MINILM_LAYERS)}
     models.update({name: (ck, hf_dirs[ck], layer) for name, (ck, layer) in SERVED.items()})
@@ -65,7 +65,14 @@ def served(tmp_path_factory, minilm_dir, hf_dirs):
     try:
         proc.wait_serving()
         with Client(proc.target) as client:
-            yield client, models
+            yield proc, client, models
     finally:
         code = proc.stop()
         assert code == 0, f"mha-serve exited {code} on SIGTERM:\n{proc.log()}"
+
+
+@pytest.fixture(scope="session")
+def served(server):
+    """(client, {model name: (checkpoint key, directory, layer)}) for a live server."""
+    _, client, models = server
+    return client, models

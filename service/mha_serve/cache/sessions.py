@@ -96,6 +96,12 @@ class SessionTable:
     def pool(self, model: str) -> BlockPool:
         return self._model(model).pool
 
+    def num_blocks_out_of_window(self, model: str) -> int:
+        """Blocks of the model freed so far because they fell out of a session's sliding
+        window (cumulative, cheap: no per-session stats are built)."""
+        with self._lock:
+            return self._model(model).num_blocks_out_of_window
+
     def num_sessions(self, model: str) -> int:
         """Live sessions of one model (cheap: no per-session stats are built)."""
         with self._lock:

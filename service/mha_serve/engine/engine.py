@@ -409,6 +409,7 @@ class Engine:
             num_sessions=self.sessions.num_sessions(model),
             evict_idle_sessions=self.sessions.table.evict,
             dtype=cache.dtype,
+            num_blocks_out_of_window=self.sessions.table.num_blocks_out_of_window(model),
         )
 
     def warmup(self) -> None:

@@ -118,3 +118,5 @@ class CacheInfo:
     num_sessions: int
     evict_idle_sessions: bool
     dtype: torch.dtype  # element type of the stored K/V
+    # Blocks freed so far because they fell out of a session's sliding window (cumulative).
+    num_blocks_out_of_window: int = 0
