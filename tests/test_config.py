@@ -159,3 +159,33 @@ def test_our_checkpoint_brings_its_config(tmp_path):
     toml.write_text('[[models]]\nname = "m"\ncheckpoint = "absent.safetensors"\n')
     with pytest.raises(ValueError, match="absent.safetensors does not exist"):
         load_config_file(toml)
+
+
+def test_a_model_of_our_own_takes_the_family_options(tmp_path):
+    """sliding_window, qk_norm, softcap (and rope) in a [[models]] table: a seeded model
+    with them serves a stateless call and a session past its window."""
+    import torch
+
+    from mha_serve.config import load_config_file
+    from mha_serve.engine import AttendCall, Engine
+
+    toml = tmp_path / "models.toml"
+    toml.write_text(
+        '[[models]]\nname = "m"\nembed_dim = 48\nnum_heads = 6\nnum_kv_heads = 2\n'
+        "causal = true\nsliding_window = 8\nsoftcap = 30.0\nkv_block_size = 4\n"
+        'qk_norm = { scope = "head", eps = 1e-5 }\nrope = { theta = 10000.0 }\n'
+    )
+    _, (spec,) = load_config_file(toml)
+    c = spec.attention
+    assert (c.sliding_window, c.softcap, c.qk_norm.eps, c.rope.theta) == (8, 30.0, 1e-5, 1e4)
+    engine = Engine(
+        [spec], device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**24
+    )
+    x = torch.randn(1, 40, 48)
+    whole = engine.attend(AttendCall("m", x)).output
+    sid = engine.create_session("m").session_id
+    for a, b in ((0, 20), (20, 21), (21, 40)):
+        got = engine.attend(AttendCall("m", x[:, a:b], session_id=sid))
+        assert (got.output - whole[:, a:b]).abs().max() < 1e-5
+    # 40 tokens: the next step sees positions 33..40, so the blocks of 32..39 are all it keeps
+    assert got.session.num_blocks == 2 and got.session.first_position == 32

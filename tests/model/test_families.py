@@ -250,3 +250,23 @@ def test_score_factor_covers_scales_above_one_and_small_caps():
     assert AttentionConfig(48, 6, softmax_scale=4.0).score_factor == 4.0
     assert AttentionConfig(48, 6, softmax_scale=4.0, softcap=0.5).score_factor == 8.0
     assert AttentionConfig(48, 6, softcap=50.0).score_factor == 1.0
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.bfloat16, 5e-2), (torch.float16, 1e-2)])
+def test_low_precision_with_every_option_stays_near_float32(dtype, atol):
+    """The norms and the soft-capped kernel compute in float32 inside; stateless and cached
+    steps over a narrower cache (float16 K/V) stay near the float32 model."""
+    module = make("everything")
+    narrow = MultiHeadAttention(module.config, dtype=dtype)
+    narrow.load_state_dict(module.state_dict())
+    x = torch.randn(2, 12, 48, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = module(x, lengths=torch.tensor([12, 7]), causal=True).output
+        got = narrow(x.to(dtype), lengths=torch.tensor([12, 7]), causal=True).output
+        q, k, v = narrow.project(x[:1].to(dtype))
+        kv = [(k[:, :, 6:].half(), v[:, :, 6:].half())]  # window 3: step at 8 reads from 6
+        step = narrow.attend_cached(
+            q[:, :, 8:], kv, past_lengths=[8], new_lengths=[4], first_keys=[6]
+        )
+    assert_close(got.float(), want, what=f"{dtype} forward", atol=atol, rtol=atol)
+    assert_close(step.output.float(), want[:1, 8:], what=f"{dtype} cached", atol=atol, rtol=atol)
