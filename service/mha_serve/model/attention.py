@@ -5,7 +5,6 @@ SDPA cannot do); attention weights come from a separate explicit path, only when
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -14,6 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cached import attend_one, capped_scores, explicit_attention, key_mask
+from .checks import (
+    check_cached,
+    check_head_mask,
+    check_heads,
+    check_input,
+    check_queries,
+    check_query_range,
+    valid_positions,
+)
 from .config import AttentionConfig
 from .overflow import overflowing_rows, score_limit
 from .rope import cos_sin, inv_freq, rotate
@@ -93,12 +101,12 @@ class MultiHeadAttention(nn.Module):
         """
         c = self.config
         H, KVH = c.num_heads, c.num_kv_heads
-        B, L = self._check_input(x)
+        B, L = check_input(c, self.wqkv.weight, x)
         causal = c.causal if causal is None else bool(causal)
-        valid = _valid_positions(lengths, B, L, x.device)  # (B, L) bool, None if unpadded
-        heads = self._check_heads(weight_heads)
-        q_start, q_end = _check_query_range(query_range, L)
-        gate = self._check_head_mask(head_mask, x)
+        valid = valid_positions(lengths, B, L, x.device)  # (B, L) bool, None if unpadded
+        heads = check_heads(self.config, weight_heads)
+        q_start, q_end = check_query_range(query_range, L)
+        gate = check_head_mask(self.config, head_mask, x)
 
         if valid is not None:
             # Padding may be uninitialised memory from a batcher; a NaN or inf
@@ -198,9 +206,9 @@ class MultiHeadAttention(nn.Module):
         row past_lengths[b] + t of a causal `forward` over the whole sequence.
         """
         c = self.config
-        B, H, T, D = self._check_queries(q)
-        heads = self._check_heads(weight_heads)
-        gate = self._check_head_mask(head_mask, q)
+        B, H, T, D = check_queries(self.config, q)
+        heads = check_heads(self.config, weight_heads)
+        gate = check_head_mask(self.config, head_mask, q)
         if first_keys is None:
             first_keys = [0] * B
         if not len(kv) == len(past_lengths) == len(new_lengths) == len(first_keys) == B:
@@ -213,7 +221,7 @@ class MultiHeadAttention(nn.Module):
         for b, ((keys, values), past, new, first) in enumerate(
             zip(kv, past_lengths, new_lengths, first_keys, strict=True)
         ):
-            self._check_cached(b, keys, values, past, new, first, T, q)
+            check_cached(c, b, keys, values, past, new, first, T, q)
             q_b = q[b : b + 1, :, :new]  # (1, H, n, D)
             y_b = attend_one(
                 q_b,
@@ -348,155 +356,6 @@ class MultiHeadAttention(nn.Module):
             allowed = allowed | ~valid[:, None, q_start:q_end, None]  # padded rows: any key
         assert allowed is not None, "_allowed needs causal, a window or padding"
         return allowed
-
-    def _check_queries(self, q: torch.Tensor) -> tuple[int, int, int, int]:
-        H, D = self.config.num_heads, self.config.head_dim
-        shape = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
-        if not isinstance(q, torch.Tensor) or q.dim() != 4 or (q.shape[1], q.shape[3]) != (H, D):
-            raise ValueError(
-                f"q must be (batch, num_heads={H}, new_len, head_dim={D}), got {shape}"
-            )
-        if 0 in q.shape:
-            raise ValueError(f"q must have batch >= 1 and new_len >= 1, got {shape}")
-        return tuple(q.shape)
-
-    def _check_cached(
-        self,
-        b: int,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        past: int,
-        new: int,
-        first: int,
-        T: int,
-        q: torch.Tensor,
-    ) -> None:
-        KVH, D, W = self.config.num_kv_heads, self.config.head_dim, self.config.sliding_window
-        if not 1 <= new <= T or past < 0:
-            raise ValueError(
-                f"sequence {b}: new_lengths must be in [1, new_len={T}] and past_lengths >= 0, "
-                f"got new {new} and past {past}"
-            )
-        # Every key the step's first token sees must be there: all of them without a window.
-        earliest = 0 if W is None else max(0, past + 1 - W)
-        if not 0 <= first <= earliest:
-            raise ValueError(
-                f"sequence {b}: first_keys must be in [0, {earliest}] (the first position the "
-                f"step's first token sees, window {W}), got {first}"
-            )
-        for name, t in (("keys", keys), ("values", values)):
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            want = (1, KVH, past + new - first, D)
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
-                raise ValueError(
-                    f"sequence {b}: {name} must be (1, num_kv_heads, past + new - first, "
-                    f"head_dim) = {want} for {past} + {new} positions read from position {first}, "
-                    f"got {shape}"
-                )
-            if t.device != q.device or not t.is_floating_point():
-                raise ValueError(
-                    f"sequence {b}: {name} is {t.dtype} on {t.device}; q is {q.dtype} on {q.device}"
-                )
-
-    def _check_input(self, x: torch.Tensor) -> tuple[int, int]:
-        E = self.config.embed_dim
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must be (batch, seq_len, embed_dim={E}), got {shape}")
-        B, L, E_x = x.shape
-        if E_x != E:
-            raise ValueError(
-                f"x has embed_dim {E_x} (shape {tuple(x.shape)}) but the model's embed_dim is {E}"
-            )
-        if B == 0 or L == 0:
-            raise ValueError(f"x must have batch >= 1 and seq_len >= 1, got {tuple(x.shape)}")
-        w = self.wqkv.weight
-        if x.dtype != w.dtype:
-            raise ValueError(
-                f"x has dtype {x.dtype} but the model holds {w.dtype}; pass x.to({w.dtype})"
-            )
-        if x.device != w.device:
-            raise ValueError(
-                f"x is on {x.device} but the model is on {w.device}; pass x.to('{w.device}')"
-            )
-        return B, L
-
-    def _check_heads(self, weight_heads: Sequence[int] | None) -> list[int]:
-        H = self.config.num_heads
-        if weight_heads is None:
-            return list(range(H))
-        heads = [operator.index(h) for h in weight_heads]
-        if not heads:
-            raise ValueError("weight_heads is empty; pass None for all heads")
-        bad = [h for h in heads if not 0 <= h < H]
-        if bad:
-            raise ValueError(
-                f"weight_heads {heads} has head(s) {bad} out of range; "
-                f"num_heads is {H}, so valid heads are 0..{H - 1}"
-            )
-        return heads
-
-    def _check_head_mask(
-        self, head_mask: torch.Tensor | None, x: torch.Tensor
-    ) -> torch.Tensor | None:
-        if head_mask is None:
-            return None
-        H = self.config.num_heads
-        gate = torch.as_tensor(head_mask)
-        if gate.shape != (H,):
-            raise ValueError(
-                f"head_mask must have shape (num_heads,) = ({H},), got {tuple(gate.shape)}"
-            )
-        if not gate.is_floating_point():
-            raise ValueError(f"head_mask must be a float tensor, got {gate.dtype}")
-        return gate.to(device=x.device, dtype=x.dtype)
-
-
-def _valid_positions(
-    lengths: torch.Tensor | Sequence[int] | None, B: int, L: int, device: torch.device
-) -> torch.Tensor | None:
-    """(B, L) bool, True at real positions; None when no sequence is padded."""
-    if lengths is None:
-        return None
-    lengths, lo = _check_lengths(lengths, "lengths", B, 1, L, "seq_len")
-    if lo == L:
-        return None
-    return torch.arange(L, device=device) < lengths.to(device)[:, None]  # (B, L)
-
-
-def _check_lengths(
-    lengths: torch.Tensor | Sequence[int], name: str, B: int, lo_min: int, hi_max: int, what: str
-) -> tuple[torch.Tensor, int]:
-    """lengths as a (B,) integer tensor in [lo_min, hi_max], and its minimum."""
-    lengths = torch.as_tensor(lengths)
-    if lengths.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise ValueError(f"{name} must be an integer (int64) tensor, got {lengths.dtype}")
-    if lengths.shape != (B,):
-        raise ValueError(f"{name} must have shape (batch,) = ({B},), got {tuple(lengths.shape)}")
-    lo, hi = int(lengths.min()), int(lengths.max())
-    if lo < lo_min or hi > hi_max:
-        raise ValueError(
-            f"{name} must be in [{lo_min}, {what}={hi_max}], got min {lo} and max {hi}: "
-            f"{lengths.tolist()}"
-        )
-    return lengths, lo
-
-
-def _check_query_range(query_range: tuple[int, int] | None, L: int) -> tuple[int, int]:
-    if query_range is None:
-        return 0, L
-    try:
-        start, end = (operator.index(i) for i in query_range)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"query_range must be a pair of ints (start, end), got {query_range!r}"
-        ) from None
-    if not 0 <= start < end <= L:
-        raise ValueError(
-            f"query_range ({start}, {end}) is empty or out of bounds; "
-            f"need 0 <= start < end <= seq_len {L}"
-        )
-    return start, end
 
 
 def _cuts(window: int | None, L: int) -> bool:
