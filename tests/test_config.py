@@ -133,3 +133,60 @@ def test_boolean_settings_from_environment(monkeypatch, capsys):
     monkeypatch.setenv("MHA_SERVE_EVICT_IDLE_SESSIONS", "maybe")
     assert main([]) == 2
     assert "evict_idle_sessions must be bool, got 'maybe'" in capsys.readouterr().err
+
+
+def test_our_checkpoint_brings_its_config(tmp_path):
+    """A [[models]] table naming one of our files needs no attention keys: they come from
+    the file's metadata (a pruned or converted model, the family's options included)."""
+    import torch
+
+    from mha_serve.config import load_config_file
+    from mha_serve.model import AttentionConfig, MultiHeadAttention, save_checkpoint
+    from mha_serve.model.config import QKNormConfig, RopeConfig
+
+    config = AttentionConfig(
+        48, 5, 1, 12, rope=RopeConfig(), sliding_window=8, qk_norm=QKNormConfig(), softcap=9.0
+    )
+    save_checkpoint(MultiHeadAttention(config), tmp_path / "m.safetensors")
+    toml = tmp_path / "models.toml"
+    toml.write_text('[[models]]\nname = "m"\ncheckpoint = "m.safetensors"\n')
+    _, (spec,) = load_config_file(toml)
+    assert spec.attention == config
+    torch.save({}, tmp_path / "pickle.pt")  # no safetensors header: refused by name
+    toml.write_text('[[models]]\nname = "m"\ncheckpoint = "pickle.pt"\n')
+    with pytest.raises(ValueError, match="pickle.pt is not a safetensors file"):
+        load_config_file(toml)
+    toml.write_text('[[models]]\nname = "m"\ncheckpoint = "absent.safetensors"\n')
+    with pytest.raises(ValueError, match="absent.safetensors does not exist"):
+        load_config_file(toml)
+
+
+def test_a_model_of_our_own_takes_the_family_options(tmp_path):
+    """sliding_window, qk_norm, softcap (and rope) in a [[models]] table: a seeded model
+    with them serves a stateless call and a session past its window."""
+    import torch
+
+    from mha_serve.config import load_config_file
+    from mha_serve.engine import Engine
+    from tests.engine_calls import attend, req
+
+    toml = tmp_path / "models.toml"
+    toml.write_text(
+        '[[models]]\nname = "m"\nembed_dim = 48\nnum_heads = 6\nnum_kv_heads = 2\n'
+        "causal = true\nsliding_window = 8\nsoftcap = 30.0\nkv_block_size = 4\n"
+        'qk_norm = { scope = "head", eps = 1e-5 }\nrope = { theta = 10000.0 }\n'
+    )
+    _, (spec,) = load_config_file(toml)
+    c = spec.attention
+    assert (c.sliding_window, c.softcap, c.qk_norm.eps, c.rope.theta) == (8, 30.0, 1e-5, 1e4)
+    engine = Engine(
+        [spec], device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**24
+    )
+    x = torch.randn(1, 40, 48)
+    whole = attend(engine, req("m", x)).output
+    sid = engine.create_session("m").session_id
+    for a, b in ((0, 20), (20, 21), (21, 40)):
+        got = attend(engine, req("m", x[:, a:b], session_id=sid))
+        assert (got.output - whole[:, a:b]).abs().max() < 1e-5
+    # 40 tokens: the next step sees positions 33..40, so the blocks of 32..39 are all it keeps
+    assert got.session.num_blocks == 2 and got.session.first_position == 32

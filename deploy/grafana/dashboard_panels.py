@@ -298,6 +298,13 @@ SESSIONS = (
         "ops",
         (Query(rate("mha_serve_sessions_ended_total", TARGET, by="reason"), "{{reason}}"),),
     ),
+    Panel(
+        "KV cache blocks freed out of sliding windows",
+        "Blocks a sliding-window model's sessions gave back because no future step could see "
+        "them (docs/models.md): a windowed session's memory stays flat as it grows.",
+        "ops",
+        (Query(rate("mha_serve_kv_cache_window_freed_blocks_total"), "{{model}}"),),
+    ),
 )
 
 PROCESS = (

@@ -10,6 +10,7 @@ from typing import Any
 
 from mha_serve.model.config import AttentionConfig
 from mha_serve.model.hf_config import is_hf_directory, read_hf_layer
+from mha_serve.model.metadata import read_config
 from mha_serve.spec import DTYPE_NAMES, MiB, ModelSpec
 
 DEFAULT_PORT = 50051
@@ -132,7 +133,7 @@ def _model_spec(entry: dict[str, Any], path: Path, index: int) -> ModelSpec:
             f"{sorted(_ATTENTION_KEYS | _SPEC_KEYS | {'name'})}"
         )
     try:
-        attention = _hf_attention(entry, path.parent)
+        attention = _hf_attention(entry, path.parent) or _stored_attention(entry, path.parent)
         if attention is None:
             attention = AttentionConfig(**{k: v for k, v in entry.items() if k in _ATTENTION_KEYS})
         return ModelSpec(
@@ -161,6 +162,27 @@ def _hf_attention(entry: dict[str, Any], base: Path) -> AttentionConfig | None:
             f"attention: remove {given} from the table"
         )
     return read_hf_layer(base / checkpoint, entry.get("layer")).attention
+
+
+def _stored_attention(entry: dict[str, Any], base: Path) -> AttentionConfig | None:
+    """The config in one of our checkpoint files' metadata, when the table gives no
+    attention keys of its own (given ones must agree with the file, at load)."""
+    checkpoint = entry.get("checkpoint")
+    if not isinstance(checkpoint, str) or set(entry) & _ATTENTION_KEYS:
+        return None
+    path = base / checkpoint
+    if not path.is_file():
+        raise ValueError(
+            f"checkpoint {path} does not exist (give its embed_dim and num_heads in the table "
+            "for a file written later)"
+        )
+    config = read_config(path)
+    if config is None:
+        raise ValueError(
+            f"{checkpoint} carries no attention config in its metadata (an nn.MultiheadAttention "
+            "state_dict, say): give embed_dim and num_heads in the table"
+        )
+    return config
 
 
 def _relative_checkpoint(spec: ModelSpec, base: Path) -> ModelSpec:

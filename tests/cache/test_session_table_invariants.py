@@ -8,8 +8,10 @@ Checked after every operation:
 - every block's refcount == references to it from live sessions' and zombies' block tables;
 - pool.num_used == distinct referenced blocks; the free extents are exactly the
   unreferenced blocks, sorted, disjoint and merged;
-- a live session without a step in flight holds exactly cdiv(num_tokens, bs) blocks, and its
-  K/V (KVCache.read) equal what was written for it (forks: the parent's prefix);
+- a live session without a step in flight holds exactly cdiv(num_tokens, bs) blocks (with a
+  sliding window: from the first block its next step can see, the others freed), and its
+  K/V (KVCache.read) equal what was written for it (forks: the parent's prefix); a
+  truncate is refused exactly when its next step would need a freed block;
 - a session that vanished was expired (TTL passed, unpinned) or evicted (unpinned, only
   during a reserve, with eviction on); eviction evicts only what is needed: the victims
   make the step fit and no single one of them could have been spared; a reserve refused
@@ -34,12 +36,14 @@ from hypothesis.stateful import (
 from mha_serve.cache import (
     CacheError,
     CacheExhausted,
+    InvalidSessionArgument,
     KVCache,
     SessionBusy,
     SessionFull,
     SessionNotFound,
     SessionTable,
 )
+from mha_serve.cache.window import first_needed_block, shortest_truncate
 
 BS = 4
 
@@ -62,8 +66,9 @@ class TableMachine(RuleBasedStateMachine):
         evict=st.booleans(),
         ttl=st.sampled_from([None, 5.0]),
         max_len=st.sampled_from([None, 40]),
+        window=st.sampled_from([None, None, 3, 6]),
     )
-    def setup(self, num_blocks, evict, ttl, max_len):
+    def setup(self, num_blocks, evict, ttl, max_len, window):
         self.bs = BS
         self.kv = KVCache(
             num_kv_heads=1, head_dim=1, budget_bytes=num_blocks * BS * 8, block_size=BS
@@ -73,7 +78,8 @@ class TableMachine(RuleBasedStateMachine):
         self.kv.v.fill_(float("nan"))
         self.clock = Clock()
         self.table = SessionTable(evict=evict, default_ttl_s=ttl, clock=self.clock)
-        self.table.add_model("m", self.kv, max_len=max_len)
+        self.window = window
+        self.table.add_model("m", self.kv, max_len=max_len, window=window)
         self.pool = self.table.pool("m")
         self.expected: dict[str, list[float]] = {}  # live session -> token labels
         self.pending: dict[str, tuple] = {}  # session -> (reservation, labels)
@@ -174,10 +180,12 @@ class TableMachine(RuleBasedStateMachine):
     def _needs(self, sid, n):
         s = self.table._sessions[sid]
         total = s.num_tokens + n
-        new_blocks = cdiv(total, self.bs) - len(s.block_table)
+        new_blocks = cdiv(total, self.bs) - s.first_block - len(s.block_table)
         shared = (
             s.block_table[-1]
-            if s.num_tokens % self.bs and self.pool.refcount(s.block_table[-1]) > 1
+            if s.num_tokens % self.bs
+            and s.block_table
+            and self.pool.refcount(s.block_table[-1]) > 1
             else None
         )
         return new_blocks, shared
@@ -275,6 +283,8 @@ class TableMachine(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(self._live()))
         before = self._snapshot()
         n = data.draw(st.integers(0, len(self.expected[sid]) + 1))
+        first = self.table._sessions[sid].first_block if sid in self.table._sessions else 0
+        gone = 0 < n < shortest_truncate(first, self.window, self.bs)
         try:
             self.table.truncate(sid, n)
         except SessionNotFound:
@@ -283,10 +293,14 @@ class TableMachine(RuleBasedStateMachine):
         except SessionBusy:
             assert sid in self.pending
             return
-        except CacheError:
-            assert n > len(self.expected[sid])
+        except InvalidSessionArgument as e:
+            if "no longer holds" in str(e):
+                assert gone and n <= len(self.expected[sid])
+                event("truncate past the window refused")
+            else:
+                assert n > len(self.expected[sid])
             return
-        assert sid not in self.pending and n <= len(self.expected[sid])
+        assert sid not in self.pending and n <= len(self.expected[sid]) and not gone
         del self.expected[sid][n:]
 
     @precondition(lambda self: self.expected)
@@ -404,14 +418,22 @@ class TableMachine(RuleBasedStateMachine):
         for sid, labels in self.expected.items():
             s = self.table._sessions[sid]
             assert s.num_tokens == len(labels)
-            if s.pending is None:
-                assert len(s.block_table) == cdiv(s.num_tokens, self.bs)
-            else:
-                assert len(s.block_table) == cdiv(s.num_tokens + s.pending.num_tokens, self.bs)
-            k, v = self.kv.read(s.block_table, s.num_tokens)
+            assert s.first_block == first_needed_block(s.num_tokens, self.window, self.bs)
+            if s.first_block:
+                event("blocks out of the window freed")
+            total = s.num_tokens if s.pending is None else s.num_tokens + s.pending.num_tokens
+            assert len(s.block_table) == cdiv(total, self.bs) - s.first_block
+            start = s.first_block * self.bs
+            k, v = self.kv.read(
+                s.block_table,
+                s.num_tokens,
+                start=min(start, s.num_tokens),
+                first_block=s.first_block,
+            )
             got = k.flatten().tolist()
-            assert got == labels, f"session {sid}: K {got} != written {labels}"
-            assert v.flatten().tolist() == [-x for x in labels]
+            want = labels[start:]
+            assert got == want, f"session {sid}: K {got} != written {want}"
+            assert v.flatten().tolist() == [-x for x in want]
 
     def teardown(self):
         if not hasattr(self, "table"):

@@ -147,7 +147,8 @@ def test_config_file_and_engine_serve_a_directory_layer(tmp_path):
     engine = Engine(
         [spec], device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**24
     )
-    assert engine.get("m").spec.max_seq_len == 64  # capped at the sliding window
+    hosted = engine.get("m")  # max_seq_len is the context, not the window (issue 26)
+    assert hosted.spec.max_seq_len == 4096 and hosted.module.config.sliding_window == 64
     toml.write_text('[[models]]\nname = "m"\ncheckpoint = "llama"\nlayer = 1\nnum_heads = 4\n')
     with pytest.raises(ValueError, match=r"remove \['num_heads'\]"):
         load_config_file(toml)
@@ -157,3 +158,105 @@ def test_config_file_and_engine_serve_a_directory_layer(tmp_path):
     bad = ModelSpec("m", spec.attention.__class__(32, 4), checkpoint=str(d), layer=1)
     with pytest.raises(ValueError, match="leave the attention keys out"):
         Engine([bad], device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**24)
+
+
+GEMMA3 = {
+    "model_type": "gemma3_text",
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "num_hidden_layers": 2,
+    "max_position_embeddings": 128,
+    "query_pre_attn_scalar": 64,
+    "sliding_window": 6,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+    },
+}
+
+
+def gemma3_tensors(prefix: str, layer: int = 0, kvh: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(layer)
+    t = {}
+    for p, rows, cols in (("q", 64, 32), ("k", kvh * 16, 32), ("v", kvh * 16, 32), ("o", 32, 64)):
+        t[f"{prefix}layers.{layer}.self_attn.{p}_proj.weight"] = torch.randn(
+            rows, cols, generator=g
+        )
+    for p in "qk":
+        t[f"{prefix}layers.{layer}.self_attn.{p}_norm.weight"] = torch.randn(16, generator=g)
+    return t
+
+
+def test_gemma3_per_layer_type_rope_window_scale_and_offset_norm(tmp_path):
+    tensors = gemma3_tensors("model.")
+    local, _ = load_hf_layer(write(tmp_path / "a", GEMMA3, tensors), 0)
+    c = local.config
+    assert (c.sliding_window, c.softmax_scale, c.qk_norm.scope) == (6, 64**-0.5, "head")
+    assert c.rope == RopeConfig(theta=10000.0)
+    # Gemma3RMSNorm scales by 1 + weight: folded into the served gain
+    want = 1.0 + tensors["model.layers.0.self_attn.q_norm.weight"]
+    assert torch.equal(local.q_norm, want)
+    glob = read_hf_layer(tmp_path / "a", 1).attention
+    assert glob.sliding_window is None and glob.rope == RopeConfig(
+        theta=1e6, type="linear", factor=8.0
+    )
+
+
+def test_gemma3_multimodal_reads_its_text_model_only(tmp_path):
+    """model_type gemma3: text_config, and the language model's tensors beside a vision
+    tower whose layers carry the same names."""
+    cfg = {"model_type": "gemma3", "text_config": GEMMA3, "vision_config": {}}
+    tensors = gemma3_tensors("model.language_model.")
+    tensors.update(gemma3_tensors("model.vision_tower.vision_model.encoder."))
+    module, info = load_hf_layer(write(tmp_path, cfg, tensors), 0)
+    assert info.family == "gemma3" and info.tensor_scope == "language_model"
+    want = tensors["model.language_model.layers.0.self_attn.k_proj.weight"]
+    assert torch.equal(module.wqkv.weight[64:80], want)
+
+
+def test_gemma3_transformers_4_rope_keys(tmp_path):
+    cfg = {k: v for k, v in GEMMA3.items() if k not in ("rope_parameters", "layer_types")}
+    cfg.update(rope_theta=1e6, rope_local_base_freq=10000.0, sliding_window_pattern=2)
+    cfg["rope_scaling"] = {"rope_type": "linear", "factor": 8.0}
+    local = read_hf_layer(write(tmp_path, cfg, None), 0).attention
+    glob = read_hf_layer(tmp_path, 1).attention
+    assert local.sliding_window == 6 and local.rope == RopeConfig(theta=10000.0)
+    assert glob.sliding_window is None
+    assert glob.rope == RopeConfig(theta=1e6, type="linear", factor=8.0)
+
+
+def test_phi3_fused_qkv_and_window(tmp_path):
+    cfg = {**LLAMA, "model_type": "phi3", "sliding_window": 16}
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(32 + 2 * 16, 32, generator=g)
+    tensors = {
+        "model.layers.1.self_attn.qkv_proj.weight": qkv,
+        "model.layers.1.self_attn.o_proj.weight": torch.randn(32, 32, generator=g),
+    }
+    module, _ = load_hf_layer(write(tmp_path, cfg, tensors), 1)
+    assert torch.equal(module.wqkv.weight, qkv) and module.config.sliding_window == 16
+
+
+@pytest.mark.parametrize(
+    ("config", "layer", "piece"),
+    [
+        ({**GEMMA3, "use_bidirectional_attention": True}, 0, "use_bidirectional_attention"),
+        (
+            {**GEMMA3, "layer_types": ["chunked_attention", "full_attention"]},
+            0,
+            "layer type 'chunked_attention'",
+        ),
+        ({**GEMMA3, "rope_parameters": {"full_attention": {}}}, 0, "no table for layer type"),
+        ({**GEMMA3, "sliding_window": None}, 0, "sliding_window is not set"),
+        ({**GEMMA3, "query_pre_attn_scalar": 0}, 0, "query_pre_attn_scalar must be a positive"),
+        ({**GEMMA3, "model_type": "gemma3", "text_config": None}, 0, "gemma3 has no text_config"),
+        ({**LLAMA, "model_type": "llama4"}, 0, "model_type 'llama4'"),
+    ],
+)
+def test_unsupported_family_options_are_refused_by_name(tmp_path, config, layer, piece):
+    with pytest.raises(ValueError) as err:
+        read_hf_layer(write(tmp_path, config, None), layer)
+    assert piece in str(err.value), str(err.value)

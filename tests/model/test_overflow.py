@@ -183,3 +183,61 @@ def test_weight_bounds_follow_the_weights():
     with torch.no_grad():
         module.wqkv.weight.mul_(1000)
     assert weight_bounds(module).q_row == pytest.approx(before.q_row * 1000)
+
+
+def test_window_spares_keys_it_hides():
+    """Key 0 is huge: query 4 with a window of 3 never sees it, causal or not; query 2 does."""
+    q = torch.ones(1, 5, 4)
+    k = torch.ones(1, 5, 4)
+    k[0, 0] = 1e20
+    q *= 1e20
+    assert scores_overflow(q, k, F32_MAX, first_pos=0)  # no window: row 0 sees key 0
+    assert not scores_overflow(q[:, 3:], k, F32_MAX, first_pos=3, window=3)
+    bidirectional = q.clone()
+    bidirectional[0, :3] = 1.0  # rows 0..2 see key 0 (|i - 0| < 3), rows 3 and 4 do not
+    assert not scores_overflow(bidirectional, k, F32_MAX, first_pos=None, window=3)
+    assert scores_overflow(bidirectional, k, F32_MAX, first_pos=None, window=4)
+    assert scores_overflow(q[:, 2:], k, F32_MAX, first_pos=2, window=3)
+    # keys read from position 2 (a session's window read): key positions shift with them
+    assert not scores_overflow(q[:, 4:], k[:, 2:], F32_MAX, first_pos=4, window=3, first_key=2)
+    k[0, 2] = 1e20
+    assert scores_overflow(q[:, 4:], k[:, 2:], F32_MAX, first_pos=4, window=3, first_key=2)
+
+
+def test_forward_limit_counts_a_scale_above_one():
+    """Scores 1e38 are finite in float32, scaled by 10 they are not: refused by the limit
+    over the config's score_factor, though the unscaled product fits."""
+    cfg = AttentionConfig(8, 1, bias=False, softmax_scale=10.0)
+    module = MultiHeadAttention(cfg).eval()
+    with torch.no_grad():
+        module.wqkv.weight.zero_()
+        module.wqkv.weight[0, 0] = module.wqkv.weight[8, 0] = 1.0  # q_0 = k_0 = x_0
+        module.wo.weight.copy_(torch.eye(8))
+    x = torch.zeros(1, 2, 8)
+    x[0, :, 0] = 1e19  # q . k = 1e38: under float32's max, scaled 1e39 over it
+    with torch.inference_mode():
+        assert module(x).overflow.rows() == [0]
+        x[0, :, 0] = 1e18
+        assert module(x).overflow.rows() == []
+
+
+@pytest.mark.parametrize("scope", ["head", "projection"])
+def test_qk_norm_bounds_q_and_k_whatever_the_input(scope):
+    from mha_serve.model.config import QKNormConfig, RopeConfig
+    from mha_serve.model.overflow import projected_bounds, weight_bounds
+
+    module = MultiHeadAttention(
+        AttentionConfig(64, 8, 2, rope=RopeConfig(), qk_norm=QKNormConfig(scope))
+    ).eval()
+    init_weights(module, 6)
+    wb = weight_bounds(module)
+    g = torch.Generator().manual_seed(7)
+    for trial in range(10):
+        x = torch.randn(2, 7, 64, generator=g) * 10 ** (3 * trial - 10)
+        x[0, 0] = 0.0
+        x[1, 1, 1:] = 0.0  # one nonzero value: |x_i| / rms reaches sqrt(n)
+        with torch.inference_mode():
+            q, k, _ = module.project(x, torch.randint(0, 5000, (2, 7), generator=g))
+        q_b, k_b, _ = projected_bounds(float(x.abs().max()), 64, wb, rotary=True)
+        assert float(q.abs().max()) <= q_b and float(k.abs().max()) <= k_b
+    assert q_b == wb.rotation * wb.q_norm < 1e3, "the bound does not grow with the input"

@@ -11,19 +11,32 @@ import torch
 from transformers import (
     BertModel,
     DynamicCache,
+    Gemma2Config,
+    Gemma2Model,
+    Gemma3TextConfig,
+    Gemma3TextModel,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralModel,
+    Olmo2Config,
+    Olmo2Model,
+    Phi3Config,
+    Phi3Model,
     Qwen2Config,
     Qwen2Model,
+    Qwen3Config,
+    Qwen3Model,
 )
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 # Small, but every feature on: GQA and MQA, biases, RoPE scaling of each supported kind,
-# GPT-2's per-layer scaling. initializer_range well above the default 0.02, so that heads
-# attend sharply and a wrong position or head would show far above the tolerances.
+# GPT-2's per-layer scaling, head_dim != hidden_size / heads, sliding windows (shorter than
+# the tests' sequences), q/k norms (per head and over the projection), Gemma's scale and
+# soft-capping. initializer_range well above the default 0.02, so that heads attend sharply
+# and a wrong position or head would show far above the tolerances.
 INIT = 0.2
 COMMON = {"vocab_size": 64, "initializer_range": INIT}
 ROTARY = {
@@ -35,8 +48,9 @@ ROTARY = {
     **COMMON,
 }
 
+WINDOW = 8  # Mistral's; the other windowed layers use other sizes (6, 10, 12)
 CHECKPOINTS = {
-    # name: (model class, config, layer served)
+    # name: (model class, config, layer served by the test of that name; SERVED adds more)
     "gpt2": (
         GPT2LMHeadModel,
         GPT2Config(
@@ -84,16 +98,81 @@ CHECKPOINTS = {
         MistralModel,
         MistralConfig(
             num_key_value_heads=1,
-            sliding_window=128,
+            sliding_window=WINDOW,
             rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
             **ROTARY,
         ),
         1,
     ),
+    "qwen2win": (  # Qwen2 with use_sliding_window: layers from max_window_layers on slide
+        Qwen2Model,
+        Qwen2Config(
+            num_key_value_heads=2,
+            use_sliding_window=True,
+            sliding_window=12,
+            max_window_layers=1,
+            **ROTARY,
+        ),
+        1,
+    ),
+    "qwen3": (  # q/k norm per head before RoPE, head_dim 16 != 64 / 8, a sliding layer
+        Qwen3Model,
+        Qwen3Config(
+            num_key_value_heads=2,
+            head_dim=16,
+            use_sliding_window=True,
+            sliding_window=10,
+            max_window_layers=1,
+            rms_norm_eps=1e-5,
+            **ROTARY,
+        ),
+        1,
+    ),
+    "olmo2": (  # q/k norm over the whole projection, biases
+        Olmo2Model,
+        Olmo2Config(num_key_value_heads=4, attention_bias=True, pad_token_id=1, **ROTARY),
+        0,
+    ),
+    "gemma2": (  # local (sliding) layer 0, global layer 1; soft-capping; its own scale
+        Gemma2Model,
+        Gemma2Config(
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            sliding_window=6,
+            **ROTARY,
+        ),
+        0,
+    ),
+    "gemma3": (  # q/k norm (1 + w), MQA, per-layer-type RoPE, local then global
+        Gemma3TextModel,
+        Gemma3TextConfig(
+            num_key_value_heads=1,
+            head_dim=16,
+            query_pre_attn_scalar=32,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0},
+            },
+            **ROTARY,
+        ),
+        0,
+    ),
+    "phi3": (  # one fused qkv_proj, GQA, a window
+        Phi3Model,
+        Phi3Config(num_key_value_heads=4, sliding_window=10, pad_token_id=0, **ROTARY),
+        1,
+    ),
 }
+# Served model name: (checkpoint, layer). Gemma's both kinds of layer.
+SERVED = {name: (name, entry[2]) for name, entry in CHECKPOINTS.items()}
+SERVED.update({"gemma2_global": ("gemma2", 1), "gemma3_global": ("gemma3", 1)})
 
 
-def write_checkpoints(root: Path) -> dict[str, Path]:
+def write_checkpoints(root: Path) -> dict[str, Path]:  # keyed by checkpoint name
     """Each model of CHECKPOINTS, seeded, saved by save_pretrained (safetensors)."""
     dirs = {}
     for i, (name, (cls, config, _)) in enumerate(CHECKPOINTS.items()):
@@ -109,6 +188,39 @@ def load_reference(name: str, directory: Path):
     cls = BertModel if name == "minilm" else CHECKPOINTS[name][0]
     model = cls.from_pretrained(directory, attn_implementation="eager").eval()
     return getattr(model, "transformer", None) or getattr(model, "model", None) or model
+
+
+def layer_window(base, layer: int) -> int | None:
+    """The layer's sliding window as transformers applies it (None: full attention): Qwen
+    and Gemma keep it on the attention module of sliding layers only; Mistral and Phi-3 read
+    the config's for every layer."""
+    attention = base.layers[layer].self_attn
+    if hasattr(attention, "sliding_window"):
+        return attention.sliding_window
+    return getattr(base.config, "sliding_window", None)
+
+
+def rotary(base, layer: int, x: torch.Tensor, positions: torch.Tensor):
+    """cos, sin of the layer (Gemma 3: of its layer type) at positions (1, L)."""
+    types = getattr(base.config, "layer_types", None)
+    if isinstance(base, Gemma3TextModel):
+        return base.rotary_emb(x, positions, types[layer])
+    return base.rotary_emb(x, positions)
+
+
+def layer_mask(base, layer: int, x: torch.Tensor, positions: torch.Tensor, cache=None):
+    """transformers' own mask for the layer (sliding or causal, masking_utils), for the
+    tokens x (1, n, E) at positions (1, n) after the cache's tokens: eager's additive form."""
+    make = create_sliding_window_causal_mask if layer_window(base, layer) else create_causal_mask
+    return make(
+        config=base.config,
+        inputs_embeds=x,
+        attention_mask=None,
+        past_key_values=cache,
+        position_ids=positions,
+        layer_idx=layer,
+        allow_is_causal_skip=False,
+    )
 
 
 def causal_mask(L: int, dtype=torch.float32) -> torch.Tensor:
@@ -132,10 +244,12 @@ def reference_attention(
     if family == "gpt2":
         out, weights = base.h[layer].attn(x, attention_mask=causal_mask(L))[:2]
         return out, weights
-    positions = torch.arange(L)[None].expand(x.shape[0], L)
-    cos_sin = base.rotary_emb(x, positions)
+    positions = torch.arange(L)[None]
+    assert x.shape[0] == 1, "one sequence at a time (the masks are built for one)"
     out, weights = base.layers[layer].self_attn(
-        x, position_embeddings=cos_sin, attention_mask=causal_mask(L)
+        x,
+        position_embeddings=rotary(base, layer, x, positions),
+        attention_mask=layer_mask(base, layer, x, positions),
     )[:2]
     return out, weights
 
@@ -151,17 +265,19 @@ def reference_decode(
     outs = []
     for a, b in zip(cuts, cuts[1:], strict=False):
         pos = torch.arange(a, b)
-        allowed = torch.arange(b)[None, :] <= pos[:, None]  # (b - a, b)
-        mask = torch.zeros(1, 1, b - a, b).masked_fill(~allowed, torch.finfo(torch.float32).min)
         chunk = x[:, a:b]
         if family == "gpt2":
+            allowed = torch.arange(b)[None, :] <= pos[:, None]  # (b - a, b)
+            mask = torch.zeros(1, 1, b - a, b)
+            mask = mask.masked_fill(~allowed, torch.finfo(torch.float32).min)
             out = base.h[layer].attn(
                 chunk, past_key_values=cache, attention_mask=mask, cache_position=pos
             )[0]
-        else:
+        else:  # the mask first, from the cache as it is before this chunk (as the models do)
+            mask = layer_mask(base, layer, chunk, pos[None], cache)
             out = base.layers[layer].self_attn(
                 chunk,
-                position_embeddings=base.rotary_emb(chunk, pos[None]),
+                position_embeddings=rotary(base, layer, chunk, pos[None]),
                 attention_mask=mask,
                 past_key_values=cache,
                 cache_position=pos,

@@ -1,8 +1,13 @@
 """Attention layers of real Hugging Face checkpoints served over gRPC equal transformers'
 own attention modules, fp32: all-MiniLM-L6-v2's six BERT layers on its real hidden states,
-and GPT-2, Llama (GQA, llama3 RoPE), Qwen2 (GQA, qkv biases, yarn RoPE) and Mistral (MQA,
-linear RoPE) checkpoints that transformers wrote. Stateless (with padding) and sessions
-(prefill, decode steps, a fork, a truncate), outputs and per-head weights."""
+and checkpoints that transformers wrote: GPT-2, Llama (GQA, llama3 RoPE), Qwen2 (GQA, qkv
+biases, yarn RoPE; and with use_sliding_window), Mistral (MQA, linear RoPE, a window of 8),
+Qwen3 (q/k norm per head, head_dim != E/H, a window), OLMo-2 (q/k norm over the whole
+projection), Gemma 2 (soft-capping, query_pre_attn_scalar; a local and a global layer),
+Gemma 3 (q/k norm 1 + w, MQA, per-layer-type RoPE; local and global) and Phi-3 (fused qkv,
+a window). Stateless (with padding, weights, query ranges) and sessions (prefill, decode
+steps past the window, a fork, a truncate), outputs and per-head weights; the masks of
+the windowed layers are transformers' own (masking_utils)."""
 
 from __future__ import annotations
 
@@ -13,12 +18,18 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tests.models_hf.reference import causal_mask, load_reference, reference_attention
+from tests.models_hf.reference import (
+    SERVED,
+    causal_mask,
+    layer_window,
+    load_reference,
+    reference_attention,
+)
 
 ATOL = 1e-5  # fp32 against fp32: the same math summed in another order
 RTOL = 1e-5
 MINILM_NAMES = [f"minilm{i}" for i in range(6)]
-HF_NAMES = ["gpt2", "llama", "qwen2", "mistral"]
+HF_NAMES = list(SERVED)
 SENTENCES = [
     "Attention heads specialise: some track syntax, others the previous token.",
     "Grouped-query attention shares each key and value head among several query heads.",
@@ -78,21 +89,31 @@ def test_transformers_written_layer_equals_its_attention_module(served, name):
     E = base.config.hidden_size
     x = torch.randn(3, 24, E, generator=torch.Generator().manual_seed(1))
     lengths = [24, 17, 5]  # padded rows keep their real tokens' positions 0..n-1
+    window = layer_window(base, layer) if family != "gpt2" else None
+    assert window is None or window < 17, "windowed layers: sequences longer than the window"
     got = client.attend(name, x.numpy(), lengths=lengths, weights=True)
     fast = client.attend(name, x.numpy(), lengths=lengths)  # the fused SDPA path
+    rows = client.attend(  # narrowed weights: two heads, query rows 10..20
+        name, x.numpy(), lengths=lengths, weights=True, heads=[3, 0], query_range=(10, 20)
+    )
     for b, n in enumerate(lengths):
         want, want_w = reference_attention(family, base, layer, x[b : b + 1, :n])
         assert_close(got.output[b, :n], want[0], what=f"{name} row {b} output")
         assert_close(fast.output[b, :n], want[0], what=f"{name} row {b} output (no weights)")
         assert_close(got.weights[b, :, :n, :n], want_w[0], what=f"{name} row {b} weights")
+        r = min(n, 20)
+        if r > 10:
+            part = rows.weights[b, :, : r - 10, :n]
+            assert_close(part, want_w[0, [3, 0], 10:r], what=f"{name} row {b} narrowed weights")
 
 
 @pytest.mark.parametrize("name", [*HF_NAMES, "minilm3"])
 def test_session_steps_equal_the_attention_module(served, name):
-    """Prefill, single-token decode steps and a chunk, then a fork and a truncate: each
-    step's output and weights equal transformers' causal attention over the whole prefix
-    (positions continue from the cached length; cached K is stored rotated). MiniLM runs
-    causally here (BERT as a decoder), the only way a KV cache is exact."""
+    """Prefill, single-token decode steps and a chunk, past the windowed layers' windows,
+    then a fork and a truncate back inside the window: each step's output and weights
+    equal transformers' causal attention over the whole prefix (positions continue from the
+    cached length; cached K is stored rotated). MiniLM runs causally here (BERT as a
+    decoder), the only way a KV cache is exact."""
     client, models = served
     family, base, layer = reference(models, name)
     E = base.config.hidden_size
@@ -103,18 +124,18 @@ def test_session_steps_equal_the_attention_module(served, name):
         return out[0], w[0]
 
     with client.create_session(name) as s:
-        cuts = [0, 9, 10, 11, 12, 20]
+        cuts = [0, 9, 10, 11, 12, 20, 21, 22]
         for a, b in itertools.pairwise(cuts):
             r = s.step(x[a:b].numpy(), weights=True)
             out, w = want(b)
             assert_close(r.output, out[a:b], what=f"{name} step [{a}, {b}) output")
             assert_close(r.weights, w[:, a:b, :b], what=f"{name} step [{a}, {b}) weights")
         with s.fork() as child:
-            r = child.step(x[20:25].numpy())
-            assert_close(r.output, want(25)[0][20:25], what=f"{name} fork output")
-        s.truncate(15)
-        r = s.step(x[15:30].numpy())
-        assert_close(r.output, want(30)[0][15:30], what=f"{name} after truncate")
+            r = child.step(x[22:25].numpy())
+            assert_close(r.output, want(25)[0][22:25], what=f"{name} fork output")
+        s.truncate(21)  # back inside what a window of 6 still holds (test_window_sessions)
+        r = s.step(x[21:30].numpy())
+        assert_close(r.output, want(30)[0][21:30], what=f"{name} after truncate")
 
 
 def _causal_reference(family, base, layer, x):

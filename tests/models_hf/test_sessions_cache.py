@@ -1,6 +1,8 @@
 """The engine's session steps against transformers' own incremental path (its attention
-module fed chunk by chunk with a DynamicCache): equal outputs, and the engine's cached K
-and V equal transformers' cache, K stored already rotated (RoPE at absolute positions)."""
+module fed chunk by chunk with a DynamicCache, which keeps a sliding layer's last window - 1
+tokens only): equal outputs, and the engine's cached K and V equal transformers' cache (its
+last positions, for a sliding layer), K stored already rotated (RoPE at absolute
+positions)."""
 
 from __future__ import annotations
 
@@ -11,16 +13,16 @@ from mha_serve.engine import Engine
 from mha_serve.engine.types import ModelSpec
 from mha_serve.model.hf_config import read_hf_layer
 from tests.engine_calls import req, run
-from tests.models_hf.reference import CHECKPOINTS, load_reference, reference_decode
+from tests.models_hf.reference import SERVED, load_reference, reference_decode
 
 ATOL = 1e-5  # fp32 against fp32
-CUTS = [0, 9, 10, 11, 12, 20]  # a prefill, decode steps, a chunk
+CUTS = [0, 9, 10, 11, 12, 20, 21, 22]  # a prefill, decode steps, a chunk, past the windows
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("name", list(SERVED))
 def test_steps_and_cache_equal_transformers_incremental_decode(hf_dirs, name):
-    layer = CHECKPOINTS[name][2]
-    directory = hf_dirs[name]
+    checkpoint, layer = SERVED[name]
+    directory = hf_dirs[checkpoint]
     spec = ModelSpec(
         name, read_hf_layer(directory, layer).attention, checkpoint=str(directory), layer=layer
     )
@@ -28,11 +30,11 @@ def test_steps_and_cache_equal_transformers_incremental_decode(hf_dirs, name):
         [spec], device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**24
     )
     hosted = engine.get(name)
-    base = load_reference(name, directory)
+    base = load_reference(checkpoint, directory)
     x = torch.randn(
         1, CUTS[-1], spec.attention.embed_dim, generator=torch.Generator().manual_seed(4)
     )
-    want, cache = reference_decode(name, base, layer, x, CUTS)
+    want, cache = reference_decode(checkpoint, base, layer, x, CUTS)
     sid = engine.create_session(name).session_id
     for (a, b), w in zip(zip(CUTS, CUTS[1:], strict=False), want, strict=True):
         got = run(engine, hosted, req(name, x[:, a:b], session_id=sid)).output
@@ -41,9 +43,15 @@ def test_steps_and_cache_equal_transformers_incremental_decode(hf_dirs, name):
             f"{name} step [{a}, {b}): max {diff.max():.3e}, mean {diff.mean():.3e}"
         )
     session = engine.sessions.table.get(sid)
-    k, v = engine.sessions.cache(name).read(session.block_table, session.num_tokens)
+    cache_ = engine.sessions.cache(name)
+    kept = session.first_block * cache_.block_size  # a window's older blocks are freed
+    k, v = cache_.read(
+        session.block_table, session.num_tokens, start=kept, first_block=session.first_block
+    )
     their = cache.layers[layer]
     for what, ours, theirs in (("K", k, their.keys), ("V", v, their.values)):
+        ours = ours[:, :, ours.shape[2] - theirs.shape[2] :]  # a sliding layer's last ones
+        assert theirs.shape[2] == CUTS[-1] or getattr(their, "is_sliding", False)
         diff = (ours - theirs).abs()
         assert ours.shape == theirs.shape and diff.max() < ATOL, (
             f"{name} cached {what}: max {diff.max():.3e}, mean {diff.mean():.3e}"

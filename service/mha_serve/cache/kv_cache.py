@@ -151,29 +151,39 @@ class KVCache:
                 return
         self.write(k, v, slot_mapping(slots, T))  # checks everything, says what is wrong
 
-    def read(self, block_table: Sequence[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One session's K and V at positions 0..length-1, (1, KVH, length, D) each: views
-        into the cache (read them, never write) when its blocks are consecutive, as a
-        session's usually are; else one copy of its blocks."""
+    def read(
+        self,
+        block_table: Sequence[int],
+        length: int,
+        *,
+        start: int = 0,
+        first_block: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One session's K and V at positions start..length-1, (1, KVH, length - start, D)
+        each, where block_table[i] holds positions (first_block + i) * block_size onwards
+        (a sliding-window session's earlier blocks are gone): views into the cache (read
+        them, never write) when those blocks are consecutive, as a session's usually are;
+        else one copy of them."""
         KVH, D, bs = self.num_kv_heads, self.head_dim, self.block_size
-        self._check_blocks(block_table, length, "the session")
-        ids = block_table[: -(-length // bs)]
+        lo = start // bs - first_block  # block_table index of the block holding `start`
+        hi = -(-length // bs) - first_block  # one past the block holding length - 1
+        if not 0 <= start <= length or lo < 0 or len(block_table) < hi:
+            raise ValueError(
+                f"the session has {len(block_table)} block(s) from position "
+                f"{first_block * bs}; positions {start}..{length - 1}: {length - start} tokens "
+                f"need {hi - lo} block(s) of {bs}, from its block {first_block + lo}"
+            )
+        ids = block_table[lo:hi] if start < length else []
+        offset, n = start % bs, length - start
         if _consecutive(ids):
-            start = ids[0] * bs if ids else 0
-            k = self._k_slots[:, :, start : start + length]  # (1, KVH, length, D)
-            v = self._v_slots[:, :, start : start + length]
+            first = ids[0] * bs + offset if ids else 0
+            k = self._k_slots[:, :, first : first + n]  # (1, KVH, n, D)
+            v = self._v_slots[:, :, first : first + n]
             return k, v
         table = torch.tensor(list(ids), dtype=torch.int64, device=self.device)
-        k = self.k.index_select(1, table).view(KVH, len(ids) * bs, D)[:, :length]
-        v = self.v.index_select(1, table).view(KVH, len(ids) * bs, D)[:, :length]
+        k = self.k.index_select(1, table).view(KVH, len(ids) * bs, D)[:, offset : offset + n]
+        v = self.v.index_select(1, table).view(KVH, len(ids) * bs, D)[:, offset : offset + n]
         return k.unsqueeze(0), v.unsqueeze(0)
-
-    def _check_blocks(self, ids: Sequence[int], n: int, who: str) -> None:
-        if n < 0 or len(ids) < -(-n // self.block_size):
-            raise ValueError(
-                f"{who} has length {n} but {len(ids)} block(s); "
-                f"{n} tokens need {-(-n // self.block_size)} block(s) of {self.block_size}"
-            )
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: dst gets src's K and V (all block_size slots)."""

@@ -24,6 +24,7 @@ from .errors import (
 )
 from .quota import OwnerQuota
 from .types import BlockStorage, ModelCacheStats, Reservation, Session, SessionStats
+from .window import first_needed_block, read_start, shortest_truncate
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ class _ModelCache:
     storage: BlockStorage
     pool: BlockPool
     max_len: int | None
+    window: int | None = None  # the model's sliding window: older blocks are freed
+    num_blocks_out_of_window: int = 0  # blocks freed so far because no step could see them
 
 
 class SessionTable:
@@ -73,15 +76,31 @@ class SessionTable:
         with self._lock:
             self.quota.set_limits(max_sessions=max_sessions, max_bytes=max_bytes)
 
-    def add_model(self, name: str, storage: BlockStorage, *, max_len: int | None = None) -> None:
-        """Give model `name` a pool of storage.num_blocks blocks; max_len caps every session."""
+    def add_model(
+        self,
+        name: str,
+        storage: BlockStorage,
+        *,
+        max_len: int | None = None,
+        window: int | None = None,
+    ) -> None:
+        """Give model `name` a pool of storage.num_blocks blocks; max_len caps every session;
+        window: the model's sliding window (each session then keeps only the blocks its next
+        step can see, and holds at most about window + a step's tokens, at any length)."""
         with self._lock:
             if name in self._models:
                 raise ValueError(f"model {name!r} already has a KV cache")
-            self._models[name] = _ModelCache(storage, BlockPool(storage.num_blocks), max_len)
+            pool = BlockPool(storage.num_blocks)
+            self._models[name] = _ModelCache(storage, pool, max_len, window)
 
     def pool(self, model: str) -> BlockPool:
         return self._model(model).pool
+
+    def num_blocks_out_of_window(self, model: str) -> int:
+        """Blocks of the model freed so far because they fell out of a session's sliding
+        window (cumulative, cheap: no per-session stats are built)."""
+        with self._lock:
+            return self._model(model).num_blocks_out_of_window
 
     def num_sessions(self, model: str) -> int:
         """Live sessions of one model (cheap: no per-session stats are built)."""
@@ -139,12 +158,14 @@ class SessionTable:
             m = self._models[parent.model]
             ttl_s = parent.ttl_s if ttl_s is None else _check_ttl(ttl_s)
             self.quota.check_new_session(parent.owner)  # a fork counts against the parent's
-            blocks = parent.block_table[: _cdiv(parent.num_tokens, m.storage.block_size)]
+            held = _cdiv(parent.num_tokens, m.storage.block_size) - parent.first_block
+            blocks = parent.block_table[:held]
             m.pool.incref(blocks)
             child = Session(
                 self.id_prefix + uuid.uuid4().hex, parent.model, parent.max_len, ttl_s, now, now
             )
             child.block_table = list(blocks)
+            child.first_block = parent.first_block
             child.num_tokens = parent.num_tokens
             child.key_absmax = parent.key_absmax
             child.owner = parent.owner
@@ -173,12 +194,22 @@ class SessionTable:
                     "is answered"
                 )
             m = self._models[s.model]
-            keep = _cdiv(n, m.storage.block_size)
+            bs = m.storage.block_size
+            shortest = shortest_truncate(s.first_block, m.window, bs)
+            if 0 < n < shortest:
+                raise InvalidSessionArgument(
+                    f"session {session_id!r} no longer holds its tokens before position "
+                    f"{s.first_block * bs} (model {s.model!r}'s sliding window of {m.window} "
+                    f"freed them): truncated to {n}, its next token would see tokens that are "
+                    f"gone; truncate it to 0 or to {shortest}..{s.num_tokens} tokens"
+                )
+            keep = max(0, _cdiv(n, bs) - s.first_block) if n else 0
             m.pool.decref(s.block_table[keep:])
             del s.block_table[keep:]
             s.num_tokens = n
             if n == 0:  # else the kept keys' bound stays (a bound need not be tight)
                 s.key_absmax = 0.0
+                s.first_block = 0
             s.last_used_s = self._clock()
             return s
 
@@ -254,16 +285,16 @@ class SessionTable:
             if s.max_len is not None and total > s.max_len:  # never above the model's
                 whose = " (the model's)" if s.max_len == m.max_len else ""
                 raise SessionFull(f"{past} its max_len {s.max_len}{whose}")
-            if _cdiv(total, bs) > pool.num_blocks:  # no eviction could ever make room
+            if _cdiv(total, bs) - s.first_block > pool.num_blocks:  # no eviction ever makes room
                 raise SessionFull(
                     f"{past} all that model {s.model!r}'s KV cache holds: {pool.num_blocks} "
                     f"blocks of {bs} tokens ({m.storage.budget_bytes} bytes, kv_cache_bytes)"
                 )
-            num_new_blocks = _cdiv(total, bs) - len(s.block_table)
+            num_new_blocks = _cdiv(total, bs) - s.first_block - len(s.block_table)
             self.quota.check_growth(s, num_new_blocks)
             shared_last = (  # a partial last block that a fork shares: copied before writing
                 s.block_table[-1]
-                if s.num_tokens % bs and pool.refcount(s.block_table[-1]) > 1
+                if s.num_tokens % bs and s.block_table and pool.refcount(s.block_table[-1]) > 1
                 else None
             )
             self._make_room(m, num_new_blocks, shared_last, s, now)
@@ -284,7 +315,10 @@ class SessionTable:
                 s.block_table[-1] = private
                 pool.decref([shared])
             s.block_table.extend(ids)
-            slots = tuple(s.block_table[p // bs] * bs + p % bs for p in range(s.num_tokens, total))
+            first = s.first_block
+            slots = tuple(
+                s.block_table[p // bs - first] * bs + p % bs for p in range(s.num_tokens, total)
+            )
             res = Reservation(
                 session_id,
                 s.model,
@@ -294,6 +328,8 @@ class SessionTable:
                 slots,
                 num_new_blocks,
                 s.key_absmax if s.num_tokens else 0.0,
+                first_block=first,
+                read_start=read_start(s.num_tokens, m.window),
             )
             s.pending = res
             s.in_use += 1
@@ -347,6 +383,7 @@ class SessionTable:
             s.num_tokens = res.start + res.num_tokens
             s.key_absmax = max(res.key_absmax, key_absmax)
             s.pending = None
+            self._slide(s)
             s.last_used_s = self._clock()
             self._unpin(s)
             if s.id not in self._sessions:
@@ -444,6 +481,18 @@ class SessionTable:
         self._models[s.model].pool.decref(s.block_table)
         s.block_table = []
 
+    def _slide(self, s: Session) -> None:
+        """Frees the session's blocks that lie wholly before its next step's window (a
+        sliding-window model's only): none of its steps can see them again."""
+        m = self._models[s.model]
+        first = first_needed_block(s.num_tokens, m.window, m.storage.block_size)
+        if first <= s.first_block:
+            return
+        gone = s.block_table[: first - s.first_block]
+        del s.block_table[: first - s.first_block]
+        s.first_block = first
+        m.num_blocks_out_of_window += len(m.pool.decref(gone))  # a fork's shared ones stay
+
     def _make_room(
         self,
         m: _ModelCache,
@@ -539,7 +588,14 @@ class SessionTable:
     def _session_stats(self, s: Session) -> SessionStats:
         bpb = self._models[s.model].storage.bytes_per_block
         return SessionStats(
-            s.id, s.model, s.num_tokens, s.num_blocks, s.num_blocks * bpb, s.max_len, s.ttl_s
+            s.id,
+            s.model,
+            s.num_tokens,
+            s.num_blocks,
+            s.num_blocks * bpb,
+            s.max_len,
+            s.ttl_s,
+            first_position=s.first_block * self._models[s.model].storage.block_size,
         )
 
     def _model_stats(self, name: str, m: _ModelCache) -> ModelCacheStats:
@@ -547,7 +603,7 @@ class SessionTable:
         live = [s for s in self._sessions.values() if s.model == name]
         filled: dict[int, int] = {}  # block id -> tokens it holds (forks share a prefix)
         for s in live + [z for z in self._zombies.values() if z.model == name]:
-            for i, b in enumerate(s.block_table):
+            for i, b in enumerate(s.block_table, start=s.first_block):
                 held = min(bs, max(0, s.num_tokens - i * bs))
                 filled[b] = max(filled.get(b, 0), held)
         stored = sum(filled.values())
@@ -565,6 +621,7 @@ class SessionTable:
             budget_bytes=m.storage.budget_bytes,
             bytes_used=pool.num_used * bpb,
             fragmentation=(slots - stored) / slots if slots else 0.0,
+            num_blocks_out_of_window=m.num_blocks_out_of_window,
             sessions=tuple(self._session_stats(s) for s in live),
         )
 

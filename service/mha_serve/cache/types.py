@@ -30,6 +30,12 @@ class Reservation:
     slots: tuple[int, ...]  # (num_tokens,) block_id * block_size + offset per new token
     num_new_blocks: int  # blocks appended by this reservation; rollback frees them
     key_absmax: float = 0.0  # max |k| over the keys cached before this step (Session's)
+    # block_table[0] is the session's logical block first_block: the blocks before it fell
+    # wholly out of its sliding window and were freed (0 without a window).
+    first_block: int = 0
+    # The first position the step attends to (its first token's window; 0 without one):
+    # read the session's K/V from here (KVCache.read's start).
+    read_start: int = 0
 
 
 @dataclass(eq=False)
@@ -42,7 +48,12 @@ class Session:
     ttl_s: float | None  # idle seconds before expiry; None: never expires
     created_s: float  # time.monotonic() (the table's clock)
     last_used_s: float
+    # The blocks it holds, in order: block_table[i] is its logical block first_block + i,
+    # holding positions (first_block + i) * block_size onwards.
     block_table: list[int] = field(default_factory=list)
+    # Blocks before this one fell wholly out of the model's sliding window and were freed
+    # (SessionTable._slide); 0 without a window.
+    first_block: int = 0
     num_tokens: int = 0  # committed tokens: their K/V are written
     in_use: int = 0  # pins: a pinned session is never evicted or expired
     pending: Reservation | None = None
@@ -68,6 +79,9 @@ class SessionStats:
     bytes_held: int  # num_blocks x bytes_per_block; a block shared by forks counts in each
     max_len: int | None = None  # as the session was created (Session.max_len)
     ttl_s: float | None = None
+    # The first position whose K/V it still holds: a sliding window freed those before
+    # (0 without one); it can be truncated to 0, or back to what its window still sees.
+    first_position: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,3 +99,5 @@ class ModelCacheStats:
     bytes_used: int  # num_blocks_used x bytes_per_block
     fragmentation: float  # allocated slots not holding a token / allocated slots
     sessions: tuple[SessionStats, ...]
+    # Blocks freed so far (since start) because they fell out of a session's sliding window.
+    num_blocks_out_of_window: int = 0

@@ -44,6 +44,7 @@ def cleared(
     cfg = hosted.spec.attention
     wb = weight_bounds(hosted.module)
     limit, out_limit = _limits(hosted.dtype, cache_dtype)
+    limit /= cfg.score_factor  # a scale above 1, or a soft-cap below 1, grows the scores
     q_b, k_b, v_b = projected_bounds(input_absmax, cfg.embed_dim, wb, rotary=cfg.rope is not None)
     # Every tensor on the way must fit too, not only K/V and the output: the input in the
     # model's dtype, q in the model's and the cache's (the kernels round it to the cache's),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -114,27 +113,13 @@ class Engine:
     @staticmethod
     def _load(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> HostedModel:
         if spec.checkpoint and is_hf_directory(spec.checkpoint):
-            module, layer = load_hf_layer(spec.checkpoint, spec.layer, device=device, dtype=dtype)
+            module, _ = load_hf_layer(spec.checkpoint, spec.layer, device=device, dtype=dtype)
             if module.config != spec.attention:
                 raise ValueError(
                     f"model {spec.name!r}: {spec.checkpoint} layer {spec.layer} is "
                     f"{module.config}, but the spec says {spec.attention}; leave the attention "
                     "keys out of a Hugging Face model's [[models]] table"
                 )
-            window = layer.sliding_window
-            if window is not None and spec.max_seq_len > window:
-                # Within the window, sliding-window attention is full causal attention.
-                log.warning(
-                    "model %s: %s layer %d attends a sliding window of %d tokens; "
-                    "max_seq_len (and session length) capped from %d to %d",
-                    spec.name,
-                    layer.family,
-                    layer.layer,
-                    window,
-                    spec.max_seq_len,
-                    window,
-                )
-                spec = dataclasses.replace(spec, max_seq_len=window)
         elif spec.checkpoint:
             module = load_checkpoint(
                 spec.checkpoint, config=spec.attention, device=device, dtype=dtype
@@ -479,6 +464,7 @@ class Engine:
             num_sessions=self.sessions.num_sessions(model),
             evict_idle_sessions=self.sessions.evicts,
             dtype=DTYPE_NAME[cache.dtype],
+            num_blocks_out_of_window=self.sessions.num_blocks_out_of_window(model),
         )
 
     def warmup(self) -> None:

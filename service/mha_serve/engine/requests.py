@@ -174,6 +174,8 @@ class CacheInfo:
     num_sessions: int
     evict_idle_sessions: bool
     dtype: str  # element type of the stored K/V, one of DTYPE_NAMES
+    # Blocks freed so far because they fell out of a session's sliding window (cumulative).
+    num_blocks_out_of_window: int = 0
 
 
 __all__ = [

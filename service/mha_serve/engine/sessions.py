@@ -107,7 +107,8 @@ class Sessions:
             except ValueError as e:
                 raise ValueError(f"model {name!r}: kv_cache_bytes: {e}") from None
             self.caches[name] = cache
-            self.table.add_model(name, cache, max_len=spec.max_seq_len)
+            window = spec.attention.sliding_window  # sessions then keep their window only
+            self.table.add_model(name, cache, max_len=spec.max_seq_len, window=window)
 
     def cache(self, model: str) -> KVCache:
         cache = self.caches.get(model)
@@ -123,6 +124,10 @@ class Sessions:
 
     def num_blocks_used(self, model: str) -> int:
         return self.table.pool(model).num_used
+
+    def num_blocks_out_of_window(self, model: str) -> int:
+        """Blocks freed so far because they fell out of a session's sliding window."""
+        return self.table.num_blocks_out_of_window(model)
 
     @property
     def evicts(self) -> bool:
@@ -290,10 +295,20 @@ class Sessions:
             bounded = _bounded_rows(hosted, cache, steps, reservations)
             maxima = None if bounded is not None else row_absmax_tensor(q, k_new, v_new)  # (3, B)
             # Write first, then read each session's positions in order: one copy of the
-            # past (none for a session whose blocks are consecutive), no concatenation.
+            # past (none for a session whose blocks are consecutive), no concatenation. A
+            # sliding-window session is read from its step's window on (read_start).
             cache.append(k_new, v_new, [r.slots for r in reservations])
             past = [r.start for r in reservations]
-            kv = [cache.read(r.block_table, r.start + r.num_tokens) for r in reservations]
+            reads = [r.read_start for r in reservations]
+            kv = [
+                cache.read(
+                    r.block_table,
+                    r.start + r.num_tokens,
+                    start=r.read_start,
+                    first_block=r.first_block,
+                )
+                for r in reservations
+            ]
             out = hosted.module.attend_cached(
                 q,
                 kv,
@@ -302,6 +317,7 @@ class Sessions:
                 need_weights=first.need_weights,
                 weight_heads=sorted(set(heads)) if first.need_weights else None,
                 head_mask=head_mask,
+                first_keys=reads,
             )
         if bounded is not None:  # no overflow anywhere: proven, not measured
             return StepForward(out, heads, set(), set(), bounded, [True] * len(steps))
@@ -310,8 +326,9 @@ class Sessions:
             # are refused after the forward, so the common case waits for nothing first.
             out_max = row_absmax_tensor(out.output)
             q_max, k_max, v_max, o_max = torch.cat([maxima, out_max]).tolist()
-            limit = score_limit(q.dtype, cache.dtype)
-            D = hosted.spec.attention.head_dim
+            cfg = hosted.spec.attention
+            limit = score_limit(q.dtype, cache.dtype) / cfg.score_factor
+            D = cfg.head_dim
             overflowed: set[int] = set()  # K/V not finite in the cache's dtype
             too_large: set[int] = set()  # scores overflow (exact check where the bound fails)
             for b, r in enumerate(reservations):
@@ -319,7 +336,11 @@ class Sessions:
                     overflowed.add(b)
                 elif bound_crossed(q_max[b], max(k_max[b], r.key_absmax), D, limit):
                     q_b = q[b, :, : new_tokens[b]].to(cache.dtype)  # as the kernels see it
-                    if scores_overflow(q_b, kv[b][0][0], limit, first_pos=past[b]):
+                    keys = kv[b][0][0]  # (KVH, S, D) from position reads[b]
+                    window = cfg.sliding_window
+                    if scores_overflow(
+                        q_b, keys, limit, first_pos=past[b], window=window, first_key=reads[b]
+                    ):
                         too_large.add(b)
         finite = [m < math.inf for m in o_max]
         kv_max = [max(k, v) for k, v in zip(k_max, v_max, strict=True)]
@@ -485,7 +506,7 @@ def _one_thread_is_enough(cache, reservations: list[Reservation]) -> bool:
     prefill, keeps every thread."""
     if len(reservations) < SMALL_STEP_MIN_SESSIONS or cache.device.type != "cpu":
         return False
-    longest = max(r.start + r.num_tokens for r in reservations)
+    longest = max(r.start + r.num_tokens - r.read_start for r in reservations)  # keys read
     new = sum(r.num_tokens for r in reservations)
     return longest * cache.bytes_per_token <= SMALL_STEP_MAX_KV_BYTES and new <= 4 * len(
         reservations

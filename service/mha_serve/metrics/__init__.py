@@ -26,7 +26,7 @@ from prometheus_client import (
     multiprocess,
     start_http_server,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # No `*_created` series beside every counter and histogram: in the text format they are
 # gauges of start timestamps that double the series count and that no query here reads.
@@ -186,13 +186,19 @@ class LiveGauges:
         sessions = GaugeMetricFamily(
             "mha_serve_sessions", "Open KV-cache sessions per model.", labels=["model"]
         )
+        slid = CounterMetricFamily(
+            "mha_serve_kv_cache_window_freed_blocks",
+            "KV cache blocks freed because they fell out of a session's sliding window.",
+            labels=["model"],
+        )
         for model, info in caches.items():
             blocks.add_metric([model, "total"], info.num_blocks)
             blocks.add_metric([model, "used"], info.num_blocks_used)
             budget.add_metric([model], info.budget_bytes)
             used.add_metric([model], info.num_blocks_used * info.bytes_per_block)
             sessions.add_metric([model], info.num_sessions)
-        return iter((depth, blocks, budget, used, sessions))
+            slid.add_metric([model], info.num_blocks_out_of_window)
+        return iter((depth, blocks, budget, used, sessions, slid))
 
 
 LIVE = LiveGauges()

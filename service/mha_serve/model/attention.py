@@ -1,9 +1,10 @@
-"""The attention module: one class for MHA, GQA and MQA. Embeddings always come from
-fused SDPA; attention weights come from a separate explicit path, only when asked."""
+"""The attention module: one class for MHA, GQA and MQA, and for the families' options
+(RoPE, q/k RMSNorm, sliding window, soft-capping: all read from the config). Embeddings
+come from fused SDPA (from the explicit float32 kernel where scores are soft-capped, which
+SDPA cannot do); attention weights come from a separate explicit path, only when asked."""
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -11,9 +12,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cached import attend_one, causal_from
+from .cached import attend_one, capped_scores, explicit_attention, key_mask
+from .checks import (
+    check_cached,
+    check_head_mask,
+    check_heads,
+    check_input,
+    check_queries,
+    check_query_range,
+    valid_positions,
+)
 from .config import AttentionConfig
-from .overflow import NO_OVERFLOW, NoOverflow, OverflowCheck
+from .overflow import NO_OVERFLOW, NoOverflow, OverflowCheck, score_limit
 from .rope import cos_sin, inv_freq, rotate
 
 
@@ -55,6 +65,17 @@ class MultiHeadAttention(nn.Module):
             device=device,
             dtype=dtype,
         )
+        # q/k RMSNorm weights (Qwen3, OLMo-2, Gemma 3), in the state dict as q_norm, k_norm:
+        # (D,) shared by every head, or (H*D,) and (KVH*D,) over the whole projection.
+        self.q_norm = self.k_norm = None
+        if config.qk_norm is not None:
+            whole = config.qk_norm.scope == "projection"
+            H, KVH, D = config.num_heads, config.num_kv_heads, config.head_dim
+            for name, width in (
+                ("q_norm", H * D if whole else D),
+                ("k_norm", KVH * D if whole else D),
+            ):
+                setattr(self, name, nn.Parameter(torch.ones(width, device=device, dtype=dtype)))
 
     def forward(
         self,
@@ -83,12 +104,12 @@ class MultiHeadAttention(nn.Module):
         """
         c = self.config
         H, KVH = c.num_heads, c.num_kv_heads
-        B, L = self._check_input(x)
+        B, L = check_input(c, self.wqkv.weight, x)
         causal = c.causal if causal is None else bool(causal)
-        valid = _valid_positions(lengths, B, L, x.device)  # (B, L) bool, None if unpadded
-        heads = self._check_heads(weight_heads)
-        q_start, q_end = _check_query_range(query_range, L)
-        gate = self._check_head_mask(head_mask, x)
+        valid = valid_positions(lengths, B, L, x.device)  # (B, L) bool, None if unpadded
+        heads = check_heads(self.config, weight_heads)
+        q_start, q_end = check_query_range(query_range, L)
+        gate = check_head_mask(self.config, head_mask, x)
 
         if valid is not None:
             # Padding may be uninitialised memory from a batcher; a NaN or inf
@@ -98,22 +119,34 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self.project(x)  # (B, H, L, D), (B, KVH, L, D), (B, KVH, L, D)
         overflow = NO_OVERFLOW
         if check_overflow:  # its maxima are read with the output, never waited for here
-            overflow = OverflowCheck(q, k, v, [0 if causal else None] * B)
+            overflow = OverflowCheck(
+                q,
+                k,
+                v,
+                [0 if causal else None] * B,
+                window=c.sliding_window,
+                limit=score_limit(q.dtype, k.dtype) / c.score_factor,
+            )
 
-        # No mask at all when nothing is padded, so SDPA can pick its fastest
-        # kernel (is_causal needs no mask tensor); a boolean mask only for padding.
+        # No mask at all when nothing is padded and no window cuts keys off, so SDPA can
+        # pick its fastest kernel (is_causal needs no mask tensor).
         mask = None
-        if valid is not None:
-            mask = _allowed(valid, causal, 0, L).expand(B, 1, L, L)  # (B, 1, L, L)
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=causal and mask is None,
-            scale=self.scale,
-            enable_gqa=KVH != H,  # SDPA broadcasts kv heads; no repeat_interleave copy
-        )  # (B, H, L, D)
+        if valid is not None or _cuts(c.sliding_window, L):
+            mask = self._allowed(valid, causal, 0, L, L, x.device)  # (B|1, 1, L, L)
+        if c.softcap is None:
+            y = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=causal and mask is None,
+                scale=self.scale,
+                enable_gqa=KVH != H,  # SDPA broadcasts kv heads; no repeat_interleave copy
+            )  # (B, H, L, D)
+        else:
+            if mask is None and causal:
+                mask = self._allowed(None, True, 0, L, L, x.device)  # (1, 1, L, L)
+            y = explicit_attention(q, k, v, mask, self.scale, c.softcap)  # (B, H, L, D)
         out = self._merge_heads(y, gate, valid)  # (B, L, E)
 
         weights = None
@@ -134,10 +167,10 @@ class MultiHeadAttention(nn.Module):
         """softmax(q k^T * scale + mask) in float32, only for the requested heads
         and rows, so memory is B * len(heads) * R * S, never B * H * L * S."""
         allowed = None
-        if causal or valid is not None:
-            allowed = _allowed(valid, causal, q_start, q_end, q.shape[2], q.device)
-        # Every row keeps at least key 0 (lengths >= 1), so no row is all -inf
-        # and masked columns come out exactly 0.
+        if causal or valid is not None or _cuts(self.config.sliding_window, q.shape[2]):
+            allowed = self._allowed(valid, causal, q_start, q_end, q.shape[2], q.device)
+        # Every row keeps at least one key (its own, or any for a padded row), so no row is
+        # all -inf and masked columns come out exactly 0.
         weights = self._softmax(q[:, :, q_start:q_end], k, heads, allowed)  # (B, n, R, S)
         if valid is not None:
             weights = weights.masked_fill(~valid[:, None, q_start:q_end, None], 0.0)
@@ -153,42 +186,65 @@ class MultiHeadAttention(nn.Module):
         need_weights: bool = False,
         weight_heads: Sequence[int] | None = None,
         head_mask: torch.Tensor | None = None,
+        first_keys: Sequence[int] | None = None,
     ) -> AttentionOutput:
         """Attention of new tokens over keys already laid out by absolute position (a KV
-        cache read): the engine's session step. Always causal (a cache is exact only so).
+        cache read): the engine's session step. Always causal (a cache is exact only so),
+        and within the config's sliding window.
 
         q (B, H, T, D): the new tokens' queries (`project`). kv[b] = (keys, values), each
-        (1, KVH, S_b, D): sequence b's positions 0..S_b-1 in order, its new tokens last,
-        S_b = past_lengths[b] + new_lengths[b] (KVCache.read), new_lengths[b] in 1..T.
+        (1, KVH, S_b, D): sequence b's positions first_keys[b]..past_lengths[b] +
+        new_lengths[b] - 1 in order, its new tokens last (KVCache.read), new_lengths[b] in
+        1..T. first_keys None: every sequence from position 0; with a sliding window W a
+        read may start anywhere up to past_lengths[b] + 1 - W (keys before the window of the
+        step's first token are never seen, so need not be read, or kept).
         Keys and values may be narrower than q (a bfloat16 cache for a float32 model): the
         queries are then rounded to their dtype for the fused kernels, whose softmax and
         sums stay float32, and the outputs come back in q's dtype; weights are computed in
         float32 from the unrounded queries.
 
         New token t of sequence b (absolute position past_lengths[b] + t) attends to
-        positions 0..past_lengths[b] + t. Returns output (B, T, E) (rows of padded tokens
-        0) and, when asked, weights (B, len(heads), T, max S_b) float32 over absolute
-        positions (columns past a sequence's end, rows of padded tokens 0): row t equals
+        positions 0..past_lengths[b] + t (the last W of them with a window). Returns output
+        (B, T, E) (rows of padded tokens 0) and, when asked, weights (B, len(heads), T,
+        max(past_lengths[b] + new_lengths[b])) float32 over absolute positions (columns
+        before a sequence's read or past its end, rows of padded tokens 0): row t equals
         row past_lengths[b] + t of a causal `forward` over the whole sequence.
         """
-        B, H, T, D = self._check_queries(q)
-        heads = self._check_heads(weight_heads) if need_weights else []
-        gate = self._check_head_mask(head_mask, q)
-        if not len(kv) == len(past_lengths) == len(new_lengths) == B:
+        c = self.config
+        B, H, T, D = check_queries(self.config, q)
+        heads = check_heads(self.config, weight_heads) if need_weights else []
+        gate = check_head_mask(self.config, head_mask, q)
+        if first_keys is None:
+            first_keys = [0] * B
+        if not len(kv) == len(past_lengths) == len(new_lengths) == len(first_keys) == B:
             raise ValueError(
-                f"q has batch {B} but kv, past_lengths and new_lengths have "
-                f"{len(kv)}, {len(past_lengths)} and {len(new_lengths)} entries"
+                f"q has batch {B} but kv, past_lengths, new_lengths and first_keys have "
+                f"{len(kv)}, {len(past_lengths)}, {len(new_lengths)} and {len(first_keys)} "
+                "entries"
             )
         ys, weights = [], []
-        for b, ((keys, values), past, new) in enumerate(
-            zip(kv, past_lengths, new_lengths, strict=True)
+        for b, ((keys, values), past, new, first) in enumerate(
+            zip(kv, past_lengths, new_lengths, first_keys, strict=True)
         ):
-            self._check_cached(b, keys, values, past, new, T, q)
+            check_cached(c, b, keys, values, past, new, first, T, q)
             q_b = q[b : b + 1, :, :new]  # (1, H, n, D)
-            ys.append(attend_one(q_b, keys, values, past, self.scale))  # (1, H, n, D)
+            y_b = attend_one(
+                q_b,
+                keys,
+                values,
+                past,
+                self.scale,
+                first_key=first,
+                window=c.sliding_window,
+                softcap=c.softcap,
+            )  # (1, H, n, D)
+            ys.append(y_b)
             if need_weights:
-                allowed = causal_from(past, new, keys.shape[2], q.device)  # (1, 1, n, S_b)
-                weights.append(self._softmax(q_b, keys, heads, allowed))  # (1, n_h, n, S_b)
+                S_b = keys.shape[2]
+                allowed = key_mask(past, new, first, S_b, c.sliding_window, q.device)
+                weights.append(
+                    (first, self._softmax(q_b, keys, heads, allowed))
+                )  # (1, n_h, n, S_b)
         new_valid = None
         if B == 1 and new_lengths[0] == T:
             y = ys[0]
@@ -203,26 +259,34 @@ class MultiHeadAttention(nn.Module):
         out = self._merge_heads(y, gate, new_valid)  # (B, T, E)
         if not need_weights:
             return AttentionOutput(output=out, weights=None)
-        S = max(w.shape[-1] for w in weights)
+        S = max(first + w.shape[-1] for first, w in weights)  # absolute positions
         all_w = torch.zeros(B, len(heads), T, S, dtype=torch.float32, device=q.device)
-        for b, w in enumerate(weights):
-            all_w[b, :, : w.shape[2], : w.shape[3]] = w[0]
+        for b, (first, w) in enumerate(weights):
+            all_w[b, :, : w.shape[2], first : first + w.shape[3]] = w[0]
         return AttentionOutput(output=out, weights=all_w)
 
     def project(
         self, x: torch.Tensor, positions: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of x (B, L, E); for a rotary model q and k are rotated at `positions`
-        (B, L) or (L,) absolute positions (None: 0..L-1), so cached keys need no more work.
-        Without RoPE, positions are ignored."""
+        """q, k, v of x (B, L, E); with q/k norm, q and k are RMS-normalised first; for a
+        rotary model q and k are then rotated at `positions` (B, L) or (L,) absolute
+        positions (None: 0..L-1), so cached keys need no more work. Without RoPE, positions
+        are ignored."""
         c = self.config
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
         B, L, _ = x.shape
         # F.linear, not self.wqkv(x): a decode step is small enough for Module.__call__ to show.
         qkv = F.linear(x, self.wqkv.weight, self.wqkv.bias)
-        q, k, v = qkv.split_with_sizes([H * D, KVH * D, KVH * D], dim=-1)
-        q = q.view(B, L, H, D).transpose(1, 2)  # (B, H, L, D)
-        k = k.view(B, L, KVH, D).transpose(1, 2)  # (B, KVH, L, D)
+        q, k, v = qkv.split_with_sizes([H * D, KVH * D, KVH * D], dim=-1)  # (B, L, H*D | KVH*D)
+        norm = c.qk_norm
+        if norm is not None and norm.scope == "projection":  # OLMo-2: over all heads at once
+            q, k = _rms_norm(q, self.q_norm, norm.eps), _rms_norm(k, self.k_norm, norm.eps)
+        q = q.view(B, L, H, D)  # (B, L, H, D)
+        k = k.view(B, L, KVH, D)  # (B, L, KVH, D)
+        if norm is not None and norm.scope == "head":  # Qwen3, Gemma 3: each head on its own
+            q, k = _rms_norm(q, self.q_norm, norm.eps), _rms_norm(k, self.k_norm, norm.eps)
+        q = q.transpose(1, 2)  # (B, H, L, D)
+        k = k.transpose(1, 2)  # (B, KVH, L, D)
         v = v.view(B, L, KVH, D).transpose(1, 2)  # (B, KVH, L, D)
         if self.rope_freq is not None:
             if positions is None:
@@ -254,179 +318,59 @@ class MultiHeadAttention(nn.Module):
     def _softmax(
         self, q: torch.Tensor, k: torch.Tensor, heads: list[int], allowed: torch.Tensor | None
     ) -> torch.Tensor:
-        """softmax(q k^T * scale) in float32 over allowed keys, for query heads `heads`:
+        """softmax(q k^T * scale) in float32 over allowed keys (scores soft-capped when the
+        config says so), for query heads `heads`:
         q (B, H, R, D), k (B, KVH, S, D), allowed broadcastable to (B, 1, R, S)."""
         idx = torch.tensor(heads, device=q.device)
-        qh = q[:, idx].float() * self.scale  # (B, n, R, D)
-        kh = k[:, idx // self.config.group_size].float()  # (B, n, S, D): GQA head h reads kv h // G
-        scores = qh @ kh.transpose(-2, -1)  # (B, n, R, S)
+        qh = q[:, idx]  # (B, n, R, D)
+        kh = k[:, idx // self.config.group_size]  # (B, n, S, D): GQA head h reads kv h // G
+        scores = capped_scores(qh, kh, self.scale, self.config.softcap)  # (B, n, R, S) float32
         if allowed is not None:
             scores.masked_fill_(~allowed, float("-inf"))
         return torch.softmax(scores, dim=-1)  # (B, n, R, S)
 
-    def _check_queries(self, q: torch.Tensor) -> tuple[int, int, int, int]:
-        H, D = self.config.num_heads, self.config.head_dim
-        shape = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
-        if not isinstance(q, torch.Tensor) or q.dim() != 4 or (q.shape[1], q.shape[3]) != (H, D):
-            raise ValueError(
-                f"q must be (batch, num_heads={H}, new_len, head_dim={D}), got {shape}"
-            )
-        if 0 in q.shape:
-            raise ValueError(f"q must have batch >= 1 and new_len >= 1, got {shape}")
-        return tuple(q.shape)
-
-    def _check_cached(
+    def _allowed(
         self,
-        b: int,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        past: int,
-        new: int,
-        T: int,
-        q: torch.Tensor,
-    ) -> None:
-        KVH, D = self.config.num_kv_heads, self.config.head_dim
-        if not 1 <= new <= T or past < 0:
-            raise ValueError(
-                f"sequence {b}: new_lengths must be in [1, new_len={T}] and past_lengths >= 0, "
-                f"got new {new} and past {past}"
-            )
-        want = (1, KVH, past + new, D)
-        device = q.device
-        for name, t in (("keys", keys), ("values", values)):
-            if not isinstance(t, torch.Tensor) or t.shape != want:  # (runs per step: lean)
-                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(
-                    f"sequence {b}: {name} must be (1, num_kv_heads, past + new, head_dim) = "
-                    f"{want} for {past} + {new} positions, got {shape}"
-                )
-            if t.device != device or not t.is_floating_point():
-                raise ValueError(
-                    f"sequence {b}: {name} is {t.dtype} on {t.device}; q is {q.dtype} on {device}"
-                )
+        valid: torch.Tensor | None,
+        causal: bool,
+        q_start: int,
+        q_end: int,
+        S: int,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """Bool mask, True where query row i in [q_start, q_end) may attend to key j (rows
+        and keys at positions 0..): j <= i when causal; i - j < window (|i - j| < window when
+        not causal) with a sliding window; j real when padded. (B|1, 1, R|1, S).
 
-    def _check_input(self, x: torch.Tensor) -> tuple[int, int]:
-        E = self.config.embed_dim
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must be (batch, seq_len, embed_dim={E}), got {shape}")
-        B, L, E_x = x.shape
-        if E_x != E:
-            raise ValueError(
-                f"x has embed_dim {E_x} (shape {tuple(x.shape)}) but the model's embed_dim is {E}"
-            )
-        if B == 0 or L == 0:
-            raise ValueError(f"x must have batch >= 1 and seq_len >= 1, got {tuple(x.shape)}")
-        w = self.wqkv.weight
-        if x.dtype != w.dtype:
-            raise ValueError(
-                f"x has dtype {x.dtype} but the model holds {w.dtype}; pass x.to({w.dtype})"
-            )
-        if x.device != w.device:
-            raise ValueError(
-                f"x is on {x.device} but the model is on {w.device}; pass x.to('{w.device}')"
-            )
-        return B, L
-
-    def _check_heads(self, weight_heads: Sequence[int] | None) -> list[int]:
-        H = self.config.num_heads
-        if weight_heads is None:
-            return list(range(H))
-        heads = [operator.index(h) for h in weight_heads]
-        if not heads:
-            raise ValueError("weight_heads is empty; pass None for all heads")
-        bad = [h for h in heads if not 0 <= h < H]
-        if bad:
-            raise ValueError(
-                f"weight_heads {heads} has head(s) {bad} out of range; "
-                f"num_heads is {H}, so valid heads are 0..{H - 1}"
-            )
-        return heads
-
-    def _check_head_mask(
-        self, head_mask: torch.Tensor | None, x: torch.Tensor
-    ) -> torch.Tensor | None:
-        if head_mask is None:
-            return None
-        H = self.config.num_heads
-        gate = torch.as_tensor(head_mask)
-        if gate.shape != (H,):
-            raise ValueError(
-                f"head_mask must have shape (num_heads,) = ({H},), got {tuple(gate.shape)}"
-            )
-        if not gate.is_floating_point():
-            raise ValueError(f"head_mask must be a float tensor, got {gate.dtype}")
-        return gate.to(device=x.device, dtype=x.dtype)
-
-
-def _valid_positions(
-    lengths: torch.Tensor | Sequence[int] | None, B: int, L: int, device: torch.device
-) -> torch.Tensor | None:
-    """(B, L) bool, True at real positions; None when no sequence is padded."""
-    if lengths is None:
-        return None
-    lengths, lo = _check_lengths(lengths, "lengths", B, 1, L, "seq_len")
-    if lo == L:
-        return None
-    return torch.arange(L, device=device) < lengths.to(device)[:, None]  # (B, L)
-
-
-def _check_lengths(
-    lengths: torch.Tensor | Sequence[int], name: str, B: int, lo_min: int, hi_max: int, what: str
-) -> tuple[torch.Tensor, int]:
-    """lengths as a (B,) integer tensor in [lo_min, hi_max], and its minimum."""
-    lengths = torch.as_tensor(lengths)
-    if lengths.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise ValueError(f"{name} must be an integer (int64) tensor, got {lengths.dtype}")
-    if lengths.shape != (B,):
-        raise ValueError(f"{name} must have shape (batch,) = ({B},), got {tuple(lengths.shape)}")
-    lo, hi = int(lengths.min()), int(lengths.max())
-    if lo < lo_min or hi > hi_max:
-        raise ValueError(
-            f"{name} must be in [{lo_min}, {what}={hi_max}], got min {lo} and max {hi}: "
-            f"{lengths.tolist()}"
-        )
-    return lengths, lo
-
-
-def _check_query_range(query_range: tuple[int, int] | None, L: int) -> tuple[int, int]:
-    if query_range is None:
-        return 0, L
-    try:
-        start, end = (operator.index(i) for i in query_range)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"query_range must be a pair of ints (start, end), got {query_range!r}"
-        ) from None
-    if not 0 <= start < end <= L:
-        raise ValueError(
-            f"query_range ({start}, {end}) is empty or out of bounds; "
-            f"need 0 <= start < end <= seq_len {L}"
-        )
-    return start, end
-
-
-def _allowed(
-    valid: torch.Tensor | None,
-    causal: bool,
-    q_start: int,
-    q_end: int,
-    S: int | None = None,
-    device: torch.device | None = None,
-) -> torch.Tensor:
-    """Bool mask, True where query row i in [q_start, q_end) may attend to key j.
-
-    (B, 1, 1, S) for padding only, (1, 1, R, S) for causal only, (B, 1, R, S) for both.
-    """
-    if valid is not None:
-        S, device = valid.shape[1], valid.device
-    allowed = None
-    if causal:
+        A padded query row may see every key: its output is dropped, and a row with no key
+        at all (its window past the real keys) would be NaN."""
+        window = self.config.sliding_window
         rows = torch.arange(q_start, q_end, device=device)[:, None]  # (R, 1)
         cols = torch.arange(S, device=device)[None, :]  # (1, S)
-        allowed = (rows >= cols)[None, None]  # (1, 1, R, S)
-    if valid is not None:
-        keys = valid[:, None, None, :]  # (B, 1, 1, S)
-        allowed = keys if allowed is None else allowed & keys  # (B, 1, R, S)
-    assert allowed is not None, "_allowed needs causal or padding"
-    return allowed
+        allowed = None
+        if causal:
+            allowed = rows >= cols  # (R, S)
+        if _cuts(window, max(S, q_end)):
+            near = (rows - cols < window) if causal else ((rows - cols).abs() < window)
+            allowed = near if allowed is None else allowed & near
+        if allowed is not None:
+            allowed = allowed[None, None]  # (1, 1, R, S)
+        if valid is not None:
+            keys = valid[:, None, None, :]  # (B, 1, 1, S)
+            allowed = keys if allowed is None else allowed & keys  # (B, 1, R, S)
+            allowed = allowed | ~valid[:, None, q_start:q_end, None]  # padded rows: any key
+        assert allowed is not None, "_allowed needs causal, a window or padding"
+        return allowed
+
+
+def _cuts(window: int | None, L: int) -> bool:
+    """Whether a sliding window hides any key of an L-token sequence from some query."""
+    return window is not None and window < L
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, in float32 (as transformers'
+    Qwen3, OLMo-2 and Gemma 3 norms), back in x's dtype."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype)

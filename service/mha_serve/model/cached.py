@@ -1,5 +1,8 @@
 """The kernel of one sequence's attention over its cached keys, laid out by absolute
-position (a KV cache read); MultiHeadAttention.attend_cached runs it per sequence.
+position (a KV cache read); MultiHeadAttention.attend_cached runs it per sequence. With a
+sliding window the read starts where the window does (first_key), so a step costs the
+window, not the session's length. Also the explicit kernel for what SDPA cannot do
+(soft-capped scores), shared with the stateless forward.
 
 The engine writes the new tokens' K/V into the cache first and then reads each session's
 positions 0..past+new-1 in order, so keys need one copy (or none, for a session whose
@@ -25,39 +28,110 @@ import torch.nn.functional as F
 # ~1024 keys SDPA is as fast or faster. (2-core CPU, float32.) Only float32 keys take it:
 # its products run in the keys' dtype, where SDPA keeps scores and sums in float32.
 GROUPED_MIN_KEYS = 1024
+# explicit_attention holds at most this many float32 scores at a time (64 MiB).
+EXPLICIT_CHUNK_ELEMENTS = 1 << 24
 
 
 def attend_one(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    past: int,
+    scale: float,
+    *,
+    first_key: int = 0,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One sequence: q (1, H, n, D) at positions past..past+n-1 over keys, values
-    (1, KVH, past+n, D), causally. Returns (1, H, n, D) in q's dtype."""
+    (1, KVH, S, D) at positions first_key..past+n-1, causally and within the sliding window
+    (query p sees key j when p - window < j <= p). Returns (1, H, n, D) in q's dtype."""
     _, H, n, _ = q.shape
     S, KVH = keys.shape[2], keys.shape[1]
+    # The last query (position past + n - 1) sees key first_key: then so does every query
+    # after its own position, and only the causal mask is left.
+    whole = window is None or past + n - 1 - first_key < window
+    if softcap is not None:  # float32 scores, never rounded to a narrower cache's dtype
+        allowed = None if n == 1 and whole else key_mask(past, n, first_key, S, window, q.device)
+        return explicit_attention(q, keys, values, allowed, scale, softcap)
     narrow = keys.dtype != q.dtype  # a cache narrower than the model (kv_cache_dtype)
     qk = q.to(keys.dtype) if narrow else q
-    if n == 1 and KVH != H and S >= GROUPED_MIN_KEYS and keys.dtype == torch.float32:
+    if n == 1 and whole and KVH != H and S >= GROUPED_MIN_KEYS and keys.dtype == torch.float32:
         y = _grouped_decode(qk, keys, values, scale)
     else:
-        # One token sees every key; n tokens from position 0 are plain (top-left) causal.
-        allowed = causal_from(past, n, S, q.device) if n > 1 and past > 0 else None
+        # One token sees every key it is given; n tokens from position 0 are plain
+        # (top-left) causal while the window holds them all.
+        plain = whole and past == 0 and first_key == 0
+        allowed = None
+        if not (n == 1 and whole) and not plain:
+            allowed = key_mask(past, n, first_key, S, window, q.device)
         y = F.scaled_dot_product_attention(
             qk,
             keys,
             values,
             attn_mask=allowed,
-            is_causal=n > 1 and past == 0,
+            is_causal=n > 1 and plain,
             scale=scale,
             enable_gqa=KVH != H,
         )
     return y.to(q.dtype) if narrow else y
 
 
-def causal_from(past: int, n: int, S: int, device: torch.device) -> torch.Tensor:
-    """(1, 1, n, S) bool: new token t (absolute position past + t) may see key j <= past + t."""
-    t = torch.arange(n, device=device)[:, None]  # (n, 1)
-    j = torch.arange(S, device=device)[None, :]  # (1, S)
-    return (j <= past + t)[None, None]  # (1, 1, n, S)
+def key_mask(
+    past: int, n: int, first_key: int, S: int, window: int | None, device: torch.device
+) -> torch.Tensor:
+    """(1, 1, n, S) bool: new token t (absolute position past + t) may see key j (absolute
+    position first_key + j) when j's position <= past + t and, with a window, past + t -
+    window < j's position."""
+    t = torch.arange(past, past + n, device=device)[:, None]  # (n, 1) query positions
+    j = torch.arange(first_key, first_key + S, device=device)[None, :]  # (1, S) key positions
+    allowed = j <= t
+    if window is not None:
+        allowed &= j > t - window
+    return allowed[None, None]  # (1, 1, n, S)
+
+
+def capped_scores(
+    q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float | None
+) -> torch.Tensor:
+    """q k^T * scale in float32 for q (..., R, D) and k (..., S, D), soft-capped (Gemma 2:
+    softcap * tanh(scores / softcap)) when softcap is set: (..., R, S)."""
+    scores = (q.float() * scale) @ k.float().transpose(-2, -1)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return scores
+
+
+def explicit_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention whose scores SDPA cannot make (soft-capped), in float32, query rows in
+    chunks of at most EXPLICIT_CHUNK_ELEMENTS scores: q (B, H, R, D), k and v (B, KVH, S, D)
+    (query head h reads KV head h // (H / KVH), no copy of K/V per query head), allowed
+    broadcastable to (B, 1, R, S) (None: every key). Every row must see a key. Returns
+    (B, H, R, D) in q's dtype."""
+    B, H, R, D = q.shape
+    KVH, S = k.shape[1], k.shape[2]
+    G = H // KVH
+    kf = k.float()[:, :, None]  # (B, KVH, 1, S, D)
+    vf = v.float()[:, :, None]  # (B, KVH, 1, S, D)
+    out = q.new_empty(B, H, R, D)
+    rows = max(1, EXPLICIT_CHUNK_ELEMENTS // max(1, B * H * S))
+    for r0 in range(0, R, rows):
+        r1 = min(R, r0 + rows)
+        qc = q[:, :, r0:r1].reshape(B, KVH, G, r1 - r0, D)  # query head h = kv * G + g
+        scores = capped_scores(qc, kf, scale, softcap)  # (B, KVH, G, n, S)
+        if allowed is not None:
+            a = allowed if allowed.shape[2] == 1 else allowed[:, :, r0:r1]  # (B|1, 1, n|1, S)
+            scores.masked_fill_(~a[:, :, None], float("-inf"))
+        y = torch.softmax(scores, dim=-1) @ vf  # (B, KVH, G, n, D)
+        out[:, :, r0:r1] = y.reshape(B, H, r1 - r0, D).to(q.dtype)
+    return out
 
 
 def _grouped_decode(

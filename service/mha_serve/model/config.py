@@ -1,6 +1,7 @@
 """Shape of one attention module: MHA, GQA and MQA are the same config with a
-different num_kv_heads; rotary position embeddings (RoPE) and the softmax scale are data
-too. Checked once at construction so nothing downstream re-checks. No torch here."""
+different num_kv_heads; the families' options (rotary position embeddings, q/k
+normalisation, a sliding window, logit soft-capping, the softmax scale) are data too.
+Checked once at construction so nothing downstream re-checks. No torch here."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ _BOOL_FIELDS = ("bias", "causal")
 # RoPE variants whose frequencies are fixed at load time, so that keys rotated once and
 # cached stay right. "dynamic" and "longrope" change frequencies with the sequence length.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Over what a q/k RMSNorm normalises: each head's head_dim values (Qwen3, Gemma 3), or the
+# whole projection, all heads' values together (OLMo-2: q over H*D, k over KVH*D).
+QK_NORM_SCOPES = ("head", "projection")
 
 
 @dataclass(frozen=True)
@@ -74,11 +78,33 @@ class RopeConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RopeConfig:
-        valid = [f.name for f in fields(cls)]
-        unknown = sorted(set(d) - set(valid))
-        if unknown:
-            raise ValueError(f"unknown rope key(s) {unknown}; valid keys are {valid}")
-        return cls(**d)
+        return _from_table(cls, d, "rope")
+
+
+@dataclass(frozen=True)
+class QKNormConfig:
+    """RMSNorm of the projected queries and keys, before RoPE (where Qwen3, OLMo-2 and
+    Gemma 3 apply it): x / sqrt(mean(x^2) + eps) * weight, in float32, over `scope`. The
+    weights (q_norm, k_norm) come from the checkpoint; Gemma's 1 + w is folded at load."""
+
+    scope: str = "head"  # one of QK_NORM_SCOPES
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.scope not in QK_NORM_SCOPES:
+            raise ValueError(
+                f"qk_norm scope {self.scope!r} is not supported; supported: "
+                f"{', '.join(QK_NORM_SCOPES)} (head: over each head's head_dim values; "
+                "projection: over all heads of q, and of k, together)"
+            )
+        eps = self.eps
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 <= eps < math.inf:
+            raise ValueError(f"qk_norm eps must be a finite number >= 0, got {eps!r}")
+        object.__setattr__(self, "eps", float(eps))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QKNormConfig:
+        return _from_table(cls, d, "qk_norm")
 
 
 @dataclass(frozen=True)
@@ -96,6 +122,15 @@ class AttentionConfig:
     # Multiplies q.k before the softmax; None -> 1 / sqrt(head_dim). (GPT-2 can scale by
     # 1 / (layer + 1) too, or not at all.)
     softmax_scale: float | None = None
+    # Each query attends to the last `sliding_window` keys, itself included: key j is seen
+    # from query i when i - window < j (and j <= i when causal; |i - j| < window when not).
+    # None: every key. Mistral, Qwen2/3's sliding layers, Phi-3, Gemma 2/3's local layers.
+    sliding_window: int | None = None
+    # RMSNorm of q and k before RoPE (QKNormConfig; a dict is read as its fields); None: none.
+    qk_norm: QKNormConfig | None = None
+    # Attention-logit soft-capping (Gemma 2): scores become softcap * tanh(scores / softcap)
+    # before the mask and softmax. None: none.
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         # Values often come from TOML or safetensors metadata, so check types
@@ -117,6 +152,19 @@ class AttentionConfig:
             object.__setattr__(self, "rope", RopeConfig.from_dict(self.rope))
         if self.rope is not None and not isinstance(self.rope, RopeConfig):
             raise ValueError(f"rope must be a table of RopeConfig fields, got {self.rope!r}")
+        if isinstance(self.qk_norm, dict):
+            object.__setattr__(self, "qk_norm", QKNormConfig.from_dict(self.qk_norm))
+        if self.qk_norm is not None and not isinstance(self.qk_norm, QKNormConfig):
+            raise ValueError(
+                f"qk_norm must be a table of QKNormConfig fields, got {self.qk_norm!r}"
+            )
+        if self.sliding_window is not None:
+            _check_positive_int("sliding_window", self.sliding_window)
+        if self.softcap is not None:
+            cap = self.softcap
+            if isinstance(cap, bool) or not isinstance(cap, int | float) or not 0 < cap < math.inf:
+                raise ValueError(f"softcap must be a finite number > 0, got {cap!r}")
+            object.__setattr__(self, "softcap", float(cap))
         if self.softmax_scale is not None:
             scale = self.softmax_scale
             if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
@@ -165,9 +213,19 @@ class AttentionConfig:
         """The factor on q.k before the softmax."""
         return self.softmax_scale if self.softmax_scale is not None else self.head_dim**-0.5
 
+    @property
+    def score_factor(self) -> float:
+        """How far past |q . k| a kernel's intermediate scores may reach: the scale when it
+        is above 1 (scores may be scaled after the product), times 1 / softcap when that is
+        (scores / softcap). The overflow check holds |q . k| under the dtype's max over this."""
+        factor = max(1.0, self.scale)
+        if self.softcap is not None:
+            factor *= max(1.0, 1.0 / self.softcap)
+        return factor
+
     def to_dict(self) -> dict[str, Any]:
-        """Every field, resolved (no None: rope and softmax_scale only when set; rope as a
-        dict of its fields), so the dict is the config on its own."""
+        """Every field, resolved (no None: the options only when set; rope and qk_norm as
+        dicts of their fields), so the dict is the config on its own."""
         d = asdict(self)
         return {k: v for k, v in d.items() if v is not None}
 
@@ -181,6 +239,15 @@ class AttentionConfig:
         if missing:
             raise ValueError(f"attention config is missing required key(s) {missing}")
         return cls(**d)
+
+
+def _from_table(cls: type, d: dict[str, Any], name: str) -> Any:
+    """cls(**d) for a table of cls's fields, naming any unknown key."""
+    valid = [f.name for f in fields(cls)]
+    unknown = sorted(set(d) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown {name} key(s) {unknown}; valid keys are {valid}")
+    return cls(**d)
 
 
 def _check_positive_int(name: str, value: Any) -> None:

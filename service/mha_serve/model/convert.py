@@ -1,13 +1,21 @@
-"""MHA -> GQA / MQA: mean-pool each group's key and value heads (the GQA paper's starting
-point for uptraining, Ainslie et al. 2023, section 2.1), write the result as our
-safetensors checkpoint and report what it costs and saves.
+"""A smaller model from one layer: MHA -> GQA / MQA by mean-pooling each group's key and
+value heads (the GQA paper's starting point for uptraining, Ainslie et al. 2023, section
+2.1), or chosen heads removed (model/prune.py); written as our safetensors checkpoint, with
+a report of what it costs and saves.
 
     python -m mha_serve.model.convert SRC --num-kv-heads 2 --out gqa.safetensors [--layer N]
+    python -m mha_serve.model.convert SRC --drop-heads 5,8 --out pruned.safetensors
+    python -m mha_serve.model.convert SRC --drop-least-important 3 [--unit head|group]
+        [--report heads.json] --out pruned.safetensors
 
 SRC is a Hugging Face model directory (with --layer) or one of our safetensors files. The
-report (JSON on stdout): output error of the converted layer against the original on
-sample inputs, and the KV-cache bytes per token before and after. Serve the result with
-`checkpoint = "gqa.safetensors"` (its config, RoPE included, is in the file's metadata).
+least important heads come from the head analysis over the sample inputs (the one the
+server's AnalyzeHeads runs), or from a saved `mha-client heads --json` report. The report
+(JSON on stdout): output error of the new layer against the original on sample inputs
+(and, pruned, against the original with those heads masked: rounding only), heads, and
+the compute and KV-cache bytes per token before and after. Serve the result with
+`checkpoint = "out.safetensors"` (its config, the family's options included, is in the
+file's metadata).
 """
 
 from __future__ import annotations
@@ -21,8 +29,10 @@ from pathlib import Path
 import torch
 
 from .attention import MultiHeadAttention
+from .heads import analyze_heads, group_importance
 from .hf import load_hf_layer
 from .hf_config import is_hf_directory
+from .prune import UNITS, cost_per_token, default_unit, least_important, prune_heads
 from .weights import load_checkpoint, save_checkpoint
 
 DEFAULT_SAMPLES = 8
@@ -33,7 +43,9 @@ def pool_kv_heads(module: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtt
     """A copy of module with num_kv_heads K/V heads, each the mean of a group of
     consecutive K/V heads (query head h keeps reading group h // (H / num_kv_heads)).
     Projections are linear (and RoPE rotates every head alike), so pooling the weights and
-    biases pools the keys and values themselves."""
+    biases pools the keys and values themselves; with a q/k norm the pooled keys are
+    normalised after pooling (exact still where a group's heads agree), and a norm over the
+    whole projection (OLMo-2) pools its k gains by group too."""
     c = module.config
     KVH, D = c.num_kv_heads, c.head_dim
     if num_kv_heads < 1 or KVH % num_kv_heads:
@@ -59,6 +71,10 @@ def pool_kv_heads(module: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtt
         bq, bk, bv = module.wqkv.bias.detach().split([q_rows, KVH * D, KVH * D])
         state["wqkv.bias"] = torch.cat([bq, pool(bk), pool(bv)])
         state["wo.bias"] = module.wo.bias.detach()
+    if c.qk_norm is not None:
+        k_norm = module.k_norm.detach()
+        state["q_norm"] = module.q_norm.detach()
+        state["k_norm"] = pool(k_norm) if c.qk_norm.scope == "projection" else k_norm
     w0 = module.wqkv.weight
     out = MultiHeadAttention(config, device=w0.device, dtype=w0.dtype)
     out.load_state_dict(state)
@@ -69,30 +85,82 @@ def conversion_report(
     original: MultiHeadAttention,
     converted: MultiHeadAttention,
     inputs: torch.Tensor,
-) -> dict[str, float | int]:
+    *,
+    removed: list[int] | None = None,
+) -> dict[str, float | int | list[int]]:
     """Output error of converted against original over inputs (B, L, E), each model's
-    own masking, and the KV-cache bytes per token of each (K and V, model dtype)."""
+    own masking; heads, compute and KV-cache bytes per token of each (cost_per_token, model
+    dtype). removed: the query heads pruned away; the report then also gives converted's
+    difference from original with those heads masked (rounding only, when it is right)."""
     with torch.no_grad():
         want = original(inputs).output.double()
         got = converted(inputs).output.double()
     diff = (got - want).abs()
     itemsize = original.wqkv.weight.element_size()
-
-    def per_token(m: MultiHeadAttention) -> int:
-        return 2 * m.config.num_kv_heads * m.config.head_dim * itemsize
-
-    before, after = per_token(original), per_token(converted)
-    return {
+    before = cost_per_token(original.config, itemsize)
+    after = cost_per_token(converted.config, itemsize)
+    report: dict[str, float | int | list[int]] = {
+        "num_heads_before": original.config.num_heads,
+        "num_heads_after": converted.config.num_heads,
         "num_kv_heads_before": original.config.num_kv_heads,
         "num_kv_heads_after": converted.config.num_kv_heads,
         "max_abs_error": float(diff.max()),
         "mean_abs_error": float(diff.mean()),
         "relative_error": float(diff.norm() / want.norm().clamp_min(1e-30)),
         "output_rms": float(want.pow(2).mean().sqrt()),
-        "kv_bytes_per_token_before": before,
-        "kv_bytes_per_token_after": after,
-        "kv_bytes_saved_fraction": 1.0 - after / before,
+        "kv_bytes_per_token_before": before["kv_bytes"],
+        "kv_bytes_per_token_after": after["kv_bytes"],
+        "kv_bytes_saved_fraction": 1.0 - after["kv_bytes"] / before["kv_bytes"],
+        "projection_flops_per_token_before": before["projection_flops"],
+        "projection_flops_per_token_after": after["projection_flops"],
+        "attention_flops_per_key_before": before["attention_flops_per_key"],
+        "attention_flops_per_key_after": after["attention_flops_per_key"],
     }
+    if removed is not None:
+        gate = torch.ones(original.config.num_heads, dtype=inputs.dtype)
+        gate[removed] = 0
+        with torch.no_grad():
+            masked = original(inputs, head_mask=gate).output.double()
+        report["heads_removed"] = sorted(removed)
+        report["max_abs_diff_from_masked"] = float((got - masked).abs().max())
+    return report
+
+
+def heads_from_report(path: str | Path) -> list[float]:
+    """Each query head's importance from a `mha-client heads --json` report."""
+    try:
+        data = json.loads(Path(path).read_text())
+        heads = sorted(data["heads"], key=lambda h: h["head"])
+        return [float(h["importance"]) for h in heads]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"{path} is not a head report (mha-client heads --json writes one): {e}"
+        ) from None
+
+
+def heads_to_drop(
+    module: MultiHeadAttention,
+    k: int,
+    unit: str | None,
+    inputs: torch.Tensor,
+    report: str | None = None,
+) -> list[int]:
+    """The query heads of "drop the k least important" (prune.least_important), ranked by
+    the head analysis of module over inputs, or by a saved report's importance."""
+    c = module.config
+    unit = unit or default_unit(c)
+    if report is not None:
+        if unit == "group" and c.group_size > 1:
+            raise ValueError(
+                "a head report ranks query heads, not KV groups: use --unit head, or leave "
+                "--report out to rank groups over the sample inputs"
+            )
+        importance = heads_from_report(report)
+        groups = importance if c.group_size == 1 else None
+    else:
+        importance = analyze_heads(module, inputs).importance
+        groups = group_importance(module, inputs) if unit == "group" else None
+    return least_important(c, k, unit=unit, importance=importance, group_importance=groups)
 
 
 def load_source(path: str | Path, layer: int | None) -> MultiHeadAttention:
@@ -124,24 +192,50 @@ def sample_inputs(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m mha_serve.model.convert",
-        description="Convert an attention layer to GQA/MQA by mean-pooling K/V heads.",
+        description="Write a smaller attention layer: GQA/MQA by mean-pooling K/V heads, or "
+        "heads removed (a list, or the least important ones of the head analysis).",
     )
     p.add_argument("source", help="Hugging Face model directory, or our .safetensors file")
     p.add_argument("--layer", type=int, default=None, help="layer of a Hugging Face directory")
-    p.add_argument("--num-kv-heads", type=int, required=True, help="1 = MQA; a divisor = GQA")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--num-kv-heads", type=int, help="1 = MQA; a divisor = GQA")
+    what.add_argument("--drop-heads", help="query heads to remove, comma-separated: 5,8")
+    what.add_argument(
+        "--drop-least-important", type=int, metavar="K", help="remove the K least important"
+    )
+    p.add_argument(
+        "--unit",
+        choices=UNITS,
+        default=None,
+        help="with --drop-least-important: K query heads, or K whole KV groups (default: "
+        "groups for GQA, heads otherwise)",
+    )
+    p.add_argument("--report", default=None, help="a `mha-client heads --json` report to rank by")
     p.add_argument("--out", required=True, help="output .safetensors file (ours)")
     p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="random sample inputs")
     p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--inputs", default=None, help=".npy of sample inputs (L, E) or (B, L, E)")
     args = p.parse_args(argv)
+    if (args.unit or args.report) and args.drop_least_important is None:
+        p.error("--unit and --report go with --drop-least-important")
     try:
         original = load_source(args.source, args.layer)
-        converted = pool_kv_heads(original, args.num_kv_heads)
         x = sample_inputs(
             original.config.embed_dim, args.samples, args.seq_len, args.seed, args.inputs
         )
-        report = conversion_report(original, converted, x)
+        removed = None
+        if args.num_kv_heads is not None:
+            converted = pool_kv_heads(original, args.num_kv_heads)
+        else:
+            if args.drop_heads is not None:
+                removed = _int_list(args.drop_heads)
+            else:
+                removed = heads_to_drop(
+                    original, args.drop_least_important, args.unit, x, args.report
+                )
+            converted = prune_heads(original, removed)
+        report = conversion_report(original, converted, x, removed=removed)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -149,6 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     report["out"] = str(args.out)
     print(json.dumps(report, indent=2))
     return 0
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--drop-heads takes comma-separated head numbers, got {text!r}") from None
 
 
 if __name__ == "__main__":

@@ -89,3 +89,24 @@ def analyze_heads(
         pruning=pruning,
         weights=weights,
     )
+
+
+@torch.no_grad()
+def group_importance(
+    module: MultiHeadAttention,
+    x: torch.Tensor,
+    *,
+    lengths: torch.Tensor | None = None,
+    causal: bool | None = None,
+) -> list[float]:
+    """Per KV head g: ||y(g's query heads masked together) - y|| / ||y||, the importance of
+    a GQA group as a whole (the unit that removes a K/V head): KVH + 1 forward passes."""
+    c = module.config
+    full = module(x, lengths=lengths, causal=causal).output
+    errors = []
+    for g in range(c.num_kv_heads):
+        mask = torch.ones(c.num_heads, dtype=x.dtype, device=x.device)
+        mask[g * c.group_size : (g + 1) * c.group_size] = 0
+        y = module(x, lengths=lengths, causal=causal, head_mask=mask).output
+        errors.append(output_error(y, full))
+    return errors

@@ -5,9 +5,11 @@ What is served, per family (transformers' module names):
   bert     BertSelfAttention (query/key/value) + BertSelfOutput.dense; the LayerNorm and
            residual after it are not attention and are not applied
   gpt2     GPT2Attention: c_attn (Conv1D, weight (E, 3E), transposed here) and c_proj
-  llama, mistral, qwen2
-           q_proj/k_proj/v_proj/o_proj with GQA (num_key_value_heads) and RoPE applied to
-           q and k; Qwen2's q/k/v biases (its o_proj has none: served as a zero bias)
+  llama, mistral, qwen2, qwen3, olmo2, gemma2, gemma3(_text), phi3
+           q_proj/k_proj/v_proj/o_proj (Phi-3: one qkv_proj) with GQA (num_key_value_heads)
+           and RoPE applied to q and k; Qwen2's q/k/v biases (its o_proj has none: served as
+           a zero bias); q_norm/k_norm (Qwen3, OLMo-2, Gemma 3: Gemma's gain is 1 + weight,
+           folded in here); sliding windows, Gemma's scale and soft-capping are config only
 """
 
 from __future__ import annotations
@@ -37,7 +39,12 @@ _NAMES = {
         "v": "layers.{i}.self_attn.v_proj",
         "o": "layers.{i}.self_attn.o_proj",
     },
+    "phi3": {"qkv": "layers.{i}.self_attn.qkv_proj", "o": "layers.{i}.self_attn.o_proj"},
 }
+# q/k RMSNorm weights, beside the projections of the rotary families that have them.
+_NORM_NAMES = {"q_norm": "layers.{i}.self_attn.q_norm", "k_norm": "layers.{i}.self_attn.k_norm"}
+# Families whose norm scales by 1 + weight (Gemma3RMSNorm), not by weight.
+_OFFSET_NORMS = ("gemma3", "gemma3_text")
 
 
 def load_hf_layer(
@@ -52,6 +59,8 @@ def load_hf_layer(
     info = read_hf_layer(directory, layer)
     c = info.attention
     names = _NAMES["rotary" if info.family not in _NAMES else info.family]
+    if c.qk_norm is not None:
+        names = {**names, **_NORM_NAMES}
     names = {k: v.format(i=info.layer) for k, v in names.items()}
     tensors = _read(info.directory, names, info)
     E, H, KVH, D = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim
@@ -60,6 +69,10 @@ def load_hf_layer(
         b = _get(tensors, names["qkv"] + ".bias", (3 * E,))
         wo = _get(tensors, names["o"] + ".weight", (E, E)).t()
         bo = _get(tensors, names["o"] + ".bias", (E,))
+    elif info.family == "phi3":  # rows [q; k; v] already, as our wqkv
+        w = _get(tensors, names["qkv"] + ".weight", (c.qkv_dim, E))
+        wo = _get(tensors, names["o"] + ".weight", (E, H * D))
+        b = bo = None
     else:
         shapes = {"q": (H * D, E), "k": (KVH * D, E), "v": (KVH * D, E), "o": (E, H * D)}
         w = torch.cat([_get(tensors, names[p] + ".weight", shapes[p]) for p in "qkv"])
@@ -73,9 +86,18 @@ def load_hf_layer(
     state = {"wqkv.weight": w, "wo.weight": wo}
     if c.bias:
         state.update({"wqkv.bias": b, "wo.bias": bo})
+    if c.qk_norm is not None:
+        whole = c.qk_norm.scope == "projection"
+        for key, heads in (("q_norm", H), ("k_norm", KVH)):
+            gain = _get(tensors, names[key] + ".weight", ((heads if whole else 1) * D,))
+            if info.family in _OFFSET_NORMS:  # in float32, as Gemma3RMSNorm: 1.0 + w.float()
+                gain = 1.0 + gain.float()
+            state[key] = gain
     if dtype is None:
         dtype = w.dtype
     module = MultiHeadAttention(c, device=device, dtype=dtype)
+    # load_state_dict copies into the module's dtype: a float32 Gemma gain 1 + w is rounded
+    # once, where transformers rounds the product instead (equal in float32).
     module.load_state_dict({k: t.contiguous() for k, t in state.items()})
     return module.eval(), info
 
@@ -84,11 +106,14 @@ def _read(directory: Path, names: dict[str, str], info: HFLayer) -> dict[str, to
     """The tensors whose names end with one of names' values (+ .weight/.bias), unprefixed."""
     files = _safetensors_files(directory)
     wanted = {n + s for n in names.values() for s in (".weight", ".bias")}
+    scope = info.tensor_scope and info.tensor_scope + "."
     found: dict[str, torch.Tensor] = {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open is no dict)
+                    if scope and scope not in key:  # a vision tower's layers, say
+                        continue
                     for name in wanted:
                         if key == name or key.endswith("." + name):
                             if name in found:

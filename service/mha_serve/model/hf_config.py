@@ -9,10 +9,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import ROPE_TYPES, AttentionConfig, RopeConfig
+from .config import ROPE_TYPES, AttentionConfig, QKNormConfig, RopeConfig
 
-FAMILIES = ("bert", "gpt2", "llama", "mistral", "qwen2")
-ROTARY = ("llama", "mistral", "qwen2")
+FAMILIES = (
+    "bert",
+    "gpt2",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "olmo2",
+    "phi3",
+    "gemma2",
+    "gemma3_text",
+    "gemma3",
+)
+# Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj) and GQA.
+ROTARY = FAMILIES[2:]
+# The per-layer attention kinds of config.json's layer_types that we serve.
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -24,10 +39,16 @@ class HFLayer:
     layer: int
     num_layers: int
     attention: AttentionConfig
-    # Keys further than this many positions back are not attended (Mistral, Qwen2's sliding
-    # layers); None: full attention. The engine caps the model's length at it, so that
-    # full causal attention is exact.
-    sliding_window: int | None = None
+    # The model's context (max_position_embeddings; None when config.json has none): the
+    # longest sequence it was trained for, whatever its sliding window.
+    max_position_embeddings: int | None = None
+    # Where the layer's tensors are in a multimodal checkpoint ("language_model" for Gemma
+    # 3's text model beside its vision tower); "" for any prefix.
+    tensor_scope: str = ""
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.attention.sliding_window
 
 
 def is_hf_directory(path: str | Path) -> bool:
@@ -48,6 +69,12 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{config_path} is not valid JSON: {e}") from None
     family = cfg.get("model_type")
+    scope = ""
+    if family == "gemma3":  # the multimodal model: its text model's config, tensors
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError(f"{config_path}: gemma3 has no text_config table")
+        cfg, scope = {"model_type": "gemma3_text", **text}, "language_model"
     if family not in FAMILIES:
         arch = ", ".join(cfg.get("architectures") or []) or "?"
         raise ValueError(
@@ -60,14 +87,15 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
             f"{config_path}: layer must be an int in 0..{num_layers - 1} ({family} with "
             f"{num_layers} layers), got {layer!r}; set layer = N in the [[models]] table"
         )
-    sliding = None
     if family == "bert":
         attention = _bert(cfg, config_path)
     elif family == "gpt2":
         attention = _gpt2(cfg, layer, config_path)
     else:
-        attention, sliding = _rotary(cfg, family, layer, config_path)
-    return HFLayer(directory, family, layer, num_layers, attention, sliding)
+        attention = _rotary(cfg, cfg["model_type"], layer, config_path)
+    context = cfg.get("n_positions" if family == "gpt2" else "max_position_embeddings")
+    context = context if isinstance(context, int) and not isinstance(context, bool) else None
+    return HFLayer(directory, family, layer, num_layers, attention, context, scope)
 
 
 def _bert(cfg: dict[str, Any], where: Path) -> AttentionConfig:
@@ -97,49 +125,110 @@ def _gpt2(cfg: dict[str, Any], layer: int, where: Path) -> AttentionConfig:
     return AttentionConfig(E, H, bias=True, causal=True, softmax_scale=scale)
 
 
-def _rotary(
-    cfg: dict[str, Any], family: str, layer: int, where: Path
-) -> tuple[AttentionConfig, int | None]:
+def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> AttentionConfig:
+    """Llama and its descendants: each family's options read into the one AttentionConfig
+    (transformers 5's modeling_<family>.py says where each applies)."""
     E, H = _int(cfg, "hidden_size", where), _int(cfg, "num_attention_heads", where)
     KVH = cfg.get("num_key_value_heads") or H
     D = cfg.get("head_dim") or E // H
     if family == "qwen2":
         bias = True  # q/k/v carry biases, o_proj none (served as a zero bias)
-    elif family == "llama":
-        bias = bool(cfg.get("attention_bias", False))
-    else:
+    elif family in ("mistral", "phi3"):
         bias = False
-    for key in ("partial_rotary_factor",):
-        if cfg.get(key) not in (None, 1, 1.0):
-            raise ValueError(f"{where}: {key} {cfg[key]} is not supported (full rotary only)")
+    else:
+        bias = bool(cfg.get("attention_bias", False))
+    if cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise ValueError(
+            f"{where}: partial_rotary_factor {cfg['partial_rotary_factor']} is not supported "
+            "(full rotary only)"
+        )
+    for key in ("use_bidirectional_attention", "attention_chunk_size"):
+        if cfg.get(key):
+            raise ValueError(f"{where}: {family} {key} {cfg[key]!r} is not supported")
+    layer_type = _layer_type(cfg, family, layer, where)
     sliding = None
-    if family == "mistral":
+    if layer_type == "sliding_attention":
         sliding = cfg.get("sliding_window")
-    elif family == "qwen2":
-        types = cfg.get("layer_types")
-        if types and len(types) != cfg["num_hidden_layers"]:
+        if sliding is None:
             raise ValueError(
-                f"{where}: layer_types has {len(types)} entries for "
-                f"{cfg['num_hidden_layers']} layers"
+                f"{where}: layer {layer} is a sliding_attention layer but sliding_window is not set"
             )
-        if types:
-            sliding = cfg.get("sliding_window") if types[layer] == "sliding_attention" else None
-        elif cfg.get("use_sliding_window") and layer >= cfg.get("max_window_layers", 0):
-            sliding = cfg.get("sliding_window")
-    attention = AttentionConfig(
-        E, H, KVH, D, bias=bias, causal=True, rope=_rope(cfg, where), softmax_scale=None
-    )
-    return attention, sliding
+    qk_norm = None
+    if family in ("qwen3", "gemma3_text"):  # each head's q and k, before RoPE
+        qk_norm = QKNormConfig("head", cfg.get("rms_norm_eps", 1e-6))
+    elif family == "olmo2":  # all of q and all of k, before the split into heads
+        qk_norm = QKNormConfig("projection", cfg.get("rms_norm_eps", 1e-6))
+    scale = softcap = None
+    if family in ("gemma2", "gemma3_text"):
+        scale = float(_number(cfg, "query_pre_attn_scalar", where)) ** -0.5
+        softcap = cfg.get("attn_logit_softcapping")
+    try:
+        return AttentionConfig(
+            E,
+            H,
+            KVH,
+            D,
+            bias=bias,
+            causal=True,
+            rope=_rope(cfg, layer_type, where),
+            softmax_scale=scale,
+            sliding_window=sliding,
+            qk_norm=qk_norm,
+            softcap=softcap,
+        )
+    except ValueError as e:
+        raise ValueError(f"{where}: layer {layer}: {e}") from None
 
 
-def _rope(cfg: dict[str, Any], where: Path) -> RopeConfig:
-    """RoPE parameters from transformers 5's rope_parameters, or 4's rope_theta + rope_scaling."""
+def _layer_type(cfg: dict[str, Any], family: str, layer: int, where: Path) -> str:
+    """full_attention or sliding_attention, as transformers decides it for the family: from
+    layer_types where it reads them (its configuration_<family>.py derives them when
+    config.json has none); Mistral and Phi-3 apply sliding_window to every layer."""
+    if family in ("mistral", "phi3"):
+        return "sliding_attention" if cfg.get("sliding_window") is not None else "full_attention"
+    if family not in ("qwen2", "qwen3", "gemma2", "gemma3_text"):
+        return "full_attention"
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != n:
+            raise ValueError(f"{where}: layer_types must list {n} entries, one per layer")
+        if types[layer] not in LAYER_TYPES:
+            raise ValueError(
+                f"{where}: layer {layer} has layer type {types[layer]!r}, which is not "
+                f"supported; supported: {', '.join(LAYER_TYPES)}"
+            )
+        return types[layer]
+    if family == "gemma2":  # alternating, local first
+        return "sliding_attention" if (layer + 1) % 2 else "full_attention"
+    if family == "gemma3_text":  # five local layers, then a global one
+        pattern = cfg.get("sliding_window_pattern", 6)
+        return "sliding_attention" if (layer + 1) % pattern else "full_attention"
+    on = cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None
+    first = cfg.get("max_window_layers", 0)
+    return "sliding_attention" if on and layer >= first else "full_attention"
+
+
+def _rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
+    """RoPE parameters from transformers 5's rope_parameters (per layer type, as Gemma 3
+    has them, or one table), or 4's rope_theta + rope_scaling (Gemma 3: rope_local_base_freq
+    for its sliding layers)."""
     params = cfg.get("rope_parameters")
     if params is None:
         params = dict(cfg.get("rope_scaling") or {})
-        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+        theta = 10000.0
+        if cfg["model_type"] == "gemma3_text":  # as Gemma3TextConfig reads a 4.x config
+            theta = 1_000_000.0
+            if layer_type == "sliding_attention":
+                params = {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
+        params.setdefault("rope_theta", cfg.get("rope_theta", theta))
     if params and all(isinstance(v, dict) for v in params.values()):
-        raise ValueError(f"{where}: per-layer-type rope_parameters are not supported")
+        if not isinstance(params.get(layer_type), dict):
+            raise ValueError(
+                f"{where}: rope_parameters has no table for layer type {layer_type!r} "
+                f"(it has {sorted(params)})"
+            )
+        params = params[layer_type]
     params = dict(params)
     kind = params.pop("rope_type", params.pop("type", "default"))
     if kind not in ROPE_TYPES:
@@ -172,6 +261,13 @@ def _rope(cfg: dict[str, Any], where: Path) -> RopeConfig:
         return RopeConfig(**rope)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+def _number(cfg: dict[str, Any], key: str, where: Path) -> float:
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{where}: {key} must be a positive number, got {value!r}")
+    return value
 
 
 def _int(cfg: dict[str, Any], key: str, where: Path) -> int:

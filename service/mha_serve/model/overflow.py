@@ -24,6 +24,8 @@ import torch
 MARGIN = 2.0
 # Exact checks run over this many float64 scores at a time (32 MiB).
 EXACT_CHUNK_ELEMENTS = 1 << 22
+# Over the q/k norm's bound sqrt(n) max|w|, for the rounding of the float32 norm itself.
+NORM_SLACK = 1.001
 
 
 def row_absmax_tensor(*tensors: torch.Tensor) -> torch.Tensor:
@@ -48,13 +50,22 @@ def bound_crossed(q_absmax: float, k_absmax: float, head_dim: int, limit: float)
 
 
 def scores_overflow(
-    q: torch.Tensor, k: torch.Tensor, limit: float, *, first_pos: int | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    limit: float,
+    *,
+    first_pos: int | None,
+    window: int | None = None,
+    first_key: int = 0,
 ) -> bool:
     """The exact check for one sequence: q (H, R, D), k (KVH, S, D), H a multiple of KVH
-    (query head h reads kv head h // (H / KVH)). first_pos: absolute position of query row
-    0 for causal attention (row i sees keys 0..first_pos + i), None for bidirectional.
-    True when sum_i |q_i| |k_i| reaches limit / MARGIN for a pair it may attend to, or any
-    value is not finite."""
+    (query head h reads kv head h // (H / KVH)); k's keys at positions first_key.. .
+    first_pos: absolute position of query row 0 for causal attention (row i sees keys up to
+    first_pos + i), None for bidirectional (row i at position i, as the stateless forward
+    lays it out). window: a sliding window; keys it hides from a row are not checked
+    against it. True when sum_i |q_i| |k_i| reaches limit / MARGIN for a pair it may attend
+    to, or any value is not finite. limit: the dtype's max over the config's score_factor
+    (its scale above 1, its 1 / softcap), so that scaled and capped scores stay finite."""
     H, R, D = q.shape
     KVH, S, _ = k.shape
     G = H // KVH
@@ -65,10 +76,21 @@ def scores_overflow(
         r1 = min(R, r0 + rows_per_chunk)
         q_chunk = qa[:, :, r0:r1].reshape(KVH, G * (r1 - r0), D)  # row g * n + i
         sums = q_chunk @ ka.transpose(1, 2)  # (KVH, G*n, S)
-        if first_pos is not None:
+        if first_pos is not None or window is not None:
             rows = torch.arange(r0, r1, device=q.device).repeat(G)[:, None]  # (G*n, 1)
-            cols = torch.arange(S, device=q.device)[None, :]  # (1, S)
-            sums = sums.masked_fill(cols > first_pos + rows, 0.0)
+            rows = rows + (first_pos or 0)  # query positions
+            cols = torch.arange(S, device=q.device)[None, :] + first_key  # (1, S) key positions
+            hidden = torch.zeros_like(sums, dtype=torch.bool)
+            if first_pos is not None:
+                hidden |= cols > rows
+            if window is not None:
+                far = (
+                    (rows - cols >= window)
+                    if first_pos is not None
+                    else ((rows - cols).abs() >= window)
+                )
+                hidden |= far
+            sums = sums.masked_fill(hidden, 0.0)
         if not bool((sums < limit / MARGIN).all()):  # NaN compares False: refused too
             return True
     return False
@@ -81,14 +103,23 @@ class OverflowCheck:
     waits for them (one device sync, where the caller reads the output anyway) and runs the
     exact check for the rows whose cheap bound is crossed. q (B, H, R, D), k and v
     (B, KVH, S, D); first_pos[b]: absolute position of row b's first query when causal,
-    None when not."""
+    None when not; window: the sliding window (scores_overflow); limit: None, the dtypes'
+    own (for a config whose score_factor is 1)."""
 
-    __slots__ = ("_first_pos", "_k", "_maxima", "_q", "_rows")
+    __slots__ = ("_first_pos", "_k", "_limit", "_maxima", "_q", "_rows", "_window")
 
     def __init__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: list[int | None]
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        first_pos: list[int | None],
+        *,
+        window: int | None = None,
+        limit: float | None = None,
     ) -> None:
         self._q, self._k, self._first_pos = q, k, first_pos
+        self._window, self._limit = window, limit
         self._maxima = row_absmax_tensor(q, k, v)  # (3, B), on the device: no sync
         self._rows: list[int] | None = None
 
@@ -96,7 +127,7 @@ class OverflowCheck:
         """The overflowing rows (the first call waits for the device; later ones do not)."""
         if self._rows is None:
             q, k = self._q, self._k
-            limit = score_limit(q.dtype, k.dtype)
+            limit = score_limit(q.dtype, k.dtype) if self._limit is None else self._limit
             D = q.shape[-1]
             q_max, k_max, v_max = self._maxima.tolist()
             self._rows = [
@@ -105,7 +136,9 @@ class OverflowCheck:
                 if not v_max[b] < math.inf
                 or (
                     bound_crossed(q_max[b], k_max[b], D, limit)
-                    and scores_overflow(q[b], k[b], limit, first_pos=self._first_pos[b])
+                    and scores_overflow(
+                        q[b], k[b], limit, first_pos=self._first_pos[b], window=self._window
+                    )
                 )
             ]
             self._q = self._k = self._maxima = None  # the check is done: free them
@@ -130,9 +163,12 @@ def overflowing_rows(
     k: torch.Tensor,
     v: torch.Tensor,
     first_pos: list[int | None],
+    *,
+    window: int | None = None,
+    limit: float | None = None,
 ) -> list[int]:
     """OverflowCheck(...).rows() at once: batch rows whose scores or values overflow."""
-    return OverflowCheck(q, k, v, first_pos).rows()
+    return OverflowCheck(q, k, v, first_pos, window=window, limit=limit).rows()
 
 
 @dataclass(frozen=True)
@@ -151,6 +187,10 @@ class WeightBounds:
     # max |rotated q or k| over max |unrotated|: RoPE's cos and sin carry its attention
     # factor (yarn's can be any number), |a f cos - b f sin| <= f (|a| + |b|) <= 2 f max.
     rotation: float = 2.0
+    # With q/k RMSNorm, a bound on max |q| and |k| whatever the input (0: no norm): over n
+    # values, |x_i| / sqrt(mean(x^2) + eps) <= sqrt(n), times max |weight|.
+    q_norm: float = 0.0
+    k_norm: float = 0.0
 
 
 _WB = ("weight", "bias")
@@ -162,10 +202,11 @@ def weight_bounds(module: torch.nn.Module) -> WeightBounds:
     one: `.data = t` and module.to(dtype) keep the parameter's id and version)."""
     # The modules' own dicts, not attribute access: nn.Module's __getattr__ costs a Python
     # call each, and this runs on every step.
-    linears = module._modules
+    linears, own = module._modules, module._parameters
     params = [
         linear._parameters[name] for linear in (linears["wqkv"], linears["wo"]) for name in _WB
     ]
+    params += [own.get("q_norm"), own.get("k_norm")]
     scaling = module.__dict__.get("rope_scaling", 1.0)
     key = [scaling]
     for p in params:
@@ -183,12 +224,21 @@ def weight_bounds(module: torch.nn.Module) -> WeightBounds:
         biases = [0.0] * 3 if bias is None else [b.abs().max() for b in bias.double().split(sizes)]
         o_row = module.wo.weight.double().abs().sum(dim=1).max()
         o_bias = 0.0 if module.wo.bias is None else module.wo.bias.double().abs().max()
+        norms = [0.0, 0.0]
+        if c.qk_norm is not None:
+            whole = c.qk_norm.scope == "projection"
+            for i, (w, heads) in enumerate(
+                ((module.q_norm, c.num_heads), (module.k_norm, c.num_kv_heads))
+            ):
+                n = (heads if whole else 1) * c.head_dim
+                norms[i] = NORM_SLACK * math.sqrt(n) * float(w.double().abs().max())
         bounds = WeightBounds(
             *(float(r.max()) for r in rows),
             *(float(b) for b in biases),
             float(o_row),
             float(o_bias),
             2.0 * max(1.0, abs(scaling)),
+            *norms,
         )
     module._overflow_bounds = (key, bounds)
     return bounds
@@ -197,16 +247,15 @@ def weight_bounds(module: torch.nn.Module) -> WeightBounds:
 def projected_bounds(
     x_absmax: float, embed_dim: int, wb: WeightBounds, *, rotary: bool
 ) -> tuple[float, float, float]:
-    """Bounds on max |q|, |k|, |v| from max |x| alone: ||x||_2 <= sqrt(E) max|x|. A rotation
-    (RoPE) mixes element pairs: |a cos - b sin| <= |a| + |b|, so q and k bounds double,
-    times the attention factor its cos and sin carry (wb.rotation)."""
+    """Bounds on max |q|, |k|, |v| from max |x| alone: ||x||_2 <= sqrt(E) max|x|; after a
+    q/k RMSNorm, the norm's own bound (the input drops out). A rotation (RoPE) mixes element
+    pairs: |a cos - b sin| <= |a| + |b|, so q and k bounds double, times the attention
+    factor its cos and sin carry (wb.rotation)."""
     x_norm = math.sqrt(embed_dim) * x_absmax
     turn = wb.rotation if rotary else 1.0
-    return (
-        turn * (x_norm * wb.q_row + wb.q_bias),
-        turn * (x_norm * wb.k_row + wb.k_bias),
-        x_norm * wb.v_row + wb.v_bias,
-    )
+    q = wb.q_norm or x_norm * wb.q_row + wb.q_bias
+    k = wb.k_norm or x_norm * wb.k_row + wb.k_bias
+    return turn * q, turn * k, x_norm * wb.v_row + wb.v_bias
 
 
 def output_bound(v_absmax: float, gate_absmax: float, wb: WeightBounds) -> float:

@@ -3,12 +3,10 @@ or torch.nn.MultiheadAttention's), and import from a live nn.MultiheadAttention.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -17,9 +15,11 @@ from torch import nn
 
 from .attention import MultiHeadAttention
 from .config import AttentionConfig
+from .metadata import config_from_metadata, to_metadata
 
 FORMAT = "mha-serve/1"  # safetensors metadata "format" of the files we write
 BIAS_INIT_BOUND = 0.02  # small but nonzero, so default weights exercise the bias paths
+NORM_INIT_BOUND = 0.5  # q/k norm gains in 1 +- this: unequal, so each one's place matters
 
 # torch.nn.MultiheadAttention's names for our four tensors; rows of in_proj_weight
 # are [Wq; Wk; Wv], which is exactly our fused wqkv when KVH == H and D == E / H.
@@ -56,18 +56,16 @@ def init_weights(module: MultiHeadAttention, seed: int) -> None:
             linear.weight.copy_(_uniform(linear.weight.shape, bound, g))
             if linear.bias is not None:
                 linear.bias.copy_(_uniform(linear.bias.shape, BIAS_INIT_BOUND, g))
+        for norm in (module.q_norm, module.k_norm):  # q/k RMSNorm gains: 1 +- NORM_INIT_BOUND
+            if norm is not None:
+                norm.copy_(1.0 + _uniform(norm.shape, NORM_INIT_BOUND, g))
 
 
 def save_checkpoint(module: MultiHeadAttention, path: PathLike) -> None:
-    """safetensors file: wqkv.weight, wqkv.bias, wo.weight, wo.bias + config in metadata."""
+    """safetensors file: wqkv.weight, wqkv.bias, wo.weight, wo.bias (q_norm, k_norm with
+    q/k norm) + config in metadata."""
     tensors = {k: t.detach().cpu().contiguous() for k, t in module.state_dict().items()}
-    metadata = {"format": FORMAT}
-    metadata.update(
-        {
-            k: json.dumps(v) if isinstance(v, dict) else str(v)
-            for k, v in module.config.to_dict().items()
-        }
-    )
+    metadata = {"format": FORMAT, **to_metadata(module.config)}
     save_file(tensors, str(path), metadata=metadata)
 
 
@@ -95,7 +93,7 @@ def load_checkpoint(
             )
         state = torch_mha_state_dict_to_ours(tensors, config, source=str(path))
     else:
-        stored = _config_from_metadata(metadata, path)
+        stored = config_from_metadata(metadata, path)
         if stored is None and config is None:
             raise ValueError(
                 f"{path} has no attention config in its metadata (keys {sorted(metadata)}); "
@@ -186,6 +184,11 @@ def _expected_shapes(config: AttentionConfig) -> dict[str, tuple[int, ...]]:
     if config.bias:
         shapes["wqkv.bias"] = (config.qkv_dim,)
         shapes["wo.bias"] = (config.embed_dim,)
+    if config.qk_norm is not None:
+        whole = config.qk_norm.scope == "projection"
+        H, KVH, D = config.num_heads, config.num_kv_heads, config.head_dim
+        shapes["q_norm"] = (H * D if whole else D,)
+        shapes["k_norm"] = (KVH * D if whole else D,)
     return shapes
 
 
@@ -224,39 +227,6 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
             "pickle: convert a trusted .pt/.bin with safetensors.torch.save_file"
         ) from e
     return tensors, metadata
-
-
-def _config_from_metadata(metadata: dict[str, str], path: Path) -> AttentionConfig | None:
-    """Config from our str -> str metadata; None when the file carries none."""
-    names = {f.name for f in fields(AttentionConfig)}
-    raw = {k: v for k, v in metadata.items() if k in names}
-    if not raw:
-        return None
-    try:
-        return AttentionConfig.from_dict(
-            {k: _parse_metadata_value(v, json_value=k == "rope") for k, v in raw.items()}
-        )
-    except ValueError as e:
-        raise ValueError(f"{path} metadata holds an invalid attention config {raw}: {e}") from e
-
-
-def _parse_metadata_value(s: str, *, json_value: bool = False) -> Any:
-    low = s.strip().lower()
-    if json_value and low != "none":
-        try:
-            return json.loads(s)  # a table (rope), written by save_checkpoint
-        except json.JSONDecodeError:
-            return s  # AttentionConfig rejects it with the field's name
-    if low in ("true", "false"):
-        return low == "true"
-    if low == "none":
-        return None
-    for parse in (int, float):
-        try:
-            return parse(s)
-        except ValueError:
-            pass
-    return s  # AttentionConfig rejects it with the field's name
 
 
 def _uniform(shape: torch.Size, bound: float, g: torch.Generator) -> torch.Tensor:

@@ -243,6 +243,15 @@ def model_config(hosted: ModelView, *, sessions: bool, session_ttl_s: float) -> 
         "input_datatypes": ",".join(DATATYPES),
         "sequences": str(sessions).lower(),
     }
+    # The family's options, where the model has them (docs/models.md).
+    if cfg.sliding_window is not None:
+        described["sliding_window"] = cfg.sliding_window
+    if cfg.qk_norm is not None:
+        described["qk_norm"] = f"{cfg.qk_norm.scope}, eps {cfg.qk_norm.eps:g}"
+    if cfg.softcap is not None:
+        described["softcap"] = f"{cfg.softcap:g}"
+    if cfg.rope is not None:
+        described["rope"] = f"{cfg.rope.type}, theta {cfg.rope.theta:g}"
     for name, (kind, what) in PARAMETERS.items():
         described[f"request.{name}"] = f"{kind}: {what}"
     for key, value in described.items():

@@ -1,0 +1,164 @@
+"""Checks of MultiHeadAttention's arguments at its boundary, each error saying what was
+wrong with the numbers: shapes, dtypes, devices, heads, lengths, query ranges, cache reads."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+
+from .config import AttentionConfig
+
+
+def check_queries(config: AttentionConfig, q: torch.Tensor) -> tuple[int, int, int, int]:
+    H, D = config.num_heads, config.head_dim
+    shape = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or (q.shape[1], q.shape[3]) != (H, D):
+        raise ValueError(f"q must be (batch, num_heads={H}, new_len, head_dim={D}), got {shape}")
+    if 0 in q.shape:
+        raise ValueError(f"q must have batch >= 1 and new_len >= 1, got {shape}")
+    return tuple(q.shape)
+
+
+def check_cached(
+    config: AttentionConfig,
+    b: int,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    past: int,
+    new: int,
+    first: int,
+    T: int,
+    q: torch.Tensor,
+) -> None:
+    KVH, D, W = config.num_kv_heads, config.head_dim, config.sliding_window
+    if not 1 <= new <= T or past < 0:
+        raise ValueError(
+            f"sequence {b}: new_lengths must be in [1, new_len={T}] and past_lengths >= 0, "
+            f"got new {new} and past {past}"
+        )
+    # Every key the step's first token sees must be there: all of them without a window.
+    earliest = 0 if W is None else max(0, past + 1 - W)
+    if not 0 <= first <= earliest:
+        raise ValueError(
+            f"sequence {b}: first_keys must be in [0, {earliest}] (the first position the "
+            f"step's first token sees, window {W}), got {first}"
+        )
+    want = (1, KVH, past + new - first, D)
+    device = q.device
+    for name, t in (("keys", keys), ("values", values)):
+        if not isinstance(t, torch.Tensor) or t.shape != want:  # (runs per step: lean)
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"sequence {b}: {name} must be (1, num_kv_heads, past + new - first, "
+                f"head_dim) = {want} for {past} + {new} positions read from position {first}, "
+                f"got {shape}"
+            )
+        if t.device != device or not t.is_floating_point():
+            raise ValueError(
+                f"sequence {b}: {name} is {t.dtype} on {t.device}; q is {q.dtype} on {device}"
+            )
+
+
+def check_input(config: AttentionConfig, weight: torch.Tensor, x: torch.Tensor) -> tuple[int, int]:
+    E = config.embed_dim
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be (batch, seq_len, embed_dim={E}), got {shape}")
+    B, L, E_x = x.shape
+    if E_x != E:
+        raise ValueError(
+            f"x has embed_dim {E_x} (shape {tuple(x.shape)}) but the model's embed_dim is {E}"
+        )
+    if B == 0 or L == 0:
+        raise ValueError(f"x must have batch >= 1 and seq_len >= 1, got {tuple(x.shape)}")
+    w = weight
+    if x.dtype != w.dtype:
+        raise ValueError(
+            f"x has dtype {x.dtype} but the model holds {w.dtype}; pass x.to({w.dtype})"
+        )
+    if x.device != w.device:
+        raise ValueError(
+            f"x is on {x.device} but the model is on {w.device}; pass x.to('{w.device}')"
+        )
+    return B, L
+
+
+def check_heads(config: AttentionConfig, weight_heads: Sequence[int] | None) -> list[int]:
+    H = config.num_heads
+    if weight_heads is None:
+        return list(range(H))
+    heads = [operator.index(h) for h in weight_heads]
+    if not heads:
+        raise ValueError("weight_heads is empty; pass None for all heads")
+    bad = [h for h in heads if not 0 <= h < H]
+    if bad:
+        raise ValueError(
+            f"weight_heads {heads} has head(s) {bad} out of range; "
+            f"num_heads is {H}, so valid heads are 0..{H - 1}"
+        )
+    return heads
+
+
+def check_head_mask(
+    config: AttentionConfig, head_mask: torch.Tensor | None, x: torch.Tensor
+) -> torch.Tensor | None:
+    if head_mask is None:
+        return None
+    H = config.num_heads
+    gate = torch.as_tensor(head_mask)
+    if gate.shape != (H,):
+        raise ValueError(
+            f"head_mask must have shape (num_heads,) = ({H},), got {tuple(gate.shape)}"
+        )
+    if not gate.is_floating_point():
+        raise ValueError(f"head_mask must be a float tensor, got {gate.dtype}")
+    return gate.to(device=x.device, dtype=x.dtype)
+
+
+def valid_positions(
+    lengths: torch.Tensor | Sequence[int] | None, B: int, L: int, device: torch.device
+) -> torch.Tensor | None:
+    """(B, L) bool, True at real positions; None when no sequence is padded."""
+    if lengths is None:
+        return None
+    lengths, lo = _check_lengths(lengths, "lengths", B, 1, L, "seq_len")
+    if lo == L:
+        return None
+    return torch.arange(L, device=device) < lengths.to(device)[:, None]  # (B, L)
+
+
+def _check_lengths(
+    lengths: torch.Tensor | Sequence[int], name: str, B: int, lo_min: int, hi_max: int, what: str
+) -> tuple[torch.Tensor, int]:
+    """lengths as a (B,) integer tensor in [lo_min, hi_max], and its minimum."""
+    lengths = torch.as_tensor(lengths)
+    if lengths.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise ValueError(f"{name} must be an integer (int64) tensor, got {lengths.dtype}")
+    if lengths.shape != (B,):
+        raise ValueError(f"{name} must have shape (batch,) = ({B},), got {tuple(lengths.shape)}")
+    lo, hi = int(lengths.min()), int(lengths.max())
+    if lo < lo_min or hi > hi_max:
+        raise ValueError(
+            f"{name} must be in [{lo_min}, {what}={hi_max}], got min {lo} and max {hi}: "
+            f"{lengths.tolist()}"
+        )
+    return lengths, lo
+
+
+def check_query_range(query_range: tuple[int, int] | None, L: int) -> tuple[int, int]:
+    if query_range is None:
+        return 0, L
+    try:
+        start, end = (operator.index(i) for i in query_range)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"query_range must be a pair of ints (start, end), got {query_range!r}"
+        ) from None
+    if not 0 <= start < end <= L:
+        raise ValueError(
+            f"query_range ({start}, {end}) is empty or out of bounds; "
+            f"need 0 <= start < end <= seq_len {L}"
+        )
+    return start, end

@@ -1,0 +1,53 @@
+"""bench/sliding_window.py and bench/pruning.py run end to end with tiny counts and write
+their JSON: a window session's KV bytes flat across lengths (the full one's in proportion),
+pruned models' KV bytes in proportion to their heads and the unpruned row's error 0.
+Timings are not asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(script: str, *args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def test_sliding_window_bench_keeps_the_window_sessions_bytes_flat(tmp_path):
+    out = tmp_path / "sw.json"
+    run(
+        "sliding_window.py",
+        *("--window", "32", "--multiples", "1,4", "--steps", "2", "--rounds", "1"),
+        *("--embed-dim", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "8"),
+        *("--json-out", str(out)),
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [32, 128]
+    assert rows[0]["kv_bytes_window"] == rows[1]["kv_bytes_window"] == rows[0]["kv_bytes_full"]
+    assert rows[1]["kv_bytes_full"] == 4 * rows[0]["kv_bytes_full"]
+    assert rows[1]["kv_ratio"] == 0.25
+
+
+def test_pruning_bench_rows(tmp_path):
+    out = tmp_path / "pruning.json"
+    run(
+        "pruning.py",
+        *("--batch", "1", "--seq-len", "8", "--rounds", "1", "--reps", "1"),
+        *("--json-out", str(out)),
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["heads"] for r in rows] == list(range(12, 0, -1))
+    assert rows[0]["output_error"] == 0 and rows[-1]["output_error"] > rows[1]["output_error"]
+    assert [r["kv_bytes_per_token"] for r in rows] == [256 * h for h in range(12, 0, -1)]
+    assert len({r["head_removed_last"] for r in rows[1:]}) == 11, "each level removes one more"

@@ -1,0 +1,272 @@
+"""The families' options as data: sliding window, q/k RMSNorm (per head, over the whole
+projection), soft-capping and the softmax scale, against a plain float64 reference written
+here; cached against uncached with window reads; checkpoints keep the options."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mha_serve.model import (
+    AttentionConfig,
+    MultiHeadAttention,
+    init_weights,
+    load_checkpoint,
+    save_checkpoint,
+)
+from mha_serve.model.config import QKNormConfig, RopeConfig
+
+ATOL = 1e-5
+RTOL = 1e-5
+OPTIONS = {
+    "window": {"sliding_window": 4},
+    "window_gqa_rope": {"sliding_window": 5, "rope": RopeConfig(theta=500.0)},
+    "head_norm": {"qk_norm": QKNormConfig("head", 1e-5), "rope": RopeConfig()},
+    "projection_norm": {"qk_norm": QKNormConfig("projection", 1e-6)},
+    "softcap_scale": {"softcap": 3.0, "softmax_scale": 0.2, "sliding_window": 6},
+    "everything": {
+        "sliding_window": 3,
+        "qk_norm": QKNormConfig("head"),
+        "softcap": 2.0,
+        "softmax_scale": 0.3,
+        "rope": RopeConfig(theta=100.0),
+    },
+}
+
+
+def assert_close(actual, expected, *, what, atol=ATOL, rtol=RTOL):
+    actual, expected = actual.double(), expected.double()
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    diff = (actual - expected).abs()
+    assert torch.allclose(actual, expected, atol=atol, rtol=rtol), (
+        f"{what}: max abs diff {diff.max().item():.3e}, mean {diff.mean().item():.3e}"
+    )
+
+
+def make(option: str, *, num_kv_heads=2, head_dim=12, seed=0) -> MultiHeadAttention:
+    config = AttentionConfig(48, 6, num_kv_heads, head_dim, **OPTIONS[option])
+    module = MultiHeadAttention(config)
+    init_weights(module, seed)
+    with torch.no_grad():  # sharp attention: a wrong key or mask shows far above tolerance
+        module.wqkv.weight.mul_(3.0)
+    return module.eval()
+
+
+def rms(x, w, eps):
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def reference(module, x, *, lengths=None, causal=True):
+    """Every option written out in float64 over positions 0..L-1, by loops where it says
+    what a key may see: (output (B, L, E), weights (B, H, L, L))."""
+    c = module.config
+    H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
+    B, L, _ = x.shape
+    p = {k: t.double() for k, t in module.state_dict().items()}
+    qkv = F.linear(x.double(), p["wqkv.weight"], p.get("wqkv.bias"))
+    q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+    if c.qk_norm is not None and c.qk_norm.scope == "projection":
+        q, k = rms(q, p["q_norm"], c.qk_norm.eps), rms(k, p["k_norm"], c.qk_norm.eps)
+    q, k, v = q.view(B, L, H, D), k.view(B, L, KVH, D), v.view(B, L, KVH, D)
+    if c.qk_norm is not None and c.qk_norm.scope == "head":
+        q, k = rms(q, p["q_norm"], c.qk_norm.eps), rms(k, p["k_norm"], c.qk_norm.eps)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, h, L, D)
+    if c.rope is not None:
+        inv = 1.0 / c.rope.theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+        ang = torch.arange(L, dtype=torch.float64)[:, None] * inv  # (L, D/2)
+        cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+
+        def turn(t):
+            return t * cos + torch.cat([-t[..., D // 2 :], t[..., : D // 2]], -1) * sin
+
+        q, k = turn(q), turn(k)
+    k = k.repeat_interleave(H // KVH, dim=1)
+    v = v.repeat_interleave(H // KVH, dim=1)
+    scores = q @ k.transpose(-2, -1) * c.scale  # (B, H, L, L)
+    if c.softcap is not None:
+        scores = c.softcap * torch.tanh(scores / c.softcap)
+    n = [L] * B if lengths is None else list(lengths)
+    allowed = torch.zeros(B, 1, L, L, dtype=torch.bool)
+    for b in range(B):
+        for i in range(n[b]):
+            for j in range(n[b]):
+                seen = j <= i if causal else True
+                if c.sliding_window is not None:
+                    seen = seen and abs(i - j) < c.sliding_window
+                allowed[b, 0, i, j] = seen
+            allowed[b, 0, n[b] :, :] = True  # padded rows: anything, dropped below
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    out = F.linear((weights @ v).transpose(1, 2).reshape(B, L, H * D), p["wo.weight"], p["wo.bias"])
+    for b in range(B):
+        out[b, n[b] :] = 0
+        weights[b, :, n[b] :] = 0
+    return out, weights
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_forward_and_weights_equal_the_reference(option, causal):
+    """A padded batch whose sequences are longer and shorter than the window: output of
+    the fused path and of the weights path, weights, a query range and narrowed heads."""
+    module = make(option)
+    x = torch.randn(3, 11, 48, generator=torch.Generator().manual_seed(1))
+    lengths = torch.tensor([11, 7, 2])
+    want, want_w = reference(module, x, lengths=lengths, causal=causal)
+    with torch.no_grad():
+        fast = module(x, lengths=lengths, causal=causal)
+        slow = module(x, lengths=lengths, causal=causal, need_weights=True)
+        part = module(
+            x,
+            lengths=lengths,
+            causal=causal,
+            need_weights=True,
+            weight_heads=[4, 1],
+            query_range=(3, 9),
+        )
+    assert fast.overflow.rows() == [] and fast.weights is None
+    assert_close(fast.output, want, what="fused output")
+    assert_close(slow.output, want, what="output with weights")
+    assert_close(slow.weights, want_w, what="weights")
+    assert_close(part.weights, want_w[:, [4, 1], 3:9], what="narrowed weights")
+
+
+def test_window_at_least_the_length_changes_nothing():
+    """A window no sequence reaches is full attention, bit for bit (no mask at all)."""
+    plain = make("window")
+    wide = MultiHeadAttention(AttentionConfig(48, 6, 2, 12, sliding_window=11)).eval()
+    wide.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 11, 48, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = MultiHeadAttention(AttentionConfig(48, 6, 2, 12)).eval()
+        full.load_state_dict(plain.state_dict())
+        assert torch.equal(wide(x, causal=True).output, full(x, causal=True).output)
+        assert not torch.equal(plain(x, causal=True).output, full(x, causal=True).output)
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("sizes", [[1] * 9, [6, 1, 1, 4, 1], [10, 3]])
+@pytest.mark.parametrize("read_from", ["start", "window"])
+def test_cached_steps_with_window_reads_equal_one_forward(option, sizes, read_from):
+    """Session steps (prefill, decode past the window, chunks) over keys read from position
+    0, or from where the step's window starts (what a session past its window keeps),
+    equal the rows of one causal forward, outputs and weights (over absolute positions)."""
+    module = make(option, num_kv_heads=1 if option == "window" else 2)
+    W = module.config.sliding_window
+    L = sum(sizes)
+    x = torch.randn(1, L, 48, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        whole = module(x, causal=True, need_weights=True)
+        q, k, v = module.project(x)  # rotated at 0..L-1, as a session caches them
+        past = 0
+        for n in sizes:
+            first = 0 if read_from == "start" or W is None else max(0, past + 1 - W)
+            kv = [(k[:, :, first : past + n], v[:, :, first : past + n])]
+            got = module.attend_cached(
+                q[:, :, past : past + n],
+                kv,
+                past_lengths=[past],
+                new_lengths=[n],
+                first_keys=[first],
+                need_weights=True,
+            )
+            rows = slice(past, past + n)
+            assert_close(got.output, whole.output[:, rows], what=f"step at {past}")
+            assert_close(
+                got.weights, whole.weights[:, :, rows, : past + n], what=f"weights at {past}"
+            )
+            past += n
+
+
+def test_a_read_that_misses_keys_the_window_sees_is_refused():
+    module = make("window")  # window 4
+    q, k, v = module.project(torch.randn(1, 10, 48))
+    with pytest.raises(ValueError, match=r"first_keys must be in \[0, 5\]"):
+        module.attend_cached(
+            q[:, :, 8:10],
+            [(k[:, :, 6:10], v[:, :, 6:10])],
+            past_lengths=[8],
+            new_lengths=[2],
+            first_keys=[6],
+        )
+
+
+@pytest.mark.parametrize("scope", ["head", "projection"])
+def test_qk_norm_is_applied_before_rope_with_its_own_weights(scope):
+    """q and k are normalised, then rotated: changing a norm weight changes q and k; norms
+    after RoPE would leave |q| per pair unchanged by the rotation, which this checks not."""
+    module = make("head_norm" if scope == "head" else "projection_norm")
+    x = torch.randn(1, 5, 48, generator=torch.Generator().manual_seed(4))
+    c = module.config
+    assert module.q_norm.shape == ((c.num_heads if scope == "projection" else 1) * 12,)
+    with torch.no_grad():
+        q, before, _ = module.project(x)
+        module.k_norm.mul_(2.0)
+        k2 = module.project(x)[1]
+    assert_close(k2, 2.0 * before, what="k scales with its norm weight")
+    if scope == "head":  # RoPE keeps each rotated pair's length: per-head rms of q is the
+        # norm's, whatever the position
+        unrotated = MultiHeadAttention(AttentionConfig(48, 6, 2, 12, qk_norm=c.qk_norm))
+        unrotated.load_state_dict(module.state_dict())
+        with torch.no_grad():
+            q0 = unrotated.project(x)[0]
+        pairs = lambda t: t[..., :6].pow(2) + t[..., 6:].pow(2)  # noqa: E731
+        assert_close(pairs(q), pairs(q0), what="rotation after the norm keeps pair lengths")
+
+
+def test_options_survive_a_checkpoint_round_trip(tmp_path):
+    module = make("everything")
+    path = tmp_path / "m.safetensors"
+    save_checkpoint(module, path)
+    loaded = load_checkpoint(path)
+    assert loaded.config == module.config
+    x = torch.randn(2, 7, 48)
+    with torch.no_grad():
+        assert torch.equal(loaded(x, causal=True).output, module(x, causal=True).output)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "piece"),
+    [
+        ({"sliding_window": 0}, "sliding_window must be >= 1"),
+        ({"sliding_window": 2.5}, "sliding_window must be an int"),
+        ({"softcap": 0.0}, "softcap must be a finite number > 0"),
+        ({"softcap": math.inf}, "softcap must be a finite number > 0"),
+        ({"qk_norm": {"scope": "layer"}}, "qk_norm scope 'layer' is not supported"),
+        ({"qk_norm": {"eps": -1.0}}, "qk_norm eps must be a finite number >= 0"),
+        ({"qk_norm": {"gain": 1}}, "unknown qk_norm key(s) ['gain']"),
+    ],
+)
+def test_bad_options_are_refused_by_name(kwargs, piece):
+    with pytest.raises(ValueError) as err:
+        AttentionConfig(48, 6, **kwargs)
+    assert piece in str(err.value), str(err.value)
+
+
+def test_score_factor_covers_scales_above_one_and_small_caps():
+    assert AttentionConfig(48, 6).score_factor == 1.0
+    assert AttentionConfig(48, 6, softmax_scale=4.0).score_factor == 4.0
+    assert AttentionConfig(48, 6, softmax_scale=4.0, softcap=0.5).score_factor == 8.0
+    assert AttentionConfig(48, 6, softcap=50.0).score_factor == 1.0
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.bfloat16, 5e-2), (torch.float16, 1e-2)])
+def test_low_precision_with_every_option_stays_near_float32(dtype, atol):
+    """The norms and the soft-capped kernel compute in float32 inside; stateless and cached
+    steps over a narrower cache (float16 K/V) stay near the float32 model."""
+    module = make("everything")
+    narrow = MultiHeadAttention(module.config, dtype=dtype)
+    narrow.load_state_dict(module.state_dict())
+    x = torch.randn(2, 12, 48, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = module(x, lengths=torch.tensor([12, 7]), causal=True).output
+        got = narrow(x.to(dtype), lengths=torch.tensor([12, 7]), causal=True).output
+        q, k, v = narrow.project(x[:1].to(dtype))
+        kv = [(k[:, :, 6:].half(), v[:, :, 6:].half())]  # window 3: step at 8 reads from 6
+        step = narrow.attend_cached(
+            q[:, :, 8:], kv, past_lengths=[8], new_lengths=[4], first_keys=[6]
+        )
+    assert_close(got.float(), want, what=f"{dtype} forward", atol=atol, rtol=atol)
+    assert_close(step.output.float(), want[:1, 8:], what=f"{dtype} cached", atol=atol, rtol=atol)

@@ -1,0 +1,46 @@
+"""The Open Inference Protocol serves the new families as mha.v1 does: a Gemma 2 local
+layer (soft-capping, window 6) and a Gemma 3 one (q/k norm) equal transformers' attention
+in a stateless ModelInfer and in a Triton sequence stepped past the window; ModelConfig
+names the options."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from mha_client.api.inference import grpc_service_pb2 as ip
+from mha_client.api.inference import grpc_service_pb2_grpc as ip_grpc
+from tests.models_hf.reference import reference_attention
+from tests.models_hf.test_parity_grpc import assert_close, reference
+from tests.transport.test_inference import infer_request, output
+
+
+@pytest.fixture(scope="module")
+def oip(served):
+    client, _ = served
+    with grpc.insecure_channel(client.target) as channel:
+        yield ip_grpc.GRPCInferenceServiceStub(channel)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_infer_and_a_sequence_past_the_window(served, oip, name):
+    _, models = served
+    family, base, layer = reference(models, name)
+    x = torch.randn(1, 20, base.config.hidden_size, generator=torch.Generator().manual_seed(7))
+    want, _ = reference_attention(family, base, layer, x)
+    got = output(oip.ModelInfer(infer_request(x.numpy(), model=name)), "OUTPUT")
+    assert_close(got[0], want[0], what=f"{name} ModelInfer")
+    cuts = [0, 8, 9, 10, 16, 20]  # a prefill, then steps past the window of 6
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
+        request = infer_request(
+            x[:, a:b].numpy(), model=name, sequence_id=900 + len(name), sequence_start=i == 0
+        )
+        request.parameters["sequence_end"].bool_param = b == cuts[-1]
+        got = output(oip.ModelInfer(request), "OUTPUT")
+        assert_close(got[0], want[0, a:b], what=f"{name} sequence step [{a}, {b})")
+    config = oip.ModelConfig(ip.ModelConfigRequest(name=name)).config
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert params["sliding_window"] == "6"
+    assert ("softcap" in params) == (name == "gemma2")
+    assert ("qk_norm" in params) == (name == "gemma3")
