@@ -118,6 +118,9 @@ class Timing:
     total_ms: float
     batch_size: int  # sequences in the forward pass that ran this request
     round_trip_ms: float  # client side: request sent to response received
+    # A session step whose session the server had spilled to disk and brought back first:
+    # the time that took (also in queue_ms); 0 otherwise.
+    restore_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -276,7 +279,9 @@ def parse_attend_response(
         weights=weights,
         weight_heads=list(resp.weight_heads),
         weight_query_start=resp.weight_query_start,
-        timing=Timing(t.queue_ms, t.compute_ms, t.total_ms, t.batch_size, round_trip_ms),
+        timing=Timing(
+            t.queue_ms, t.compute_ms, t.total_ms, t.batch_size, round_trip_ms, t.restore_ms
+        ),
         model=resp.model,
         session=SessionInfo.from_proto(resp.session) if resp.HasField("session") else None,
     )

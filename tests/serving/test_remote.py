@@ -177,7 +177,7 @@ def test_a_lost_engine_fails_pending_and_later_calls_unavailable(engine, tmp_pat
     async def body(local: AsyncEngine, remote: RemoteEngine, host: EngineHost) -> None:
         entered = asyncio.Event()
 
-        async def hang(session_id):
+        async def hang(session_id, caller=None):
             entered.set()
             await asyncio.Event().wait()
 

@@ -74,16 +74,18 @@ class AttendRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., lengths: _Optional[_Iterable[int]] = ..., causal: _Optional[bool] = ..., weights: _Optional[_Union[WeightsRequest, _Mapping]] = ..., head_mask: _Optional[_Iterable[float]] = ..., output_dtype: _Optional[_Union[DType, str]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_ms", "compute_ms", "total_ms", "batch_size")
+    __slots__ = ("queue_ms", "compute_ms", "total_ms", "batch_size", "restore_ms")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_MS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     compute_ms: float
     total_ms: float
     batch_size: int
-    def __init__(self, queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    restore_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., restore_ms: _Optional[float] = ...) -> None: ...
 
 class AttendResponse(_message.Message):
     __slots__ = ("model", "output", "attention_weights", "weight_heads", "weight_query_start", "timing", "session")

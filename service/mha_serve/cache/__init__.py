@@ -20,6 +20,8 @@ from .errors import (
     SessionBusy,
     SessionFull,
     SessionNotFound,
+    SessionSpilled,
+    SpillFull,
 )
 from .types import BlockStorage, ModelCacheStats, Reservation, Session, SessionStats
 
@@ -31,12 +33,16 @@ _LAZY = {
     "KVCache": "kv_cache",
     "slot_mapping": "kv_cache",
     "SessionTable": "sessions",
+    "SpillDirInUse": "spill",
+    "SpillStore": "spill",
+    "SpillTier": "spill",
 }
 
 if TYPE_CHECKING:
     from .block_pool import BlockPool
     from .kv_cache import DEFAULT_BLOCK_SIZE, PAD_SLOT, KVCache, slot_mapping
     from .sessions import SessionTable
+    from .spill import SpillDirInUse, SpillStore, SpillTier
 
 
 __getattr__ = lazy_attributes(__name__, _LAZY, globals())
@@ -58,7 +64,12 @@ __all__ = [
     "SessionBusy",
     "SessionFull",
     "SessionNotFound",
+    "SessionSpilled",
     "SessionStats",
     "SessionTable",
+    "SpillDirInUse",
+    "SpillFull",
+    "SpillStore",
+    "SpillTier",
     "slot_mapping",
 ]

@@ -18,6 +18,22 @@ class SessionNotFound(CacheError):
         self.reason = reason
 
 
+class SessionSpilled(CacheError):
+    """The session lives in the spill directory, not the cache: the engine brings it back
+    (and asks again) before any call on it is answered; no client ever sees this one."""
+
+    def __init__(self, session_id: str, owner: str) -> None:
+        super().__init__(
+            f"session {session_id!r} is in the spill directory; it is being brought back"
+        )
+        self.session_id = session_id
+        self.owner = owner
+
+
+class SpillFull(CacheError):
+    """A session alone is larger than the whole spill budget: it cannot be spilled."""
+
+
 class SessionFull(CacheError):
     """Appending would pass the session's or the model's max_len (OUT_OF_RANGE)."""
 

@@ -185,6 +185,35 @@ class KVCache:
         v = self.v.index_select(1, table).view(KVH, len(ids) * bs, D)[:, offset : offset + n]
         return k.unsqueeze(0), v.unsqueeze(0)
 
+    def export(
+        self, block_table: Sequence[int], num_tokens: int, first_block: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A session's K and V as it holds them, positions first_block * block_size ..
+        num_tokens - 1: host copies (KVH, n, D) that outlive its blocks (a spill)."""
+        start = first_block * self.block_size
+        k, v = self.read(block_table, num_tokens, start=start, first_block=first_block)
+        return k[0].to("cpu", copy=True).contiguous(), v[0].to("cpu", copy=True).contiguous()
+
+    def load(
+        self,
+        block_ids: Sequence[int],
+        first_block: int,
+        first_position: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """Writes K and V (KVH, n, D) of positions first_position .. into a session's blocks:
+        block_ids[i] is its logical block first_block + i (a restore)."""
+        n, bs = k.shape[1], self.block_size
+        if n == 0:
+            return
+        slots = [
+            block_ids[p // bs - first_block] * bs + p % bs
+            for p in range(first_position, first_position + n)
+        ]
+        mapping = torch.tensor([slots], dtype=torch.int64)  # (1, n)
+        self.write(k.unsqueeze(0).to(self.device), v.unsqueeze(0).to(self.device), mapping)
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: dst gets src's K and V (all block_size slots)."""
         for i in (src, dst):

@@ -1,6 +1,7 @@
 """Session table: session id -> block table, over one BlockPool per model. Appends in
-two phases (reserve, then commit or rollback), forks with copy-on-write, TTL expiry and
-LRU eviction. Works with block ids; asks the KV storage only to copy a block."""
+two phases (reserve, then commit or rollback), forks with copy-on-write, TTL expiry, LRU
+eviction or spilling to disk (spill.py), and owners. Works with block ids; asks the KV
+storage only to copy a block, and to export or load a session's K/V (a spill, a restore)."""
 
 from __future__ import annotations
 
@@ -12,19 +13,31 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .block_pool import BlockPool
 from .errors import (
     CacheError,
-    CacheExhausted,
     InvalidSessionArgument,
     SessionBusy,
     SessionFull,
     SessionNotFound,
+    SessionSpilled,
 )
 from .quota import OwnerQuota
-from .types import BlockStorage, ModelCacheStats, Reservation, Session, SessionStats
+from .room import RoomMaking
+from .types import (
+    IDENTIFIED,
+    BlockStorage,
+    ModelCacheStats,
+    Reservation,
+    Session,
+    SessionStats,
+)
 from .window import first_needed_block, read_start, shortest_truncate
+
+if TYPE_CHECKING:  # (spill.py brings torch; the table needs only its objects)
+    from .spill import SpillTier
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +53,7 @@ class _ModelCache:
     num_blocks_out_of_window: int = 0  # blocks freed so far because no step could see them
 
 
-class SessionTable:
+class SessionTable(RoomMaking):
     """All sessions of one server, across models. Thread-safe (one lock)."""
 
     def __init__(
@@ -67,6 +80,12 @@ class SessionTable:
         self._sessions: dict[str, Session] = {}
         self._zombies: dict[str, Session] = {}  # closed while pinned: freed on last unpin
         self._gone: OrderedDict[str, tuple[str, str]] = OrderedDict()  # id -> (reason, msg)
+        # The spill tier (spill.py; None: off): a full cache moves its least recently used
+        # idle sessions there instead of refusing or evicting. A spilled session keeps its
+        # Session here (no blocks): its limits, owner and quota count stay until it is
+        # brought back (adopt) or ends.
+        self.spill: SpillTier | None = None
+        self._spilled: dict[str, Session] = {}
         self._lock = threading.RLock()
         # Per-client limits (off until set_client_limits): sessions and bytes per owner.
         self.quota = OwnerQuota(lambda model: self._models[model].storage.bytes_per_block)
@@ -144,17 +163,25 @@ class SessionTable:
             self.quota.add(s)
             return s
 
-    def get(self, session_id: str) -> Session:
-        """The live session, or SessionNotFound saying why not (does not count as use)."""
+    def get(self, session_id: str, owner: str | None = None) -> Session:
+        """The live session, or SessionNotFound saying why not (does not count as use).
+        owner: the caller; a session made by another identified client is NOT_FOUND to it
+        (owns), exactly as an id never made. None: unchecked (the engine's own calls)."""
         with self._lock:
-            return self._lookup(session_id, self._clock())
+            s = self._lookup(session_id, self._clock())
+            self._check_owner(s, owner)
+            return s
 
-    def fork(self, session_id: str, *, ttl_s: float | None = None) -> Session:
+    def fork(
+        self, session_id: str, *, ttl_s: float | None = None, owner: str | None = None
+    ) -> Session:
         """A new session sharing all of the parent's committed blocks (no copy); the
-        first append to a shared partial block copies it. Inherits max_len and ttl_s."""
+        first append to a shared partial block copies it. Inherits max_len, ttl_s and its
+        owner."""
         with self._lock:
             now = self._clock()
             parent = self._lookup(session_id, now)
+            self._check_owner(parent, owner)
             m = self._models[parent.model]
             ttl_s = parent.ttl_s if ttl_s is None else _check_ttl(ttl_s)
             self.quota.check_new_session(parent.owner)  # a fork counts against the parent's
@@ -174,12 +201,13 @@ class SessionTable:
             self.quota.add(child)
             return child
 
-    def truncate(self, session_id: str, num_tokens: int) -> Session:
+    def truncate(self, session_id: str, num_tokens: int, owner: str | None = None) -> Session:
         """Keeps the session's first num_tokens tokens (a rewind) and frees the blocks past
         them at once; a fork sharing them keeps its own. A kept partial last block that a
         fork shares is copied before the next append writes into it, as after a fork."""
         with self._lock:
             s = self._lookup(session_id, self._clock())
+            self._check_owner(s, owner)
             n = num_tokens
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise InvalidSessionArgument(f"num_tokens must be an int >= 0, got {n!r}")
@@ -213,20 +241,29 @@ class SessionTable:
             s.last_used_s = self._clock()
             return s
 
-    def close(self, session_id: str) -> None:
-        """Frees the session's blocks at once (at its last unpin if a step is in flight)."""
+    def close(self, session_id: str, owner: str | None = None) -> None:
+        """Frees the session's blocks at once (at its last unpin if a step is in flight); a
+        spilled one's file goes. owner: the caller (owner_of's rule), None: unchecked."""
         with self._lock:
+            ghost = self._spilled.get(session_id)
+            if ghost is not None and owns(owner, ghost.owner):
+                self._forget_spilled(session_id, "closed", f"session {session_id!r} was closed")
+                return
             s = self._lookup(session_id, self._clock())
+            self._check_owner(s, owner)
             self._drop(s, "closed", f"session {session_id!r} was closed")
 
     def expire(self, now: float | None = None) -> list[str]:
-        """Drop unpinned sessions idle longer than their TTL; returns their ids."""
+        """Drop unpinned sessions idle longer than their TTL, spilled ones too; their ids."""
         with self._lock:
             now = self._clock() if now is None else now
             gone = [s for s in self._sessions.values() if _is_expired(s, now)]
             for s in gone:
                 self._drop(s, "expired", _expired_message(s, now))
-            return [s.id for s in gone]
+            ghosts = [s for s in self._spilled.values() if _is_expired(s, now)]
+            for s in ghosts:
+                self._forget_spilled(s.id, "expired", _expired_message(s, now))
+            return [s.id for s in gone + ghosts]
 
     def pin(self, session_id: str) -> Session:
         """Keep the session from eviction and expiry until unpin()."""
@@ -242,13 +279,14 @@ class SessionTable:
                 raise ValueError(f"unpin of session {session_id!r}, which is not pinned")
             self._unpin(s)
 
-    def claim(self, session_id: str) -> None:
+    def claim(self, session_id: str, owner: str | None = None) -> None:
         """Claims the session for one step, from its receipt to its answer: another step
         of it meanwhile (on another call or stream) is refused with SessionBusy at once,
         whether the first still queues or computes, and so is a truncate. The claim pins the
         session: a step waiting in the queue never finds it expired or evicted."""
         with self._lock:
             s = self._lookup(session_id, self._clock())
+            self._check_owner(s, owner)
             if _busy(s, claiming=True):
                 raise SessionBusy(_BUSY.format(session_id=session_id))
             s.claimed = True
@@ -403,15 +441,21 @@ class SessionTable:
             s.pending = None
             self._unpin(s)
 
-    def session_stats(self, session_id: str) -> SessionStats:
+    def session_stats(self, session_id: str, owner: str | None = None) -> SessionStats:
         with self._lock:
             s = self._lookup(session_id, self._clock())
+            self._check_owner(s, owner)
             return self._session_stats(s)
 
     def stats(self) -> dict[str, ModelCacheStats]:
         """Per model: tokens, blocks, bytes per session and in total, fragmentation."""
         with self._lock:
             return {name: self._model_stats(name, m) for name, m in self._models.items()}
+
+    def _check_owner(self, s: Session, owner: str | None) -> None:
+        """NOT_FOUND, exactly as for an id never made, for a caller not its owner."""
+        if not owns(owner, s.owner):
+            raise SessionNotFound(s.id, "unknown", unknown_message(s.id))
 
     # --- internals ---------------------------------------------------------------------
 
@@ -428,15 +472,13 @@ class SessionTable:
         if s is not None and _is_expired(s, now):
             self._drop(s, "expired", _expired_message(s, now))
             s = None
+        if s is None and session_id in self._spilled:
+            ghost = self._spilled[session_id]
+            if not _is_expired(ghost, now):
+                raise SessionSpilled(session_id, ghost.owner)  # the engine brings it back
+            self._forget_spilled(session_id, "expired", _expired_message(ghost, now))
         if s is None:
-            reason, message = self._gone.get(
-                session_id,
-                (
-                    "unknown",
-                    f"session {session_id!r} does not exist here (never created on this "
-                    "server, or gone too long ago to remember why)",
-                ),
-            )
+            reason, message = self._gone.get(session_id, ("unknown", unknown_message(session_id)))
             raise SessionNotFound(session_id, reason, message)
         return s
 
@@ -493,98 +535,6 @@ class SessionTable:
         s.first_block = first
         m.num_blocks_out_of_window += len(m.pool.decref(gone))  # a fork's shared ones stay
 
-    def _make_room(
-        self,
-        m: _ModelCache,
-        new_blocks: int,
-        shared_last: int | None,
-        requester: Session,
-        now: float,
-    ) -> None:
-        """Frees blocks until the requester's step fits: `new_blocks`, plus a private copy of
-        its partial last block `shared_last` while another session still holds that. Expired
-        sessions go first, then (if evict) least recently used idle sessions, only those
-        needed; or raises CacheExhausted having evicted nothing."""
-        pool = m.pool
-
-        def fits(free: int, shared_holders_gone: int = 0) -> bool:
-            copy = shared_last is not None and pool.refcount(shared_last) - shared_holders_gone > 1
-            return new_blocks + copy <= free
-
-        if fits(pool.num_free):
-            return
-        self.expire(now)
-        if fits(pool.num_free):
-            return
-        if self.evict:
-            victims = self._victims(m, requester, shared_last, fits)
-            if victims is not None:
-                for s in victims:
-                    self._drop(
-                        s,
-                        "evicted",
-                        f"session {s.id!r} was evicted to free KV-cache memory for model "
-                        f"{s.model!r} (least recently used: idle {now - s.last_used_s:.1f} s, "
-                        f"{s.num_tokens} tokens); create a new session",
-                    )
-                return
-        needed = new_blocks + (shared_last is not None and pool.refcount(shared_last) > 1)
-        hint = (
-            "eviction cannot free enough: the rest is held by sessions with a step in flight "
-            "or by this session"
-            if self.evict
-            else "eviction is off: close idle sessions, shorten their TTL or raise the budget"
-        )
-        st = m.storage
-        raise CacheExhausted(
-            f"KV cache of model {requester.model!r} is full: session {requester.id!r} needs "
-            f"{needed} more block(s) of {st.block_size} tokens but {pool.num_free} of "
-            f"{pool.num_blocks} are free (budget {st.budget_bytes} bytes, "
-            f"{st.bytes_per_block} bytes per block); {hint}",
-            num_needed=needed,
-            num_free=pool.num_free,
-            num_blocks=pool.num_blocks,
-        )
-
-    def _victims(
-        self, m: _ModelCache, requester: Session, shared_last: int | None, fits
-    ) -> list[Session] | None:
-        """The idle sessions to evict so that fits(free blocks, holders of the requester's
-        shared last block among them) holds: the least recently used first, then those the
-        rest make unneeded dropped again (an empty session, or a fork whose blocks its
-        parent still holds, frees nothing alone). None if all of them would not do."""
-        pool = m.pool
-        candidates = sorted(
-            (
-                s
-                for s in self._sessions.values()
-                if s.model == requester.model and s.in_use == 0 and s is not requester
-            ),
-            key=lambda s: s.last_used_s,
-        )
-        holders: dict[int, int] = {}  # block -> chosen sessions holding it
-        freed = sharing = 0  # blocks every holder of which is chosen; chosen holders of shared_last
-        chosen: list[Session] = []
-        for s in candidates:
-            chosen.append(s)
-            for b in s.block_table:
-                holders[b] = holders.get(b, 0) + 1
-                freed += holders[b] == pool.refcount(b)
-                sharing += b == shared_last
-            if fits(pool.num_free + freed, sharing):
-                break
-        else:
-            return None
-        for s in reversed(chosen[:-1]):  # the most recently used first: spare what can be
-            lost = sum(holders[b] == pool.refcount(b) for b in s.block_table)
-            gone = sum(b == shared_last for b in s.block_table)
-            if fits(pool.num_free + freed - lost, sharing - gone):
-                chosen.remove(s)
-                freed, sharing = freed - lost, sharing - gone
-                for b in s.block_table:
-                    holders[b] -= 1
-        return chosen
-
     def _session_stats(self, s: Session) -> SessionStats:
         bpb = self._models[s.model].storage.bytes_per_block
         return SessionStats(
@@ -630,6 +580,21 @@ _BUSY = (
     "session {session_id!r} already has a step in flight (sent on another call or stream); "
     "send a session's steps one at a time, each after the last one's reply"
 )
+
+
+def owns(caller: str | None, owner: str) -> bool:
+    """Whether a caller may use a session of `owner`: a session made by an identified client
+    (a certificate or a bearer token: IDENTIFIED) answers that client only; one made
+    without an identity (a peer address), anyone holding its id. caller None: unchecked
+    (the engine's own calls)."""
+    return caller is None or not owner.startswith(IDENTIFIED) or caller == owner
+
+
+def unknown_message(session_id: str) -> str:
+    return (
+        f"session {session_id!r} does not exist here (never created on this server, or gone "
+        "too long ago to remember why)"
+    )
 
 
 def _busy(s: Session, *, claiming: bool = False) -> bool:

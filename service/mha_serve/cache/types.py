@@ -3,8 +3,15 @@ and the one thing the session table needs from a model's K/V storage."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+# Client identities that prove who a client is (transport/auth.py client_identity makes
+# them: a certificate's name, a bearer token's hash): a session made by one answers it alone.
+# A peer address proves nothing (NAT, a new connection): such sessions answer any holder of
+# their id, as before owners existed.
+IDENTIFIED = ("cert:", "token:")
 
 
 class BlockStorage(Protocol):
@@ -16,6 +23,14 @@ class BlockStorage(Protocol):
     budget_bytes: int
 
     def copy_block(self, src: int, dst: int) -> None: ...
+
+    def export(self, block_table: Sequence[int], num_tokens: int, first_block: int = 0) -> tuple:
+        """A session's K and V as host copies (a spill)."""
+
+    def load(
+        self, block_ids: Sequence[int], first_block: int, first_position: int, k: Any, v: Any
+    ) -> None:
+        """Writes a spilled session's K and V into its new blocks (a restore)."""
 
 
 @dataclass(frozen=True)

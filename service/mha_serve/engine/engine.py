@@ -6,10 +6,11 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
-from mha_serve.cache import SessionStats
+from mha_serve.cache import SessionSpilled, SessionStats
 from mha_serve.engine.bounds import cleared, gate_absmax
 from mha_serve.engine.checks import absmax, require_finite, scores_overflow_error
 from mha_serve.engine.errors import InvalidRequest, ModelNotFound, TooLarge
@@ -36,6 +37,7 @@ from mha_serve.model.hf import load_hf_layer
 from mha_serve.model.hf_config import is_hf_directory
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Room left in a response for everything that is not tensor data.
 RESPONSE_OVERHEAD_BYTES = 64 * 1024
@@ -43,6 +45,9 @@ RESPONSE_OVERHEAD_BYTES = 64 * 1024
 # runs_inline, batching/batcher.py): at most this many tokens, attending to at most this
 # many keys' K/V bytes. Larger work keeps the compute thread and its torch threads.
 INLINE_MAX_TOKENS = 16
+# A call on a spilled session brings it back, then runs; spilled again before it ran (another
+# session needed the room), it tries this many times in all.
+RESTORE_TRIES = 3
 INLINE_MAX_KV_BYTES = 4 << 20
 
 
@@ -87,6 +92,8 @@ class Engine:
         max_sessions_per_client: int = 0,
         max_cache_bytes_per_client: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        spill_dir: str = "",
+        spill_bytes: int = 0,
     ) -> None:
         """session_id_prefix starts every session id (a Ray Serve replica's own id); clock:
         the sessions' idle time and TTL (seconds; tests give a fake one)."""
@@ -108,6 +115,8 @@ class Engine:
             id_prefix=session_id_prefix,
             max_sessions_per_client=max_sessions_per_client,
             max_cache_bytes_per_client=max_cache_bytes_per_client,
+            spill_dir=spill_dir,
+            spill_bytes=spill_bytes,
         )
 
     @staticmethod
@@ -261,7 +270,11 @@ class Engine:
             )
 
     def attend(self, request: AttendRequest, state: CallState = UNATTENDED) -> AttendOutcome:
-        """Prepares, then computes one request; raises RequestError subclasses for bad calls."""
+        """Prepares, then computes one request; raises RequestError subclasses for bad calls.
+        A spilled session is brought back first."""
+        if request.session_id:
+            sid = request.session_id
+            return self.live(sid, None, lambda: self.run(self.prepare(request, state)))
         return self.run(self.prepare(request, state))
 
     def run(self, p: Prepared) -> AttendOutcome:
@@ -420,22 +433,64 @@ class Engine:
         self.get(model)
         return self.sessions.create(model, max_len, ttl_s, owner)
 
-    def get_session(self, session_id: str) -> SessionStats:
-        return self.sessions.stats(_session_id(session_id))
+    # Every call on a session takes `owner`, the caller's identity: a session made by an
+    # identified client (cache.types.IDENTIFIED) answers it alone, NOT_FOUND to others as
+    # for an id never made; None skips the check (the engine's own calls). A spilled session
+    # is brought back first (live()).
+
+    def get_session(self, session_id: str, owner: str | None = None) -> SessionStats:
+        sid = _session_id(session_id)
+        return self.live(sid, owner, lambda: self.sessions.stats(sid, owner))
 
     def session_model(self, session_id: str) -> str:
-        """The model of a live session (SessionNotFound says why there is none)."""
+        """The model of a session, live or spilled (SessionNotFound says why there is none)."""
         return self.sessions.model_of(_session_id(session_id))
 
-    def fork_session(self, session_id: str, ttl_s: float | None = None) -> SessionStats:
+    def fork_session(
+        self, session_id: str, ttl_s: float | None = None, owner: str | None = None
+    ) -> SessionStats:
         """A new session sharing the parent's tokens (copy-on-write); ttl_s None: the parent's."""
-        return self.sessions.fork(_session_id(session_id), ttl_s)
+        sid = _session_id(session_id)
+        return self.live(sid, owner, lambda: self.sessions.fork(sid, ttl_s, owner))
 
-    def truncate_session(self, session_id: str, num_tokens: int) -> SessionStats:
-        return self.sessions.truncate(_session_id(session_id), num_tokens)
+    def truncate_session(
+        self, session_id: str, num_tokens: int, owner: str | None = None
+    ) -> SessionStats:
+        sid = _session_id(session_id)
+        return self.live(sid, owner, lambda: self.sessions.truncate(sid, num_tokens, owner))
 
-    def close_session(self, session_id: str) -> None:
-        self.sessions.close(_session_id(session_id))
+    def close_session(self, session_id: str, owner: str | None = None) -> None:
+        self.sessions.close(_session_id(session_id), owner)  # a spilled one's file just goes
+
+    def live(self, session_id: str, owner: str | None, call: Callable[[], T]) -> T:
+        """call(), bringing the session back from the spill tier first when it is there
+        (restore_session: the file read here; AsyncEngine does it off the event loop)."""
+        for _ in range(RESTORE_TRIES):
+            try:
+                return call()
+            except SessionSpilled:  # (spilled again meanwhile, to make room: once more)
+                self.restore_session(session_id, owner)
+        return call()
+
+    def restore_session(self, session_id: str, owner: str | None = None) -> float:
+        """Brings a spilled session back; seconds it took (0: it was not spilled)."""
+        return self.sessions.restore(_session_id(session_id), owner)
+
+    def spill_idle(self) -> list[str]:
+        """Every idle session written to the spill tier (at shutdown, once drained)."""
+        return self.sessions.spill_idle()
+
+    def adopt_spilled(self) -> tuple[list[str], list[tuple[str, str]]]:
+        """At start: the sessions the spill directory holds, taken over (their ids, and the
+        files refused with why)."""
+        return self.sessions.adopt_spilled()
+
+    def close_spill(self) -> None:
+        self.sessions.close_spill()
+
+    def spill_info(self) -> tuple[int, int, int]:
+        """(sessions, bytes, budget) of the spill tier; zeros without one."""
+        return self.sessions.table.spill_info()
 
     def expire_sessions(self) -> list[str]:
         """Frees idle sessions past their TTL (lookups also expire them lazily)."""
@@ -445,9 +500,10 @@ class Engine:
         """hook(reason) each time a session ends: "closed", "expired" or "evicted"."""
         self.sessions.on_end(hook)
 
-    def stepping(self, session_id: str):
-        """Claims a session for one step from its receipt to its answer (Sessions.stepping)."""
-        return self.sessions.stepping(_session_id(session_id))
+    def stepping(self, session_id: str, owner: str | None = None):
+        """Claims a session for one step from its receipt to its answer (Sessions.stepping);
+        SessionSpilled when it is in the spill tier (restore_session it first)."""
+        return self.sessions.stepping(_session_id(session_id), owner)
 
     def cache_info(self, model: str) -> CacheInfo | None:
         """The model's KV cache, None when it serves no sessions."""

@@ -21,11 +21,13 @@ from mha_serve.cache import (
     CacheError,
     KVCache,
     Reservation,
+    SessionSpilled,
     SessionStats,
     SessionTable,
 )
 from mha_serve.engine.bounds import cleared, gate_absmax
 from mha_serve.engine.checks import require_finite, scores_overflow_error
+from mha_serve.engine.durable import open_spill_tier, restore
 from mha_serve.engine.errors import Abandoned, DeadlinePassed, InvalidRequest, RequestError
 from mha_serve.engine.requests import Array, AttendOutcome, AttendRequest, CallState
 from mha_serve.engine.types import DTYPES, HostedModel, Prepared, array_of, repeat_heads
@@ -74,9 +76,12 @@ class Sessions:
         id_prefix: str = "",
         max_sessions_per_client: int = 0,
         max_cache_bytes_per_client: int = 0,
+        spill_dir: str = "",
+        spill_bytes: int = 0,
     ) -> None:
         """id_prefix starts every session id (a Ray Serve replica's own id); the per-client
-        limits bound each owner's live sessions and KV bytes (0: none)."""
+        limits bound each owner's live sessions and KV bytes (0: none); spill_dir: a full
+        cache moves idle sessions there, up to spill_bytes ("": no spill tier)."""
         self.table = SessionTable(
             evict=evict, default_ttl_s=default_ttl_s, clock=clock, id_prefix=id_prefix
         )
@@ -109,6 +114,8 @@ class Sessions:
             self.caches[name] = cache
             window = spec.attention.sliding_window  # sessions then keep their window only
             self.table.add_model(name, cache, max_len=spec.max_seq_len, window=window)
+        if spill_dir and self.caches:
+            self.table.set_spill(open_spill_tier(models, self.caches, spill_dir, spill_bytes))
 
     def cache(self, model: str) -> KVCache:
         cache = self.caches.get(model)
@@ -145,38 +152,65 @@ class Sessions:
         session = self.table.create(model, max_len=max_len, ttl_s=ttl_s, owner=owner)
         return self.table.session_stats(session.id)
 
-    def stats(self, session_id: str) -> SessionStats:
-        return self.table.session_stats(session_id)
+    def stats(self, session_id: str, owner: str | None = None) -> SessionStats:
+        return self.table.session_stats(session_id, owner)
 
     def model_of(self, session_id: str) -> str:
-        """The model of a live session (SessionNotFound says why there is none)."""
-        return self.table.get(session_id).model
+        """The model of a session, live or spilled (SessionNotFound says why there is none)."""
+        try:
+            return self.table.get(session_id).model
+        except SessionSpilled:
+            spilled = self.table.spilled(session_id)
+            if spilled is None:  # brought back meanwhile
+                return self.table.get(session_id).model
+            return spilled.record.model
 
-    def fork(self, session_id: str, ttl_s: float | None) -> SessionStats:
+    def fork(self, session_id: str, ttl_s: float | None, owner: str | None = None) -> SessionStats:
         """A new session sharing the parent's tokens (copy-on-write); ttl_s None: the parent's."""
-        return self.table.session_stats(self.table.fork(session_id, ttl_s=ttl_s).id)
+        return self.table.session_stats(self.table.fork(session_id, ttl_s=ttl_s, owner=owner).id)
 
-    def close(self, session_id: str) -> None:
-        self.table.close(session_id)
+    def close(self, session_id: str, owner: str | None = None) -> None:
+        self.table.close(session_id, owner)
+
+    # --- the spill tier (engine/durable.py) -------------------------------------------------
+
+    def restore(self, session_id: str, owner: str | None = None) -> float:
+        """Brings a spilled session back (reading its file); seconds taken, 0 if it was not
+        spilled. NOT_FOUND for a caller not its owner, or a file that cannot be adopted."""
+        return restore(self.table, session_id, owner)
+
+    def spill_idle(self) -> list[str]:
+        """Every idle session written to the spill tier (at shutdown); the ids written."""
+        return self.table.spill_idle() if self.table.spill is not None else []
+
+    def adopt_spilled(self) -> tuple[list[str], list[tuple[str, str]]]:
+        """At start: the sessions the spill directory holds, taken over (adopted ids, refused
+        (file, reason))."""
+        return self.table.adopt_spilled()
+
+    def close_spill(self) -> None:
+        """Lets the spill directory go (its lock): after spill_idle, at exit."""
+        if self.table.spill is not None:
+            self.table.spill.close()
 
     def expire(self) -> list[str]:
         """Frees idle sessions past their TTL; returns their ids."""
         return self.table.expire()
 
     @contextlib.contextmanager
-    def stepping(self, session_id: str) -> Iterator[None]:
+    def stepping(self, session_id: str, owner: str | None = None) -> Iterator[None]:
         """Claims the session for one step, from its receipt until its answer
         (SessionTable.claim: another step meanwhile is refused with SessionBusy)."""
-        self.table.claim(session_id)
+        self.table.claim(session_id, owner)
         try:
             yield
         finally:
             self.table.release(session_id)
 
-    def truncate(self, session_id: str, num_tokens: int) -> SessionStats:
+    def truncate(self, session_id: str, num_tokens: int, owner: str | None = None) -> SessionStats:
         """SessionTable.truncate: refused (SessionBusy) while a step of the session is
         unanswered, queued or computing."""
-        return self.table.session_stats(self.table.truncate(session_id, num_tokens).id)
+        return self.table.session_stats(self.table.truncate(session_id, num_tokens, owner).id)
 
     def validate_step(self, hosted: HostedModel, call: AttendRequest) -> int:
         """Session-specific checks, before the step queues (the table re-checks at reserve);

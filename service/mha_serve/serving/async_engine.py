@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from mha_serve import metrics
 from mha_serve.batching import ModelLanes
-from mha_serve.cache import CacheError, SessionStats
+from mha_serve.cache import CacheError, SessionSpilled, SessionStats
 from mha_serve.engine import (
     AttendOutcome,
     AttendRequest,
@@ -30,6 +30,7 @@ from mha_serve.engine import (
     ModelView,
     RequestError,
 )
+from mha_serve.engine.engine import RESTORE_TRIES
 from mha_serve.engine.faults import isolate_failures, out_of_memory_is_exhausted
 from mha_serve.engine.heads import analyze as analyze_heads
 from mha_serve.engine.threads import ComputeThreads
@@ -52,6 +53,7 @@ class Ticket:
     deadline: float | None  # time.monotonic() past which the caller no longer waits
     cancelled: bool = False  # the caller is gone: a step still computing is not kept
     claimed: bool = False  # the call holds its session's claim (Engine.stepping)
+    restore_s: float = 0.0  # bringing its session back from the spill tier first
 
 
 class AsyncEngine:
@@ -68,6 +70,7 @@ class AsyncEngine:
         """inline: lone small requests run on the event loop's thread when their lane is
         idle (ServerConfig.inline_lone_requests)."""
         self.engine = engine
+        self.threads = compute  # (restores run on its main thread)
         self.session_sweep_s = session_sweep_s
         self.lanes = {
             name: lanes_for(engine, hosted, compute, inline=inline)
@@ -148,12 +151,18 @@ class AsyncEngine:
         *,
         received: float,
         deadline: float | None,
+        caller: str | None = None,
     ) -> Served[T]:
-        computed = await self.compute(request, received=received, deadline=deadline)
+        computed = await self.compute(request, received=received, deadline=deadline, caller=caller)
         return await finish(computed, encode, received)
 
     async def compute(
-        self, request: AttendRequest, *, received: float, deadline: float | None
+        self,
+        request: AttendRequest,
+        *,
+        received: float,
+        deadline: float | None,
+        caller: str | None = None,
     ) -> Computed:
         """attend without the encoding and the request metrics: what a frontend worker asks
         of the engine process (serving/host.py), which then encodes and counts itself."""
@@ -161,9 +170,30 @@ class AsyncEngine:
         ticket = Ticket(received, deadline)
         if not session_id:
             return await self._compute(request, ticket)
-        with self.engine.stepping(session_id):  # until answered
+        claim = self.engine.stepping(session_id, caller)  # until answered
+        _, ticket.restore_s = await self._live(session_id, caller, claim.__enter__)
+        try:
             ticket.claimed = True
             return await self._compute(request, ticket)
+        finally:
+            claim.__exit__(None, None, None)
+
+    async def _live(
+        self, session_id: str, caller: str | None, call: Callable[[], T]
+    ) -> tuple[T, float]:
+        """(call(), seconds spent bringing the session back from the spill tier): a spilled
+        session's file is read and adopted off the event loop, then call() runs here."""
+        restore_s = 0.0
+        for _ in range(RESTORE_TRIES):
+            try:
+                return call(), restore_s
+            except SessionSpilled:  # (spilled again meanwhile, to make room: once more)
+                # On the compute thread: torch ops on another thread would start a team of
+                # their own (engine/threads.py); a restore is rare and short.
+                restore_s += await asyncio.get_running_loop().run_in_executor(
+                    self.threads.main, self.engine.restore_session, session_id, caller
+                )
+        return call(), restore_s
 
     async def _compute(self, request: AttendRequest, ticket: Ticket) -> Computed:
         # Validation scans the input (NaN/Inf): off the event loop when it is large.
@@ -183,9 +213,11 @@ class AsyncEngine:
         except asyncio.CancelledError:  # the client is gone: a session step still running
             ticket.cancelled = True  # is then rolled back, not kept (Sessions._settle)
             raise
-        # Queue time includes decoding and validation before the request was queued.
+        # Queue time includes decoding, validation and a restore before the request queued.
         queue_ms = (submitted - ticket.received + info.queue_s) * 1e3
-        return Computed(request, model, outcome, queue_ms, info.compute_s * 1e3)
+        return Computed(
+            request, model, outcome, queue_ms, info.compute_s * 1e3, ticket.restore_s * 1e3
+        )
 
     async def analyze_heads(self, request: AttendRequest, include_weights: bool) -> HeadReport:
         """2H + 1 forwards off the event loop, beside (not inside) the batched lanes."""
@@ -224,17 +256,27 @@ class AsyncEngine:
     ) -> SessionStats:
         return self.engine.create_session(model, max_len, ttl_s, owner)
 
-    async def get_session(self, session_id: str) -> SessionStats:
-        return self.engine.get_session(session_id)
+    async def get_session(self, session_id: str, caller: str | None = None) -> SessionStats:
+        get = self.engine.get_session
+        return (await self._live(session_id, caller, lambda: get(session_id, caller)))[0]
 
-    async def fork_session(self, session_id: str, ttl_s: float | None) -> SessionStats:
-        return self.engine.fork_session(session_id, ttl_s)
+    async def fork_session(
+        self, session_id: str, ttl_s: float | None, caller: str | None = None
+    ) -> SessionStats:
+        fork = self.engine.fork_session
+        return (await self._live(session_id, caller, lambda: fork(session_id, ttl_s, caller)))[0]
 
-    async def truncate_session(self, session_id: str, num_tokens: int) -> SessionStats:
-        return self.engine.truncate_session(session_id, num_tokens)
+    async def truncate_session(
+        self, session_id: str, num_tokens: int, caller: str | None = None
+    ) -> SessionStats:
+        truncate = self.engine.truncate_session
+        live = await self._live(
+            session_id, caller, lambda: truncate(session_id, num_tokens, caller)
+        )
+        return live[0]
 
-    async def close_session(self, session_id: str) -> None:
-        self.engine.close_session(session_id)
+    async def close_session(self, session_id: str, caller: str | None = None) -> None:
+        self.engine.close_session(session_id, caller)
 
 
 def lanes_for(

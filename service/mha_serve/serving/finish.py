@@ -39,6 +39,7 @@ class Computed:
     outcome: AttendOutcome
     queue_ms: float
     compute_ms: float
+    restore_ms: float = 0.0  # its session brought back from the spill tier first
 
 
 async def finish(
@@ -59,5 +60,11 @@ async def finish(
         weights_bytes=weights_bytes,
     )
     # batch_size: computed sequences (steps refused at reserve are not)
-    timing = Timing(computed.queue_ms, computed.compute_ms, total_s * 1e3, outcome.batch_size)
+    timing = Timing(
+        computed.queue_ms,
+        computed.compute_ms,
+        total_s * 1e3,
+        outcome.batch_size,
+        computed.restore_ms,
+    )
     return Served(reply, timing, computed.model)

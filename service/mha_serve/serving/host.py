@@ -128,8 +128,7 @@ class EngineHost:
             if op not in ENGINE_OPS:
                 raise ValueError(f"no engine operation {op!r}")
             if op == "compute":
-                request, received, deadline = args
-                value: Any = await serving.compute(request, received=received, deadline=deadline)
+                value: Any = await serving.compute(*args, **kwargs)
                 outcome = value.outcome
                 nbytes = outcome.output.nbytes
                 if outcome.weights is not None:

@@ -41,6 +41,7 @@ class Timing:
     compute_ms: float  # the batch's forward (and weights, when asked)
     total_ms: float  # receipt to encoded reply
     batch_size: int  # sequences computed in that forward
+    restore_ms: float = 0.0  # its session brought back from the spill tier (in queue_ms too)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,11 +91,13 @@ class EngineClient(Protocol):
         *,
         received: float,
         deadline: float | None,
+        caller: str | None = None,
     ) -> Served[T]:
         """Validates, queues and computes one Attend or session step, and encodes its
         outcome with `encode` (off the event loop when large). received:
         time.perf_counter() at receipt; deadline: time.monotonic() by which the caller
-        stops waiting. Cancelling the call withdraws it (a session step is rolled back)."""
+        stops waiting; caller: who asks (a session made by an identified client answers it
+        alone). Cancelling the call withdraws it (a session step is rolled back)."""
 
     async def analyze_heads(self, request: AttendRequest, include_weights: bool) -> HeadReport: ...
 
@@ -104,13 +107,21 @@ class EngineClient(Protocol):
         self, model: str, max_len: int | None, ttl_s: float | None, owner: str = ""
     ) -> SessionStats: ...
 
-    async def get_session(self, session_id: str) -> SessionStats: ...
+    # caller: who asks (the client's identity, transport/auth.py); a session made by an
+    # identified client is NOT_FOUND to another, as an id never made. None: unchecked. A
+    # session in the spill tier comes back first, transparently.
 
-    async def fork_session(self, session_id: str, ttl_s: float | None) -> SessionStats: ...
+    async def get_session(self, session_id: str, caller: str | None = None) -> SessionStats: ...
 
-    async def truncate_session(self, session_id: str, num_tokens: int) -> SessionStats: ...
+    async def fork_session(
+        self, session_id: str, ttl_s: float | None, caller: str | None = None
+    ) -> SessionStats: ...
 
-    async def close_session(self, session_id: str) -> None: ...
+    async def truncate_session(
+        self, session_id: str, num_tokens: int, caller: str | None = None
+    ) -> SessionStats: ...
+
+    async def close_session(self, session_id: str, caller: str | None = None) -> None: ...
 
     # --- Triton's sequences (the Open Inference Protocol door) -----------------------------
     # Each change is one call: a caller cancelled between two round trips can never leave a

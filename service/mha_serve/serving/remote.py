@@ -147,9 +147,15 @@ class RemoteEngine:
         *,
         received: float,
         deadline: float | None,
+        caller: str | None = None,
     ) -> Served[T]:
         computed: Computed = await self._call(
-            "compute", request, received, deadline, nbytes=request.inputs.nbytes
+            "compute",
+            request,
+            received=received,
+            deadline=deadline,
+            caller=caller,
+            nbytes=request.inputs.nbytes,
         )
         return await finish(computed, encode, received)
 
@@ -170,17 +176,21 @@ class RemoteEngine:
     ) -> SessionStats:
         return await self._call("create_session", model, max_len, ttl_s, owner)
 
-    async def get_session(self, session_id: str) -> SessionStats:
-        return await self._call("get_session", session_id)
+    async def get_session(self, session_id: str, caller: str | None = None) -> SessionStats:
+        return await self._call("get_session", session_id, caller)
 
-    async def fork_session(self, session_id: str, ttl_s: float | None) -> SessionStats:
-        return await self._call("fork_session", session_id, ttl_s)
+    async def fork_session(
+        self, session_id: str, ttl_s: float | None, caller: str | None = None
+    ) -> SessionStats:
+        return await self._call("fork_session", session_id, ttl_s, caller)
 
-    async def truncate_session(self, session_id: str, num_tokens: int) -> SessionStats:
-        return await self._call("truncate_session", session_id, num_tokens)
+    async def truncate_session(
+        self, session_id: str, num_tokens: int, caller: str | None = None
+    ) -> SessionStats:
+        return await self._call("truncate_session", session_id, num_tokens, caller)
 
-    async def close_session(self, session_id: str) -> None:
-        await self._call("close_session", session_id)
+    async def close_session(self, session_id: str, caller: str | None = None) -> None:
+        await self._call("close_session", session_id, caller)
 
     async def cache_info(self, model: str) -> CacheInfo | None:
         return await self._call("cache_info", model)

@@ -109,7 +109,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     ) -> AsyncIterator[pb.AttendResponse | bytes]:
         """One session's steps, one per message, answered in order; the first error ends the
         stream. Later messages may leave session_id empty; naming another session is an error."""
-        session_id, model = "", ""
+        session_id, model, caller = "", "", None
         async for request in requests:
             if isinstance(request, Malformed):
                 await self._reject("StreamSession", request, context)
@@ -125,6 +125,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
                         "makes one)",
                     )
                 model = await self._label(request)
+                caller = client_identity(context)  # the stream's, once
             elif not request.session_id:
                 request.session_id = session_id
             elif request.session_id != session_id:
@@ -140,7 +141,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
                     "StreamSession",
                     model,
                     context,
-                    lambda r=request, rc=received: self._attend(r, context, rc),
+                    lambda r=request, rc=received, c=caller: self._attend(r, context, rc, c),
                 )
             finally:
                 metrics.IN_FLIGHT.dec()
@@ -151,8 +152,10 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         request: pb.AttendRequest,
         context: grpc.aio.ServicerContext,
         parsed: Received | None = None,
+        caller: str | None = None,
     ) -> pb.AttendResponse | bytes:
-        """parsed: how the request came off the wire; then a large answer is framed bytes."""
+        """parsed: how the request came off the wire; then a large answer is framed bytes.
+        caller: the client's identity, when already known (a stream's)."""
         received = time.perf_counter()
         serving = self.serving
         call, single = to_call(request, parsed and parsed.input_data)
@@ -162,6 +165,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             functools.partial(encode_result if parsed is None else encode_reply, single=single),
             received=received,
             deadline=None if remaining is None else time.monotonic() + remaining,
+            caller=(caller or client_identity(context)) if call.session_id else None,
         )
         response, timing = served.reply, served.timing
         if isinstance(response, Frames):  # the model and timing fields go after the tensors
@@ -172,6 +176,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
                     compute_ms=timing.compute_ms,
                     total_ms=timing.total_ms,
                     batch_size=timing.batch_size,
+                    restore_ms=timing.restore_ms,
                 ),
             ).SerializeToString()
             return await offload(response.join, tail, nbytes=response.nbytes)
@@ -180,6 +185,8 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         response.timing.compute_ms = timing.compute_ms
         response.timing.total_ms = timing.total_ms
         response.timing.batch_size = timing.batch_size
+        if timing.restore_ms:
+            response.timing.restore_ms = timing.restore_ms
         return response
 
     # --- sessions ----------------------------------------------------------------------
@@ -206,7 +213,8 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionInfo:
         async def handle() -> pb.SessionInfo:
-            return session_info(await self.serving.get_session(request.session_id))
+            caller = client_identity(context)
+            return session_info(await self.serving.get_session(request.session_id, caller))
 
         model = await self._session_label(request.session_id)
         return await self._answer("GetSession", model, context, handle)
@@ -217,7 +225,9 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     ) -> pb.SessionInfo:
         async def handle() -> pb.SessionInfo:
             return session_info(
-                await self.serving.fork_session(request.session_id, request.ttl_s or None)
+                await self.serving.fork_session(
+                    request.session_id, request.ttl_s or None, client_identity(context)
+                )
             )
 
         model = await self._session_label(request.session_id)
@@ -229,7 +239,9 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     ) -> pb.SessionInfo:
         async def handle() -> pb.SessionInfo:
             return session_info(
-                await self.serving.truncate_session(request.session_id, request.num_tokens)
+                await self.serving.truncate_session(
+                    request.session_id, request.num_tokens, client_identity(context)
+                )
             )
 
         model = await self._session_label(request.session_id)
@@ -240,7 +252,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.CloseSessionResponse:
         async def handle() -> pb.CloseSessionResponse:
-            await self.serving.close_session(request.session_id)
+            await self.serving.close_session(request.session_id, client_identity(context))
             return pb.CloseSessionResponse()
 
         model = await self._session_label(request.session_id)

@@ -234,6 +234,8 @@ class InferenceServicer:
             ("total_ms", timing.total_ms),
         ):
             response.parameters[name].double_param = value
+        if timing.restore_ms:  # the sequence's session came back from the spill tier first
+            response.parameters["restore_ms"].double_param = timing.restore_ms
         response.parameters["batch_size"].int64_param = timing.batch_size
         return response
 
@@ -266,7 +268,9 @@ class InferenceServicer:
         call = dataclasses.replace(call, session_id=session_id)
         close = sequence.end
         try:
-            return await serving.attend(call, encode, received=received, deadline=deadline)
+            return await serving.attend(
+                call, encode, received=received, deadline=deadline, caller=owner
+            )
         except SessionNotFound as e:  # expired, evicted or closed through mha.v1
             await serving.end_sequence(key, session_id, close=False)
             close = False

@@ -1,0 +1,201 @@
+"""A session as one file: the K/V of the tokens it holds, in the cache's dtype, and what the
+engine keeps about it (length, model and a fingerprint of its weights, limits, idle time,
+owner), written as safetensors whose metadata is the header below. Reading one checks it
+whole against the model it is for, and refuses a bad or foreign file with a message that
+says what is wrong; bounds are recomputed from the K/V, never taken from the file.
+
+The spill tier (spill.py) writes and reads these; so do restarts and moves between Ray
+replicas: one form for all three.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+FORMAT = "mha-serve-session/1"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_HEADER_LEN = struct.Struct("<Q")
+# A header is a few hundred bytes; one past this is no record of ours.
+MAX_HEADER_BYTES = 1 << 16
+
+
+class BadRecord(ValueError):
+    """A session file that cannot be adopted: the message says what is wrong with it."""
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    """What a session is, besides its K/V (the file's header)."""
+
+    session_id: str
+    model: str
+    fingerprint: str  # the model's weights and shape (engine: model_fingerprint)
+    num_tokens: int  # tokens the session counts
+    first_position: int  # the first it holds (a sliding window dropped those before it)
+    max_len: int | None
+    ttl_s: float | None
+    idle_s: float  # seconds since its last use, when written
+    written_at: float  # time.time() when written: idle time goes on across a restart
+    owner: str  # the client identity that created it ("": none)
+    dtype: str  # the stored K/V's element type (the cache's), a key of DTYPES
+    num_kv_heads: int
+    head_dim: int
+    checksum: str = ""  # sha256 of the K and V bytes (set by encode)
+
+    @property
+    def held(self) -> int:
+        """Tokens whose K/V the file holds."""
+        return self.num_tokens - self.first_position
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a record must match to be adopted by a model's cache here."""
+
+    model: str
+    fingerprint: str
+    dtype: torch.dtype
+    num_kv_heads: int
+    head_dim: int
+    max_len: int  # the model's max_seq_len: no session of it is longer
+    max_bytes: int  # K + V bytes the model's whole cache holds
+
+
+def encode(record: SessionRecord, k: torch.Tensor, v: torch.Tensor) -> bytes:
+    """The file's bytes: k and v (KVH, held, D) on the CPU, contiguous, in record.dtype."""
+    k, v = k.contiguous(), v.contiguous()
+    checksum = _checksum(k, v)
+    header = dataclasses.replace(record, checksum=checksum)
+    metadata = {"format": FORMAT, "session": json.dumps(dataclasses.asdict(header))}
+    return save_tensors({"k": k, "v": v}, metadata=metadata)
+
+
+def read_header(data: bytes, source: str) -> SessionRecord:
+    """The record a file's bytes describe (its tensors unread); BadRecord when it is none."""
+    if len(data) < _HEADER_LEN.size:
+        raise BadRecord(f"{source}: {len(data)} bytes is too short for a session file")
+    (size,) = _HEADER_LEN.unpack_from(data)
+    if size > MAX_HEADER_BYTES or _HEADER_LEN.size + size > len(data):
+        raise BadRecord(f"{source}: truncated or not a session file (header of {size} bytes)")
+    try:
+        header = json.loads(data[_HEADER_LEN.size : _HEADER_LEN.size + size])
+        metadata = header["__metadata__"]
+        if metadata.get("format") != FORMAT:
+            raise BadRecord(f"{source}: format {metadata.get('format')!r}, not {FORMAT!r}")
+        fields = json.loads(metadata["session"])
+        record = SessionRecord(**fields)
+    except BadRecord:
+        raise
+    except Exception as e:  # not JSON, fields missing or extra
+        raise BadRecord(f"{source}: not a session file of mha-serve ({type(e).__name__})") from None
+    _check_fields(record, source)
+    return record
+
+
+def decode(
+    data: bytes, source: str, expected: Expected
+) -> tuple[SessionRecord, torch.Tensor, torch.Tensor]:
+    """(record, k, v) of a file's bytes, checked whole against `expected`: header, model and
+    fingerprint, shapes, dtype, checksum, finite values, sizes. BadRecord says what failed."""
+    record = read_header(data, source)
+    check(record, expected, source)
+    try:
+        tensors = load_tensors(data)
+    except Exception as e:  # safetensors refuses truncated or inconsistent bytes
+        raise BadRecord(f"{source}: its tensors cannot be read ({e})") from None
+    if set(tensors) != {"k", "v"}:
+        raise BadRecord(f"{source}: holds tensors {sorted(tensors)}, not k and v")
+    k, v = tensors["k"], tensors["v"]
+    want = (record.num_kv_heads, record.held, record.head_dim)
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != want or t.dtype != expected.dtype:
+            raise BadRecord(
+                f"{source}: {name} is {str(t.dtype).removeprefix('torch.')} "
+                f"{list(t.shape)}; the session needs {record.dtype} {list(want)}"
+            )
+    if _checksum(k, v) != record.checksum:
+        raise BadRecord(f"{source}: its K/V do not match their checksum (a damaged file)")
+    if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
+        raise BadRecord(f"{source}: its K/V hold NaN or Inf values")
+    return record, k, v
+
+
+def check(record: SessionRecord, expected: Expected, source: str) -> None:
+    """The header against the model here (the file's tensors unread)."""
+    if record.model != expected.model:
+        raise BadRecord(f"{source}: a session of model {record.model!r}, not {expected.model!r}")
+    if record.fingerprint != expected.fingerprint:
+        raise BadRecord(
+            f"{source}: session of model {record.model!r} was written by a model with other "
+            "weights or shape (its fingerprint differs): its keys and values mean nothing here"
+        )
+    dtype = str(expected.dtype).removeprefix("torch.")
+    if (record.dtype, record.num_kv_heads, record.head_dim) != (
+        dtype,
+        expected.num_kv_heads,
+        expected.head_dim,
+    ):
+        raise BadRecord(
+            f"{source}: K/V of {record.num_kv_heads} heads x {record.head_dim} in "
+            f"{record.dtype}; this cache holds {expected.num_kv_heads} x "
+            f"{expected.head_dim} in {dtype}"
+        )
+    if record.num_tokens > expected.max_len:
+        raise BadRecord(
+            f"{source}: {record.num_tokens} tokens, past model {record.model!r}'s max_seq_len "
+            f"{expected.max_len}"
+        )
+    nbytes = 2 * record.held * record.num_kv_heads * record.head_dim * expected.dtype.itemsize
+    if nbytes > expected.max_bytes:
+        raise BadRecord(
+            f"{source}: {nbytes} bytes of K/V, more than model {record.model!r}'s whole KV "
+            f"cache holds ({expected.max_bytes})"
+        )
+
+
+def key_bound(k: torch.Tensor, v: torch.Tensor) -> float:
+    """max |k| and |v| of a record's tensors: the session's bound, recomputed."""
+    if k.numel() == 0:
+        return 0.0
+    return float(max(k.abs().max(), v.abs().max()))
+
+
+def _check_fields(r: SessionRecord, source: str) -> None:
+    ints = (r.num_tokens, r.first_position, r.num_kv_heads, r.head_dim)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ints):
+        raise BadRecord(f"{source}: lengths and shapes must be integers")
+    if not (0 <= r.first_position <= r.num_tokens and r.num_kv_heads > 0 and r.head_dim > 0):
+        raise BadRecord(
+            f"{source}: holds positions {r.first_position}..{r.num_tokens - 1} of "
+            f"{r.num_kv_heads} x {r.head_dim}: not a session's"
+        )
+    if r.max_len is not None and not (isinstance(r.max_len, int) and r.num_tokens <= r.max_len):
+        raise BadRecord(f"{source}: {r.num_tokens} tokens past its max_len {r.max_len}")
+    for name in ("idle_s", "written_at"):
+        value = getattr(r, name)
+        if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+            raise BadRecord(f"{source}: {name} {value!r} is not a time")
+    if r.ttl_s is not None and not (isinstance(r.ttl_s, int | float) and r.ttl_s > 0):
+        raise BadRecord(f"{source}: ttl_s {r.ttl_s!r} is not a duration")
+    if r.dtype not in DTYPES:
+        raise BadRecord(f"{source}: dtype {r.dtype!r} is not one of {', '.join(DTYPES)}")
+    if not isinstance(r.session_id, str) or not r.session_id or not isinstance(r.owner, str):
+        raise BadRecord(f"{source}: no session id")
+
+
+def _checksum(k: torch.Tensor, v: torch.Tensor) -> str:
+    digest = hashlib.sha256()
+    for t in (k, v):
+        raw = t.contiguous()
+        raw = raw.view(torch.int16) if raw.dtype == torch.bfloat16 else raw  # numpy has no bf16
+        digest.update(raw.numpy().reshape(-1).view("u1"))
+    return digest.hexdigest()

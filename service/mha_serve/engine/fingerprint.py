@@ -1,0 +1,28 @@
+"""What a session's K/V are bound to: the model's shape and weights, hashed (a spilled or
+moved session is adopted only by a model with the same fingerprint; its keys and values mean
+nothing to any other)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import torch
+
+from mha_serve.engine.types import HostedModel
+
+
+def model_fingerprint(hosted: HostedModel) -> str:
+    """sha256 of the attention config, the compute dtype, and every parameter (name, dtype,
+    shape, bytes), in a fixed order."""
+    digest = hashlib.sha256()
+    config = dataclasses.asdict(hosted.spec.attention)
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    digest.update(str(hosted.dtype).encode())
+    for name, tensor in sorted(hosted.module.state_dict().items()):
+        t = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # numpy has no bf16
+        digest.update(raw.numpy().reshape(-1).view("u1"))
+    return digest.hexdigest()
