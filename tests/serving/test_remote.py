@@ -17,6 +17,7 @@ from mha_serve.engine.threads import ComputeThreads
 from mha_serve.serving import AsyncEngine, Unavailable
 from mha_serve.serving import remote as remote_mod
 from mha_serve.serving.remote import EngineHost, RemoteEngine
+from tests.helpers import suite_torch_device
 
 BODY_TIMEOUT_S = 120
 
@@ -28,7 +29,7 @@ def _identity(result):
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     return Engine(
-        default_models(), device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**28
+        default_models(), device=suite_torch_device(), dtype=torch.float32, max_response_bytes=2**28
     )
 
 

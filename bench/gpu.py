@@ -1,0 +1,397 @@
+"""GPU benchmarks (issue 25), each figure a ratio measured side by side in one run on this
+machine's CUDA device.
+
+    python bench/gpu.py            # ~4 min: docs/benchmarks-gpu.md, bench/results/gpu.json
+    python bench/gpu.py --quick    # ~1.5 min smoke run, fewer points
+    python bench/gpu.py --from-json bench/results/gpu.json   # redraw the page only
+
+Without a CUDA device it says why and exits 0, writing nothing. `make gpu` runs it after the
+test suite on CUDA (bench/gpu_target.sh).
+
+1. Roofline: a device-to-device copy (bytes read + written), beside the datasheet figure.
+2. Decode K/V-read bandwidth at context 4096, bfloat16, the built-in models, 1..64 sessions:
+   the engine's attention (`attend_cached`, one kernel per session over in-place cache
+   views) eager and replayed from a CUDA graph, and one batched kernel over contiguous K/V,
+   each as a share of the roofline (target >= 50%).
+3. CUDA graphs for the decode step (project, K/V write, attend_cached, wo) against eager at
+   the model level: back-to-back steps for 1 and 64 sessions at contexts 256 and 4096, and
+   one step taken alone from host memory and back (what a lone served step pays).
+4. Stateless throughput by batch and length: a real mha-serve (its CUDA defaults, bfloat16)
+   under a closed loop of clients against the module in-process (input copied from host
+   memory, output back) and against a gRPC echo of the same bytes.
+5. 64 sessions decoding together vs one at a time through the server (bench/sessions.py).
+6. One session's streamed decode step through the server against its limit: the in-process
+   step (eager; graphed beside it) plus an echo round trip of the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from gpu_report import write_report  # noqa: E402
+
+MODELS = ("mha", "gqa", "mqa")
+EMBED = 512
+KV_CONTEXT = 4096
+TARGETS = {"kv_read_share_min": 0.5}
+
+
+def cuda_missing() -> str | None:
+    """Why this machine cannot run the benchmarks, None when it can."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        return f"torch {torch.__version__} ({build}) sees no CUDA device"
+    return None
+
+
+def device_info(device) -> dict[str, Any]:
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return {
+        "name": props.name,
+        "capability": f"{props.major}.{props.minor}",
+        "multiprocessors": props.multi_processor_count,
+        "memory_gib": props.total_memory / 2**30,
+        "l2_bytes": getattr(props, "L2_cache_size", 0),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+
+
+# ----- 1-3: the model level ---------------------------------------------------------------
+
+
+def kernels(device, quick: bool, info: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from gpu_kernels import (
+        DecodeBench,
+        Graphs,
+        copy_bandwidth,
+        datasheet_gbs,
+        load_module,
+        lone_step_s,
+        per_call_s,
+    )
+
+    copy = copy_bandwidth(device, (256 if quick else 1024) << 20)
+    sheet = datasheet_gbs(info["name"])
+    print(
+        f"roofline: device-to-device copy {copy / 1e9:.0f} GB/s (read + written); datasheet "
+        f"{sheet or '?'} GB/s for {info['name']}",
+        flush=True,
+    )
+    pool = 4 * (info["l2_bytes"] or 64 << 20)  # each pass over the sessions: 4x the L2 cache
+    out: dict[str, Any] = {"copy_gbs": copy / 1e9, "datasheet_gbs": sheet, "kv": [], "graphs": []}
+    with torch.inference_mode():
+        for name in MODELS:
+            module = load_module(name, device, torch.bfloat16)
+            for batch in (1, 64) if quick else (1, 16, 64):
+                b = DecodeBench(module, batch, KV_CONTEXT, min_pool_bytes=pool)
+                calls = max(20, 2 * b.groups)
+                row = {"model": name, "batch": batch, "context": KV_CONTEXT}
+                row["kv_bytes"] = b.step_bytes
+                row["eager_s"] = per_call_s(b.attend, device, groups=b.groups, calls=calls)
+                graphs = Graphs(b.attend, b.groups)
+                row["graph_s"] = per_call_s(graphs.replay, device, groups=b.groups, calls=calls)
+                row["graph_max_diff"] = float((graphs.replay(0) - b.attend(0)).abs().max())
+                row["batched_s"] = per_call_s(b.batched, device, groups=b.groups, calls=calls)
+                got, ref = b.step(0).double(), b.reference(0)
+                row["step_rel_error"] = float((got - ref).abs().max() / ref.abs().max())
+                for k in ("eager", "graph", "batched"):
+                    row[f"{k}_share"] = b.step_bytes / row[f"{k}_s"] / copy
+                out["kv"].append(row)
+                print(
+                    f"kv read {name} x{batch:2d} at {KV_CONTEXT}: "
+                    f"{b.step_bytes / 2**20:6.1f} MiB | eager {row['eager_s'] * 1e6:7.1f} us "
+                    f"{row['eager_share']:5.1%} of roofline | graph {row['graph_s'] * 1e6:7.1f} "
+                    f"us {row['graph_share']:5.1%} | one batched kernel "
+                    f"{row['batched_s'] * 1e6:7.1f} us {row['batched_share']:5.1%}",
+                    flush=True,
+                )
+                del b, graphs
+            for context in (256, KV_CONTEXT):
+                for batch in (1, 64):
+                    b = DecodeBench(module, batch, context, min_pool_bytes=pool)
+                    calls = max(20, 2 * b.groups)
+                    row = {"model": name, "batch": batch, "context": context}
+                    row["eager_s"] = per_call_s(b.step, device, groups=b.groups, calls=calls)
+                    graphs = Graphs(b.step, b.groups)
+                    row["graph_s"] = per_call_s(graphs.replay, device, groups=b.groups, calls=calls)
+                    row["speedup"] = row["eager_s"] / row["graph_s"]
+                    row["graph_max_diff"] = float((graphs.replay(0) - b.step(0)).abs().max())
+                    line = (
+                        f"decode step {name} x{batch:2d} at {context:4d}: eager "
+                        f"{row['eager_s'] * 1e6:7.1f} us, graph {row['graph_s'] * 1e6:7.1f} us: "
+                        f"{row['speedup']:.2f}x"
+                    )
+                    if batch == 1:
+                        steps = 20 if quick else 50
+                        row["lone_eager_s"] = lone_step_s(b, b.step, steps)
+                        row["lone_graph_s"] = lone_step_s(b, graphs.replay, steps)
+                        line += (
+                            f" | alone, host to host: eager {row['lone_eager_s'] * 1e6:.1f} us, "
+                            f"graph {row['lone_graph_s'] * 1e6:.1f} us"
+                        )
+                    out["graphs"].append(row)
+                    print(line, flush=True)
+                    del b, graphs
+            del module
+            torch.cuda.empty_cache()
+    return out
+
+
+# ----- 4-6: through a real server ----------------------------------------------------------
+
+
+def grid(quick: bool) -> list[tuple[int, int]]:
+    """(batch, length) points; a request stays under the server's 64 MiB of float32 input."""
+    batches, lengths = ((1, 32), (16, 1024)) if quick else ((1, 8, 32), (16, 128, 1024))
+    return [(b, n) for n in lengths for b in batches if b * n * EMBED * 4 < 32 << 20]
+
+
+def inprocess_seq_per_s(module, device, batch: int, length: int, min_s: float) -> tuple:
+    """(seq/s with the input from host memory and the output back, seq/s of the forward
+    alone on device-resident input): the module as a server calls it, without the server."""
+    import torch
+    from gpu_kernels import per_call_s
+
+    host = torch.randn(batch, length, EMBED)  # float32, as the wire delivers it
+    on_device = host.to(device, torch.bfloat16)
+
+    def round_trip() -> None:
+        module(host.to(device, torch.bfloat16)).output.float().cpu()
+
+    times = []
+    start = time.perf_counter()
+    for _ in range(3):
+        round_trip()
+    while time.perf_counter() - start < min_s or len(times) < 5:
+        t = time.perf_counter()
+        round_trip()
+        times.append(time.perf_counter() - t)
+    forward = per_call_s(lambda _: module(on_device), device, calls=10, reps=3)
+    return batch / statistics.median(times), batch / forward
+
+
+def stateless(targets, device, quick: bool, rounds: int, duration: float, concurrency: int):
+    import torch
+    from gpu_kernels import load_module
+
+    from mha_client.loadgen import GrpcTarget, LoadSpec, Workload, parse_seq_lens, run_load_sync
+
+    module = load_module("mha", device, torch.bfloat16)
+    rows = []
+    with torch.inference_mode():
+        for batch, length in grid(quick):
+            workload = Workload("mha", parse_seq_lens(str(length)), EMBED, batch=batch)
+            spec = LoadSpec(concurrency=concurrency, duration_s=duration, warmup=concurrency)
+            samples: dict[str, list[float]] = {"served": [], "echo": [], "inprocess": []}
+            forward = []
+            for r in range(rounds):
+                order = ["served", "echo"] if r % 2 == 0 else ["echo", "served"]
+                for name in order:
+                    result = run_load_sync(lambda t=targets[name]: GrpcTarget(t), workload, spec)
+                    if result.errors:
+                        raise RuntimeError(f"{name} B={batch} L={length}: {result.errors}")
+                    samples[name].append(result.sequences_per_s)
+                inproc, fwd = inprocess_seq_per_s(module, device, batch, length, 0.5)
+                samples["inprocess"].append(inproc)
+                forward.append(fwd)
+            med = {k: statistics.median(v) for k, v in samples.items()}
+            row = {
+                "batch": batch,
+                "length": length,
+                "concurrency": concurrency,
+                "served_seq_per_s": med["served"],
+                "inprocess_seq_per_s": med["inprocess"],
+                "forward_seq_per_s": statistics.median(forward),
+                "echo_seq_per_s": med["echo"],
+                "vs_inprocess": med["served"] / med["inprocess"],
+                "vs_echo": med["served"] / med["echo"],
+                "samples": samples,
+            }
+            rows.append(row)
+            print(
+                f"stateless B={batch:2d} L={length:4d}: served {med['served']:8.0f} seq/s | "
+                f"in-process {med['inprocess']:8.0f} (forward alone {row['forward_seq_per_s']:.0f})"
+                f" | echo {med['echo']:8.0f} | served / in-process {row['vs_inprocess']:.2f}, "
+                f"/ echo {row['vs_echo']:.2f}",
+                flush=True,
+            )
+    return rows
+
+
+async def lone_steps(targets: dict[str, str], context: int, steps: int, rounds: int) -> list:
+    """Per model: a streamed step through the server (SDK) and an echo round trip of the same
+    request bytes, alternating in rounds; medians over the steps, round 0 not counted."""
+    import grpc
+    from overhead import OPTIONS, BytesStream
+
+    from mha_client.messages import step_request_bytes
+    from mha_client.sdk import AsyncClient
+
+    rng = np.random.default_rng(0)
+    rows = []
+    async with AsyncClient(targets["served"], timeout=600) as client:
+        channel = grpc.aio.insecure_channel(targets["echo"], options=OPTIONS)
+        try:
+            for model in MODELS:
+                start_len = context - steps
+                tokens = rng.standard_normal((steps, 1, EMBED), dtype=np.float32)
+                session = await client.create_session(model)
+                await session.step(rng.standard_normal((start_len, EMBED), dtype=np.float32))
+                payloads = [step_request_bytes(session.id, t, {}) for t in tokens]
+                served, echo = [], []
+                for r in range(rounds + 1):
+                    await session.truncate(start_len)
+                    times = []
+                    async with session.stream() as stream:
+                        for t in tokens:
+                            start = time.perf_counter()
+                            await stream.step(t)
+                            times.append(time.perf_counter() - start)
+                    bytes_stream = BytesStream(channel)
+                    echoed = []
+                    for p in payloads:
+                        start = time.perf_counter()
+                        await bytes_stream.round_trip(p)
+                        echoed.append(time.perf_counter() - start)
+                    await bytes_stream.close()
+                    if r:
+                        served += times
+                        echo += echoed
+                await session.close()
+                rows.append(
+                    {
+                        "model": model,
+                        "context": context,
+                        "served_s": statistics.median(served),
+                        "echo_s": statistics.median(echo),
+                    }
+                )
+        finally:
+            await channel.close()
+    return rows
+
+
+def served(tmp: Path, device, quick: bool, rounds: int) -> dict[str, Any]:
+    import sessions
+    from overhead import start_servers
+
+    from mha_client.sdk import Client
+
+    procs, targets = start_servers(tmp, None)
+    out: dict[str, Any] = {}
+    try:
+        with Client(targets["served"]) as c:
+            info = c.list_models()
+        out["served_models"] = [
+            {"name": m.name, "device": m.device, "dtype": m.dtype} for m in info
+        ]
+        print(f"served: {', '.join(f'{m.name} on {m.device} {m.dtype}' for m in info)}", flush=True)
+        duration = 1.0 if quick else 3.0
+        out["stateless"] = stateless(targets, device, quick, rounds, duration, concurrency=16)
+        print("64 sessions decoding together vs one at a time (gqa):", flush=True)
+        out["sessions"] = asyncio.run(
+            sessions.batched_decode(targets["served"], 64, 256, 8 if quick else 32, rounds)
+        )
+        out["lone"] = asyncio.run(lone_steps(targets, KV_CONTEXT, 16 if quick else 64, rounds))
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
+        out["exit_codes"] = [proc.returncode for proc in procs]
+    return out
+
+
+def join_lone(results: dict[str, Any]) -> None:
+    """Section 6's rows get their in-process limit from section 3 (the same context)."""
+    alone = {(r["model"], r["context"]): r for r in results["graphs"] if "lone_eager_s" in r}
+    for row in results.get("lone", []):
+        k = alone.get((row["model"], row["context"]))
+        if k is None:
+            continue
+        row["inprocess_s"], row["inprocess_graph_s"] = k["lone_eager_s"], k["lone_graph_s"]
+        row["limit_s"] = k["lone_eager_s"] + row["echo_s"]
+        row["ratio"] = row["served_s"] / row["limit_s"]
+        row["graph_saving_share"] = (k["lone_eager_s"] - k["lone_graph_s"]) / row["served_s"]
+        print(
+            f"lone step {row['model']} at {row['context']}: served {row['served_s'] * 1e6:.0f} us "
+            f"| in-process {row['inprocess_s'] * 1e6:.0f} + echo {row['echo_s'] * 1e6:.0f} = "
+            f"{row['limit_s'] * 1e6:.0f} us | ratio {row['ratio']:.2f} | a graph would save "
+            f"{row['graph_saving_share']:.1%} of the served step",
+            flush=True,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer points and shorter loads")
+    p.add_argument("--rounds", type=int, help="alternating rounds of the served parts (2)")
+    p.add_argument("--device", default="cuda", help="cuda or cuda:N")
+    p.add_argument("--suite-json", type=Path, help="bench/gpu_suite.py's summary, for the page")
+    p.add_argument("--docs", type=Path, default=ROOT / "docs")
+    p.add_argument("--json-out", type=Path, default=ROOT / "bench" / "results" / "gpu.json")
+    p.add_argument("--from-json", type=Path, help="redraw the page from a run, no measuring")
+    args = p.parse_args(argv)
+    if args.from_json:
+        write_report(json.loads(args.from_json.read_text()), args.docs, TARGETS)
+        return 0
+    why = cuda_missing()
+    if why:
+        print(
+            f"bench/gpu.py: skipped: {why}; nothing measured or written (make gpu runs it on "
+            "a machine with a GPU)"
+        )
+        return 0
+    import torch
+
+    device = torch.device(args.device)
+    torch.cuda.set_device(device)
+    started = time.perf_counter()
+    results: dict[str, Any] = {
+        "command": " ".join(
+            ["python", "bench/gpu.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": device_info(device),
+        "quick": args.quick,
+    }
+    results |= kernels(device, args.quick, results["device"])
+    with tempfile.TemporaryDirectory(prefix="mha-gpu-") as d:
+        results |= served(Path(d), device, args.quick, args.rounds or (1 if args.quick else 2))
+    join_lone(results)
+    if args.suite_json and args.suite_json.exists():
+        results["suite"] = json.loads(args.suite_json.read_text())
+    results["elapsed_s"] = time.perf_counter() - started
+    args.json_out.parent.mkdir(parents=True, exist_ok=True)
+    args.json_out.write_text(json.dumps(results, indent=2) + "\n")
+    page = write_report(results, args.docs, TARGETS)
+    print(f"wrote {args.json_out} and {page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
