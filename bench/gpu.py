@@ -4,6 +4,7 @@ machine's CUDA device.
     python bench/gpu.py            # ~4 min: docs/benchmarks-gpu.md, bench/results/gpu.json
     python bench/gpu.py --quick    # ~1.5 min smoke run, fewer points
     python bench/gpu.py --from-json bench/results/gpu.json   # redraw the page only
+    python bench/gpu.py --from-json R.json --suite-json S.json  # with another suite run's summary
 
 Without a CUDA device it says why and exits 0, writing nothing. `make gpu` runs it after the
 test suite on CUDA (bench/gpu_target.sh).
@@ -35,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -84,15 +86,7 @@ def device_info(device) -> dict[str, Any]:
 
 def kernels(device, quick: bool, info: dict[str, Any]) -> dict[str, Any]:
     import torch
-    from gpu_kernels import (
-        DecodeBench,
-        Graphs,
-        copy_bandwidth,
-        datasheet_gbs,
-        load_module,
-        lone_step_s,
-        per_call_s,
-    )
+    from gpu_kernels import copy_bandwidth, datasheet_gbs, kv_row, load_module, step_row
 
     copy = copy_bandwidth(device, (256 if quick else 1024) << 20)
     sheet = datasheet_gbs(info["name"])
@@ -107,58 +101,66 @@ def kernels(device, quick: bool, info: dict[str, Any]) -> dict[str, Any]:
         for name in MODELS:
             module = load_module(name, device, torch.bfloat16)
             for batch in (1, 64) if quick else (1, 16, 64):
-                b = DecodeBench(module, batch, KV_CONTEXT, min_pool_bytes=pool)
-                calls = max(20, 2 * b.groups)
-                row = {"model": name, "batch": batch, "context": KV_CONTEXT}
-                row["kv_bytes"] = b.step_bytes
-                row["eager_s"] = per_call_s(b.attend, device, groups=b.groups, calls=calls)
-                graphs = Graphs(b.attend, b.groups)
-                row["graph_s"] = per_call_s(graphs.replay, device, groups=b.groups, calls=calls)
-                row["graph_max_diff"] = float((graphs.replay(0) - b.attend(0)).abs().max())
-                row["batched_s"] = per_call_s(b.batched, device, groups=b.groups, calls=calls)
-                got, ref = b.step(0).double(), b.reference(0)
-                row["step_rel_error"] = float((got - ref).abs().max() / ref.abs().max())
-                for k in ("eager", "graph", "batched"):
-                    row[f"{k}_share"] = b.step_bytes / row[f"{k}_s"] / copy
+                row = guarded(
+                    name, partial(kv_row, module, batch, KV_CONTEXT, pool=pool, roofline=copy)
+                )
                 out["kv"].append(row)
                 print(
-                    f"kv read {name} x{batch:2d} at {KV_CONTEXT}: "
-                    f"{b.step_bytes / 2**20:6.1f} MiB | eager {row['eager_s'] * 1e6:7.1f} us "
-                    f"{row['eager_share']:5.1%} of roofline | graph {row['graph_s'] * 1e6:7.1f} "
-                    f"us {row['graph_share']:5.1%} | one batched kernel "
-                    f"{row['batched_s'] * 1e6:7.1f} us {row['batched_share']:5.1%}",
+                    f"kv read {name} x{batch:2d} at {KV_CONTEXT}: {row.get('kv_bytes', 0) / 2**20:6.1f} "
+                    f"MiB | engine {cell(row, 'eager')} | graph {cell(row, 'graph')} | one "
+                    f"batched kernel {cell(row, 'batched')}{errors(row)}",
                     flush=True,
                 )
-                del b, graphs
             for context in (256, KV_CONTEXT):
                 for batch in (1, 64):
-                    b = DecodeBench(module, batch, context, min_pool_bytes=pool)
-                    calls = max(20, 2 * b.groups)
-                    row = {"model": name, "batch": batch, "context": context}
-                    row["eager_s"] = per_call_s(b.step, device, groups=b.groups, calls=calls)
-                    graphs = Graphs(b.step, b.groups)
-                    row["graph_s"] = per_call_s(graphs.replay, device, groups=b.groups, calls=calls)
-                    row["speedup"] = row["eager_s"] / row["graph_s"]
-                    row["graph_max_diff"] = float((graphs.replay(0) - b.step(0)).abs().max())
-                    line = (
-                        f"decode step {name} x{batch:2d} at {context:4d}: eager "
-                        f"{row['eager_s'] * 1e6:7.1f} us, graph {row['graph_s'] * 1e6:7.1f} us: "
-                        f"{row['speedup']:.2f}x"
+                    steps = 20 if quick else 50
+                    row = guarded(
+                        name, partial(step_row, module, batch, context, pool=pool, steps=steps)
                     )
-                    if batch == 1:
-                        steps = 20 if quick else 50
-                        row["lone_eager_s"] = lone_step_s(b, b.step, steps)
-                        row["lone_graph_s"] = lone_step_s(b, graphs.replay, steps)
-                        line += (
-                            f" | alone, host to host: eager {row['lone_eager_s'] * 1e6:.1f} us, "
-                            f"graph {row['lone_graph_s'] * 1e6:.1f} us"
-                        )
                     out["graphs"].append(row)
-                    print(line, flush=True)
-                    del b, graphs
+                    print(
+                        f"decode step {name} x{batch:2d} at {context:4d}: eager "
+                        f"{us(row.get('eager_s'))}, graph {us(row.get('graph_s'))}: "
+                        f"{ratio(row.get('speedup'))}"
+                        + (
+                            f" | alone, host to host: eager {us(row.get('lone_eager_s'))}, "
+                            f"graph {us(row.get('lone_graph_s'))}"
+                            if batch == 1
+                            else ""
+                        )
+                        + errors(row),
+                        flush=True,
+                    )
             del module
             torch.cuda.empty_cache()
     return out
+
+
+def guarded(model: str, measure: partial) -> dict[str, Any]:
+    """measure()'s table row, or the row with only its error when measuring it failed."""
+    from gpu_kernels import attempt
+
+    holder: dict[str, Any] = {}
+    row = attempt(holder, "row", measure) or {"errors": holder["errors"]}
+    batch, context = measure.args[1:3]
+    return {**row, "model": model, "batch": batch, "context": context}
+
+
+def us(seconds: float | None) -> str:
+    return "failed" if seconds is None else f"{seconds * 1e6:.1f} us"
+
+
+def ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def cell(row: dict[str, Any], k: str) -> str:
+    share = row.get(f"{k}_share")
+    return us(row.get(f"{k}_s")) + ("" if share is None else f" {share:.1%} of roofline")
+
+
+def errors(row: dict[str, Any]) -> str:
+    return "".join(f" [{k}: {e}]" for k, e in row.get("errors", {}).items())
 
 
 # ----- 4-6: through a real server ----------------------------------------------------------
@@ -296,7 +298,10 @@ async def lone_steps(targets: dict[str, str], context: int, steps: int, rounds: 
 
 
 def served(tmp: Path, device, quick: bool, rounds: int) -> dict[str, Any]:
+    """Sections 4-6 on one server (and the echo beside it); a section that fails is recorded
+    under "errors" and the others still run."""
     import sessions
+    from gpu_kernels import attempt
     from overhead import start_servers
 
     from mha_client.sdk import Client
@@ -310,40 +315,59 @@ def served(tmp: Path, device, quick: bool, rounds: int) -> dict[str, Any]:
             {"name": m.name, "device": m.device, "dtype": m.dtype} for m in info
         ]
         print(f"served: {', '.join(f'{m.name} on {m.device} {m.dtype}' for m in info)}", flush=True)
-        duration = 1.0 if quick else 3.0
-        out["stateless"] = stateless(targets, device, quick, rounds, duration, concurrency=16)
+        duration = 1.0 if quick else 2.0
+        attempt(out, "stateless", lambda: stateless(targets, device, quick, rounds, duration, 16))
         print("64 sessions decoding together vs one at a time (gqa):", flush=True)
-        out["sessions"] = asyncio.run(
-            sessions.batched_decode(targets["served"], 64, 256, 8 if quick else 32, rounds)
+        steps = 8 if quick else 32
+        attempt(
+            out,
+            "sessions",
+            lambda: asyncio.run(sessions.batched_decode(targets["served"], 64, 256, steps, rounds)),
         )
-        out["lone"] = asyncio.run(lone_steps(targets, KV_CONTEXT, 16 if quick else 64, rounds))
+        lone = lone_steps(targets, KV_CONTEXT, 16 if quick else 64, rounds)
+        attempt(out, "lone", lambda: asyncio.run(lone))
     finally:
         for proc in procs:
             proc.terminate()
         for proc in procs:
             proc.wait(30)
         out["exit_codes"] = [proc.returncode for proc in procs]
+    for key, error in out.get("errors", {}).items():
+        print(f"{key}: FAILED: {error}", flush=True)
     return out
+
+
+def row_errors(results: dict[str, Any]) -> dict[str, str]:
+    """Every measurement that failed in a row of a table, named by its row."""
+    return {
+        f"{table} {row['model']} x{row['batch']} at {row['context']}: {key}": error
+        for table in ("kv", "graphs")
+        for row in results.get(table) or []
+        for key, error in row.get("errors", {}).items()
+    }
 
 
 def join_lone(results: dict[str, Any]) -> None:
     """Section 6's rows get their in-process limit from section 3 (the same context)."""
-    alone = {(r["model"], r["context"]): r for r in results["graphs"] if "lone_eager_s" in r}
-    for row in results.get("lone", []):
-        k = alone.get((row["model"], row["context"]))
-        if k is None:
+    graphs = results.get("graphs") or []
+    alone = {(r["model"], r["context"]): r for r in graphs if r["batch"] == 1}
+    for row in results.get("lone") or []:
+        k = alone.get((row["model"], row["context"]), {})
+        eager, graph = k.get("lone_eager_s"), k.get("lone_graph_s")
+        if eager is None:
             continue
-        row["inprocess_s"], row["inprocess_graph_s"] = k["lone_eager_s"], k["lone_graph_s"]
-        row["limit_s"] = k["lone_eager_s"] + row["echo_s"]
+        row["inprocess_s"], row["inprocess_graph_s"] = eager, graph
+        row["limit_s"] = eager + row["echo_s"]
         row["ratio"] = row["served_s"] / row["limit_s"]
-        row["graph_saving_share"] = (k["lone_eager_s"] - k["lone_graph_s"]) / row["served_s"]
-        print(
+        line = (
             f"lone step {row['model']} at {row['context']}: served {row['served_s'] * 1e6:.0f} us "
-            f"| in-process {row['inprocess_s'] * 1e6:.0f} + echo {row['echo_s'] * 1e6:.0f} = "
-            f"{row['limit_s'] * 1e6:.0f} us | ratio {row['ratio']:.2f} | a graph would save "
-            f"{row['graph_saving_share']:.1%} of the served step",
-            flush=True,
+            f"| in-process {eager * 1e6:.0f} + echo {row['echo_s'] * 1e6:.0f} = "
+            f"{row['limit_s'] * 1e6:.0f} us | ratio {row['ratio']:.2f}"
         )
+        if graph is not None:
+            row["graph_saving_share"] = (eager - graph) / row["served_s"]
+            line += f" | a graph would save {row['graph_saving_share']:.1%} of the served step"
+        print(line, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,8 +380,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json-out", type=Path, default=ROOT / "bench" / "results" / "gpu.json")
     p.add_argument("--from-json", type=Path, help="redraw the page from a run, no measuring")
     args = p.parse_args(argv)
-    if args.from_json:
-        write_report(json.loads(args.from_json.read_text()), args.docs, TARGETS)
+    if args.from_json:  # with --suite-json: that suite run's summary replaces the run's own
+        results = json.loads(args.from_json.read_text())
+        if args.suite_json:
+            results["suite"] = json.loads(args.suite_json.read_text())
+            args.json_out.write_text(json.dumps(results, indent=2) + "\n")
+        write_report(results, args.docs, TARGETS)
         return 0
     why = cuda_missing()
     if why:
@@ -367,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     import torch
+    from gpu_kernels import attempt
 
     device = torch.device(args.device)
     torch.cuda.set_device(device)
@@ -379,9 +408,20 @@ def main(argv: list[str] | None = None) -> int:
         "device": device_info(device),
         "quick": args.quick,
     }
-    results |= kernels(device, args.quick, results["device"])
+    # Each part records what failed and the run goes on: one GPU run yields every figure it can.
+    parts = attempt(results, "kernels", lambda: kernels(device, args.quick, results["device"]))
     with tempfile.TemporaryDirectory(prefix="mha-gpu-") as d:
-        results |= served(Path(d), device, args.quick, args.rounds or (1 if args.quick else 2))
+        rounds = args.rounds or (1 if args.quick else 2)
+        served_parts = attempt(
+            results, "served", lambda: served(Path(d), device, args.quick, rounds)
+        )
+    errors = results.pop("errors", {})
+    for part in (parts, served_parts):
+        part = dict(part or {})
+        errors |= part.pop("errors", {})
+        results |= part
+    del results["kernels"], results["served"]
+    results["errors"] = errors | row_errors(results)
     join_lone(results)
     if args.suite_json and args.suite_json.exists():
         results["suite"] = json.loads(args.suite_json.read_text())
@@ -390,7 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     args.json_out.write_text(json.dumps(results, indent=2) + "\n")
     page = write_report(results, args.docs, TARGETS)
     print(f"wrote {args.json_out} and {page}")
-    return 0
+    for key, error in results["errors"].items():
+        print(f"FAILED: {key}: {error}")
+    return 1 if results["errors"] else 0
 
 
 if __name__ == "__main__":

@@ -220,6 +220,8 @@ class Graphs:
     and returns its static output (overwritten by the next replay of that group)."""
 
     def __init__(self, fn: Callable[[int], torch.Tensor], groups: int) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("CUDA graphs need a CUDA device")
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up off the capture: cuBLAS handles, workspaces
@@ -256,3 +258,69 @@ def lone_step_s(
             if rep:
                 times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+# ----- one row of each table: bench/gpu.py's sections 2 and 3 ------------------------------
+
+
+def attempt(row: dict, key: str, fn: Callable[[], object]) -> object:
+    """row[key] = fn(), or None with the error under row["errors"][key]: one measurement that
+    fails (a graph that cannot be captured, say) leaves the rest of the run standing."""
+    try:
+        row[key] = fn()
+    except Exception as e:  # noqa: BLE001 - recorded and printed on the page
+        row[key] = None
+        row.setdefault("errors", {})[key] = f"{type(e).__name__}: {e}"
+    return row[key]
+
+
+def kv_row(module: MultiHeadAttention, batch: int, context: int, *, pool: int, roofline: float):
+    """Section 2: the K/V-reading part of a decode step, eager, from a graph and as one
+    batched kernel, each as a share of the roofline (bytes/s), and the step's error."""
+    b = DecodeBench(module, batch, context, min_pool_bytes=pool)
+    device, calls = b.device, max(20, 2 * b.groups)
+
+    def timed(fn: Callable[[int], object]) -> float:
+        return per_call_s(fn, device, groups=b.groups, calls=calls)
+
+    row: dict = {"model": "", "batch": batch, "context": context, "kv_bytes": b.step_bytes}
+    row["graph_s"] = row["graph_max_diff"] = None  # unless the graph is captured
+    attempt(row, "eager_s", lambda: timed(b.attend))
+    graphs = attempt(row, "graph", lambda: Graphs(b.attend, b.groups))
+    if graphs is not None:
+        attempt(row, "graph_s", lambda: timed(graphs.replay))
+        attempt(row, "graph_max_diff", lambda: float((graphs.replay(0) - b.attend(0)).abs().max()))
+    attempt(row, "batched_s", lambda: timed(b.batched))
+    got, ref = b.step(0).double(), b.reference(0)
+    row["step_rel_error"] = float((got - ref).abs().max() / ref.abs().max())
+    for k in ("eager", "graph", "batched"):
+        t = row.get(f"{k}_s")
+        row[f"{k}_share"] = None if t is None else b.step_bytes / t / roofline
+    row.pop("graph")
+    return row
+
+
+def step_row(module: MultiHeadAttention, batch: int, context: int, *, pool: int, steps: int):
+    """Section 3: the whole decode step eager and from a graph, back to back; for one
+    session also taken alone, host to host."""
+    b = DecodeBench(module, batch, context, min_pool_bytes=pool)
+    device, calls = b.device, max(20, 2 * b.groups)
+
+    def timed(fn: Callable[[int], object]) -> float:
+        return per_call_s(fn, device, groups=b.groups, calls=calls)
+
+    row: dict = {"model": "", "batch": batch, "context": context}
+    row["graph_s"] = row["graph_max_diff"] = None  # unless the graph is captured
+    attempt(row, "eager_s", lambda: timed(b.step))
+    graphs = attempt(row, "graph", lambda: Graphs(b.step, b.groups))
+    if graphs is not None:
+        attempt(row, "graph_s", lambda: timed(graphs.replay))
+        attempt(row, "graph_max_diff", lambda: float((graphs.replay(0) - b.step(0)).abs().max()))
+    if batch == 1:
+        attempt(row, "lone_eager_s", lambda: lone_step_s(b, b.step, steps))
+        if graphs is not None:
+            attempt(row, "lone_graph_s", lambda: lone_step_s(b, graphs.replay, steps))
+    eager, graph = row.get("eager_s"), row.get("graph_s")
+    row["speedup"] = eager / graph if eager and graph else None
+    row.pop("graph")
+    return row

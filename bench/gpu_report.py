@@ -21,8 +21,16 @@ DECIDE_GRAPHS = (
 )
 
 
-def us(seconds: float) -> str:
-    return f"{seconds * 1e6:.1f}"
+def us(seconds: float | None) -> str:
+    return "failed" if seconds is None else f"{seconds * 1e6:.1f}"
+
+
+def pct(share: float | None) -> str:
+    return "-" if share is None else f"{share:.0%}"
+
+
+def sci(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1e}"
 
 
 def render(results: dict[str, Any], targets: dict[str, Any]) -> str:
@@ -38,18 +46,9 @@ def render(results: dict[str, Any], targets: dict[str, Any]) -> str:
         f"{results['elapsed_s']:.0f} s in all. Every ratio is measured in this run, beside what "
         "it is held against; compare within one run only.",
         "",
+        *errors_section(results.get("errors")),
         *suite_section(results.get("suite")),
-        "## Roofline",
-        "",
-        f"A device-to-device copy moved {results['copy_gbs']:.0f} GB/s (bytes read plus bytes "
-        "written): the roofline of every share below. Datasheet: "
-        + (
-            f"{results['datasheet_gbs']} GB/s (the copy reached "
-            f"{results['copy_gbs'] / results['datasheet_gbs']:.0%} of it)."
-            if results.get("datasheet_gbs")
-            else "not in bench/gpu_kernels.py's table for this device."
-        ),
-        "",
+        *roofline_section(results),
         *kv_section(results, targets),
         *graphs_section(results),
         *stateless_section(results),
@@ -57,6 +56,32 @@ def render(results: dict[str, Any], targets: dict[str, Any]) -> str:
         *lone_section(results),
     ]
     return "\n".join(out).rstrip() + "\n"
+
+
+def errors_section(errors: dict[str, str] | None) -> list[str]:
+    if not errors:
+        return []
+    out = ["## What failed in this run", ""]
+    out += [f"- {key}: `{error[:300]}`" for key, error in errors.items()]
+    return [*out, ""]
+
+
+def roofline_section(results: dict[str, Any]) -> list[str]:
+    if "copy_gbs" not in results:
+        return []
+    copy, sheet = results["copy_gbs"], results.get("datasheet_gbs")
+    return [
+        "## Roofline",
+        "",
+        f"A device-to-device copy moved {copy:.0f} GB/s (bytes read plus bytes written): the "
+        "roofline of every share below. Datasheet: "
+        + (
+            f"{sheet} GB/s (the copy reached {copy / sheet:.0%} of it)."
+            if sheet
+            else "not in bench/gpu_kernels.py's table for this device."
+        ),
+        "",
+    ]
 
 
 def placeholder() -> str:
@@ -114,9 +139,12 @@ def suite_section(suite: dict[str, Any] | None) -> list[str]:
 
 
 def kv_section(results: dict[str, Any], targets: dict[str, Any]) -> list[str]:
+    rows = results.get("kv") or []
+    if not rows:
+        return []
     goal = targets["kv_read_share_min"]
     out = [
-        f"## Decode K/V-read bandwidth at context {results['kv'][0]['context']}, bfloat16",
+        f"## Decode K/V-read bandwidth at context {rows[0]['context']}, bfloat16",
         "",
         "One decode token per session over its cached K/V (random, in the paged cache, each "
         "session's blocks consecutive). *Engine*: `attend_cached` as the engine runs it, one "
@@ -132,25 +160,31 @@ def kv_section(results: dict[str, Any], targets: dict[str, Any]) -> list[str]:
         "| one kernel (us) | share | error |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for r in results["kv"]:
+    for r in rows:
+        size = f"{r['kv_bytes'] / 2**20:.1f} MiB" if r.get("kv_bytes") else "-"
         out.append(
-            f"| {r['model']} | {r['batch']} | {r['kv_bytes'] / 2**20:.1f} MiB "
-            f"| {us(r['eager_s'])} | **{r['eager_share']:.0%}** | {us(r['graph_s'])} "
-            f"| {r['graph_share']:.0%} | {us(r['batched_s'])} | {r['batched_share']:.0%} "
-            f"| {r['step_rel_error']:.1e} |"
+            f"| {r['model']} | {r['batch']} | {size} | {us(r.get('eager_s'))} "
+            f"| **{pct(r.get('eager_share'))}** | {us(r.get('graph_s'))} "
+            f"| {pct(r.get('graph_share'))} | {us(r.get('batched_s'))} "
+            f"| {pct(r.get('batched_share'))} | {sci(r.get('step_rel_error'))} |"
         )
-    widest = max(r["batch"] for r in results["kv"])
-    out += ["", f"At {widest} sessions, against the target of {goal:.0%}:", ""]
-    for r in (r for r in results["kv"] if r["batch"] == widest):
-        marks = ", ".join(
-            f"{label} {r[k + '_share']:.0%} ({'meets' if r[k + '_share'] >= goal else 'misses'})"
-            for k, label in (("eager", "engine"), ("graph", "graph"), ("batched", "one kernel"))
-        )
-        out.append(f"- {r['model']}: {marks}")
+    out.append("")
+    widest = max(r["batch"] for r in rows)
+    out += [f"At {widest} sessions, against the target of {goal:.0%}:", ""]
+    for r in (r for r in rows if r["batch"] == widest):
+        marks = []
+        for k, label in (("eager", "engine"), ("graph", "graph"), ("batched", "one kernel")):
+            share = r.get(f"{k}_share")
+            verdict = "failed" if share is None else "meets" if share >= goal else "misses"
+            marks.append(f"{label} {pct(share)} ({verdict})")
+        out.append(f"- {r['model']}: {', '.join(marks)}")
     return [*out, ""]
 
 
 def graphs_section(results: dict[str, Any]) -> list[str]:
+    rows = results.get("graphs") or []
+    if not rows:
+        return []
     out = [
         "## CUDA graphs for the decode step",
         "",
@@ -164,37 +198,35 @@ def graphs_section(results: dict[str, Any]) -> list[str]:
         "(us) | alone, graph (us) | graph vs eager (max diff) |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for r in results["graphs"]:
-        lone = (
-            f"{us(r['lone_eager_s'])} | {us(r['lone_graph_s'])}" if "lone_eager_s" in r else " | "
-        )
+    for r in rows:
+        alone = r["batch"] == 1
+        speedup = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"
         out.append(
-            f"| {r['model']} | {r['batch']} | {r['context']} | {us(r['eager_s'])} "
-            f"| {us(r['graph_s'])} | **{r['speedup']:.2f}x** | {lone} "
-            f"| {r['graph_max_diff']:.1e} |"
+            f"| {r['model']} | {r['batch']} | {r['context']} | {us(r.get('eager_s'))} "
+            f"| {us(r.get('graph_s'))} | **{speedup}** "
+            f"| {us(r.get('lone_eager_s')) if alone else ''} "
+            f"| {us(r.get('lone_graph_s')) if alone else ''} | {sci(r.get('graph_max_diff'))} |"
         )
-    out += ["", DECIDE_GRAPHS, ""]
+    out.append("")
+    out += [DECIDE_GRAPHS, ""]
+    widest = max(r["batch"] for r in rows)
     savings = [
-        r["graph_saving_share"] for r in results.get("lone", []) if "graph_saving_share" in r
+        r["graph_saving_share"] for r in results.get("lone") or [] if "graph_saving_share" in r
     ]
-    wide = [
-        r["speedup"]
-        for r in results["graphs"]
-        if r["batch"] == max(x["batch"] for x in results["graphs"])
-    ]
+    wide = [r["speedup"] for r in rows if r["batch"] == widest and r.get("speedup") is not None]
     if savings and wide:
         pays = max(savings) >= 0.1 or max(wide) >= 1.2
         out += [
             f"This run: a graph would save at most {max(savings):.0%} of a lone served step "
-            f"(below) and speeds the {max(x['batch'] for x in results['graphs'])}-session step "
-            f"{min(wide):.2f}x to {max(wide):.2f}x: by the rule they "
+            f"(below) and speeds the {widest}-session step {min(wide):.2f}x to {max(wide):.2f}x: "
+            "by the rule they "
             + (
                 "**pay**: wiring them into the engine is worth its design."
                 if pays
                 else "**do not pay** yet."
-            )
+            ),
+            "",
         ]
-        out.append("")
     return out
 
 
@@ -248,7 +280,7 @@ def sessions_section(results: dict[str, Any]) -> list[str]:
 
 
 def lone_section(results: dict[str, Any]) -> list[str]:
-    rows = [r for r in results.get("lone", []) if "ratio" in r]
+    rows = [r for r in results.get("lone") or [] if "ratio" in r]
     if not rows:
         return []
     out = [
@@ -267,7 +299,7 @@ def lone_section(results: dict[str, Any]) -> list[str]:
         out.append(
             f"| {r['model']} | {r['context']} | {us(r['served_s'])} | {us(r['inprocess_s'])} "
             f"| {us(r['echo_s'])} | {us(r['limit_s'])} | **{r['ratio']:.2f}** "
-            f"| {us(r['inprocess_graph_s'])} | {r['graph_saving_share']:.0%} |"
+            f"| {us(r.get('inprocess_graph_s'))} | {pct(r.get('graph_saving_share'))} |"
         )
     return [*out, ""]
 

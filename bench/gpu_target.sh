@@ -26,7 +26,7 @@ GPU_VENV=${GPU_VENV:-.venv-gpu}
 GPU_PYTHON=${GPU_PYTHON:-}
 GPU_TORCH_SPEC=${GPU_TORCH_SPEC:-torch==2.13.0}
 GPU_WHEELS=${GPU_WHEELS:-.gpu-wheels}
-GPU_SUITE_TIMEOUT_S=${GPU_SUITE_TIMEOUT_S:-330}
+GPU_SUITE_TIMEOUT_S=${GPU_SUITE_TIMEOUT_S:-270}
 GPU_PYTEST_ARGS=${GPU_PYTEST_ARGS:-}
 GPU_BENCH_ARGS=${GPU_BENCH_ARGS:-}
 GPU_OUT=${GPU_OUT:-}
@@ -114,7 +114,12 @@ setup_venv() {
   rm -rf "$GPU_VENV"
   local flags=() purelib
   [ "$mode" = machine ] && flags=(--system-site-packages)
-  "$base" -m venv "${flags[@]}" "$GPU_VENV" || return 1
+  if ! "$base" -m venv "${flags[@]}" "$GPU_VENV"; then
+    # A Python without ensurepip (a distribution's, or a venv made by uv): a venv without
+    # pip, whose pip is then the one of the Python that holds torch (through the .pth).
+    [ "$mode" = machine ] && "$base" -m pip --version >/dev/null 2>&1 \
+      && "$base" -m venv --without-pip "${flags[@]}" "$GPU_VENV" || return 1
+  fi
   purelib=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   if [ "$mode" = machine ]; then
     # The machine's own CUDA build of torch: the venv sees the packages of the Python that

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -361,3 +362,38 @@ def test_the_suite_runner_sums_up_a_run_and_an_interrupted_one(tmp_path):
     summary = json.loads(out.read_text())
     assert summary["timed_out"] and run.returncode != 0, run.stdout + run.stderr
     assert summary["counts"]["passed"] == 1 and summary["counts"]["failed"] == 0
+
+
+def test_a_row_records_what_it_could_not_measure_and_the_page_says_so():
+    module = tiny(2)
+    with torch.inference_mode():
+        kv = gpu_kernels.kv_row(module, 2, 24, pool=0, roofline=1e9)
+        step = gpu_kernels.step_row(module, 1, 24, pool=0, steps=2)
+    assert kv["eager_s"] > 0 and kv["eager_share"] > 0 and kv["batched_share"] > 0
+    assert kv["step_rel_error"] < 1e-5 and step["lone_eager_s"] > 0
+    if not torch.cuda.is_available():  # here the graphs are what could not be measured
+        for row in (kv, step):
+            assert (
+                row["graph_s"] is None and row["speedup" if row is step else "graph_share"] is None
+            )
+            assert row["errors"] == {"graph": "RuntimeError: CUDA graphs need a CUDA device"}
+
+    def broken(module, batch, context):
+        raise MemoryError("out of memory")
+
+    failed = bench_gpu().guarded("mqa", partial(broken, module, 64, 4096))
+    assert failed == {
+        "errors": {"row": "MemoryError: out of memory"},
+        "model": "mqa",
+        "batch": 64,
+        "context": 4096,
+    }
+    results = a_run()
+    results["kv"] = [kv | {"model": "gqa"}, failed]
+    results["graphs"] = [step | {"model": "gqa"}]
+    results["errors"] = {"lone": "RuntimeError: the server went away"}
+    results["errors"] |= bench_gpu().row_errors(results)
+    page = gpu_report.render(results, {"kv_read_share_min": 0.5})
+    assert "## What failed in this run\n\n- lone: `RuntimeError: the server went away`" in page
+    assert "- kv mqa x64 at 4096: row: `MemoryError: out of memory`" in page
+    assert "| mqa | 64 | - | failed | **-** | failed | - | failed | - | - |" in page
