@@ -97,43 +97,48 @@ def kernels(device, quick: bool, info: dict[str, Any]) -> dict[str, Any]:
     )
     pool = 4 * (info["l2_bytes"] or 64 << 20)  # each pass over the sessions: 4x the L2 cache
     out: dict[str, Any] = {"copy_gbs": copy / 1e9, "datasheet_gbs": sheet, "kv": [], "graphs": []}
+    steps = 20 if quick else 50
     with torch.inference_mode():
         for name in MODELS:
             module = load_module(name, device, torch.bfloat16)
-            for batch in (1, 64) if quick else (1, 16, 64):
-                row = guarded(
-                    name, partial(kv_row, module, batch, KV_CONTEXT, pool=pool, roofline=copy)
-                )
-                out["kv"].append(row)
-                print(
-                    f"kv read {name} x{batch:2d} at {KV_CONTEXT}: {row.get('kv_bytes', 0) / 2**20:6.1f} "
-                    f"MiB | engine {cell(row, 'eager')} | graph {cell(row, 'graph')} | one "
-                    f"batched kernel {cell(row, 'batched')}{errors(row)}",
-                    flush=True,
-                )
-            for context in (256, KV_CONTEXT):
-                for batch in (1, 64):
-                    steps = 20 if quick else 50
-                    row = guarded(
-                        name, partial(step_row, module, batch, context, pool=pool, steps=steps)
-                    )
-                    out["graphs"].append(row)
-                    print(
-                        f"decode step {name} x{batch:2d} at {context:4d}: eager "
-                        f"{us(row.get('eager_s'))}, graph {us(row.get('graph_s'))}: "
-                        f"{ratio(row.get('speedup'))}"
-                        + (
-                            f" | alone, host to host: eager {us(row.get('lone_eager_s'))}, "
-                            f"graph {us(row.get('lone_graph_s'))}"
-                            if batch == 1
-                            else ""
-                        )
-                        + errors(row),
-                        flush=True,
-                    )
-            del module
+            measures = [
+                partial(kv_row, module, batch, KV_CONTEXT, pool=pool, roofline=copy)
+                for batch in ((1, 64) if quick else (1, 16, 64))
+            ] + [
+                partial(step_row, module, batch, context, pool=pool, steps=steps)
+                for context in (256, KV_CONTEXT)
+                for batch in (1, 64)
+            ]
+            for measure in measures:
+                row = guarded(name, measure)
+                table = "kv" if measure.func is kv_row else "graphs"
+                out[table].append(row)
+                print(describe(table, row), flush=True)
+            del module, measures
             torch.cuda.empty_cache()
     return out
+
+
+def describe(table: str, row: dict[str, Any]) -> str:
+    """A row of section 2 or 3 as one line of output."""
+    head = f"{row['model']} x{row['batch']:2d} at {row['context']:4d}"
+    if table == "kv":
+        size = (row.get("kv_bytes") or 0) / 2**20
+        line = (
+            f"kv read {head}: {size:6.1f} MiB | engine {cell(row, 'eager')} | graph "
+            f"{cell(row, 'graph')} | one batched kernel {cell(row, 'batched')}"
+        )
+    else:
+        line = (
+            f"decode step {head}: eager {us(row.get('eager_s'))}, graph "
+            f"{us(row.get('graph_s'))}: {ratio(row.get('speedup'))}"
+        )
+        if row["batch"] == 1:
+            line += (
+                f" | alone, host to host: eager {us(row.get('lone_eager_s'))}, graph "
+                f"{us(row.get('lone_graph_s'))}"
+            )
+    return line + "".join(f" [{k}: {e}]" for k, e in row.get("errors", {}).items())
 
 
 def guarded(model: str, measure: partial) -> dict[str, Any]:
@@ -157,10 +162,6 @@ def ratio(x: float | None) -> str:
 def cell(row: dict[str, Any], k: str) -> str:
     share = row.get(f"{k}_share")
     return us(row.get(f"{k}_s")) + ("" if share is None else f" {share:.1%} of roofline")
-
-
-def errors(row: dict[str, Any]) -> str:
-    return "".join(f" [{k}: {e}]" for k, e in row.get("errors", {}).items())
 
 
 # ----- 4-6: through a real server ----------------------------------------------------------

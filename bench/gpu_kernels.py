@@ -163,6 +163,11 @@ class DecodeBench:
         self.past, self.new = [context - 1] * batch, [1] * batch
         self._contiguous: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def timed(self, fn: Callable[[int], object]) -> float:
+        """per_call_s of fn over this bench's groups (each call the next group)."""
+        calls = max(20, 2 * self.groups)
+        return per_call_s(fn, self.device, groups=self.groups, calls=calls)
+
     def attend(self, group: int) -> torch.Tensor:
         """The K/V-reading part alone: group's static queries over its cached keys, and wo."""
         out = self.module.attend_cached(
@@ -274,29 +279,31 @@ def attempt(row: dict, key: str, fn: Callable[[], object]) -> object:
     return row[key]
 
 
+def eager_and_graph(b: DecodeBench, fn: Callable[[int], torch.Tensor], row: dict) -> Graphs | None:
+    """row's eager_s, and graph_s and graph_max_diff (graph against eager output) of fn's
+    CUDA graphs (None where they cannot be captured); returns the graphs."""
+    row["graph_s"] = row["graph_max_diff"] = None
+    attempt(row, "eager_s", lambda: b.timed(fn))
+    graphs = attempt(row, "graph", lambda: Graphs(fn, b.groups))
+    del row["graph"]
+    if graphs is not None:
+        attempt(row, "graph_s", lambda: b.timed(graphs.replay))
+        attempt(row, "graph_max_diff", lambda: float((graphs.replay(0) - fn(0)).abs().max()))
+    return graphs
+
+
 def kv_row(module: MultiHeadAttention, batch: int, context: int, *, pool: int, roofline: float):
     """Section 2: the K/V-reading part of a decode step, eager, from a graph and as one
     batched kernel, each as a share of the roofline (bytes/s), and the step's error."""
     b = DecodeBench(module, batch, context, min_pool_bytes=pool)
-    device, calls = b.device, max(20, 2 * b.groups)
-
-    def timed(fn: Callable[[int], object]) -> float:
-        return per_call_s(fn, device, groups=b.groups, calls=calls)
-
     row: dict = {"model": "", "batch": batch, "context": context, "kv_bytes": b.step_bytes}
-    row["graph_s"] = row["graph_max_diff"] = None  # unless the graph is captured
-    attempt(row, "eager_s", lambda: timed(b.attend))
-    graphs = attempt(row, "graph", lambda: Graphs(b.attend, b.groups))
-    if graphs is not None:
-        attempt(row, "graph_s", lambda: timed(graphs.replay))
-        attempt(row, "graph_max_diff", lambda: float((graphs.replay(0) - b.attend(0)).abs().max()))
-    attempt(row, "batched_s", lambda: timed(b.batched))
+    eager_and_graph(b, b.attend, row)
+    attempt(row, "batched_s", lambda: b.timed(b.batched))
     got, ref = b.step(0).double(), b.reference(0)
     row["step_rel_error"] = float((got - ref).abs().max() / ref.abs().max())
     for k in ("eager", "graph", "batched"):
         t = row.get(f"{k}_s")
         row[f"{k}_share"] = None if t is None else b.step_bytes / t / roofline
-    row.pop("graph")
     return row
 
 
@@ -304,23 +311,12 @@ def step_row(module: MultiHeadAttention, batch: int, context: int, *, pool: int,
     """Section 3: the whole decode step eager and from a graph, back to back; for one
     session also taken alone, host to host."""
     b = DecodeBench(module, batch, context, min_pool_bytes=pool)
-    device, calls = b.device, max(20, 2 * b.groups)
-
-    def timed(fn: Callable[[int], object]) -> float:
-        return per_call_s(fn, device, groups=b.groups, calls=calls)
-
     row: dict = {"model": "", "batch": batch, "context": context}
-    row["graph_s"] = row["graph_max_diff"] = None  # unless the graph is captured
-    attempt(row, "eager_s", lambda: timed(b.step))
-    graphs = attempt(row, "graph", lambda: Graphs(b.step, b.groups))
-    if graphs is not None:
-        attempt(row, "graph_s", lambda: timed(graphs.replay))
-        attempt(row, "graph_max_diff", lambda: float((graphs.replay(0) - b.step(0)).abs().max()))
+    graphs = eager_and_graph(b, b.step, row)
     if batch == 1:
         attempt(row, "lone_eager_s", lambda: lone_step_s(b, b.step, steps))
         if graphs is not None:
             attempt(row, "lone_graph_s", lambda: lone_step_s(b, graphs.replay, steps))
     eager, graph = row.get("eager_s"), row.get("graph_s")
     row["speedup"] = eager / graph if eager and graph else None
-    row.pop("graph")
     return row
