@@ -49,8 +49,9 @@ $(VENV)/bin/promtool: .ci/get-promtool | $(VENV)/.installed
 test: lint $(VENV)/bin/promtool
 	$(PY) -m pytest $(ARGS)
 
-# Settings (GPU_VENV, GPU_PYTHON, GPU_WHEELS, GPU_SUITE_TIMEOUT_S, GPU_PYTEST_ARGS, GPU_BENCH_ARGS,
-# GPU_PARTS, GPU_OUT; e.g. make gpu GPU_BENCH_ARGS=--quick): bench/gpu_target.sh's header.
+# Settings (GPU_VENV, GPU_PYTHON, GPU_WHEELS, GPU_BUDGET_S, GPU_SUITE_TIMEOUT_S, GPU_PYTEST_ARGS,
+# GPU_BENCH_ARGS, GPU_PARTS, GPU_OUT; e.g. make gpu GPU_BENCH_ARGS=--quick): the header of
+# bench/gpu_target.sh says what each does.
 # Needs no CPU .venv: a GPU machine gets a venv of its own, and a CPU one gets nothing.
 gpu:
 	bench/gpu_target.sh run

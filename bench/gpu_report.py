@@ -9,9 +9,10 @@ from typing import Any
 PAGE = "benchmarks-gpu.md"
 HOW = (
     "Produced by `make gpu` on a machine with a CUDA GPU (bench/gpu_target.sh: a venv of its "
-    "own with torch's CUDA build, the whole test suite with `MHA_SERVE_TEST_DEVICE=cuda`, then "
-    "`python bench/gpu.py`, which writes this page and `bench/results/gpu.json`). Without a GPU "
-    "`make gpu` says so and exits 0; it never writes this page."
+    "own with torch's CUDA build; `python bench/gpu.py`, which writes this page and "
+    "`bench/results/gpu.json`; then the whole test suite with `MHA_SERVE_TEST_DEVICE=cuda`, "
+    "whose summary joins the page). Without a GPU `make gpu` says so and exits 0; it never "
+    "writes this page."
 )
 DECIDE_GRAPHS = (
     "Engine wiring of CUDA graphs is not done: graphs need static shapes (a graph per batch "
@@ -108,7 +109,7 @@ def placeholder() -> str:
 def suite_section(suite: dict[str, Any] | None) -> list[str]:
     out = ["## The test suite on CUDA", ""]
     if not suite:
-        return out + ["Not run in this command (bench/gpu.py without `--suite-json`).", ""]
+        return out + ["Not run with these figures (its summary joins by `--suite-json`).", ""]
     c = suite.get("counts")
     head = f"`MHA_SERVE_TEST_DEVICE={suite['device']} {suite['command']}`: "
     if c is None:

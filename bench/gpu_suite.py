@@ -118,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json-out", type=Path, required=True)
     p.add_argument("--log", type=Path, help="pytest's output (default: beside --json-out)")
-    p.add_argument("--timeout", type=float, default=0, help="seconds; 0: no limit")
+    p.add_argument(
+        "--timeout", type=float, default=0, help="seconds for collection and run; 0: no limit"
+    )
     p.add_argument("pytest_args", nargs="*", help="after --: more pytest arguments")
     args = p.parse_args(argv)
     log_path = args.log or args.json_out.with_suffix(".log")
@@ -136,8 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_suite: leaving out {path}: needs {module!r}, not installed here", flush=True)
     run_args = ["-q", "-rfEs", f"--junitxml={junit}", *args.pytest_args]
     run_args += [f"--ignore={path}" for path in left_out]
+    limit = 0.0  # what the collection left of the time limit, at least a little
+    if args.timeout > 0:
+        limit = max(5.0, args.timeout - (time.monotonic() - started))
     with open(log_path, "wb") as log:
-        code, timed_out, output = run_pytest(run_args, log, args.timeout)
+        code, timed_out, output = run_pytest(run_args, log, limit)
     summary: dict[str, Any] = {
         "command": " ".join(["pytest", *run_args]),
         "device": os.environ.get("MHA_SERVE_TEST_DEVICE", "cpu"),
