@@ -399,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_kernels import attempt
 
     device = torch.device(args.device)
+    if device.index is None:  # set_device and the generators want the index
+        device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(device)
     started = time.perf_counter()
     results: dict[str, Any] = {
