@@ -26,6 +26,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 INTERRUPT_GRACE_S = 60  # after SIGINT, for pytest's teardown and report; then SIGKILL
+# The pytest plugins the suite runs with everywhere (pyproject's dev extra). Only these: a CUDA
+# image's own (xdist, cov, benchmark, timeout, ...) would load themselves into the run too,
+# and one built for another pytest could break it.
+SUITE_PLUGINS = ("pytest_asyncio.plugin", "_hypothesis_pytestplugin")
 # pytest's report of a test module or package (its conftest) that could not be imported
 COLLECT_ERROR = re.compile(r"^_+ ERROR collecting (?P<path>\S+) _+$", re.M)
 NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '(?P<module>[^']+)'")
@@ -84,12 +88,21 @@ def summarize_junit(path: Path) -> dict[str, Any]:
     return {"counts": counts, "failures": failures, "skip_reasons": top}
 
 
+def pytest_command(args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of a pytest run with exactly SUITE_PLUGINS (those here)."""
+    plugins = [p for p in SUITE_PLUGINS if importlib.util.find_spec(p) is not None]
+    cmd = [sys.executable, "-m", "pytest", *(f"-p{p}" for p in plugins), *args]
+    return cmd, {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+
+
 def run_pytest(args: list[str], log, timeout_s: float) -> tuple[int, bool, str]:
     """pytest with args, its output to the terminal and log (and returned); SIGINT at the
     time limit."""
-    cmd = [sys.executable, "-m", "pytest", *args]
+    cmd, env = pytest_command(args)
     log.write(f"$ {' '.join(cmd)}\n".encode())
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
     timed_out = False
     output = bytearray()
@@ -127,12 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     junit = args.json_out.with_suffix(".xml")
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    collect = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", *args.pytest_args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    cmd, env = pytest_command(["--collect-only", "-q", *args.pytest_args])
+    collect = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     left_out = missing_modules(collect.stdout)
     for path, module in left_out.items():
         print(f"gpu_suite: leaving out {path}: needs {module!r}, not installed here", flush=True)
@@ -144,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(log_path, "wb") as log:
         code, timed_out, output = run_pytest(run_args, log, limit)
     summary: dict[str, Any] = {
-        "command": " ".join(["pytest", *run_args]),
+        "command": " ".join(["pytest", *pytest_command(run_args)[0][3:]]),
         "device": os.environ.get("MHA_SERVE_TEST_DEVICE", "cpu"),
         "exit_code": code,
         "timed_out": timed_out,

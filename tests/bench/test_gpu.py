@@ -41,7 +41,11 @@ def bench_gpu():
     """bench/gpu.py, imported by path (a script, not a package)."""
     spec = importlib.util.spec_from_file_location("mha_serve_bench_gpu", BENCH / "gpu.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    path = list(sys.path)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path  # it puts bench/ first, for the scripts it imports when it runs
     return module
 
 
