@@ -2,6 +2,11 @@
 #   make serve   start mha-serve on the built-in models (mha, gqa, mqa); ARGS="--port 50052" to add flags
 #   make serve-ray  the Ray Serve app (deploy/ray/serve_config.yaml): gRPC proxy on 9000
 #   make test    lint, stub check and the whole test suite (what .ci/run runs)
+#   make gpu     on a machine with a CUDA GPU: .venv-gpu (torch's CUDA build), the whole suite on
+#                CUDA, the GPU benchmarks, docs/benchmarks-gpu.md; without a GPU it says so and
+#                exits 0, installing nothing
+#   make gpu-wheels  where PyPI is reachable: the wheels an offline GPU machine lacks, into
+#                .gpu-wheels (bring that folder along; make gpu installs from it)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -12,7 +17,7 @@ TORCH_SPEC ?= torch==2.13.0+cpu
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 ARGS ?=
 
-.PHONY: install serve serve-ray test lint protos clean
+.PHONY: install serve serve-ray test lint protos clean gpu gpu-wheels
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,8 +49,18 @@ $(VENV)/bin/promtool: .ci/get-promtool | $(VENV)/.installed
 test: lint $(VENV)/bin/promtool
 	$(PY) -m pytest $(ARGS)
 
+# Settings (GPU_VENV, GPU_PYTHON, GPU_WHEELS, GPU_BUDGET_S, GPU_SUITE_TIMEOUT_S, GPU_PYTEST_ARGS,
+# GPU_BENCH_ARGS, GPU_PARTS, GPU_OUT; e.g. make gpu GPU_BENCH_ARGS=--quick): the header of
+# bench/gpu_target.sh says what each does.
+# Needs no CPU .venv: a GPU machine gets a venv of its own, and a CPU one gets nothing.
+gpu:
+	bench/gpu_target.sh run
+
+gpu-wheels:
+	bench/gpu_target.sh wheels
+
 protos: $(VENV)/.installed
 	$(PY) protos/generate.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .venv-gpu .pytest_cache

@@ -1,9 +1,11 @@
-"""Shared test helpers: free loopback ports and a real `mha-serve` process."""
+"""Shared test helpers: free loopback ports, a real `mha-serve` process, and the device the
+suite's servers and engines run on."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -12,9 +14,48 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 START_TIMEOUT_S = 120.0
+# The device of the suite's servers (ServerProcess) and of the engines whose fixtures ask for
+# it: cpu (the default) or cuda / cuda:N (`make gpu` runs the whole suite so). Always in
+# float32, so the suite's tolerances hold on either. Tests whose subject is the CPU (or a
+# dtype) keep their own device.
+SUITE_DEVICE_ENV = "MHA_SERVE_TEST_DEVICE"
+
+
+def suite_device_name() -> str:
+    """MHA_SERVE_TEST_DEVICE as a device name, checked (no torch import)."""
+    name = os.environ.get(SUITE_DEVICE_ENV, "").strip() or "cpu"
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        raise ValueError(f"{SUITE_DEVICE_ENV}={name!r}: use cpu, cuda or cuda:N")
+    return name
+
+
+def suite_device() -> str:
+    """The suite's device name; skips the calling test (or fixture) with the reason when it is
+    CUDA and this machine's torch has no such device."""
+    name = suite_device_name()
+    if name != "cpu":
+        import torch
+
+        index = int(name.partition(":")[2] or 0)
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if index >= count:
+            seen = f"{count} CUDA device(s)" if count else "no CUDA device"
+            pytest.skip(
+                f"{SUITE_DEVICE_ENV}={name} but torch {torch.__version__} sees {seen}: run "
+                "the suite so on a machine with a GPU (make gpu), or unset it"
+            )
+    return name
+
+
+def suite_torch_device():
+    """suite_device() as a torch.device, for fixtures that build an Engine."""
+    import torch
+
+    return torch.device(suite_device())
 
 
 def free_port() -> int:
@@ -24,9 +65,13 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m mha_serve.transport.main` on 127.0.0.1, waited on until health is SERVING."""
+    """`python -m mha_serve.transport.main` on 127.0.0.1, waited on until health is SERVING.
+
+    It runs on the suite's device in float32 (MHA_SERVE_DEVICE / MHA_SERVE_DTYPE), unless
+    `env` or a flag (which wins over the environment) names its own."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, log_path: Path) -> None:
+        device = {"MHA_SERVE_DEVICE": suite_device(), "MHA_SERVE_DTYPE": "float32"}
         self.port = free_port()
         self.metrics_port = free_port()
         self.target = f"127.0.0.1:{self.port}"
@@ -45,7 +90,10 @@ class ServerProcess:
         ]
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **device, **(env or {})},
         )
 
     def wait_serving(self, timeout: float = START_TIMEOUT_S) -> None:

@@ -18,6 +18,7 @@ from mha_client.errors import MhaServeError
 from mha_client.sdk import AsyncClient, Client
 from mha_serve.config import default_models
 from mha_serve.model import MultiHeadAttention, init_weights
+from tests.helpers import suite_device
 
 ATOL = 1e-5  # float32 over the wire vs the same module in-process
 SPECS = {spec.name: spec for spec in default_models()}
@@ -47,7 +48,7 @@ def test_list_models(client):
         ("gqa", 8, 2, 512),
         ("mqa", 8, 1, 512),
     }
-    assert models["gqa"].device == "cpu" and models["gqa"].max_seq_len == 4096
+    assert models["gqa"].device == suite_device() and models["gqa"].max_seq_len == 4096
 
 
 @pytest.mark.parametrize("name", ["mha", "gqa", "mqa"])

@@ -8,6 +8,7 @@ import torch
 from mha_serve.config import default_models
 from mha_serve.engine import Engine
 from tests.engine_calls import req, run, run_batch
+from tests.helpers import suite_torch_device
 
 ATOL = 1e-5  # float32: a padded, masked batch vs each call alone
 
@@ -15,7 +16,7 @@ ATOL = 1e-5  # float32: a padded, masked batch vs each call alone
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     return Engine(
-        default_models(), device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**28
+        default_models(), device=suite_torch_device(), dtype=torch.float32, max_response_bytes=2**28
     )
 
 

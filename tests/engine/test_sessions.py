@@ -22,6 +22,7 @@ from mha_serve.engine import (
 from mha_serve.engine import sessions as engine_sessions
 from mha_serve.model import AttentionConfig, MultiHeadAttention, cached
 from tests.engine_calls import State, req, run, run_batch, torched
+from tests.helpers import suite_torch_device
 
 ATOL = 1e-5  # float32: cached steps vs one causal forward
 
@@ -29,7 +30,7 @@ ATOL = 1e-5  # float32: cached steps vs one causal forward
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     return Engine(
-        default_models(), device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**28
+        default_models(), device=suite_torch_device(), dtype=torch.float32, max_response_bytes=2**28
     )
 
 

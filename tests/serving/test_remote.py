@@ -19,6 +19,7 @@ from mha_serve.serving import link as remote_mod
 from mha_serve.serving.host import EngineHost
 from mha_serve.serving.remote import RemoteEngine
 from tests.engine_calls import req, torched
+from tests.helpers import suite_torch_device
 
 BODY_TIMEOUT_S = 120
 
@@ -32,7 +33,7 @@ async def _attend(client, request):
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     return Engine(
-        default_models(), device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**28
+        default_models(), device=suite_torch_device(), dtype=torch.float32, max_response_bytes=2**28
     )
 
 

@@ -1,0 +1,322 @@
+"""The model-level pieces of bench/gpu.py: timers, the HBM roofline, and a decode step of B
+sessions over the paged KV cache, eager or replayed from a CUDA graph.
+
+Device-agnostic, so the tests run every piece on the CPU with tiny shapes (graphs aside);
+bench/gpu.py runs them on CUDA. Timings on CUDA come from device events around a loop of
+calls (what a back-to-back decode loop sustains, launch gaps included); on the CPU from the
+wall clock.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from mha_serve.cache import KVCache
+from mha_serve.config import default_models
+from mha_serve.model import MultiHeadAttention, init_weights
+
+# Datasheet HBM bandwidth in GB/s (1e9 bytes/s), by device name as torch reports it; the first
+# match wins. A lead, printed beside the run's own measured copy bandwidth, which is the
+# roofline every ratio uses.
+DATASHEET_GBS = (
+    (r"H200", 4800),
+    (r"H100.*NVL", 3900),
+    (r"H100.*PCIe", 2000),
+    (r"H100", 3350),  # SXM5, 80 GB HBM3 ("NVIDIA H100 80GB HBM3")
+    (r"A100-SXM4-80GB", 2039),
+    (r"A100 80GB PCIe", 1935),
+    (r"A100", 1555),
+    (r"L40S", 864),
+    (r"L4\b", 300),
+    (r"A10G?\b", 600),
+    (r"V100", 900),
+    (r"T4\b", 320),
+)
+
+
+def datasheet_gbs(name: str) -> int | None:
+    """The datasheet HBM bandwidth (GB/s) of a device name, None when the table lacks it."""
+    for pattern, gbs in DATASHEET_GBS:
+        if re.search(pattern, name):
+            return gbs
+    return None
+
+
+def load_module(name: str, device: torch.device, dtype: torch.dtype) -> MultiHeadAttention:
+    """A built-in model (mha, gqa, mqa) with the weights every server computes with."""
+    spec = {s.name: s for s in default_models()}[name]
+    module = MultiHeadAttention(spec.attention, device=device, dtype=dtype)
+    init_weights(module, spec.seed)
+    return module.eval().requires_grad_(False)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def per_call_s(
+    run: Callable[[int], object],
+    device: torch.device,
+    *,
+    groups: int = 1,
+    calls: int = 20,
+    reps: int = 5,
+    warmup: int = 3,
+) -> float:
+    """Median over `reps` of the mean time of `calls` back-to-back run(i % groups) calls."""
+    for i in range(warmup * groups):
+        run(i % groups)
+    samples = []
+    for _ in range(reps):
+        synchronize(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for i in range(calls):
+                run(i % groups)
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3 / calls)
+        else:
+            t = time.perf_counter()
+            for i in range(calls):
+                run(i % groups)
+            samples.append((time.perf_counter() - t) / calls)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, reps: int = 5) -> float:
+    """Bytes/s of a device-to-device copy of nbytes, counting bytes read plus bytes written:
+    the roofline a K/V read is held against (METHOD: measure the ceiling on the machine)."""
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / per_call_s(lambda _: dst.copy_(src), device, calls=5, reps=reps)
+
+
+def kv_read_bytes(module: MultiHeadAttention, batch: int, context: int, itemsize: int) -> int:
+    """Bytes of K and V one decode step of `batch` sessions at `context` must read."""
+    c = module.config
+    return batch * 2 * c.num_kv_heads * context * c.head_dim * itemsize
+
+
+class DecodeBench:
+    """One model's decode step for `batch` sessions at `context` (context - 1 tokens cached,
+    one new) with the engine's ops: project, write the new K/V into the paged cache,
+    `attend_cached` over each session's keys (in-place views: consecutive blocks, as the
+    block pool lays out a session it can), wo. Inputs live in static buffers, so a step can
+    be captured into a CUDA graph and replayed.
+
+    `groups` sets of `batch` sessions (enough that one pass over them is at least
+    min_pool_bytes of K/V): each call steps the next set, so repeated calls read HBM rather
+    than the L2 cache. K/V are random, never zeros (they hide unwritten memory).
+    """
+
+    def __init__(
+        self,
+        module: MultiHeadAttention,
+        batch: int,
+        context: int,
+        *,
+        min_pool_bytes: int = 0,
+        block_size: int = 16,
+        seed: int = 0,
+    ) -> None:
+        c = module.config
+        weight = module.wqkv.weight
+        self.module, self.batch, self.context = module, batch, context
+        self.device, self.dtype = weight.device, weight.dtype
+        KVH, D, E = c.num_kv_heads, c.head_dim, c.embed_dim
+        self.step_bytes = kv_read_bytes(module, batch, context, weight.element_size())
+        self.groups = max(1, math.ceil(min_pool_bytes / self.step_bytes))
+        blocks = -(-context // block_size)  # per session
+        sessions = self.groups * batch
+        per_block = block_size * 2 * KVH * D * weight.element_size()
+        self.cache = KVCache(
+            num_kv_heads=KVH,
+            head_dim=D,
+            budget_bytes=sessions * blocks * per_block,
+            block_size=block_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        self.cache.k.normal_(generator=g)
+        self.cache.v.normal_(generator=g)
+        ids = [list(range(s * blocks, (s + 1) * blocks)) for s in range(sessions)]
+        self.kv = [  # per group: batch (keys, values) views, (1, KVH, context, D) each
+            [self.cache.read(ids[gi * batch + b], context) for b in range(batch)]
+            for gi in range(self.groups)
+        ]
+        new_slot = [table[0] * block_size + context - 1 for table in ids]
+        self.slots = torch.tensor(new_slot, device=self.device).view(self.groups, batch)
+        self.x = torch.randn(self.groups, batch, 1, E, generator=g, device=self.device)
+        self.x = self.x.to(self.dtype)  # (G, B, 1, E): the new tokens
+        self.q = [module.project(self.x[gi])[0] for gi in range(self.groups)]  # (B, H, 1, D)
+        self.past, self.new = [context - 1] * batch, [1] * batch
+        self._contiguous: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def timed(self, fn: Callable[[int], object]) -> float:
+        """per_call_s of fn over this bench's groups (each call the next group)."""
+        calls = max(20, 2 * self.groups)
+        return per_call_s(fn, self.device, groups=self.groups, calls=calls)
+
+    def attend(self, group: int) -> torch.Tensor:
+        """The K/V-reading part alone: group's static queries over its cached keys, and wo."""
+        out = self.module.attend_cached(
+            self.q[group], self.kv[group], past_lengths=self.past, new_lengths=self.new
+        )
+        return out.output  # (B, 1, E)
+
+    def step(self, group: int) -> torch.Tensor:
+        """The whole decode step of group's sessions; their new K/V land at position
+        context - 1, inside the views attend_cached reads."""
+        m, KVH = self.module, self.module.config.num_kv_heads
+        q, k, v = m.project(self.x[group])  # (B, H, 1, D), (B, KVH, 1, D) x 2
+        slots = self.slots[group]  # (B,)
+        for cache, new in ((self.cache.k, k), (self.cache.v, v)):
+            flat = cache.view(KVH, self.cache.num_slots, -1)  # (KVH, slots, D)
+            flat.index_copy_(1, slots, new[:, :, 0].transpose(0, 1))  # (KVH, B, D)
+        out = m.attend_cached(q, self.kv[group], past_lengths=self.past, new_lengths=self.new)
+        return out.output  # (B, 1, E)
+
+    def batched(self, group: int) -> torch.Tensor:
+        """What one launch over the batch can do: the same queries and K/V copied once (as the
+        cache holds them at the group's first call) into contiguous (B, KVH, context, D)
+        tensors, one scaled_dot_product_attention, wo."""
+        if group not in self._contiguous:
+            k = torch.cat([k for k, _ in self.kv[group]])  # (B, KVH, context, D)
+            v = torch.cat([v for _, v in self.kv[group]])
+            self._contiguous[group] = (k, v)
+        m, c = self.module, self.module.config
+        k, v = self._contiguous[group]
+        y = F.scaled_dot_product_attention(
+            self.q[group], k, v, scale=m.scale, enable_gqa=c.num_kv_heads != c.num_heads
+        )  # (B, H, 1, D)
+        y = y.transpose(1, 2).reshape(self.batch, 1, c.num_heads * c.head_dim)
+        return F.linear(y, m.wo.weight, m.wo.bias)  # (B, 1, E)
+
+    def reference(self, group: int) -> torch.Tensor:
+        """The step's output recomputed plainly in float64 from the cache as it is now (after
+        a step wrote the new K/V): per session softmax(q k^T * scale) v, heads merged, wo."""
+        m, c = self.module, self.module.config
+        G = c.num_heads // c.num_kv_heads
+        q = m.project(self.x[group])[0].double()  # (B, H, 1, D)
+        outs = []
+        for b, (k, v) in enumerate(self.kv[group]):
+            k = k[0].double().repeat_interleave(G, dim=0)  # (H, S, D): head h reads kv h // G
+            v = v[0].double().repeat_interleave(G, dim=0)
+            p = torch.softmax(q[b] @ k.transpose(-1, -2) * m.scale, dim=-1)  # (H, 1, S)
+            outs.append((p @ v).transpose(0, 1).reshape(1, c.num_heads * c.head_dim))
+        y = torch.stack(outs)  # (B, 1, H*D)
+        bias = None if m.wo.bias is None else m.wo.bias.double()
+        return F.linear(y, m.wo.weight.double(), bias)  # (B, 1, E)
+
+
+class Graphs:
+    """One CUDA graph of fn(group) per group, sharing one memory pool; replay(group) runs it
+    and returns its static output (overwritten by the next replay of that group)."""
+
+    def __init__(self, fn: Callable[[int], torch.Tensor], groups: int) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("CUDA graphs need a CUDA device")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up off the capture: cuBLAS handles, workspaces
+            for gi in range(groups):
+                fn(gi)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.outputs: list[torch.Tensor] = []
+        pool = None
+        for gi in range(groups):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs.append(fn(gi))
+            pool = graph.pool()
+            self.graphs.append(graph)
+
+    def replay(self, group: int) -> torch.Tensor:
+        self.graphs[group].replay()
+        return self.outputs[group]
+
+
+def lone_step_s(
+    bench: DecodeBench, run: Callable[[int], torch.Tensor], steps: int, reps: int = 3
+) -> float:
+    """Median wall time of one session's step as a server takes it, one at a time: the token
+    copied from host memory into the static input, the step, the output copied back."""
+    host = torch.randn(steps, 1, 1, bench.module.config.embed_dim).to(bench.dtype)
+    times = []
+    for rep in range(reps + 1):  # rep 0 warms up
+        for t in range(steps):
+            start = time.perf_counter()
+            bench.x[0].copy_(host[t])
+            run(0).cpu()
+            if rep:
+                times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# ----- one row of each table: bench/gpu.py's sections 2 and 3 ------------------------------
+
+
+def attempt(row: dict, key: str, fn: Callable[[], object]) -> object:
+    """row[key] = fn(), or None with the error under row["errors"][key]: one measurement that
+    fails (a graph that cannot be captured, say) leaves the rest of the run standing."""
+    try:
+        row[key] = fn()
+    except Exception as e:  # noqa: BLE001 - recorded and printed on the page
+        row[key] = None
+        row.setdefault("errors", {})[key] = f"{type(e).__name__}: {e}"
+    return row[key]
+
+
+def eager_and_graph(b: DecodeBench, fn: Callable[[int], torch.Tensor], row: dict) -> Graphs | None:
+    """row's eager_s, and graph_s and graph_max_diff (graph against eager output) of fn's
+    CUDA graphs (None where they cannot be captured); returns the graphs."""
+    row["graph_s"] = row["graph_max_diff"] = None
+    attempt(row, "eager_s", lambda: b.timed(fn))
+    graphs = attempt(row, "graph", lambda: Graphs(fn, b.groups))
+    del row["graph"]
+    if graphs is not None:
+        attempt(row, "graph_s", lambda: b.timed(graphs.replay))
+        attempt(row, "graph_max_diff", lambda: float((graphs.replay(0) - fn(0)).abs().max()))
+    return graphs
+
+
+def kv_row(module: MultiHeadAttention, batch: int, context: int, *, pool: int, roofline: float):
+    """Section 2: the K/V-reading part of a decode step, eager, from a graph and as one
+    batched kernel, each as a share of the roofline (bytes/s), and the step's error."""
+    b = DecodeBench(module, batch, context, min_pool_bytes=pool)
+    row: dict = {"model": "", "batch": batch, "context": context, "kv_bytes": b.step_bytes}
+    eager_and_graph(b, b.attend, row)
+    attempt(row, "batched_s", lambda: b.timed(b.batched))
+    got, ref = b.step(0).double(), b.reference(0)
+    row["step_rel_error"] = float((got - ref).abs().max() / ref.abs().max())
+    for k in ("eager", "graph", "batched"):
+        t = row.get(f"{k}_s")
+        row[f"{k}_share"] = None if t is None else b.step_bytes / t / roofline
+    return row
+
+
+def step_row(module: MultiHeadAttention, batch: int, context: int, *, pool: int, steps: int):
+    """Section 3: the whole decode step eager and from a graph, back to back; for one
+    session also taken alone, host to host."""
+    b = DecodeBench(module, batch, context, min_pool_bytes=pool)
+    row: dict = {"model": "", "batch": batch, "context": context}
+    graphs = eager_and_graph(b, b.step, row)
+    if batch == 1:
+        attempt(row, "lone_eager_s", lambda: lone_step_s(b, b.step, steps))
+        if graphs is not None:
+            attempt(row, "lone_graph_s", lambda: lone_step_s(b, graphs.replay, steps))
+    eager, graph = row.get("eager_s"), row.get("graph_s")
+    row["speedup"] = eager / graph if eager and graph else None
+    return row

@@ -1,0 +1,312 @@
+"""docs/benchmarks-gpu.md from bench/gpu.py's results (figures only from the run; without a
+run the page says that no GPU figures have been measured)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+PAGE = "benchmarks-gpu.md"
+HOW = (
+    "Produced by `make gpu` on a machine with a CUDA GPU (bench/gpu_target.sh: a venv of its "
+    "own with torch's CUDA build; `python bench/gpu.py`, which writes this page and "
+    "`bench/results/gpu.json`; then the whole test suite with `MHA_SERVE_TEST_DEVICE=cuda`, "
+    "whose summary joins the page). Without a GPU `make gpu` says so and exits 0; it never "
+    "writes this page."
+)
+DECIDE_GRAPHS = (
+    "Engine wiring of CUDA graphs is not done: graphs need static shapes (a graph per batch "
+    "size and context bucket, or attention that reads the lengths from device memory), which "
+    "the engine's per-session steps do not have today. The rule: wire them in where a graph "
+    "saves at least a tenth of a served step, or speeds the 64-session step at least 1.2x."
+)
+
+
+def us(seconds: float | None) -> str:
+    return "failed" if seconds is None else f"{seconds * 1e6:.1f}"
+
+
+def pct(share: float | None) -> str:
+    return "-" if share is None else f"{share:.0%}"
+
+
+def sci(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+def render(results: dict[str, Any], targets: dict[str, Any]) -> str:
+    d = results["device"]
+    out = [
+        "# GPU benchmarks (issue 25)",
+        "",
+        HOW,
+        "",
+        f"This run: `{results['command']}` on {results['date']}, {d['name']} (compute "
+        f"capability {d['capability']}, {d['multiprocessors']} SMs, {d['memory_gib']:.0f} GiB), "
+        f"torch {d['torch']}, CUDA {d['cuda']}, Python {d['python']}; "
+        f"{results['elapsed_s']:.0f} s in all. Every ratio is measured in this run, beside what "
+        "it is held against; compare within one run only.",
+        "",
+        *errors_section(results.get("errors")),
+        *suite_section(results.get("suite")),
+        *roofline_section(results),
+        *kv_section(results, targets),
+        *graphs_section(results),
+        *stateless_section(results),
+        *sessions_section(results),
+        *lone_section(results),
+    ]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def errors_section(errors: dict[str, str] | None) -> list[str]:
+    if not errors:
+        return []
+    out = ["## What failed in this run", ""]
+    out += [f"- {key}: `{error[:300]}`" for key, error in errors.items()]
+    return [*out, ""]
+
+
+def roofline_section(results: dict[str, Any]) -> list[str]:
+    if "copy_gbs" not in results:
+        return []
+    copy, sheet = results["copy_gbs"], results.get("datasheet_gbs")
+    return [
+        "## Roofline",
+        "",
+        f"A device-to-device copy moved {copy:.0f} GB/s (bytes read plus bytes written): the "
+        "roofline of every share below. Datasheet: "
+        + (
+            f"{sheet} GB/s (the copy reached {copy / sheet:.0%} of it)."
+            if sheet
+            else "not in bench/gpu_kernels.py's table for this device."
+        ),
+        "",
+    ]
+
+
+def placeholder() -> str:
+    return "\n".join(
+        [
+            "# GPU benchmarks (issue 25)",
+            "",
+            HOW,
+            "",
+            "**No GPU figures have been measured yet**: no run of `make gpu` on a machine with a "
+            "GPU has landed. This page is replaced by the first one.",
+            "",
+            "What a run measures (bench/gpu.py's docstring has the details): the roofline (a "
+            "device-to-device copy); the decode K/V-read bandwidth at context 4096 in bfloat16 "
+            "as a share of it (target >= 50%); CUDA graphs for the decode step against eager; "
+            "stateless throughput by batch and length, served against in-process; 64 sessions "
+            "decoding together against one at a time; one session's streamed step against its "
+            "limit; and the whole test suite run on CUDA.",
+            "",
+        ]
+    )
+
+
+def suite_section(suite: dict[str, Any] | None) -> list[str]:
+    out = ["## The test suite on CUDA", ""]
+    if not suite:
+        return out + ["Not run with these figures (its summary joins by `--suite-json`).", ""]
+    c = suite.get("counts")
+    head = f"`MHA_SERVE_TEST_DEVICE={suite['device']} {suite['command']}`: "
+    if c is None:
+        head += f"pytest exited {suite['exit_code']} and wrote no report (see gpu-suite.log)."
+    else:
+        head += (
+            f"**{c['passed']} passed, {c['failed']} failed, {c['errors']} errors, "
+            f"{c['skipped']} skipped** in {suite['duration_s']:.0f} s (exit {suite['exit_code']})."
+        )
+    if suite.get("timed_out"):
+        head += f" Interrupted at its {suite['timeout_s']:.0f} s limit: the rest did not run."
+    out += [head, ""]
+    if suite.get("left_out"):
+        out += ["Left out, their packages not installed on this machine:", ""]
+        out += [f"- `{x['path']}` (needs `{x['needs']}`)" for x in suite["left_out"]]
+        out.append("")
+    if suite.get("failures"):
+        out += ["Failures and errors (first 30):", ""]
+        for f in suite["failures"][:30]:
+            message = f["message"][0] if f["message"] else ""
+            out.append(f"- `{f['test']}` ({f['outcome']}): {message[:200]}")
+        out.append("")
+    if suite.get("skip_reasons"):
+        out += ["Skipped, by reason:", ""]
+        out += [f"- {n} x {reason[:200]}" for reason, n in suite["skip_reasons"]]
+        out.append("")
+    return out
+
+
+def kv_section(results: dict[str, Any], targets: dict[str, Any]) -> list[str]:
+    rows = results.get("kv") or []
+    if not rows:
+        return []
+    goal = targets["kv_read_share_min"]
+    out = [
+        f"## Decode K/V-read bandwidth at context {rows[0]['context']}, bfloat16",
+        "",
+        "One decode token per session over its cached K/V (random, in the paged cache, each "
+        "session's blocks consecutive). *Engine*: `attend_cached` as the engine runs it, one "
+        "attention kernel per session over in-place views, then wo; *graph*: the same replayed "
+        "from a CUDA graph; *one kernel*: the same queries and K/V copied once into contiguous "
+        "(B, KVH, S, D) tensors, one `scaled_dot_product_attention` for the batch. Time per step "
+        "from device events over back-to-back steps (each step reads another set of sessions, "
+        "so the L2 cache does not serve them); share = K/V bytes / time / roofline. Target: "
+        f">= {goal:.0%}. Error: the step's output against a float64 recompute, max |diff| / "
+        "max |ref|.",
+        "",
+        "| model | sessions | K/V per step | engine (us) | share | graph (us) | share "
+        "| one kernel (us) | share | error |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        size = f"{r['kv_bytes'] / 2**20:.1f} MiB" if r.get("kv_bytes") else "-"
+        out.append(
+            f"| {r['model']} | {r['batch']} | {size} | {us(r.get('eager_s'))} "
+            f"| **{pct(r.get('eager_share'))}** | {us(r.get('graph_s'))} "
+            f"| {pct(r.get('graph_share'))} | {us(r.get('batched_s'))} "
+            f"| {pct(r.get('batched_share'))} | {sci(r.get('step_rel_error'))} |"
+        )
+    out.append("")
+    widest = max(r["batch"] for r in rows)
+    out += [f"At {widest} sessions, against the target of {goal:.0%}:", ""]
+    for r in (r for r in rows if r["batch"] == widest):
+        marks = []
+        for k, label in (("eager", "engine"), ("graph", "graph"), ("batched", "one kernel")):
+            share = r.get(f"{k}_share")
+            verdict = "failed" if share is None else "meets" if share >= goal else "misses"
+            marks.append(f"{label} {pct(share)} ({verdict})")
+        out.append(f"- {r['model']}: {', '.join(marks)}")
+    return [*out, ""]
+
+
+def graphs_section(results: dict[str, Any]) -> list[str]:
+    rows = results.get("graphs") or []
+    if not rows:
+        return []
+    out = [
+        "## CUDA graphs for the decode step",
+        "",
+        "The whole model-level step (project, K/V write into the cache, `attend_cached`, wo) "
+        "with static buffers, eager against replayed from a CUDA graph, the same shapes on "
+        "both sides. Back to back: device events over a loop of steps. *Alone*: one session's "
+        "step as a server takes it, the token copied in from host memory and the output back, "
+        "wall clock, median.",
+        "",
+        "| model | sessions | context | eager (us) | graph (us) | **speedup** | alone, eager "
+        "(us) | alone, graph (us) | graph vs eager (max diff) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        alone = r["batch"] == 1
+        speedup = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"
+        out.append(
+            f"| {r['model']} | {r['batch']} | {r['context']} | {us(r.get('eager_s'))} "
+            f"| {us(r.get('graph_s'))} | **{speedup}** "
+            f"| {us(r.get('lone_eager_s')) if alone else ''} "
+            f"| {us(r.get('lone_graph_s')) if alone else ''} | {sci(r.get('graph_max_diff'))} |"
+        )
+    out.append("")
+    out += [DECIDE_GRAPHS, ""]
+    widest = max(r["batch"] for r in rows)
+    savings = [
+        r["graph_saving_share"] for r in results.get("lone") or [] if "graph_saving_share" in r
+    ]
+    wide = [r["speedup"] for r in rows if r["batch"] == widest and r.get("speedup") is not None]
+    if savings and wide:
+        pays = max(savings) >= 0.1 or max(wide) >= 1.2
+        out += [
+            f"This run: a graph would save at most {max(savings):.0%} of a lone served step "
+            f"(below) and speeds the {widest}-session step {min(wide):.2f}x to {max(wide):.2f}x: "
+            "by the rule they "
+            + (
+                "**pay**: wiring them into the engine is worth its design."
+                if pays
+                else "**do not pay** yet."
+            ),
+            "",
+        ]
+    return out
+
+
+def stateless_section(results: dict[str, Any]) -> list[str]:
+    rows = results.get("stateless", [])
+    if not rows:
+        return []
+    models = ", ".join(
+        f"{m['name']} on {m['device']} {m['dtype']}" for m in results["served_models"]
+    )
+    out = [
+        "## Stateless throughput by batch and length",
+        "",
+        f"mha-serve with its defaults ({models}), `mha_client.loadgen` closed loop of "
+        f"{rows[0]['concurrency']} clients, each request (batch, length) float32 sequences. "
+        "*In-process*: the same module called on one request's batch, its float32 input copied "
+        "from host memory and the output back (what a server must do besides serving); "
+        "*forward alone*: on device-resident input. *Echo*: a bare grpc.aio server answering "
+        "the request bytes (the wire and the load generator alone). Served, echo and in-process "
+        "alternate in rounds; medians. Sequences per second.",
+        "",
+        "| batch | length | served | in-process | forward alone | echo | **served / in-process** "
+        "| served / echo |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['batch']} | {r['length']} | {r['served_seq_per_s']:.0f} "
+            f"| {r['inprocess_seq_per_s']:.0f} | {r['forward_seq_per_s']:.0f} "
+            f"| {r['echo_seq_per_s']:.0f} | **{r['vs_inprocess']:.2f}** | {r['vs_echo']:.2f} |"
+        )
+    return [*out, ""]
+
+
+def sessions_section(results: dict[str, Any]) -> list[str]:
+    b = results.get("sessions")
+    if not b:
+        return []
+    each = ", ".join(f"{r['ratio']:.1f}x" for r in b["rounds"])
+    return [
+        "## 64 sessions decoding together vs one at a time",
+        "",
+        f"bench/sessions.py's pair on this server: {b['sessions']} gqa sessions prefilled to "
+        f"{b['context']} tokens, one stream each; every round forks them twice and steps "
+        f"{b['steps_per_phase']} tokens on one set one session at a time, on the other all at "
+        f"once. Median round: {b['concurrent_tokens_per_s']:.0f} tokens/s together against "
+        f"{b['sequential_tokens_per_s']:.0f} one at a time: **{b['ratio']:.1f}x** (each round: "
+        f"{each}; mean batch {b['mean_batch_size']:.1f}).",
+        "",
+    ]
+
+
+def lone_section(results: dict[str, Any]) -> list[str]:
+    rows = [r for r in results.get("lone") or [] if "ratio" in r]
+    if not rows:
+        return []
+    out = [
+        "## One session's decode step against its limit",
+        "",
+        "A streamed step (`AsyncSession.stream().step`) through the server, against its limit: "
+        "the same step in-process taken alone (above: host to host, eager) plus one round trip "
+        "of the same request bytes through the echo server. The graphed in-process step and "
+        "the share of the served step a graph would save beside it. Medians, us.",
+        "",
+        "| model | context | served | in-process | echo | limit | **ratio** | in-process, "
+        "graph | graph would save |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['model']} | {r['context']} | {us(r['served_s'])} | {us(r['inprocess_s'])} "
+            f"| {us(r['echo_s'])} | {us(r['limit_s'])} | **{r['ratio']:.2f}** "
+            f"| {us(r.get('inprocess_graph_s'))} | {pct(r.get('graph_saving_share'))} |"
+        )
+    return [*out, ""]
+
+
+def write_report(results: dict[str, Any], docs: Path, targets: dict[str, Any]) -> Path:
+    docs.mkdir(parents=True, exist_ok=True)
+    page = docs / PAGE
+    page.write_text(render(results, targets))
+    return page
