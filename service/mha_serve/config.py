@@ -76,6 +76,14 @@ class ServerConfig:
     # runs on the event loop's thread, single-threaded, instead of crossing to the compute
     # thread and back (batching/batcher.py); concurrent requests still queue and batch.
     inline_lone_requests: bool = True
+    # --- durable sessions (docs/operations.md "Durable sessions") ---
+    # A directory where a full KV cache moves its least recently used idle sessions instead of
+    # refusing or evicting them, and where live sessions are written on SIGTERM (after
+    # draining); a server started on it adopts them. One live server per directory. Empty: off.
+    session_spill_dir: str = ""
+    # Bytes of session files the directory may hold; past it the oldest spilled sessions
+    # expire (NOT_FOUND, saying so). Required with session_spill_dir.
+    session_spill_bytes: int = 0
     models: list[ModelSpec] = field(default_factory=lambda: default_models())
 
 
@@ -241,6 +249,13 @@ def build_config(file_path: str | None, overrides: dict[str, Any]) -> ServerConf
     if not 1 <= cfg.frontend_workers <= MAX_FRONTEND_WORKERS:
         raise ValueError(
             f"frontend_workers {cfg.frontend_workers} must be 1..{MAX_FRONTEND_WORKERS}"
+        )
+    if cfg.session_spill_bytes < 0:
+        raise ValueError(f"session_spill_bytes {cfg.session_spill_bytes} is negative")
+    if cfg.session_spill_dir and not cfg.session_spill_bytes:
+        raise ValueError(
+            "session_spill_dir is set but session_spill_bytes is 0: give the spill tier a "
+            "byte budget (e.g. --session-spill-bytes 8589934592 for 8 GiB)"
         )
     if cfg.max_concurrent_rpcs < 1:
         raise ValueError(f"max_concurrent_rpcs {cfg.max_concurrent_rpcs} must be at least 1")

@@ -80,19 +80,28 @@ class RoomMaking:
             s.key_absmax = key_absmax
             num_blocks = -(-record.num_tokens // bs) - s.first_block
             s.in_use = 1  # making room never picks it
-            self._make_room(m, num_blocks, None, s, now)
-            s.block_table = m.pool.allocate(num_blocks)
+            # Out of the tier's index while room is made: spilling others may expire the
+            # oldest spilled, never this one. Its file stays until it is back.
+            entry = self.spill.detach(s.id)
             try:
-                m.storage.load(s.block_table, s.first_block, record.first_position, k, v)
-            except BaseException:
-                m.pool.decref(s.block_table)
+                self._make_room(m, num_blocks, None, s, now)
+                s.block_table = m.pool.allocate(num_blocks)
+                try:
+                    m.storage.load(s.block_table, s.first_block, record.first_position, k, v)
+                except BaseException:
+                    m.pool.decref(s.block_table)
+                    raise
+            except BaseException:  # no room: it stays spilled, as it was
+                if entry is not None:
+                    self.spill.attach(entry)
                 raise
             s.num_tokens, s.in_use = record.num_tokens, 0
             del self._spilled[s.id]
             self.quota.remove(ghost)
             self.quota.add(s)
             self._sessions[s.id] = s
-            self.spill.remove(s.id)
+            if entry is not None:
+                self.spill.delete(entry)
             return self._session_stats(s)
 
     def forget_spilled(self, session_id: str, reason: str, message: str) -> None:

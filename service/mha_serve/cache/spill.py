@@ -35,8 +35,9 @@ REFUSED_SUFFIX = ".refused"
 TEMP_PREFIX = ".tmp-"
 
 
-class SpillDirInUse(RuntimeError):
-    """Another live server holds the spill directory (start-up fails, saying which)."""
+class SpillDirInUse(ValueError):
+    """Another live server holds the spill directory: start-up fails, saying which (a
+    configuration error: each server needs a directory of its own)."""
 
 
 @dataclass
@@ -106,14 +107,22 @@ class SpillStore:
                 f"session {record.session_id!r} is {len(data)} bytes on disk, more than the "
                 f"whole spill budget ({self.budget_bytes} bytes, session_spill_bytes)"
             )
-        self.remove(record.session_id)
+        old = self.entries.pop(record.session_id, None)  # its file stays until replaced
+        if old is not None:
+            self.nbytes -= old.nbytes
         expired = []
         while self.nbytes + len(data) > self.budget_bytes and self.entries:
             oldest = next(iter(self.entries))
             expired.append(self.entries[oldest])
             self.remove(oldest)
         path = self.path_for(record.session_id)
-        _write_atomically(path, data)
+        try:
+            _write_atomically(path, data)  # the old copy until the rename, never a torn one
+        except BaseException:
+            if old is not None:
+                self.entries[old.session_id] = old
+                self.nbytes += old.nbytes
+            raise
         self.entries[record.session_id] = Spilled(record, path, len(data))
         self.nbytes += len(data)
         return expired
@@ -136,6 +145,24 @@ class SpillStore:
                 f"{spilled.path}: holds session {record.session_id!r}, not {session_id!r}"
             )
         return record, k, v
+
+    def detach(self, session_id: str) -> Spilled | None:
+        """Takes a session out of the index, its file left in place (a restore under way:
+        room made meanwhile must not expire it); attach() puts it back, remove() deletes."""
+        spilled = self.entries.pop(session_id, None)
+        if spilled is not None:
+            self.nbytes -= spilled.nbytes
+        return spilled
+
+    def attach(self, spilled: Spilled) -> None:
+        self.entries[spilled.session_id] = spilled
+        self.entries.move_to_end(spilled.session_id, last=False)  # it was among the oldest
+        self.nbytes += spilled.nbytes
+
+    def delete(self, spilled: Spilled) -> None:
+        """Deletes a detached session's file."""
+        with contextlib.suppress(FileNotFoundError):
+            spilled.path.unlink()
 
     def remove(self, session_id: str) -> Spilled | None:
         """Forgets a session and deletes its file (gone already: fine)."""
@@ -272,6 +299,15 @@ class SpillTier:
 
     def remove(self, session_id: str) -> None:
         self.store.remove(session_id)
+
+    def detach(self, session_id: str) -> Spilled | None:
+        return self.store.detach(session_id)
+
+    def attach(self, spilled: Spilled) -> None:
+        self.store.attach(spilled)
+
+    def delete(self, spilled: Spilled) -> None:
+        self.store.delete(spilled)
 
     def idle_s(self, spilled: Spilled) -> float:
         """Its idle time now: when written, plus the time since (across a restart too)."""

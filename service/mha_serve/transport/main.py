@@ -35,6 +35,8 @@ HELP = {
     "max_sessions_per_client": "live sessions one client (certificate, token or peer address) may hold; 0: no limit",
     "max_cache_bytes_per_client": "KV-cache bytes one client's sessions may hold; 0: no limit",
     "frontend_workers": "processes serving gRPC on the port in front of one engine process (1: one process; docs/operations.md)",
+    "session_spill_dir": "directory for sessions a full KV cache moves out and SIGTERM writes; a server started on it adopts them (empty: off; one live server per directory)",
+    "session_spill_bytes": "byte budget of the spill directory; past it the oldest spilled sessions expire",
     "inline_lone_requests": "a lone small request (a decode step) that finds its lane idle runs on the event loop's thread, no thread crossing; false: every request crosses to the compute thread",
 }
 

@@ -51,6 +51,8 @@ class Server(GrpcServer):
         )
 
     def close_serving(self) -> None:
+        if self.serving is not None:  # drained: what is left goes to the spill directory
+            spill_on_stop(self.serving.engine)
         self.compute.shutdown()
 
 
@@ -74,9 +76,31 @@ def load_engine(
         max_cache_bytes_per_client=cfg.max_cache_bytes_per_client,
         clock=clock,
         session_id_prefix=session_id_prefix,
+        spill_dir=cfg.session_spill_dir,
+        spill_bytes=cfg.session_spill_bytes,
     )
     engine.warmup()
+    adopt_spilled(engine)
     return engine
+
+
+def adopt_spilled(engine: Engine) -> None:
+    """Takes over the sessions the spill directory holds (a restart), saying how many and
+    which files it refused (they are kept as *.refused)."""
+    adopted, refused = engine.adopt_spilled()
+    for path, why in refused:
+        log.error("spill directory: refused %s: %s", path, why)
+    if adopted or refused:
+        log.info("adopted %d spilled session(s); refused %d file(s)", len(adopted), len(refused))
+
+
+def spill_on_stop(engine: Engine) -> None:
+    """At shutdown, once drained: every idle session to the spill directory, then the
+    directory let go (its lock)."""
+    written = engine.spill_idle()
+    if written:
+        log.info("wrote %d session(s) to the spill directory", len(written))
+    engine.close_spill()
 
 
 async def serve(cfg: ServerConfig) -> None:

@@ -43,7 +43,7 @@ from mha_serve.engine.threads import ComputeThreads
 from mha_serve.serving import AsyncEngine
 from mha_serve.serving.host import EngineHost, clean_shared_memory
 from mha_serve.transport.frontend import STOP_SIGNALS, frontend_main
-from mha_serve.transport.server import load_engine
+from mha_serve.transport.server import load_engine, spill_on_stop
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +250,7 @@ class EngineProcess:
         await self.host.close()
         if self.serving is not None:
             await self.serving.close()
+            spill_on_stop(self.serving.engine)  # every frontend drained: nothing in flight
         self.compute.shutdown()
         clean_shared_memory(os.getpid())
         shutil.rmtree(self.run_dir, ignore_errors=True)
