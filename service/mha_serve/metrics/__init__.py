@@ -238,10 +238,11 @@ def count_moved(n: int = 1) -> None:
 
 
 class LiveGauges:
-    """The gauges read at scrape time from the engine: queue depth per lane, and per model
-    the KV cache (the same figures GetModelInfo returns) and its sessions. A collector of
-    its own, not Gauge.set_function, so that it works unchanged in multiprocess mode (where
-    only the engine's process can read them)."""
+    """The gauges read at scrape time from the engine: queue depth per lane, per model the
+    KV cache (the same figures GetModelInfo returns) and its sessions, and the spill tier
+    (sessions and bytes in the spill directory, its budget). A collector of its own, not
+    Gauge.set_function, so that it works unchanged in multiprocess mode (where only the
+    engine's process can read them)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
