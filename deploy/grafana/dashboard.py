@@ -3,7 +3,8 @@
     python deploy/grafana/dashboard.py            # rewrite deploy/grafana/mha-serve.json
     python deploy/grafana/dashboard.py --check    # exit 1 when the committed JSON is stale
 
-The panels themselves, as data, are in dashboard_panels.py beside this file.
+The panels themselves, as data, are in dashboard_panels.py beside this file (and the
+files it imports: dashboard_queries.py, dashboard_durable.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import sys
 from pathlib import Path
 
 # Beside this file (a script's folder is on sys.path; tests/deploy/sources.py puts it there).
-from dashboard_panels import DATASOURCE_UID, REPEATED_ROW, ROWS, Panel
+from dashboard_panels import REPEATED_ROW, ROWS
+from dashboard_queries import DATASOURCE_UID, Panel
 from grafana_foundation_sdk.builders import common as common_b
 from grafana_foundation_sdk.builders import dashboard as dash
 from grafana_foundation_sdk.builders import prometheus, stat, timeseries

@@ -15,7 +15,9 @@ yaml = pytest.importorskip("yaml", reason="PyYAML comes with kubernetes-validate
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ("cpu", "gpu")  # the standalone server's; overlays/ray monitors the Ray app
+# The standalone server's (durable: cpu as a StatefulSet with a volume per pod);
+# overlays/ray monitors the Ray app.
+OVERLAYS = ("cpu", "gpu", "durable")
 # The CRDs of the custom kinds, kept beside the project (../shared/schemas/README.md).
 CRDS = ROOT.parent / "shared" / "schemas" / "crds"
 CRD_FILES = {
@@ -40,7 +42,12 @@ def _build_text(path: Path) -> str:
 
 def build(overlay: str) -> list[dict[str, Any]]:
     """The objects `kubectl apply -k deploy/k8s/overlays/<overlay>` would send, fresh copies."""
-    return [doc for doc in yaml.safe_load_all(_build_text(K8S / "overlays" / overlay)) if doc]
+    return build_folder(K8S / "overlays" / overlay)
+
+
+def build_folder(path: Path) -> list[dict[str, Any]]:
+    """The objects `kubectl kustomize <path>` builds (a kustomization of a user's own)."""
+    return [doc for doc in yaml.safe_load_all(_build_text(path)) if doc]
 
 
 def is_custom(doc: dict[str, Any]) -> bool:

@@ -31,6 +31,7 @@ def container(docs: list[dict[str, Any]]) -> dict[str, Any]:
 CUSTOM = {
     "cpu": ["PrometheusRule", "ServiceMonitor"],
     "gpu": ["PrometheusRule", "ServiceMonitor"],
+    "durable": ["PrometheusRule", "ServiceMonitor"],
     "ray": ["PodMonitor", "PrometheusRule"],
 }
 RAY_SERVICE = ROOT / "deploy" / "ray" / "rayservice.yaml"
@@ -56,9 +57,16 @@ def test_crd_validation_rejects_unknown_and_mistyped_fields():
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_service_monitor_scrapes_the_metrics_port(overlay):
     docs = build(overlay)
-    service = one(docs, "Service")
     monitor = one(docs, "ServiceMonitor")["spec"]
-    assert monitor["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    selected = [
+        d
+        for d in docs
+        if d["kind"] == "Service"
+        and monitor["selector"]["matchLabels"].items() <= d["metadata"]["labels"].items()
+    ]
+    # exactly one, so that every pod is scraped once (durable's headless Service over the
+    # same pods carries another component label)
+    (service,) = selected
     (endpoint,) = monitor["endpoints"]
     assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
     assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"

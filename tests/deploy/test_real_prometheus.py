@@ -44,9 +44,13 @@ ABSENT_LABELS = {
     "gpu": "dcgm-exporter's label; no GPU here",
     "container": "dcgm-exporter's label; no GPU here",
 }
+NO_SPILL_DIR = "the spill tier's gauges; this server has no spill directory (its gqa cache refuses)"
 ABSENT_METRICS = {
     "DCGM_FI_DEV_FB_USED": "NVIDIA dcgm-exporter's GPU memory; no GPU here",
     "DCGM_FI_DEV_FB_FREE": "NVIDIA dcgm-exporter's GPU memory; no GPU here",
+    "mha_serve_spill_sessions": NO_SPILL_DIR,
+    "mha_serve_spill_bytes_used": NO_SPILL_DIR,
+    "mha_serve_spill_budget_bytes": NO_SPILL_DIR,
 }
 # mha: a cache of 32 blocks (512 B a token), roomy enough for the sessions kept open.
 # gqa: a cache of 4 blocks (256 B a token: 2 x 2 KV heads x 16 x 4 B; 16 tokens a block),

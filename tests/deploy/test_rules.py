@@ -81,6 +81,7 @@ def test_the_alerts_the_issue_asks_for():
         "MhaServeAbsent": "absent(up{",
         "MhaServeNotReady": "mha_serve_ready",
         "MhaServeRestarting": "process_start_time_seconds",
+        "MhaServeSessionsLost": "increase(mha_serve_sessions_lost_total[",
     }
     assert set(exprs) == set(wanted)
     for name, needle in wanted.items():

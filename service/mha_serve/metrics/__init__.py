@@ -51,6 +51,9 @@ LATENCY_BUCKETS_S = (
 )
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536)
+# Seconds to read a spilled session back: from 1 ms (a short session, a local disk) to
+# 30 s (a long one on a slow network volume).
+RESTORE_BUCKETS_S = (*LATENCY_BUCKETS_S[1:], 30.0)
 
 # The `protocol` label of mha_serve_requests_total: which API a request came through.
 PROTOCOL_MHA_V1 = "mha.v1"
@@ -133,16 +136,119 @@ def count_session_end(reason: str) -> None:
     _ended(reason).inc()
 
 
+# --- durable sessions (issue 24): the spill tier, restarts, moves between Ray replicas ---
+# The per-model series below exist, at 0, for every model with a KV cache (watch_kv_cache
+# exports them), so that a dashboard reads 0 rather than "no data" before the first spill.
+
+SPILL_REASONS = ("room", "shutdown")  # to make room in a full KV cache; after draining
+LOST_REASONS = ("spill_full", "replica_killed", "bad_file")
+
+SESSIONS_SPILLED = Counter(
+    "mha_serve_sessions_spilled_total",
+    "Sessions written to the spill directory, by reason: room (the KV cache was full) or "
+    "shutdown (written out after draining).",
+    ["model", "reason"],
+)
+SPILLED_BYTES = Counter(
+    "mha_serve_spilled_bytes_total",
+    "Bytes of session files written to the spill directory.",
+    ["model"],
+)
+SESSION_RESTORES = Counter(
+    "mha_serve_session_restores_total",
+    "Spilled sessions read back into the KV cache (by their next call).",
+    ["model"],
+)
+RESTORE_LATENCY = Histogram(
+    "mha_serve_session_restore_seconds",
+    "Time to read one spilled session back into the KV cache.",
+    ["model"],
+    buckets=RESTORE_BUCKETS_S,
+)
+SESSIONS_ADOPTED = Counter(
+    "mha_serve_sessions_adopted_total",
+    "Sessions this process took over from the spill directory when it started.",
+    ["model"],
+)
+SESSIONS_LOST = Counter(
+    "mha_serve_sessions_lost_total",
+    "Sessions lost, by reason: spill_full (the spill tier expired its oldest), "
+    "replica_killed (a Ray replica died before moving them), bad_file (a spill file refused).",
+    ["reason"],
+)
+for _reason in LOST_REASONS:
+    SESSIONS_LOST.labels(_reason)
+SESSIONS_MOVED = Counter(
+    "mha_serve_sessions_moved_total",
+    "Sessions moved off a Ray replica that Ray stopped (scale-down, redeploy).",
+)
+
+
+@functools.cache
+def _durable(model: str) -> tuple:
+    children = (
+        SPILLED_BYTES.labels(model),
+        SESSION_RESTORES.labels(model),
+        RESTORE_LATENCY.labels(model),
+        SESSIONS_ADOPTED.labels(model),
+    )
+    for reason in SPILL_REASONS:
+        SESSIONS_SPILLED.labels(model, reason)
+    return children
+
+
+def count_spilled(model: str, nbytes: int, reason: str) -> None:
+    """One session of `model` written to the spill directory, its file `nbytes` long;
+    reason: "room" (moved out of a full KV cache) or "shutdown" (written after draining)."""
+    if reason not in SPILL_REASONS:
+        raise ValueError(f"spill reason {reason!r} is not one of {SPILL_REASONS}")
+    SESSIONS_SPILLED.labels(model, reason).inc()
+    _durable(model)[0].inc(nbytes)
+
+
+def observe_restore(model: str, seconds: float) -> None:
+    """One spilled session of `model` read back into the KV cache, in `seconds`."""
+    _, restores, latency, _ = _durable(model)
+    restores.inc()
+    latency.observe(seconds)
+
+
+def count_adopted(model: str, n: int) -> None:
+    """`n` sessions of `model` taken over from the spill directory at start-up. Counted
+    before the first scrape, it shows Prometheus no increase: the dashboard shows the value
+    itself (what this process adopted when it started)."""
+    if n:
+        _durable(model)[3].inc(n)
+
+
+def count_lost(reason: str, n: int = 1) -> None:
+    """`n` sessions lost, reason one of LOST_REASONS: "spill_full" (the spill tier expired
+    its oldest to make room), "replica_killed" (a Ray replica gone before it moved them),
+    "bad_file" (a spill file refused at adoption or restore). MhaServeSessionsLost fires."""
+    if reason not in LOST_REASONS:
+        raise ValueError(f"lost reason {reason!r} is not one of {LOST_REASONS}")
+    if n:
+        SESSIONS_LOST.labels(reason).inc(n)
+
+
+def count_moved(n: int = 1) -> None:
+    """`n` sessions moved off this Ray replica as Ray stopped it (they live on elsewhere)."""
+    if n:
+        SESSIONS_MOVED.inc(n)
+
+
 class LiveGauges:
-    """The gauges read at scrape time from the engine: queue depth per lane, and per model
-    the KV cache (the same figures GetModelInfo returns) and its sessions. A collector of
-    its own, not Gauge.set_function, so that it works unchanged in multiprocess mode (where
-    only the engine's process can read them)."""
+    """The gauges read at scrape time from the engine: queue depth per lane, per model the
+    KV cache (the same figures GetModelInfo returns) and its sessions, and the spill tier
+    (sessions and bytes in the spill directory, its budget). A collector of its own, not
+    Gauge.set_function, so that it works unchanged in multiprocess mode (where only the
+    engine's process can read them)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._queues: dict[tuple[str, str], Callable[[], int]] = {}
         self._caches: dict[str, Callable] = {}
+        self._spills: dict[str, Callable] = {}
 
     def watch_queue(self, model: str, lane: str, depth: Callable[[], int]) -> None:
         with self._lock:
@@ -152,17 +258,25 @@ class LiveGauges:
         with self._lock:
             self._caches[model] = cache_info
 
+    def watch_spill(self, model: str, spill_info: Callable) -> None:
+        with self._lock:
+            self._spills[model] = spill_info
+
     def describe(self) -> Iterator[GaugeMetricFamily]:
         return self._families()
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         with self._lock:
-            queues, caches = dict(self._queues), dict(self._caches)
-        return self._families(queues, {m: info() for m, info in caches.items()})
+            queues, caches, spills = dict(self._queues), dict(self._caches), dict(self._spills)
+        return self._families(
+            queues,
+            {m: info() for m, info in caches.items()},
+            {m: info() for m, info in spills.items()},
+        )
 
     @staticmethod
-    def _families(queues: dict | None = None, caches: dict | None = None):
-        queues, caches = queues or {}, caches or {}
+    def _families(queues: dict | None = None, caches: dict | None = None, spills=None):
+        queues, caches, spills = queues or {}, caches or {}, spills or {}
         depth = GaugeMetricFamily(
             "mha_serve_queue_depth",
             "Requests waiting for a batch, by model and lane.",
@@ -198,7 +312,28 @@ class LiveGauges:
             used.add_metric([model], info.num_blocks_used * info.bytes_per_block)
             sessions.add_metric([model], info.num_sessions)
             slid.add_metric([model], info.num_blocks_out_of_window)
-        return iter((depth, blocks, budget, used, sessions, slid))
+        spilled = GaugeMetricFamily(
+            "mha_serve_spill_sessions",
+            "Sessions held in the spill directory (model empty: one tier for every model).",
+            labels=["model"],
+        )
+        spill_used = GaugeMetricFamily(
+            "mha_serve_spill_bytes_used",
+            "Bytes of the session files in the spill directory.",
+            labels=["model"],
+        )
+        spill_budget = GaugeMetricFamily(
+            "mha_serve_spill_budget_bytes",
+            "The spill directory's byte budget; beyond it the oldest spilled sessions expire.",
+            labels=["model"],
+        )
+        for model, info in spills.items():
+            spilled.add_metric([model], info.num_sessions)
+            spill_used.add_metric([model], info.nbytes)
+            spill_budget.add_metric([model], info.budget_bytes)
+        return iter(
+            (depth, blocks, budget, used, sessions, slid, spilled, spill_used, spill_budget)
+        )
 
 
 LIVE = LiveGauges()
@@ -206,8 +341,18 @@ REGISTRY.register(LIVE)
 
 
 def watch_kv_cache(model: str, cache_info) -> None:
-    """KV-cache gauges read at scrape time from cache_info() (the engine's CacheInfo)."""
+    """KV-cache gauges read at scrape time from cache_info() (the engine's CacheInfo); the
+    model's durable-session series are exported from here on, at 0 until counted."""
     LIVE.watch_kv_cache(model, cache_info)
+    _durable(model)
+
+
+def watch_spill(model: str, spill_info: Callable) -> None:
+    """Spill-tier gauges read at scrape time: mha_serve_spill_sessions, _spill_bytes_used
+    and _spill_budget_bytes from spill_info(), an object with num_sessions, nbytes and
+    budget_bytes. model: "" for one tier shared by every model. spill_info runs on every
+    scrape, in the engine's process: it must read counters kept in memory, not the disk."""
+    LIVE.watch_spill(model, spill_info)
 
 
 def watch_queue(model: str, lane: str, depth: Callable[[], int]) -> None:
