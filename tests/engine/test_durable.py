@@ -65,7 +65,7 @@ def test_three_times_more_sessions_than_the_cache_holds_each_step_equal_to_recom
         restores += spilled
         ref = attend(e, req("m", history[sid], causal=True)).output[:, -n:]
         assert (out - ref).abs().max() < ATOL, f"step {i} of {sid}"
-    assert restores > 10 and e.spill_info()[0] > 0
+    assert restores > 10 and e.spill_info().num_sessions > 0
 
 
 def test_a_restored_session_answers_bit_for_bit_what_it_would_have(tmp_path):
@@ -116,7 +116,7 @@ def test_spilled_sessions_fork_truncate_read_and_close(tmp_path):
     e.close_session(sid)  # its file just goes
     with pytest.raises(SessionNotFound, match="was closed"):
         e.get_session(sid)
-    assert e.spill_info()[0] == 1  # the child's
+    assert e.spill_info().num_sessions == 1  # the child's
 
 
 def test_a_sliding_window_session_spills_what_it_holds_and_comes_back_right(tmp_path):

@@ -23,7 +23,14 @@ from .errors import (
     SessionSpilled,
     SpillFull,
 )
-from .types import BlockStorage, ModelCacheStats, Reservation, Session, SessionStats
+from .types import (
+    BlockStorage,
+    ModelCacheStats,
+    Reservation,
+    Session,
+    SessionStats,
+    SpillInfo,
+)
 
 # name -> submodule that defines it
 _LAZY = {
@@ -69,6 +76,7 @@ __all__ = [
     "SessionTable",
     "SpillDirInUse",
     "SpillFull",
+    "SpillInfo",
     "SpillStore",
     "SpillTier",
     "slot_mapping",

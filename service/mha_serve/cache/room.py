@@ -9,7 +9,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from .errors import CacheExhausted, SpillFull
-from .types import Session, SessionStats
+from .types import Session, SessionStats, SpillInfo
 
 if TYPE_CHECKING:  # (spill.py brings torch; the table needs only its objects)
     from .record import SessionRecord
@@ -40,7 +40,7 @@ class RoomMaking:
             now = self._clock()
             idle = [s for s in self._sessions.values() if s.in_use == 0]
             idle.sort(key=lambda s: s.last_used_s)  # the most recent last: kept if it fills
-            return [s.id for s in idle if self._spill_one(s, now)]
+            return [s.id for s in idle if self._spill_one(s, now, reason="shutdown")]
 
     def adopt_spilled(self) -> tuple[list[str], list[tuple[str, str]]]:
         """At start: takes over the sessions the spill directory holds (their tensors stay
@@ -110,18 +110,18 @@ class RoomMaking:
             if session_id in self._spilled:
                 self._forget_spilled(session_id, reason, message)
 
-    def spill_info(self) -> tuple[int, int, int]:
-        """(sessions, bytes, budget) of the spill tier; zeros when there is none."""
+    def spill_info(self) -> SpillInfo:
+        """The spill tier's sessions, bytes and budget; zeros when there is none."""
         with self._lock:
             if self.spill is None:
-                return 0, 0, 0
-            return len(self._spilled), self.spill.nbytes, self.spill.budget_bytes
+                return SpillInfo(0, 0, 0)
+            return SpillInfo(len(self._spilled), self.spill.nbytes, self.spill.budget_bytes)
 
     def _spill_all_of(self, victims: list[Session], now: float) -> bool:
         """Spills the victims (making room); False, with nothing dropped, if one fails."""
         return all(self._spill_one(s, now) for s in victims)
 
-    def _spill_one(self, s: Session, now: float) -> bool:
+    def _spill_one(self, s: Session, now: float, reason: str = "room") -> bool:
         """Writes one idle session to the spill tier and frees its blocks; False (and it
         stays) when it cannot be written: the tier refuses its size, or the disk fails."""
         m = self._models[s.model]
@@ -150,6 +150,11 @@ class RoomMaking:
         del self._sessions[s.id]
         self._release(s)
         self._spilled[s.id] = s  # (still counted by the quota: its owner's session)
+        if self.on_spill is not None:
+            try:
+                self.on_spill(s.model, self.spill.get(s.id).nbytes, reason)
+            except Exception:
+                log.exception("on_spill failed; the session was spilled all the same")
         return True
 
     def _forget_spilled(

@@ -85,6 +85,9 @@ class SessionTable(RoomMaking):
         # Session here (no blocks): its limits, owner and quota count stay until it is
         # brought back (adopt) or ends.
         self.spill: SpillTier | None = None
+        # Called (under the lock) with (model, bytes written, reason: "room" or "shutdown")
+        # each time a session is spilled.
+        self.on_spill: Callable[[str, int, str], None] | None = None
         self._spilled: dict[str, Session] = {}
         self._lock = threading.RLock()
         # Per-client limits (off until set_client_limits): sessions and bytes per owner.

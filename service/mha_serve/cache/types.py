@@ -116,3 +116,12 @@ class ModelCacheStats:
     sessions: tuple[SessionStats, ...]
     # Blocks freed so far (since start) because they fell out of a session's sliding window.
     num_blocks_out_of_window: int = 0
+
+
+@dataclass(frozen=True)
+class SpillInfo:
+    """The spill tier as metrics read it at every scrape (in memory, no disk read)."""
+
+    num_sessions: int
+    nbytes: int
+    budget_bytes: int

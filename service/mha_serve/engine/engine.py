@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import torch
 
-from mha_serve.cache import SessionSpilled, SessionStats
+from mha_serve.cache import SessionSpilled, SessionStats, SpillInfo
 from mha_serve.engine.bounds import cleared, gate_absmax
 from mha_serve.engine.checks import absmax, require_finite, scores_overflow_error
 from mha_serve.engine.errors import InvalidRequest, ModelNotFound, TooLarge
@@ -488,9 +488,18 @@ class Engine:
     def close_spill(self) -> None:
         self.sessions.close_spill()
 
-    def spill_info(self) -> tuple[int, int, int]:
-        """(sessions, bytes, budget) of the spill tier; zeros without one."""
+    def spill_info(self) -> SpillInfo:
+        """The spill tier's sessions, bytes and budget; zeros without one."""
         return self.sessions.table.spill_info()
+
+    @property
+    def spills(self) -> bool:
+        """Whether a spill tier is set (session_spill_dir)."""
+        return self.sessions.table.spill is not None
+
+    def on_session_spill(self, hook: Callable[[str, int, str], None]) -> None:
+        """hook(model, bytes, reason) each time a session is spilled ("room", "shutdown")."""
+        self.sessions.table.on_spill = hook
 
     def expire_sessions(self) -> list[str]:
         """Frees idle sessions past their TTL (lookups also expire them lazily)."""

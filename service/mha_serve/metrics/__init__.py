@@ -119,10 +119,11 @@ READY = Gauge(
 )
 SESSIONS_ENDED = Counter(
     "mha_serve_sessions_ended_total",
-    "Sessions that ended, by reason: closed, expired (idle past their TTL) or evicted.",
+    "Sessions that ended, by reason: closed, expired (idle past their TTL), evicted, or lost "
+    "(its spill file could not be kept or read: mha_serve_sessions_lost_total says why).",
     ["reason"],
 )
-for _reason in ("closed", "expired", "evicted"):  # exported at 0 before the first
+for _reason in ("closed", "expired", "evicted", "lost"):  # exported at 0 before the first
     SESSIONS_ENDED.labels(_reason)
 
 
@@ -132,7 +133,11 @@ def _ended(reason: str):
 
 
 def count_session_end(reason: str) -> None:
-    """SessionTable.on_end: runs under the table's lock, so it only counts."""
+    """SessionTable.on_end: runs under the table's lock, so it only counts. A reason of
+    LOST_REASONS (the spill tier's) is a session lost, counted so too."""
+    if reason in LOST_REASONS:
+        count_lost(reason)
+        reason = "lost"
     _ended(reason).inc()
 
 

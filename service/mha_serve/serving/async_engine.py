@@ -81,6 +81,9 @@ class AsyncEngine:
             if engine.cache_info(name) is not None:
                 metrics.watch_kv_cache(name, functools.partial(engine.cache_info, name))
         engine.on_session_end(metrics.count_session_end)
+        if engine.spills:
+            engine.on_session_spill(metrics.count_spilled)
+            metrics.watch_spill("", engine.spill_info)
         self._sweeper: asyncio.Task | None = None
         # Triton's sequences (the Open Inference Protocol door) -> this engine's sessions.
         self.sequences = SequenceMap()
@@ -186,7 +189,11 @@ class AsyncEngine:
         restore_s = 0.0
         for _ in range(RESTORE_TRIES):
             try:
-                return call(), restore_s
+                value = call()
+                if restore_s:
+                    model = self.engine.session_model(session_id)
+                    metrics.observe_restore(model, restore_s)
+                return value, restore_s
             except SessionSpilled:  # (spilled again meanwhile, to make room: once more)
                 # On the compute thread: torch ops on another thread would start a team of
                 # their own (engine/threads.py); a restore is rare and short.

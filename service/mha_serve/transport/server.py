@@ -4,12 +4,14 @@ loaded and warmed on the compute thread; `serve` runs it until SIGTERM or SIGINT
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import signal
 import time
 from collections.abc import Callable
 from typing import Any
 
+from mha_serve import metrics
 from mha_serve.config import ServerConfig
 from mha_serve.engine import Engine, resolve_device, resolve_dtype
 from mha_serve.engine.threads import ComputeThreads
@@ -90,6 +92,10 @@ def adopt_spilled(engine: Engine) -> None:
     adopted, refused = engine.adopt_spilled()
     for path, why in refused:
         log.error("spill directory: refused %s: %s", path, why)
+    if refused:
+        metrics.count_lost("bad_file", len(refused))
+    for model, n in collections.Counter(engine.session_model(s) for s in adopted).items():
+        metrics.count_adopted(model, n)
     if adopted or refused:
         log.info("adopted %d spilled session(s); refused %d file(s)", len(adopted), len(refused))
 
