@@ -75,7 +75,9 @@ class RoomMaking:
             m = self._model(record.model)
             bs = m.storage.block_size
             s = Session(record.session_id, record.model, record.max_len, record.ttl_s, now, now)
-            s.last_used_s, s.owner = ghost.last_used_s, record.owner
+            # Brought back for a call: the most recently used now, so that making room for
+            # another never sends it straight back before its call runs.
+            s.last_used_s, s.owner = now, record.owner
             s.first_block = record.first_position // bs
             s.key_absmax = key_absmax
             num_blocks = -(-record.num_tokens // bs) - s.first_block

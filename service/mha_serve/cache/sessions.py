@@ -249,7 +249,9 @@ class SessionTable(RoomMaking):
         spilled one's file goes. owner: the caller (owner_of's rule), None: unchecked."""
         with self._lock:
             ghost = self._spilled.get(session_id)
-            if ghost is not None and owns(owner, ghost.owner):
+            if ghost is not None:
+                if not owns(owner, ghost.owner):  # as for an id never made
+                    raise SessionNotFound(session_id, "unknown", unknown_message(session_id))
                 self._forget_spilled(session_id, "closed", f"session {session_id!r} was closed")
                 return
             s = self._lookup(session_id, self._clock())

@@ -173,8 +173,13 @@ class AsyncEngine:
         ticket = Ticket(received, deadline)
         if not session_id:
             return await self._compute(request, ticket)
-        claim = self.engine.stepping(session_id, caller)  # until answered
-        _, ticket.restore_s = await self._live(session_id, caller, claim.__enter__)
+
+        def claimed() -> contextlib.AbstractContextManager:  # a new claim each try
+            claim = self.engine.stepping(session_id, caller)
+            claim.__enter__()
+            return claim
+
+        claim, ticket.restore_s = await self._live(session_id, caller, claimed)  # until answered
         try:
             ticket.claimed = True
             return await self._compute(request, ticket)
@@ -187,20 +192,22 @@ class AsyncEngine:
         """(call(), seconds spent bringing the session back from the spill tier): a spilled
         session's file is read and adopted off the event loop, then call() runs here."""
         restore_s = 0.0
-        for _ in range(RESTORE_TRIES):
+        for attempt in range(RESTORE_TRIES + 1):
             try:
                 value = call()
-                if restore_s:
-                    model = self.engine.session_model(session_id)
-                    metrics.observe_restore(model, restore_s)
-                return value, restore_s
             except SessionSpilled:  # (spilled again meanwhile, to make room: once more)
-                # On the compute thread: torch ops on another thread would start a team of
-                # their own (engine/threads.py); a restore is rare and short.
-                restore_s += await asyncio.get_running_loop().run_in_executor(
-                    self.threads.main, self.engine.restore_session, session_id, caller
-                )
-        return call(), restore_s
+                if attempt == RESTORE_TRIES:
+                    raise
+            else:
+                if restore_s:
+                    metrics.observe_restore(self.engine.session_model(session_id), restore_s)
+                return value, restore_s
+            # On the compute thread: torch ops on another thread would start a team of their
+            # own (engine/threads.py); a restore is rare and short.
+            restore_s += await asyncio.get_running_loop().run_in_executor(
+                self.threads.main, self.engine.restore_session, session_id, caller
+            )
+        raise AssertionError("unreachable")
 
     async def _compute(self, request: AttendRequest, ticket: Ticket) -> Computed:
         # Validation scans the input (NaN/Inf): off the event loop when it is large.

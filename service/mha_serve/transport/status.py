@@ -12,6 +12,7 @@ from mha_serve.cache import (
     SessionBusy,
     SessionFull,
     SessionNotFound,
+    SessionSpilled,
 )
 from mha_serve.engine import (
     Abandoned,
@@ -38,6 +39,8 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     CacheExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ClientQuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     SessionBusy: grpc.StatusCode.ABORTED,
+    # Brought back before any call answers; should one slip through, the client retries.
+    SessionSpilled: grpc.StatusCode.UNAVAILABLE,
     InvalidSessionArgument: grpc.StatusCode.INVALID_ARGUMENT,
 }
 
