@@ -1,0 +1,201 @@
+"""Where a served decode step's server time goes, before and after the hot-path work (issue
+25): the same streamed steps against each server, its process sampled by py-spy (every
+thread, the GIL holder's stack), each sample counted in one part of the step by the frame
+that holds it. Servers alternate in rounds, one run.
+
+    python bench/step_profile.py --baseline-tree /path/to/old/checkout   # ~2 min
+    python bench/step_profile.py --variant noinline=--inline-lone-requests=false
+
+Parts: the forward (the module's code and torch's ops under it), validation, engine
+bookkeeping (the engine and the cache around the forward), serving (lanes, batcher,
+tickets), metrics, transport (servicer, codec), gRPC and asyncio. Only samples of threads on
+a CPU count (py-spy without --idle): per step, samples x interval / steps, microseconds of
+one core. Wall time per step is measured by the client beside it; its excess over the
+server's busy time is what the step waits: the thread crossings (to the compute thread and
+back, each a wake-up) and the wire. Frames are Python's: a torch op counts in the part
+whose code called it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from overhead import OPTIONS, BytesStream, start_served  # noqa: E402
+
+RATE_HZ = 1000
+# First match wins, innermost frame first: (part, substrings of a frame "function (file:line)").
+PARTS = [
+    (
+        "forward (torch ops)",
+        (
+            "torch/",
+            "built-in method torch",
+            "cached.py",
+            "attention.py",
+            "checks.py (mha_serve/model",
+        ),
+    ),
+    ("validation", ("Engine.validate", "Engine.prepare", "absmax", "validate_step", "tensor_of")),
+    ("metrics", ("prometheus_client", "mha_serve/metrics")),
+    ("engine bookkeeping", ("mha_serve/engine", "mha_serve/cache")),
+    ("serving (lanes, batcher)", ("mha_serve/serving", "mha_serve/batching")),
+    ("transport (servicer, codec)", ("mha_serve/transport", "mha_client")),
+    ("gRPC and asyncio", ("grpc", "asyncio", "selectors", "threading", "concurrent")),
+]
+IDLE = ("EpollSelector.select", "select (selectors", "_worker (concurrent", "wait (threading")
+
+
+def classify(stack: list[str]) -> str:
+    if any(key in stack[-1] for key in IDLE):
+        return "idle (waiting)"
+    for frame in reversed(stack):  # the innermost frame that names a part
+        for part, keys in PARTS:
+            if any(k in frame for k in keys):
+                return part
+    return "other"
+
+
+async def steps(target: str, context: int, seconds: float) -> tuple[int, list[float]]:
+    import grpc
+
+    from mha_client.messages import step_request
+    from mha_client.sdk import AsyncClient
+
+    rng = np.random.default_rng(0)
+    async with AsyncClient(target) as client:
+        session = await client.create_session("mha")
+        await session.step(rng.standard_normal((context, 512), dtype=np.float32))
+        tokens = [
+            step_request(
+                session.id, rng.standard_normal((1, 512), dtype=np.float32), {}
+            ).SerializeToString()
+            for _ in range(64)
+        ]
+        async with grpc.aio.insecure_channel(target, options=OPTIONS) as channel:
+            n, times, end = 0, [], time.monotonic() + seconds
+            while time.monotonic() < end:
+                await session.truncate(context)
+                stream = BytesStream(channel)
+                for payload in tokens:
+                    t = time.perf_counter()
+                    await stream.round_trip(payload)
+                    times.append(time.perf_counter() - t)
+                    n += 1
+                await stream.close()
+        await session.close()
+    return n, times
+
+
+def profile(pid: int, target: str, context: int, seconds: float, out: Path) -> dict:
+    spy = subprocess.Popen(
+        [str(Path(sys.executable).parent / "py-spy"), "record", "-r", str(RATE_HZ), "-f", "raw", "-o", str(out), "--pid", str(pid),
+         "-d", str(int(seconds) + 1), "--threads", "--nonblocking"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    time.sleep(0.5)
+    n, times = asyncio.run(steps(target, context, seconds))
+    spy.wait(60)
+    parts: collections.Counter = collections.Counter()
+    for line in out.read_text().splitlines():
+        stack, count = line.rsplit(" ", 1)
+        frames = stack.split(";")
+        parts[classify(frames)] += int(count)
+    us = {part: count / RATE_HZ / n * 1e6 for part, count in parts.items()}
+    return {"steps": n, "wall_us_p50": statistics.median(times) * 1e6, "us_per_step": us}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="a checkout of the code before (its service/ and client/)",
+    )
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAG[,FLAG]")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--seconds", type=float, default=8.0)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--json-out", type=Path, default=ROOT / "bench" / "results" / "step_profile.json"
+    )
+    args = p.parse_args(argv)
+    servers = [("now", None, [])]
+    if args.baseline_tree:
+        servers.insert(0, ("before", args.baseline_tree, []))
+    for v in args.variant:
+        name, _, flags = v.partition("=")
+        servers.append((name, None, [f for f in flags.split(",") if f]))
+    results: dict = {name: [] for name, _, _ in servers}
+    with tempfile.TemporaryDirectory(prefix="mha-profile-") as d:
+        tmp = Path(d)
+        procs = {}
+        from mha_client.sdk import Client
+
+        for name, tree, flags in servers:
+            procs[name] = start_served(tmp, name, tree, flags)
+        try:
+            for _, target in procs.values():
+                with Client(target) as c:
+                    c.wait_ready(180)
+            for r in range(args.rounds):
+                order = list(procs) if r % 2 == 0 else list(procs)[::-1]
+                for name in order:
+                    proc, target = procs[name]
+                    out = tmp / f"{name}-{r}.txt"
+                    results[name].append(profile(proc.pid, target, args.context, args.seconds, out))
+        finally:
+            for proc, _ in procs.values():
+                proc.terminate()
+            for proc, _ in procs.values():
+                proc.wait(30)
+    parts = [p for p, _ in PARTS] + ["idle (waiting)", "other"]
+    summary = {}
+    for name, runs in results.items():
+        summary[name] = {
+            "wall_us_p50": statistics.median(r["wall_us_p50"] for r in runs),
+            **{
+                part: statistics.median(r["us_per_step"].get(part, 0.0) for r in runs)
+                for part in parts
+            },
+        }
+        busy = sum(
+            v for k, v in summary[name].items() if k not in ("wall_us_p50", "idle (waiting)")
+        )
+        summary[name]["busy_us"] = busy
+    header = "part".ljust(30) + "".join(n.rjust(12) for n in summary)
+    print(
+        f"mha decode step at context {args.context}, us of one core per step (median of {args.rounds} rounds):"
+    )
+    print(header)
+    for part in [*parts, "busy_us", "wall_us_p50"]:
+        print(part.ljust(30) + "".join(f"{summary[n][part]:12.0f}" for n in summary))
+    out = {
+        "command": " ".join(["python", "bench/step_profile.py", *(argv or sys.argv[1:])]),
+        "loadavg": os.getloadavg(),
+        "context": args.context,
+        "rate_hz": RATE_HZ,
+        "summary": summary,
+        "runs": results,
+    }
+    args.json_out.parent.mkdir(parents=True, exist_ok=True)
+    args.json_out.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
