@@ -472,6 +472,10 @@ class Engine:
                 self.restore_session(session_id, owner)
         return call()
 
+    def is_spilled(self, session_id: str) -> bool:
+        """Whether the session is in the spill tier (its next call brings it back)."""
+        return bool(session_id) and self.sessions.table.spilled(session_id) is not None
+
     def restore_session(self, session_id: str, owner: str | None = None) -> float:
         """Brings a spilled session back; seconds it took (0: it was not spilled)."""
         return self.sessions.restore(_session_id(session_id), owner)

@@ -190,8 +190,12 @@ class AsyncEngine:
         self, session_id: str, caller: str | None, call: Callable[[], T]
     ) -> tuple[T, float]:
         """(call(), seconds spent bringing the session back from the spill tier): a spilled
-        session's file is read and adopted off the event loop, then call() runs here."""
+        session's file is read and adopted off the event loop, then call() runs here. (The
+        engine's own session calls restore too, should it be spilled again in between:
+        rare, and then on this thread.)"""
         restore_s = 0.0
+        if self.engine.is_spilled(session_id):
+            restore_s = await self._restore(session_id, caller)
         for attempt in range(RESTORE_TRIES + 1):
             try:
                 value = call()
@@ -202,12 +206,15 @@ class AsyncEngine:
                 if restore_s:
                     metrics.observe_restore(self.engine.session_model(session_id), restore_s)
                 return value, restore_s
-            # On the compute thread: torch ops on another thread would start a team of their
-            # own (engine/threads.py); a restore is rare and short.
-            restore_s += await asyncio.get_running_loop().run_in_executor(
-                self.threads.main, self.engine.restore_session, session_id, caller
-            )
+            restore_s += await self._restore(session_id, caller)
         raise AssertionError("unreachable")
+
+    async def _restore(self, session_id: str, caller: str | None) -> float:
+        """On the compute thread: torch ops on another thread would start a team of their
+        own (engine/threads.py); a restore is rare and short."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.threads.main, self.engine.restore_session, session_id, caller
+        )
 
     async def _compute(self, request: AttendRequest, ticket: Ticket) -> Computed:
         # Validation scans the input (NaN/Inf): off the event loop when it is large.

@@ -1,0 +1,58 @@
+"""A spilled session comes back off the event loop (on the compute thread, where torch
+runs), for a step and for the session calls alike, and the step's timing says how long it
+took (serving/async_engine.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import torch
+
+from mha_serve.engine import Engine, ModelSpec
+from mha_serve.engine.threads import ComputeThreads
+from mha_serve.model import AttentionConfig
+from mha_serve.serving import AsyncEngine
+from tests.engine_calls import req, torched
+
+
+def test_a_spilled_session_is_restored_on_the_compute_thread(tmp_path):
+    spec = ModelSpec("m", AttentionConfig(32, 4, 2), seed=1, kv_cache_bytes=1 << 20)
+    engine = Engine(
+        [spec],
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        max_response_bytes=1 << 24,
+        spill_dir=str(tmp_path),
+        spill_bytes=1 << 24,
+    )
+    threads: list[int] = []
+    real = engine.restore_session
+
+    def recorded(*args):
+        threads.append(threading.get_ident())
+        return real(*args)
+
+    engine.restore_session = recorded
+
+    async def main() -> None:
+        compute = ComputeThreads(1, 1)
+        serving = AsyncEngine(engine, compute)
+        try:
+            loop_thread = threading.get_ident()
+            sid = engine.create_session("m").session_id
+            x = torch.randn(1, 5, 32)
+            await serving.attend(req("m", x, session_id=sid), torched, received=0.0, deadline=None)
+            assert engine.spill_idle() == [sid]
+            served = await serving.attend(
+                req("", x[:, :1], session_id=sid), torched, received=0.0, deadline=None
+            )
+            assert served.timing.restore_ms > 0 and served.reply.session.num_tokens == 6
+            assert engine.spill_idle() == [sid]
+            assert (await serving.get_session(sid)).num_tokens == 6
+            assert len(threads) == 2 and loop_thread not in threads
+        finally:
+            await serving.close()
+            compute.shutdown()
+
+    asyncio.run(main())
