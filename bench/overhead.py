@@ -115,9 +115,13 @@ def start_served(
 
 
 def start_servers(
-    tmp: Path, baseline: Path | None, extra: list[str] | None = None
+    tmp: Path,
+    baseline: Path | None,
+    extra: list[str] | None = None,
+    variants: dict[str, list[str]] | None = None,
 ) -> tuple[list[subprocess.Popen], dict]:
-    """{"served", "echo"[, "baseline"]}: address of each, all ready."""
+    """{"served", "echo"[, "baseline"][, each variant]}: address of each, all ready. A
+    variant is this checkout's server with more flags (e.g. a feature turned off)."""
     from mha_client.sdk import Client
 
     procs, targets = [], {}
@@ -125,13 +129,16 @@ def start_servers(
         if name == "served" or tree is not None:
             proc, targets[name] = start_served(tmp, name, tree, extra)
             procs.append(proc)
+    for name, flags in (variants or {}).items():
+        proc, targets[name] = start_served(tmp, name, None, [*(extra or []), *flags])
+        procs.append(proc)
     echo_port = free_port()
     echo_log = tmp / "echo.log"
     procs.append(start([sys.executable, __file__, "--serve-echo", str(echo_port)], echo_log))
     targets["echo"] = f"127.0.0.1:{echo_port}"
-    for name in ("served", "baseline"):
-        if name in targets:
-            with Client(targets[name]) as c:
+    for name, target in targets.items():
+        if name != "echo":
+            with Client(target) as c:
                 c.wait_ready(180)
     deadline = time.monotonic() + 60
     while b"echo ready" not in echo_log.read_bytes():
@@ -201,7 +208,7 @@ async def decode_steps(targets: dict[str, str], rounds: int, steps: int) -> list
     from mha_client.sdk import AsyncClient
 
     torch.set_num_threads(1)  # a 1-token step is fastest on one thread here (engine does too)
-    servers = [n for n in ("served", "baseline") if n in targets]
+    servers = [n for n in targets if n != "echo"]  # "served" first
     rows = []
     rng = np.random.default_rng(0)
     clients = {n: AsyncClient(targets[n]) for n in servers}
@@ -279,10 +286,10 @@ async def decode_steps(targets: dict[str, str], rounds: int, steps: int) -> list
                     f"{row['echo_ms']:.3f} = {limit:.3f} ms | ratio {row['ratio']:.2f} "
                     f"(sdk {row['sdk_ratio']:.2f})"
                 )
-                if "baseline" in ms:
-                    row["baseline_ms"] = ms["baseline"]
-                    row["baseline_ratio"] = ms["baseline"] / limit
-                    line += f" | baseline {ms['baseline']:.3f} ms ({row['baseline_ratio']:.2f})"
+                for other in servers[1:]:  # the baseline, the variants
+                    row[f"{other}_ms"] = ms[other]
+                    row[f"{other}_ratio"] = ms[other] / limit
+                    line += f" | {other} {ms[other]:.3f} ms ({row[f'{other}_ratio']:.2f})"
                 rows.append(row)
                 print(line, flush=True)
     finally:
@@ -362,10 +369,12 @@ def small_requests(
             "samples": samples,
         }
         line = ""
-        if "baseline" in med:
-            row["baseline_seq_per_s"] = med["baseline"]
-            row["baseline_ratio"] = med["baseline"] / ceiling
-            line = f" | baseline {med['baseline']:.0f} seq/s ({row['baseline_ratio']:.2f})"
+        for other in targets:
+            if other in ("served", "echo"):
+                continue
+            row[f"{other}_seq_per_s"] = med[other]
+            row[f"{other}_ratio"] = med[other] / ceiling
+            line += f" | {other} {med[other]:.0f} seq/s ({row[f'{other}_ratio']:.2f})"
         rows.append(row)
         print(
             f"small L={seq_len}: served {med['served']:.0f} seq/s | in-process "
@@ -433,6 +442,14 @@ def main(argv: list[str] | None = None) -> int:
         help="then bench/frontend_workers.py's curve for these --frontend-workers values "
         "(default 1,2 on <= 4 cores, else 1,2,4,8; 'none' skips it)",
     )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAG[,FLAG]",
+        help="also this checkout's server with these flags, e.g. "
+        "noinline=--inline-lone-requests=false (repeatable)",
+    )
     p.add_argument("--serve-echo", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_echo:
@@ -441,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         write_report(json.loads(args.from_json.read_text()), args.docs, TARGETS)
         return 0
+    variants = {}
+    for v in args.variant:
+        name, _, flags = v.partition("=")
+        variants[name] = [f for f in flags.split(",") if f]
     rounds = args.rounds or (2 if args.quick else 3)
     duration = args.duration or (2.0 if args.quick else 5.0)
     started = time.perf_counter()
@@ -450,13 +471,14 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "settings": {"rounds": rounds, "steps": args.steps, "duration_s": duration},
         "baseline_tree": None if args.baseline_tree is None else str(args.baseline_tree),
+        "variants": variants,
         "server_args": args.server_arg,
         "targets": TARGETS,
     }
     with tempfile.TemporaryDirectory(prefix="mha-overhead-") as d:
         tmp = Path(d)
         results["wire"] = wire_copies(tmp)
-        procs, targets = start_servers(tmp, args.baseline_tree, args.server_arg)
+        procs, targets = start_servers(tmp, args.baseline_tree, args.server_arg, variants)
         try:
             results["decode"] = asyncio.run(decode_steps(targets, rounds, args.steps))
             results["small"] = small_requests(
