@@ -101,14 +101,30 @@ async def steps(target: str, context: int, seconds: float) -> tuple[int, list[fl
     return n, times
 
 
-def profile(pid: int, target: str, context: int, seconds: float, out: Path) -> dict:
+def small_requests(target: str, seconds: float, concurrency: int = 32) -> tuple[int, list[float]]:
+    """Closed-loop 16-token Attends from `concurrency` clients (mha_client.loadgen)."""
+    from mha_client.loadgen import GrpcTarget, LoadSpec, Workload, parse_seq_lens, run_load_sync
+
+    workload = Workload("mha", parse_seq_lens("16"), 512)
+    spec = LoadSpec(concurrency=concurrency, duration_s=seconds, warmup=2 * concurrency)
+    result = run_load_sync(lambda: GrpcTarget(target), workload, spec)
+    n = int(result.sequences_per_s * seconds)
+    return n, [1.0 / max(result.sequences_per_s, 1e-9)]
+
+
+def profile(
+    pid: int, target: str, context: int, seconds: float, out: Path, load: str = "decode"
+) -> dict:
     spy = subprocess.Popen(
         [str(Path(sys.executable).parent / "py-spy"), "record", "-r", str(RATE_HZ), "-f", "raw", "-o", str(out), "--pid", str(pid),
          "-d", str(int(seconds) + 1), "--threads", "--nonblocking"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     time.sleep(0.5)
-    n, times = asyncio.run(steps(target, context, seconds))
+    if load == "decode":
+        n, times = asyncio.run(steps(target, context, seconds))
+    else:
+        n, times = small_requests(target, seconds)
     spy.wait(60)
     parts: collections.Counter = collections.Counter()
     for line in out.read_text().splitlines():
@@ -128,6 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAG[,FLAG]")
     p.add_argument("--context", type=int, default=256)
+    p.add_argument(
+        "--load",
+        choices=("decode", "small16"),
+        default="decode",
+        help="a decode stream, or 16-token Attends from 32 clients (per request; wall: 1/rate)",
+    )
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument(
@@ -157,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                 for name in order:
                     proc, target = procs[name]
                     out = tmp / f"{name}-{r}.txt"
-                    results[name].append(profile(proc.pid, target, args.context, args.seconds, out))
+                    results[name].append(
+                        profile(proc.pid, target, args.context, args.seconds, out, args.load)
+                    )
         finally:
             for proc, _ in procs.values():
                 proc.terminate()
@@ -178,9 +202,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         summary[name]["busy_us"] = busy
     header = "part".ljust(30) + "".join(n.rjust(12) for n in summary)
-    print(
-        f"mha decode step at context {args.context}, us of one core per step (median of {args.rounds} rounds):"
+    what = (
+        f"mha decode step at context {args.context}"
+        if args.load == "decode"
+        else "16-token Attend from 32 clients"
     )
+    print(f"{what}, us of one core per request (median of {args.rounds} rounds):")
     print(header)
     for part in [*parts, "busy_us", "wall_us_p50"]:
         print(part.ljust(30) + "".join(f"{summary[n][part]:12.0f}" for n in summary))
@@ -188,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "bench/step_profile.py", *(argv or sys.argv[1:])]),
         "loadavg": os.getloadavg(),
         "context": args.context,
+        "load": args.load,
         "rate_hz": RATE_HZ,
         "summary": summary,
         "runs": results,
