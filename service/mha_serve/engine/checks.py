@@ -45,6 +45,18 @@ def absmax(t: torch.Tensor) -> float:
     return float(max(_MAX(a, axis=None), -_MIN(a, axis=None)))
 
 
+def array_absmax(a) -> float:
+    """absmax of an engine Array (engine/requests.py: numpy memory, bfloat16 as its bits),
+    read on its numpy memory without making a tensor first (the request's one scan)."""
+    data = a.data
+    if a.dtype == "bfloat16":
+        top = int(_MAX(data & 0x7FFF, axis=None))
+        if top >= _BF16_EXPONENT:
+            return math.nan if top > _BF16_EXPONENT else math.inf
+        return float(np.array([top << 16], dtype=np.uint32).view(np.float32)[0])
+    return float(max(_MAX(data, axis=None), -_MIN(data, axis=None)))  # both propagate NaN
+
+
 def require_finite(t: torch.Tensor, what: str) -> torch.Tensor:
     """Finite inputs can still overflow (|x| ~ 1e20 in float32, or > 65504 in float16)."""
     if not all_finite(t):

@@ -12,7 +12,7 @@ import torch
 
 from mha_serve.cache import SessionSpilled, SessionStats, SpillInfo
 from mha_serve.engine.bounds import cleared, gate_absmax
-from mha_serve.engine.checks import absmax, require_finite, scores_overflow_error
+from mha_serve.engine.checks import array_absmax, require_finite, scores_overflow_error
 from mha_serve.engine.errors import InvalidRequest, ModelNotFound, TooLarge
 from mha_serve.engine.requests import (
     UNATTENDED,
@@ -189,13 +189,17 @@ class Engine:
             raise InvalidRequest(
                 f"batch {batch} exceeds model {spec.name!r} max_batch_size {spec.max_batch_size}; send fewer sequences per request"
             )
-        for what, name in (
-            ("input dtype", inputs.dtype),
-            ("weights dtype", request.weights_dtype),
-            ("output dtype", request.output_dtype or inputs.dtype),
+        output_dtype = request.output_dtype or inputs.dtype
+        if not (
+            inputs.dtype in DTYPES and request.weights_dtype in DTYPES and output_dtype in DTYPES
         ):
-            if name not in DTYPES:
-                raise InvalidRequest(f"{what} {name} is not one of float32, float16, bfloat16")
+            for what, name in (
+                ("input dtype", inputs.dtype),
+                ("weights dtype", request.weights_dtype),
+                ("output dtype", output_dtype),
+            ):
+                if name not in DTYPES:
+                    raise InvalidRequest(f"{what} {name} is not one of float32, float16, bfloat16")
         lengths = request.lengths
         if lengths is not None:
             if len(lengths) != batch:
@@ -215,8 +219,7 @@ class Engine:
             )
         if head_mask is not None and not all(v == v and abs(v) != math.inf for v in head_mask):
             raise InvalidRequest("head_mask contains NaN or Inf")
-        x = tensor_of(inputs)
-        input_absmax = absmax(x)  # one pass: the finiteness check, and overflow bounds
+        input_absmax = array_absmax(inputs)  # one pass: the finiteness check, and bounds
         if not input_absmax < math.inf:
             raise InvalidRequest("input contains NaN or Inf values; send finite embeddings")
         num_keys = seq_len
@@ -224,7 +227,13 @@ class Engine:
             num_keys += self.sessions.validate_step(hosted, request)
         self._check_response_size(hosted, request, num_keys)
         return Prepared(
-            request, state, hosted, x, input_absmax, self.batch_key(hosted, request), num_keys
+            request,
+            state,
+            hosted,
+            tensor_of(inputs),
+            input_absmax,
+            self.batch_key(hosted, request),
+            num_keys,
         )
 
     def _check_response_size(self, hosted: HostedModel, call: AttendRequest, num_keys: int) -> None:

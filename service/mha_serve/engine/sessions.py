@@ -453,7 +453,8 @@ def _step_outputs(
     """Step b's share of the batch's output and weights; `finite`: its output row holds no
     NaN/Inf."""
     n = r.num_tokens
-    output = out.output[b : b + 1, :n]
+    whole = out.output
+    output = whole if whole.shape[0] == 1 and whole.shape[1] == n else whole[b : b + 1, :n]
     dtype = DTYPES[call.output_dtype or call.inputs.dtype]
     if dtype != output.dtype:  # (no call at all otherwise: this runs per session per step)
         output = output.to(dtype)
@@ -467,7 +468,7 @@ def _step_outputs(
         weights = require_finite(w.to(DTYPES[call.weights_dtype]), "attention weights").cpu()
     # Contiguous here, on the compute thread: encoding then copies nothing with torch,
     # so no other thread ever runs a torch op big enough to start an OpenMP team.
-    output = (output if output.device.type == "cpu" else output.cpu()).contiguous()
+    output = (output if output.is_cpu else output.cpu()).contiguous()
     return array_of(output), None if weights is None else array_of(weights.contiguous())
 
 

@@ -216,6 +216,27 @@ class MultiHeadAttention(nn.Module):
         gate = check_head_mask(self.config, head_mask, q)
         if first_keys is None:
             first_keys = [0] * B
+        if B == 1 and not need_weights and len(kv) == len(past_lengths) == len(new_lengths) == 1:
+            # One sequence, no weights (every decode step alone): the loop below, unrolled.
+            (keys, values), past, new = kv[0], past_lengths[0], new_lengths[0]
+            first = first_keys[0]
+            check_cached(c, 0, keys, values, past, new, first, T, q)
+            q_b = q if new == T else q[:, :, :new]  # (1, H, n, D)
+            y = attend_one(
+                q_b,
+                keys,
+                values,
+                past,
+                self.scale,
+                first_key=first,
+                window=c.sliding_window,
+                softcap=c.softcap,
+            )
+            if new != T:  # padded rows zero
+                y = torch.cat([y, y.new_zeros(1, H, T - new, D)], dim=2)
+                valid = (torch.arange(T, device=q.device) < new)[None]  # (1, T)
+                return AttentionOutput(output=self._merge_heads(y, gate, valid), weights=None)
+            return AttentionOutput(output=self._merge_heads(y, gate, None), weights=None)
         if not len(kv) == len(past_lengths) == len(new_lengths) == len(first_keys) == B:
             raise ValueError(
                 f"q has batch {B} but kv, past_lengths, new_lengths and first_keys have "
