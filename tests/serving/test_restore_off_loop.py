@@ -56,3 +56,42 @@ def test_a_spilled_session_is_restored_on_the_compute_thread(tmp_path):
             compute.shutdown()
 
     asyncio.run(main())
+
+
+def test_sessions_move_between_async_engines_on_their_compute_threads():
+    """AsyncEngine's moves: packed on one engine's compute thread, received on the other's,
+    the next step there equal to the step the first would have given."""
+    spec = ModelSpec("m", AttentionConfig(32, 4, 2), seed=1, kv_cache_bytes=1 << 20)
+
+    def engine(prefix: str) -> Engine:
+        return Engine(
+            [spec],
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+            max_response_bytes=1 << 24,
+            session_id_prefix=prefix,
+        )
+
+    async def main() -> None:
+        home_compute, other_compute = ComputeThreads(1, 1), ComputeThreads(1, 1)
+        home = AsyncEngine(engine("a-"), home_compute)
+        other = AsyncEngine(engine("b-"), other_compute)
+        try:
+            sid = (await home.create_session("m", None, None)).session_id
+            x = torch.randn(1, 9, 32)
+            await home.attend(req("m", x, session_id=sid), torched, received=0.0, deadline=None)
+            assert await home.session_ids() == [sid]
+            moved = await other.receive_session(await home.pack_session(sid), "test")
+            assert moved.num_tokens == 9
+            step = req("m", x[:, :2], session_id=sid)
+            want = await home.attend(step, torched, received=0.0, deadline=None)
+            got = await other.attend(step, torched, received=0.0, deadline=None)
+            assert torch.equal(got.reply.output, want.reply.output)
+            await home.session_moved(sid, "b")
+            assert await home.session_ids() == []
+        finally:
+            for serving, compute in ((home, home_compute), (other, other_compute)):
+                await serving.close()
+                compute.shutdown()
+
+    asyncio.run(main())

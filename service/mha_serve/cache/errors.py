@@ -30,6 +30,10 @@ class SessionSpilled(CacheError):
         self.owner = owner
 
 
+class SessionExists(CacheError):
+    """A session moved in under an id this server already holds (ALREADY_EXISTS)."""
+
+
 class SpillFull(CacheError):
     """A session alone is larger than the whole spill budget: it cannot be spilled."""
 

@@ -70,6 +70,28 @@ class Expected:
     max_bytes: int  # K + V bytes the model's whole cache holds
 
 
+def record_of(
+    s, expected: Expected, *, first_position: int, idle_s: float, written_at: float
+) -> SessionRecord:
+    """The record of a session (the table's Session) of the model `expected` describes,
+    holding K/V from first_position on, idle for idle_s seconds at written_at (wall time)."""
+    return SessionRecord(
+        session_id=s.id,
+        model=s.model,
+        fingerprint=expected.fingerprint,
+        num_tokens=s.num_tokens,
+        first_position=first_position,
+        max_len=s.max_len,
+        ttl_s=s.ttl_s,
+        idle_s=max(0.0, idle_s),
+        written_at=written_at,
+        owner=s.owner,
+        dtype=str(expected.dtype).removeprefix("torch."),
+        num_kv_heads=expected.num_kv_heads,
+        head_dim=expected.head_dim,
+    )
+
+
 def encode(record: SessionRecord, k: torch.Tensor, v: torch.Tensor) -> bytes:
     """The file's bytes: k and v (KVH, held, D) on the CPU, contiguous, in record.dtype."""
     k, v = k.contiguous(), v.contiguous()

@@ -87,12 +87,7 @@ class RoomMaking:
             entry = self.spill.detach(s.id)
             try:
                 self._make_room(m, num_blocks, None, s, now)
-                s.block_table = m.pool.allocate(num_blocks)
-                try:
-                    m.storage.load(s.block_table, s.first_block, record.first_position, k, v)
-                except BaseException:
-                    m.pool.decref(s.block_table)
-                    raise
+                self._load(m, s, num_blocks, record, k, v)
             except BaseException:  # no room: it stays spilled, as it was
                 if entry is not None:
                     self.spill.attach(entry)
@@ -105,6 +100,17 @@ class RoomMaking:
             if entry is not None:
                 self.spill.delete(entry)
             return self._session_stats(s)
+
+    @staticmethod
+    def _load(m: _ModelCache, s: Session, num_blocks: int, record: SessionRecord, k, v) -> None:
+        """Blocks for a session coming back or moved in, holding the record's K/V."""
+        s.block_table = m.pool.allocate(num_blocks)
+        try:
+            m.storage.load(s.block_table, s.first_block, record.first_position, k, v)
+        except BaseException:
+            m.pool.decref(s.block_table)
+            s.block_table = []
+            raise
 
     def forget_spilled(self, session_id: str, reason: str, message: str) -> None:
         """A spilled session that cannot come back (its file refused): gone, saying why."""
@@ -139,16 +145,7 @@ class RoomMaking:
         except (SpillFull, OSError) as e:
             log.warning("session %s not spilled (%s); kept in the cache", s.id, e)
             return False
-        for entry in expired:  # the oldest spilled, to keep the tier within its budget
-            self._forget_spilled(
-                entry.session_id,
-                "expired",
-                f"session {entry.session_id!r} was spilled to disk to make room and has since "
-                f"expired from the full spill tier (session_spill_bytes "
-                f"{self.spill.budget_bytes}: its oldest sessions go first); create a new "
-                "session and send its tokens again",
-                lost=True,
-            )
+        self._forget_expired(expired)
         del self._sessions[s.id]
         self._release(s)
         self._spilled[s.id] = s  # (still counted by the quota: its owner's session)
@@ -159,6 +156,19 @@ class RoomMaking:
                 log.exception("on_spill failed; the session was spilled all the same")
         return True
 
+    def _forget_expired(self, expired: list[Spilled]) -> None:
+        """The oldest spilled sessions, expired to keep the tier within its budget: lost."""
+        for entry in expired:
+            self._forget_spilled(
+                entry.session_id,
+                "expired",
+                f"session {entry.session_id!r} was spilled to disk to make room and has since "
+                f"expired from the full spill tier (session_spill_bytes "
+                f"{self.spill.budget_bytes}: its oldest sessions go first); create a new "
+                "session and send its tokens again",
+                lost=True,
+            )
+
     def _forget_spilled(
         self, session_id: str, reason: str, message: str, *, lost: bool = False
     ) -> None:
@@ -166,9 +176,7 @@ class RoomMaking:
         self.quota.remove(ghost)
         if self.spill is not None:
             self.spill.remove(session_id)
-        self._gone[session_id] = (reason, message)
-        while len(self._gone) > self._max_remembered:
-            self._gone.popitem(last=False)
+        self._remember_gone(session_id, reason, message)
         if self.on_end is not None:
             try:
                 self.on_end("spill_full" if lost else reason)

@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,6 +24,7 @@ from .errors import (
     SessionNotFound,
     SessionSpilled,
 )
+from .moves import Moving
 from .quota import OwnerQuota
 from .room import RoomMaking
 from .types import (
@@ -37,6 +38,7 @@ from .types import (
 from .window import first_needed_block, read_start, shortest_truncate
 
 if TYPE_CHECKING:  # (spill.py brings torch; the table needs only its objects)
+    from .record import Expected
     from .spill import SpillTier
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ class _ModelCache:
     num_blocks_out_of_window: int = 0  # blocks freed so far because no step could see them
 
 
-class SessionTable(RoomMaking):
+class SessionTable(RoomMaking, Moving):
     """All sessions of one server, across models. Thread-safe (one lock)."""
 
     def __init__(
@@ -62,6 +64,7 @@ class SessionTable(RoomMaking):
         evict: bool = False,
         default_ttl_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
         max_remembered: int = DEFAULT_MAX_REMEMBERED,
         on_end: Callable[[str], None] | None = None,
         id_prefix: str = "",
@@ -75,6 +78,7 @@ class SessionTable(RoomMaking):
         self.on_end = on_end
         self.default_ttl_s = _check_ttl(default_ttl_s)
         self._clock = clock
+        self._wall = wall  # wall time: a record's idle time goes on across processes
         self._max_remembered = max_remembered
         self._models: dict[str, _ModelCache] = {}
         self._sessions: dict[str, Session] = {}
@@ -89,6 +93,9 @@ class SessionTable(RoomMaking):
         # each time a session is spilled.
         self.on_spill: Callable[[str, int, str], None] | None = None
         self._spilled: dict[str, Session] = {}
+        # model -> what a record of its sessions must match here (engine.durable's
+        # Expectations): spill files, sessions moved in (moves.py).
+        self.expected: Mapping[str, Expected] = {}
         self._lock = threading.RLock()
         # Per-client limits (off until set_client_limits): sessions and bytes per owner.
         self.quota = OwnerQuota(lambda model: self._models[model].storage.bytes_per_block)
@@ -499,9 +506,7 @@ class SessionTable(RoomMaking):
     def _drop(self, s: Session, reason: str, message: str) -> None:
         del self._sessions[s.id]
         self.quota.remove(s)
-        self._gone[s.id] = (reason, message)
-        while len(self._gone) > self._max_remembered:
-            self._gone.popitem(last=False)
+        self._remember_gone(s.id, reason, message)
         if s.in_use:
             self._zombies[s.id] = s
         else:
@@ -511,6 +516,12 @@ class SessionTable(RoomMaking):
                 self.on_end(reason)
             except Exception:
                 log.exception("on_end(%r) failed; the session ended all the same", reason)
+
+    def _remember_gone(self, session_id: str, reason: str, message: str) -> None:
+        """Why a session is gone, told to its later calls (the most recent kept)."""
+        self._gone[session_id] = (reason, message)
+        while len(self._gone) > self._max_remembered:
+            self._gone.popitem(last=False)
 
     def _unpin(self, s: Session) -> None:
         if s.in_use < 1:

@@ -18,14 +18,23 @@ import os
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .errors import SpillFull
-from .record import BadRecord, Expected, SessionRecord, check, decode, encode, read_header
+from .record import (
+    BadRecord,
+    Expected,
+    SessionRecord,
+    check,
+    decode,
+    encode,
+    read_header,
+    record_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +258,7 @@ class SpillTier:
     """The SessionTable's view of a SpillStore: records built from its sessions, checked
     against the models served here (what each one's record must match)."""
 
-    def __init__(self, store: SpillStore, expected: dict[str, Expected]) -> None:
+    def __init__(self, store: SpillStore, expected: Mapping[str, Expected]) -> None:
         self.store = store
         self.expected = expected  # model -> what its records must match
 
@@ -269,21 +278,12 @@ class SpillTier:
     ) -> list[Spilled]:
         """Writes session s (the table's Session) with K/V positions first_position..;
         returns the spilled sessions expired to keep the budget."""
-        want = self.expected[s.model]
-        record = SessionRecord(
-            session_id=s.id,
-            model=s.model,
-            fingerprint=want.fingerprint,
-            num_tokens=s.num_tokens,
+        record = record_of(
+            s,
+            self.expected[s.model],
             first_position=first_position,
-            max_len=s.max_len,
-            ttl_s=s.ttl_s,
-            idle_s=max(0.0, idle_s),
+            idle_s=idle_s,
             written_at=self.store.wall(),
-            owner=s.owner,
-            dtype=str(want.dtype).removeprefix("torch."),
-            num_kv_heads=want.num_kv_heads,
-            head_dim=want.head_dim,
         )
         return self.store.put(record, k, v)
 

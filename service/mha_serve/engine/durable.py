@@ -5,7 +5,9 @@ The SessionTable does the rest (cache/room.py, cache/spill.py)."""
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator, Mapping
 
 from mha_serve.cache import KVCache, SessionNotFound, SessionTable
 from mha_serve.cache.record import BadRecord, Expected, key_bound
@@ -15,22 +17,42 @@ from mha_serve.engine.fingerprint import model_fingerprint
 from mha_serve.engine.types import HostedModel
 
 
-def open_spill_tier(
-    models: dict[str, HostedModel], caches: dict[str, KVCache], directory: str, budget_bytes: int
-) -> SpillTier:
-    """The spill tier of these caches in `directory` (locked for this process's life)."""
-    expected = {}
-    for name, cache in caches.items():
-        hosted = models[name]
-        expected[name] = Expected(
-            model=name,
-            fingerprint=model_fingerprint(hosted),
-            dtype=cache.dtype,
-            num_kv_heads=cache.num_kv_heads,
-            head_dim=cache.head_dim,
-            max_len=hosted.spec.max_seq_len,
-            max_bytes=cache.budget_bytes,
-        )
+class Expectations(Mapping[str, Expected]):
+    """model -> what a record of its sessions must match here (the model's fingerprint,
+    its cache's dtype and shape, its limits): for spill files and moved sessions alike.
+    Each model's is computed on first use (hashing its weights) and kept."""
+
+    def __init__(self, models: dict[str, HostedModel], caches: dict[str, KVCache]) -> None:
+        self._models, self._caches = models, caches
+        self._known: dict[str, Expected] = {}
+        self._lock = threading.Lock()
+
+    def __getitem__(self, model: str) -> Expected:
+        with self._lock:
+            known = self._known.get(model)
+            if known is None:
+                cache, hosted = self._caches[model], self._models[model]  # KeyError: none
+                known = self._known[model] = Expected(
+                    model=model,
+                    fingerprint=model_fingerprint(hosted),
+                    dtype=cache.dtype,
+                    num_kv_heads=cache.num_kv_heads,
+                    head_dim=cache.head_dim,
+                    max_len=hosted.spec.max_seq_len,
+                    max_bytes=cache.budget_bytes,
+                )
+            return known
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._caches)
+
+    def __len__(self) -> int:
+        return len(self._caches)
+
+
+def open_spill_tier(expected: Expectations, directory: str, budget_bytes: int) -> SpillTier:
+    """The spill tier of the caches `expected` covers in `directory` (locked for this
+    process's life)."""
     return SpillTier(SpillStore(directory, budget_bytes), expected)
 
 

@@ -510,6 +510,30 @@ class Engine:
         """Whether a spill tier is set (session_spill_dir)."""
         return self.sessions.table.spill is not None
 
+    # --- moves: a session leaves this engine whole for another's (a Ray replica stopping) --
+
+    def session_ids(self) -> list[str]:
+        """Every session held, live or spilled, the least recently used first."""
+        return self.sessions.table.session_ids()
+
+    def pack_session(self, session_id: str) -> bytes:
+        """The session as one record's bytes (a spill file's form) for receive_session on
+        another engine with the same model; it stays here until session_moved. SessionBusy
+        while a call holds it."""
+        return self.sessions.table.pack(_session_id(session_id))
+
+    def session_moved(self, session_id: str, where: str) -> None:
+        """The session was received elsewhere: freed here; its later calls here are told
+        NOT_FOUND saying it moved to `where`."""
+        self.sessions.table.moved_out(_session_id(session_id), where)
+
+    def receive_session(self, data: bytes, source: str = "a moved session") -> SessionStats:
+        """Adopts a session packed by another engine, under its id, owner, limits and idle
+        time: into the KV cache (making room as a step does), else the spill tier. BadRecord
+        (not a session of a model served here, saying why), SessionExists, SessionNotFound
+        (expired meanwhile), CacheExhausted / SpillFull (no room)."""
+        return self.sessions.table.receive(data, source)
+
     def on_session_spill(self, hook: Callable[[str, int, str], None]) -> None:
         """hook(model, bytes, reason) each time a session is spilled ("room", "shutdown")."""
         self.sessions.table.on_spill = hook

@@ -27,7 +27,7 @@ from mha_serve.cache import (
 )
 from mha_serve.engine.bounds import cleared, gate_absmax
 from mha_serve.engine.checks import require_finite, scores_overflow_error
-from mha_serve.engine.durable import open_spill_tier, restore
+from mha_serve.engine.durable import Expectations, open_spill_tier, restore
 from mha_serve.engine.errors import Abandoned, DeadlinePassed, InvalidRequest, RequestError
 from mha_serve.engine.requests import Array, AttendOutcome, AttendRequest, CallState
 from mha_serve.engine.types import DTYPES, HostedModel, Prepared, array_of, repeat_heads
@@ -114,8 +114,10 @@ class Sessions:
             self.caches[name] = cache
             window = spec.attention.sliding_window  # sessions then keep their window only
             self.table.add_model(name, cache, max_len=spec.max_seq_len, window=window)
+        # What a session's record must match here: spill files, and sessions moved in.
+        self.table.expected = Expectations(models, self.caches)
         if spill_dir and self.caches:
-            self.table.set_spill(open_spill_tier(models, self.caches, spill_dir, spill_bytes))
+            self.table.set_spill(open_spill_tier(self.table.expected, spill_dir, spill_bytes))
 
     def cache(self, model: str) -> KVCache:
         cache = self.caches.get(model)

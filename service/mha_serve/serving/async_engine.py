@@ -212,9 +212,7 @@ class AsyncEngine:
     async def _restore(self, session_id: str, caller: str | None) -> float:
         """On the compute thread: torch ops on another thread would start a team of their
         own (engine/threads.py); a restore is rare and short."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self.threads.main, self.engine.restore_session, session_id, caller
-        )
+        return await self._on_compute(self.engine.restore_session, session_id, caller)
 
     async def _compute(self, request: AttendRequest, ticket: Ticket) -> Computed:
         # Validation scans the input (NaN/Inf): off the event loop when it is large.
@@ -298,6 +296,28 @@ class AsyncEngine:
 
     async def close_session(self, session_id: str, caller: str | None = None) -> None:
         self.engine.close_session(session_id, caller)
+
+    # --- moves (a Ray replica that Ray stops sends its sessions to another) -------------
+    # On the compute thread: they read or write the KV cache (engine/threads.py).
+
+    async def session_ids(self) -> list[str]:
+        """Every session held here, live or spilled, the least recently used first."""
+        return self.engine.session_ids()
+
+    async def pack_session(self, session_id: str) -> bytes:
+        """The session as one record's bytes; it stays here until session_moved."""
+        return await self._on_compute(self.engine.pack_session, session_id)
+
+    async def session_moved(self, session_id: str, where: str) -> None:
+        """Received elsewhere: freed here, its later calls told where it went."""
+        self.engine.session_moved(session_id, where)
+
+    async def receive_session(self, data: bytes, source: str) -> SessionStats:
+        """Adopts a session another engine packed, under its id (Engine.receive_session)."""
+        return await self._on_compute(self.engine.receive_session, data, source)
+
+    async def _on_compute(self, fn: Callable[..., T], *args) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.threads.main, fn, *args)
 
 
 def lanes_for(

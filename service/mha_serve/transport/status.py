@@ -10,6 +10,7 @@ from mha_serve.cache import (
     ClientQuotaExceeded,
     InvalidSessionArgument,
     SessionBusy,
+    SessionExists,
     SessionFull,
     SessionNotFound,
     SessionSpilled,
@@ -39,6 +40,7 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     CacheExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ClientQuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     SessionBusy: grpc.StatusCode.ABORTED,
+    SessionExists: grpc.StatusCode.ALREADY_EXISTS,
     # Brought back before any call answers; should one slip through, the client retries.
     SessionSpilled: grpc.StatusCode.UNAVAILABLE,
     InvalidSessionArgument: grpc.StatusCode.INVALID_ARGUMENT,
