@@ -1,6 +1,7 @@
 """Starts deploy/ray/serve_config.yaml on a local Ray, as `serve run CONFIG` does (Ray's
 serve/scripts.py: serve_start with the file's proxy options, then deploy_apps), with the
-ports changed to free ones. Shared by tests/ray_app and bench/ray_app.py."""
+ports changed to free ones, on a Ray of its own (start_ray). Shared by tests/ray_app and the
+Ray benchmarks (bench/ray_app.py, bench/ray_cpu.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,29 @@ import yaml
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "ray" / "serve_config.yaml"
 APP = "mha"
+RAY_START_ATTEMPTS = 3
+
+
+def start_ray(ray: Any, num_cpus: int, **options: Any) -> None:
+    """A Ray of its own for this process (`address="local"`: never the cluster a `ray start`
+    left in /tmp/ray/ray_current_cluster, or RAY_ADDRESS names, which ray.init() would join,
+    dead or alive), started again when its raylet misses Ray's fixed 30 s registration wait
+    (ray/_private/node.py: "timed out during startup"), which a 2-core machine busy with
+    other work can: the start is retried, nothing the tests check is."""
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                **options,
+            )
+            return
+        except Exception as e:
+            if "timed out during startup" not in str(e) or attempt == RAY_START_ATTEMPTS:
+                raise
+            ray.shutdown()
 
 
 def free_port() -> int:

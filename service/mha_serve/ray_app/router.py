@@ -1,14 +1,16 @@
 """The request router of AttentionReplica: a session's calls go to the replica its id names.
 
-Ray Serve runs one router per handle owner (each Ingress replica). A call that carries a
-session id (`handle.options(session_id=...)`) goes to exactly the replica named in it, never
-elsewhere while that replica lives: if this router does not know the replica yet (just
-started, not yet announced here), the call waits for the next replica update. When the
-replica is gone (its actor is dead), or has left this router's view after being in it (Ray
-is stopping it: scaled down, or replaced), the call goes to any live replica, which answers
-NOT_FOUND saying so (AttentionReplica): Ray never routes to a stopping replica, so waiting
-for it would only delay that answer by its drain. Calls without a session spread by load: the lower
-queue of two random replicas, as Ray's default router does.
+Ray Serve runs one router per handle owner: each gRPC proxy (the proxy calls AttentionReplica
+directly; proxy.py puts the call's session into the `session_id` metadata that reaches the
+router), and each replica that forwards a Triton sequence's step. A call that carries a
+session id goes to exactly the replica named in it, never elsewhere while that replica
+lives: if this router does not know the replica yet (just started, not yet announced here),
+the call waits for the next replica update. When the replica is gone (its actor is dead), or
+has left this router's view after being in it (Ray is stopping it: scaled down, or
+replaced), the call goes to any live replica, which answers NOT_FOUND saying so
+(AttentionReplica): Ray never routes to a stopping replica, so waiting for it would only
+delay that answer by its drain. Calls without a session spread by load: the lower queue of
+two random replicas, as Ray's default router does.
 """
 
 from __future__ import annotations
