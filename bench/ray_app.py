@@ -1,15 +1,19 @@
-"""The Ray Serve app (deploy/ray/serve_config.yaml) beside the standalone server and the plain
-`@serve.batch` baseline, in one run: stateless throughput at 16 and 128 tokens with 32
-clients, and the streamed decode step at contexts 256 and 4096.
+"""The Ray Serve app (deploy/ray/serve_config.yaml) beside the standalone server, the plain
+`@serve.batch` baseline and, with --previous, the previous design (another checkout of the
+project, e.g. a git worktree of an older main), in one run: stateless throughput at 16 and
+128 tokens with 32 clients, and the streamed decode step at contexts 256 and 4096.
 
-    python bench/ray_app.py [--duration 15] [--steps 64]
+    python bench/ray_app.py [--duration 15] [--steps 64] [--previous DIR]
+    python bench/ray_app.py --replicas 1,2,4,8     # the scaling curve (a machine with cores)
 
-Prints the table docs/ray.md shows and writes bench/results/ray_app.json. A fourth system,
-an experiment and not the app (`build_direct`), measures what the Ingress hop costs.
+Prints the tables docs/ray.md shows and writes bench/results/ray_app.json (the curve:
+bench/results/ray_app_replicas.json).
 
-Each system runs alone in its own process tree while it is measured, on 127.0.0.1; the load
-generator (mha_client.loadgen) runs in this process. `--serve PORT` is the Ray app's own
-process: a local Ray with the committed serve config, its gRPC proxy on PORT.
+Throughput: each system alone in its own process tree, on 127.0.0.1, the load generator
+(mha_client.loadgen) in this process. Decode steps: the standalone server and the Ray
+app(s) all up, their steps alternating in rounds, so that whatever else runs on the machine
+meanwhile falls on each alike. `--serve PORT` is the Ray app's own process: a local Ray with
+the committed serve config, its gRPC proxy on PORT.
 """
 
 from __future__ import annotations
@@ -48,31 +52,35 @@ WARMUP_STEPS = 4
 DECODE_ROUNDS = 4  # the two systems' decode steps alternate in this many rounds
 RAY_NUM_CPUS = 2  # as the tests and a 2-core machine
 OUT = BENCH / "results" / "ray_app.json"
+CURVE_OUT = BENCH / "results" / "ray_app_replicas.json"
+# Ray Serve settings of the Ray app's process (docs/ray.md, "Ray settings"), for the cluster
+# it starts, as `make serve-ray` and deploy/ray/Dockerfile set them.
+RAY_ENV = {
+    "RAY_SERVE_PROXY_USE_GRPC": "1",
+    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(512 * 2**20),
+}
 
 
 # --- the Ray app's own process ------------------------------------------------------
 
 
-def serve_forever(port: int, steps: int, direct: bool) -> int:
+def ray_env() -> dict[str, str]:
+    """RAY_ENV, and any RAY_SERVE_* setting this command was given (an experiment)."""
+    given = {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")}
+    return {**RAY_ENV, **given}
+
+
+def serve_forever(port: int, steps: int, replicas: int) -> int:
     import ray
 
-    from tests.ray_app.cluster import deploy, load_config
+    from tests.ray_app.cluster import deploy, load_config, start_ray
 
-    # The proxy calls the Ingress over gRPC rather than as Ray actor calls, with room for
-    # large messages (docs/ray.md, Benchmark; deploy/ray/Dockerfile sets the same): set for
-    # the cluster this process starts, as `serve run` would inherit it.
-    os.environ.setdefault("RAY_SERVE_PROXY_USE_GRPC", "1")
-    os.environ.setdefault("RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH", str(512 * 2**20))
-    ray.init(num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False)
+    for key, value in RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    start_ray(ray, max(RAY_NUM_CPUS, replicas))
     try:
-        config = load_config(grpc_port=port, metrics_port=0)
-        if direct:  # the experiment below in place of the app's builder
-            (app,) = config["applications"]
-            app.update(import_path="ray_app:build_direct", args={}, deployments=[])
-            app["runtime_env"] = {"env_vars": {"PYTHONPATH": str(BENCH)}}
-        deploy(config)
-        probe = {} if direct else handle_probe(steps)
-        print("handle-probe " + json.dumps(probe), flush=True)
+        deploy(load_config(grpc_port=port, metrics_port=0, num_replicas=replicas))
+        print("handle-probe " + json.dumps(handle_probe(steps)), flush=True)
         print(f"listening on 127.0.0.1:{port}", flush=True)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -84,62 +92,37 @@ def serve_forever(port: int, steps: int, direct: bool) -> int:
 
 
 def handle_probe(steps: int) -> dict[str, Any]:
-    """Decode steps sent straight to AttentionReplica through a DeploymentHandle (one Ray
-    hop, no proxy and no Ingress): what the proxy hop and the Ingress add is the rest."""
+    """Decode steps sent straight to AttentionReplica through a DeploymentHandle from this
+    driver (one Ray hop, no proxy): what Ray's handle path costs by itself."""
+    return asyncio.run(_handle_probe(steps))
+
+
+async def _handle_probe(steps: int) -> dict[str, Any]:
     from ray import serve
 
     from mha_serve.ray_app.forward import calls
 
-    handle = serve.get_deployment_handle("AttentionReplica", "mha")
+    call = calls(serve.get_deployment_handle("AttentionReplica", "mha"), "call")
     rng = np.random.default_rng(1)
     out = {}
     for context in CONTEXTS:
-        create = calls(handle, "call")  # as the Ingress calls it
-        reply = create.remote("CreateSession", pb.CreateSessionRequest(model=MODEL)).result()
+        reply = await call.remote("CreateSession", pb.CreateSessionRequest(model=MODEL))
         sid = reply.response.session_id
-        call = create.options(session_id=sid)
-        step = calls(handle, "stream_step").options(session_id=sid)
+        pinned = call.options(session_id=sid)
         prefill = pb.AttendRequest(session_id=sid, input=to_proto(tokens(rng, context - 1)))
-        assert call.remote("Attend", prefill).result().code is None
+        assert (await pinned.remote("Attend", prefill)).code is None
         times = []
         for i in range(WARMUP_STEPS + steps):
             request = pb.AttendRequest(session_id=sid, input=to_proto(tokens(rng, 1)))
             start = time.perf_counter()
-            reply = step.remote(request).result()
+            reply = await pinned.remote("Attend", request)
             if i >= WARMUP_STEPS:
                 times.append((time.perf_counter() - start) * 1e3)
             assert reply.code is None, reply.details
-            call.remote("TruncateSession", trunc(sid, context - 1)).result()
-        call.remote("CloseSession", pb.CloseSessionRequest(session_id=sid)).result()
+            await pinned.remote("TruncateSession", trunc(sid, context - 1))
+        await pinned.remote("CloseSession", pb.CloseSessionRequest(session_id=sid))
         out[str(context)] = float(np.median(times))
     return out
-
-
-def build_direct(args: dict[str, Any] | None = None) -> Any:
-    """EXPERIMENT, not the app: AttentionReplica as the proxy's own ingress, answering
-    stateless Attend and ListModels itself (no Ingress hop, no session routing): what the
-    Ingress hop costs stateless throughput."""
-    from ray import serve
-
-    from mha_serve.ray_app.replica import AttentionReplica
-
-    class DirectReplica(AttentionReplica):
-        async def Attend(self, request: Any, grpc_context: Any) -> Any:
-            reply = await self.call("Attend", request, grpc_context.peer())
-            if reply.code is not None:
-                grpc_context.set_code(reply.code)
-                grpc_context.set_details(reply.details)
-            return reply.response
-
-    deployment = serve.deployment(
-        DirectReplica,
-        name="AttentionReplica",
-        num_replicas=2,
-        max_ongoing_requests=256,
-        ray_actor_options={"num_cpus": 1},
-        logging_config={"enable_access_log": False},
-    )
-    return deployment.bind(None, {"torch_threads": 1}, 0)
 
 
 # --- measuring ------------------------------------------------------------------------
@@ -202,12 +185,21 @@ def summary(rounds: list[dict[str, list[float]]]) -> dict[str, float]:
     }
 
 
-def start_ray_app(log_dir: Path, steps: int, direct: bool = False) -> tuple[Server, Any, dict]:
+def start_ray_app(
+    log_dir: Path, steps: int, previous: Path | None = None, replicas: int = 2
+) -> tuple[Server, Any, dict]:
+    """This tree's Ray app, or (previous) that checkout's, started by its own ray_app.py
+    with its mha_serve first on the path; the same Ray settings (RAY_ENV) for both."""
     port = run_all.ray_baseline.free_port()
-    cmd = [sys.executable, str(Path(__file__)), "--serve", str(port), "--steps", str(steps)]
-    server = Server(
-        "ray-direct" if direct else "ray-app", [*cmd, *(["--direct"] * direct)], log_dir
-    )
+    tree = previous or ROOT
+    env = {**ray_env(), "RAY_ADDRESS": "local"}  # a Ray of its own, whatever ray.init says
+    env["PYTHONPATH"] = os.pathsep.join(str(tree / d) for d in ("service", "client"))
+    cmd = ["env", *(f"{k}={v}" for k, v in env.items()), sys.executable]
+    cmd += [str(tree / "bench" / "ray_app.py"), "--serve", str(port), "--steps", str(steps)]
+    if replicas != 2:
+        cmd += ["--replicas", str(replicas)]
+    name = "ray-previous" if previous else f"ray-app-{replicas}" if replicas != 2 else "ray-app"
+    server = Server(name, cmd, log_dir)
     probe = json.loads(server.wait_line(r"handle-probe (\{.*\})").group(1))
     server.wait_line(r"listening on")
     return server, lambda: GrpcTarget(f"127.0.0.1:{port}"), {"target": f"127.0.0.1:{port}", **probe}
@@ -224,48 +216,66 @@ def start_standalone(log_dir: Path) -> tuple[Server, Any, str]:
     return server, lambda: GrpcTarget(target), target
 
 
-def run(duration_s: float, steps: int, command: str) -> dict[str, Any]:
+def start(
+    system: str, log_dir: Path, steps: int, previous: Path | None
+) -> tuple[Server, Any, dict]:
+    """(server, target factory, {target, handle probe}) of one system."""
+    if system == "ray-app":
+        return start_ray_app(log_dir, steps)
+    if system == "ray-previous":
+        return start_ray_app(log_dir, steps, previous)
+    if system == "mha-serve":
+        server, factory, target = start_standalone(log_dir)
+        return server, factory, {"target": target}
+    server, factory = start_system(system, log_dir)
+    return server, factory, {}
+
+
+def run(
+    duration_s: float,
+    steps: int,
+    previous: Path | None,
+    command: str,
+    only: str | None = None,
+    systems: list[str] | None = None,
+) -> dict[str, Any]:
     import tempfile
 
     results: dict[str, Any] = {
         "command": command,
         "machine": report.machine_info(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "ray_env": ray_env(),
+        "previous": None if previous is None else str(previous),
         "load": [],
         "decode": {},
         "handle_probe": {},
     }
+    systems = systems or ["ray", "mha-serve", "ray-app", *(["ray-previous"] * bool(previous))]
     warmup = 2 * HEADLINE_CONCURRENCY + 10
     with tempfile.TemporaryDirectory(prefix="mha-bench-ray-") as tmp:
-        # The decode steps of the standalone server and the Ray app alternate, in rounds,
-        # with both up: whatever else the machine runs meanwhile falls on both alike.
-        decode_targets: dict[str, str] = {}
-        servers: list[Server] = []
-        try:
-            for system in ("ray", "mha-serve", "ray-app", "ray-direct"):
-                print(f"{system}: starting", flush=True)
-                if system == "ray-app":
-                    server, factory, probe = start_ray_app(Path(tmp), steps)
-                    decode_targets[system] = probe.pop("target")
-                    results["handle_probe"] = probe
-                elif system == "ray-direct":
-                    server, factory, _ = start_ray_app(Path(tmp), steps, direct=True)
-                elif system == "mha-serve":
-                    server, factory, decode_targets[system] = start_standalone(Path(tmp))
-                else:
-                    server, factory = start_system(system, Path(tmp))
-                servers.append(server)
+        for system in systems if only != "decode" else ():  # throughput: each system alone
+            print(f"{system}: starting", flush=True)
+            server, factory, info = start(system, Path(tmp), steps, previous)
+            try:
                 for seq_len in SEQ_LENS:
                     point = measure_point(
                         system, server, factory, seq_len, HEADLINE_CONCURRENCY, duration_s, warmup
                     )
                     results["load"].append(point)
-                if system == "ray-app":
-                    results["decode"] = alternate_decode(decode_targets, steps)
-                if system != "mha-serve":  # the standalone server stays for the decode steps
-                    while servers:
-                        stopping = servers.pop()
-                        print(f"{stopping.name}: stopped in {stopping.stop():.1f} s", flush=True)
+            finally:
+                print(f"{system}: stopped in {server.stop():.1f} s", flush=True)
+        # Decode steps: every server up at once, their steps alternating.
+        servers, targets = [], {}
+        try:
+            for system in [s for s in systems if s != "ray"] if only != "throughput" else ():
+                server, _, info = start(system, Path(tmp), steps, previous)
+                servers.append(server)
+                targets[system] = info.pop("target")
+                if info:
+                    results["handle_probe"][system] = info
+            if targets:
+                results["decode"] = alternate_decode(targets, steps)
         finally:
             for server in servers:
                 server.stop()
@@ -288,14 +298,51 @@ def alternate_decode(targets: dict[str, str], steps: int) -> dict[str, dict]:
     return out
 
 
+def replica_curve(counts: list[int], duration_s: float, command: str) -> dict[str, Any]:
+    """The Ray app's 16-token throughput with each number of replicas (one CPU each)."""
+    import tempfile
+
+    results: dict[str, Any] = {
+        "command": command,
+        "machine": report.machine_info(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "ray_env": ray_env(),
+        "load": [],
+    }
+    warmup = 2 * HEADLINE_CONCURRENCY + 10
+    with tempfile.TemporaryDirectory(prefix="mha-bench-ray-") as tmp:
+        for count in counts:
+            server, factory, _ = start_ray_app(Path(tmp), 4, replicas=count)
+            try:
+                point = measure_point(
+                    f"ray-app-{count}",
+                    server,
+                    factory,
+                    16,
+                    HEADLINE_CONCURRENCY,
+                    duration_s,
+                    warmup,
+                )
+                results["load"].append({**point, "replicas": count})
+            finally:
+                server.stop()
+    return results
+
+
 # --- the report ---------------------------------------------------------------------
+
+NAMES = {
+    "ray": "`@serve.batch` baseline (HTTP)",
+    "mha-serve": "standalone mha-serve",
+    "ray-app": "Ray app (gRPC proxy -> replica)",
+    "ray-previous": "previous Ray app (gRPC proxy -> Ingress -> replica)",
+}
 
 
 def table(results: dict[str, Any]) -> str:
     """The markdown docs/ray.md shows: throughput, decode steps, the ratios the issue sets."""
-    names = {"ray": "`@serve.batch` baseline (HTTP)", "mha-serve": "standalone mha-serve"}
-    names["ray-app"] = "Ray app (gRPC proxy -> Ingress -> replica)"
     tput = {(p["system"], p["seq_len"]): p for p in results["load"]}
+    systems = [s for s in NAMES if (s, SEQ_LENS[0]) in tput]
     lines = [
         f"32 clients, closed loop, model {MODEL} (embed 512, 8 heads), float32 on CPU.",
         "",
@@ -305,41 +352,65 @@ def table(results: dict[str, Any]) -> str:
         "| system | L=16 seq/s | p50 ms | cores | L=128 seq/s | p50 ms | cores |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    names["ray-direct"] = "experiment: replica as ingress, stateless only (no Ingress hop)"
-    for system in ("ray", "mha-serve", "ray-app", "ray-direct"):
+    for system in systems:
         cells = []
         for seq_len in SEQ_LENS:
             p = tput[(system, seq_len)]
             cores = f"{p['cpu_cores']['server']:.2f} / {p['cpu_cores']['other']:.2f}"
             cells += [f"{p['sequences_per_s']:.0f}", f"{p['latency']['p50_ms']:.1f}", cores]
-        lines.append(f"| {names[system]} | " + " | ".join(cells) + " |")
+        lines.append(f"| {NAMES[system]} | " + " | ".join(cells) + " |")
     lines += ["", "| ratio | L=16 | L=128 |", "| --- | ---: | ---: |"]
-    for label, a, b in (
-        ("Ray app / `@serve.batch` (target >= 3x)", "ray-app", "ray"),
+    ratios = [
+        ("Ray app / `@serve.batch` (targets: >= 2x, >= 1.5x)", "ray-app", "ray"),
         ("Ray app / standalone", "ray-app", "mha-serve"),
-        ("experiment / Ray app (the Ingress hop)", "ray-direct", "ray-app"),
-    ):
-        r = [tput[(a, s)]["sequences_per_s"] / tput[(b, s)]["sequences_per_s"] for s in SEQ_LENS]
-        lines.append(f"| {label} | {r[0]:.2f}x | {r[1]:.2f}x |")
+        ("Ray app / previous Ray app", "ray-app", "ray-previous"),
+        ("previous Ray app / `@serve.batch`", "ray-previous", "ray"),
+    ]
+    for label, a, b in ratios:
+        if (a, SEQ_LENS[0]) in tput and (b, SEQ_LENS[0]) in tput:
+            r = [
+                tput[(a, s)]["sequences_per_s"] / tput[(b, s)]["sequences_per_s"] for s in SEQ_LENS
+            ]
+            lines.append(f"| {label} | {r[0]:.2f}x | {r[1]:.2f}x |")
+    decode = results["decode"]
+    if not decode:
+        return "\n".join(lines)
+    rays = [s for s in ("ray-app", "ray-previous") if s in decode]
     lines += [
         "",
         "Streamed decode step (one token, median of the steps; the session is truncated back",
         "after each, so every step sees the same context). Server: the median time inside",
         "the replica or server, receipt to encoded reply. Handle: the same step sent from",
-        "a driver straight to the replica through a DeploymentHandle (no proxy, no Ingress).",
+        "a driver straight to the replica through a DeploymentHandle (no proxy).",
         "",
-        "| context | standalone ms (server) | Ray app ms (server) | handle -> replica ms "
-        "| Ray app / standalone (target <= 2x) |",
-        "| ---: | ---: | ---: | ---: | ---: |",
+        "| context | standalone ms (server) | "
+        + " | ".join(f"{NAMES[s]} ms (server) | handle ms | / standalone" for s in rays)
+        + " |",
+        "| ---: | ---: |" + " ---: | ---: | ---: |" * len(rays),
     ]
     for context in CONTEXTS:
-        s = results["decode"]["mha-serve"][str(context)]
-        r = results["decode"]["ray-app"][str(context)]
-        h = results["handle_probe"][str(context)]
+        s = decode["mha-serve"][str(context)]
+        cells = [f"{s['median_ms']:.2f} ({s['server_ms']:.2f})"]
+        for system in rays:
+            r = decode[system][str(context)]
+            h = results["handle_probe"].get(system, {}).get(str(context))
+            cells += [
+                f"{r['median_ms']:.2f} ({r['server_ms']:.2f})",
+                "-" if h is None else f"{h:.2f}",
+                f"{r['median_ms'] / s['median_ms']:.2f}x",
+            ]
+        lines.append(f"| {context} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("(decode target: Ray app / standalone <= 2x at context 256)")
+    return "\n".join(lines)
+
+
+def curve_table(results: dict[str, Any]) -> str:
+    lines = ["| replicas | L=16 seq/s | p50 ms | cores |", "| ---: | ---: | ---: | ---: |"]
+    for p in results["load"]:
         lines.append(
-            f"| {context} | {s['median_ms']:.2f} ({s['server_ms']:.2f}) | "
-            f"{r['median_ms']:.2f} ({r['server_ms']:.2f}) | {h:.2f} | "
-            f"{r['median_ms'] / s['median_ms']:.2f}x |"
+            f"| {p['replicas']} | {p['sequences_per_s']:.0f} | {p['latency']['p50_ms']:.1f} | "
+            f"{p['cpu_cores']['server']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -348,14 +419,30 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--duration", type=float, default=15.0, help="measured seconds per point")
     p.add_argument("--steps", type=int, default=64, help="decode steps per context")
+    p.add_argument("--previous", type=Path, help="another checkout: its Ray app beside this one")
+    p.add_argument(
+        "--replicas",
+        help="the scaling curve instead: 16-token throughput with these replica counts "
+        "(comma-separated; one CPU each), e.g. 1,2,4,8",
+    )
+    p.add_argument("--only", choices=("throughput", "decode"), help="one half of the run")
+    p.add_argument("--systems", help="some of: " + ", ".join(NAMES) + " (comma-separated)")
     p.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
-    p.add_argument("--direct", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:
-        return serve_forever(args.serve, args.steps, args.direct)
+        return serve_forever(args.serve, args.steps, int(args.replicas or 2))
     command = "python bench/ray_app.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    results = run(args.duration, args.steps, command.strip())
     OUT.parent.mkdir(exist_ok=True)
+    if args.replicas:
+        counts = [int(n) for n in args.replicas.split(",")]
+        results = replica_curve(counts, args.duration, command.strip())
+        CURVE_OUT.write_text(json.dumps(results, indent=1, default=str))
+        print(curve_table(results))
+        print(f"\nwrote {CURVE_OUT.relative_to(ROOT)}")
+        return 0
+    previous = None if args.previous is None else args.previous.resolve()
+    systems = args.systems.split(",") if args.systems else None
+    results = run(args.duration, args.steps, previous, command.strip(), args.only, systems)
     OUT.write_text(json.dumps(results, indent=1, default=str))
     print(table(results))
     print(f"\nwrote {OUT.relative_to(ROOT)}")

@@ -26,7 +26,8 @@ def build(args: dict[str, Any] | None = None) -> Any:
     config_file: an mha-serve TOML file (models, limits), as `mha-serve --config`;
     overrides: ServerConfig fields over the file (e.g. {"torch_threads": 1});
     metrics_port: first port of the replicas' /metrics (plus each replica's rank on its
-    node; 0 turns them off)."""
+    node; 0 turns them off);
+    direct_streams: false keeps every stream message on Ray's own road (direct.py)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -34,11 +35,10 @@ def build(args: dict[str, Any] | None = None) -> Any:
     from mha_serve.ray_app.replica import AttentionReplica
 
     args = dict(args or {})
-    unknown = set(args) - {"config_file", "overrides", "metrics_port"}
+    known = ("config_file", "overrides", "metrics_port", "direct_streams")
+    unknown = set(args) - set(known)
     if unknown:
-        raise ValueError(
-            f"unknown args {sorted(unknown)}: the app takes config_file, overrides, metrics_port"
-        )
+        raise ValueError(f"unknown args {sorted(unknown)}: the app takes {', '.join(known)}")
     # One replica, always: it is the one place every proxy and replica finds a Triton
     # sequence's session (directory.py). Not a knob for the config file.
     directory = serve.deployment(
@@ -60,4 +60,5 @@ def build(args: dict[str, Any] | None = None) -> Any:
         args.get("overrides") or {},
         int(args.get("metrics_port", 0)),
         directory,
+        bool(args.get("direct_streams", True)),
     )

@@ -19,7 +19,14 @@ from typing import Any
 
 from mha_client.api import attention_pb2 as mha_pb
 from mha_serve.ray_app.context import CallContext, Caller, Reply
-from mha_serve.ray_app.forward import calls, forward, message, own_request_id, unary_answer
+from mha_serve.ray_app.direct import wants_direct
+from mha_serve.ray_app.forward import (
+    calls,
+    forward,
+    message,
+    own_request_id,
+    unary_answer,
+)
 from mha_serve.ray_app.ids import replica_of
 from mha_serve.ray_app.proxy import SESSION_KEY
 from mha_serve.ray_app.router import liveness
@@ -38,6 +45,7 @@ class InferenceMethods:
         self._directory = directory
         self._deployment = (deployment, app)
         self._peers: Any = None  # this deployment's handle: made on first use (in a call)
+        self.direct: Any = None  # the replica's DirectServer (direct.py), when on
 
     async def ServerLive(self, request: Any, grpc_context: Any) -> Any:
         return await self._oip_unary("ServerLive", request, grpc_context)
@@ -63,10 +71,23 @@ class InferenceMethods:
     async def ModelStreamInfer(self, requests: Any, grpc_context: Any) -> AsyncIterator[Any]:
         """One reply per request, in order; requests compute concurrently, a sequence's one
         after another (stream.py, as the standalone server); an error answers its request
-        with error_message and the stream goes on."""
-        answer = functools.partial(self._stream_one, caller=Caller.of(grpc_context))
-        async for reply in pipelined(requests, answer, key=sequence_key):
+        with error_message and the stream goes on. Over a direct stream when the proxy takes
+        the offer (direct.py), else through Ray."""
+        caller = Caller.of(grpc_context)
+        if self.direct is not None and wants_direct(grpc_context):
+            answer = functools.partial(self._direct_infer, caller=caller)
+            async for item in self.direct.offer(answer, grpc_context):
+                yield item
+            return
+        async for reply in self._direct_infer(requests, None, caller):
             yield message(reply)
+
+    async def _direct_infer(
+        self, requests: AsyncIterator[Any], context: Any, caller: Caller
+    ) -> AsyncIterator[Any]:
+        answer = functools.partial(self._stream_one, caller=caller)
+        async for reply in pipelined(requests, answer, key=sequence_key):
+            yield reply
 
     async def _stream_one(self, request: Any, caller: Caller) -> Any:
         own_request_id()  # this message's handle calls run beside the others' (pipelined)

@@ -32,6 +32,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from mha_serve.ray_app.context import DEADLINE_KEY
+from mha_serve.ray_app.direct import ASK_KEY, OFFER_KEY, answered, direct_call
 from mha_serve.ray_app.forward import first_line, lost, peek
 from mha_serve.ray_app.ids import replica_of
 
@@ -43,6 +44,7 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 HEALTH_SERVICES = frozenset({"", "mha.v1.AttentionService", "inference.GRPCInferenceService"})
 WATCH_PERIOD_S = 1.0  # how often Watch looks at the application again
 STREAM_ROUTED = "/mha.v1.AttentionService/StreamSession"  # routed by its first message
+DIRECT_METHODS = frozenset({"StreamSession", "ModelStreamInfer"})  # direct.py
 SEQUENCE_STEP = "/inference.GRPCInferenceService/ModelInfer"  # may step a Triton sequence
 DIRECTORY = "SequenceDirectory"
 UNARY = "unary_unary"  # Ray's gRPCStreamingType values
@@ -89,14 +91,37 @@ def _routed(handler: Any, proxy: Any, service_method: str, kind: str) -> Any:
             if service_method == STREAM_ROUTED:
                 requests, first = await peek(requests)
                 session_id = _field(first)
-            call = Call(context, session_id)
-            async for message in handler(requests, call):
+            method = service_method.rsplit("/", 1)[-1]
+            call = Call(context, session_id, direct=method in DIRECT_METHODS)
+            replies = handler(requests, call)
+            async for message in replies:
+                if call.offer is not None:  # the replica's: the messages go direct
+                    async for reply in _direct(call, method, requests, context):
+                        yield reply
+                    async for _ in replies:  # Serve's request ends with the stream
+                        pass
+                    break
                 if not call.carries_status():
                     yield message
             await call.finish()
 
         return stream
     return handler  # client streaming: no method of ours
+
+
+async def _direct(call: Call, method: str, requests: Any, context: Any) -> AsyncIterator[Any]:
+    """The stream's messages and replies over the direct stream its replica offered; its
+    status is the replica's, or (the stream broke) the replica's loss, told in finish."""
+    try:
+        async for reply in direct_call(call.offer, method, requests, context.time_remaining()):
+            yield reply
+    except grpc.aio.AioRpcError as e:
+        if answered(e.trailing_metadata()):
+            call.set_code(e.code())
+            call.set_details(e.details())
+            call.from_replica = True
+        else:  # no answer from the replica: it stopped or was cut off (finish says which)
+            call.broken = f"{e.code().name}: {first_line(e.details() or '')}"
 
 
 async def _session_of(proxy: Any, service_method: str, request: Any, context: Any) -> str:
@@ -154,16 +179,18 @@ class Call:
     """The call's grpc context as Ray's handler sees it: metadata with the routing session
     and the deadline; the status Ray sets held until `finish` has looked at it."""
 
-    def __init__(self, context: Any, session_id: str) -> None:
+    def __init__(self, context: Any, session_id: str, direct: bool = False) -> None:
         self._context = context
         self.session_id = session_id
         metadata = [
             kv
             for kv in context.invocation_metadata() or ()
-            if kv[0] not in (SESSION_KEY, DEADLINE_KEY)
+            if kv[0] not in (SESSION_KEY, DEADLINE_KEY, ASK_KEY)
         ]
         if session_id:
             metadata.append((SESSION_KEY, session_id))
+        if direct:
+            metadata.append((ASK_KEY, "1"))
         now = time.time()  # read first: a pause before time_remaining() errs early, not late
         remaining = context.time_remaining()
         if remaining is not None:
@@ -171,7 +198,9 @@ class Call:
         self._metadata = tuple(metadata)
         self._code: grpc.StatusCode | None = None
         self._details = ""
-        self._from_replica = False  # the code came with the replica's answer
+        self.from_replica = False  # the code came with the replica's answer
+        self.offer: str | None = None  # a direct stream's "address token" (direct.py)
+        self.broken = ""  # the direct stream broke, in these words
 
     def invocation_metadata(self) -> tuple[tuple[str, Any], ...]:
         return self._metadata
@@ -183,7 +212,7 @@ class Call:
         return self._details
 
     def set_code(self, code: grpc.StatusCode) -> None:
-        self._code, self._from_replica = code, False
+        self._code, self.from_replica = code, False
 
     def set_details(self, details: str) -> None:
         self._details = details
@@ -191,22 +220,30 @@ class Call:
     def set_trailing_metadata(self, metadata: Any) -> None:
         # Ray sets the replica's context (its code, then its trailing metadata: the request
         # id, always) on each answer; its own failure sets a code alone.
-        self._from_replica = self._code is not None
-        self._context.set_trailing_metadata(metadata)
+        self.from_replica = self._code is not None
+        kept = []
+        for key, value in metadata:
+            if key == OFFER_KEY:
+                self.offer = value
+            else:
+                kept.append((key, value))
+        self._context.set_trailing_metadata(tuple(kept))
 
     def carries_status(self) -> bool:
         """Whether the message just answered is a status carrier: it came with an error."""
-        return self._from_replica and self._code not in (None, grpc.StatusCode.OK)
+        return self.from_replica and self._code not in (None, grpc.StatusCode.OK)
 
     async def finish(self) -> bool:
         """Sends the status; whether it is an error. A failure Ray's proxy answered INTERNAL
         itself is a replica that stopped or was cut off during the call: said so."""
         code, details = self._code, self._details
-        if code == grpc.StatusCode.INTERNAL and not self._from_replica:
-            log.warning("a call failed in Ray (%s): %s", self.session_id, first_line(details))
+        ray_failed = code == grpc.StatusCode.INTERNAL and not self.from_replica
+        if ray_failed or self.broken:
+            failure = first_line(details) if ray_failed else self.broken
+            log.warning("a call failed in Ray (%s): %s", self.session_id, failure)
             owner = replica_of(self.session_id) if self.session_id else None
             alive = None if owner is None else await asyncio.to_thread(replica_alive, owner)
-            reply = lost(first_line(details), self.session_id, alive=alive)
+            reply = lost(failure, self.session_id, alive=alive)
             code, details = reply.code, reply.details
         if code is not None:
             self._context.set_code(code)

@@ -20,10 +20,13 @@ from typing import Any
 
 import grpc
 
+from mha_client.api import attention_pb2 as pb
+from mha_client.api.inference import grpc_service_pb2 as oip_pb
 from mha_serve import metrics
 from mha_serve.config import build_config
 from mha_serve.engine.threads import ComputeThreads
 from mha_serve.ray_app.context import CallContext, Caller, Reply
+from mha_serve.ray_app.direct import DirectServer, wants_direct
 from mha_serve.ray_app.forward import end_stream, message, peek, unary_answer
 from mha_serve.ray_app.ids import replica_of, session_prefix
 from mha_serve.ray_app.oip import InferenceMethods
@@ -47,6 +50,7 @@ class AttentionReplica(InferenceMethods):
         overrides: dict[str, Any] | None = None,
         metrics_port: int = 0,
         directory: Any = None,
+        direct_streams: bool = True,
     ) -> None:
         from ray import serve
 
@@ -68,6 +72,16 @@ class AttentionReplica(InferenceMethods):
             lambda: self.serving, ready=lambda: True, session_ttl_s=cfg.session_ttl_s
         )
         super().__init__(oip, directory, context.deployment, context.app_name)
+        self.direct: DirectServer | None = None
+        if direct_streams:
+            import ray
+
+            messages = {
+                "StreamSession": pb.AttendRequest,
+                "ModelStreamInfer": oip_pb.ModelInferRequest,
+            }
+            self.direct = DirectServer(ray.util.get_node_ip_address(), messages)
+            await self.direct.start()
         metrics.READY.set(1)
         if metrics_port:
             self._serve_metrics(metrics_port + context.rank.local_rank, context.app_name)
@@ -124,18 +138,41 @@ class AttentionReplica(InferenceMethods):
 
     async def StreamSession(self, requests: Any, grpc_context: Any) -> AsyncIterator[Any]:
         """One session's steps (AttentionDoor.stream); the proxy routed the stream here by
-        its first message's session. The first error ends it with its status."""
-        caller = CallContext(Caller.of(grpc_context))
+        its first message's session. Its messages come over a direct stream when the proxy
+        takes the offer (direct.py), else through Ray. The first error ends it with its
+        status."""
+        caller = Caller.of(grpc_context)
+        if self.direct is not None and wants_direct(grpc_context):
+            answer = functools.partial(self._direct_session, caller=caller)
+            async for item in self.direct.offer(answer, grpc_context):
+                yield item
+            return
+        async for result in self._session(requests, caller):
+            if isinstance(result, Reply):
+                yield end_stream(grpc_context, result)
+                return
+            yield message(result)
+
+    async def _direct_session(
+        self, requests: AsyncIterator[Any], context: Any, caller: Caller
+    ) -> AsyncIterator[Any]:
+        async for result in self._session(requests, caller):
+            if isinstance(result, Reply):
+                await context.abort(result.code, result.details)
+            yield result
+
+    async def _session(self, requests: Any, caller: Caller) -> AsyncIterator[Any]:
+        """The door's StreamSession; an error as a Reply, last."""
         requests, first = await peek(requests)
         gone = self._gone("StreamSession", getattr(first, "session_id", "") or "")
         if gone is not None:
-            yield end_stream(grpc_context, gone)
+            yield gone
             return
-        async for result in self.door.stream(requests, caller):
+        async for result in self.door.stream(requests, CallContext(caller)):
             if isinstance(result, Refused):
-                yield end_stream(grpc_context, Reply(code=result.code, details=result.details))
+                yield Reply(code=result.code, details=result.details)
                 return
-            yield message(result)
+            yield result
 
     # --- through a handle --------------------------------------------------------------
 
