@@ -45,7 +45,7 @@ def add_inference_service(servicer: Any, server: Any) -> None:
 def add_health_service(servicer: Any, server: Any) -> None:
     """grpc.health.v1, answered in the proxy (proxy.py) from its view of the application."""
     proxy.install(server)
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_pb2_grpc.HealthServicer(), server)
 
 
 def _add(server: Any, service: Any, messages: Any) -> None:
