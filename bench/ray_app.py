@@ -3,16 +3,17 @@
 project, e.g. a git worktree of an older main), in one run: stateless throughput at 16 and
 128 tokens with 32 clients, and the streamed decode step at contexts 256 and 4096.
 
-    python bench/ray_app.py [--duration 15] [--steps 64] [--previous DIR]
+    python bench/ray_app.py [--duration 10] [--rounds 3] [--steps 64] [--previous DIR]
     python bench/ray_app.py --replicas 1,2,4,8     # the scaling curve (a machine with cores)
 
 Prints the tables docs/ray.md shows and writes bench/results/ray_app.json (the curve:
 bench/results/ray_app_replicas.json).
 
-Throughput: each system alone in its own process tree, on 127.0.0.1, the load generator
-(mha_client.loadgen) in this process. Decode steps: the standalone server and the Ray
-app(s) all up, their steps alternating in rounds, so that whatever else runs on the machine
-meanwhile falls on each alike. `--serve PORT` is the Ray app's own process: a local Ray with
+Every system runs at once, each in its own process tree, on 127.0.0.1, the load generator
+(mha_client.loadgen) in this process. Throughput: in each of --rounds rounds every system is
+measured in turn; decode steps: the standalone server's and the Ray apps' alternating. So
+whatever else runs on the machine meanwhile falls on each alike, and a round's ratios
+compare neighbours in time. `--serve PORT` is the Ray app's own process: a local Ray with
 the committed serve config, its gRPC proxy on PORT.
 """
 
@@ -236,9 +237,13 @@ def run(
     steps: int,
     previous: Path | None,
     command: str,
+    rounds: int = 3,
     only: str | None = None,
     systems: list[str] | None = None,
 ) -> dict[str, Any]:
+    """Every system up at once; throughput in `rounds` rounds, each measuring every system
+    in turn, then the decode steps, alternating: whatever else the machine runs meanwhile
+    falls on each alike, and each round's ratios compare neighbours in time."""
     import tempfile
 
     results: dict[str, Any] = {
@@ -247,37 +252,44 @@ def run(
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "ray_env": ray_env(),
         "previous": None if previous is None else str(previous),
+        "rounds": rounds,
         "load": [],
         "decode": {},
         "handle_probe": {},
     }
     systems = systems or ["ray", "mha-serve", "ray-app", *(["ray-previous"] * bool(previous))]
+    if only == "decode":
+        systems = [s for s in systems if s != "ray"]
     warmup = 2 * HEADLINE_CONCURRENCY + 10
     with tempfile.TemporaryDirectory(prefix="mha-bench-ray-") as tmp:
-        for system in systems if only != "decode" else ():  # throughput: each system alone
-            print(f"{system}: starting", flush=True)
-            server, factory, info = start(system, Path(tmp), steps, previous)
-            try:
-                for seq_len in SEQ_LENS:
-                    point = measure_point(
-                        system, server, factory, seq_len, HEADLINE_CONCURRENCY, duration_s, warmup
-                    )
-                    results["load"].append(point)
-            finally:
-                print(f"{system}: stopped in {server.stop():.1f} s", flush=True)
-        # Decode steps: every server up at once, their steps alternating.
-        servers, targets = [], {}
+        up: dict[str, tuple[Server, Any]] = {}
+        targets: dict[str, str] = {}
         try:
-            for system in [s for s in systems if s != "ray"] if only != "throughput" else ():
-                server, _, info = start(system, Path(tmp), steps, previous)
-                servers.append(server)
-                targets[system] = info.pop("target")
+            for system in systems:
+                print(f"{system}: starting", flush=True)
+                server, factory, info = start(system, Path(tmp), steps, previous)
+                up[system] = (server, factory)
+                if "target" in info:
+                    targets[system] = info.pop("target")
                 if info:
                     results["handle_probe"][system] = info
-            if targets:
+            for round_ in range(rounds if only != "decode" else 0):
+                for system, (server, factory) in up.items():
+                    for seq_len in SEQ_LENS:
+                        point = measure_point(
+                            system,
+                            server,
+                            factory,
+                            seq_len,
+                            HEADLINE_CONCURRENCY,
+                            duration_s,
+                            warmup,
+                        )
+                        results["load"].append({**point, "round": round_})
+            if only != "throughput":
                 results["decode"] = alternate_decode(targets, steps)
         finally:
-            for server in servers:
+            for server, _ in up.values():
                 server.stop()
     return results
 
@@ -340,14 +352,19 @@ NAMES = {
 
 
 def table(results: dict[str, Any]) -> str:
-    """The markdown docs/ray.md shows: throughput, decode steps, the ratios the issue sets."""
-    tput = {(p["system"], p["seq_len"]): p for p in results["load"]}
-    systems = [s for s in NAMES if (s, SEQ_LENS[0]) in tput]
+    """The markdown docs/ray.md shows: throughput (the median of the rounds), decode steps,
+    the ratios the issue sets (the median of the rounds' ratios, and their range)."""
+    points: dict[tuple[str, int], list[dict]] = {}
+    for p in results["load"]:
+        points.setdefault((p["system"], p["seq_len"]), []).append(p)
+    systems = [s for s in NAMES if (s, SEQ_LENS[0]) in points]
+    rounds = max((len(v) for v in points.values()), default=0)
     lines = [
-        f"32 clients, closed loop, model {MODEL} (embed 512, 8 heads), float32 on CPU.",
+        f"32 clients, closed loop, model {MODEL} (embed 512, 8 heads), float32 on CPU; the "
+        f"median of {rounds} rounds, every system up, measured in turn in each round.",
         "",
-        "Cores: the system's process tree / other processes on the machine, averaged over",
-        "the measurement (from /proc).",
+        "Cores: the system's process tree / other processes on the machine (the other",
+        "systems' idle processes included), averaged over the measurement (from /proc).",
         "",
         "| system | L=16 seq/s | p50 ms | cores | L=128 seq/s | p50 ms | cores |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -355,11 +372,12 @@ def table(results: dict[str, Any]) -> str:
     for system in systems:
         cells = []
         for seq_len in SEQ_LENS:
-            p = tput[(system, seq_len)]
+            ps = points[(system, seq_len)]
+            p = sorted(ps, key=lambda q: q["sequences_per_s"])[len(ps) // 2]
             cores = f"{p['cpu_cores']['server']:.2f} / {p['cpu_cores']['other']:.2f}"
             cells += [f"{p['sequences_per_s']:.0f}", f"{p['latency']['p50_ms']:.1f}", cores]
         lines.append(f"| {NAMES[system]} | " + " | ".join(cells) + " |")
-    lines += ["", "| ratio | L=16 | L=128 |", "| --- | ---: | ---: |"]
+    lines += ["", "| ratio (median of rounds; range) | L=16 | L=128 |", "| --- | ---: | ---: |"]
     ratios = [
         ("Ray app / `@serve.batch` (targets: >= 2x, >= 1.5x)", "ray-app", "ray"),
         ("Ray app / standalone", "ray-app", "mha-serve"),
@@ -367,11 +385,16 @@ def table(results: dict[str, Any]) -> str:
         ("previous Ray app / `@serve.batch`", "ray-previous", "ray"),
     ]
     for label, a, b in ratios:
-        if (a, SEQ_LENS[0]) in tput and (b, SEQ_LENS[0]) in tput:
-            r = [
-                tput[(a, s)]["sequences_per_s"] / tput[(b, s)]["sequences_per_s"] for s in SEQ_LENS
-            ]
-            lines.append(f"| {label} | {r[0]:.2f}x | {r[1]:.2f}x |")
+        if (a, SEQ_LENS[0]) not in points or (b, SEQ_LENS[0]) not in points:
+            continue
+        cells = []
+        for seq_len in SEQ_LENS:
+            r = sorted(
+                x["sequences_per_s"] / y["sequences_per_s"]
+                for x, y in zip(points[(a, seq_len)], points[(b, seq_len)], strict=True)
+            )
+            cells.append(f"{r[len(r) // 2]:.2f}x ({r[0]:.2f}-{r[-1]:.2f})")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     decode = results["decode"]
     if not decode:
         return "\n".join(lines)
@@ -417,7 +440,7 @@ def curve_table(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--duration", type=float, default=15.0, help="measured seconds per point")
+    p.add_argument("--duration", type=float, default=10.0, help="measured seconds per point")
     p.add_argument("--steps", type=int, default=64, help="decode steps per context")
     p.add_argument("--previous", type=Path, help="another checkout: its Ray app beside this one")
     p.add_argument(
@@ -425,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the scaling curve instead: 16-token throughput with these replica counts "
         "(comma-separated; one CPU each), e.g. 1,2,4,8",
     )
+    p.add_argument("--rounds", type=int, default=3, help="throughput rounds")
     p.add_argument("--only", choices=("throughput", "decode"), help="one half of the run")
     p.add_argument("--systems", help="some of: " + ", ".join(NAMES) + " (comma-separated)")
     p.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
@@ -442,7 +466,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     previous = None if args.previous is None else args.previous.resolve()
     systems = args.systems.split(",") if args.systems else None
-    results = run(args.duration, args.steps, previous, command.strip(), args.only, systems)
+    results = run(
+        args.duration, args.steps, previous, command.strip(), args.rounds, args.only, systems
+    )
     OUT.write_text(json.dumps(results, indent=1, default=str))
     print(table(results))
     print(f"\nwrote {OUT.relative_to(ROOT)}")
