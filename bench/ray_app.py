@@ -71,7 +71,9 @@ def ray_env() -> dict[str, str]:
     return {**RAY_ENV, **given}
 
 
-def serve_forever(port: int, steps: int, replicas: int) -> int:
+def serve_forever(port: int, steps: int, replicas: int, tree: Path) -> int:
+    """A Ray app on PORT until SIGTERM: that tree's config (and, through PYTHONPATH, its
+    mha_serve), deployed by this tree's harness (tests/ray_app/cluster.py)."""
     import ray
 
     from tests.ray_app.cluster import deploy, load_config, start_ray
@@ -80,7 +82,8 @@ def serve_forever(port: int, steps: int, replicas: int) -> int:
         os.environ.setdefault(key, value)
     start_ray(ray, max(RAY_NUM_CPUS, replicas))
     try:
-        deploy(load_config(grpc_port=port, metrics_port=0, num_replicas=replicas))
+        config_path = tree / "deploy" / "ray" / "serve_config.yaml"
+        deploy(load_config(grpc_port=port, metrics_port=0, num_replicas=replicas, path=config_path))
         print("handle-probe " + json.dumps(handle_probe(steps)), flush=True)
         print(f"listening on 127.0.0.1:{port}", flush=True)
         stop = threading.Event()
@@ -189,14 +192,14 @@ def summary(rounds: list[dict[str, list[float]]]) -> dict[str, float]:
 def start_ray_app(
     log_dir: Path, steps: int, previous: Path | None = None, replicas: int = 2
 ) -> tuple[Server, Any, dict]:
-    """This tree's Ray app, or (previous) that checkout's, started by its own ray_app.py
-    with its mha_serve first on the path; the same Ray settings (RAY_ENV) for both."""
+    """This tree's Ray app, or (previous) that checkout's: its config and its mha_serve
+    (first on the path), started by this script alike, with the same Ray settings."""
     port = run_all.ray_baseline.free_port()
     tree = previous or ROOT
     env = {**ray_env(), "RAY_ADDRESS": "local"}  # a Ray of its own, whatever ray.init says
     env["PYTHONPATH"] = os.pathsep.join(str(tree / d) for d in ("service", "client"))
     cmd = ["env", *(f"{k}={v}" for k, v in env.items()), sys.executable]
-    cmd += [str(tree / "bench" / "ray_app.py"), "--serve", str(port), "--steps", str(steps)]
+    cmd += [str(Path(__file__)), "--serve", str(port), "--steps", str(steps), "--tree", str(tree)]
     if replicas != 2:
         cmd += ["--replicas", str(replicas)]
     name = "ray-previous" if previous else f"ray-app-{replicas}" if replicas != 2 else "ray-app"
@@ -240,6 +243,7 @@ def run(
     rounds: int = 3,
     only: str | None = None,
     systems: list[str] | None = None,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """Every system up at once; throughput in `rounds` rounds, each measuring every system
     in turn, then the decode steps, alternating: whatever else the machine runs meanwhile
@@ -286,12 +290,40 @@ def run(
                             warmup,
                         )
                         results["load"].append({**point, "round": round_})
+            if profile and "ray-app" in up:
+                results["profile"] = profile_point(*up["ray-app"], duration_s, warmup)
             if only != "throughput":
                 results["decode"] = alternate_decode(targets, steps)
         finally:
             for server, _ in up.values():
                 server.stop()
     return results
+
+
+def profile_point(server: Server, factory: Any, duration_s: float, warmup: int) -> dict:
+    """One more 16-token point of the Ray app, py-spy on its proxy and replicas (50 Hz,
+    which slows them: not one of the measured points): their CPU per request, split by
+    whose code runs (bench/ray_cpu.py's owner())."""
+    import ray_cpu
+
+    roles = {}
+    for pid in run_all.process_tree(server.proc.pid):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if "ProxyActor" in title:
+            roles[pid] = "proxy"
+        elif "AttentionReplica" in title:
+            roles[pid] = "replicas"
+    spies = ray_cpu.start_spies(roles)
+    before = {pid: ray_cpu.cpu_s(pid) for pid in roles}
+    point = measure_point("ray-app", server, factory, 16, HEADLINE_CONCURRENCY, duration_s, warmup)
+    cpu = {"proxy": 0.0, "replicas": 0.0}
+    for pid, role in roles.items():
+        cpu[role] += (ray_cpu.cpu_s(pid) - before[pid]) / point["ok"] * 1e3
+    split = ray_cpu.split_cpu(ray_cpu.stop_spies(spies), roles, cpu)
+    return {"sequences_per_s": point["sequences_per_s"], "cpu_ms": cpu, "split_ms": split}
 
 
 def alternate_decode(targets: dict[str, str], steps: int) -> dict[str, dict]:
@@ -343,6 +375,7 @@ def replica_curve(counts: list[int], duration_s: float, command: str) -> dict[st
 
 # --- the report ---------------------------------------------------------------------
 
+OWNERS = ("Ray Serve", "Ray core, gRPC, asyncio", "mha_serve")
 NAMES = {
     "ray": "`@serve.batch` baseline (HTTP)",
     "mha-serve": "standalone mha-serve",
@@ -425,6 +458,19 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"| {context} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append("(decode target: Ray app / standalone <= 2x at context 256)")
+    prof = results.get("profile")
+    if prof:
+        lines += [
+            "",
+            f"Ray app, 16 tokens, under py-spy ({prof['sequences_per_s']:.0f} seq/s): CPU per "
+            "request by whose code runs",
+            "",
+            "| process | " + " | ".join(OWNERS) + " |",
+            "| --- |" + " ---: |" * len(OWNERS),
+        ]
+        for role in ("proxy", "replicas"):
+            cells = [f"{prof['split_ms'].get(f'{role}: {o}', 0.0):.2f} ms" for o in OWNERS]
+            lines.append(f"| {role} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -449,12 +495,18 @@ def main(argv: list[str] | None = None) -> int:
         "(comma-separated; one CPU each), e.g. 1,2,4,8",
     )
     p.add_argument("--rounds", type=int, default=3, help="throughput rounds")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more 16-token point of the Ray app under py-spy: whose code its CPU runs",
+    )
     p.add_argument("--only", choices=("throughput", "decode"), help="one half of the run")
     p.add_argument("--systems", help="some of: " + ", ".join(NAMES) + " (comma-separated)")
     p.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    p.add_argument("--tree", type=Path, default=ROOT, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:
-        return serve_forever(args.serve, args.steps, int(args.replicas or 2))
+        return serve_forever(args.serve, args.steps, int(args.replicas or 2), args.tree)
     command = "python bench/ray_app.py " + " ".join(argv if argv is not None else sys.argv[1:])
     OUT.parent.mkdir(exist_ok=True)
     if args.replicas:
@@ -467,7 +519,14 @@ def main(argv: list[str] | None = None) -> int:
     previous = None if args.previous is None else args.previous.resolve()
     systems = args.systems.split(",") if args.systems else None
     results = run(
-        args.duration, args.steps, previous, command.strip(), args.rounds, args.only, systems
+        args.duration,
+        args.steps,
+        previous,
+        command.strip(),
+        args.rounds,
+        args.only,
+        systems,
+        args.profile,
     )
     OUT.write_text(json.dumps(results, indent=1, default=str))
     print(table(results))

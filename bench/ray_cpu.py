@@ -6,9 +6,9 @@ with --previous, in another checkout of the project (the previous design), alter
     python bench/ray_cpu.py [--calls 300] [--rounds 3] [--previous DIR]
 
 Each measurement is a process of its own with a Ray of its own (2 CPUs) running that tree's
-committed serve config (its tests/ray_app/cluster.py), with that tree's mha_serve first on
-PYTHONPATH, in the environment this command was given (docs/ray.md, Benchmark: the
-RAY_SERVE_* settings). `--tree DIR` (internal) measures one tree and prints a JSON line.
+committed serve config, deployed by this tree's harness (tests/ray_app/cluster.py), with
+that tree's mha_serve first on PYTHONPATH, in the environment this command was given
+(docs/ray.md, "Ray settings"). `--tree DIR` (internal) measures one tree, prints JSON.
 """
 
 from __future__ import annotations
@@ -160,16 +160,17 @@ def measure_tree(tree: Path, calls: int, profile: bool = False) -> dict[str, Any
     import ray
     from ray import serve
 
-    sys.path.insert(0, str(tree))  # its tests.ray_app.cluster: its committed config
+    sys.path.insert(0, str(ROOT))  # this tree's harness (tests/ray_app/cluster.py)
     from mha_client.api import attention_pb2 as pb
     from mha_client.api import attention_pb2_grpc as pb_grpc
     from mha_client.tensors import to_proto
-    from tests.ray_app.cluster import deploy, free_port, load_config
+    from tests.ray_app.cluster import deploy, free_port, load_config, start_ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_ray(ray, 2)
     try:
         port = free_port()
-        deploy(load_config(grpc_port=port, metrics_port=0))
+        config = tree / "deploy" / "ray" / "serve_config.yaml"
+        deploy(load_config(grpc_port=port, metrics_port=0, path=config))
         pids = {**actor_pids(), os.getpid(): "client"}
         stub = pb_grpc.AttentionServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
         rng = np.random.default_rng(0)

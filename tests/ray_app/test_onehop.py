@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import copy
+import os
+import socket
 import time
 import urllib.request
 
@@ -23,8 +25,8 @@ from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_client.sdk import Client
 from mha_serve.ray_app.ids import replica_of
-from tests.ray_app.cluster import APP, deploy
-from tests.ray_app.conftest import replica_ids
+from tests.ray_app.cluster import APP, deploy, free_port
+from tests.ray_app.conftest import replica_handle, replica_ids
 from tests.ray_app.drivers import TIMEOUT_S, Driver
 from tests.ray_app.test_affinity import wait_dead
 
@@ -32,12 +34,17 @@ pytestmark = pytest.mark.slow
 SESSION_METHODS = ("Attend", "StreamSession", "GetSession", "ForkSession", "TruncateSession")
 
 
-def requests_by_replica(cluster) -> dict[str, collections.Counter]:
-    """mha_serve_requests_total of each replica, by (method, code), from its own /metrics."""
+def requests_by_replica(ports) -> dict[str, collections.Counter]:
+    """mha_serve_requests_total of each replica, by (method, code), from its own /metrics
+    (the ports that answer: a replica's is the app's metrics_port plus its rank on the
+    node, and ranks go on from the replicas a redeploy replaces)."""
     out: dict[str, collections.Counter] = {}
-    for port in cluster.metrics_ports:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
-            text = r.read().decode()
+    for port in ports:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+                text = r.read().decode()
+        except OSError:
+            continue
         counts: collections.Counter = collections.Counter()
         (replica,) = {
             line.split('replica="')[1].split('"')[0]
@@ -55,17 +62,31 @@ def requests_by_replica(cluster) -> dict[str, collections.Counter]:
     return out
 
 
+def free_ports(n: int) -> int:
+    """A port p with p + 1 ... p + n - 1 free too."""
+    for _ in range(100):
+        port = free_port()
+        try:
+            for k in range(1, n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + k))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def test_a_sessions_calls_reach_its_replica_and_no_ingress_runs(cluster, models):
     from ray import serve
 
     deployments = set(serve.status().applications[APP].deployments)
     assert deployments == {"AttentionReplica", "SequenceDirectory"}, deployments
-    check_one_replica_per_session(cluster, models)
+    check_one_replica_per_session(cluster, models, cluster.metrics_ports)
 
 
-def check_one_replica_per_session(cluster, models) -> None:
+def check_one_replica_per_session(cluster, models, metrics_ports) -> None:
     rng = np.random.default_rng(3)
-    before = requests_by_replica(cluster)
+    before = requests_by_replica(metrics_ports)
     with Client(cluster.target, timeout=60) as client:
         session = client.create_session("gqa")
         owner = replica_of(session.id)
@@ -84,7 +105,7 @@ def check_one_replica_per_session(cluster, models) -> None:
         assert session.truncate(4).num_tokens == 4 and session.refresh().num_tokens == 4
         child.close()
         session.close()
-    after = requests_by_replica(cluster)
+    after = requests_by_replica(metrics_ports)
     assert set(after) == replica_ids()
     for replica, counts in after.items():
         grown = {m: counts[(m, "OK")] - before[replica][(m, "OK")] for m in SESSION_METHODS}
@@ -110,6 +131,17 @@ def test_watch_is_answered_by_the_proxy(cluster):
             return first.status
 
     assert asyncio.run(main()) == health_pb2.HealthCheckResponse.SERVING
+
+
+def wait_exited(pid: int) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"process {pid} still runs {TIMEOUT_S} s after ray.kill")
 
 
 async def open_stream(stub, sid: str):
@@ -149,8 +181,13 @@ def check_killed_mid_stream(cluster, models) -> None:
                 streams[replica] = (d, sid, queue, call)
             doomed, kept = sorted(streams)
             name = f"SERVE_REPLICA::{APP}#AttentionReplica#{doomed}"
-            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+            actor = ray.get_actor(name, namespace="serve")
+            pid = await actor.__ray_call__.remote(lambda self: os.getpid())
+            ray.kill(actor, no_restart=True)
             await asyncio.to_thread(wait_dead, name)
+            # Ray calls it dead before its process has exited (and a process alive answers
+            # what reaches it): this is about a replica that is gone.
+            await asyncio.to_thread(wait_exited, pid)
 
             d, sid, queue, call = streams[doomed]
             await queue.put(d.step_request("", d.tokens(1)))
@@ -180,13 +217,19 @@ def test_over_rays_own_road_for_stream_messages(cluster, models):
     config = copy.deepcopy(cluster.config)
     (app,) = config["applications"]
     app["args"]["direct_streams"] = False
+    # Ports of their own: the replicas replaced may hold theirs a moment after Ray calls
+    # them dead (a replica's /metrics server lives as long as its process).
+    metrics_port = free_ports(4)
+    app["args"]["metrics_port"] = metrics_port
     before = replica_ids()
     deploy(config)
     deadline = time.monotonic() + TIMEOUT_S
     while len(ids := replica_ids()) != 2 or ids & before:
         assert time.monotonic() < deadline, f"{ids} after {TIMEOUT_S} s"
         time.sleep(0.2)
-    check_one_replica_per_session(cluster, models)
+    for replica_id in ids:  # named as soon as started; answers once warm (its /metrics up)
+        assert replica_handle("replica_id_of", replica_id).remote().result(timeout_s=TIMEOUT_S)
+    check_one_replica_per_session(cluster, models, range(metrics_port, metrics_port + 4))
     with Client(cluster.target, timeout=60) as client:
         a, b = client.create_session("mqa"), client.create_session("mqa")
         with grpc.insecure_channel(cluster.target) as channel:

@@ -58,6 +58,7 @@ class Offer:
 
     answer: Answer
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None  # the direct call's, once a proxy took the offer
 
 
 class DirectServer:
@@ -94,8 +95,13 @@ class DirectServer:
         offer = self._offers[token] = Offer(answer)
         grpc_context.set_trailing_metadata([(OFFER_KEY, f"{self.address} {token}")])
         asyncio.get_running_loop().call_later(OFFER_TIMEOUT_S, self._withdraw, token)
-        yield CARRIER
-        await offer.done.wait()
+        try:
+            yield CARRIER
+            await offer.done.wait()
+        finally:  # Serve's request ended first (cancelled): so does its stream
+            self._offers.pop(token, None)
+            if offer.task is not None and not offer.task.done():
+                offer.task.cancel()
 
     def _withdraw(self, token: str) -> None:
         offer = self._offers.pop(token, None)
@@ -111,6 +117,7 @@ class DirectServer:
         if offer is None:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "no such stream offer")
         context.set_trailing_metadata(((ANSWERED_KEY, "1"),))
+        offer.task = asyncio.current_task()
         try:
             async for reply in offer.answer(requests, context):
                 yield reply

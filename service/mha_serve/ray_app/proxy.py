@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -96,10 +97,8 @@ def _routed(handler: Any, proxy: Any, service_method: str, kind: str) -> Any:
             replies = handler(requests, call)
             async for message in replies:
                 if call.offer is not None:  # the replica's: the messages go direct
-                    async for reply in _direct(call, method, requests, context):
+                    async for reply in _direct(call, method, requests, context, replies):
                         yield reply
-                    async for _ in replies:  # Serve's request ends with the stream
-                        pass
                     break
                 if not call.carries_status():
                     yield message
@@ -109,11 +108,24 @@ def _routed(handler: Any, proxy: Any, service_method: str, kind: str) -> Any:
     return handler  # client streaming: no method of ours
 
 
-async def _direct(call: Call, method: str, requests: Any, context: Any) -> AsyncIterator[Any]:
-    """The stream's messages and replies over the direct stream its replica offered; its
-    status is the replica's, or (the stream broke) the replica's loss, told in finish."""
+async def _direct(
+    call: Call, method: str, requests: Any, context: Any, replies: Any
+) -> AsyncIterator[Any]:
+    """The stream's messages and replies over the direct stream its replica offered, for as
+    long as Serve's request for it lasts (`replies`, Ray's handler: it ends when the
+    replica's stream ends, or fails when the replica stops, and then the direct stream
+    ends too). Its status is the replica's, or (the stream broke, or Ray failed the
+    request) the replica's loss, told in finish."""
+    request = asyncio.ensure_future(_drain(replies))
+    stream = direct_call(call.offer, method, requests, context.time_remaining())
+
+    def ended(_: Any) -> None:  # Ray failed the request: the replica stopped (or was cut off)
+        if call.code() not in (None, grpc.StatusCode.OK):
+            stream.cancel()
+
+    request.add_done_callback(ended)
     try:
-        async for reply in direct_call(call.offer, method, requests, context.time_remaining()):
+        async for reply in stream:
             yield reply
     except grpc.aio.AioRpcError as e:
         if answered(e.trailing_metadata()):
@@ -122,6 +134,17 @@ async def _direct(call: Call, method: str, requests: Any, context: Any) -> Async
             call.from_replica = True
         else:  # no answer from the replica: it stopped or was cut off (finish says which)
             call.broken = f"{e.code().name}: {first_line(e.details() or '')}"
+    except asyncio.CancelledError:
+        if not request.done():  # the client left
+            request.cancel()
+            raise
+        call.broken = "Ray ended the replica's request during its stream"
+    await request
+
+
+async def _drain(replies: Any) -> None:
+    async for _ in replies:
+        pass
 
 
 async def _session_of(proxy: Any, service_method: str, request: Any, context: Any) -> str:
@@ -194,7 +217,7 @@ class Call:
         now = time.time()  # read first: a pause before time_remaining() errs early, not late
         remaining = context.time_remaining()
         if remaining is not None:
-            metadata.append((DEADLINE_KEY, repr(now + remaining)))
+            metadata.append((DEADLINE_KEY, repr(now + remaining - grpc_rounding(remaining))))
         self._metadata = tuple(metadata)
         self._code: grpc.StatusCode | None = None
         self._details = ""
@@ -252,6 +275,16 @@ class Call:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)
+
+
+def grpc_rounding(remaining: float) -> float:
+    """How much later than the client's own the deadline gRPC gives a server can be: a
+    client sends its timeout rounded up to about three digits (grpc's timeout_encoding.cc:
+    1 ms under a second, 10 ms under 10 s, 100 ms under 100 s, ...). Taken off, the deadline
+    passed on is never later than the client's, at most that much earlier."""
+    if remaining < 1.0:
+        return 0.001
+    return 10.0 ** (math.floor(math.log10(remaining)) - 2)
 
 
 def replica_alive(unique_id: str) -> bool:
