@@ -31,11 +31,13 @@ install: $(VENV)/.installed
 serve: $(VENV)/.installed
 	$(VENV)/bin/mha-serve $(ARGS)
 
-# Starts a local Ray and the app on it (docs/ray.md); Ctrl-C stops both.
-# The proxy calls the Ingress over gRPC, as deploy/ray/Dockerfile sets (docs/ray.md, Benchmark).
+# Starts a Ray of its own and the app on it (docs/ray.md); Ctrl-C stops both. A Ray of its
+# own: never the cluster a dead `ray start` left in /tmp/ray/ray_current_cluster (RAY_ADDRESS
+# set: that cluster). Ray's proxy calls the replicas over gRPC, as deploy/ray/Dockerfile
+# sets (docs/ray.md, "Ray settings").
 serve-ray: $(VENV)/.installed
 	RAY_SERVE_PROXY_USE_GRPC=1 RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH=536870912 \
-	  $(VENV)/bin/serve run deploy/ray/serve_config.yaml
+	  $(VENV)/bin/serve run --address "$${RAY_ADDRESS:-local}" deploy/ray/serve_config.yaml
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -77,8 +77,8 @@ def _cpu_s(fields: list[str]) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
 
 
-def tree_cpu_s(root: int) -> float:
-    """CPU seconds used so far by root and its live descendants (Ray's actors included)."""
+def process_tree(root: int) -> dict[int, float]:
+    """root and its live descendants (Ray's actors included): pid -> CPU seconds so far."""
     parents, cpu = {}, {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -92,7 +92,12 @@ def tree_cpu_s(root: int) -> float:
         children = [p for p, parent in parents.items() if parent == pid and p not in tree]
         tree.update(children)
         frontier.extend(children)
-    return sum(cpu.get(p, 0.0) for p in tree)
+    return {p: cpu.get(p, 0.0) for p in tree}
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds used so far by root and its live descendants (Ray's actors included)."""
+    return sum(process_tree(root).values())
 
 
 def thread_cpu_s(pid: int) -> dict[int, float]:

@@ -1,6 +1,9 @@
-"""Starts deploy/ray/serve_config.yaml on a local Ray, as `serve run CONFIG` does (Ray's
-serve/scripts.py: serve_start with the file's proxy options, then deploy_apps), with the
-ports changed to free ones. Shared by tests/ray_app and bench/ray_app.py."""
+"""Starts deploy/ray/serve_config.yaml on a local Ray, as `serve deploy CONFIG` and KubeRay
+do (Ray's dashboard, serve_head.py: serve_start with the file's proxy options and its
+global logging config, then deploy_apps; `serve run` differs in leaving the proxies'
+logging at Ray's defaults: an access log line per call), with the ports changed to free
+ones, on a Ray of its own (start_ray). Shared by tests/ray_app and the Ray benchmarks
+(bench/ray_app.py, bench/ray_cpu.py), which run another checkout's config through it too."""
 
 from __future__ import annotations
 
@@ -14,6 +17,29 @@ import yaml
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "ray" / "serve_config.yaml"
 APP = "mha"
+RAY_START_ATTEMPTS = 3
+
+
+def start_ray(ray: Any, num_cpus: int, **options: Any) -> None:
+    """A Ray of its own for this process (`address="local"`: never the cluster a `ray start`
+    left in /tmp/ray/ray_current_cluster, or RAY_ADDRESS names, which ray.init() would join,
+    dead or alive), started again when its raylet misses Ray's fixed 30 s registration wait
+    (ray/_private/node.py: "timed out during startup"), which a 2-core machine busy with
+    other work can: the start is retried, nothing the tests check is."""
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                **options,
+            )
+            return
+        except Exception as e:
+            if "timed out during startup" not in str(e) or attempt == RAY_START_ATTEMPTS:
+                raise
+            ray.shutdown()
 
 
 def free_port() -> int:
@@ -28,9 +54,11 @@ def load_config(
     num_replicas: int | None = None,
     overrides: dict[str, Any] | None = None,
     metrics_port: int | None = None,
+    path: Path = CONFIG,
 ) -> dict[str, Any]:
-    """The committed config with the given changes (tests run it as committed otherwise)."""
-    config = copy.deepcopy(yaml.safe_load(CONFIG.read_text()))
+    """The committed config (or another checkout's, `path`) with the given changes (tests
+    run it as committed otherwise)."""
+    config = copy.deepcopy(yaml.safe_load(path.read_text()))
     config["grpc_options"]["port"] = grpc_port
     config["http_options"]["port"] = free_port()
     app = next(a for a in config["applications"] if a["name"] == APP)
@@ -56,6 +84,7 @@ def deploy(config: dict[str, Any], timeout_s: float = 180.0) -> None:
         http_options=schema.http_options.model_dump(),
         proxy_location=schema.proxy_location,
         grpc_options=gRPCOptions(**schema.grpc_options.model_dump()),
+        global_logging_config=schema.logging_config,
     )
     client.deploy_apps(schema, _blocking=False)
     deadline = time.monotonic() + timeout_s

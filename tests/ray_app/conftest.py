@@ -11,7 +11,7 @@ import torch
 
 from mha_serve.config import default_models
 from mha_serve.model import MultiHeadAttention, init_weights
-from tests.ray_app.cluster import APP, deploy, free_port, load_config
+from tests.ray_app.cluster import APP, deploy, free_port, load_config, start_ray
 
 ATOL = 1e-4  # float32: one full forward against the replica's cached path
 
@@ -96,20 +96,3 @@ class Models:
 @pytest.fixture(scope="module")
 def models() -> Models:
     return Models()
-
-
-RAY_START_ATTEMPTS = 3
-
-
-def start_ray(ray, num_cpus: int) -> None:
-    """ray.init, started again when its raylet misses Ray's fixed 30 s registration wait
-    (ray/_private/node.py: "timed out during startup"), which a 2-core machine busy with
-    other work can: the start is retried, nothing the tests check is."""
-    for attempt in range(1, RAY_START_ATTEMPTS + 1):
-        try:
-            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-            return
-        except Exception as e:
-            if "timed out during startup" not in str(e) or attempt == RAY_START_ATTEMPTS:
-                raise
-            ray.shutdown()

@@ -76,3 +76,21 @@ def test_an_unannounced_live_replica_is_waited_for_and_a_dead_one_is_not(router)
     assert choose(router, [a], pinned_to("dead")) == [[a]]
     assert choose(router, [a], pinned_to("dead")) == [[a]]
     assert router.asked == ["new", "dead"]  # a dead one is remembered
+
+
+def test_calls_without_a_session_take_the_shorter_queue_and_near_ones_tie(router):
+    """Ray takes the shorter queue of the pair SessionRouter offers; queues within one of
+    each other (as far as Ray's cache of them can be off) are a tie: either, at random."""
+    a, b = replica("a"), replica("b")
+    router.update_replicas([a, b])
+    cached = {"a": 0, "b": 1}
+    router._replica_queue_len_cache = SimpleNamespace(get=lambda rid: cached[rid.unique_id])
+    firsts = set()
+    for _ in range(64):
+        ranks = choose(router, [a, b], "")
+        assert [len(rank) for rank in ranks] == [1, 1]  # a tie: the first, then the other
+        firsts.add(ranks[0][0].replica_id.unique_id)
+    assert firsts == {"a", "b"}
+    cached["b"] = 5
+    (pair,) = choose(router, [a, b], "")  # not a tie: Ray compares them
+    assert sorted(r.replica_id.unique_id for r in pair) == ["a", "b"]

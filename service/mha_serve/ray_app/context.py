@@ -1,10 +1,11 @@
-"""What the servicers need of a grpc.aio.ServicerContext, for a call that came via Ray.
+"""A call that came through Ray, as the replica and the doors read it.
 
-A replica runs the very servicers the standalone server runs; the call's gRPC context lives
-in Ray's proxy, so the servicer gets this stand-in, built from what the Ingress read off
-Ray's context (Caller). `abort` records the status and raises grpc.aio.AbortError as grpcio
-does; the replica sends the status back to the Ingress, which sets it on Ray's gRPC context,
-and the proxy answers the client with it.
+The call's gRPC context lives in Ray's proxy; the replica gets Ray's copy of its metadata,
+peer and auth, and the deadline the proxy adds (proxy.py). `Caller` holds them (picklable:
+it travels with a call forwarded to another replica); `CallContext` shows a Caller as the
+read-only half of a grpc.aio.ServicerContext that the doors (transport/door.py) and
+transport.auth.client_identity read. A replica's answer to a call made through a handle is
+a `Reply`.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ class Reply:
     code: grpc.StatusCode | None = None  # None: OK
     details: str = ""
     # Open Inference Protocol: the session the request's sequence steps after the call
-    # (None: stateless, ended or gone), which the Ingress keeps in SequenceDirectory.
+    # (None: stateless, ended or gone), which SequenceDirectory keeps.
     sequence_session: str | None = None
 
 
 @dataclass(frozen=True)
 class Caller:
-    """Who made a call and by when they want the answer, as the Ingress saw it."""
+    """Who made a call and by when they want the answer, as Ray's proxy saw it."""
 
     peer: str = ""
     metadata: tuple[tuple[str, str], ...] = ()
@@ -68,7 +69,8 @@ def _number(text: str) -> bool:
 
 
 class CallContext:
-    """The servicer's view of one call: the caller's peer, metadata and deadline."""
+    """A Caller as a grpc.aio.ServicerContext shows a call: its peer, metadata, auth and
+    time remaining (what the doors read); abort records a status as grpcio would."""
 
     def __init__(self, caller: Caller | str = "") -> None:
         self.caller = Caller(peer=caller) if isinstance(caller, str) else caller

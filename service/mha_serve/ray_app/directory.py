@@ -1,14 +1,14 @@
-"""SequenceDirectory: the session each Triton sequence steps, for every Ingress replica.
+"""SequenceDirectory: the session each Triton sequence steps, for every proxy and replica.
 
 A Triton client names a sequence by an id of its own (sequence_id, with sequence_start and
 sequence_end) and sends each step as a call of its own. Through Ray, the calls of one
-sequence may reach different Ingress replicas, and its session lives on one AttentionReplica,
+sequence may reach different proxies, and its session lives on one AttentionReplica,
 so the map (the client's identity, model, sequence id) -> session id (which names its
 replica, ids.py) lives in one place they all ask: this deployment, one replica, part of the
 application (it starts, stops and restarts with it). docs/ray.md ("Triton sequences") says
 why here and not elsewhere.
 
-Entries go on the sequence's end, when a step finds its session gone (the Ingress reports
+Entries go on the sequence's end, when a step finds its session gone (the replica reports
 both), and, past SequenceMap's prune size, when their replica says their session no longer
 lives (expired, evicted, closed through mha.v1, or its replica gone).
 """
@@ -31,8 +31,11 @@ class SequenceDirectory:
     """Sequence -> session id, in one replica (no lock: an actor's calls interleave only at
     awaits, and the map changes only between them)."""
 
-    def __init__(self, replicas: Any) -> None:
-        self._live = calls(replicas, "live_sessions")
+    def __init__(self, replicas: str = "AttentionReplica") -> None:
+        # The replicas' deployment, by name: they hold this directory's handle, so the
+        # application graph cannot hand it theirs (no cycles); looked up on first prune.
+        self._replicas = replicas
+        self._live: Any = None
         self._sequences = SequenceMap()
 
     def get(self, key: SequenceKey) -> str | None:
@@ -40,7 +43,7 @@ class SequenceDirectory:
 
     async def start(self, key: SequenceKey, session_id: str | None) -> str | None:
         """Maps key to its new session (None: the sequence ended with its first step);
-        returns the session it named before, for the Ingress to close."""
+        returns the session it named before, for the caller to close."""
         if session_id is None:
             previous = self._sequences.get(key)
             if previous is not None:
@@ -67,6 +70,11 @@ class SequenceDirectory:
         by_replica: dict[str, list[str]] = defaultdict(list)
         for session_id in session_ids:
             by_replica[replica_of(session_id) or ""].append(session_id)
+        if self._live is None:
+            from ray import serve
+
+            app = serve.get_replica_context().app_name
+            self._live = calls(serve.get_deployment_handle(self._replicas, app), "live_sessions")
         asks = [
             self._live.options(session_id=pinned_to(replica)).remote(ids)
             for replica, ids in by_replica.items()

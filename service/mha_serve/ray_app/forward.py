@@ -1,13 +1,15 @@
-"""How an Ingress call reaches AttentionReplica and comes back: Ray's own failures made
-statuses that say what happened, replies made what Ray's proxy sends (shared by mha.v1 and
-the Open Inference Protocol)."""
+"""How a call made through a DeploymentHandle reaches AttentionReplica and comes back (a
+Triton sequence's step forwarded to its replica, a session closed there): Ray's own
+failures made statuses that say what happened (`lost`, which the proxy's wrapper uses too);
+and how a replica's answer becomes what Ray's proxy sends (shared by mha.v1 and the Open
+Inference Protocol)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -18,10 +20,6 @@ from ray.serve.grpc_util import RayServegRPCContext
 
 from mha_serve.ray_app.context import Reply
 from mha_serve.ray_app.ids import replica_of
-
-
-class StatusError(Exception):
-    """Ends a stream with the status set on Ray's gRPC context (the proxy sends it)."""
 
 
 def calls(handle: Any, method: str) -> Any:
@@ -52,31 +50,41 @@ async def forward(
     except BackPressureError as e:
         return Reply(code=grpc.StatusCode.RESOURCE_EXHAUSTED, details=str(e))
     except RayActorError as e:
-        failure = f"{type(e).__name__}: {_first_line(e)}"
         owner = replica_of(session_id) if session_id else None
-        if owner is None:
-            return Reply(
-                code=grpc.StatusCode.UNAVAILABLE,
-                details=f"the replica serving this call stopped or is unreachable ({failure}); "
-                "retry",
-            )
-        named = f"{what} (session {session_id!r})" if what else f"session {session_id!r}"
-        if not isinstance(e, ActorDiedError) and (alive is None or await alive(owner)):
-            return Reply(
-                code=grpc.StatusCode.UNAVAILABLE,
-                details=f"the Ray Serve replica {owner!r} holding {named} did not answer "
-                f"({failure}), but it still runs: retry",
-            )
-        again = "start it again with sequence_start" if what else "create a new session"
+        live = None
+        if owner is not None and not isinstance(e, ActorDiedError):
+            live = alive is None or await alive(owner)
+        return lost(f"{type(e).__name__}: {first_line(e)}", session_id, what, alive=live)
+
+
+def lost(failure: str, session_id: str = "", what: str = "", *, alive: bool | None) -> Reply:
+    """The answer to a call that Ray failed on its replica (failure: Ray's words): for a
+    session, NOT_FOUND once its replica is gone (alive False or None: it died), UNAVAILABLE
+    while it still runs (a retry reaches it); without one, UNAVAILABLE. what: the session's
+    name for the client (a Triton sequence)."""
+    owner = replica_of(session_id) if session_id else None
+    if owner is None:
         return Reply(
-            code=grpc.StatusCode.NOT_FOUND,
-            details=f"{named} is gone: its Ray Serve replica {owner!r} stopped during this "
-            f"call, and its KV cache went with it ({type(e).__name__}); {again} and send its "
-            "tokens again",
+            code=grpc.StatusCode.UNAVAILABLE,
+            details=f"the replica serving this call stopped or is unreachable ({failure}); retry",
         )
+    named = f"{what} (session {session_id!r})" if what else f"session {session_id!r}"
+    if alive:
+        return Reply(
+            code=grpc.StatusCode.UNAVAILABLE,
+            details=f"the Ray Serve replica {owner!r} holding {named} did not answer "
+            f"({failure}), but it still runs: retry",
+        )
+    again = "start it again with sequence_start" if what else "create a new session"
+    return Reply(
+        code=grpc.StatusCode.NOT_FOUND,
+        details=f"{named} is gone: its Ray Serve replica {owner!r} stopped during this "
+        f"call, and its KV cache went with it ({failure.split(':', 1)[0]}); {again} and "
+        "send its tokens again",
+    )
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception | str) -> str:
     text = str(e).strip().splitlines()
     return text[0][:300] if text else ""
 
@@ -84,7 +92,7 @@ def _first_line(e: Exception) -> str:
 def own_request_id() -> None:
     """Gives the calls this task makes through handles a request id of their own.
 
-    A handle call inherits the id of the request the Ingress is serving (Ray 2.60:
+    A handle call inherits the id of the request the replica is serving (Ray 2.60:
     default_impl.get_request_metadata reads the serve request context), and the router
     finds a call's pending request by that id: calls made at once for one request (a
     ModelStreamInfer's messages, in flight together) would share it, and the replica
@@ -97,21 +105,24 @@ def own_request_id() -> None:
     serve_context._serve_request_context.set(fresh)
 
 
-def end_stream(grpc_context: RayServegRPCContext, reply: Reply) -> None:
-    """Ends a stream with the reply's status."""
+def end_stream(grpc_context: RayServegRPCContext, reply: Reply) -> Any:
+    """The last message of a stream that ends with the reply's status: the status set on
+    Ray's context and carried to the proxy by an empty message, which the proxy drops
+    (proxy.py): the client gets the status alone. (Raising instead would log a traceback
+    in the proxy for every stream that ends with an error.)"""
     grpc_context.set_code(reply.code)
     grpc_context.set_details(reply.details)
-    raise StatusError(reply.details)
+    return CARRIER
 
 
-def unary_answer(grpc_context: RayServegRPCContext, reply: Reply, empty: type) -> Any:
-    """What a unary Ingress method returns: the response, or its status set on Ray's
+def unary_answer(grpc_context: RayServegRPCContext, reply: Reply) -> Any:
+    """What a unary method returns to Ray's proxy: the response, or its status set on Ray's
     context and an empty message (not sent: the client gets the status alone)."""
     if reply.code is None:
         return message(reply.response)
     grpc_context.set_code(reply.code)
     grpc_context.set_details(reply.details)
-    return empty()
+    return CARRIER
 
 
 class Serialized:
@@ -125,6 +136,26 @@ class Serialized:
 
     def SerializeToString(self) -> bytes:
         return self.data
+
+
+async def peek(requests: Any) -> tuple[AsyncIterator[Any], Any]:
+    """A stream's first message (None when it is empty) and the stream, whole."""
+    iterator = requests.__aiter__()
+    try:
+        first = await iterator.__anext__()
+    except StopAsyncIteration:
+        return _chain((), iterator), None
+    return _chain((first,), iterator), first
+
+
+async def _chain(head: tuple[Any, ...], rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    for item in head:
+        yield item
+    async for item in rest:
+        yield item
+
+
+CARRIER = Serialized(b"")  # end_stream's message
 
 
 def message(response: Any) -> Any:

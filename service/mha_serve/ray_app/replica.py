@@ -1,10 +1,12 @@
-"""AttentionReplica: one Ray Serve replica running the standalone server's engine, lanes and
-servicers (mha.v1 and the Open Inference Protocol), answering the Ingress one call (or one
-stream message) at a time.
+"""AttentionReplica: one Ray Serve replica holding the engine, its lanes and the KV caches of
+the sessions made on it; the application's ingress, which Ray's gRPC proxy calls directly
+(one hop: docs/ray.md). Each mha.v1 and Open Inference Protocol call runs through the door
+the standalone server runs (transport/door.py, transport/oip/door.py): the same conversion,
+checks, statuses, messages and metrics.
 
-Its engine starts every session id with this replica's id (ids.py), so SessionRouter sends
-the session's later calls here. A call for a session whose id names another replica reached
-here because that replica is gone: it answers NOT_FOUND saying so.
+Its engine starts every session id with this replica's id (ids.py), so SessionRouter, in
+the proxy, sends the session's later calls here. A call for a session whose id names
+another replica reached here because that replica is gone: it answers NOT_FOUND saying so.
 """
 
 from __future__ import annotations
@@ -18,56 +20,37 @@ from typing import Any
 
 import grpc
 
+from mha_client.api import attention_pb2 as pb
+from mha_client.api.inference import grpc_service_pb2 as oip_pb
 from mha_serve import metrics
 from mha_serve.config import build_config
 from mha_serve.engine.threads import ComputeThreads
 from mha_serve.ray_app.context import CallContext, Caller, Reply
+from mha_serve.ray_app.direct import DirectServer, wants_direct
+from mha_serve.ray_app.forward import end_stream, message, peek, unary_answer
 from mha_serve.ray_app.ids import replica_of, session_prefix
+from mha_serve.ray_app.oip import InferenceMethods
 from mha_serve.serving import AsyncEngine
-from mha_serve.transport.oip import InferenceServicer
-from mha_serve.transport.oip.sequences import sequence_of
-from mha_serve.transport.oip.stream import stream_error
+from mha_serve.transport.answer import Refused
+from mha_serve.transport.door import AttentionDoor
+from mha_serve.transport.oip.door import InferenceDoor
 from mha_serve.transport.server import load_engine
-from mha_serve.transport.servicer import AttentionServicer
 
 log = logging.getLogger(__name__)
 
-# The unary mha.v1 methods a replica answers (the Ingress answers health itself and turns
-# StreamSession into stream_step calls).
-UNARY_METHODS = frozenset(
-    {
-        "Attend",
-        "CreateSession",
-        "GetSession",
-        "ForkSession",
-        "TruncateSession",
-        "CloseSession",
-        "ListModels",
-        "GetModelInfo",
-    }
-)
-# The Open Inference Protocol's unary methods (ModelStreamInfer: `infer`, one message a call).
-OIP_METHODS = frozenset(
-    {
-        "ServerLive",
-        "ServerReady",
-        "ModelReady",
-        "ServerMetadata",
-        "ModelMetadata",
-        "ModelConfig",
-        "ModelInfer",
-    }
-)
 
-
-class AttentionReplica:
-    """The engine behind its lanes and the mha.v1 servicer, in one Ray Serve replica."""
+class AttentionReplica(InferenceMethods):
+    """mha.v1 and the Open Inference Protocol (InferenceMethods) over one engine, called by
+    Ray's proxy (a method per gRPC method, Ray's convention) and, through a handle, by
+    tests and other replicas (`call`, `infer`)."""
 
     async def __init__(
         self,
         config_file: str | None = None,
         overrides: dict[str, Any] | None = None,
         metrics_port: int = 0,
+        directory: Any = None,
+        direct_streams: bool = True,
     ) -> None:
         from ray import serve
 
@@ -81,80 +64,132 @@ class AttentionReplica:
             self.compute.main,
             functools.partial(load_engine, cfg, session_id_prefix=session_prefix(self.replica_id)),
         )
-        self.serving = AsyncEngine(engine, self.compute)
+        self.serving = AsyncEngine(engine, self.compute, inline=cfg.inline_lone_requests)
         self.serving.start()
-        self.servicer = AttentionServicer(max_request_bytes=cfg.max_receive_message_bytes)
-        self.servicer.attach(self.serving)
-        self.oip = InferenceServicer(
+        self.door = AttentionDoor(max_request_bytes=cfg.max_receive_message_bytes)
+        self.door.attach(self.serving)
+        oip = InferenceDoor(
             lambda: self.serving, ready=lambda: True, session_ttl_s=cfg.session_ttl_s
         )
+        super().__init__(oip, directory, context.deployment, context.app_name)
+        self.direct: DirectServer | None = None
+        if direct_streams:
+            import ray
+
+            messages = {
+                "StreamSession": pb.AttendRequest,
+                "ModelStreamInfer": oip_pb.ModelInferRequest,
+            }
+            self.direct = DirectServer(ray.util.get_node_ip_address(), messages)
+            await self.direct.start()
         metrics.READY.set(1)
         if metrics_port:
-            from mha_serve.ray_app.scrape import serve_replica_metrics
-
-            port = metrics_port + context.rank.local_rank
-            labels = {"replica": self.replica_id, "application": context.app_name}
-            try:
-                serve_replica_metrics(port, labels)
-                log.info("replica %s: metrics on port %d", self.replica_id, port)
-            except OSError as e:  # the port is taken: serve without metrics, say so loudly
-                log.error(
-                    "replica %s: no /metrics, port %d is taken (%s); give the app a "
-                    "metrics_port whose next ports (one per replica on a node) are free",
-                    self.replica_id,
-                    port,
-                    e,
-                )
+            self._serve_metrics(metrics_port + context.rank.local_rank, context.app_name)
         log.info("replica %s SERVING models: %s", self.replica_id, ", ".join(engine.models))
 
+    def _serve_metrics(self, port: int, app_name: str) -> None:
+        from mha_serve.ray_app.scrape import serve_replica_metrics
+
+        labels = {"replica": self.replica_id, "application": app_name}
+        try:
+            serve_replica_metrics(port, labels)
+            log.info("replica %s: metrics on port %d", self.replica_id, port)
+        except OSError as e:  # the port is taken: serve without metrics, say so loudly
+            log.error(
+                "replica %s: no /metrics, port %d is taken (%s); give the app a "
+                "metrics_port whose next ports (one per replica on a node) are free",
+                self.replica_id,
+                port,
+                e,
+            )
+
+    # --- mha.v1, as Ray's proxy calls it ---------------------------------------------
+
+    async def Attend(self, request: Any, grpc_context: Any) -> Any:
+        return await self._unary("Attend", request, grpc_context)
+
+    async def CreateSession(self, request: Any, grpc_context: Any) -> Any:
+        return await self._unary("CreateSession", request, grpc_context)
+
+    async def GetSession(self, request: Any, grpc_context: Any) -> Any:
+        return await self._unary("GetSession", request, grpc_context)
+
+    async def ForkSession(self, request: Any, grpc_context: Any) -> Any:
+        return await self._unary("ForkSession", request, grpc_context)
+
+    async def TruncateSession(self, request: Any, grpc_context: Any) -> Any:
+        return await self._unary("TruncateSession", request, grpc_context)
+
+    async def CloseSession(self, request: Any, grpc_context: Any) -> Any:
+        return await self._unary("CloseSession", request, grpc_context)
+
+    async def ListModels(self, request: Any, grpc_context: Any) -> Any:
+        return await self._unary("ListModels", request, grpc_context)
+
+    async def GetModelInfo(self, request: Any, grpc_context: Any) -> Any:
+        return await self._unary("GetModelInfo", request, grpc_context)
+
+    async def AnalyzeHeads(self, request: Any, grpc_context: Any) -> Any:
+        return await self._unary("AnalyzeHeads", request, grpc_context)
+
+    async def _unary(self, method: str, request: Any, grpc_context: Any) -> Any:
+        reply = await self.call(method, request, Caller.of(grpc_context))
+        return unary_answer(grpc_context, reply)
+
+    async def StreamSession(self, requests: Any, grpc_context: Any) -> AsyncIterator[Any]:
+        """One session's steps (AttentionDoor.stream); the proxy routed the stream here by
+        its first message's session. Its messages come over a direct stream when the proxy
+        takes the offer (direct.py), else through Ray. The first error ends it with its
+        status."""
+        caller = Caller.of(grpc_context)
+        if self.direct is not None and wants_direct(grpc_context):
+            answer = functools.partial(self._direct_session, caller=caller)
+            async for item in self.direct.offer(answer, grpc_context):
+                yield item
+            return
+        async for result in self._session(requests, caller):
+            if isinstance(result, Reply):
+                yield end_stream(grpc_context, result)
+                return
+            yield message(result)
+
+    async def _direct_session(
+        self, requests: AsyncIterator[Any], context: Any, caller: Caller
+    ) -> AsyncIterator[Any]:
+        async for result in self._session(requests, caller):
+            if isinstance(result, Reply):
+                await context.abort(result.code, result.details)
+            yield result
+
+    async def _session(self, requests: Any, caller: Caller) -> AsyncIterator[Any]:
+        """The door's StreamSession; an error as a Reply, last."""
+        requests, first = await peek(requests)
+        gone = self._gone("StreamSession", getattr(first, "session_id", "") or "")
+        if gone is not None:
+            yield gone
+            return
+        async for result in self.door.stream(requests, CallContext(caller)):
+            if isinstance(result, Refused):
+                yield Reply(code=result.code, details=result.details)
+                return
+            yield result
+
+    # --- through a handle --------------------------------------------------------------
+
     async def call(self, method: str, request: Any, caller: Caller | str = "") -> Reply:
-        """One unary call (mha.v1 or the Open Inference Protocol), answered by its servicer."""
-        if method in OIP_METHODS:
+        """One unary call (mha.v1 or the Open Inference Protocol), as a Reply."""
+        if method in self.oip.unary_methods:
             return await self.infer(method, request, caller)
-        if method not in UNARY_METHODS:
-            raise ValueError(f"{method!r} is not one of {sorted(UNARY_METHODS | OIP_METHODS)}")
+        if method not in self.door.unary_methods:
+            raise ValueError(f"{method!r} is not one of {sorted(self.door.unary_methods)}")
         gone = self._gone(method, getattr(request, "session_id", ""))
         if gone is not None:
             return gone
-        context = CallContext(caller)
-        return await _answered(context, lambda: getattr(self.servicer, method)(request, context))
-
-    async def stream_step(self, request: Any, caller: Caller | str = "") -> Reply:
-        """One message of a StreamSession (the Ingress fills in the stream's session_id),
-        answered by the servicer's StreamSession: the same checks, metrics and codes."""
-        gone = self._gone("StreamSession", getattr(request, "session_id", ""))
-        if gone is not None:
-            return gone
-        context = CallContext(caller)
-        return await _answered(
-            context, lambda: _first(self.servicer.StreamSession, request, context)
-        )
-
-    async def infer(
-        self, method: str, request: Any, caller: Caller | str = "", session_id: str = ""
-    ) -> Reply:
-        """One Open Inference Protocol call, or one ModelStreamInfer message (its reply,
-        error_message included, is the response). session_id: the session the Ingress's
-        SequenceDirectory holds for the request's sequence, when the call steps one. The
-        reply says which session the sequence steps afterwards (SequenceDirectory keeps it)."""
-        context = CallContext(caller)
-        stream = method == "ModelStreamInfer"
-        gone = self._gone(method, session_id, _sequence_text(request))
-        if gone is not None:
-            if stream:
-                return Reply(response=stream_error(request, gone.details))
-            return gone
-        if stream:
-            reply = await _answered(
-                context, lambda: _first(self.oip.ModelStreamInfer, request, context)
-            )
-        elif method in OIP_METHODS:
-            reply = await _answered(context, lambda: getattr(self.oip, method)(request, context))
-        else:
-            raise ValueError(f"{method!r} is not one of {sorted(OIP_METHODS)} or ModelStreamInfer")
-        if method in ("ModelInfer", "ModelStreamInfer"):
-            reply.sequence_session = await self.oip.sequence_session(request, context)
-        return reply
+        caller = Caller(peer=caller) if isinstance(caller, str) else caller
+        result = await self.door.unary(method, request, CallContext(caller))
+        if isinstance(result, Refused):
+            return Reply(code=result.code, details=result.details)
+        return Reply(result)
 
     async def live_sessions(self, session_ids: list[str]) -> list[str]:
         """Those of session_ids that live here (SequenceDirectory prunes the rest)."""
@@ -206,41 +241,6 @@ class AttentionReplica:
         )
 
 
-async def _answered(context: CallContext, call: Any) -> Reply:
-    """The servicer's answer to one call, or the status it aborted with. A call whose
-    deadline passed (the servicer then raises CancelledError, as grpcio would answer
-    DEADLINE_EXCEEDED itself) answers DEADLINE_EXCEEDED; a real cancellation propagates."""
-    try:
-        return context.reply(await call())
-    except grpc.aio.AbortError:
-        return context.reply()
-    except asyncio.CancelledError as e:
-        task = asyncio.current_task()
-        remaining = context.time_remaining()
-        if (task is not None and task.cancelling()) or remaining is None or remaining > 0:
-            raise
-        why = f": {e.__cause__}" if e.__cause__ is not None else ""
-        return Reply(code=grpc.StatusCode.DEADLINE_EXCEEDED, details=f"Deadline Exceeded{why}")
-
-
-async def _first(stream: Any, request: Any, context: CallContext) -> Any:
-    """The one reply of a stream method to a stream of one request."""
-    return [r async for r in stream(_one(request), context)][0]
-
-
-async def _one(request: Any) -> AsyncIterator[Any]:
-    yield request
-
-
 async def _value(result: Any) -> Any:
     """AsyncEngine's session and cache methods, whether they are coroutines or not."""
     return await result if inspect.isawaitable(result) else result
-
-
-def _sequence_text(request: Any) -> str:
-    """'sequence 7 to model 'mha'' for a request that steps a Triton sequence, else ''."""
-    try:
-        sequence = sequence_of(request.parameters)
-    except Exception:  # malformed or invalid: answered by the servicer, not named here
-        return ""
-    return "" if sequence is None else sequence.describe(request.model_name)

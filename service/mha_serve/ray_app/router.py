@@ -1,14 +1,16 @@
 """The request router of AttentionReplica: a session's calls go to the replica its id names.
 
-Ray Serve runs one router per handle owner (each Ingress replica). A call that carries a
-session id (`handle.options(session_id=...)`) goes to exactly the replica named in it, never
-elsewhere while that replica lives: if this router does not know the replica yet (just
-started, not yet announced here), the call waits for the next replica update. When the
-replica is gone (its actor is dead), or has left this router's view after being in it (Ray
-is stopping it: scaled down, or replaced), the call goes to any live replica, which answers
-NOT_FOUND saying so (AttentionReplica): Ray never routes to a stopping replica, so waiting
-for it would only delay that answer by its drain. Calls without a session spread by load: the lower
-queue of two random replicas, as Ray's default router does.
+Ray Serve runs one router per handle owner: each gRPC proxy (the proxy calls AttentionReplica
+directly; proxy.py puts the call's session into the `session_id` metadata that reaches the
+router), and each replica that forwards a Triton sequence's step. A call that carries a
+session id goes to exactly the replica named in it, never elsewhere while that replica
+lives: if this router does not know the replica yet (just started, not yet announced here),
+the call waits for the next replica update. When the replica is gone (its actor is dead), or
+has left this router's view after being in it (Ray is stopping it: scaled down, or
+replaced), the call goes to any live replica, which answers NOT_FOUND saying so
+(AttentionReplica): Ray never routes to a stopping replica, so waiting for it would only
+delay that answer by its drain. Calls without a session spread by load: the lower queue of
+two random replicas, as Ray's default router does, queues within one of each other a tie.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ log = logging.getLogger(__name__)
 
 SERVE_NAMESPACE = "serve"  # the namespace of Ray Serve's actors
 MAX_REMEMBERED = 4096  # replica ids kept (dead ones: to skip the actor lookup)
+QUEUE_LEN_SLACK = 1  # queue lengths this close are a tie (SessionRouter._by_load)
 
 
 class SessionRouter(RequestRouter):
@@ -54,7 +57,7 @@ class SessionRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         session_id = _session_id(pending_request)
         if not session_id:
-            return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+            return self._by_load(candidate_replicas)
         # Wait between tries rather than spin while the owner is busy or not yet known.
         pending_request.routing_context.should_backoff = True
         owner = replica_of(session_id)
@@ -67,6 +70,26 @@ class SessionRouter(RequestRouter):
             return []  # alive but not in this router's view yet: wait for the update
         # Gone (or no replica at all in the id): any replica answers NOT_FOUND.
         return [candidate_replicas]
+
+    def _by_load(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
+        """Two random replicas, Ray taking the one with the shorter queue (its cache of the
+        replicas' queue lengths); queues within QUEUE_LEN_SLACK of each other are a tie,
+        the first of the two taken. Ray's cache can count a request that has ended (a
+        replica reports its count as a request's completion crosses the report, and that
+        one is never taken off): left to compare strictly, an idle replica can lose every
+        call to another for the cache's lifetime (10 s)."""
+        pair = random.sample(candidates, min(2, len(candidates)))
+        if len(pair) == 2:
+            lengths = [self._queue_len(r) for r in pair]
+            if None not in lengths and abs(lengths[0] - lengths[1]) <= QUEUE_LEN_SLACK:
+                return [[pair[0]], [pair[1]]]
+        return [pair]
+
+    def _queue_len(self, replica: RunningReplica) -> int | None:
+        try:
+            return self.replica_queue_len_cache.get(replica.replica_id)
+        except AttributeError:  # no cache (a router not set up by Ray)
+            return None
 
     async def _alive(self, unique_id: str) -> bool:
         """Whether the replica's actor still lives (a GCS lookup, off the event loop)."""

@@ -6,10 +6,10 @@ share this policy, so they cannot drift apart."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
@@ -22,26 +22,41 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-async def answer(
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A call's error as its status: what a door answers instead of a response."""
+
+    code: grpc.StatusCode
+    details: str
+
+
+async def settle(
     method: str,
     model: str,
-    context: grpc.aio.ServicerContext,
     handle: Callable[[], Awaitable[T]],
     *,
     protocol: str,
-) -> T:
-    """Runs a handler; expected errors become their status, anything else INTERNAL (logged).
-    An error status is counted before it is sent: a client that has it finds it counted."""
+    over: Callable[[], bool] = lambda: False,
+    in_flight: bool = False,
+) -> T | Refused:
+    """Runs a handler: its result, or its error as Refused (expected errors their status,
+    anything else INTERNAL, logged), counted once under the door's protocol before it is
+    returned: a client that has it finds it counted. over(): the call is over already (its
+    deadline passed; gRPC answers DEADLINE_EXCEEDED itself): an error is then counted and
+    raised as CancelledError, not answered. in_flight: counted in IN_FLIGHT meanwhile (a
+    computation, not a lookup)."""
     code, counted = grpc.StatusCode.OK, False
+    if in_flight:
+        metrics.IN_FLIGHT.inc()
     try:
         return await handle()
     except EXPECTED as e:
         code = status_of(e)
-        if over(context):  # its deadline passed: gRPC answers DEADLINE_EXCEEDED itself,
-            raise asyncio.CancelledError from e  # and aborting a finished call logs an ERROR
+        if over():  # and answering a finished call logs an ERROR in grpcio
+            raise asyncio.CancelledError from e
         metrics.count_request(method, model, code.name, protocol)
         counted = True
-        await context.abort(code, str(e))
+        return Refused(code, str(e))
     except asyncio.CancelledError:
         code = grpc.StatusCode.CANCELLED
         raise
@@ -52,10 +67,33 @@ async def answer(
         log.exception("%s failed on model %s", method, model)
         metrics.count_request(method, model, code.name, protocol)
         counted = True
-        await context.abort(code, f"internal error in {method}: {type(e).__name__}: {e}")
+        return Refused(code, f"internal error in {method}: {type(e).__name__}: {e}")
     finally:
+        if in_flight:
+            metrics.IN_FLIGHT.dec()
         if not counted:
             metrics.count_request(method, model, code.name, protocol)
+
+
+async def sent(context: grpc.aio.ServicerContext, result: T | Refused) -> T:
+    """A door's result as gRPC sends it: a Refused aborts the call with its status."""
+    if isinstance(result, Refused):
+        await context.abort(result.code, result.details)
+    return result  # type: ignore[return-value]
+
+
+async def answer(
+    method: str,
+    model: str,
+    context: grpc.aio.ServicerContext,
+    handle: Callable[[], Awaitable[T]],
+    *,
+    protocol: str,
+) -> T:
+    """settle, sent as gRPC does: a Refused aborts the call with its status."""
+    return await sent(
+        context, await settle(method, model, handle, protocol=protocol, over=lambda: over(context))
+    )
 
 
 def note_malformed(
@@ -71,33 +109,8 @@ def note_malformed(
     malformed_log.note(method, context.peer(), request)
 
 
-def parsed(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-    """A unary servicer method that first answers INVALID_ARGUMENT for a request whose bytes
-    did not parse (the servicer has `malformed_log` and `PROTOCOL`)."""
-
-    @functools.wraps(method)
-    async def run(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
-        if isinstance(request, Malformed):
-            note_malformed(
-                method.__name__, request, context, self.malformed_log, protocol=self.PROTOCOL
-            )
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        return await method(self, request, context)
-
-    return run
-
-
 def over(context: grpc.aio.ServicerContext) -> bool:
     """Whether the call is over already: done() turns true only once a status was sent (grpcio
     1.85), so a passed deadline is read from the time remaining."""
     remaining = context.time_remaining()
     return context.done() or (remaining is not None and remaining <= 0)
-
-
-def sync(fn: Callable[..., T], **kwargs: Any) -> Callable[[], Awaitable[T]]:
-    """A quick synchronous handler (called with kwargs) as the coroutine function answer takes."""
-
-    async def run() -> T:
-        return fn(**kwargs)
-
-    return run

@@ -1,174 +1,68 @@
-"""The inference.GRPCInferenceService servicer: converts, delegates to the AsyncEngine shared
-with mha.v1, maps errors onto the statuses and messages Triton's clients expect."""
+"""The inference.GRPCInferenceService servicer: each call handed to the door (door.py), its
+refusal sent as the call's status; a stream's requests answered concurrently (stream.py)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import dataclasses
 import functools
-import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from importlib import metadata
 from typing import Any, TypeVar
 
 import grpc
 
 from mha_client.api.inference import grpc_service_pb2 as pb
-from mha_serve import metrics
-from mha_serve.cache.errors import SessionBusy, SessionNotFound
-from mha_serve.engine.errors import ModelNotFound, RequestError
-from mha_serve.engine.requests import AttendRequest, ModelView
-from mha_serve.serving import EXPECTED, EngineClient, Served, Unavailable
-from mha_serve.transport.answer import answer, note_malformed, parsed, sync
-from mha_serve.transport.auth import client_identity
-from mha_serve.transport.handlers import Malformed, MalformedLog, add_service
-from mha_serve.transport.oip.convert import (
-    VERSION,
-    encode_response,
-    model_config,
-    model_metadata,
-    to_call,
-)
-from mha_serve.transport.oip.convert import parameter as read_parameter
-from mha_serve.transport.oip.sequences import Sequence, SequenceKey, sequence_of
-from mha_serve.transport.oip.stream import pipelined, sequence_key, stream_error
-from mha_serve.transport.status import status_of
+from mha_serve.serving import EngineClient
+from mha_serve.transport.answer import answer, over, sent
+from mha_serve.transport.handlers import add_service
+from mha_serve.transport.oip.door import PROTOCOL, InferenceDoor, sequence_key_of
+from mha_serve.transport.oip.stream import pipelined, sequence_key
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 SERVICE_NAME = SERVICE.full_name  # "inference.GRPCInferenceService"
-PROTOCOL = metrics.PROTOCOL_KSERVE_V2
-SERVER_NAME = "mha-serve"
-# Triton's names for the protocol extensions this door implements.
-EXTENSIONS = ("model_configuration", "sequence", "parameters")
 
-
-def _version() -> str:
-    try:
-        return metadata.version("mha-serve")
-    except metadata.PackageNotFoundError:
-        return "0"
+__all__ = [
+    "SERVICE",
+    "SERVICE_NAME",
+    "InferenceServicer",
+    "add_inference_service",
+    "sequence_key_of",
+]
 
 
 class InferenceServicer:
-    """The Open Inference Protocol over the AsyncEngine (`serving()` returns it once warm)."""
+    """The Open Inference Protocol over the serving layer (`serving()` returns it once warm)."""
 
     PROTOCOL = PROTOCOL
 
-    def __init__(
-        self,
-        serving: Callable[[], EngineClient | None],
-        *,
-        ready: Callable[[], bool],
-        session_ttl_s: float = 0.0,
-    ) -> None:
-        self._serving = serving
-        self._ready = ready
-        self.session_ttl_s = session_ttl_s  # reported in ModelConfig (0: sessions never expire)
-        self.malformed_log = MalformedLog()
+    def __init__(self, serving: Callable[[], EngineClient | None], **options: Any) -> None:
+        self.door = InferenceDoor(serving, **options)  # ready, session_ttl_s
 
-    @property
-    def serving(self) -> EngineClient:
-        serving = self._serving()
-        if serving is None:
-            raise Unavailable(
-                "the server is still loading its models; retry when ServerReady is true"
-            )
-        return serving
-
-    def _model_label(self, name: str) -> str:
-        serving = self._serving()
-        return "unknown" if serving is None else serving.model_label(name)
-
-    def _hosted(self, name: str, version: str) -> ModelView:
-        """The model a request names; Triton's message for an unknown name or version."""
-        serving = self.serving
-        try:
-            hosted = serving.model(name)
-        except ModelNotFound:
-            names = ", ".join(h.spec.name for h in serving.models())
-            raise ModelNotFound(
-                f"Request for unknown model: '{name}' is not found (models here: {names})"
-            ) from None
-        if version not in ("", VERSION):
-            raise ModelNotFound(
-                f"Request for unknown model: '{name}' version {version} is not found "
-                f"(its one version is {VERSION})"
-            )
-        return hosted
-
-    # --- health and metadata -----------------------------------------------------------
-
-    @parsed
-    async def ServerLive(self, request, context) -> pb.ServerLiveResponse:
-        return await self._answer("ServerLive", "", context, sync(pb.ServerLiveResponse, live=True))
-
-    @parsed
-    async def ServerReady(self, request, context) -> pb.ServerReadyResponse:
-        def handle() -> pb.ServerReadyResponse:
-            return pb.ServerReadyResponse(ready=self._ready())
-
-        return await self._answer("ServerReady", "", context, sync(handle))
-
-    @parsed
-    async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
-        def handle() -> pb.ModelReadyResponse:
-            if not self._ready():
-                return pb.ModelReadyResponse(ready=False)
-            with contextlib.suppress(ModelNotFound):  # Triton: not ready, not an error
-                self._hosted(request.name, request.version)
-                return pb.ModelReadyResponse(ready=True)
-            return pb.ModelReadyResponse(ready=False)
-
-        model = self._model_label(request.name)
-        return await self._answer("ModelReady", model, context, sync(handle))
-
-    @parsed
-    async def ServerMetadata(self, request, context) -> pb.ServerMetadataResponse:
-        response = pb.ServerMetadataResponse(
-            name=SERVER_NAME, version=_version(), extensions=EXTENSIONS
+    async def _unary(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await sent(
+            context, await self.door.unary(method, request, context, lambda: over(context))
         )
-        return await self._answer("ServerMetadata", "", context, sync(lambda: response))
 
-    @parsed
-    async def ModelMetadata(
-        self, request: pb.ModelMetadataRequest, context
-    ) -> pb.ModelMetadataResponse:
-        def handle() -> pb.ModelMetadataResponse:
-            return model_metadata(self._hosted(request.name, request.version))
+    async def ServerLive(self, request, context) -> pb.ServerLiveResponse:
+        return await self._unary("ServerLive", request, context)
 
-        model = self._model_label(request.name)
-        return await self._answer("ModelMetadata", model, context, sync(handle))
+    async def ServerReady(self, request, context) -> pb.ServerReadyResponse:
+        return await self._unary("ServerReady", request, context)
 
-    @parsed
-    async def ModelConfig(self, request: pb.ModelConfigRequest, context) -> pb.ModelConfigResponse:
-        async def handle() -> pb.ModelConfigResponse:
-            hosted = self._hosted(request.name, request.version)
-            sessions = await self.serving.cache_info(hosted.spec.name) is not None
-            config = model_config(hosted, sessions=sessions, session_ttl_s=self.session_ttl_s)
-            return pb.ModelConfigResponse(config=config)
+    async def ModelReady(self, request, context) -> pb.ModelReadyResponse:
+        return await self._unary("ModelReady", request, context)
 
-        model = self._model_label(request.name)
-        return await self._answer("ModelConfig", model, context, handle)
+    async def ServerMetadata(self, request, context) -> pb.ServerMetadataResponse:
+        return await self._unary("ServerMetadata", request, context)
 
-    # --- inference ---------------------------------------------------------------------
+    async def ModelMetadata(self, request, context) -> pb.ModelMetadataResponse:
+        return await self._unary("ModelMetadata", request, context)
 
-    @parsed
-    async def ModelInfer(
-        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ModelInferResponse:
-        model = self._model_label(request.model_name)
-        metrics.IN_FLIGHT.inc()
-        try:
-            return await self._answer(
-                "ModelInfer", model, context, lambda: self._infer(request, context)
-            )
-        finally:
-            metrics.IN_FLIGHT.dec()
+    async def ModelConfig(self, request, context) -> pb.ModelConfigResponse:
+        return await self._unary("ModelConfig", request, context)
+
+    async def ModelInfer(self, request, context) -> pb.ModelInferResponse:
+        return await self._unary("ModelInfer", request, context)
 
     async def ModelStreamInfer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
@@ -176,139 +70,9 @@ class InferenceServicer:
         """One message per request, in the requests' order; requests compute concurrently
         (so they batch together), a sequence's one after another (stream.py). An error
         answers its request with error_message and the stream goes on (Triton's behaviour)."""
-        async for reply in pipelined(
-            requests, functools.partial(self._stream_one, context=context), key=sequence_key
-        ):
+        answer_one = functools.partial(self.door.stream_one, context=context)
+        async for reply in pipelined(requests, answer_one, key=sequence_key):
             yield reply
-
-    async def _stream_one(
-        self, request: pb.ModelInferRequest | Malformed, context: grpc.aio.ServicerContext
-    ) -> pb.ModelStreamInferResponse:
-        """One stream message's reply; raises only when cancelled."""
-        if isinstance(request, Malformed):
-            self._note_malformed("ModelStreamInfer", request, context)
-            return pb.ModelStreamInferResponse(error_message=request.message)
-        model = self._model_label(request.model_name)
-        code = grpc.StatusCode.OK
-        metrics.IN_FLIGHT.inc()
-        try:
-            return pb.ModelStreamInferResponse(infer_response=await self._infer(request, context))
-        except EXPECTED as e:
-            code = status_of(e)
-            return stream_error(request, str(e))
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        except Exception as e:
-            code = grpc.StatusCode.INTERNAL
-            log.exception("ModelStreamInfer failed on model %s", model)
-            return stream_error(request, f"internal error: {type(e).__name__}: {e}")
-        finally:
-            metrics.IN_FLIGHT.dec()
-            metrics.count_request("ModelStreamInfer", model, code.name, PROTOCOL)
-
-    async def _infer(
-        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ModelInferResponse:
-        received = time.perf_counter()
-        serving = self.serving
-        hosted = self._hosted(request.model_name, request.model_version)
-        model = hosted.spec.name
-        sequence = sequence_of(request.parameters)
-        call, outputs = to_call(request, hosted)
-        encode = functools.partial(
-            encode_response, outputs=outputs, model=model, request_id=request.id
-        )
-        deadline = _deadline(context, read_parameter(request.parameters, "timeout", model))
-        if sequence is None:
-            served = await serving.attend(call, encode, received=received, deadline=deadline)
-        else:
-            owner = client_identity(context)  # whom a new session counts against (limits)
-            served = await self._step(
-                serving, sequence, call, encode, owner=owner, received=received, deadline=deadline
-            )
-        response, timing = served.reply, served.timing
-        for name, value in (
-            ("queue_ms", timing.queue_ms),
-            ("compute_ms", timing.compute_ms),
-            ("total_ms", timing.total_ms),
-        ):
-            response.parameters[name].double_param = value
-        if timing.restore_ms:  # the sequence's session came back from the spill tier first
-            response.parameters["restore_ms"].double_param = timing.restore_ms
-        response.parameters["batch_size"].int64_param = timing.batch_size
-        return response
-
-    async def _step(
-        self,
-        serving: EngineClient,
-        sequence: Sequence,
-        call: AttendRequest,
-        encode: Callable[..., pb.ModelInferResponse],
-        *,
-        owner: str,
-        received: float,
-        deadline: float | None,
-    ) -> Served[pb.ModelInferResponse]:
-        """One step of a sequence's session: start creates it (replacing a live one of the same
-        id), end closes it after the step, whatever the step's outcome."""
-        model = call.model
-        # A sequence id names a sequence of its client only (the same identity that limits
-        # count against: certificate, token or peer address): another client sending the
-        # same id never reaches this one's cached keys. (Triton's ids are global per model.)
-        key = sequence_key_of(model, owner, sequence)
-        # The engine keeps the sequences (every frontend worker finds them); each change is
-        # one engine call, so no cancellation between two leaves a session behind.
-        if sequence.start:
-            session_id = await serving.start_sequence(key, model, owner)
-        else:
-            session_id = await serving.sequence_session(key)
-            if session_id is None:
-                raise sequence.not_started(model)
-        call = dataclasses.replace(call, session_id=session_id)
-        close = sequence.end
-        try:
-            return await serving.attend(
-                call, encode, received=received, deadline=deadline, caller=owner
-            )
-        except SessionNotFound as e:  # expired, evicted or closed through mha.v1
-            await serving.end_sequence(key, session_id, close=False)
-            close = False
-            raise SessionNotFound(
-                e.session_id,
-                e.reason,
-                f"{sequence.describe(model)} is no longer active ({e}); start it again "
-                "with sequence_start",
-            ) from None
-        except SessionBusy:
-            close = False  # the step in flight owns the session; it is not ours to close
-            raise
-        finally:
-            if close:  # shielded: a cancelled step's sequence still ends
-                await asyncio.shield(serving.end_sequence(key, session_id, close=True))
-
-    async def sequence_session(self, request: Any, context: grpc.aio.ServicerContext) -> str | None:
-        """The session the request's sequence steps now (after the request: None once it
-        ended or its session is gone), None for a stateless or unreadable request. What a
-        front door that routes sequences (the Ray app) reads after each call."""
-        if isinstance(request, Malformed):
-            return None
-        try:
-            sequence = sequence_of(request.parameters)
-            if sequence is None:
-                return None
-            model = self._hosted(request.model_name, request.model_version).spec.name
-        except RequestError:
-            return None
-        key = sequence_key_of(model, client_identity(context), sequence)
-        return await self.serving.sequence_session(key)
-
-    # --- errors ------------------------------------------------------------------------
-
-    def _note_malformed(
-        self, method: str, request: Malformed, context: grpc.aio.ServicerContext
-    ) -> None:
-        note_malformed(method, request, context, self.malformed_log, protocol=PROTOCOL)
 
     async def _answer(
         self,
@@ -318,21 +82,6 @@ class InferenceServicer:
         handle: Callable[[], Awaitable[T]],
     ) -> T:
         return await answer(method, model, context, handle, protocol=PROTOCOL)
-
-
-def sequence_key_of(model: str, owner: str, sequence: Sequence) -> SequenceKey:
-    """A sequence id names a sequence of one client (its identity) on one model."""
-    return (model, owner, sequence.id)
-
-
-def _deadline(context: grpc.aio.ServicerContext, timeout_us: Any) -> float | None:
-    """The earlier of the gRPC deadline and Triton's `timeout` parameter (microseconds)."""
-    now = time.monotonic()
-    remaining = context.time_remaining()
-    deadlines = [] if remaining is None else [now + remaining]
-    if timeout_us:
-        deadlines.append(now + timeout_us / 1e6)
-    return min(deadlines, default=None)
 
 
 def add_inference_service(
