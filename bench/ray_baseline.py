@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     # Ray's workers run this interpreter, so they import mha_serve as installed (pip -e).
-    ray.init(num_cpus=NUM_CPUS, include_dashboard=False)
+    # A Ray of its own (never a cluster a dead `ray start` left in ray_current_cluster).
+    ray.init(address="local", num_cpus=NUM_CPUS, include_dashboard=False)
     try:
         serve.start(http_options={"host": args.host, "port": port}, logging_config=LOGGING)
         serve.run(build_app(args.model), name="mha", route_prefix="/")

@@ -150,6 +150,13 @@ def to_bytes(message: Any) -> bytes:
     return UNPARSABLE if serialize is None else serialize()
 
 
+async def forget(offer: str) -> None:
+    """Closes the channel to an offer's address (its replica stopped or was cut off)."""
+    channel = _channels.pop(offer.split(" ", 1)[0], None)
+    if channel is not None:
+        await channel.close()
+
+
 def direct_call(offer: str, method: str, requests: AsyncIterator[Any], timeout: float | None):
     """Opens the direct stream an offer ("address token") names; its replies are bytes."""
     address, token = offer.split(" ", 1)

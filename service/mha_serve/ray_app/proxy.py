@@ -33,7 +33,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from mha_serve.ray_app.context import DEADLINE_KEY
-from mha_serve.ray_app.direct import ASK_KEY, OFFER_KEY, answered, direct_call
+from mha_serve.ray_app.direct import ASK_KEY, OFFER_KEY, answered, direct_call, forget
 from mha_serve.ray_app.forward import first_line, lost, peek
 from mha_serve.ray_app.ids import replica_of
 
@@ -134,6 +134,7 @@ async def _direct(
             call.from_replica = True
         else:  # no answer from the replica: it stopped or was cut off (finish says which)
             call.broken = f"{e.code().name}: {first_line(e.details() or '')}"
+            await forget(call.offer)
     except asyncio.CancelledError:
         if not request.done():  # the client left
             request.cancel()
@@ -173,15 +174,25 @@ async def _sequence_session(proxy: Any, request: Any, context: Any) -> str:
     handle = _app_handle(proxy, context)
     if sequence is None or sequence.start or handle is None:
         return ""
-    from ray import serve
-
-    directory = serve.get_deployment_handle(DIRECTORY, handle.deployment_id.app_name)
     key = sequence_key_of(request.model_name, client_identity(context), sequence)
     try:
-        return await directory.options(method_name="get").remote(key) or ""
+        return await _directory(handle.deployment_id.app_name).remote(key) or ""
     except Exception as e:  # the replica looks it up again
         log.warning("SequenceDirectory lookup failed: %r", e)
         return ""
+
+
+_directories: dict[str, Any] = {}
+
+
+def _directory(app: str) -> Any:
+    """SequenceDirectory's `get` in that application (one handle, and router, per app)."""
+    if app not in _directories:
+        from ray import serve
+
+        handle = serve.get_deployment_handle(DIRECTORY, app)
+        _directories[app] = handle.options(method_name="get")
+    return _directories[app]
 
 
 def _app_handle(proxy: Any, context: Any) -> Any:
