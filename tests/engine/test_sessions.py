@@ -163,6 +163,8 @@ def test_small_batched_steps_run_single_threaded_and_restore_the_count(engine, m
     full = torch.get_num_threads()
     if full < 2:
         pytest.skip("torch runs single-threaded here: nothing to switch")
+    if engine.get("gqa").device.type != "cpu":
+        pytest.skip("the switch is for CPU kernels: on a GPU the step keeps torch's count")
     seen = []
     real = MultiHeadAttention.attend_cached  # the served decode path
 

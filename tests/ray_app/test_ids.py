@@ -58,6 +58,8 @@ def test_the_proxy_registration_parses_plain_messages():
     into plain (picklable) messages, bad bytes into Malformed."""
     from unittest.mock import Mock
 
+    pytest.importorskip("ray", reason="the registration is Ray's (the ray extra)")
+
     from mha_client.api import attention_pb2 as pb
     from mha_serve.ray_app.grpc_services import add_attention_service
     from mha_serve.transport.handlers import Malformed

@@ -84,12 +84,12 @@ def test_three_times_what_the_cache_holds_from_several_clients(small_server):
                 if histories[s.id].shape[0] + n > 40:
                     continue
                 x = rows(n, seed=1000 * index + i)
-                histories[s.id] = np.concatenate([histories[s.id], x])
                 try:
                     got = s.step(x)
-                except MhaServeError as e:
+                except MhaServeError as e:  # (refused: not kept, so not in its history)
                     errors.append(e)
                     continue
+                histories[s.id] = np.concatenate([histories[s.id], x])
                 restored.append(got.timing.restore_ms > 0)
                 whole = c.attend("m", histories[s.id], causal=True).output
                 diff = np.abs(got.output - whole[-n:]).max()

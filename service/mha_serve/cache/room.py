@@ -9,11 +9,10 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from .errors import CacheExhausted, SpillFull
-from .types import Session, SessionStats, SpillInfo
+from .types import ModelCache, Session, SessionStats, SpillInfo
 
 if TYPE_CHECKING:  # (spill.py brings torch; the table needs only its objects)
     from .record import SessionRecord
-    from .sessions import _ModelCache
     from .spill import Spilled, SpillTier
 
 log = logging.getLogger(__name__)
@@ -102,7 +101,7 @@ class RoomMaking:
             return self._session_stats(s)
 
     @staticmethod
-    def _load(m: _ModelCache, s: Session, num_blocks: int, record: SessionRecord, k, v) -> None:
+    def _load(m: ModelCache, s: Session, num_blocks: int, record: SessionRecord, k, v) -> None:
         """Blocks for a session coming back or moved in, holding the record's K/V."""
         s.block_table = m.pool.allocate(num_blocks)
         try:
@@ -185,7 +184,7 @@ class RoomMaking:
 
     def _make_room(
         self,
-        m: _ModelCache,
+        m: ModelCache,
         new_blocks: int,
         shared_last: int | None,
         requester: Session,
@@ -246,7 +245,7 @@ class RoomMaking:
         )
 
     def _victims(
-        self, m: _ModelCache, requester: Session, shared_last: int | None, fits
+        self, m: ModelCache, requester: Session, shared_last: int | None, fits
     ) -> list[Session] | None:
         """The idle sessions to evict so that fits(free blocks, holders of the requester's
         shared last block among them) holds: the least recently used first, then those the

@@ -12,7 +12,6 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .block_pool import BlockPool
@@ -30,6 +29,7 @@ from .room import RoomMaking
 from .types import (
     IDENTIFIED,
     BlockStorage,
+    ModelCache,
     ModelCacheStats,
     Reservation,
     Session,
@@ -44,15 +44,6 @@ if TYPE_CHECKING:  # (spill.py brings torch; the table needs only its objects)
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_REMEMBERED = 4096  # gone session ids kept to say why they are gone
-
-
-@dataclass
-class _ModelCache:
-    storage: BlockStorage
-    pool: BlockPool
-    max_len: int | None
-    window: int | None = None  # the model's sliding window: older blocks are freed
-    num_blocks_out_of_window: int = 0  # blocks freed so far because no step could see them
 
 
 class SessionTable(RoomMaking, Moving):
@@ -80,7 +71,7 @@ class SessionTable(RoomMaking, Moving):
         self._clock = clock
         self._wall = wall  # wall time: a record's idle time goes on across processes
         self._max_remembered = max_remembered
-        self._models: dict[str, _ModelCache] = {}
+        self._models: dict[str, ModelCache] = {}
         self._sessions: dict[str, Session] = {}
         self._zombies: dict[str, Session] = {}  # closed while pinned: freed on last unpin
         self._gone: OrderedDict[str, tuple[str, str]] = OrderedDict()  # id -> (reason, msg)
@@ -120,7 +111,7 @@ class SessionTable(RoomMaking, Moving):
             if name in self._models:
                 raise ValueError(f"model {name!r} already has a KV cache")
             pool = BlockPool(storage.num_blocks)
-            self._models[name] = _ModelCache(storage, pool, max_len, window)
+            self._models[name] = ModelCache(storage, pool, max_len, window)
 
     def pool(self, model: str) -> BlockPool:
         return self._model(model).pool
@@ -471,7 +462,7 @@ class SessionTable(RoomMaking, Moving):
 
     # --- internals ---------------------------------------------------------------------
 
-    def _model(self, model: str) -> _ModelCache:
+    def _model(self, model: str) -> ModelCache:
         m = self._models.get(model)
         if m is None:
             raise InvalidSessionArgument(
@@ -564,7 +555,7 @@ class SessionTable(RoomMaking, Moving):
             first_position=s.first_block * self._models[s.model].storage.block_size,
         )
 
-    def _model_stats(self, name: str, m: _ModelCache) -> ModelCacheStats:
+    def _model_stats(self, name: str, m: ModelCache) -> ModelCacheStats:
         bs, bpb, pool = m.storage.block_size, m.storage.bytes_per_block, m.pool
         live = [s for s in self._sessions.values() if s.model == name]
         filled: dict[int, int] = {}  # block id -> tokens it holds (forks share a prefix)

@@ -125,3 +125,14 @@ class SpillInfo:
     num_sessions: int
     nbytes: int
     budget_bytes: int
+
+
+@dataclass
+class ModelCache:
+    """One model's part of the session table: its storage, block pool and limits."""
+
+    storage: BlockStorage
+    pool: Any  # its BlockPool
+    max_len: int | None
+    window: int | None = None  # the model's sliding window: older blocks are freed
+    num_blocks_out_of_window: int = 0  # blocks freed so far because no step could see them
