@@ -7,6 +7,7 @@ test_redeploy."""
 from __future__ import annotations
 
 import functools
+import queue
 import random
 import threading
 from collections.abc import Callable
@@ -115,6 +116,43 @@ class Stepper:
                 pb.CloseSessionRequest(session_id=sid), timeout=TIMEOUT_S, metadata=self.metadata
             )
         self.sessions.clear()
+
+
+class OpenStream:
+    """A StreamSession held open between its messages (a client between decode steps)."""
+
+    def __init__(self, stepper: Stepper, sid: str) -> None:
+        self.stepper, self.sid = stepper, sid
+        self._outbox: queue.Queue = queue.Queue()
+        first = True
+
+        def requests():
+            nonlocal first
+            while (x := self._outbox.get()) is not None:
+                yield pb.AttendRequest(session_id=sid if first else "", input=to_proto(x))
+                first = False
+
+        self._replies = stepper.stub.StreamSession(
+            requests(), timeout=TIMEOUT_S, metadata=stepper.metadata
+        )
+
+    def step(self) -> None:
+        x = self.stepper.tokens(1)
+        self._outbox.put(x)
+        self.stepper.check(self.sid, x, next(self._replies))
+
+    def ended(self) -> grpc.RpcError | None:
+        """Waits for the stream's end without sending more: its error, or None."""
+        try:
+            next(self._replies)
+        except grpc.RpcError as e:
+            self._outbox.put(None)  # (lets the request thread go)
+            return e
+        raise AssertionError(f"session {self.sid}: a reply to no message")
+
+    def close(self) -> None:
+        self._outbox.put(None)
+        assert list(self._replies) == []
 
 
 def stepping_through(steppers: list[Stepper], change: Callable[[], T], steps_after: int) -> T:

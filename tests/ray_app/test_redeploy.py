@@ -16,9 +16,10 @@ import pytest
 from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_client.tensors import to_proto
+from mha_serve.ray_app.ids import replica_of
 from tests.ray_app.cluster import APP, deploy
 from tests.ray_app.conftest import replica_handle, replica_ids
-from tests.ray_app.drivers import TIMEOUT_S
+from tests.ray_app.drivers import MODELS, TIMEOUT_S
 from tests.ray_app.stepping import Stepper, metric_sum, spread_sessions, stepping_through
 from tests.ray_app.test_affinity import wait_dead
 
@@ -29,6 +30,7 @@ METRICS_PORTS = 8  # ranks go on from the replicas replaced
 NUM_THREADS = 8
 SESSIONS_PER_THREAD = 3
 STEPS_AFTER = 2
+MAX_NEW_SESSIONS = 40  # tries to land a session on the replica that survives the kill
 ALICE = (("authorization", "Bearer alice-token"),)
 BOB = (("authorization", "Bearer bob-token"),)
 STATE: dict = {}  # what the first test leaves the second
@@ -99,9 +101,21 @@ def test_a_killed_replica_loses_its_sessions_as_before(cluster, models):
             replica_handle("foreign_sessions", replica_id).remote().result(timeout_s=TIMEOUT_S)
         )
         holders.update(dict.fromkeys(ids, holder))
-    victim = sorted(replicas)[0]
+    # The moved sessions went to the first new replica (the second started once the last
+    # old one had moved them): it dies; a few sessions made on the other one step on.
+    victim = max(replicas, key=lambda r: sum(h == r for h in holders.values()))
     doomed = {sid for sid, holder in holders.items() if holder == victim}
-    assert doomed and len(doomed) < len(holders), (victim, holders)
+    (survivor,) = replicas - {victim}
+    fresh = Stepper(steppers[0].stub, models, 800)
+    for _ in range(MAX_NEW_SESSIONS):
+        if survivor in {replica_of(s) for s in fresh.sessions}:
+            break
+        fresh.create(MODELS[len(fresh.sessions) % len(MODELS)])
+    assert survivor in {replica_of(s) for s in fresh.sessions}, fresh.sessions
+    for sid in [s for s in fresh.sessions if replica_of(s) != survivor]:
+        doomed.add(sid)
+    steppers = [*steppers, fresh]
+    assert doomed, (victim, holders)
     name = f"SERVE_REPLICA::{APP}#AttentionReplica#{victim}"
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
     wait_dead(name)

@@ -19,7 +19,13 @@ from mha_serve.ray_app.ids import replica_of
 from tests.ray_app.cluster import deploy
 from tests.ray_app.conftest import replica_handle, replica_ids
 from tests.ray_app.drivers import MODELS, TIMEOUT_S, Driver
-from tests.ray_app.stepping import Stepper, metric_sum, spread_sessions, stepping_through
+from tests.ray_app.stepping import (
+    OpenStream,
+    Stepper,
+    metric_sum,
+    spread_sessions,
+    stepping_through,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -85,12 +91,15 @@ def test_a_replica_added_under_load(cluster, models):
 
 
 def test_a_replica_removed_moves_its_sessions_and_none_is_lost(cluster, models):
-    """Scaled down from 3 to 2 (Ray picks which replica stops: docs/ray.md, Downscaling)
+    """Scaled down from 3 to 2 (Ray picks which replica stops: docs/ray.md, Scale-down)
     while 8 threads step 24 sessions spread over all three (unary steps and streams; a
     stream the stopping replica ends is reopened): every step equals its recompute,
     every session is still there afterwards with all its tokens, the two replicas that
     stay counted the removed one's sessions as moved to them and none as lost, and their
-    caches end empty once the sessions close."""
+    caches end empty once the sessions close. A stream held open between two steps on
+    each replica: the removed replica's ends UNAVAILABLE saying to reopen, without waiting
+    for its next message (else it would hold the drain until Ray killed the replica), and
+    reopened, steps on where its session moved; the others step on."""
     before = replica_ids()
     assert len(before) == 3
     channel = grpc.insecure_channel(cluster.target)
@@ -99,18 +108,30 @@ def test_a_replica_removed_moves_its_sessions_and_none_is_lost(cluster, models):
     spread_sessions(steppers, SESSIONS_PER_THREAD, before)
     sessions = [sid for st in steppers for sid in st.sessions]
     assert len(sessions) == NUM_THREADS * SESSIONS_PER_THREAD
+    idle = Stepper(stub, models, 650)  # one session per replica, its stream held open
+    spread_sessions([idle], len(before), before)
+    streams = {replica_of(sid): OpenStream(idle, sid) for sid in idle.sessions}
+    for stream in streams.values():
+        stream.step()
     moved_before = metric_sum(cluster.metrics_ports, "mha_serve_sessions_moved_total")
     after = stepping_through(steppers, functools.partial(scale_to, cluster.config, 2), STEPS_AFTER)
     (removed,) = before - after
-    on_removed = [sid for sid in sessions if replica_of(sid) == removed]
-    assert on_removed, "the removed replica held none of the sessions"
-    for st in steppers:
+    on_removed = [sid for sid in [*sessions, *idle.sessions] if replica_of(sid) == removed]
+    assert len(on_removed) > 1, "the removed replica held none of the stepped sessions"
+    cut = streams.pop(removed).ended()
+    assert cut is not None and cut.code() == grpc.StatusCode.UNAVAILABLE, cut
+    assert "reopen" in cut.details() and removed in cut.details(), cut.details()
+    for stream in streams.values():
+        stream.step()
+        stream.close()
+    idle.stream(next(s for s in idle.sessions if replica_of(s) == removed), [idle.tokens(1)])
+    for st in (*steppers, idle):
         st.held()  # none lost: each still there, with every token it was sent
     moved = metric_sum(cluster.metrics_ports, "mha_serve_sessions_moved_total") - moved_before
     assert moved == len(on_removed), (moved, len(on_removed))
     lost = metric_sum(cluster.metrics_ports, "mha_serve_sessions_lost_total", "replica_killed")
     assert lost == 0
-    for st in steppers:
+    for st in (*steppers, idle):
         st.close()
     channel.close()
     for replica_id in after:

@@ -305,7 +305,8 @@ class AttentionReplica(InferenceMethods):
 
         try:
             moved, failed = await move_all(self.serving, send, budget_s)
-            log.info(
+            # (An error when some stay: they are lost with this replica.)
+            (log.error if failed else log.info)(
                 "replica %s stopping: %d sessions moved, %d not (%s)",
                 self.replica_id,
                 moved,
