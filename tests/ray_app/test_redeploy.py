@@ -1,7 +1,8 @@
 """A redeploy (a new config version: Ray replaces every replica, one at a time) while 8
 threads step 24 sessions: each stopping replica moves its sessions to a replica that stays
 (some move twice: to the other old replica, then to a new one), none is lost, every step
-equals its recompute, and a session keeps its owner where it moves. Then a replica killed
+equals its recompute, and a session keeps its owner where it moves; SequenceDirectory
+killed and restarted rebuilds where the moved sessions live. Then a replica killed
 outright: the sessions it held answer NOT_FOUND as before (counted lost, replica_killed),
 the others step on. (In file order: the second test kills a replica the first one made.)"""
 
@@ -65,6 +66,8 @@ def test_a_redeploy_moves_every_session_and_keeps_their_owners(cluster, models):
         Stepper(stub, models, 700 + i, metadata=ALICE if i < 2 else ()) for i in range(NUM_THREADS)
     ]
     spread_sessions(steppers, SESSIONS_PER_THREAD, before)
+    quiet = Stepper(stub, models, 750)  # no call from the redeploy until the directory restarts
+    quiet.step(quiet.create("gqa"))
 
     def change() -> set[str]:
         cluster.config = redeploy(cluster.config)
@@ -85,6 +88,21 @@ def test_a_redeploy_moves_every_session_and_keeps_their_owners(cluster, models):
             stub.Attend(step, timeout=TIMEOUT_S, metadata=BOB)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND, info.value
     steppers[0].held()
+    # SequenceDirectory restarted: its map of moved sessions is rebuilt from the replicas,
+    # and a session no router has looked up since it moved is found.
+    import ray
+
+    prefix = f"SERVE_REPLICA::{APP}#SequenceDirectory#"
+    (directory,) = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(prefix)
+    ]
+    ray.kill(ray.get_actor(directory, namespace="serve"), no_restart=True)
+    wait_dead(directory)
+    quiet.held()
+    quiet.step(next(iter(quiet.sessions)))
+    quiet.close()
     STATE.update(steppers=steppers, channel=channel, replicas=after)
 
 

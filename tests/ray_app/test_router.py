@@ -17,6 +17,7 @@ pytest.importorskip("ray")
 
 from ray.serve.request_router import RequestRouter  # noqa: E402
 
+from mha_serve.ray_app import leaving  # noqa: E402
 from mha_serve.ray_app import router as router_module  # noqa: E402
 from mha_serve.ray_app.ids import pinned_to  # noqa: E402
 from mha_serve.ray_app.router import SessionRouter  # noqa: E402
@@ -100,6 +101,21 @@ def test_a_moved_session_goes_to_its_new_home_and_waits_while_it_moves(router):
     assert choose(router, [a], sid) == [[a]]
 
 
+def test_a_session_waits_while_the_directory_does_not_answer(router):
+    """A directory restarting may know the session's home: the call waits, not NOT_FOUND."""
+    a = replica("a")
+    router.update_replicas([a])
+    sid = session("dead")
+
+    def down(session_id: str):
+        raise TimeoutError("SequenceDirectory restarting")
+
+    router._home_of = down
+    assert choose(router, [a], sid) == []
+    router._home_of = lambda session_id: "a"  # back, its map rebuilt
+    assert choose(router, [a], sid) == [[a]]
+
+
 def test_a_gone_session_is_answered_by_the_same_replica_from_every_router(router):
     replicas = [replica(x) for x in "abc"]
     router.update_replicas(replicas)
@@ -112,7 +128,7 @@ def test_a_gone_session_is_answered_by_the_same_replica_from_every_router(router
 
 def test_a_replica_leaving_the_view_is_told_to_its_watchers_once(router):
     told = []
-    router_module.when_leaving("b", lambda: told.append("b"))
+    leaving.when_leaving("b", lambda: told.append("b"))
     a, b = replica("a"), replica("b")
     router.update_replicas([a, b])
     assert told == []

@@ -6,7 +6,7 @@ every router's view (no new call reaches it), its calls in flight drain, then it
 runs, within `graceful_shutdown_timeout_s` of the stop (replica.py,
 `_perform_graceful_shutdown`). So:
 - `Stopping` learns of the stop from the replica's own handle's router, the moment the
-  replica leaves its view (router.when_leaving), and open streams end after their current
+  replica leaves its view (leaving.when_leaving), and open streams end after their current
   step with UNAVAILABLE saying to reopen (`until_stopping`): an open stream is a call in
   flight, and would hold the drain until Ray kills the replica;
 - `move_all`, from `__del__`, packs each session (its one record: cache/record.py), sends
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mha_serve.cache import SessionBusy, SessionNotFound
+from mha_serve.ray_app.leaving import when_leaving
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,6 @@ class Stopping:
 
     def watch(self, replica_id: str) -> None:
         """Set once a router in this process sees this replica leave its view."""
-        from mha_serve.ray_app.router import when_leaving
-
         loop = asyncio.get_running_loop()
         when_leaving(replica_id, lambda: loop.call_soon_threadsafe(self.set))
 
@@ -98,12 +97,20 @@ class UntilStopping:
                 if item is _END:
                     raise StopAsyncIteration
                 return item
-            following.cancel()
+            # Left to end with the stream, not cancelled: cancelling a read that gRPC is in
+            # the middle of can break the call, and the stream's status with it. A message
+            # it still reads is never handed on (the client sends it again).
+            following.add_done_callback(_dropped)
         self.cut = True
         raise StopAsyncIteration
 
 
 _END = object()
+
+
+def _dropped(read: asyncio.Future) -> None:
+    if not read.cancelled():
+        read.exception()  # (retrieved: the stream ended, so may its last read)
 
 
 async def _next(requests: AsyncIterator[Any]) -> Any:

@@ -295,6 +295,8 @@ class AttentionReplica(InferenceMethods):
     async def __del__(self) -> None:
         """Ray's last call on a replica it stops gracefully (its calls drained): every
         session moves to a replica that stays, within the shutdown budget left."""
+        if not hasattr(self, "_receivers"):  # stopped before it was ready: nothing to move
+            return
         self.stopping.set()
         since = self.stopping.since or time.monotonic()
         budget_s = self._shutdown_s - (time.monotonic() - since) - MARGIN_S
@@ -303,19 +305,15 @@ class AttentionReplica(InferenceMethods):
             own_request_id()  # each move's call routed on its own (forward.own_request_id)
             return await self._receivers.remote(data, self.replica_id)
 
-        try:
-            moved, failed = await move_all(self.serving, send, budget_s)
-            # (An error when some stay: they are lost with this replica.)
-            (log.error if failed else log.info)(
-                "replica %s stopping: %d sessions moved, %d not (%s)",
-                self.replica_id,
-                moved,
-                len(failed),
-                ", ".join(failed[:8]),
-            )
-        finally:
-            if self.direct is not None:
-                await self.direct.stop()
+        moved, failed = await move_all(self.serving, send, budget_s)
+        # (An error when some stay: they are lost with this replica.)
+        (log.error if failed else log.info)(
+            "replica %s stopping: %d sessions moved, %d not (%s)",
+            self.replica_id,
+            moved,
+            len(failed),
+            ", ".join(failed[:8]),
+        )
 
     def _remember_foreign(self, session_id: str) -> None:
         self._foreign.pop(session_id, None)

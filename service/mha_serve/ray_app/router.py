@@ -28,6 +28,7 @@ import ray
 from ray.serve._private.common import DeploymentID
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from mha_serve.ray_app import leaving
 from mha_serve.ray_app.ids import is_pinned, replica_of
 
 log = logging.getLogger(__name__)
@@ -38,15 +39,7 @@ MAX_REMEMBERED = 4096  # replica ids kept (dead ones: to skip the actor lookup),
 QUEUE_LEN_SLACK = 1  # queue lengths this close are a tie (SessionRouter._by_load)
 LOOKUP_TIMEOUT_S = 30.0  # a directory lookup; past it the call is routed as if none answered
 
-# Callbacks for a replica leaving a router's view in this process (Ray is stopping it):
-# the replica itself watches its own id, to end its open streams (replica.py).
-_leaving: dict[str, list[Callable[[], None]]] = {}
-
-
-def when_leaving(unique_id: str, callback: Callable[[], None]) -> None:
-    """callback() once, the first time a router in this process sees that replica leave its
-    view (called on the router's event loop: make it thread-safe)."""
-    _leaving.setdefault(unique_id, []).append(callback)
+UNASKED = object()  # SessionRouter._look_up: the directory did not answer
 
 
 class SessionRouter(RequestRouter):
@@ -62,13 +55,12 @@ class SessionRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Ray's news of the running replicas; one that left (Ray is stopping it) is told to
-        its watchers (when_leaving)."""
+        its watchers in this process (leaving.py)."""
         view = {replica.replica_id.unique_id for replica in replicas}
         self._seen.update(dict.fromkeys(view))
         _trim(self._seen)
         for unique_id in self._view - view:
-            for callback in _leaving.pop(unique_id, ()):
-                callback()
+            leaving.left(unique_id)
         self._view = view
         super().update_replicas(replicas)
 
@@ -89,6 +81,8 @@ class SessionRouter(RequestRouter):
             return [[by_id[home]]]
         if owner is not None and not is_pinned(session_id):
             found = await self._look_up(session_id)
+            if found is UNASKED:  # the directory restarting: it may know a home, so wait
+                return []
             if found is not None:
                 home = found
                 if found != owner:
@@ -108,18 +102,18 @@ class SessionRouter(RequestRouter):
         ranked = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
         return [[ranked[zlib.crc32(session_id.encode()) % len(ranked)]]]
 
-    async def _look_up(self, session_id: str) -> str | None:
-        """The replica SequenceDirectory says holds a moved session (None: not moved, or
-        the directory could not be asked). Off this loop: Ray's router loop cannot make or
-        wait on a handle itself (making one waits on this very loop)."""
+    async def _look_up(self, session_id: str) -> str | None | object:
+        """The replica SequenceDirectory says holds a moved session (None: not moved;
+        UNASKED: the directory did not answer). Off this loop: Ray's router loop cannot make
+        or wait on a handle itself (making one waits on this very loop)."""
         try:
             if self._home_of is None:
                 app = self._deployment_id.app_name
                 self._home_of = await asyncio.to_thread(directory_lookup, app)
             return await asyncio.to_thread(self._home_of, session_id)
-        except Exception as e:  # the directory restarting: the call waits or is answered
+        except Exception as e:  # the directory restarting (it rebuilds its map)
             log.warning("SessionRouter: no answer from %s (%r)", DIRECTORY, e)
-            return None
+            return UNASKED
 
     def _by_load(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
         """Two random replicas, Ray taking the one with the shorter queue (its cache of the
