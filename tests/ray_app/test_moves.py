@@ -1,5 +1,5 @@
 """moves.py without a cluster, over real engines: every session of a stopping replica's
-engine moves to the receivers (a refusal tries again; a session made meanwhile moves too;
+engine moves to the receivers (a refusal or a receiver that fails tries again; a session made meanwhile moves too;
 one that no receiver takes stays and is reported), each freed at home only once received,
 its next step there equal to the one it would have given at home; and a stream's requests
 end once the replica is stopping, between two messages, never losing one already read."""
@@ -64,6 +64,8 @@ def test_every_session_moves_and_answers_there_as_it_would_have_at_home():
                 sid = read_header(data, "test").session_id
                 if sid not in refused_once:  # each first try refused (a receiver stopping)
                     refused_once.add(sid)
+                    if len(refused_once) % 2:
+                        raise RuntimeError("ActorDiedError: the receiver died")
                     return Sent(refused="stopping too")
                 if not late:  # a session made while the others move moves too
                     late.append((await home.create_session("m", None, None)).session_id)

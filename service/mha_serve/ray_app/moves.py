@@ -175,7 +175,10 @@ async def _move(serving: Any, send: Callable[[bytes], Awaitable[Sent]], session_
         raise RuntimeError(f"session {session_id!r} stayed busy")
     refusals = []
     for _ in range(SEND_TRIES):
-        sent = await send(data)
+        try:
+            sent = await send(data)
+        except Exception as e:  # the receiver died or was cut off: try another
+            sent = Sent(refused=repr(e))
         if sent.replica:
             await serving.session_moved(session_id, f"Ray Serve replica {sent.replica!r}")
             return sent.replica
