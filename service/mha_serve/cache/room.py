@@ -242,6 +242,17 @@ class RoomMaking:
             num_needed=needed,
             num_free=pool.num_free,
             num_blocks=pool.num_blocks,
+            # (Only spilling or eviction frees another session's blocks once it is idle.)
+            in_flight=sum(
+                1
+                for s in self._sessions.values()
+                if s.model == requester.model
+                and s is not requester
+                and s.in_use > 0
+                and s.block_table
+            )
+            if self.spill is not None or self.evict
+            else 0,
         )
 
     def _victims(

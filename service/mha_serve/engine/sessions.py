@@ -19,7 +19,6 @@ import torch
 
 from mha_serve.cache import (
     CacheError,
-    CacheExhausted,
     KVCache,
     Reservation,
     SessionSpilled,
@@ -291,15 +290,6 @@ class Sessions:
                 torch.set_num_threads(threads)
         compute_ms = (time.perf_counter() - start) * 1e3
         self._settle(forward, compute_ms, calls, live, results)
-        # A step refused for room while the batch's other sessions held the rest (pinned for
-        # the batch, so making room could not spill or evict them) runs again now that they
-        # are idle: the batch's own steps never starve one another. Each pass is a smaller
-        # batch (this one ran some steps), so it ends.
-        again = [i for i, r in enumerate(reserved) if isinstance(r, CacheExhausted)]
-        if again:
-            retried = self.run_steps(hosted, [calls[i] for i in again], check_weights)
-            for i, outcome in zip(again, retried, strict=True):
-                results[i] = outcome
         return results
 
     def _forward(
