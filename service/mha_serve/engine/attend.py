@@ -41,11 +41,15 @@ def batched_by_default(device: torch.device) -> bool:
 
 
 def plan_groups(
-    key_lengths: Sequence[int], bytes_per_token: int, *, max_bytes: int = MAX_GATHER_BYTES
+    key_lengths: Sequence[int],
+    bytes_per_token: int,
+    *,
+    min_fill: float = BATCHED_MIN_FILL,
+    max_bytes: int = MAX_GATHER_BYTES,
 ) -> tuple[list[list[int]], list[int]]:
     """Rows (indices into key_lengths, ascending within a group) of each padded group, and
     the rows that attend alone: longest first, a row joins the current group while it reads
-    at least BATCHED_MIN_FILL of the group's longest and the group's padded K/V stay within
+    at least min_fill of the group's longest and the group's padded K/V stay within
     max_bytes."""
     order = sorted(range(len(key_lengths)), key=lambda i: -key_lengths[i])
     groups: list[list[int]] = []
@@ -55,7 +59,7 @@ def plan_groups(
             longest = key_lengths[current[0]]
             width = -(-longest // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
             fits = (len(current) + 1) * width * bytes_per_token <= max_bytes
-            if key_lengths[i] >= BATCHED_MIN_FILL * longest and fits:
+            if key_lengths[i] >= min_fill * longest and fits:
                 current.append(i)
                 continue
             groups.append(current)
@@ -77,17 +81,19 @@ def attend_steps(
     need_weights: bool = False,
     weight_heads: Sequence[int] | None = None,
     head_mask: torch.Tensor | None = None,
+    min_fill: float = BATCHED_MIN_FILL,
 ) -> AttentionOutput:
     """The steps' attention over their sessions' cached K/V (the step's own already
     written): q (B, H, T, D) as `project` returns it; output (B, T, E), padded tokens' rows
-    zero. batched: in padded groups (plan_groups) where a step asks for no weights."""
+    zero. batched: in padded groups (plan_groups, min_fill) where a step asks for no
+    weights."""
     B = q.shape[0]
     if need_weights or not batched or B == 1:
         return _per_session(
             module, cache, q, reservations, new_tokens, need_weights, weight_heads, head_mask
         )
     lengths = [r.start + r.num_tokens - r.read_start for r in reservations]
-    groups, alone = plan_groups(lengths, cache.bytes_per_token)
+    groups, alone = plan_groups(lengths, cache.bytes_per_token, min_fill=min_fill)
     if len(groups) == 1 and not alone:  # every row in one group, in order: no scatter
         return _padded(module, cache, q, reservations, new_tokens, head_mask)
     parts = [(rows, _padded) for rows in groups] + ([(alone, _per_session)] if alone else [])
