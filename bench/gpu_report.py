@@ -179,6 +179,12 @@ def kv_section(results: dict[str, Any], targets: dict[str, Any]) -> list[str]:
             f"| {sci(r.get('step_rel_error'))} |"
         )
     out.append("")
+    if not any("engine_s" in r for r in rows):
+        out += [
+            "This run predates the engine's batched attention (engine/attend.py): its column "
+            "stays empty until the next `make gpu`; per session is what the engine ran then.",
+            "",
+        ]
     widest = max(r["batch"] for r in rows)
     out += [f"At {widest} sessions, against the target of {goal:.0%}:", ""]
     for r in (r for r in rows if r["batch"] == widest):
