@@ -5,6 +5,8 @@ masks and a bfloat16 model; and the engine picks the path by device unless told.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -125,14 +127,17 @@ def test_head_mask_batched_equals_per_session(engines):
 
 
 def test_bfloat16_batched_equals_per_session():
-    """A bfloat16 model: both paths round alike; they differ by summation order only (the
-    outputs are O(1); bfloat16 keeps 8 bits)."""
+    """A bfloat16 model: both paths round alike and differ by summation order only, within
+    4 units in the last place of the largest output (bfloat16 keeps 8 bits; here they
+    differed by 1 on the CPU)."""
     outs = {
         flag: decode_together(make_engine(flag, torch.bfloat16), "gqa", 2)[0] for flag in (0, 1)
     }
+    largest = max(float(b.float().abs().max()) for r in outs[0] for b in r)
+    ulp = 2.0 ** (math.floor(math.log2(largest)) - 7)
     for r, (got, want) in enumerate(zip(outs[1], outs[0], strict=True)):
         for i, (a, b) in enumerate(zip(got, want, strict=True)):
-            close(a.float(), b.float(), f"bfloat16 round {r} session {i}", atol=3e-2)
+            close(a.float(), b.float(), f"bfloat16 round {r} session {i}", atol=4 * ulp)
 
 
 def test_the_device_picks_the_path_unless_told():

@@ -189,7 +189,8 @@ def test_small_batched_steps_run_single_threaded_and_restore_the_count(engine, m
 def test_interleaved_batched_steps_forks_truncates_and_closes_through_the_engine_stay_exact(
     data,
 ):
-    """The engine's own path (append, in-place or copied reads, per-session attention, the
+    """The engine's own path (append, in-place or copied reads, attention per session or
+    batched (padded groups gathered through the block tables), the
     block pool's placement, eviction in a small cache) under random interleaving: every
     kept step equals a full recompute, forks and truncates never disturb other sessions,
     an evicted session says so, and the pool is empty at the end."""
@@ -207,6 +208,7 @@ def test_interleaved_batched_steps_forks_truncates_and_closes_through_the_engine
         dtype=torch.float32,
         max_response_bytes=2**24,
         evict_idle_sessions=data.draw(st.booleans(), label="evict"),
+        batched_attention=data.draw(st.booleans(), label="batched"),
     )
     hosted = eng.get("m")
     table = eng.sessions.table
