@@ -1,9 +1,10 @@
 """KV-cache sessions of the hosted models: the cache layer bound to the attention modules.
 
 A step reserves cache slots, projects the whole batch's new tokens, writes their K/V, lets
-each session attend over its own cached K/V (read in place when its blocks are
-consecutive), projects the outputs as one batch and commits; any failure rolls every
-reservation back, so a session never counts tokens whose K/V were not written.
+each session attend over its own cached K/V (engine/attend.py: padded groups in one kernel
+each, or one kernel per session over its blocks in place), projects the outputs as one
+batch and commits; any failure rolls every reservation back, so a session never counts
+tokens whose K/V were not written.
 """
 
 from __future__ import annotations
