@@ -95,8 +95,10 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         spill_dir: str = "",
         spill_bytes: int = 0,
+        batched_attention: bool | None = None,
     ) -> None:
-        """session_id_prefix starts every session id (a Ray Serve replica's own id); clock:
+        """batched_attention: Sessions' (None: batched on CUDA, per session on the CPU);
+        session_id_prefix starts every session id (a Ray Serve replica's own id); clock:
         the sessions' idle time and TTL (seconds; tests give a fake one)."""
         if not specs:
             raise ValueError("no models configured: add at least one [[models]] table")
@@ -118,6 +120,7 @@ class Engine:
             max_cache_bytes_per_client=max_cache_bytes_per_client,
             spill_dir=spill_dir,
             spill_bytes=spill_bytes,
+            batched_attention=batched_attention,
         )
 
     @staticmethod
