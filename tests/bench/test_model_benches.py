@@ -1,7 +1,7 @@
-"""bench/sliding_window.py and bench/pruning.py run end to end with tiny counts and write
-their JSON: a window session's KV bytes flat across lengths (the full one's in proportion),
-pruned models' KV bytes in proportion to their heads and the unpruned row's error 0.
-Timings are not asserted."""
+"""bench/sliding_window.py, bench/pruning.py and bench/engine_step.py --sessions run end to
+end with tiny counts: a window session's KV bytes flat across lengths (the full one's in
+proportion), pruned models' KV bytes in proportion to their heads and the unpruned row's
+error 0, both attention paths of a batch of sessions decoding. Timings are not asserted."""
 
 from __future__ import annotations
 
@@ -54,3 +54,14 @@ def test_pruning_bench_rows(tmp_path):
     assert rows[0]["output_error"] == 0 and rows[-1]["output_error"] > rows[1]["output_error"]
     assert [r["kv_bytes_per_token"] for r in rows] == [256 * h for h in range(12, 0, -1)]
     assert len({r["head_removed_last"] for r in rows[1:]}) == 11, "each level removes one more"
+
+
+def test_engine_step_bench_times_both_attention_paths_of_a_batch_of_sessions():
+    done = run(
+        "engine_step.py",
+        *("--sessions", "3", "--model", "gqa", "--contexts", "8,20"),
+        *("--rounds", "1", "--steps", "2"),
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("context ")]
+    assert [line.split(":")[0] for line in lines] == ["context 8", "context 20"], done.stdout
+    assert all("per session" in line and "batched / per session" in line for line in lines)

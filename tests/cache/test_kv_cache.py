@@ -188,3 +188,41 @@ def test_misuse_names_the_numbers(call, piece):
     with pytest.raises(ValueError) as err:
         call(make())
     assert piece in str(err.value), f"{piece!r} not in {str(err.value)!r}"
+
+
+def test_gather_pads_each_read_with_its_own_last_key():
+    """gather equals read row by row (consecutive and scattered blocks, a sliding window's
+    later start), and each row's padding repeats its own last key and value: finite, never
+    another session's nor an unwritten slot."""
+    kv = make(num_blocks=12)
+    kv.k.copy_(torch.randn(kv.k.shape))
+    kv.v.copy_(torch.randn(kv.v.shape))
+    reads = [
+        ([2, 3, 4], 0, 11, 0),  # consecutive, from position 0
+        ([9, 0, 7], 1, 10, 0),  # scattered, from position 1
+        ([5, 6], 9, 15, 2),  # a window's session: blocks from logical block 2, read from 9
+        ([11], 4, 5, 1),  # one key
+    ]
+    width = 13
+    k, v = kv.gather(reads, width)
+    assert k.shape == v.shape == (4, KVH, width, D) and k.is_contiguous()
+    for b, (table, start, length, first_block) in enumerate(reads):
+        rk, rv = kv.read(table, length, start=start, first_block=first_block)  # (1, KVH, n, D)
+        n = length - start
+        assert torch.equal(k[b, :, :n], rk[0]) and torch.equal(v[b, :, :n], rv[0]), f"row {b}"
+        pad_k, pad_v = k[b, :, n:], v[b, :, n:]  # (KVH, width - n, D)
+        assert torch.equal(pad_k, rk[0, :, -1:].expand_as(pad_k)), f"row {b}: padding"
+        assert torch.equal(pad_v, rv[0, :, -1:].expand_as(pad_v)), f"row {b}: padding"
+
+
+def test_gather_reuses_its_buffers_and_names_bad_reads():
+    kv = make(num_blocks=4)
+    kv.k.normal_()
+    kv.v.normal_()
+    big = kv.gather([([0, 1], 0, 8, 0), ([2, 3], 0, 8, 0)], 8)[0]
+    small = kv.gather([([1], 0, 3, 0)], 4)[0]
+    assert small.data_ptr() == big.data_ptr(), "one buffer per thread, grown only when short"
+    with pytest.raises(ValueError, match=r"read 0: positions 0\.\.8 .* width 4"):
+        kv.gather([([0, 1], 0, 9, 0)], 4)
+    with pytest.raises(ValueError, match="read 1: positions 0..4"):
+        kv.gather([([0], 0, 2, 0), ([0], 0, 5, 0)], 8)

@@ -61,3 +61,30 @@ def test_shared_head_mask_applies_to_every_call(engine):
     calls = [req("mha", rand(1, n, 512, seed=n), head_mask=mask) for n in (3, 8)]
     for call, got in zip(calls, run_batch(engine, hosted, calls), strict=True):
         torch.testing.assert_close(got.output, run(engine, hosted, call).output, atol=ATOL, rtol=0)
+
+
+def test_what_runs_inline_on_the_cpu_and_on_a_device(engine):
+    """A lone small request runs on the event loop's thread when its lane is idle: on the
+    CPU only while the keys it reads are few (the forward is the loop's own work); on a
+    device at any context (the loop only launches the kernels). Weights and many new tokens
+    never run inline."""
+    import dataclasses
+
+    hosted = engine.get("mha")
+    sid = engine.create_session("mha").session_id
+    run(engine, hosted, req("mha", rand(1, 4096, 512, seed=1), session_id=sid))  # 8 MiB of K/V
+    long_step = engine.prepare(req("", rand(1, 1, 512, seed=2), session_id=sid))
+    short = engine.prepare(req("mha", rand(1, 16, 512, seed=3)))
+    weights = engine.prepare(req("mha", rand(1, 4, 512, seed=4), need_weights=True))
+    many = engine.prepare(req("mha", rand(2, 16, 512, seed=5)))
+    on_device = dataclasses.replace(hosted, device=torch.device("cuda"))  # (the rule only)
+    if hosted.device.type == "cpu":
+        assert [Engine.runs_inline(p) for p in (long_step, short, weights, many)] == [
+            False,
+            True,
+            False,
+            False,
+        ]
+    moved = [dataclasses.replace(p, hosted=on_device) for p in (long_step, short, weights, many)]
+    assert [Engine.runs_inline(p) for p in moved] == [True, True, False, False]
+    engine.close_session(sid)

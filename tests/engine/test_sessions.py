@@ -20,7 +20,7 @@ from mha_serve.engine import (
     TooLarge,
 )
 from mha_serve.engine import sessions as engine_sessions
-from mha_serve.model import AttentionConfig, MultiHeadAttention, cached
+from mha_serve.model import AttentionConfig, cached
 from tests.engine_calls import State, req, run, run_batch, torched
 from tests.helpers import suite_torch_device
 
@@ -166,13 +166,13 @@ def test_small_batched_steps_run_single_threaded_and_restore_the_count(engine, m
     if engine.get("gqa").device.type != "cpu":
         pytest.skip("the switch is for CPU kernels: on a GPU the step keeps torch's count")
     seen = []
-    real = MultiHeadAttention.attend_cached  # the served decode path
+    real = engine_sessions.attend_steps  # the served attention, batched or per session
 
     def spy(*args, **kwargs):
         seen.append(torch.get_num_threads())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(MultiHeadAttention, "attend_cached", spy)
+    monkeypatch.setattr(engine_sessions, "attend_steps", spy)
     hosted = engine.get("gqa")
     ids = [engine.sessions.create("gqa", None, None).session_id for _ in range(4)]
     for i, sid in enumerate(ids):
@@ -189,7 +189,8 @@ def test_small_batched_steps_run_single_threaded_and_restore_the_count(engine, m
 def test_interleaved_batched_steps_forks_truncates_and_closes_through_the_engine_stay_exact(
     data,
 ):
-    """The engine's own path (append, in-place or copied reads, per-session attention, the
+    """The engine's own path (append, in-place or copied reads, attention per session or
+    batched (padded groups gathered through the block tables), the
     block pool's placement, eviction in a small cache) under random interleaving: every
     kept step equals a full recompute, forks and truncates never disturb other sessions,
     an evicted session says so, and the pool is empty at the end."""
@@ -207,6 +208,7 @@ def test_interleaved_batched_steps_forks_truncates_and_closes_through_the_engine
         dtype=torch.float32,
         max_response_bytes=2**24,
         evict_idle_sessions=data.draw(st.booleans(), label="evict"),
+        batched_attention=data.draw(st.booleans(), label="batched"),
     )
     hosted = eng.get("m")
     table = eng.sessions.table
@@ -275,13 +277,13 @@ def test_a_session_closed_while_its_step_runs_answers_alone(engine, monkeypatch)
         run(engine, hosted, req("gqa", x[:, :5], session_id=sid))
     pool = engine.sessions.table.pool("gqa")
     blocks_of_gone = list(engine.sessions.table.get(gone).block_table)
-    real = MultiHeadAttention.attend_cached
+    real = engine_sessions.attend_steps  # batched or per session
 
     def close_meanwhile(*args, **kwargs):
         engine.sessions.table.close(gone)  # as a CloseSession RPC would, mid-forward
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(MultiHeadAttention, "attend_cached", close_meanwhile)
+    monkeypatch.setattr(engine_sessions, "attend_steps", close_meanwhile)
     ok, closed = run_batch(
         engine, hosted, [req("gqa", x[:, 5:], session_id=s) for s in (keep, gone)]
     )
@@ -294,7 +296,7 @@ def test_a_session_closed_while_its_step_runs_answers_alone(engine, monkeypatch)
     engine.sessions.table.close(keep)
 
 
-@pytest.mark.parametrize("where", ["attend_cached", "_one_thread_is_enough"])
+@pytest.mark.parametrize("where", ["attend_steps", "_one_thread_is_enough"])
 def test_a_failing_forward_keeps_nothing_and_restores_the_thread_count(engine, monkeypatch, where):
     """A failure anywhere between reserving and settling (in the forward, or before it)."""
     hosted = engine.get("gqa")
@@ -307,9 +309,7 @@ def test_a_failing_forward_keeps_nothing_and_restores_the_thread_count(engine, m
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(
-        MultiHeadAttention if where == "attend_cached" else engine_sessions, where, broken
-    )
+    monkeypatch.setattr(engine_sessions, where, broken)
     calls = [req("gqa", seq(14, seed=9), session_id=sid) for sid in ids]  # new blocks
     with pytest.raises(RuntimeError, match="device lost"):
         run_batch(engine, hosted, calls)

@@ -29,7 +29,7 @@ WAIT_S = 30.0
 
 
 class Faults:
-    """Wraps a module's forward, project and attend_cached: a gate that holds the compute
+    """Wraps a module's forward, project, attend_cached and attend_padded: a gate that holds the compute
     thread, and the fault raised for a batch that holds a poisoned row."""
 
     def __init__(self, module: torch.nn.Module, error: type[Exception]) -> None:
@@ -39,7 +39,8 @@ class Faults:
         self.hold_next = False
         self.batches: list[int] = []  # rows of each stateless forward, in order
         self._poisoned = threading.local()
-        forward, project, attend_cached = module.forward, module.project, module.attend_cached
+        forward, project = module.forward, module.project
+        attend_cached, attend_padded = module.attend_cached, module.attend_padded
 
         def hold() -> None:
             if self.hold_next:
@@ -59,14 +60,18 @@ class Faults:
             self._poisoned.value = bool((x == POISON).any())
             return project(x, *args, **kw)
 
-        def faulty_attend_cached(*args, **kw):  # after the K/V were written to the cache
-            if getattr(self._poisoned, "value", False):
-                raise self.error("injected fault after the cache write")
-            return attend_cached(*args, **kw)
+        def after_the_write(attend):  # a session step's attention, per session or batched
+            def faulty(*args, **kw):  # after the K/V were written to the cache
+                if getattr(self._poisoned, "value", False):
+                    raise self.error("injected fault after the cache write")
+                return attend(*args, **kw)
+
+            return faulty
 
         module.forward = faulty_forward
         module.project = faulty_project
-        module.attend_cached = faulty_attend_cached
+        module.attend_cached = after_the_write(attend_cached)
+        module.attend_padded = after_the_write(attend_padded)
 
 
 @pytest.fixture

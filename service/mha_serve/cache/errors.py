@@ -43,13 +43,25 @@ class SessionFull(CacheError):
 
 
 class CacheExhausted(CacheError):
-    """Not enough free KV blocks, even after any allowed eviction (RESOURCE_EXHAUSTED)."""
+    """Not enough free KV blocks, even after any allowed eviction (RESOURCE_EXHAUSTED).
+    in_flight: other sessions of the model that held blocks and could not be spilled or
+    evicted because a call held them (a step in flight or waiting for its batch): room may
+    come when they are answered."""
 
-    def __init__(self, message: str, *, num_needed: int, num_free: int, num_blocks: int) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        num_needed: int,
+        num_free: int,
+        num_blocks: int,
+        in_flight: int = 0,
+    ) -> None:
         super().__init__(message)
         self.num_needed = num_needed
         self.num_free = num_free
         self.num_blocks = num_blocks
+        self.in_flight = in_flight
 
 
 class ClientQuotaExceeded(CacheError):

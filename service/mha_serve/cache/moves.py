@@ -40,7 +40,7 @@ class Moving:
             if spilled is not None:  # its file is already the record
                 return spilled.path.read_bytes()
             s = self._lookup(session_id, now)
-            if s.in_use or s.pending is not None:
+            if s.holds.count:
                 raise SessionBusy(
                     f"session {session_id!r} has a step or call in flight; it moves once idle"
                 )
@@ -73,10 +73,7 @@ class Moving:
                 if s is None:
                     return
                 self.quota.remove(s)
-                if s.in_use:  # (a pin taken since it was packed: freed on its unpin)
-                    self._zombies[s.id] = s
-                else:
-                    self._release(s)
+                self._free_when_let_go(s)  # (a hold taken since it was packed: freed with it)
             self._remember_gone(session_id, "moved", message)
 
     def receive(self, data: bytes, source: str) -> SessionStats:
@@ -112,7 +109,7 @@ class Moving:
             s.first_block = record.first_position // bs
             s.key_absmax = key_absmax
             num_blocks = -(-record.num_tokens // bs) - s.first_block
-            s.in_use = 1  # making room never picks it
+            s.holds.pins = 1  # making room never picks it
             try:
                 self._make_room(m, num_blocks, None, s, now)
             except CacheExhausted:
@@ -121,7 +118,7 @@ class Moving:
                 self._receive_spilled(s, record, k, v)
                 return self._session_stats(s)
             self._load(m, s, num_blocks, record, k, v)
-            s.num_tokens, s.in_use = record.num_tokens, 0
+            s.num_tokens, s.holds.pins = record.num_tokens, 0
             self._gone.pop(s.id, None)
             self._sessions[s.id] = s
             self.quota.add(s)
@@ -131,7 +128,7 @@ class Moving:
         """A received session straight into the spill tier (no room in the cache)."""
         expired = self.spill.store.put(record, k, v)  # SpillFull: alone over the budget
         self._forget_expired(expired)
-        s.num_tokens, s.in_use, s.block_table = record.num_tokens, 0, []
+        s.num_tokens, s.holds.pins, s.block_table = record.num_tokens, 0, []
         self._gone.pop(s.id, None)
         self._spilled[s.id] = s
         self.quota.add(s)

@@ -80,7 +80,7 @@ class RoomMaking:
             s.first_block = record.first_position // bs
             s.key_absmax = key_absmax
             num_blocks = -(-record.num_tokens // bs) - s.first_block
-            s.in_use = 1  # making room never picks it
+            s.holds.pins = 1  # making room never picks it
             # Out of the tier's index while room is made: spilling others may expire the
             # oldest spilled, never this one. Its file stays until it is back.
             entry = self.spill.detach(s.id)
@@ -91,7 +91,7 @@ class RoomMaking:
                 if entry is not None:
                     self.spill.attach(entry)
                 raise
-            s.num_tokens, s.in_use = record.num_tokens, 0
+            s.num_tokens, s.holds.pins = record.num_tokens, 0
             del self._spilled[s.id]
             self.quota.remove(ghost)
             self.quota.add(s)
@@ -242,6 +242,17 @@ class RoomMaking:
             num_needed=needed,
             num_free=pool.num_free,
             num_blocks=pool.num_blocks,
+            # (Only spilling or eviction frees another session's blocks once it is idle.)
+            in_flight=sum(
+                1
+                for s in self._sessions.values()
+                if s.model == requester.model
+                and s is not requester
+                and s.in_use > 0
+                and s.block_table
+            )
+            if self.spill is not None or self.evict
+            else 0,
         )
 
     def _victims(

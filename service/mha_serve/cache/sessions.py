@@ -73,7 +73,8 @@ class SessionTable(RoomMaking, Moving):
         self._max_remembered = max_remembered
         self._models: dict[str, ModelCache] = {}
         self._sessions: dict[str, Session] = {}
-        self._zombies: dict[str, Session] = {}  # closed while pinned: freed on last unpin
+        # Dropped while held (Holds.dropped), by id: a commit or release still finds them.
+        self._zombies: dict[str, Session] = {}
         self._gone: OrderedDict[str, tuple[str, str]] = OrderedDict()  # id -> (reason, msg)
         # The spill tier (spill.py; None: off): a full cache moves its least recently used
         # idle sessions there instead of refusing or evicting. A spilled session keeps its
@@ -217,7 +218,7 @@ class SessionTable(RoomMaking, Moving):
                     f"session {session_id!r} holds {s.num_tokens} tokens: it cannot be "
                     f"truncated to {n}"
                 )
-            if _busy(s):
+            if s.holds.busy():
                 raise SessionBusy(
                     f"session {session_id!r} has a step in flight; truncate it once the step "
                     "is answered"
@@ -272,7 +273,7 @@ class SessionTable(RoomMaking, Moving):
         """Keep the session from eviction and expiry until unpin()."""
         with self._lock:
             s = self._lookup(session_id, self._clock())
-            s.in_use += 1
+            s.holds.pins += 1
             return s
 
     def unpin(self, session_id: str) -> None:
@@ -290,19 +291,18 @@ class SessionTable(RoomMaking, Moving):
         with self._lock:
             s = self._lookup(session_id, self._clock())
             self._check_owner(s, owner)
-            if _busy(s, claiming=True):
+            if s.holds.busy(claiming=True):
                 raise SessionBusy(_BUSY.format(session_id=session_id))
-            s.claimed = True
-            s.in_use += 1
+            s.holds.claimed = True
 
     def release(self, session_id: str) -> None:
         """The claimed step is answered (or failed): unclaimed and unpinned. A session closed
         meanwhile is freed now (its last pin)."""
         with self._lock:
             s = self._sessions.get(session_id) or self._zombies.get(session_id)
-            if s is not None and s.claimed:
-                s.claimed = False
-                self._unpin(s)
+            if s is not None and s.holds.claimed:
+                s.holds.claimed = False
+                self._let_go(s)
 
     def reserve(
         self, session_id: str, num_new_tokens: int, *, claimed: bool = False
@@ -317,7 +317,7 @@ class SessionTable(RoomMaking, Moving):
             n = num_new_tokens
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise InvalidSessionArgument(f"num_new_tokens must be an int >= 1, got {n!r}")
-            if s.pending is not None or (s.claimed and not claimed):
+            if s.holds.pending is not None or (s.holds.claimed and not claimed):
                 raise SessionBusy(_BUSY.format(session_id=session_id))
             m = self._models[s.model]
             bs, pool = m.storage.block_size, m.pool
@@ -372,8 +372,7 @@ class SessionTable(RoomMaking, Moving):
                 first_block=first,
                 read_start=read_start(s.num_tokens, m.window),
             )
-            s.pending = res
-            s.in_use += 1
+            s.holds.pending = res
             s.last_used_s = now
             return res
 
@@ -423,10 +422,10 @@ class SessionTable(RoomMaking, Moving):
             s = self._pending_owner(res)
             s.num_tokens = res.start + res.num_tokens
             s.key_absmax = max(res.key_absmax, key_absmax)
-            s.pending = None
+            s.holds.pending = None
             self._slide(s)
             s.last_used_s = self._clock()
-            self._unpin(s)
+            self._let_go(s)
             if s.id not in self._sessions:
                 reason, message = self._gone.get(s.id, ("closed", f"session {s.id!r} was closed"))
                 raise SessionNotFound(s.id, reason, message)
@@ -441,8 +440,8 @@ class SessionTable(RoomMaking, Moving):
                 dropped = s.block_table[-res.num_new_blocks :]
                 del s.block_table[-res.num_new_blocks :]
                 self._models[s.model].pool.decref(dropped)
-            s.pending = None
-            self._unpin(s)
+            s.holds.pending = None
+            self._let_go(s)
 
     def session_stats(self, session_id: str, owner: str | None = None) -> SessionStats:
         with self._lock:
@@ -487,7 +486,7 @@ class SessionTable(RoomMaking, Moving):
 
     def _pending_owner(self, res: Reservation) -> Session:
         s = self._sessions.get(res.session_id) or self._zombies.get(res.session_id)
-        if s is None or s.pending is not res:
+        if s is None or s.holds.pending is not res:
             raise ValueError(
                 f"reservation of {res.num_tokens} token(s) at {res.start} is not session "
                 f"{res.session_id!r}'s pending step (already committed or rolled back?)"
@@ -498,10 +497,7 @@ class SessionTable(RoomMaking, Moving):
         del self._sessions[s.id]
         self.quota.remove(s)
         self._remember_gone(s.id, reason, message)
-        if s.in_use:
-            self._zombies[s.id] = s
-        else:
-            self._release(s)
+        self._free_when_let_go(s)
         if self.on_end is not None:  # last: the table is whole whatever the hook does
             try:
                 self.on_end(reason)
@@ -515,15 +511,31 @@ class SessionTable(RoomMaking, Moving):
             self._gone.popitem(last=False)
 
     def _unpin(self, s: Session) -> None:
-        if s.in_use < 1:
+        if s.holds.pins < 1:
             raise ValueError(f"unpin of session {s.id!r}, which is not pinned")
-        s.in_use -= 1
-        if s.in_use:
+        s.holds.pins -= 1
+        self._let_go(s)
+
+    def _let_go(self, s: Session) -> None:
+        """One hold of the session went (a pin, its claim, its pending step): when it was
+        the last, the session is idle from now, or freed if it was dropped meanwhile."""
+        if s.holds.count:
             return
         # Idle from now: a step that ran long (then kept or rolled back) is no idle time
         # towards the TTL; a retry after its error finds the session.
         s.last_used_s = self._clock()
-        if self._zombies.pop(s.id, None) is not None:
+        if s.holds.dropped:
+            s.holds.dropped = False
+            del self._zombies[s.id]
+            self._release(s)
+
+    def _free_when_let_go(self, s: Session) -> None:
+        """A session out of the table (dropped or moved out): its blocks go now, or with
+        its last hold (until then a commit or release still finds it, in _zombies)."""
+        if s.holds.count:
+            s.holds.dropped = True
+            self._zombies[s.id] = s
+        else:
             self._release(s)
 
     def _release(self, s: Session) -> None:
@@ -602,15 +614,6 @@ def unknown_message(session_id: str) -> str:
         f"session {session_id!r} does not exist here (never created on this server, or gone "
         "too long ago to remember why)"
     )
-
-
-def _busy(s: Session, *, claiming: bool = False) -> bool:
-    """The one rule of one step at a time: a step received and not answered (claimed), or
-    one reserved and not committed or rolled back (pending). A new step's claim (claiming)
-    waits only for the first: a step whose caller left (cancelled, or past its deadline)
-    released its claim and is rolled back once its batch ends, before the new step, queued
-    behind it, reserves."""
-    return s.claimed or (not claiming and s.pending is not None)
 
 
 def _cdiv(a: int, b: int) -> int:

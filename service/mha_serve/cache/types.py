@@ -53,6 +53,32 @@ class Reservation:
     read_start: int = 0
 
 
+@dataclass(slots=True)
+class Holds:
+    """Everything that holds a session, in one place: whether it is busy, idle, or freed
+    when the last hold goes is read off this alone (SessionTable). A held session is never
+    evicted, spilled, expired or moved."""
+
+    pins: int = 0  # short holds: a batch keeping its sessions, a restore or a move under way
+    claimed: bool = False  # a step of it was received and is not yet answered
+    pending: Reservation | None = None  # a step reserved and not yet committed or rolled back
+    # Dropped (closed, expired, evicted, moved out) while held: its blocks are freed when the
+    # last hold goes, and until then a commit or release still finds it.
+    dropped: bool = False
+
+    @property
+    def count(self) -> int:
+        return self.pins + self.claimed + (self.pending is not None)
+
+    def busy(self, *, claiming: bool = False) -> bool:
+        """The one rule of one step at a time: a step received and not answered (claimed),
+        or one reserved and not committed or rolled back (pending). A new step's claim
+        (claiming) waits only for the first: a step whose caller left (cancelled, or past
+        its deadline) released its claim and is rolled back once its batch ends, before the
+        new step, queued behind it, reserves."""
+        return self.claimed or (not claiming and self.pending is not None)
+
+
 @dataclass(eq=False)
 class Session:
     """One session's state. Owned by the SessionTable: read it, never write it."""
@@ -70,11 +96,7 @@ class Session:
     # (SessionTable._slide); 0 without a window.
     first_block: int = 0
     num_tokens: int = 0  # committed tokens: their K/V are written
-    in_use: int = 0  # pins: a pinned session is never evicted or expired
-    pending: Reservation | None = None
-    # A step of it was received and is not yet answered (SessionTable.claim): with a
-    # pending reservation, what makes it busy (SessionTable._busy, the one rule).
-    claimed: bool = False
+    holds: Holds = field(default_factory=Holds)  # what keeps it busy or in place
     # max |k| over every key the session holds or held since it was last emptied: a bound
     # on its keys that the engine's overflow check reads instead of the keys themselves.
     key_absmax: float = 0.0
@@ -83,6 +105,15 @@ class Session:
     @property
     def num_blocks(self) -> int:
         return len(self.block_table)
+
+    @property
+    def in_use(self) -> int:
+        """Holds of any kind (0: idle)."""
+        return self.holds.count
+
+    @property
+    def pending(self) -> Reservation | None:
+        return self.holds.pending
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,9 @@ T = TypeVar("T")
 # Room left in a response for everything that is not tensor data.
 RESPONSE_OVERHEAD_BYTES = 64 * 1024
 # A request this small runs on the event loop's thread when its lane is idle (Engine.
-# runs_inline, batching/batcher.py): at most this many tokens, attending to at most this
-# many keys' K/V bytes. Larger work keeps the compute thread and its torch threads.
+# runs_inline, batching/batcher.py): at most this many tokens, attending (on the CPU) to at
+# most INLINE_MAX_KV_BYTES of keys' K/V. Larger work keeps the compute thread and its torch
+# threads.
 INLINE_MAX_TOKENS = 16
 # A call on a spilled session brings it back, then runs; spilled again before it ran (another
 # session needed the room), it tries this many times in all.
@@ -94,8 +95,10 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         spill_dir: str = "",
         spill_bytes: int = 0,
+        batched_attention: bool | None = None,
     ) -> None:
-        """session_id_prefix starts every session id (a Ray Serve replica's own id); clock:
+        """batched_attention: Sessions' (None: batched on CUDA, per session on the CPU);
+        session_id_prefix starts every session id (a Ray Serve replica's own id); clock:
         the sessions' idle time and TTL (seconds; tests give a fake one)."""
         if not specs:
             raise ValueError("no models configured: add at least one [[models]] table")
@@ -117,6 +120,7 @@ class Engine:
             max_cache_bytes_per_client=max_cache_bytes_per_client,
             spill_dir=spill_dir,
             spill_bytes=spill_bytes,
+            batched_attention=batched_attention,
         )
 
     @staticmethod
@@ -346,6 +350,11 @@ class Engine:
         batch, seq_len, _ = p.inputs.shape
         if p.request.need_weights or batch * seq_len > INLINE_MAX_TOKENS:
             return False
+        if p.hosted.device.type != "cpu":
+            # The kernels run on the device: the loop's thread only launches them and waits
+            # for the output (tens of microseconds at any context), which costs less than
+            # the two thread crossings it saves.
+            return True
         cfg = p.hosted.spec.attention
         kv_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * p.hosted.dtype.itemsize
         return batch * p.num_keys * kv_bytes <= INLINE_MAX_KV_BYTES

@@ -1,9 +1,10 @@
 """KV-cache sessions of the hosted models: the cache layer bound to the attention modules.
 
 A step reserves cache slots, projects the whole batch's new tokens, writes their K/V, lets
-each session attend over its own cached K/V (read in place when its blocks are
-consecutive), projects the outputs as one batch and commits; any failure rolls every
-reservation back, so a session never counts tokens whose K/V were not written.
+each session attend over its own cached K/V (engine/attend.py: padded groups in one kernel
+each, or one kernel per session over its blocks in place), projects the outputs as one
+batch and commits; any failure rolls every reservation back, so a session never counts
+tokens whose K/V were not written.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ import torch
 
 from mha_serve.cache import (
     CacheError,
-    CacheExhausted,
     KVCache,
     Reservation,
     SessionSpilled,
     SessionStats,
     SessionTable,
 )
+from mha_serve.engine.attend import attend_steps, batched_by_default
 from mha_serve.engine.bounds import cleared, gate_absmax
 from mha_serve.engine.checks import require_finite, scores_overflow_error
 from mha_serve.engine.durable import Expectations, open_spill_tier, restore
@@ -79,10 +80,13 @@ class Sessions:
         max_cache_bytes_per_client: int = 0,
         spill_dir: str = "",
         spill_bytes: int = 0,
+        batched_attention: bool | None = None,
     ) -> None:
         """id_prefix starts every session id (a Ray Serve replica's own id); the per-client
         limits bound each owner's live sessions and KV bytes (0: none); spill_dir: a full
-        cache moves idle sessions there, up to spill_bytes ("": no spill tier)."""
+        cache moves idle sessions there, up to spill_bytes ("": no spill tier);
+        batched_attention: whether a batch of steps without weights attends in padded
+        groups (engine/attend.py), None: by each model's device (batched_by_default)."""
         self.table = SessionTable(
             evict=evict, default_ttl_s=default_ttl_s, clock=clock, id_prefix=id_prefix
         )
@@ -90,6 +94,13 @@ class Sessions:
             max_sessions=max_sessions_per_client, max_bytes=max_cache_bytes_per_client
         )
         self.caches: dict[str, KVCache] = {}
+        # Per model: steps without weights attend batched (a plain dict: tests flip it).
+        self.batched_attention = {
+            name: batched_by_default(hosted.device)
+            if batched_attention is None
+            else batched_attention
+            for name, hosted in models.items()
+        }
         for name, hosted in models.items():
             spec = hosted.spec
             if spec.kv_cache_bytes == 0:
@@ -291,15 +302,6 @@ class Sessions:
                 torch.set_num_threads(threads)
         compute_ms = (time.perf_counter() - start) * 1e3
         self._settle(forward, compute_ms, calls, live, results)
-        # A step refused for room while the batch's other sessions held the rest (pinned for
-        # the batch, so making room could not spill or evict them) runs again now that they
-        # are idle: the batch's own steps never starve one another. Each pass is a smaller
-        # batch (this one ran some steps), so it ends.
-        again = [i for i, r in enumerate(reserved) if isinstance(r, CacheExhausted)]
-        if again:
-            retried = self.run_steps(hosted, [calls[i] for i in again], check_weights)
-            for i, outcome in zip(again, retried, strict=True):
-                results[i] = outcome
         return results
 
     def _forward(
@@ -340,30 +342,20 @@ class Sessions:
             # read with the output's, in one sync after the forward.
             bounded = _bounded_rows(hosted, cache, steps, reservations)
             maxima = None if bounded is not None else row_absmax_tensor(q, k_new, v_new)  # (3, B)
-            # Write first, then read each session's positions in order: one copy of the
-            # past (none for a session whose blocks are consecutive), no concatenation. A
-            # sliding-window session is read from its step's window on (read_start).
+            # Write first, then attend over each session's positions in order, from its
+            # step's window on (read_start): batched (padded groups, one kernel each) or one
+            # kernel per session over its blocks in place (engine/attend.py).
             cache.append(k_new, v_new, [r.slots for r in reservations])
-            past = [r.start for r in reservations]
-            reads = [r.read_start for r in reservations]
-            kv = [
-                cache.read(
-                    r.block_table,
-                    r.start + r.num_tokens,
-                    start=r.read_start,
-                    first_block=r.first_block,
-                )
-                for r in reservations
-            ]
-            out = hosted.module.attend_cached(
+            out = attend_steps(
+                hosted.module,
+                cache,
                 q,
-                kv,
-                past_lengths=past,
-                new_lengths=new_tokens,
+                reservations,
+                new_tokens,
+                batched=self.batched_attention.get(hosted.spec.name, False),
                 need_weights=first.need_weights,
                 weight_heads=sorted(set(heads)) if first.need_weights else None,
                 head_mask=head_mask,
-                first_keys=reads,
             )
         if bounded is not None:  # no overflow anywhere: proven, not measured
             return StepForward(out, heads, set(), set(), bounded, [True] * len(steps))
@@ -382,10 +374,13 @@ class Sessions:
                     overflowed.add(b)
                 elif bound_crossed(q_max[b], max(k_max[b], r.key_absmax), D, limit):
                     q_b = q[b, :, : new_tokens[b]].to(cache.dtype)  # as the kernels see it
-                    keys = kv[b][0][0]  # (KVH, S, D) from position reads[b]
+                    end = r.start + r.num_tokens
+                    keys = cache.read(
+                        r.block_table, end, start=r.read_start, first_block=r.first_block
+                    )[0][0]  # (KVH, S, D) from position r.read_start
                     window = cfg.sliding_window
                     if scores_overflow(
-                        q_b, keys, limit, first_pos=past[b], window=window, first_key=reads[b]
+                        q_b, keys, limit, first_pos=r.start, window=window, first_key=r.read_start
                     ):
                         too_large.add(b)
         finite = [m < math.inf for m in o_max]

@@ -18,12 +18,14 @@ from .checks import (
     check_head_mask,
     check_heads,
     check_input,
+    check_padded,
     check_queries,
     check_query_range,
     valid_positions,
 )
 from .config import AttentionConfig
 from .overflow import NO_OVERFLOW, NoOverflow, OverflowCheck, score_limit
+from .padded import attend_padded, padded_mask
 from .rope import cos_sin, inv_freq, rotate
 
 
@@ -285,6 +287,37 @@ class MultiHeadAttention(nn.Module):
         for b, (first, w) in enumerate(weights):
             all_w[b, :, : w.shape[2], first : first + w.shape[3]] = w[0]
         return AttentionOutput(output=out, weights=all_w)
+
+    def attend_padded(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        *,
+        past_lengths: Sequence[int],
+        new_lengths: Sequence[int],
+        first_keys: Sequence[int] | None = None,
+        head_mask: torch.Tensor | None = None,
+    ) -> AttentionOutput:
+        """attend_cached's outputs (no weights) for the whole batch in one attention kernel:
+        keys, values (B, KVH, S, D) hold sequence b's positions first_keys[b]..
+        past_lengths[b] + new_lengths[b] - 1 in columns 0.. (KVCache.gather), later columns
+        padding, finite (they are masked, and 0 * inf is NaN)."""
+        c = self.config
+        B, H, T, D = check_queries(c, q)
+        gate = check_head_mask(c, head_mask, q)
+        first_keys = [0] * B if first_keys is None else first_keys
+        check_padded(c, keys, values, past_lengths, new_lengths, first_keys, q)
+        S = keys.shape[2]
+        allowed = padded_mask(
+            past_lengths, new_lengths, first_keys, T, S, c.sliding_window, q.device
+        )  # (B, 1, T, S) or None
+        y = attend_padded(q, keys, values, allowed, self.scale, softcap=c.softcap)
+        new_valid = None  # (B, T): padded tokens' rows are zero in the output
+        if any(n != T for n in new_lengths):
+            new_len = torch.tensor(list(new_lengths)).to(q.device)
+            new_valid = torch.arange(T, device=q.device)[None, :] < new_len[:, None]
+        return AttentionOutput(output=self._merge_heads(y, gate, new_valid), weights=None)
 
     def project(
         self, x: torch.Tensor, positions: torch.Tensor | None = None

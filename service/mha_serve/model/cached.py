@@ -8,12 +8,15 @@ The engine writes the new tokens' K/V into the cache first and then reads each s
 positions 0..past+new-1 in order, so keys need one copy (or none, for a session whose
 blocks are contiguous) instead of a gather plus a [past | new] concatenation.
 
-A batch attends one sequence at a time, each over its own keys: views into the cache when
-its blocks are consecutive (the block pool keeps them so where it can), never padded to
-the longest sequence. The projections around attention, where the weights are read, stay
-batched. Gathering the batch into one padded tensor instead copied every session's K/V on
-every step: 64 MHA sessions of 256 tokens took 73 ms a step that way and 16 ms this way;
-one session of 4000 tokens among 15 of 64, 217 ms against 5 ms (2-core CPU).
+attend_cached attends one sequence at a time, each over its own keys: views into the cache
+when its blocks are consecutive (the block pool keeps them so where it can), never padded
+to the longest sequence. The projections around attention, where the weights are read, stay
+batched. It is the engine's path on the CPU and for steps that ask for weights: gathering
+the batch into one padded tensor copies every session's K/V on every step, which on the CPU
+costs more than the kernels it saves (64 GQA sessions decoding at 256 and 1024 keys: 1.3x
+and 1.2x the time, bench/engine_step.py --sessions 64). On CUDA, where a kernel per session
+left the GPU at 1-5% of its memory bandwidth, the engine gathers instead (padded.py,
+engine/attend.py).
 """
 
 from __future__ import annotations

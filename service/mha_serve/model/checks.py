@@ -32,19 +32,8 @@ def check_cached(
     T: int,
     q: torch.Tensor,
 ) -> None:
-    KVH, D, W = config.num_kv_heads, config.head_dim, config.sliding_window
-    if not 1 <= new <= T or past < 0:
-        raise ValueError(
-            f"sequence {b}: new_lengths must be in [1, new_len={T}] and past_lengths >= 0, "
-            f"got new {new} and past {past}"
-        )
-    # Every key the step's first token sees must be there: all of them without a window.
-    earliest = 0 if W is None else max(0, past + 1 - W)
-    if not 0 <= first <= earliest:
-        raise ValueError(
-            f"sequence {b}: first_keys must be in [0, {earliest}] (the first position the "
-            f"step's first token sees, window {W}), got {first}"
-        )
+    KVH, D = config.num_kv_heads, config.head_dim
+    _check_step(config, b, past, new, first, T)
     want = (1, KVH, past + new - first, D)
     device = q.device
     for name, t in (("keys", keys), ("values", values)):
@@ -59,6 +48,58 @@ def check_cached(
             raise ValueError(
                 f"sequence {b}: {name} is {t.dtype} on {t.device}; q is {q.dtype} on {device}"
             )
+
+
+def check_padded(
+    config: AttentionConfig,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    past_lengths: Sequence[int],
+    new_lengths: Sequence[int],
+    first_keys: Sequence[int],
+    q: torch.Tensor,
+) -> None:
+    """attend_padded's arguments: q (B, H, T, D); keys, values (B, KVH, S, D) each holding
+    sequence b's past + new - first keys first."""
+    B, _, T, _ = q.shape
+    KVH, D = config.num_kv_heads, config.head_dim
+    if not len(past_lengths) == len(new_lengths) == len(first_keys) == B:
+        raise ValueError(
+            f"q has batch {B} but past_lengths, new_lengths and first_keys have "
+            f"{len(past_lengths)}, {len(new_lengths)} and {len(first_keys)} entries"
+        )
+    for name, t in (("keys", keys), ("values", values)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[:2] != (B, KVH):
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be (batch={B}, {KVH}, keys, {D}), got {shape}")
+        if t.shape[3] != D or t.shape != keys.shape:
+            raise ValueError(f"{name} must be (batch={B}, {KVH}, keys, {D}), got {tuple(t.shape)}")
+        if t.device != q.device or not t.is_floating_point():
+            raise ValueError(f"{name} is {t.dtype} on {t.device}; q is {q.dtype} on {q.device}")
+    S = keys.shape[2]
+    for b, (past, new, first) in enumerate(zip(past_lengths, new_lengths, first_keys, strict=True)):
+        _check_step(config, b, past, new, first, T)
+        if past + new - first > S:
+            raise ValueError(
+                f"sequence {b}: {past + new - first} keys (positions {first}..{past + new - 1}) "
+                f"do not fit keys' {S} columns"
+            )
+
+
+def _check_step(config: AttentionConfig, b: int, past: int, new: int, first: int, T: int) -> None:
+    W = config.sliding_window
+    if not 1 <= new <= T or past < 0:
+        raise ValueError(
+            f"sequence {b}: new_lengths must be in [1, new_len={T}] and past_lengths >= 0, "
+            f"got new {new} and past {past}"
+        )
+    # Every key the step's first token sees must be there: all of them without a window.
+    earliest = 0 if W is None else max(0, past + 1 - W)
+    if not 0 <= first <= earliest:
+        raise ValueError(
+            f"sequence {b}: first_keys must be in [0, {earliest}] (the first position the "
+            f"step's first token sees, window {W}), got {first}"
+        )
 
 
 def check_input(config: AttentionConfig, weight: torch.Tensor, x: torch.Tensor) -> tuple[int, int]:

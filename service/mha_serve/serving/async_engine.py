@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from mha_serve import metrics
 from mha_serve.batching import ModelLanes
-from mha_serve.cache import CacheError, SessionSpilled, SessionStats
+from mha_serve.cache import CacheError, CacheExhausted, SessionSpilled, SessionStats
 from mha_serve.engine import (
     AttendOutcome,
     AttendRequest,
@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SESSION_SWEEP_S = 1.0  # how often idle sessions are checked against their TTL
+# A session call refused for KV-cache room that other calls in flight hold waits for them at
+# most this long (or to its deadline), then answers RESOURCE_EXHAUSTED.
+ROOM_WAIT_S = 30.0
 
 
 @dataclass(slots=True)
@@ -87,6 +90,11 @@ class AsyncEngine:
         self._sweeper: asyncio.Task | None = None
         # Triton's sequences (the Open Inference Protocol door) -> this engine's sessions.
         self.sequences = SequenceMap()
+        # Session calls answered so far, and the calls waiting for one (room in a full KV
+        # cache may come with it): see _room_may_come.
+        self._answered = 0
+        self._room_waiters: list[asyncio.Future] = []
+        self._room_turn = asyncio.Lock()
 
     @property
     def max_response_bytes(self) -> int:
@@ -173,18 +181,75 @@ class AsyncEngine:
         ticket = Ticket(received, deadline)
         if not session_id:
             return await self._compute(request, ticket)
+        give_up = time.monotonic() + ROOM_WAIT_S
+        if deadline is not None:
+            give_up = min(give_up, deadline)
+        retry = False
+        while True:
+            seen = self._answered
+            try:
+                if not retry:
+                    return await self._session_step(request, ticket, caller)
+                # Tries again one at a time: calls refused together (one batch whose
+                # sessions held the room each needed) would otherwise batch together again.
+                async with self._room_turn:
+                    return await self._session_step(request, ticket, caller)
+            except CacheExhausted as e:
+                if not await self._room_may_come(e, seen, give_up):
+                    raise
+                retry = True
+
+    async def _session_step(
+        self, request: AttendRequest, ticket: Ticket, caller: str | None
+    ) -> Computed:
+        session_id = request.session_id
 
         def claimed() -> contextlib.AbstractContextManager:  # a new claim each try
             claim = self.engine.stepping(session_id, caller)
             claim.__enter__()
             return claim
 
-        claim, ticket.restore_s = await self._live(session_id, caller, claimed)  # until answered
+        claim, restore_s = await self._live(session_id, caller, claimed)  # until answered
+        ticket.restore_s += restore_s
         try:
             ticket.claimed = True
             return await self._compute(request, ticket)
         finally:
             claim.__exit__(None, None, None)
+            self._session_answered()
+
+    def _session_answered(self) -> None:
+        """A session call let go of its session: calls waiting for room try again."""
+        self._answered += 1
+        waiters, self._room_waiters = self._room_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _room_may_come(self, refused: CacheExhausted, seen: int, give_up: float) -> bool:
+        """A session call refused for room (bringing its session back, or its step) while
+        other calls in flight held sessions that could not be spilled or evicted: True once
+        another session call has let go since (try again), False when none held any or
+        none lets go before give_up (the refusal stands). A full cache thus queues such
+        calls instead of refusing them; the call waits without its claim, so that its own
+        session may be spilled to make room for the others meanwhile."""
+        if not refused.in_flight:
+            return False
+        if self._answered - seen > 1:  # (one is this call's own)
+            return True
+        left = give_up - time.monotonic()
+        if left <= 0:
+            return False
+        waiter = asyncio.get_running_loop().create_future()
+        self._room_waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, left)
+        except TimeoutError:
+            return False
+        finally:
+            with contextlib.suppress(ValueError):
+                self._room_waiters.remove(waiter)
+        return True
 
     async def _live(
         self, session_id: str, caller: str | None, call: Callable[[], T]
