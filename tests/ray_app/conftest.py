@@ -23,32 +23,37 @@ class Cluster:
     config: dict  # what was deployed (deploy/ray/serve_config.yaml on these ports)
 
 
-def two_free_ports() -> int:
-    """A port p with p + 1 free too (the replicas' metrics ports: base + local rank)."""
+def free_ports(n: int) -> int:
+    """A port p with p + 1 ... p + n - 1 free too (the replicas' metrics ports: base +
+    local rank)."""
     for _ in range(100):
         port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
+        try:
+            for k in range(1, n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + k))
+        except OSError:
+            continue
         return port
-    raise RuntimeError("no two consecutive free ports")
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 @pytest.fixture(scope="module")
 def cluster(request):
-    """Ray with RAY_NUM_CPUS logical CPUs (a module may set more: one per replica)."""
+    """Ray with RAY_NUM_CPUS logical CPUs (a module may set more: one per replica), and
+    METRICS_PORTS metrics ports for the replicas (ranks go on from replicas replaced)."""
     ray = pytest.importorskip("ray")
     from ray import serve
 
     num_cpus = getattr(request.module, "RAY_NUM_CPUS", 2)
     start_ray(ray, num_cpus)
     try:
-        port, metrics_port = free_port(), two_free_ports()
+        num_ports = getattr(request.module, "METRICS_PORTS", 2)
+        port, metrics_port = free_port(), free_ports(num_ports)
         config = load_config(grpc_port=port, metrics_port=metrics_port)
         deploy(config)
-        yield Cluster(f"127.0.0.1:{port}", (metrics_port, metrics_port + 1), config)
+        ports = tuple(range(metrics_port, metrics_port + num_ports))
+        yield Cluster(f"127.0.0.1:{port}", ports, config)
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -12,7 +12,6 @@ import asyncio
 import collections
 import copy
 import os
-import socket
 import time
 import urllib.request
 
@@ -25,8 +24,8 @@ from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_client.sdk import Client
 from mha_serve.ray_app.ids import replica_of
-from tests.ray_app.cluster import APP, deploy, free_port
-from tests.ray_app.conftest import replica_handle, replica_ids
+from tests.ray_app.cluster import APP, deploy
+from tests.ray_app.conftest import free_ports, replica_handle, replica_ids
 from tests.ray_app.drivers import TIMEOUT_S, Driver
 from tests.ray_app.test_affinity import wait_dead
 
@@ -60,20 +59,6 @@ def requests_by_replica(ports) -> dict[str, collections.Counter]:
             counts[(fields["method"], fields["code"])] += float(value)
         out[replica] = counts
     return out
-
-
-def free_ports(n: int) -> int:
-    """A port p with p + 1 ... p + n - 1 free too."""
-    for _ in range(100):
-        port = free_port()
-        try:
-            for k in range(1, n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + k))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def test_a_sessions_calls_reach_its_replica_and_no_ingress_runs(cluster, models):

@@ -1,7 +1,10 @@
 """SessionRouter's choices, without a cluster: a session's call goes to the replica its id
-names; to any replica (which answers NOT_FOUND) once that replica has left the router's
-view (Ray is stopping it) or its actor is dead; and waits while a live replica is not yet
-in the view."""
+names; once that one has left the view, to the replica SequenceDirectory says it moved to
+(cached, looked up again when that one leaves too), waiting while the last known holder
+lives (draining, moving) and no new home is known, and to one replica, the same for the
+same id, which answers NOT_FOUND, once it is dead; a call for a replica rather than a
+session (pinned_to) goes to any replica at once when that one has left; a live replica not
+yet in the view is waited for; routers tell a replica's watchers when it leaves."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ pytest.importorskip("ray")
 
 from ray.serve.request_router import RequestRouter  # noqa: E402
 
+from mha_serve.ray_app import leaving  # noqa: E402
 from mha_serve.ray_app import router as router_module  # noqa: E402
 from mha_serve.ray_app.ids import pinned_to  # noqa: E402
 from mha_serve.ray_app.router import SessionRouter  # noqa: E402
@@ -37,7 +41,15 @@ def router(monkeypatch):
     monkeypatch.setattr(RequestRouter, "update_replicas", lambda self, replicas: None)
     router = SessionRouter.__new__(SessionRouter)
     router._gone, router._seen, router._deployment_id = {}, {}, None
+    router._view, router._homes = set(), {}
     router.alive, router.asked = set(), []
+    router.directory, router.looked_up = {}, []
+
+    def home_of(session_id: str):
+        router.looked_up.append(session_id)
+        return router.directory.get(session_id)
+
+    router._home_of = home_of
 
     def lookup(unique_id: str, deployment_id) -> bool:
         router.asked.append(unique_id)
@@ -57,6 +69,73 @@ def test_a_session_goes_to_its_replica_and_the_rest_spread(router):
     assert choose(router, [a, b], pinned_to("b")) == [[b]]
     (pair,) = choose(router, [a, b], "")
     assert sorted(r.replica_id.unique_id for r in pair) == ["a", "b"]
+
+
+def session(replica_id: str, n: int = 1) -> str:
+    return f"{replica_id}-{n:032x}"
+
+
+def test_a_moved_session_goes_to_its_new_home_and_waits_while_it_moves(router):
+    """b is stopping (left the view, still alive): its session waits until the directory
+    knows its new home, then goes there, the home cached; moved again (c stops too), it is
+    looked up again; once its last holder is dead with no home known, it is gone."""
+    a, b, c = replica("a"), replica("b"), replica("c")
+    router.update_replicas([a, b, c])
+    sid = session("b")
+    router.alive = {"a", "b", "c"}
+    assert choose(router, [a, b, c], sid) == [[b]]
+    assert router.looked_up == []  # its replica runs: no lookup
+    router.update_replicas([a, c])  # Ray stops b
+    assert choose(router, [a, c], sid) == []  # b drains and moves it: wait
+    router.directory[sid] = "c"  # c took it
+    assert choose(router, [a, c], sid) == [[c]]
+    assert choose(router, [a, c], sid) == [[c]]
+    assert router.looked_up == [sid, sid]  # the second from the cache
+    router.update_replicas([a])  # c stops too: b's session moves again, to a
+    assert choose(router, [a], sid) == []  # the directory still says c, alive: wait
+    router.directory[sid] = "a"
+    assert choose(router, [a], sid) == [[a]]
+    del router.directory[sid]
+    router._homes.clear()
+    router.alive = {"a"}  # b and c dead, no home known: lost
+    assert choose(router, [a], sid) == [[a]]
+
+
+def test_a_session_waits_while_the_directory_does_not_answer(router):
+    """A directory restarting may know the session's home: the call waits, not NOT_FOUND."""
+    a = replica("a")
+    router.update_replicas([a])
+    sid = session("dead")
+
+    def down(session_id: str):
+        raise TimeoutError("SequenceDirectory restarting")
+
+    router._home_of = down
+    assert choose(router, [a], sid) == []
+    router._home_of = lambda session_id: "a"  # back, its map rebuilt
+    assert choose(router, [a], sid) == [[a]]
+
+
+def test_a_gone_session_is_answered_by_the_same_replica_from_every_router(router):
+    replicas = [replica(x) for x in "abc"]
+    router.update_replicas(replicas)
+    router.alive = {"a", "b", "c"}
+    for n in range(8):
+        sid = session("dead", n)
+        (first,) = choose(router, replicas, sid)
+        assert choose(router, list(reversed(replicas)), sid) == [first]  # not by order
+
+
+def test_a_replica_leaving_the_view_is_told_to_its_watchers_once(router):
+    told = []
+    leaving.when_leaving("b", lambda: told.append("b"))
+    a, b = replica("a"), replica("b")
+    router.update_replicas([a, b])
+    assert told == []
+    router.update_replicas([a])
+    router.update_replicas([a, b])
+    router.update_replicas([a])
+    assert told == ["b"]
 
 
 def test_a_replica_that_left_the_view_answers_at_once_though_it_still_drains(router):

@@ -1,12 +1,14 @@
 """A replica added while sessions step: the running sessions stay on their replicas (every
 step equal to its recompute), the routers learn of the new replica, new sessions land on
-it, and every cache ends empty. Then one removed: only its sessions answer NOT_FOUND.
+it, and every cache ends empty. Then one removed while 24 sessions step from 8 threads: its
+sessions move to the two that stay and none is lost, every step equal to its recompute.
 (In file order: the second test scales the first one's three replicas down.)"""
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import time
 
 import grpc
@@ -17,10 +19,21 @@ from mha_serve.ray_app.ids import replica_of
 from tests.ray_app.cluster import deploy
 from tests.ray_app.conftest import replica_handle, replica_ids
 from tests.ray_app.drivers import MODELS, TIMEOUT_S, Driver
+from tests.ray_app.stepping import (
+    OpenStream,
+    Stepper,
+    metric_sum,
+    spread_sessions,
+    stepping_through,
+)
 
 pytestmark = pytest.mark.slow
 
 RAY_NUM_CPUS = 3  # one logical CPU per replica: room for the third
+METRICS_PORTS = 4  # the replicas' metrics: base + rank on the node (ranks 0..2, one spare)
+NUM_THREADS = 8
+SESSIONS_PER_THREAD = 3
+STEPS_AFTER = 2  # steps per thread once scaled down (on the sessions' new replicas too)
 MAX_NEW_SESSIONS = 40  # tries to land a session on the new replica (each picks by load)
 
 
@@ -77,41 +90,50 @@ def test_a_replica_added_under_load(cluster, models):
         assert usage == {m: (0, 0) for m in MODELS}, (replica_id, usage)
 
 
-def test_a_replica_removed_takes_only_its_sessions(cluster, models):
-    """Scaled down from 3 to 2 (Ray picks which replica stops: docs/ray.md, Downscaling):
-    the stopped replica's sessions answer NOT_FOUND saying their replica is gone, the others
-    go on, every step equal to its recompute, and the remaining caches end empty."""
+def test_a_replica_removed_moves_its_sessions_and_none_is_lost(cluster, models):
+    """Scaled down from 3 to 2 (Ray picks which replica stops: docs/ray.md, Scale-down)
+    while 8 threads step 24 sessions spread over all three (unary steps and streams; a
+    stream the stopping replica ends is reopened): every step equals its recompute,
+    every session is still there afterwards with all its tokens, the two replicas that
+    stay counted the removed one's sessions as moved to them and none as lost, and their
+    caches end empty once the sessions close. A stream held open between two steps on
+    each replica: the removed replica's ends UNAVAILABLE saying to reopen, without waiting
+    for its next message (else it would hold the drain until Ray killed the replica), and
+    reopened, steps on where its session moved; the others step on."""
     before = replica_ids()
     assert len(before) == 3
-
-    async def main() -> set[str]:
-        async with grpc.aio.insecure_channel(cluster.target) as channel:
-            stub = pb_grpc.AttentionServiceStub(channel)
-            driver = Driver(stub, models, 500)
-            for _ in range(MAX_NEW_SESSIONS):
-                await driver.create()
-                if driver.replicas == before:
-                    break
-            assert driver.replicas == before, driver.replicas
-            for sid in list(driver.sessions):
-                x = driver.tokens(2)
-                driver.check(sid, x, await stub.Attend(driver.step_request(sid, x), timeout=60))
-            after = await asyncio.to_thread(scale_to, cluster.config, 2)
-            (removed,) = before - after
-            for sid in list(driver.sessions):
-                x = driver.tokens(1)
-                call = stub.Attend(driver.step_request(sid, x), timeout=TIMEOUT_S)
-                if replica_of(sid) != removed:
-                    driver.check(sid, x, await call)
-                    continue
-                with pytest.raises(grpc.aio.AioRpcError) as info:
-                    await call
-                assert info.value.code() == grpc.StatusCode.NOT_FOUND, info.value
-                assert "is gone" in info.value.details() and removed in info.value.details()
-                del driver.sessions[sid]
-            await driver.close()
-            return after
-
-    for replica_id in asyncio.run(main()):
+    channel = grpc.insecure_channel(cluster.target)
+    stub = pb_grpc.AttentionServiceStub(channel)
+    steppers = [Stepper(stub, models, 600 + i) for i in range(NUM_THREADS)]
+    spread_sessions(steppers, SESSIONS_PER_THREAD, before)
+    sessions = [sid for st in steppers for sid in st.sessions]
+    assert len(sessions) == NUM_THREADS * SESSIONS_PER_THREAD
+    idle = Stepper(stub, models, 650)  # one session per replica, its stream held open
+    spread_sessions([idle], len(before), before)
+    streams = {replica_of(sid): OpenStream(idle, sid) for sid in idle.sessions}
+    for stream in streams.values():
+        stream.step()
+    moved_before = metric_sum(cluster.metrics_ports, "mha_serve_sessions_moved_total")
+    after = stepping_through(steppers, functools.partial(scale_to, cluster.config, 2), STEPS_AFTER)
+    (removed,) = before - after
+    on_removed = [sid for sid in [*sessions, *idle.sessions] if replica_of(sid) == removed]
+    assert len(on_removed) > 1, "the removed replica held none of the stepped sessions"
+    cut = streams.pop(removed).ended()
+    assert cut is not None and cut.code() == grpc.StatusCode.UNAVAILABLE, cut
+    assert "reopen" in cut.details() and removed in cut.details(), cut.details()
+    for stream in streams.values():
+        stream.step()
+        stream.close()
+    idle.stream(next(s for s in idle.sessions if replica_of(s) == removed), [idle.tokens(1)])
+    for st in (*steppers, idle):
+        st.held()  # none lost: each still there, with every token it was sent
+    moved = metric_sum(cluster.metrics_ports, "mha_serve_sessions_moved_total") - moved_before
+    assert moved == len(on_removed), (moved, len(on_removed))
+    lost = metric_sum(cluster.metrics_ports, "mha_serve_sessions_lost_total", "replica_killed")
+    assert lost == 0
+    for st in (*steppers, idle):
+        st.close()
+    channel.close()
+    for replica_id in after:
         usage = replica_handle("cache_usage", replica_id).remote().result(timeout_s=TIMEOUT_S)
         assert usage == {m: (0, 0) for m in MODELS}, (replica_id, usage)

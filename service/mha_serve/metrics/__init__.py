@@ -185,7 +185,8 @@ for _reason in LOST_REASONS:
     SESSIONS_LOST.labels(_reason)
 SESSIONS_MOVED = Counter(
     "mha_serve_sessions_moved_total",
-    "Sessions moved off a Ray replica that Ray stopped (scale-down, redeploy).",
+    "Sessions a Ray replica took from a replica that Ray stopped (scale-down, redeploy), "
+    "counted by the replica that took them.",
 )
 
 
@@ -237,7 +238,8 @@ def count_lost(reason: str, n: int = 1) -> None:
 
 
 def count_moved(n: int = 1) -> None:
-    """`n` sessions moved off this Ray replica as Ray stopped it (they live on elsewhere)."""
+    """`n` sessions moved to this Ray replica from one Ray stopped (counted here, where they
+    live on: the stopping replica exits before Prometheus would scrape its count)."""
     if n:
         SESSIONS_MOVED.inc(n)
 

@@ -59,6 +59,7 @@ class Offer:
     answer: Answer
     done: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None  # the direct call's, once a proxy took the offer
+    status: tuple[grpc.StatusCode, str] | None = None  # how the direct call ended
 
 
 class DirectServer:
@@ -98,6 +99,13 @@ class DirectServer:
         try:
             yield CARRIER
             await offer.done.wait()
+            if offer.status is not None:
+                # Its status on Serve's request too: a client (the proxy) still writing when
+                # the stream ends can read grpc's "Internal error from Core" instead of the
+                # status (grpc aio), and then takes this one (proxy.py).
+                grpc_context.set_code(offer.status[0])
+                grpc_context.set_details(offer.status[1])
+                yield CARRIER
         finally:  # Serve's request ended first (cancelled): so does its stream
             self._offers.pop(token, None)
             if offer.task is not None and not offer.task.done():
@@ -121,6 +129,10 @@ class DirectServer:
         try:
             async for reply in offer.answer(requests, context):
                 yield reply
+            offer.status = (grpc.StatusCode.OK, "")
+        except grpc.aio.AbortError:
+            offer.status = (context.code(), context.details() or "")
+            raise
         finally:
             offer.done.set()
 

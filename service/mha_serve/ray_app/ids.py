@@ -29,3 +29,8 @@ def pinned_to(replica_unique_id: str) -> str:
     """A session id naming that replica and no session: a call carrying it reaches the
     replica through SessionRouter (or, once it is gone, any replica)."""
     return session_prefix(replica_unique_id) + "0" * HEX_DIGITS
+
+
+def is_pinned(session_id: str) -> bool:
+    """Whether the id is a `pinned_to` one: it names a replica, not a session."""
+    return replica_of(session_id) is not None and session_id.endswith("0" * HEX_DIGITS)

@@ -22,12 +22,14 @@ from mha_serve.ray_app.context import CallContext, Caller, Reply
 from mha_serve.ray_app.direct import wants_direct
 from mha_serve.ray_app.forward import (
     calls,
+    end_stream,
     forward,
     message,
     own_request_id,
     unary_answer,
 )
 from mha_serve.ray_app.ids import replica_of
+from mha_serve.ray_app.moves import UntilStopping
 from mha_serve.ray_app.proxy import SESSION_KEY
 from mha_serve.ray_app.router import liveness
 from mha_serve.transport.answer import Refused
@@ -80,14 +82,25 @@ class InferenceMethods:
                 yield item
             return
         async for reply in self._direct_infer(requests, None, caller):
+            if isinstance(reply, Reply):  # the replica is stopping: reopen
+                yield end_stream(grpc_context, reply)
+                return
             yield message(reply)
 
     async def _direct_infer(
         self, requests: AsyncIterator[Any], context: Any, caller: Caller
     ) -> AsyncIterator[Any]:
+        """The stream's replies; once Ray is stopping this replica, it ends after the
+        messages in flight, UNAVAILABLE (reopened, its sequences go on where they moved)."""
         answer = functools.partial(self._stream_one, caller=caller)
-        async for reply in pipelined(requests, answer, key=sequence_key):
+        until = UntilStopping(requests, self.stopping)
+        async for reply in pipelined(until, answer, key=sequence_key):
             yield reply
+        if until.cut:
+            reopen = self.reopen()
+            if context is not None:
+                await context.abort(reopen.code, reopen.details)
+            yield reopen
 
     async def _stream_one(self, request: Any, caller: Caller) -> Any:
         own_request_id()  # this message's handle calls run beside the others' (pipelined)
@@ -162,9 +175,9 @@ class InferenceMethods:
             return reply
         session_id = routed_by or await self._call_directory("get", key) or ""
         what = sequence.describe(request.model_name)
-        if routed_by and replica_of(routed_by) not in (None, self.replica_id):
+        if routed_by and not self._held_here(routed_by):
             reply = self._gone(method, routed_by, what)
-        elif replica_of(session_id) in (None, self.replica_id):
+        elif self._held_here(session_id):
             # Here, or in no directory: the door steps it, or answers Triton's START message.
             reply = await self._here(method, request, caller)
         else:

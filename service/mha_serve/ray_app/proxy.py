@@ -120,20 +120,22 @@ async def _direct(
     stream = direct_call(call.offer, method, requests, context.time_remaining())
 
     def ended(_: Any) -> None:  # Ray failed the request: the replica stopped (or was cut off)
-        if call.code() not in (None, grpc.StatusCode.OK):
+        if call.code() not in (None, grpc.StatusCode.OK) and not call.from_replica:
             stream.cancel()
 
     request.add_done_callback(ended)
     try:
         async for reply in stream:
             yield reply
+        call.settled = answered(await stream.trailing_metadata())
     except grpc.aio.AioRpcError as e:
         if answered(e.trailing_metadata()):
             call.set_code(e.code())
             call.set_details(e.details())
-            call.from_replica = True
+            call.from_replica = call.settled = True
         else:  # no answer from the replica: it stopped or was cut off (finish says which)
             call.broken = f"{e.code().name}: {first_line(e.details() or '')}"
+            log.warning("the direct stream to %s broke: %s", call.offer.split(" ")[0], call.broken)
             await forget(call.offer)
     except asyncio.CancelledError:
         if not request.done():  # the client left
@@ -235,6 +237,9 @@ class Call:
         self.from_replica = False  # the code came with the replica's answer
         self.offer: str | None = None  # a direct stream's "address token" (direct.py)
         self.broken = ""  # the direct stream broke, in these words
+        # The replica's own status came over the direct stream: what Ray then says of the
+        # Serve request (it can fail as a stopping replica exits) is no longer the answer.
+        self.settled = False
 
     def invocation_metadata(self) -> tuple[tuple[str, Any], ...]:
         return self._metadata
@@ -246,10 +251,13 @@ class Call:
         return self._details
 
     def set_code(self, code: grpc.StatusCode) -> None:
+        if self.settled:
+            return
         self._code, self.from_replica = code, False
 
     def set_details(self, details: str) -> None:
-        self._details = details
+        if not self.settled:
+            self._details = details
 
     def set_trailing_metadata(self, metadata: Any) -> None:
         # Ray sets the replica's context (its code, then its trailing metadata: the request
@@ -272,7 +280,10 @@ class Call:
         itself is a replica that stopped or was cut off during the call: said so."""
         code, details = self._code, self._details
         ray_failed = code == grpc.StatusCode.INTERNAL and not self.from_replica
-        if ray_failed or self.broken:
+        # A direct stream that broke as its replica ended it (grpc aio: "Internal error from
+        # Core" to a client still writing) still has the replica's status, over Serve's road.
+        broken = self.broken and not (self.from_replica and code is not None)
+        if ray_failed or broken:
             failure = first_line(details) if ray_failed else self.broken
             log.warning("a call failed in Ray (%s): %s", self.session_id, failure)
             owner = replica_of(self.session_id) if self.session_id else None

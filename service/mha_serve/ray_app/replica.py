@@ -5,16 +5,21 @@ the standalone server runs (transport/door.py, transport/oip/door.py): the same 
 checks, statuses, messages and metrics.
 
 Its engine starts every session id with this replica's id (ids.py), so SessionRouter, in
-the proxy, sends the session's later calls here. A call for a session whose id names
-another replica reached here because that replica is gone: it answers NOT_FOUND saying so.
+the proxy, sends the session's later calls here. When Ray stops it (a scale-down or a
+redeploy), it ends its open streams and moves its sessions to the replicas that stay
+(moves.py), which answer them from then on under the same ids. A call for a session whose
+id names another replica and that does not live here reached here because that replica is
+gone: it answers NOT_FOUND saying so.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,12 +28,22 @@ import grpc
 from mha_client.api import attention_pb2 as pb
 from mha_client.api.inference import grpc_service_pb2 as oip_pb
 from mha_serve import metrics
+from mha_serve.cache import CacheError, SessionExists
+from mha_serve.cache.record import BadRecord, read_header
 from mha_serve.config import build_config
 from mha_serve.engine.threads import ComputeThreads
 from mha_serve.ray_app.context import CallContext, Caller, Reply
 from mha_serve.ray_app.direct import DirectServer, wants_direct
-from mha_serve.ray_app.forward import end_stream, message, peek, unary_answer
+from mha_serve.ray_app.forward import (
+    calls,
+    end_stream,
+    message,
+    own_request_id,
+    peek,
+    unary_answer,
+)
 from mha_serve.ray_app.ids import replica_of, session_prefix
+from mha_serve.ray_app.moves import MARGIN_S, REOPEN, Sent, Stopping, UntilStopping, move_all
 from mha_serve.ray_app.oip import InferenceMethods
 from mha_serve.serving import AsyncEngine
 from mha_serve.transport.answer import Refused
@@ -37,6 +52,9 @@ from mha_serve.transport.oip.door import InferenceDoor
 from mha_serve.transport.server import load_engine
 
 log = logging.getLogger(__name__)
+
+MAX_FOREIGN_REMEMBERED = 4096  # ended sessions that moved here, still told apart from gone
+DEFAULT_SHUTDOWN_S = 20.0  # Ray's graceful_shutdown_timeout_s, when the config cannot be read
 
 
 class AttentionReplica(InferenceMethods):
@@ -56,6 +74,13 @@ class AttentionReplica(InferenceMethods):
 
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
+        self.stopping = Stopping()
+        self._foreign: dict[str, None] = {}  # sessions moved here from other replicas
+        self._gone_counted: dict[str, None] = {}  # gone sessions counted lost here
+        config = getattr(context, "_deployment_config", None)
+        self._shutdown_s = float(
+            getattr(config, "graceful_shutdown_timeout_s", None) or DEFAULT_SHUTDOWN_S
+        )
         cfg = build_config(config_file, dict(overrides or {}))
         self.compute = ComputeThreads(cfg.torch_threads, cfg.weights_torch_threads)
         loop = asyncio.get_running_loop()
@@ -82,6 +107,10 @@ class AttentionReplica(InferenceMethods):
             }
             self.direct = DirectServer(ray.util.get_node_ip_address(), messages)
             await self.direct.start()
+        # This deployment's handle: its router (in this process) tells when Ray stops this
+        # replica (it leaves the view), and carries the sessions moved then.
+        self.stopping.watch(self.replica_id)
+        self._receivers = calls(self._peer_handle(), "receive_session")
         metrics.READY.set(1)
         if metrics_port:
             self._serve_metrics(metrics_port + context.rank.local_rank, context.app_name)
@@ -162,17 +191,28 @@ class AttentionReplica(InferenceMethods):
             yield result
 
     async def _session(self, requests: Any, caller: Caller) -> AsyncIterator[Any]:
-        """The door's StreamSession; an error as a Reply, last."""
+        """The door's StreamSession; an error as a Reply, last. Once Ray is stopping this
+        replica, it ends after the step in flight, UNAVAILABLE: reopened, it reaches the
+        session's new replica."""
         requests, first = await peek(requests)
         gone = self._gone("StreamSession", getattr(first, "session_id", "") or "")
         if gone is not None:
             yield gone
             return
-        async for result in self.door.stream(requests, CallContext(caller)):
+        until = UntilStopping(requests, self.stopping)
+        async for result in self.door.stream(until, CallContext(caller)):
             if isinstance(result, Refused):
                 yield Reply(code=result.code, details=result.details)
                 return
             yield result
+        if until.cut:
+            yield self.reopen()
+
+    def reopen(self) -> Reply:
+        """How a stream ends when Ray stops this replica."""
+        return Reply(
+            code=grpc.StatusCode.UNAVAILABLE, details=REOPEN.format(replica=self.replica_id)
+        )
 
     # --- through a handle --------------------------------------------------------------
 
@@ -219,13 +259,90 @@ class AttentionReplica(InferenceMethods):
         """Live sessions here, for the controller and routers (RunningReplica.routing_stats)."""
         return {"sessions": sum(n for n, _ in (await self.cache_usage()).values())}
 
+    # --- moves: Ray stopping this replica, or another --------------------------------------
+
+    async def receive_session(self, data: bytes, source: str) -> Sent:
+        """Adopts a session that a stopping replica (`source`) moves here, and records it in
+        SequenceDirectory; refused (saying why) when this replica is stopping too or has no
+        room, or the session is not one of a model served here (a redeploy that changed
+        the models)."""
+        if self.stopping.is_set():
+            return Sent(refused=f"replica {self.replica_id!r} is stopping too")
+        origin = f"a session moved from Ray Serve replica {source!r}"
+        try:
+            session_id = read_header(data, origin).session_id
+            await self.serving.receive_session(data, origin)
+        except SessionExists:  # an earlier try of this very move reached here: it is here
+            pass
+        except (BadRecord, CacheError) as e:
+            return Sent(refused=f"replica {self.replica_id!r}: {e}")
+        self._remember_foreign(session_id)
+        try:
+            await calls(self._directory, "moved").remote(session_id, self.replica_id)
+        except Exception as e:  # unrecorded, the session could not be found: give it back
+            with contextlib.suppress(Exception):
+                await _value(self.serving.close_session(session_id))
+            return Sent(refused=f"SequenceDirectory did not record it ({e!r})")
+        metrics.count_moved()
+        return Sent(replica=self.replica_id)
+
+    async def foreign_sessions(self) -> tuple[str, list[str]]:
+        """(this replica, the sessions it holds that another replica made): what a
+        restarted SequenceDirectory rebuilds its map of moved sessions from."""
+        held = await self.serving.session_ids()
+        return self.replica_id, [s for s in held if replica_of(s) != self.replica_id]
+
+    async def __del__(self) -> None:
+        """Ray's last call on a replica it stops gracefully (its calls drained): every
+        session moves to a replica that stays, within the shutdown budget left."""
+        if not hasattr(self, "_receivers"):  # stopped before it was ready: nothing to move
+            return
+        self.stopping.set()
+        since = self.stopping.since or time.monotonic()
+        budget_s = self._shutdown_s - (time.monotonic() - since) - MARGIN_S
+
+        async def send(data: bytes) -> Sent:
+            own_request_id()  # each move's call routed on its own (forward.own_request_id)
+            return await self._receivers.remote(data, self.replica_id)
+
+        moved, failed = await move_all(self.serving, send, budget_s)
+        # (An error when some stay: they are lost with this replica.)
+        (log.error if failed else log.info)(
+            "replica %s stopping: %d sessions moved, %d not (%s)",
+            self.replica_id,
+            moved,
+            len(failed),
+            ", ".join(failed[:8]),
+        )
+
+    def _remember_foreign(self, session_id: str) -> None:
+        self._foreign.pop(session_id, None)
+        self._foreign[session_id] = None  # the newest last
+        if len(self._foreign) > 2 * MAX_FOREIGN_REMEMBERED:
+            held = set(self.serving.engine.session_ids())
+            ended = [s for s in self._foreign if s not in held]
+            for s in ended[: len(self._foreign) - MAX_FOREIGN_REMEMBERED]:
+                del self._foreign[s]
+
+    def _held_here(self, session_id: str) -> bool:
+        """Whether the session is this replica's to answer: made here, moved here, or no
+        session of any replica (the door answers it)."""
+        owner = replica_of(session_id)
+        return owner is None or owner == self.replica_id or session_id in self._foreign
+
     def _gone(self, method: str, session_id: str, what: str = "") -> Reply | None:
-        """NOT_FOUND for a session that lived on another replica: the router sends a call
-        here only when that replica is gone (dead or removed), and its cache with it.
+        """NOT_FOUND for a session that lived on another replica and was not moved here:
+        the router sends a call here only when that replica is gone (dead, or stopped
+        without moving it), and its cache with it. Counted lost once per session here.
         what: the session's name for the client (a Triton sequence), when not its id."""
-        owner = replica_of(session_id) if session_id else None
-        if owner is None or owner == self.replica_id:
+        if not session_id or self._held_here(session_id):
             return None
+        owner = replica_of(session_id)
+        if session_id not in self._gone_counted:
+            self._gone_counted[session_id] = None
+            if len(self._gone_counted) > MAX_FOREIGN_REMEMBERED:
+                self._gone_counted.pop(next(iter(self._gone_counted)))
+            metrics.count_lost("replica_killed")
         protocol = metrics.PROTOCOL_KSERVE_V2 if what else metrics.PROTOCOL_MHA_V1
         metrics.count_request(method, "unknown", grpc.StatusCode.NOT_FOUND.name, protocol)
         named = f"{what} (session {session_id!r})" if what else f"session {session_id!r}"

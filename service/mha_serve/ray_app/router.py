@@ -1,16 +1,18 @@
-"""The request router of AttentionReplica: a session's calls go to the replica its id names.
+"""The request router of AttentionReplica: a session's calls go to the replica that holds it.
 
 Ray Serve runs one router per handle owner: each gRPC proxy (the proxy calls AttentionReplica
 directly; proxy.py puts the call's session into the `session_id` metadata that reaches the
-router), and each replica that forwards a Triton sequence's step. A call that carries a
-session id goes to exactly the replica named in it, never elsewhere while that replica
-lives: if this router does not know the replica yet (just started, not yet announced here),
-the call waits for the next replica update. When the replica is gone (its actor is dead), or
-has left this router's view after being in it (Ray is stopping it: scaled down, or
-replaced), the call goes to any live replica, which answers NOT_FOUND saying so
-(AttentionReplica): Ray never routes to a stopping replica, so waiting for it would only
-delay that answer by its drain. Calls without a session spread by load: the lower queue of
-two random replicas, as Ray's default router does, queues within one of each other a tie.
+router), and each replica that forwards a Triton sequence's step or moves its sessions. A
+session lives on the replica its id names until Ray stops that replica, which then moves it
+to another (moves.py) and SequenceDirectory records its new home. So a call that carries a
+session id goes to the replica named in it while that one is in this router's view; when it
+is not (Ray is stopping it, or it is gone, or not yet announced here), to the session's home
+in the directory (cached here) once that is in the view; while the replica last known to
+hold it still lives (draining, or moving its sessions), the call waits; once it is dead and
+no home is known, to one live replica (the same one for the same id, from any proxy), which
+answers NOT_FOUND saying so (AttentionReplica). Calls without a session spread by load: the
+lower queue of two random replicas, as Ray's default router does, queues within one of
+each other a tie.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -25,29 +28,40 @@ import ray
 from ray.serve._private.common import DeploymentID
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from mha_serve.ray_app.ids import replica_of
+from mha_serve.ray_app import leaving
+from mha_serve.ray_app.ids import is_pinned, replica_of
 
 log = logging.getLogger(__name__)
 
 SERVE_NAMESPACE = "serve"  # the namespace of Ray Serve's actors
-MAX_REMEMBERED = 4096  # replica ids kept (dead ones: to skip the actor lookup)
+DIRECTORY = "SequenceDirectory"  # the deployment that records where moved sessions live
+MAX_REMEMBERED = 4096  # replica ids kept (dead ones: to skip the actor lookup), homes cached
 QUEUE_LEN_SLACK = 1  # queue lengths this close are a tie (SessionRouter._by_load)
+LOOKUP_TIMEOUT_S = 30.0  # a directory lookup; past it the call is routed as if none answered
+
+UNASKED = object()  # SessionRouter._look_up: the directory did not answer
 
 
 class SessionRouter(RequestRouter):
-    """Pins each session to the replica its id names; spreads the rest by load."""
+    """Sends each session's calls to the replica holding it; spreads the rest by load."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._gone: dict[str, None] = {}  # replica ids known dead, oldest first
-        self._seen: dict[str, None] = {}  # replica ids once in this router's view
+        self._view: set[str] = set()  # the replicas Ray last said run
+        self._seen: dict[str, None] = {}  # replica ids once in the view, oldest first
+        self._homes: dict[str, str] = {}  # moved session -> the replica holding it now
+        self._home_of: Callable[[str], str | None] | None = None  # directory_lookup
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        """Ray's news of the running replicas; remembered, so that one leaving the view is
-        known to be stopping rather than not yet announced."""
-        for replica in replicas:
-            self._seen[replica.replica_id.unique_id] = None
+        """Ray's news of the running replicas; one that left (Ray is stopping it) is told to
+        its watchers in this process (leaving.py)."""
+        view = {replica.replica_id.unique_id for replica in replicas}
+        self._seen.update(dict.fromkeys(view))
         _trim(self._seen)
+        for unique_id in self._view - view:
+            leaving.left(unique_id)
+        self._view = view
         super().update_replicas(replicas)
 
     async def choose_replicas(
@@ -58,18 +72,48 @@ class SessionRouter(RequestRouter):
         session_id = _session_id(pending_request)
         if not session_id:
             return self._by_load(candidate_replicas)
-        # Wait between tries rather than spin while the owner is busy or not yet known.
+        # Wait between tries rather than spin while the holder is busy, moving or unknown.
         pending_request.routing_context.should_backoff = True
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         owner = replica_of(session_id)
-        for replica in candidate_replicas:
-            if replica.replica_id.unique_id == owner:
-                return [[replica]]
-        if owner in self._seen:  # it left the view: stopping or stopped, never coming back
-            self._forget(owner)
-        elif owner is not None and await self._alive(owner):
-            return []  # alive but not in this router's view yet: wait for the update
-        # Gone (or no replica at all in the id): any replica answers NOT_FOUND.
-        return [candidate_replicas]
+        home = self._homes.get(session_id, owner)
+        if home in by_id:
+            return [[by_id[home]]]
+        if owner is not None and not is_pinned(session_id):
+            found = await self._look_up(session_id)
+            if found is UNASKED:  # the directory restarting: it may know a home, so wait
+                return []
+            if found is not None:
+                home = found
+                if found != owner:
+                    self._homes[session_id] = found
+                    _trim(self._homes)
+                if found in by_id:
+                    return [[by_id[found]]]
+        # A call for a replica rather than a session (pinned_to) waits only for one not yet
+        # announced: a stopping replica takes no calls, and it holds no session of its own.
+        left = is_pinned(session_id) and home in self._seen
+        if home is not None and not left and await self._alive(home):
+            return []  # draining, moving its sessions, or not announced yet: wait
+        self._homes.pop(session_id, None)
+        # Gone: one replica answers NOT_FOUND, the same for the same id (counted once).
+        if not candidate_replicas:
+            return []
+        ranked = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        return [[ranked[zlib.crc32(session_id.encode()) % len(ranked)]]]
+
+    async def _look_up(self, session_id: str) -> str | None | object:
+        """The replica SequenceDirectory says holds a moved session (None: not moved;
+        UNASKED: the directory did not answer). Off this loop: Ray's router loop cannot make
+        or wait on a handle itself (making one waits on this very loop)."""
+        try:
+            if self._home_of is None:
+                app = self._deployment_id.app_name
+                self._home_of = await asyncio.to_thread(directory_lookup, app)
+            return await asyncio.to_thread(self._home_of, session_id)
+        except Exception as e:  # the directory restarting (it rebuilds its map)
+            log.warning("SessionRouter: no answer from %s (%r)", DIRECTORY, e)
+            return UNASKED
 
     def _by_load(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
         """Two random replicas, Ray taking the one with the shorter queue (its cache of the
@@ -104,7 +148,20 @@ class SessionRouter(RequestRouter):
         if unique_id not in self._gone:
             self._gone[unique_id] = None
             _trim(self._gone)
-            log.info("replica %s is gone or stopping; its sessions answer NOT_FOUND", unique_id)
+            log.info("replica %s is gone; sessions last held there answer NOT_FOUND", unique_id)
+
+
+def directory_lookup(app: str) -> Callable[[str], str | None]:
+    """home_of(session id), a blocking call to that application's SequenceDirectory (made
+    and called on a thread of its own, never on a router's loop)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(DIRECTORY, app).options(method_name="home_of")
+
+    def home_of(session_id: str) -> str | None:
+        return handle.remote(session_id).result(timeout_s=LOOKUP_TIMEOUT_S)
+
+    return home_of
 
 
 def _trim(ids: dict[str, None]) -> None:

@@ -1,0 +1,148 @@
+"""moves.py without a cluster, over real engines: every session of a stopping replica's
+engine moves to the receivers (a refusal or a receiver that fails tries again; a session made meanwhile moves too;
+one that no receiver takes stays and is reported), each freed at home only once received,
+its next step there equal to the one it would have given at home; and a stream's requests
+end once the replica is stopping, between two messages, never losing one already read."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from mha_serve.cache import SessionNotFound
+from mha_serve.cache.record import read_header
+from mha_serve.engine import Engine, ModelSpec
+from mha_serve.engine.threads import ComputeThreads
+from mha_serve.model import AttentionConfig
+from mha_serve.ray_app.moves import Sent, Stopping, UntilStopping, move_all
+from mha_serve.serving import AsyncEngine
+from tests.engine_calls import attend, req, torched
+
+E = 32
+SPEC = ModelSpec("m", AttentionConfig(E, 4, 2), seed=1, kv_cache_bytes=1 << 20)
+
+
+def engine(prefix: str) -> Engine:
+    return Engine(
+        [SPEC],
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        max_response_bytes=1 << 24,
+        session_id_prefix=prefix,
+    )
+
+
+def tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(1, n, E, generator=torch.Generator().manual_seed(seed))
+
+
+async def step(serving: AsyncEngine, sid: str, x: torch.Tensor) -> torch.Tensor:
+    served = await serving.attend(req("m", x, session_id=sid), torched, received=0.0, deadline=None)
+    return served.reply.output
+
+
+def test_every_session_moves_and_answers_there_as_it_would_have_at_home():
+    async def main() -> None:
+        computes = [ComputeThreads(1, 1) for _ in range(3)]
+        home, b, c = (AsyncEngine(engine(p), t) for p, t in zip("abc", computes, strict=True))
+        receivers = {"b": b, "c": c}
+        twin = engine("a")  # the same sessions, never moved: what each next step should be
+        refused_once: set[str] = set()
+        received: dict[str, str] = {}
+        late: list[str] = []
+        try:
+            sids = []
+            for n in range(6):
+                sid = (await home.create_session("m", None, None)).session_id
+                await step(home, sid, tokens(3 + n, seed=n))
+                twin.receive_session(home.engine.pack_session(sid))
+                sids.append(sid)
+
+            async def send(data: bytes) -> Sent:
+                sid = read_header(data, "test").session_id
+                if sid not in refused_once:  # each first try refused (a receiver stopping)
+                    refused_once.add(sid)
+                    if len(refused_once) % 2:
+                        raise RuntimeError("ActorDiedError: the receiver died")
+                    return Sent(refused="stopping too")
+                if not late:  # a session made while the others move moves too
+                    late.append((await home.create_session("m", None, None)).session_id)
+                assert sid in await home.session_ids()  # freed at home only once received
+                name = "bc"[len(received) % 2]
+                await receivers[name].receive_session(data, "test")
+                received[sid] = name
+                return Sent(replica=name)
+
+            assert await move_all(home, send, budget_s=60.0) == (7, [])
+            assert sorted(received) == sorted(sids + late)
+            assert await home.session_ids() == []
+            for n, sid in enumerate(sids):
+                where = received[sid]
+                with pytest.raises(SessionNotFound, match=f"moved to Ray Serve replica '{where}'"):
+                    await home.get_session(sid)
+                x = tokens(2, seed=100 + n)
+                want = attend(twin, req("m", x, session_id=sid)).output
+                assert torch.equal(await step(receivers[where], sid, x), want)
+        finally:
+            for serving, compute in zip((home, b, c), computes, strict=True):
+                await serving.close()
+                compute.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_session_no_replica_takes_stays_and_is_reported():
+    async def main() -> None:
+        compute = ComputeThreads(1, 1)
+        home = AsyncEngine(engine("a"), compute)
+        try:
+            sid = (await home.create_session("m", None, None)).session_id
+
+            async def send(data: bytes) -> Sent:
+                return Sent(refused="no room")
+
+            assert await move_all(home, send, budget_s=60.0) == (0, [sid])
+            assert await home.session_ids() == [sid]  # not freed: nobody holds it elsewhere
+        finally:
+            await home.close()
+            compute.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_stream_ends_between_messages_once_the_replica_is_stopping():
+    """Messages read are all handed on; the stop lands while the stream waits for the next
+    one (held by a gate), and the stream ends, cut, without reading further."""
+
+    async def main() -> None:
+        stopping = Stopping()
+        gate = asyncio.Event()
+        read: list[int] = []
+
+        async def requests():
+            for i in range(5):
+                if i == 2:
+                    await gate.wait()  # the client is slow to send the third
+                read.append(i)
+                yield i
+
+        until = UntilStopping(requests(), stopping)
+        got = [await until.__anext__(), await until.__anext__()]
+        waiting = asyncio.ensure_future(until.__anext__())
+        await asyncio.sleep(0)  # (it waits on the gate)
+        stopping.set()
+        with pytest.raises(StopAsyncIteration):
+            await waiting
+        assert (got, read, until.cut) == ([0, 1], [0, 1], True)
+        gate.set()  # the read left pending ends; what it reads is never handed on
+        await asyncio.sleep(0)
+        with pytest.raises(StopAsyncIteration):
+            await until.__anext__()
+
+        whole = UntilStopping(requests(), Stopping())  # not stopping: every message, uncut
+        gate.set()
+        assert ([i async for i in whole], whole.cut) == ([0, 1, 2, 3, 4], False)
+
+    asyncio.run(main())
