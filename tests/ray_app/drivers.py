@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import urllib.request
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -88,3 +90,14 @@ class Driver:
         for sid in self.sessions:
             await self.stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=TIMEOUT_S)
         self.sessions.clear()
+
+
+def replica_metrics(ports) -> Iterator[str]:
+    """The /metrics text of each replica whose port answers (a replica's is the app's
+    metrics_port plus its rank on the node; ranks go on from replicas a redeploy replaced)."""
+    for port in ports:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+                yield r.read().decode()
+        except OSError:
+            continue

@@ -21,7 +21,7 @@ from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_client.tensors import from_proto, to_proto
 from mha_serve.ray_app.ids import replica_of
 from tests.ray_app.conftest import ATOL
-from tests.ray_app.drivers import EMBED, MODELS, TIMEOUT_S
+from tests.ray_app.drivers import EMBED, MODELS, TIMEOUT_S, replica_metrics
 
 T = TypeVar("T")
 MAX_STEPS = 400  # per thread: the loop's bound, whatever Ray takes
@@ -217,15 +217,8 @@ def spread_sessions(
 
 def metric_sum(ports, name: str, labels: str = "") -> float:
     """The sum of a counter over the replicas whose /metrics answer on `ports`."""
-    import urllib.request
-
     total = 0.0
-    for port in ports:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
-                text = r.read().decode()
-        except OSError:
-            continue
+    for text in replica_metrics(ports):
         for line in text.splitlines():
             if line.startswith(name + "{") and labels in line:
                 total += float(line.rsplit(" ", 1)[1])

@@ -13,7 +13,6 @@ import collections
 import copy
 import os
 import time
-import urllib.request
 
 import grpc
 import numpy as np
@@ -26,7 +25,7 @@ from mha_client.sdk import Client
 from mha_serve.ray_app.ids import replica_of
 from tests.ray_app.cluster import APP, deploy
 from tests.ray_app.conftest import free_ports, replica_handle, replica_ids
-from tests.ray_app.drivers import TIMEOUT_S, Driver
+from tests.ray_app.drivers import TIMEOUT_S, Driver, replica_metrics
 from tests.ray_app.test_affinity import wait_dead
 
 pytestmark = pytest.mark.slow
@@ -38,12 +37,7 @@ def requests_by_replica(ports) -> dict[str, collections.Counter]:
     (the ports that answer: a replica's is the app's metrics_port plus its rank on the
     node, and ranks go on from the replicas a redeploy replaces)."""
     out: dict[str, collections.Counter] = {}
-    for port in ports:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
-                text = r.read().decode()
-        except OSError:
-            continue
+    for text in replica_metrics(ports):
         counts: collections.Counter = collections.Counter()
         (replica,) = {
             line.split('replica="')[1].split('"')[0]

@@ -187,6 +187,7 @@ class AsyncEngine:
         retry = False
         while True:
             seen = self._answered
+            ticket.claimed = False  # (until this try holds the session's claim)
             try:
                 if not retry:
                     return await self._session_step(request, ticket, caller)
@@ -195,7 +196,10 @@ class AsyncEngine:
                 async with self._room_turn:
                     return await self._session_step(request, ticket, caller)
             except CacheExhausted as e:
-                if not await self._room_may_come(e, seen, give_up):
+                # Others answered since: not this try's own release (refused bringing its
+                # session back, it never held the claim).
+                others = self._answered - seen - ticket.claimed
+                if not await self._room_may_come(e, others, give_up):
                     raise
                 retry = True
 
@@ -226,16 +230,17 @@ class AsyncEngine:
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def _room_may_come(self, refused: CacheExhausted, seen: int, give_up: float) -> bool:
+    async def _room_may_come(self, refused: CacheExhausted, others: int, give_up: float) -> bool:
         """A session call refused for room (bringing its session back, or its step) while
         other calls in flight held sessions that could not be spilled or evicted: True once
-        another session call has let go since (try again), False when none held any or
+        another session call has let go since (`others` already had, or one does now: try
+        again), False when none held any or
         none lets go before give_up (the refusal stands). A full cache thus queues such
         calls instead of refusing them; the call waits without its claim, so that its own
         session may be spilled to make room for the others meanwhile."""
         if not refused.in_flight:
             return False
-        if self._answered - seen > 1:  # (one is this call's own)
+        if others > 0:
             return True
         left = give_up - time.monotonic()
         if left <= 0:
