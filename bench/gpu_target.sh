@@ -20,7 +20,7 @@
 #   GPU_PYTEST_ARGS      more pytest arguments (e.g. -m 'not slow')
 #   GPU_BENCH_ARGS       more bench/gpu.py arguments (e.g. --quick)
 #   GPU_PARTS            what to run after the set-up, any of "bench profile suite" (all three):
-#                        bench/gpu.py; bench/step_profile.py at context 4096 (where a served
+#                        bench/gpu.py; bench/step_profile.py at context 4032 (where a served
 #                        decode step's time goes, by py-spy); the suite
 #   GPU_OUT              a folder that gets copies of the page, the results and the logs
 #   GPU_WHEELS_EXCLUDE   (make gpu-wheels) packages not to download; GPU_WHEELS_PYTHON: 3.12
@@ -190,7 +190,7 @@ run() {
   if [[ " $GPU_PARTS " == *" profile "* ]]; then
     if [ -x "$GPU_VENV/bin/py-spy" ]; then
       say "where a served decode step's time goes (bench/step_profile.py, py-spy)"
-      "$PY" bench/step_profile.py --context 4096 --seconds 4 --rounds 1 \
+      "$PY" bench/step_profile.py --context 4032 --seconds 4 --rounds 1 \
         --variant noinline=--inline-lone-requests=false \
         --json-out "$RESULTS/step_profile_gpu.json" 2>&1 | tee "$RESULTS/step_profile_gpu.txt"
     else

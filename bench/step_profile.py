@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from overhead import OPTIONS, BytesStream, start_served  # noqa: E402
 
 RATE_HZ = 1000
+STEPS = 64  # streamed steps per round trip loop; then the session is truncated back
 # First match wins, innermost frame first: (part, substrings of a frame "function (file:line)").
 PARTS = [
     (
@@ -84,7 +85,7 @@ async def steps(target: str, context: int, seconds: float) -> tuple[int, list[fl
             step_request(
                 session.id, rng.standard_normal((1, 512), dtype=np.float32), {}
             ).SerializeToString()
-            for _ in range(64)
+            for _ in range(STEPS)
         ]
         async with grpc.aio.insecure_channel(target, options=OPTIONS) as channel:
             n, times, end = 0, [], time.monotonic() + seconds
@@ -156,6 +157,15 @@ def main(argv: list[str] | None = None) -> int:
         "--json-out", type=Path, default=ROOT / "bench" / "results" / "step_profile.json"
     )
     args = p.parse_args(argv)
+    if args.load == "decode":  # the steps append STEPS tokens to a session of --context
+        from mha_serve.config import default_models
+
+        max_len = next(m.max_seq_len for m in default_models() if m.name == "mha")
+        if args.context + STEPS > max_len:
+            p.error(
+                f"--context {args.context}: the steps append {STEPS} tokens, past the built-in "
+                f"mha's max_seq_len {max_len}; use at most {max_len - STEPS}"
+            )
     servers = [("now", None, [])]
     if args.baseline_tree:
         servers.insert(0, ("before", args.baseline_tree, []))

@@ -456,3 +456,21 @@ def test_a_row_records_what_it_could_not_measure_and_the_page_says_so():
     assert "## What failed in this run\n\n- lone: `RuntimeError: the server went away`" in page
     assert "- kv mqa x64 at 4096: row: `MemoryError: out of memory`" in page
     assert "| mqa | 64 | - | - | **-** | failed | - | failed | - | failed | - | - | - |" in page
+
+
+def test_the_step_profile_refuses_a_context_its_steps_would_overrun_and_make_gpu_fits():
+    """The decode steps append step_profile.STEPS tokens to a session of --context: past the
+    model's max_seq_len the server would answer OUT_OF_RANGE mid-profile (as `make gpu` once
+    did at 4096), so the script refuses it up front, and the context make gpu passes fits."""
+    import re
+
+    import step_profile
+
+    from mha_serve.config import default_models
+
+    max_len = next(m.max_seq_len for m in default_models() if m.name == "mha")
+    with pytest.raises(SystemExit) as e:
+        step_profile.main(["--context", str(max_len), "--seconds", "0"])
+    assert e.value.code == 2
+    passed = re.findall(r"step_profile\.py --context (\d+)", (BENCH / "gpu_target.sh").read_text())
+    assert passed and all(int(c) + step_profile.STEPS <= max_len for c in passed)

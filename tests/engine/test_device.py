@@ -7,7 +7,7 @@ import torch
 
 from mha_serve.config import default_models
 from mha_serve.engine import Engine, resolve_device, resolve_dtype
-from tests.engine_calls import req, torched
+from tests.engine_calls import req, run_batch, torched
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -49,5 +49,5 @@ def test_cuda_low_precision_matches_cpu_float32():
         torch.testing.assert_close(got.output, ref.output, atol=5e-2, rtol=5e-2)
         torch.testing.assert_close(got.weights, ref.weights, atol=2e-2, rtol=0)
         pair = [req(name, x[:1], causal=True), req(name, x[1:2, :40], causal=True)]
-        batched = [torched(r) for r in gpu.run_batch(gpu.get(name), pair)]
+        batched = run_batch(gpu, gpu.get(name), pair)  # prepared, as the engine runs a batch
         torch.testing.assert_close(batched[0].output, ref.output[:1], atol=5e-2, rtol=5e-2)
