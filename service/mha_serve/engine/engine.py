@@ -29,6 +29,8 @@ from mha_serve.engine.types import (
     ModelSpec,
     Prepared,
     array_of,
+    on_host,
+    output_dtype,
     repeat_heads,
     tensor_of,
 )
@@ -409,14 +411,15 @@ class Engine:
                 head_mask=head_mask,
                 check_overflow=not _proven(hosted, batch),
             )
+            dtypes = [output_dtype(p.request) for p in batch]
+            host = on_host(forward.output, dtypes)  # one copy for the batch
             outputs = []
             row = 0
-            for p in batch:
+            for p, dtype in zip(batch, dtypes, strict=True):
                 n, seq_len, _ = p.inputs.shape
-                out = forward.output[row : row + n, :seq_len]
-                outputs.append(out.to(DTYPES[p.request.output_dtype or p.request.inputs.dtype]))
+                out = host[row : row + n, :seq_len]
+                outputs.append(out.to(dtype).contiguous())  # the copies we send
                 row += n
-            outputs = [o.cpu().contiguous() for o in outputs]  # the copies we send
             overflow = set(forward.overflow.rows())  # read with the outputs
         results: list[AttendOutcome | Exception] = []
         compute_ms = (time.perf_counter() - start) * 1e3

@@ -32,7 +32,15 @@ from mha_serve.engine.checks import require_finite, scores_overflow_error
 from mha_serve.engine.durable import Expectations, open_spill_tier, restore
 from mha_serve.engine.errors import Abandoned, DeadlinePassed, InvalidRequest, RequestError
 from mha_serve.engine.requests import Array, AttendOutcome, AttendRequest, CallState
-from mha_serve.engine.types import DTYPES, HostedModel, Prepared, array_of, repeat_heads
+from mha_serve.engine.types import (
+    DTYPES,
+    HostedModel,
+    Prepared,
+    array_of,
+    on_host,
+    output_dtype,
+    repeat_heads,
+)
 from mha_serve.model import AttentionOutput
 from mha_serve.model.overflow import (
     bound_crossed,
@@ -401,6 +409,8 @@ class Sessions:
         that error (a pending step left behind would keep its session busy for good); those
         already kept keep their answers."""
         out, heads = forward.out, forward.heads
+        dtypes = [output_dtype(calls[i].request) for i, _ in live]
+        host = on_host(out.output, dtypes)  # one copy for the batch, not one per step
         settled = 0
         try:
             for b, (i, r) in enumerate(live):
@@ -412,7 +422,9 @@ class Sessions:
                     if b in forward.too_large:
                         dtypes = (out.output.dtype, cache_dtype)
                         raise scores_overflow_error(min(dtypes, key=lambda d: torch.finfo(d).max))
-                    output, weights = _step_outputs(out, b, r, p.request, heads, forward.finite[b])
+                    output, weights = _step_outputs(
+                        out, host, b, r, p.request, heads, forward.finite[b]
+                    )
                     _raise_if_abandoned(p.state)  # last, right before commit: the smallest gap
                 except Exception as e:  # refused, caller gone, or a bug: not kept
                     settled = b + 1
@@ -451,18 +463,18 @@ class Sessions:
 
 def _step_outputs(
     out: AttentionOutput,
+    host: torch.Tensor,
     b: int,
     r: Reservation,
     call: AttendRequest,
     heads: list[int],
     finite: bool,
 ) -> tuple[Array, Array | None]:
-    """Step b's share of the batch's output and weights; `finite`: its output row holds no
-    NaN/Inf."""
+    """Step b's share of the batch's output and weights; host: the batch's output on the
+    host (on_host); `finite`: its output row holds no NaN/Inf."""
     n = r.num_tokens
-    whole = out.output
-    output = whole if whole.shape[0] == 1 and whole.shape[1] == n else whole[b : b + 1, :n]
-    dtype = DTYPES[call.output_dtype or call.inputs.dtype]
+    output = host if host.shape[0] == 1 and host.shape[1] == n else host[b : b + 1, :n]
+    dtype = output_dtype(call)
     if dtype != output.dtype:  # (no call at all otherwise: this runs per session per step)
         output = output.to(dtype)
     if not finite or output.dtype != out.output.dtype:  # a narrower dtype may overflow
@@ -475,7 +487,7 @@ def _step_outputs(
         weights = require_finite(w.to(DTYPES[call.weights_dtype]), "attention weights").cpu()
     # Contiguous here, on the compute thread: encoding then copies nothing with torch,
     # so no other thread ever runs a torch op big enough to start an OpenMP team.
-    output = (output if output.is_cpu else output.cpu()).contiguous()
+    output = output.contiguous()
     return array_of(output), None if weights is None else array_of(weights.contiguous())
 
 

@@ -33,6 +33,8 @@ __all__ = [
     "ModelSpec",
     "Prepared",
     "array_of",
+    "on_host",
+    "output_dtype",
     "repeat_heads",
     "tensor_of",
 ]
@@ -97,6 +99,21 @@ def array_of(t: torch.Tensor) -> Array:
     if t.dtype == torch.bfloat16:
         return Array(t.view(torch.int16).numpy(), "bfloat16")
     return Array(t.numpy(), DTYPE_NAME[t.dtype])
+
+
+def output_dtype(request: AttendRequest) -> torch.dtype:
+    """The dtype a call's output is sent in: the one it asks for, else its input's."""
+    return DTYPES[request.output_dtype or request.inputs.dtype]
+
+
+def on_host(output: torch.Tensor, dtypes: list[torch.dtype]) -> torch.Tensor:
+    """A batch's output on the host in one copy, so a device is waited for once per batch
+    rather than once per call; converted first when every call asks for the same dtype
+    (one conversion, not one per call; a conversion rounds alike on any device). Calls
+    then slice it; one that asks for another dtype converts its slice."""
+    if len(set(dtypes)) == 1 and dtypes[0] != output.dtype:
+        output = output.to(dtypes[0])
+    return output if output.is_cpu else output.cpu()
 
 
 def repeat_heads(weights: torch.Tensor, heads: list[int]) -> torch.Tensor:
