@@ -6,6 +6,13 @@
             for token in tokens:
                 r = stream.step(token[None])        # r.session.num_tokens grows by one
 
+A stream whose server is going away with its sessions moving elsewhere (a Ray Serve replica
+being scaled down or redeployed ends its streams UNAVAILABLE, "reopen the stream and send
+the messages that got no reply again") is reopened by the stream itself, and the step that
+got no reply is sent again: the server answered every message it read before that status,
+so the step was not kept and is kept once. At most MAX_REOPENS times a step, within the
+stream's timeout; `stream(reopen=False)` raises that status instead.
+
 Step options are those of build_attend_request (weights, heads, query_range, head_mask, ...).
 """
 
@@ -31,6 +38,20 @@ if TYPE_CHECKING:
 
 _END = object()  # tells a stream's request iterator to finish
 _CLOSED = "this stream is closed; open another with session.stream()"
+# What a server says when it ends a stream whose sessions live on elsewhere
+# (mha_serve.ray_app.moves.REOPEN; tests/client/test_stream_reopen.py holds the two together).
+REOPEN_HINT = "reopen the stream and send the messages that got no reply again"
+MAX_REOPENS = 3  # streams reopened for one step before its status is raised
+
+
+def says_reopen(err: MhaServeError) -> bool:
+    """A stream ended because its server is going and its sessions moved: reopen it, and
+    send again what got no reply (none of it was kept)."""
+    return err.code == grpc.StatusCode.UNAVAILABLE and REOPEN_HINT in (err.details or "")
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
 def _task_cancelling() -> bool:
@@ -74,9 +95,10 @@ class Session(_Handle):
         """Append x (T, E) or (1, T, E); its tokens attend to all cached tokens and themselves."""
         return self._client._run(ops.step(self, x, options), timeout)
 
-    def stream(self, *, timeout: float | None = None) -> SessionStream:
-        """One bidirectional stream for many steps (timeout bounds the whole stream)."""
-        return SessionStream(self, timeout)
+    def stream(self, *, timeout: float | None = None, reopen: bool = True) -> SessionStream:
+        """One bidirectional stream for many steps (timeout bounds the whole stream,
+        reopened ones included); reopen: reopen it when its server says to (module doc)."""
+        return SessionStream(self, timeout, reopen)
 
     def refresh(self, *, timeout: float | None = None) -> SessionInfo:
         return self._client._run(ops.refresh(self), timeout)
@@ -97,13 +119,20 @@ class Session(_Handle):
 class SessionStream:
     """Steps over one StreamSession call; each step waits for its reply (in order)."""
 
-    def __init__(self, session: Session, timeout: float | None) -> None:
+    def __init__(self, session: Session, timeout: float | None, reopen: bool = True) -> None:
         self._session = session
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
         client = session._client
+        timeout = client.timeout if timeout is None else timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._reopen = reopen
+        self._open()
+
+    def _open(self) -> None:
+        client = self._session._client
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._replies: Iterator[bytes] = client._bytes_stub.StreamSession(
             iter(self._requests.get, _END),
-            timeout=client.timeout if timeout is None else timeout,
+            timeout=_remaining(self._deadline),
             metadata=getattr(client, "metadata", None),
         )
         # Ends the request stream once, on close() or when the stream is dropped unclosed
@@ -120,9 +149,21 @@ class SessionStream:
         if not self._end.alive:
             raise RuntimeError(_CLOSED)
         start = time.perf_counter()
-        self._requests.put(step_request_bytes(self._session.id, x, options))
+        request = step_request_bytes(self._session.id, x, options)
+        for reopened in range(MAX_REOPENS + 1):
+            try:
+                return _read_step(self._session, self._round_trip(request), x, start)
+            except MhaServeError as e:
+                if not (self._reopen and says_reopen(e)) or reopened == MAX_REOPENS:
+                    raise
+            self._end()  # that call has ended: finish its request iterator, open another
+            self._open()
+        raise AssertionError("unreachable")
+
+    def _round_trip(self, request: bytes) -> bytes:
+        self._requests.put(request)
         try:
-            resp = next(self._replies)
+            return next(self._replies)
         except grpc.RpcError as err:
             raise MhaServeError.from_rpc_error(err, self._session._client.target) from err
         except StopIteration:  # the server ended the stream without a status: not expected
@@ -131,7 +172,6 @@ class SessionStream:
                 "the stream ended before this step's reply",
                 self._session._client.target,
             ) from None
-        return _read_step(self._session, resp, x, start)
 
     def close(self) -> None:
         """Ends the stream and waits for the server to finish it; closing twice is a no-op."""
@@ -159,8 +199,9 @@ class AsyncSession(_Handle):
     ) -> AttendResult:
         return await self._client._run(ops.step(self, x, options), timeout)
 
-    def stream(self, *, timeout: float | None = None) -> AsyncSessionStream:
-        return AsyncSessionStream(self, timeout)
+    def stream(self, *, timeout: float | None = None, reopen: bool = True) -> AsyncSessionStream:
+        """As Session.stream."""
+        return AsyncSessionStream(self, timeout, reopen)
 
     async def refresh(self, *, timeout: float | None = None) -> SessionInfo:
         return await self._client._run(ops.refresh(self), timeout)
@@ -185,15 +226,19 @@ class AsyncSessionStream:
     (`session.refresh()` tells), and its reply can no longer be told from the next one's.
     Later steps raise MhaServeError CANCELLED; open another stream to go on."""
 
-    def __init__(self, session: AsyncSession, timeout: float | None) -> None:
+    def __init__(self, session: AsyncSession, timeout: float | None, reopen: bool = True) -> None:
         self._session = session
-        client = session._client
-        timeout = client.timeout if timeout is None else timeout
+        timeout = session._client.timeout if timeout is None else timeout
         self._deadline = None if timeout is None else time.monotonic() + timeout
-        self._call = client._bytes_stub.StreamSession(
-            timeout=timeout, metadata=getattr(client, "metadata", None)
-        )
+        self._reopen = reopen
+        self._open()
         self._closed = False
+
+    def _open(self) -> None:
+        client = self._session._client
+        self._call = client._bytes_stub.StreamSession(
+            timeout=_remaining(self._deadline), metadata=getattr(client, "metadata", None)
+        )
 
     async def __aenter__(self) -> AsyncSessionStream:
         return self
@@ -206,6 +251,16 @@ class AsyncSessionStream:
             raise RuntimeError(_CLOSED)
         start = time.perf_counter()
         request = step_request_bytes(self._session.id, x, options)
+        for reopened in range(MAX_REOPENS + 1):
+            try:
+                return _read_step(self._session, await self._round_trip(request), x, start)
+            except MhaServeError as e:
+                if not (self._reopen and says_reopen(e)) or reopened == MAX_REOPENS:
+                    raise
+            self._open()  # that call has ended: open another
+        raise AssertionError("unreachable")
+
+    async def _round_trip(self, request: bytes) -> bytes:
         try:
             if self._call.done():  # an earlier step failed or was cancelled: say how it ended
                 raise await self._ended()
@@ -223,7 +278,7 @@ class AsyncSessionStream:
             raise await self._ended() from None  # the call was cancelled, not this task
         if resp is grpc.aio.EOF:
             raise await self._ended()
-        return _read_step(self._session, resp, x, start)
+        return resp
 
     async def _ended(self) -> MhaServeError:
         """The ended call's status as the error to raise."""
