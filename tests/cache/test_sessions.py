@@ -568,3 +568,34 @@ def test_a_claimed_session_is_pinned_until_its_step_is_answered():
     assert table.get(s.id).num_tokens == 2 * BS  # idle time starts at the release
     clock.now += 6
     assert table.expire() == [s.id]
+
+
+def test_the_engines_state_is_carried_never_read():
+    """Session.engine_state, the engine's per-session state (its key bound): set by a commit
+    that brings one, kept by one that does not, shared (the same object) by a fork, kept by
+    a truncate that leaves tokens and dropped by one that leaves none; a reservation, what
+    the step sees of it, is read back through engine_states, and a fork's later steps never
+    change its parent's."""
+    table, _ = make()
+    s = table.create("m")
+    assert s.engine_state is None
+    first, second = object(), object()
+    table.commit(table.reserve(s.id, 3), engine_state=first)
+    assert s.engine_state is first
+    append(table, s.id, 2)  # no state brought: kept
+    assert s.engine_state is first
+    child = table.fork(s.id)
+    assert child.engine_state is first
+    res = table.reserve(child.id, 1)
+    assert table.engine_states([res]) == [first]
+    table.commit(res, engine_state=second)
+    assert (child.engine_state, s.engine_state) == (second, first)
+    table.truncate(s.id, 1)
+    assert s.engine_state is first  # it holds for any prefix of the K/V
+    table.truncate(s.id, 0)
+    assert s.engine_state is None
+    res = table.reserve(s.id, 2)
+    assert table.engine_states([res]) == [None]
+    table.close(s.id)  # closed mid-step: the step still reads its session's state
+    assert table.engine_states([res]) == [None]
+    table.rollback(res)

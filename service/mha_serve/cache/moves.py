@@ -82,14 +82,14 @@ class Moving:
         done, into the spill tier if there is one. BadRecord (a file that is not a session
         of a model served here, say why), SessionExists, SessionNotFound (expired on the
         way), CacheExhausted or SpillFull (no room anywhere)."""
-        from .record import BadRecord, decode, key_bound, read_header
+        from .record import BadRecord, decode, read_header
 
         header = read_header(data, source)
         expected = self.expected.get(header.model)
         if expected is None:
             raise BadRecord(f"{source}: a session of model {header.model!r}, not served here")
         record, k, v = decode(data, source, expected)  # checked whole, off the lock
-        key_absmax = key_bound(k, v)
+        engine_state = self.engine_state_of(k, v)  # recomputed, never read from the bytes
         with self._lock:
             if record.session_id in self._sessions or record.session_id in self._spilled:
                 raise SessionExists(f"session {record.session_id!r} is already held here")
@@ -107,7 +107,7 @@ class Moving:
             s = Session(record.session_id, record.model, record.max_len, record.ttl_s, now, now)
             s.last_used_s, s.owner = now - idle_s, record.owner
             s.first_block = record.first_position // bs
-            s.key_absmax = key_absmax
+            s.engine_state = engine_state
             num_blocks = -(-record.num_tokens // bs) - s.first_block
             s.holds.pins = 1  # making room never picks it
             try:

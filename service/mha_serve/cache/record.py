@@ -184,13 +184,6 @@ def check(record: SessionRecord, expected: Expected, source: str) -> None:
         )
 
 
-def key_bound(k: torch.Tensor, v: torch.Tensor) -> float:
-    """max |k| and |v| of a record's tensors: the session's bound, recomputed."""
-    if k.numel() == 0:
-        return 0.0
-    return float(max(k.abs().max(), v.abs().max()))
-
-
 def _check_fields(r: SessionRecord, source: str) -> None:
     ints = (r.num_tokens, r.first_position, r.num_kv_heads, r.head_dim)
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ints):

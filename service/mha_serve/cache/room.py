@@ -59,10 +59,12 @@ class RoomMaking:
                 self.quota.add(ghost)
             return [e.session_id for e in found], [(str(p), why) for p, why in refused]
 
-    def adopt(self, record: SessionRecord, k: Any, v: Any, *, key_absmax: float) -> SessionStats:
+    def adopt(self, record: SessionRecord, k: Any, v: Any) -> SessionStats:
         """Brings a spilled session back under its id: blocks for the K/V it held (making
         room as for a step: other idle sessions may be spilled), its tokens, limits, owner,
-        idle time; its file goes. Already back (another call restored it): its stats."""
+        idle time, and the engine's state recomputed from its K/V (engine_state_of); its
+        file goes. Already back (another call restored it): its stats."""
+        engine_state = self.engine_state_of(k, v)  # (a pass over the K/V: off the lock)
         with self._lock:
             now = self._clock()
             live = self._sessions.get(record.session_id)
@@ -78,7 +80,7 @@ class RoomMaking:
             # another never sends it straight back before its call runs.
             s.last_used_s, s.owner = now, record.owner
             s.first_block = record.first_position // bs
-            s.key_absmax = key_absmax
+            s.engine_state = engine_state
             num_blocks = -(-record.num_tokens // bs) - s.first_block
             s.holds.pins = 1  # making room never picks it
             # Out of the tier's index while room is made: spilling others may expire the

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .block_pool import BlockPool
 from .errors import (
@@ -88,6 +88,9 @@ class SessionTable(RoomMaking, Moving):
         # model -> what a record of its sessions must match here (engine.durable's
         # Expectations): spill files, sessions moved in (moves.py).
         self.expected: Mapping[str, Expected] = {}
+        # (k, v) -> a session's Session.engine_state, for K/V that arrive whole (adopt,
+        # receive): the engine's, computed from the tensors, off the lock.
+        self.engine_state_of: Callable[[Any, Any], object] = _no_engine_state
         self._lock = threading.RLock()
         # Per-client limits (off until set_client_limits): sessions and bytes per owner.
         self.quota = OwnerQuota(lambda model: self._models[model].storage.bytes_per_block)
@@ -196,7 +199,7 @@ class SessionTable(RoomMaking, Moving):
             child.block_table = list(blocks)
             child.first_block = parent.first_block
             child.num_tokens = parent.num_tokens
-            child.key_absmax = parent.key_absmax
+            child.engine_state = parent.engine_state  # (immutable: shared)
             child.owner = parent.owner
             parent.last_used_s = now
             self._sessions[child.id] = child
@@ -237,8 +240,8 @@ class SessionTable(RoomMaking, Moving):
             m.pool.decref(s.block_table[keep:])
             del s.block_table[keep:]
             s.num_tokens = n
-            if n == 0:  # else the kept keys' bound stays (a bound need not be tight)
-                s.key_absmax = 0.0
+            if n == 0:  # else the engine's state stays: it holds for any prefix of the K/V
+                s.engine_state = None
                 s.first_block = 0
             s.last_used_s = self._clock()
             return s
@@ -368,7 +371,6 @@ class SessionTable(RoomMaking, Moving):
                 tuple(s.block_table),
                 slots,
                 num_new_blocks,
-                s.key_absmax if s.num_tokens else 0.0,
                 first_block=first,
                 read_start=read_start(s.num_tokens, m.window),
             )
@@ -413,15 +415,23 @@ class SessionTable(RoomMaking, Moving):
                     self._unpin(s)
             return results
 
-    def commit(self, res: Reservation, *, key_absmax: float = 0.0) -> SessionStats:
+    def engine_states(self, reservations: Sequence[Reservation]) -> list[object]:
+        """Session.engine_state of each reservation's session, as its step found it: only
+        that step's commit changes it while the step is pending (a truncate waits for it;
+        a session adopted or received is a new one)."""
+        with self._lock:
+            return [self._pending_owner(r).engine_state for r in reservations]
+
+    def commit(self, res: Reservation, *, engine_state: object = None) -> SessionStats:
         """The step's K/V are written: count its tokens and unpin, and return the session's
-        stats (one transaction). key_absmax: max |k| of the step's keys, kept in the
-        session's bound (Session.key_absmax). SessionNotFound when the session was closed
-        while the step ran (its cache went with it)."""
+        stats (one transaction). engine_state: the engine's state of the session with the
+        step's K/V (Session.engine_state; None: as it was). SessionNotFound when the
+        session was closed while the step ran (its cache went with it)."""
         with self._lock:
             s = self._pending_owner(res)
             s.num_tokens = res.start + res.num_tokens
-            s.key_absmax = max(res.key_absmax, key_absmax)
+            if engine_state is not None:
+                s.engine_state = engine_state
             s.holds.pending = None
             self._slide(s)
             s.last_used_s = self._clock()
@@ -614,6 +624,10 @@ def unknown_message(session_id: str) -> str:
         f"session {session_id!r} does not exist here (never created on this server, or gone "
         "too long ago to remember why)"
     )
+
+
+def _no_engine_state(k: Any, v: Any) -> None:
+    return None
 
 
 def _cdiv(a: int, b: int) -> int:

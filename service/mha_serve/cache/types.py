@@ -44,7 +44,6 @@ class Reservation:
     block_table: tuple[int, ...]  # the session's blocks, covering start + num_tokens
     slots: tuple[int, ...]  # (num_tokens,) block_id * block_size + offset per new token
     num_new_blocks: int  # blocks appended by this reservation; rollback frees them
-    key_absmax: float = 0.0  # max |k| over the keys cached before this step (Session's)
     # block_table[0] is the session's logical block first_block: the blocks before it fell
     # wholly out of its sliding window and were freed (0 without a window).
     first_block: int = 0
@@ -97,9 +96,12 @@ class Session:
     first_block: int = 0
     num_tokens: int = 0  # committed tokens: their K/V are written
     holds: Holds = field(default_factory=Holds)  # what keeps it busy or in place
-    # max |k| over every key the session holds or held since it was last emptied: a bound
-    # on its keys that the engine's overflow check reads instead of the keys themselves.
-    key_absmax: float = 0.0
+    # What the engine keeps about the K/V the session holds (mha_serve.engine's KeyBound),
+    # carried and never read here: immutable (a fork shares its parent's), valid for any
+    # prefix of those K/V (a truncate keeps it), None while none are held. Set with the step
+    # that adds K/V (commit), and by SessionTable.engine_state_of where a session's K/V
+    # arrive whole (adopt, receive): recomputed from them, never read from a file.
+    engine_state: object = None
     owner: str = ""  # the client whose per-client limits it counts against ("": none)
 
     @property

@@ -1,11 +1,13 @@
 """Whether a request's inputs prove that nothing it computes can overflow: the bounds from its
 max |input| and the model's weights (mha_serve.model.overflow), checked before the forward.
 A request they clear needs no look at its tensors at all (no maxima, no device sync); one
-they cannot clear is measured (the model's OverflowCheck, the step's maxima)."""
+they cannot clear is measured (the model's OverflowCheck, the step's maxima). A session's
+cached K/V count through their KeyBound, kept beside the session's record."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +20,30 @@ from mha_serve.model.overflow import (
     score_limit,
     weight_bounds,
 )
+
+
+@dataclass(frozen=True, slots=True)
+class KeyBound:
+    """A bound on max |k| and |v| over every key and value a session holds or held since it
+    was last emptied: the overflow checks read it instead of the cached tensors. The engine's
+    state of the session, which the cache carries on its record (Session.engine_state)
+    without reading it: frozen, so a fork shares its parent's; an upper bound, so it holds
+    for any prefix of the K/V (a truncate keeps it)."""
+
+    absmax: float
+
+    @classmethod
+    def of(cls, k: torch.Tensor, v: torch.Tensor) -> KeyBound:
+        """Recomputed from a session's K/V where they arrive whole (a spilled session
+        brought back, one adopted at start or moved in): never trusted from a file."""
+        if k.numel() == 0:
+            return cls(0.0)
+        return cls(float(max(k.abs().max(), v.abs().max())))
+
+
+def key_absmax(engine_state: object) -> float:
+    """The bound on a session's cached K/V from its Session.engine_state (None: none held)."""
+    return 0.0 if engine_state is None else engine_state.absmax
 
 
 @functools.cache

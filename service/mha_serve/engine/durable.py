@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator, Mapping
 
 from mha_serve.cache import KVCache, SessionNotFound, SessionTable
-from mha_serve.cache.record import BadRecord, Expected, key_bound
+from mha_serve.cache.record import BadRecord, Expected
 from mha_serve.cache.sessions import owns, unknown_message
 from mha_serve.cache.spill import SpillStore, SpillTier
 from mha_serve.engine.fingerprint import model_fingerprint
@@ -77,5 +77,5 @@ def restore(table: SessionTable, session_id: str, owner: str | None) -> float:
         )
         table.forget_spilled(session_id, "bad_file", message)
         raise SessionNotFound(session_id, "lost", message) from None
-    table.adopt(record, k, v, key_absmax=key_bound(k, v))
+    table.adopt(record, k, v)  # (its KeyBound recomputed from k and v: engine_state_of)
     return time.perf_counter() - started

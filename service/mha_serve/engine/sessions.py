@@ -27,7 +27,7 @@ from mha_serve.cache import (
     SessionTable,
 )
 from mha_serve.engine.attend import attend_steps, batched_by_default
-from mha_serve.engine.bounds import cleared, gate_absmax
+from mha_serve.engine.bounds import KeyBound, cleared, gate_absmax, key_absmax
 from mha_serve.engine.checks import require_finite, scores_overflow_error
 from mha_serve.engine.durable import Expectations, open_spill_tier, restore
 from mha_serve.engine.errors import Abandoned, DeadlinePassed, InvalidRequest, RequestError
@@ -66,9 +66,9 @@ class StepForward:
     heads: list[int]  # the query heads whose weights were asked (all steps ask the same)
     overflowed: set[int]  # rows whose K/V did not fit the cache's dtype (refused)
     too_large: set[int]  # rows whose scores overflow (refused)
-    # A bound on each row's max |k| and |v| (measured, or proven), kept as its session's
-    # bound (key_absmax): a later step's output averages the cached values too.
-    kv_max: list[float]
+    # Each row's session's bound on max |k| and |v| with the step's K/V (measured, or
+    # proven), kept as its KeyBound: a later step's output averages the cached values too.
+    key_bounds: list[float]
     finite: list[bool]  # whether each row's output is
 
 
@@ -136,6 +136,7 @@ class Sessions:
             self.table.add_model(name, cache, max_len=spec.max_seq_len, window=window)
         # What a session's record must match here: spill files, and sessions moved in.
         self.table.expected = Expectations(models, self.caches)
+        self.table.engine_state_of = KeyBound.of  # K/V that arrive whole: bound recomputed
         if spill_dir and self.caches:
             self.table.set_spill(open_spill_tier(self.table.expected, spill_dir, spill_bytes))
 
@@ -176,6 +177,11 @@ class Sessions:
 
     def stats(self, session_id: str, owner: str | None = None) -> SessionStats:
         return self.table.session_stats(session_id, owner)
+
+    def key_bound(self, session_id: str) -> float:
+        """The live session's bound on max |k| and |v| of the K/V it holds (its KeyBound, 0.0
+        while it holds none): what its next step's overflow check counts them as."""
+        return key_absmax(self.table.get(session_id).engine_state)
 
     def model_of(self, session_id: str) -> str:
         """The model of a session, live or spilled (SessionNotFound says why there is none)."""
@@ -321,6 +327,8 @@ class Sessions:
     ) -> StepForward:
         """Writes the steps' K/V and attends; what is left to keep or refuse per row."""
         reservations = [r for _, r in live]
+        # Each session's bound on the K/V it held before its step (its KeyBound).
+        cached = [key_absmax(e) for e in self.table.engine_states(reservations)]
         new_tokens = [p.inputs.shape[1] for p in steps]
         x = _batch_inputs(hosted, steps, new_tokens)  # (B, T, E)
         first = steps[0].request
@@ -348,7 +356,7 @@ class Sessions:
             # step's max |input| (read at validation) and the weights: a batch they clear
             # needs no look at its tensors at all; otherwise its rows' max |q|, |k|, |v| are
             # read with the output's, in one sync after the forward.
-            bounded = _bounded_rows(hosted, cache, steps, reservations)
+            bounded = _bounded_rows(hosted, cache, steps, cached)
             maxima = None if bounded is not None else row_absmax_tensor(q, k_new, v_new)  # (3, B)
             # Write first, then attend over each session's positions in order, from its
             # step's window on (read_start): batched (padded groups, one kernel each) or one
@@ -366,7 +374,8 @@ class Sessions:
                 head_mask=head_mask,
             )
         if bounded is not None:  # no overflow anywhere: proven, not measured
-            return StepForward(out, heads, set(), set(), bounded, [True] * len(steps))
+            key_bounds = [max(c, b) for c, b in zip(cached, bounded, strict=True)]
+            return StepForward(out, heads, set(), set(), key_bounds, [True] * len(steps))
         with torch.inference_mode():
             # The step's one device sync: max |q|, |k|, |v| and |output| of every row. Rows
             # are refused after the forward, so the common case waits for nothing first.
@@ -380,7 +389,7 @@ class Sessions:
             for b, r in enumerate(reservations):
                 if not (k_max[b] < math.inf and v_max[b] < math.inf):
                     overflowed.add(b)
-                elif bound_crossed(q_max[b], max(k_max[b], r.key_absmax), D, limit):
+                elif bound_crossed(q_max[b], max(k_max[b], cached[b]), D, limit):
                     q_b = q[b, :, : new_tokens[b]].to(cache.dtype)  # as the kernels see it
                     end = r.start + r.num_tokens
                     keys = cache.read(
@@ -392,8 +401,8 @@ class Sessions:
                     ):
                         too_large.add(b)
         finite = [m < math.inf for m in o_max]
-        kv_max = [max(k, v) for k, v in zip(k_max, v_max, strict=True)]
-        return StepForward(out, heads, overflowed, too_large, kv_max, finite)
+        key_bounds = [max(c, k, v) for c, k, v in zip(cached, k_max, v_max, strict=True)]
+        return StepForward(out, heads, overflowed, too_large, key_bounds, finite)
 
     def _settle(
         self,
@@ -432,7 +441,8 @@ class Sessions:
                     results[i] = e
                     continue
                 try:  # one transaction: count the tokens, unpin, read the session's stats
-                    stats = self.table.commit(r, key_absmax=forward.kv_max[b])
+                    bound = KeyBound(forward.key_bounds[b])
+                    stats = self.table.commit(r, engine_state=bound)
                 except CacheError as e:  # closed while the step ran: its cache went with it
                     results[i] = e
                     continue
@@ -520,16 +530,16 @@ def _bounded_rows(
     hosted: HostedModel,
     cache: KVCache,
     steps: list[Prepared],
-    reservations: list[Reservation],
+    cached: list[float],
 ) -> list[float] | None:
     """Each step's bound on max |k| and |v| when the bounds from its max |input| prove that
-    nothing of the batch can overflow (engine/bounds.py); the session's bound
-    (Reservation.key_absmax) covers its cached keys and values. None when any step's cannot:
-    the batch's tensors are then measured."""
+    nothing of the batch can overflow (engine/bounds.py); `cached`, each session's bound
+    (KeyBound), covers its cached keys and values. None when any step's cannot: the
+    batch's tensors are then measured."""
     gate = gate_absmax(steps[0].request.head_mask)
     kv_bounds = []
-    for p, r in zip(steps, reservations, strict=True):
-        bound = cleared(hosted, cache.dtype, p.input_absmax, r.key_absmax, gate)
+    for p, cached_absmax in zip(steps, cached, strict=True):
+        bound = cleared(hosted, cache.dtype, p.input_absmax, cached_absmax, gate)
         if bound is None:
             return None
         kv_bounds.append(bound)
