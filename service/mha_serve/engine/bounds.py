@@ -14,6 +14,7 @@ import torch
 from mha_serve.engine.types import HostedModel
 from mha_serve.model.overflow import (
     MARGIN,
+    WeightBounds,
     bound_crossed,
     output_bound,
     projected_bounds,
@@ -62,13 +63,15 @@ def cleared(
     input_absmax: float,
     cached_absmax: float,
     gate: float,
+    wb: WeightBounds | None = None,
 ) -> float | None:
     """A bound on max |k| and |v| of the new tokens when the bounds prove that nothing can
     overflow: not K/V in the cache's dtype, not a score against the new and the cached keys
     (cached_absmax bounds those, and the cached values), not the output, which averages
-    every value seen. None when they cannot prove it."""
+    every value seen. None when they cannot prove it. wb: the module's weight_bounds, when
+    the caller read them once for a batch."""
     cfg = hosted.spec.attention
-    wb = weight_bounds(hosted.module)
+    wb = weight_bounds(hosted.module) if wb is None else wb
     limit, out_limit = _limits(hosted.dtype, cache_dtype)
     limit /= cfg.score_factor  # a scale above 1, or a soft-cap below 1, grows the scores
     q_b, k_b, v_b = projected_bounds(input_absmax, cfg.embed_dim, wb, rotary=cfg.rope is not None)

@@ -37,6 +37,7 @@ from mha_serve.engine.types import (
 from mha_serve.model import MultiHeadAttention, init_weights, load_checkpoint
 from mha_serve.model.hf import load_hf_layer
 from mha_serve.model.hf_config import is_hf_directory
+from mha_serve.model.overflow import weight_bounds
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -594,7 +595,10 @@ def _proven(hosted: HostedModel, batch: list[Prepared]) -> bool:
     """Whether every request's max |input| proves its forward cannot overflow (so the model
     takes no maxima to check it): engine/bounds.py."""
     gate = gate_absmax(batch[0].request.head_mask)
-    return all(cleared(hosted, hosted.dtype, p.input_absmax, 0.0, gate) is not None for p in batch)
+    wb = weight_bounds(hosted.module)  # once for the batch
+    return all(
+        cleared(hosted, hosted.dtype, p.input_absmax, 0.0, gate, wb) is not None for p in batch
+    )
 
 
 def _session_id(session_id: str) -> str:

@@ -47,6 +47,7 @@ from mha_serve.model.overflow import (
     row_absmax_tensor,
     score_limit,
     scores_overflow,
+    weight_bounds,
 )
 
 log = logging.getLogger(__name__)
@@ -537,9 +538,10 @@ def _bounded_rows(
     (KeyBound), covers its cached keys and values. None when any step's cannot: the
     batch's tensors are then measured."""
     gate = gate_absmax(steps[0].request.head_mask)
+    wb = weight_bounds(hosted.module)  # once for the batch: every step's weights are these
     kv_bounds = []
     for p, cached_absmax in zip(steps, cached, strict=True):
-        bound = cleared(hosted, cache.dtype, p.input_absmax, cached_absmax, gate)
+        bound = cleared(hosted, cache.dtype, p.input_absmax, cached_absmax, gate, wb)
         if bound is None:
             return None
         kv_bounds.append(bound)
