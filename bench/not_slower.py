@@ -11,9 +11,11 @@ machine's drift over minutes lands on both sides of every ratio:
 1. 64 gqa sessions decoding together: each prefilled to 256 tokens, forked every round (a fork
    shares the prefix), then one single-token step per session at a time, all 64 streams at
    once (AsyncClient, one stream per session), for `--steps` steps: tokens/s.
-2. Attend at 128 and 1024 tokens from 32 clients in a closed loop (mha_client.loadgen): seq/s.
+2. Attend at 128 and 1024 tokens from 32 clients (`--clients`) in a closed loop
+   (mha_client.loadgen): seq/s.
 3. The frontend-workers mode (`--frontend-workers 2`, a second pair of servers, started after
-   the first pair stops): Attend at 16 tokens from 32 clients over 4 channels: seq/s.
+   the first pair stops): Attend at 16 tokens from 32 clients (`--clients`) over 4 channels:
+   seq/s.
 Each row prints after/before, the median round's. Nothing here is a CI gate.
 """
 
@@ -140,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=64)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--duration", type=float, default=4.0, help="seconds per Attend load point")
+    ap.add_argument("--clients", type=int, default=32, help="closed-loop clients per Attend point")
     ap.add_argument("--json-out", type=Path, default=ROOT / "bench/results/not_slower.json")
     args = ap.parse_args(argv)
     baseline = args.baseline_tree.resolve()
@@ -157,18 +160,28 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row(f"{args.sessions} sessions decoding together", "tok/s", decode))
             for seq_len in (128, 1024):
                 samples = alternate(
-                    args.rounds, lambda s, n=seq_len: attend_point(targets[s], n, 32, args.duration)
+                    args.rounds,
+                    lambda s, n=seq_len: attend_point(targets[s], n, args.clients, args.duration),
                 )
-                rows.append(row(f"Attend {seq_len} tokens, 32 clients", "seq/s", samples))
+                rows.append(
+                    row(f"Attend {seq_len} tokens, {args.clients} clients", "seq/s", samples)
+                )
         finally:
             stop(procs)
         flags = ["--torch-threads", "1", "--frontend-workers", "2"]
         procs, targets = start_pair(tmp, baseline, flags, "-fw")
         try:
             samples = alternate(
-                args.rounds, lambda s: attend_point(targets[s], 16, 32, args.duration, channels=4)
+                args.rounds,
+                lambda s: attend_point(targets[s], 16, args.clients, args.duration, channels=4),
             )
-            rows.append(row("frontend workers 2, Attend 16 tokens, 32 clients", "seq/s", samples))
+            rows.append(
+                row(
+                    f"frontend workers 2, Attend 16 tokens, {args.clients} clients",
+                    "seq/s",
+                    samples,
+                )
+            )
         finally:
             stop(procs)
     result = {

@@ -1,6 +1,7 @@
-"""bench/not_slower.py runs end to end with tiny counts, this checkout against itself as the
-baseline: its four rows (decode together, Attend at 128 and 1024 tokens, frontend workers),
-each with both sides measured in every round and a ratio. Timings are not asserted."""
+"""bench/not_slower.py runs end to end with tiny counts (4 clients per Attend point), this
+checkout against itself as the baseline: its four rows (decode together, Attend at 128 and
+1024 tokens, frontend workers), each with both sides measured in every round and a ratio.
+Timings are not asserted."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def test_the_bench_measures_both_sides_of_every_row(tmp_path):
         [
             *(sys.executable, str(ROOT / "bench" / "not_slower.py"), "--baseline-tree", str(ROOT)),
             *("--rounds", "1", "--steps", "2", "--sessions", "4", "--context", "16"),
-            *("--duration", "0.3", "--json-out", str(out)),
+            *("--duration", "0.3", "--clients", "4", "--json-out", str(out)),
         ],
         capture_output=True,
         text=True,
@@ -32,9 +33,9 @@ def test_the_bench_measures_both_sides_of_every_row(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["load"] for r in rows] == [
         "4 sessions decoding together",
-        "Attend 128 tokens, 32 clients",
-        "Attend 1024 tokens, 32 clients",
-        "frontend workers 2, Attend 16 tokens, 32 clients",
+        "Attend 128 tokens, 4 clients",
+        "Attend 1024 tokens, 4 clients",
+        "frontend workers 2, Attend 16 tokens, 4 clients",
     ]
     for r in rows:
         assert r["after"] > 0 and r["before"] > 0 and r["ratio"] > 0, r

@@ -43,7 +43,6 @@ def cluster(request):
     """Ray with RAY_NUM_CPUS logical CPUs (a module may set more: one per replica), and
     METRICS_PORTS metrics ports for the replicas (ranks go on from replicas replaced)."""
     ray = pytest.importorskip("ray")
-    from ray import serve
 
     num_cpus = getattr(request.module, "RAY_NUM_CPUS", 2)
     start_ray(ray, num_cpus)
@@ -55,7 +54,10 @@ def cluster(request):
         ports = tuple(range(metrics_port, metrics_port + num_ports))
         yield Cluster(f"127.0.0.1:{port}", ports, config)
     finally:
-        serve.shutdown()
+        # ray.shutdown() alone: it ends this Ray's processes, Serve's with them, in ~1 s.
+        # serve.shutdown() first would stop each replica gracefully (2-4 s), and a session
+        # a test left open would hold its replica's stop, trying to move it to a replica
+        # that stays while none does (moves.py), until Serve gives up after 30 s.
         ray.shutdown()
 
 

@@ -85,7 +85,7 @@ async def test_not_serving_until_warm_then_serving_then_draining():
 
 
 async def test_drain_delay_keeps_answering_with_not_serving():
-    server = Server(config(drain_delay_s=5.0))
+    server = Server(config(drain_delay_s=2.0))
     await server.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         health = health_pb2_grpc.HealthStub(channel)
