@@ -16,7 +16,7 @@ from mha_serve.cache.record import read_header
 from mha_serve.engine import Engine, ModelSpec
 from mha_serve.engine.threads import ComputeThreads
 from mha_serve.model import AttentionConfig
-from mha_serve.ray_app.moves import Sent, Stopping, UntilStopping, move_all
+from mha_serve.ray_app.moves import MOVES_AT_ONCE, Sent, Stopping, UntilStopping, move_all
 from mha_serve.serving import AsyncEngine
 from tests.engine_calls import attend, req, torched
 
@@ -110,6 +110,61 @@ def test_a_session_no_replica_takes_stays_and_is_reported():
             compute.shutdown()
 
     asyncio.run(main())
+
+
+def test_moves_give_up_when_no_replica_stays_or_is_coming():
+    """nowhere() (leaving.none_stays): a move waiting on a send that no replica will answer
+    gives up, and none is tried once it says so; the sessions stay and are reported."""
+
+    async def main() -> None:
+        compute = ComputeThreads(1, 1)
+        home = AsyncEngine(engine("a"), compute)
+        try:
+            sids = [(await home.create_session("m", None, None)).session_id for _ in range(2)]
+            entered, gone, sent = asyncio.Event(), False, []
+
+            async def send(data: bytes) -> Sent:  # a handle call with no replica behind it
+                sent.append(read_header(data, "sent").session_id)
+                entered.set()
+                await asyncio.Event().wait()  # never answered
+                raise AssertionError("unreachable")
+
+            moving = asyncio.create_task(move_all(home, send, 600.0, lambda: gone))
+            await entered.wait()
+            gone = True
+            moved, failed = await asyncio.wait_for(moving, 60)  # (the budget is 600 s)
+            assert (moved, sorted(failed)) == (0, sorted(sids))
+            assert len(sent) <= MOVES_AT_ONCE and sorted(await home.session_ids()) == sorted(sids)
+            sent.clear()
+            moved, failed = await move_all(home, send, 600.0, lambda: True)
+            assert (moved, sorted(failed)) == (0, sorted(sids))
+            assert sent == []  # none tried
+        finally:
+            await home.close()
+            compute.shutdown()
+
+    asyncio.run(main())
+
+
+def test_none_stays_after_a_grace_without_another_replica():
+    from mha_serve.ray_app import leaving
+
+    kept = leaving._running, leaving._since
+    try:
+        leaving._running = None
+        assert not leaving.none_stays("a", 0.0)  # no news: a move is tried
+        leaving.running({"a", "b"})
+        assert not leaving.none_stays("a", 0.0)
+        leaving.running({"b"})  # a itself is stopping: b stays
+        assert not leaving.none_stays("a", 0.0)
+        leaving.running(set())
+        assert leaving.none_stays("a", 0.0) and not leaving.none_stays("a", 3600.0)
+        leaving.running({"a"})
+        assert leaving.none_stays("a", 0.0)
+        leaving.running({"c"})  # a replacement runs: sessions can move there
+        assert not leaving.none_stays("a", 0.0)
+    finally:
+        leaving._running, leaving._since = kept
 
 
 def test_a_stream_ends_between_messages_once_the_replica_is_stopping():

@@ -7,15 +7,37 @@ imports are pickled by reference, and this one is shared."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 _watchers: dict[str, list[Callable[[], None]]] = {}
+# The replicas the routers in this process last saw run (None: no news yet), and since when
+# (monotonic): where a stopping replica's sessions could go. It holds no other replica when
+# Ray stops every one (the application deleted), or when a replacement cannot start before
+# the stopping replica is gone (no room for it on the cluster).
+_running: frozenset[str] | None = None
+_since = 0.0
 
 
 def when_leaving(unique_id: str, callback: Callable[[], None]) -> None:
     """callback() once, the first time a router in this process sees that replica leave its
     view (called on the router's event loop: make it thread-safe)."""
     _watchers.setdefault(unique_id, []).append(callback)
+
+
+def running(unique_ids: set[str]) -> None:
+    """A router's news of the replicas that run (those Ray is stopping are not among them)."""
+    global _running, _since
+    if frozenset(unique_ids) != _running:
+        _running, _since = frozenset(unique_ids), time.monotonic()
+
+
+def none_stays(unique_id: str, grace_s: float) -> bool:
+    """Whether the routers here have seen no replica but `unique_id` run for grace_s: no
+    replica to move its sessions to, nor one starting in time. False before any news."""
+    if _running is None or _running - {unique_id}:
+        return False
+    return time.monotonic() - _since >= grace_s
 
 
 def left(unique_id: str) -> None:

@@ -43,6 +43,10 @@ BUSY_TRIES = 50  # a session still pinned by a call that is ending: tries, BUSY_
 BUSY_WAIT_S = 0.02
 SEND_TRIES = 5  # replicas tried for one session (one refused: it is stopping too)
 MARGIN_S = 1.0  # of the shutdown budget left for the rest of the replica's shutdown
+# No other replica in view this long: none stays, and no replacement is starting in time
+# (it would be running by then: a replacement started in ~6 s on 2 cores). Moves give up.
+NOWHERE_GRACE_S = 15.0
+NOWHERE_POLL_S = 0.1  # how often a move under way asks
 REOPEN = (
     "the Ray Serve replica {replica!r} serving this stream is stopping (scale-down or "
     "redeploy); its sessions move to another replica under the same ids: reopen the stream "
@@ -132,11 +136,15 @@ async def move_all(
     serving: Any,
     send: Callable[[bytes], Awaitable[Sent]],
     budget_s: float,
+    nowhere: Callable[[], bool] = lambda: False,
 ) -> tuple[int, list[str]]:
     """Moves every session this engine holds (live or spilled) through `send` (a handle call
     to a replica that stays); each is freed here once received there, its later calls here
     told where it went. Returns (sessions moved, ids not moved). Sessions made or received
-    meanwhile move too (the engine is asked again until it holds none)."""
+    meanwhile move too (the engine is asked again until it holds none). nowhere(): no
+    replica stays or is coming to take them (leaving.none_stays): then no move is tried and
+    one under way gives up, rather than wait on a handle with no replica behind it for the
+    whole budget (and hold the replica's stop, and so a replacement's start, that long)."""
     deadline = time.monotonic() + budget_s
     moved, failed = 0, []
     gate = asyncio.Semaphore(MOVES_AT_ONCE)
@@ -146,7 +154,13 @@ async def move_all(
         async with gate:
             left = deadline - time.monotonic()
             try:
-                where = await asyncio.wait_for(_move(serving, send, session_id), max(left, 0.0))
+                if nowhere():
+                    raise NoReplicaStays
+                move = _unless(_move(serving, send, session_id), nowhere)
+                where = await asyncio.wait_for(move, max(left, 0.0))
+            except NoReplicaStays:  # (said once, by the caller)
+                failed.append(session_id)
+                return
             except Exception as e:  # TimeoutError included: the budget is spent
                 log.error("session %s not moved: %r", session_id, e)
                 failed.append(session_id)
@@ -159,6 +173,24 @@ async def move_all(
         tried.update(ids)
         await asyncio.gather(*(one(s) for s in ids))
     return moved, failed
+
+
+class NoReplicaStays(Exception):
+    """No replica stays or is coming: a session has nowhere to move."""
+
+
+async def _unless(move: Awaitable[str], nowhere: Callable[[], bool]) -> str:
+    """move, given up (NoReplicaStays) once nowhere() says so."""
+    task = asyncio.ensure_future(move)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=NOWHERE_POLL_S)
+            if done:
+                return task.result()
+            if nowhere():
+                raise NoReplicaStays
+    finally:
+        task.cancel()
 
 
 async def _move(serving: Any, send: Callable[[bytes], Awaitable[Sent]], session_id: str) -> str:

@@ -32,6 +32,7 @@ from mha_serve.cache import CacheError, SessionExists
 from mha_serve.cache.record import BadRecord, read_header
 from mha_serve.config import build_config
 from mha_serve.engine.threads import ComputeThreads
+from mha_serve.ray_app import leaving
 from mha_serve.ray_app.context import CallContext, Caller, Reply
 from mha_serve.ray_app.direct import DirectServer, wants_direct
 from mha_serve.ray_app.forward import (
@@ -43,7 +44,15 @@ from mha_serve.ray_app.forward import (
     unary_answer,
 )
 from mha_serve.ray_app.ids import replica_of, session_prefix
-from mha_serve.ray_app.moves import MARGIN_S, REOPEN, Sent, Stopping, UntilStopping, move_all
+from mha_serve.ray_app.moves import (
+    MARGIN_S,
+    NOWHERE_GRACE_S,
+    REOPEN,
+    Sent,
+    Stopping,
+    UntilStopping,
+    move_all,
+)
 from mha_serve.ray_app.oip import InferenceMethods
 from mha_serve.serving import AsyncEngine
 from mha_serve.transport.answer import Refused
@@ -305,14 +314,18 @@ class AttentionReplica(InferenceMethods):
             own_request_id()  # each move's call routed on its own (forward.own_request_id)
             return await self._receivers.remote(data, self.replica_id)
 
-        moved, failed = await move_all(self.serving, send, budget_s)
+        def nowhere() -> bool:  # no replica stays (the app deleted), none can start in time
+            return leaving.none_stays(self.replica_id, NOWHERE_GRACE_S)
+
+        moved, failed = await move_all(self.serving, send, budget_s, nowhere)
         # (An error when some stay: they are lost with this replica.)
         (log.error if failed else log.info)(
-            "replica %s stopping: %d sessions moved, %d not (%s)",
+            "replica %s stopping: %d sessions moved, %d not (%s)%s",
             self.replica_id,
             moved,
             len(failed),
             ", ".join(failed[:8]),
+            f": no other replica ran for {NOWHERE_GRACE_S:g} s" if nowhere() else "",
         )
 
     def _remember_foreign(self, session_id: str) -> None:

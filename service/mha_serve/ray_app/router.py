@@ -61,6 +61,7 @@ class SessionRouter(RequestRouter):
         _trim(self._seen)
         for unique_id in self._view - view:
             leaving.left(unique_id)
+        leaving.running(view)
         self._view = view
         super().update_replicas(replicas)
 

@@ -1,0 +1,70 @@
+"""A redeploy of one replica on a Ray with no room for a second: the replacement cannot
+start until the old replica is gone, so its sessions have nowhere to move. The old replica
+gives up on them once no other replica has run for NOWHERE_GRACE_S, rather than hold its
+stop (and so the replacement's start) for its whole shutdown budget: the session answers
+NOT_FOUND as a lost one, the replacement serves, and the replica said why in its log.
+(With room for the replacement, the same redeploy moves the session: docs/ray.md.)"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from mha_client.errors import MhaServeError
+from mha_client.sdk import Client
+from tests.ray_app.cluster import deploy, free_port, load_config, start_ray
+from tests.ray_app.conftest import replica_ids
+from tests.ray_app.drivers import TIMEOUT_S
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def one_replica():
+    """A Ray of one CPU (its logs in a folder of its own) running the app with one replica."""
+    ray = pytest.importorskip("ray")
+    temp = Path(tempfile.mkdtemp(prefix="ray1", dir="/tmp"))  # short: Ray's socket paths
+    start_ray(ray, 1, _temp_dir=str(temp))
+    try:
+        config = load_config(grpc_port=free_port(), num_replicas=1)
+        deploy(config)
+        yield config, temp
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_a_session_with_nowhere_to_move_is_given_up_not_waited_for(one_replica):
+    from mha_serve.ray_app.moves import NOWHERE_GRACE_S
+
+    config, temp = one_replica
+    target = f"127.0.0.1:{config['grpc_options']['port']}"
+    (old,) = replica_ids()
+    x = np.random.default_rng(3).standard_normal((5, 512), dtype=np.float32)
+    with Client(target) as client:
+        session = client.create_session("gqa")
+        session.step(x[:4])
+        config = copy.deepcopy(config)
+        config["applications"][0]["args"]["overrides"]["grace_period_s"] = 7.0
+        deploy(config)  # a new version: Ray replaces the replica
+        deadline = time.monotonic() + TIMEOUT_S
+        while replica_ids() in ({old}, set()):
+            assert time.monotonic() < deadline, "the replacement never ran"
+            time.sleep(0.2)
+        with pytest.raises(MhaServeError) as err:
+            session.step(x[4:])
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
+        assert "is gone" in err.value.details and old in err.value.details
+        again = client.create_session("gqa")  # the replacement serves
+        assert again.step(x).session.num_tokens == 5
+    said = f"replica {old} stopping: 0 sessions moved, 1 not ({session.id}): no other "
+    said += f"replica ran for {NOWHERE_GRACE_S:g} s"
+    logs = [p.read_text(errors="replace") for p in temp.glob("session_*/logs/worker-*.err")]
+    assert any(said in text for text in logs), "the old replica's log does not say it gave up"
