@@ -57,7 +57,7 @@ def cluster(request):
         # ray.shutdown() alone: it ends this Ray's processes, Serve's with them, in ~1 s.
         # serve.shutdown() first would stop each replica gracefully (2-4 s), and a session
         # a test left open would hold its replica's stop, trying to move it to a replica
-        # that stays while none does (moves.py), until Serve gives up after 30 s.
+        # that stays while none does, until it gives up (moves.NOWHERE_GRACE_S, 15 s).
         ray.shutdown()
 
 
