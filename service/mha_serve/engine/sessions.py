@@ -433,7 +433,7 @@ class Sessions:
                         dtypes = (out.output.dtype, cache_dtype)
                         raise scores_overflow_error(min(dtypes, key=lambda d: torch.finfo(d).max))
                     output, weights = _step_outputs(
-                        out, host, b, r, p.request, heads, forward.finite[b]
+                        out, host, dtypes[b], b, r, p.request, heads, forward.finite[b]
                     )
                     _raise_if_abandoned(p.state)  # last, right before commit: the smallest gap
                 except Exception as e:  # refused, caller gone, or a bug: not kept
@@ -475,17 +475,17 @@ class Sessions:
 def _step_outputs(
     out: AttentionOutput,
     host: torch.Tensor,
+    dtype: torch.dtype,
     b: int,
     r: Reservation,
     call: AttendRequest,
     heads: list[int],
     finite: bool,
 ) -> tuple[Array, Array | None]:
-    """Step b's share of the batch's output and weights; host: the batch's output on the
-    host (on_host); `finite`: its output row holds no NaN/Inf."""
+    """Step b's share of the batch's output and weights, its output in `dtype`; host: the
+    batch's output on the host (on_host); `finite`: its output row holds no NaN/Inf."""
     n = r.num_tokens
     output = host if host.shape[0] == 1 and host.shape[1] == n else host[b : b + 1, :n]
-    dtype = output_dtype(call)
     if dtype != output.dtype:  # (no call at all otherwise: this runs per session per step)
         output = output.to(dtype)
     if not finite or output.dtype != out.output.dtype:  # a narrower dtype may overflow
