@@ -16,6 +16,11 @@ from typing import Any
 # life; the engine's own queue bounds answer RESOURCE_EXHAUSTED beyond what it can take.
 REPLICA_MAX_ONGOING_REQUESTS = 1024
 DIRECTORY_MAX_ONGOING_REQUESTS = 1024
+# How often Ray's controller checks SequenceDirectory (its default is 10 s): a directory
+# that died is restarted only once a check fails, and meanwhile moved sessions' and Triton
+# sequences' calls wait for it (an outage of 8.5 s measured in tests/ray_app/test_redeploy.py
+# with the default).
+DIRECTORY_HEALTH_CHECK_S = 2.0
 ROUTER = "mha_serve.ray_app.router.SessionRouter"
 # Access logs write a line per call; operators turn them on in the config when needed.
 LOGGING = {"enable_access_log": False}
@@ -46,6 +51,7 @@ def build(args: dict[str, Any] | None = None) -> Any:
         num_replicas=1,
         max_ongoing_requests=DIRECTORY_MAX_ONGOING_REQUESTS,
         ray_actor_options={"num_cpus": 0},
+        health_check_period_s=DIRECTORY_HEALTH_CHECK_S,
         logging_config=LOGGING,
     ).bind()
     return serve.deployment(
