@@ -12,12 +12,14 @@ import functools
 import time
 
 import grpc
+import numpy as np
 import pytest
 
 from mha_client.api import attention_pb2_grpc as pb_grpc
+from mha_client.sdk import Client
 from mha_serve.ray_app.ids import replica_of
 from tests.ray_app.cluster import deploy
-from tests.ray_app.conftest import replica_handle, replica_ids
+from tests.ray_app.conftest import ATOL, replica_handle, replica_ids
 from tests.ray_app.drivers import MODELS, TIMEOUT_S, Driver
 from tests.ray_app.stepping import (
     OpenStream,
@@ -99,7 +101,10 @@ def test_a_replica_removed_moves_its_sessions_and_none_is_lost(cluster, models):
     caches end empty once the sessions close. A stream held open between two steps on
     each replica: the removed replica's ends UNAVAILABLE saying to reopen, without waiting
     for its next message (else it would hold the drain until Ray killed the replica), and
-    reopened, steps on where its session moved; the others step on."""
+    reopened, steps on where its session moved; the others step on. The SDK's streams,
+    one held on each replica the same way, step on through the scale-down with no error:
+    the one the removed replica ends is reopened by the SDK itself, its step sent again
+    and kept once."""
     before = replica_ids()
     assert len(before) == 3
     channel = grpc.insecure_channel(cluster.target)
@@ -113,10 +118,17 @@ def test_a_replica_removed_moves_its_sessions_and_none_is_lost(cluster, models):
     streams = {replica_of(sid): OpenStream(idle, sid) for sid in idle.sessions}
     for stream in streams.values():
         stream.step()
+    sdk_side = Stepper(stub, models, 660)  # one session per replica, an SDK stream held open
+    spread_sessions([sdk_side], len(before), before)
+    sdk = Client(cluster.target)
+    sdk_streams = {sid: sdk.session(sid).stream() for sid in sdk_side.sessions}
+    for sid, sdk_stream in sdk_streams.items():
+        sdk_step(sdk_side, sid, sdk_stream)
     moved_before = metric_sum(cluster.metrics_ports, "mha_serve_sessions_moved_total")
     after = stepping_through(steppers, functools.partial(scale_to, cluster.config, 2), STEPS_AFTER)
     (removed,) = before - after
-    on_removed = [sid for sid in [*sessions, *idle.sessions] if replica_of(sid) == removed]
+    everyone = [*sessions, *idle.sessions, *sdk_side.sessions]
+    on_removed = [sid for sid in everyone if replica_of(sid) == removed]
     assert len(on_removed) > 1, "the removed replica held none of the stepped sessions"
     cut = streams.pop(removed).ended()
     assert cut is not None and cut.code() == grpc.StatusCode.UNAVAILABLE, cut
@@ -125,15 +137,31 @@ def test_a_replica_removed_moves_its_sessions_and_none_is_lost(cluster, models):
         stream.step()
         stream.close()
     idle.stream(next(s for s in idle.sessions if replica_of(s) == removed), [idle.tokens(1)])
-    for st in (*steppers, idle):
+    for sid, sdk_stream in sdk_streams.items():  # the removed replica's: reopened by the SDK
+        sdk_step(sdk_side, sid, sdk_stream)
+        sdk_stream.close()
+    sdk.close()
+    for st in (*steppers, idle, sdk_side):
         st.held()  # none lost: each still there, with every token it was sent
     moved = metric_sum(cluster.metrics_ports, "mha_serve_sessions_moved_total") - moved_before
     assert moved == len(on_removed), (moved, len(on_removed))
     lost = metric_sum(cluster.metrics_ports, "mha_serve_sessions_lost_total", "replica_killed")
     assert lost == 0
-    for st in (*steppers, idle):
+    for st in (*steppers, idle, sdk_side):
         st.close()
     channel.close()
     for replica_id in after:
         usage = replica_handle("cache_usage", replica_id).remote().result(timeout_s=TIMEOUT_S)
         assert usage == {m: (0, 0) for m in MODELS}, (replica_id, usage)
+
+
+def sdk_step(st: Stepper, sid: str, stream) -> None:
+    """One token through an SDK session stream, checked against the recompute of the
+    session's tokens (as Stepper.check), kept in the stepper's history."""
+    model, held = st.sessions[sid]
+    x = st.tokens(1)
+    history = np.concatenate([held, x])
+    want = st.models.step(model, history, 1)
+    got = stream.step(x).output.reshape(want.shape)
+    np.testing.assert_allclose(got, want, atol=ATOL, err_msg=f"session {sid}")
+    st.sessions[sid] = (model, history)
