@@ -91,6 +91,28 @@ def test_stateless_batch_refuses_only_the_overflowing_call(engine):
     torch.testing.assert_close(results[1].output, alone.output)
 
 
+def test_a_session_step_refused_in_a_batch_leaves_the_others_their_dtypes(engine):
+    """A batch of session steps whose first row's scores overflow: that one is refused, and
+    every later step is answered in the dtype it asked, equal to the step run alone."""
+    hosted = engine.get("tiny")
+    bad = engine.sessions.create("tiny", None, None).session_id
+    step(engine, bad, token(k0=1e19))
+    pairs = []  # (batched session, its twin stepped alone), each with a token and a dtype
+    for dtype in (torch.float16, torch.bfloat16):
+        twins = [engine.sessions.create("tiny", None, None).session_id for _ in range(2)]
+        for sid in twins:
+            step(engine, sid, token(q0=1.0, k0=2.0))
+        pairs.append((twins, dtype))
+    calls = [req("tiny", token(q0=2e19), session_id=bad)]
+    calls += [req("tiny", token(q0=3.0), session_id=a, output_dtype=d) for (a, _), d in pairs]
+    results = run_batch(engine, hosted, calls)
+    assert isinstance(results[0], InvalidRequest) and "attention scores" in str(results[0])
+    for got, ((_, alone_sid), dtype) in zip(results[1:], pairs, strict=True):
+        alone = attend(engine, req("tiny", token(q0=3.0), session_id=alone_sid, output_dtype=dtype))
+        assert got.output.dtype == alone.output.dtype == dtype
+        torch.testing.assert_close(got.output, alone.output)
+
+
 SCRIPT = textwrap.dedent(
     """
     import torch

@@ -430,8 +430,10 @@ class Sessions:
                     if b in forward.overflowed:
                         raise InvalidRequest(_overflow_message(cache_dtype))
                     if b in forward.too_large:
-                        dtypes = (out.output.dtype, cache_dtype)
-                        raise scores_overflow_error(min(dtypes, key=lambda d: torch.finfo(d).max))
+                        narrower = min(
+                            out.output.dtype, cache_dtype, key=lambda d: torch.finfo(d).max
+                        )
+                        raise scores_overflow_error(narrower)
                     output, weights = _step_outputs(
                         out, host, dtypes[b], b, r, p.request, heads, forward.finite[b]
                     )
