@@ -61,6 +61,7 @@ def sync(device: torch.device) -> None:
 
 def profile_side(step: Callable[[int], object], steps: int, device: torch.device) -> dict:
     """torch.profiler over `steps` calls of step(i): per step, the ops and runtime calls."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -80,7 +81,8 @@ def profile_side(step: Callable[[int], object], steps: int, device: torch.device
         return sum(runtime.get(n, 0) for n in names) / steps
 
     top = sorted(ops, key=lambda r: r.self_cpu_time_total, reverse=True)[:TOP_OPS]
-    device_us = sum(getattr(r, "self_device_time_total", 0) for r in rows if r.device_type)
+    # The kernels' own rows (an op's row counts its kernels' time again).
+    device_us = sum(r.self_device_time_total for r in rows if r.device_type == DeviceType.CUDA)
     return {
         "steps": steps,
         "aten_ops_per_step": sum(r.count for r in ops) / steps,

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 _END = object()  # tells a stream's request iterator to finish
 _CLOSED = "this stream is closed; open another with session.stream()"
 # What a server says when it ends a stream whose sessions live on elsewhere
-# (mha_serve.ray_app.moves.REOPEN; tests/client/test_stream_reopen.py holds the two together).
+# (mha_serve.ray_app.moves.REOPEN; tests/e2e/test_stream_reopen.py holds the two together).
 REOPEN_HINT = "reopen the stream and send the messages that got no reply again"
 MAX_REOPENS = 3  # streams reopened for one step before its status is raised
 

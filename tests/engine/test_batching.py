@@ -7,6 +7,7 @@ import torch
 
 from mha_serve.config import default_models
 from mha_serve.engine import Engine
+from mha_serve.engine.types import output_dtype
 from tests.engine_calls import req, run, run_batch
 from tests.helpers import suite_torch_device
 
@@ -61,7 +62,7 @@ def test_batch_output_reaches_each_caller_in_its_dtype(engine, dtypes):
     calls = [req("gqa", rand(1, 6, 512, seed=10 + i), output_dtype=d) for i, d in enumerate(dtypes)]
     for call, got in zip(calls, run_batch(engine, hosted, calls), strict=True):
         alone = run(engine, hosted, call)
-        assert got.output.dtype == alone.output.dtype == call_dtype(call)
+        assert got.output.dtype == alone.output.dtype == output_dtype(call)
         assert (got.output.float() - alone.output.float()).abs().max() <= 1e-2
     twins = []  # (batched session, the same session stepped alone)
     for i in range(len(dtypes)):
@@ -82,10 +83,6 @@ def test_batch_output_reaches_each_caller_in_its_dtype(engine, dtypes):
     for pair in twins:
         for sid in pair:
             engine.close_session(sid)
-
-
-def call_dtype(call) -> torch.dtype:
-    return getattr(torch, call.output_dtype)
 
 
 def test_batch_key_separates_masking_and_head_gates(engine):

@@ -10,46 +10,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mha_serve.engine import Engine, InvalidRequest, ModelSpec
-from mha_serve.model import AttentionConfig
-from tests.engine_calls import attend, req
+from mha_serve.engine import Engine, InvalidRequest
+from tests.engine.test_overflow import (  # the tiny model's queries and keys apart
+    step,
+    tiny_engine,
+    token,
+)
 
-# q = x[0:4], k = x[4:8], v = x[0:4]: queries and keys set apart (as tests/engine/test_overflow).
-TINY = AttentionConfig(embed_dim=8, num_heads=1, head_dim=4, bias=False)
 BIG_KEY = float(torch.tensor(1e19))  # as float32 holds it
 BIGGER_KEY = float(torch.tensor(3e19))
 OVERFLOWS = 2e19  # a query whose score against BIG_KEY overflows float32 (with its margin)
 
 
 def engine(spill_dir: str = "", prefix: str = "") -> Engine:
-    e = Engine(
-        [ModelSpec("tiny", TINY)],
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        max_response_bytes=2**24,
-        spill_dir=spill_dir,
-        spill_bytes=1 << 20 if spill_dir else 0,
-        session_id_prefix=prefix,
+    return tiny_engine(
+        spill_dir=spill_dir, spill_bytes=1 << 20 if spill_dir else 0, session_id_prefix=prefix
     )
-    with torch.no_grad():
-        w = torch.zeros(12, 8)
-        w[0:4, 0:4] = torch.eye(4)
-        w[4:8, 4:8] = torch.eye(4)
-        w[8:12, 0:4] = torch.eye(4)
-        module = e.get("tiny").module
-        module.wqkv.weight.copy_(w)
-        module.wo.weight.copy_(torch.eye(8, 4))
-    return e
-
-
-def token(q0: float = 0.0, k0: float = 0.0) -> torch.Tensor:
-    x = torch.zeros(1, 1, 8)
-    x[0, 0, 0], x[0, 0, 4] = q0, k0
-    return x
-
-
-def step(e: Engine, sid: str, x: torch.Tensor):
-    return attend(e, req("tiny", x, session_id=sid))
 
 
 def bound(e: Engine, sid: str) -> float:

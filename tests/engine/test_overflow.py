@@ -19,13 +19,14 @@ from tests.engine_calls import attend, req, run_batch
 TINY = AttentionConfig(embed_dim=8, num_heads=1, head_dim=4, bias=False)
 
 
-@pytest.fixture
-def engine() -> Engine:
+def tiny_engine(**options) -> Engine:
+    """An engine on TINY whose weights set queries and keys apart (options: Engine's)."""
     engine = Engine(
         [ModelSpec("tiny", TINY)],
         device=torch.device("cpu"),
         dtype=torch.float32,
         max_response_bytes=2**24,
+        **options,
     )
     module = engine.get("tiny").module
     with torch.no_grad():
@@ -36,6 +37,11 @@ def engine() -> Engine:
         module.wqkv.weight.copy_(w)
         module.wo.weight.copy_(torch.eye(8, 4))
     return engine
+
+
+@pytest.fixture
+def engine() -> Engine:
+    return tiny_engine()
 
 
 def token(q0: float = 0.0, k0: float = 0.0) -> torch.Tensor:
