@@ -1,0 +1,278 @@
+"""Where a served decode step's time goes, layer by layer, in real time (issue 25).
+
+A sampling profiler distorts a step of a millisecond (py-spy's own CPU on these cores,
+cProfile's cost per call: a step of ~500 Python calls took 1.3x its time under it). This
+instead starts mha-serve with a perf_counter wrapper around each layer of the call's path
+(door -> serving -> lanes -> engine -> sessions -> module, and the codecs beside them: a
+wrapper costs about a microsecond), streams decode steps at it from this process and prints
+each layer's median inclusive time and what it spends itself (inclusive less its timed
+children). Layers the code does not have (an older checkout) are left out.
+
+    python bench/step_layers.py [--model gqa] [--context 256] [--steps 200] [--rounds 5]
+    python bench/step_layers.py --baseline-tree ../wt-before   # the code before, same run
+
+The in-process bare step (bench/overhead.py BareStep) is measured beside it: what the
+engine's forward cannot do without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import importlib
+import inspect
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+# (label, module, attribute path, parent label): the call's path, outermost first. A
+# module-level function is also replaced where `users` import it by name.
+LAYERS: list[tuple[str, str, str, str | None, tuple[str, ...]]] = [
+    ("parse request", "mha_serve.transport.convert", "parse_attend_request", None, ()),
+    ("door.attend", "mha_serve.transport.door", "AttentionDoor.attend", None, ()),
+    ("to_call", "mha_serve.transport.convert", "to_call", "door.attend", ("mha_serve.transport.door",)),
+    ("serving.attend", "mha_serve.serving.async_engine", "AsyncEngine.attend", "door.attend", ()),
+    ("session claim", "mha_serve.cache.sessions", "SessionTable.claim", "serving.attend", ()),
+    ("session release", "mha_serve.cache.sessions", "SessionTable.release", "serving.attend", ()),
+    ("engine.prepare", "mha_serve.engine.engine", "Engine.prepare", "serving.attend", ()),
+    ("lanes.submit", "mha_serve.batching.batcher", "Batcher.submit", "serving.attend", ()),
+    ("engine.run_batch", "mha_serve.engine.engine", "Engine.run_batch", "lanes.submit", ()),
+    ("reserve", "mha_serve.cache.sessions", "SessionTable.reserve_many", "engine.run_batch", ()),
+    ("forward", "mha_serve.engine.sessions", "Sessions._forward", "engine.run_batch", ()),
+    ("module.project", "mha_serve.model.attention", "MultiHeadAttention.project", "forward", ()),
+    ("overflow bounds", "mha_serve.engine.sessions", "_bounded_rows", "forward", ("mha_serve.engine.sessions",)),
+    ("cache.append", "mha_serve.cache.kv_cache", "KVCache.append", "forward", ()),
+    ("cache.read", "mha_serve.cache.kv_cache", "KVCache.read", "forward", ()),
+    ("module.attend_cached", "mha_serve.model.attention", "MultiHeadAttention.attend_cached", "forward", ()),
+    ("settle", "mha_serve.engine.sessions", "Sessions._settle", "engine.run_batch", ()),
+    ("finish", "mha_serve.serving.finish", "finish", "serving.attend", ("mha_serve.serving.async_engine",)),
+    ("encode reply", "mha_serve.transport.convert", "encode_result", "finish", ("mha_serve.transport.door",)),
+]  # fmt: skip
+
+
+def _install(times: dict[str, list[float]]) -> list[str]:
+    """Wraps each layer that exists; the labels installed."""
+    installed = []
+    for label, module_name, path, _, users in LAYERS:
+        try:
+            module = importlib.import_module(module_name)
+            *owners, name = path.split(".")
+            owner: Any = module
+            for o in owners:
+                owner = getattr(owner, o)
+            fn = getattr(owner, name)
+        except (ImportError, AttributeError):
+            continue
+        record = times[label].append
+        if inspect.iscoroutinefunction(fn):
+
+            async def timed(*a, __fn=fn, __record=record, **k):
+                t = time.perf_counter()
+                try:
+                    return await __fn(*a, **k)
+                finally:
+                    __record(time.perf_counter() - t)
+        else:
+
+            def timed(*a, __fn=fn, __record=record, **k):
+                t = time.perf_counter()
+                try:
+                    return __fn(*a, **k)
+                finally:
+                    __record(time.perf_counter() - t)
+
+        setattr(owner, name, functools.wraps(fn)(timed))
+        for user in users:
+            setattr(importlib.import_module(user), name, getattr(owner, name))
+        installed.append(label)
+    if "parse request" in installed:  # the servicer's parsers were bound at import
+        from mha_serve.transport import convert, servicer
+
+        parse = convert.parse_attend_request
+        servicer.AttentionServicer.request_parsers = {"Attend": parse, "StreamSession": parse}
+    return installed
+
+
+def serve_timed(out: str, argv: list[str]) -> int:
+    """The server with its layers timed: SIGUSR1 clears the times, SIGUSR2 writes them."""
+    times: dict[str, list[float]] = defaultdict(list)
+    installed = _install(times)
+
+    def clear(*_: Any) -> None:
+        for v in times.values():
+            v.clear()
+
+    def dump(*_: Any) -> None:
+        data = {k: [x * 1e6 for x in times[k]] for k in installed}
+        Path(out).write_text(json.dumps(data))
+
+    signal.signal(signal.SIGUSR1, clear)
+    signal.signal(signal.SIGUSR2, dump)
+    from mha_serve.transport.main import main
+
+    return main(argv)
+
+
+async def stream_steps(target: str, model: str, context: int, steps: int, rounds: int) -> float:
+    """Streamed steps ending at `context`, `rounds` times from context - steps; median
+    round trip, microseconds."""
+    import grpc
+    import numpy as np
+    from overhead import EMBED, OPTIONS, BytesStream
+
+    from mha_client.messages import step_request
+    from mha_client.sdk import AsyncClient
+
+    rng = np.random.default_rng(0)
+    client = AsyncClient(target)
+    session = await client.create_session(model)
+    start = context - steps
+    await session.step(rng.standard_normal((start, EMBED), dtype=np.float32))
+    tokens = rng.standard_normal((steps, 1, EMBED), dtype=np.float32)
+    payloads = [step_request(session.id, t, {}).SerializeToString() for t in tokens]
+    channel = grpc.aio.insecure_channel(target, options=OPTIONS)
+    trips = []
+    try:
+        for _ in range(rounds):
+            await session.truncate(start)
+            stream = BytesStream(channel)
+            for p in payloads:
+                t = time.perf_counter()
+                await stream.round_trip(p)
+                trips.append(time.perf_counter() - t)
+            await stream.close()
+        await session.close()
+    finally:
+        await client.close()
+        await channel.close()
+    return statistics.median(trips) * 1e6
+
+
+def bare_us(model: str, context: int, steps: int) -> float:
+    """The in-process bare step (overhead.BareStep), one torch thread; median, us."""
+    import numpy as np
+    import torch
+    from overhead import EMBED, BareStep
+
+    torch.set_num_threads(1)
+    bare = BareStep(model, context)
+    xs = torch.from_numpy(np.random.default_rng(1).standard_normal((steps, 1, 1, EMBED)))
+    xs = xs.float()
+    times = []
+    for _ in range(3):
+        for i in range(steps):
+            t = time.perf_counter()
+            bare(xs[i], context - steps + i)
+            times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
+
+
+def measure(name: str, tree: Path | None, args: argparse.Namespace, tmp: Path) -> dict:
+    from overhead import free_port
+
+    from mha_client.sdk import Client
+
+    port, out = free_port(), tmp / f"{name}.json"
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(str(tree / d) for d in ("service", "client"))
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--serve-timed", str(out), "--"]
+        + ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"]
+        + ["--log-level", "WARNING"],
+        stdout=(tmp / f"{name}.log").open("wb"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    target = f"127.0.0.1:{port}"
+    try:
+        with Client(target) as c:
+            c.wait_ready(180)
+        asyncio.run(stream_steps(target, args.model, args.context, args.steps, 1))  # warm
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.2)
+        p50 = asyncio.run(stream_steps(target, args.model, args.context, args.steps, args.rounds))
+        proc.send_signal(signal.SIGUSR2)
+        deadline = time.monotonic() + 10
+        while not out.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        layers = json.loads(out.read_text())
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return {
+        "round_trip_us": p50,
+        "layers": {k: statistics.median(v) for k, v in layers.items() if v},
+    }
+
+
+def report(runs: dict[str, dict], bare: float) -> None:
+    names = list(runs)
+    print(f"{'layer (median us: inclusive / self)':<34}" + "".join(f" | {n:>17}" for n in names))
+    print(f"{'round trip (client, p50)':<34}" + "".join(
+        f" | {runs[n]['round_trip_us']:17.0f}" for n in names
+    ))  # fmt: skip
+    children: dict[str | None, list[str]] = defaultdict(list)
+    for label, _, _, parent, _ in LAYERS:
+        children[parent].append(label)
+    depth = {}
+    for label, _, _, parent, _ in LAYERS:
+        depth[label] = 0 if parent is None else depth[parent] + 1
+    for label, *_ in LAYERS:
+        cells = []
+        for n in names:
+            layers = runs[n]["layers"]
+            if label not in layers:
+                cells.append(f" | {'-':>17}")
+                continue
+            own = layers[label] - sum(layers.get(c, 0.0) for c in children[label])
+            cells.append(f" | {layers[label]:8.1f} / {own:6.1f}")
+        print(f"{'  ' * depth[label] + label:<34}" + "".join(cells))
+    print(f"in-process bare step (overhead.BareStep): {bare:.0f} us")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--serve-timed"]:
+        return serve_timed(argv[1], argv[3:])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gqa", choices=["mha", "gqa", "mqa"])
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--baseline-tree", type=Path, help="a checkout of the code before")
+    p.add_argument("--json-out", type=Path)
+    args = p.parse_args(argv)
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="mha-layers-") as d:
+        sides = [("now", None)] + ([("before", args.baseline_tree)] if args.baseline_tree else [])
+        for name, tree in sides:
+            runs[name] = measure(name, tree, args, Path(d))
+    bare = bare_us(args.model, args.context, args.steps)
+    print(
+        f"{args.model} decode steps at context {args.context}, {args.rounds} rounds of "
+        f"{args.steps}, load average {os.getloadavg()[0]:.2f}"
+    )
+    report(runs, bare)
+    if args.json_out:
+        args.json_out.write_text(
+            json.dumps({"args": sys.argv[1:], "bare_us": bare, "runs": runs}, indent=1)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
