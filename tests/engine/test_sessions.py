@@ -166,14 +166,15 @@ def test_small_batched_steps_run_single_threaded_and_restore_the_count(engine, m
     if engine.get("gqa").device.type != "cpu":
         pytest.skip("the switch is for CPU kernels: on a GPU the step keeps torch's count")
     seen = []
-    real = engine_sessions.attend_steps  # the served attention, batched or per session
+    hosted = engine.get("gqa")
+    real = hosted.module.attend_cached  # the CPU's attention over the cache, lone or batched
+    assert not engine.sessions.batched_attention["gqa"]
 
     def spy(*args, **kwargs):
         seen.append(torch.get_num_threads())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine_sessions, "attend_steps", spy)
-    hosted = engine.get("gqa")
+    monkeypatch.setattr(hosted.module, "attend_cached", spy)
     ids = [engine.sessions.create("gqa", None, None).session_id for _ in range(4)]
     for i, sid in enumerate(ids):
         run(engine, hosted, req("gqa", seq(8, seed=i), session_id=sid))  # one: all threads
@@ -317,6 +318,56 @@ def test_a_failing_forward_keeps_nothing_and_restores_the_thread_count(engine, m
     assert all(engine.sessions.table.get(s).num_tokens == 3 for s in ids)
     monkeypatch.undo()
     assert all(run(engine, hosted, c).session.num_tokens == 17 for c in calls)  # none left busy
+
+
+def test_a_lone_step_that_fails_or_loses_its_session_keeps_nothing(engine, monkeypatch):
+    """A step alone takes its own path (Sessions._forward_alone): a failure in its forward
+    rolls its reservation back, a session closed while it runs answers NOT_FOUND and frees
+    its blocks, and a step that follows is kept as if neither had happened."""
+    hosted = engine.get("gqa")
+    pool = engine.sessions.table.pool("gqa")
+    sid, gone = (engine.sessions.create("gqa", None, None).session_id for _ in range(2))
+    x = seq(20, seed=5)
+    for s in (sid, gone):
+        run(engine, hosted, req("gqa", x[:, :15], session_id=s))
+    used = pool.num_used
+    real = hosted.module.attend_cached
+    calls = []
+
+    def batch_path(*args, **kwargs):
+        raise AssertionError("a lone step whose bounds clear it took the batch's path")
+
+    monkeypatch.setattr(engine_sessions.Sessions, "_forward", batch_path)
+
+    def broken(*args, **kwargs):
+        calls.append("broken")
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(hosted.module, "attend_cached", broken)
+    with pytest.raises(RuntimeError, match="device lost"):  # (the batch's error: run raises it)
+        run_batch(engine, hosted, [req("gqa", x[:, 15:17], session_id=sid)])  # a new block
+    assert calls == ["broken"] and pool.num_used == used
+    assert engine.sessions.table.get(sid).num_tokens == 15
+    blocks_of_gone = list(engine.sessions.table.get(gone).block_table)
+
+    def close_meanwhile(*args, **kwargs):
+        calls.append("closed")
+        engine.sessions.table.close(gone)  # as a CloseSession RPC would, mid-forward
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hosted.module, "attend_cached", close_meanwhile)
+    (closed,) = run_batch(engine, hosted, [req("gqa", x[:, 15:16], session_id=gone)])
+    assert calls[-1] == "closed"
+    assert isinstance(closed, SessionNotFound) and "closed" in str(closed)
+    assert all(pool.refcount(b) == 0 for b in blocks_of_gone)
+    monkeypatch.undo()
+    kept = run(engine, hosted, req("gqa", x[:, 15:20], session_id=sid))  # not left busy
+    alone = engine.sessions.create("gqa", None, None).session_id
+    whole = run(engine, hosted, req("gqa", x, session_id=alone))
+    assert kept.session.num_tokens == 20
+    torch.testing.assert_close(
+        torch.from_numpy(kept.output.numpy()), torch.from_numpy(whole.output.numpy())[:, 15:]
+    )
 
 
 def test_a_step_whose_output_overflows_only_in_the_dtype_asked_fails_alone(engine):

@@ -137,23 +137,22 @@ class KVCache:
         A lone sequence whose slots are consecutive (every decode step, and any append
         inside its session's blocks) is two slice copies, no index tensors.
         """
-        KVH, D, T = self.num_kv_heads, self.head_dim, k.shape[2]
+        T = k.shape[2]
         if len(slots) == 1:
             run = slots[0]
             n = len(run)
             first = run[0] if n else -1
-            shape = (1, KVH, T, D)
             if (
                 0 < n <= T
                 and first >= 0
                 and run[-1] < self.num_slots
                 and (n == 1 or _consecutive(run))
-                and k.shape == shape
-                and v.shape == shape
+                and k.shape == v.shape == (1, self.num_kv_heads, T, self.head_dim)
                 and k.dtype == v.dtype == self.dtype
             ):
-                self._k_slots[:, :, first : first + n].copy_(k[:, :, :n])
-                self._v_slots[:, :, first : first + n].copy_(v[:, :, :n])
+                # narrow: one view op each side (a slice is two), a copy each
+                self._k_slots.narrow(2, first, n).copy_(k if n == T else k.narrow(2, 0, n))
+                self._v_slots.narrow(2, first, n).copy_(v if n == T else v.narrow(2, 0, n))
                 return
         self.write(k, v, slot_mapping(slots, T))  # checks everything, says what is wrong
 
@@ -183,8 +182,8 @@ class KVCache:
         offset, n = start % bs, length - start
         if _consecutive(ids):
             first = ids[0] * bs + offset if ids else 0
-            k = self._k_slots[:, :, first : first + n]  # (1, KVH, n, D)
-            v = self._v_slots[:, :, first : first + n]
+            k = self._k_slots.narrow(2, first, n)  # (1, KVH, n, D)
+            v = self._v_slots.narrow(2, first, n)
             return k, v
         table = torch.tensor(list(ids), dtype=torch.int64, device=self.device)
         k = self.k.index_select(1, table).view(KVH, len(ids) * bs, D)[:, offset : offset + n]

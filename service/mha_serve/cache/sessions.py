@@ -325,13 +325,12 @@ class SessionTable(RoomMaking, Moving):
             m = self._models[s.model]
             bs, pool = m.storage.block_size, m.pool
             total = s.num_tokens + n
-            past = f"session {session_id!r} holds {s.num_tokens} tokens; appending {n} would make {total}, past"
             if s.max_len is not None and total > s.max_len:  # never above the model's
                 whose = " (the model's)" if s.max_len == m.max_len else ""
-                raise SessionFull(f"{past} its max_len {s.max_len}{whose}")
+                raise SessionFull(f"{_past(s, n)} its max_len {s.max_len}{whose}")
             if _cdiv(total, bs) - s.first_block > pool.num_blocks:  # no eviction ever makes room
                 raise SessionFull(
-                    f"{past} all that model {s.model!r}'s KV cache holds: {pool.num_blocks} "
+                    f"{_past(s, n)} all that model {s.model!r}'s KV cache holds: {pool.num_blocks} "
                     f"blocks of {bs} tokens ({m.storage.budget_bytes} bytes, kv_cache_bytes)"
                 )
             num_new_blocks = _cdiv(total, bs) - s.first_block - len(s.block_table)
@@ -373,6 +372,7 @@ class SessionTable(RoomMaking, Moving):
                 num_new_blocks,
                 first_block=first,
                 read_start=read_start(s.num_tokens, m.window),
+                engine_state=s.engine_state,
             )
             s.holds.pending = res
             s.last_used_s = now
@@ -414,13 +414,6 @@ class SessionTable(RoomMaking, Moving):
                 for s in pinned:
                     self._unpin(s)
             return results
-
-    def engine_states(self, reservations: Sequence[Reservation]) -> list[object]:
-        """Session.engine_state of each reservation's session, as its step found it: only
-        that step's commit changes it while the step is pending (a truncate waits for it;
-        a session adopted or received is a new one)."""
-        with self._lock:
-            return [self._pending_owner(r).engine_state for r in reservations]
 
     def commit(self, res: Reservation, *, engine_state: object = None) -> SessionStats:
         """The step's K/V are written: count its tokens and unpin, and return the session's
@@ -628,6 +621,12 @@ def unknown_message(session_id: str) -> str:
 
 def _no_engine_state(k: Any, v: Any) -> None:
     return None
+
+
+def _past(s: Session, n: int) -> str:
+    """The start of a refusal's message: a step of n tokens would overfill session s."""
+    total = s.num_tokens + n
+    return f"session {s.id!r} holds {s.num_tokens} tokens; appending {n} would make {total}, past"
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -50,6 +50,9 @@ class Reservation:
     # The first position the step attends to (its first token's window; 0 without one):
     # read the session's K/V from here (KVCache.read's start).
     read_start: int = 0
+    # Session.engine_state as the step found it: only the step's own commit changes it
+    # while the step is pending (a truncate waits for it; one adopted is a new session).
+    engine_state: object = None
 
 
 @dataclass(slots=True)

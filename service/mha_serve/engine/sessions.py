@@ -287,7 +287,7 @@ class Sessions:
         # Until _settle takes them, any error rolls back the reservations still open.
         open_ = [r for r in reserved if isinstance(r, Reservation)]
         live: list[tuple[int, Reservation]] = []
-        threads, small = torch.get_num_threads(), False
+        threads, small = 0, False
         try:
             for i, r in enumerate(reserved):
                 if isinstance(r, CacheError):
@@ -304,10 +304,16 @@ class Sessions:
                 live.append((i, r))
             if not live:
                 return results
-            small = _one_thread_is_enough(cache, [r for _, r in live])
-            if small and threads > 1:
-                torch.set_num_threads(1)
-            forward = self._forward(hosted, cache, [calls[i] for i, _ in live], live)
+            forward = None
+            if len(live) == 1:  # a lone step (every decode step that finds its lane idle)
+                forward = self._forward_alone(hosted, cache, calls[live[0][0]], live[0][1])
+            else:
+                small = _one_thread_is_enough(cache, [r for _, r in live])
+                threads = torch.get_num_threads()
+                if small and threads > 1:
+                    torch.set_num_threads(1)
+            if forward is None:
+                forward = self._forward(hosted, cache, [calls[i] for i, _ in live], live)
         except BaseException:  # nothing was kept: every reservation still open goes back
             for r in open_:
                 self.table.rollback(r)
@@ -319,6 +325,38 @@ class Sessions:
         self._settle(forward, compute_ms, calls, live, results)
         return results
 
+    def _forward_alone(
+        self, hosted: HostedModel, cache: KVCache, p: Prepared, r: Reservation
+    ) -> StepForward | None:
+        """_forward for one step without weights or a head mask whose bounds prove that
+        nothing of it can overflow (the common case), without the batch's lists: the same
+        ops on the same tensors. None, with nothing done, for any other step."""
+        request = p.request
+        if request.need_weights or request.head_mask is not None:
+            return None
+        cached = key_absmax(r.engine_state)
+        bound = cleared(hosted, cache.dtype, p.input_absmax, cached, 1.0)
+        if bound is None:
+            return None
+        module = hosted.module
+        x = p.inputs.to(hosted.device, hosted.dtype, non_blocking=True)  # (1, T, E)
+        n = r.num_tokens
+        with torch.inference_mode():
+            positions = None
+            if hosted.spec.attention.rope is not None:  # the new tokens' absolute positions
+                positions = torch.arange(r.start, r.start + n, device=x.device)[None]  # (1, T)
+            q, k_new, v_new = module.project(x, positions)
+            if k_new.dtype != cache.dtype:  # a narrower cache (kv_cache_dtype)
+                k_new, v_new = k_new.to(cache.dtype), v_new.to(cache.dtype)
+            cache.append(k_new, v_new, (r.slots,))
+            kv = cache.read(
+                r.block_table, r.start + n, start=r.read_start, first_block=r.first_block
+            )
+            out = module.attend_cached(
+                q, (kv,), past_lengths=(r.start,), new_lengths=(n,), first_keys=(r.read_start,)
+            )
+        return StepForward(out, [], set(), set(), [max(cached, bound)], [True])
+
     def _forward(
         self,
         hosted: HostedModel,
@@ -329,7 +367,7 @@ class Sessions:
         """Writes the steps' K/V and attends; what is left to keep or refuse per row."""
         reservations = [r for _, r in live]
         # Each session's bound on the K/V it held before its step (its KeyBound).
-        cached = [key_absmax(e) for e in self.table.engine_states(reservations)]
+        cached = [key_absmax(r.engine_state) for r in reservations]
         new_tokens = [p.inputs.shape[1] for p in steps]
         x = _batch_inputs(hosted, steps, new_tokens)  # (B, T, E)
         first = steps[0].request
@@ -425,11 +463,12 @@ class Sessions:
         try:
             for b, (i, r) in enumerate(live):
                 p = calls[i]
-                cache_dtype = self.caches[p.hosted.spec.name].dtype
                 try:
                     if b in forward.overflowed:
+                        cache_dtype = self.caches[p.hosted.spec.name].dtype
                         raise InvalidRequest(_overflow_message(cache_dtype))
                     if b in forward.too_large:
+                        cache_dtype = self.caches[p.hosted.spec.name].dtype
                         narrower = min(
                             out.output.dtype, cache_dtype, key=lambda d: torch.finfo(d).max
                         )
