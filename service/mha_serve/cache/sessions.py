@@ -334,30 +334,13 @@ class SessionTable(RoomMaking, Moving):
                     f"blocks of {bs} tokens ({m.storage.budget_bytes} bytes, kv_cache_bytes)"
                 )
             num_new_blocks = _cdiv(total, bs) - s.first_block - len(s.block_table)
-            self.quota.check_growth(s, num_new_blocks)
             shared_last = (  # a partial last block that a fork shares: copied before writing
                 s.block_table[-1]
                 if s.num_tokens % bs and s.block_table and pool.refcount(s.block_table[-1]) > 1
                 else None
             )
-            self._make_room(m, num_new_blocks, shared_last, s, now)
-            cow = shared_last is not None and pool.refcount(shared_last) > 1  # (if not evicted)
-            # New blocks follow the session's last one where they can (attention reads a
-            # session with consecutive blocks in place); a private copy of a shared last
-            # block takes that block's place, so it follows the one before.
-            tail = s.block_table[: len(s.block_table) - cow]
-            ids = pool.allocate(num_new_blocks + cow, after=tail[-1] if tail else None)
-            if cow:  # the other holder must never see this write
-                shared, private = s.block_table[-1], ids[0]
-                try:
-                    m.storage.copy_block(shared, private)
-                except BaseException:  # (a device error): the new blocks are nobody's
-                    pool.decref(ids)
-                    raise
-                ids.pop(0)
-                s.block_table[-1] = private
-                pool.decref([shared])
-            s.block_table.extend(ids)
+            if num_new_blocks or shared_last is not None:  # (most decode steps: neither)
+                self._grow(s, m, num_new_blocks, shared_last, now)
             first = s.first_block
             slots = tuple(
                 s.block_table[p // bs - first] * bs + p % bs for p in range(s.num_tokens, total)
@@ -377,6 +360,38 @@ class SessionTable(RoomMaking, Moving):
             s.holds.pending = res
             s.last_used_s = now
             return res
+
+    def _grow(
+        self,
+        s: Session,
+        m: ModelCache,
+        num_new_blocks: int,
+        shared_last: int | None,
+        now: float,
+    ) -> None:
+        """reserve's new blocks for session s (after a shared partial last block's private
+        copy): within its owner's quota, making room first (evicting if allowed)."""
+        pool = m.pool
+        self.quota.check_growth(s, num_new_blocks)
+        self._make_room(m, num_new_blocks, shared_last, s, now)
+        cow = shared_last is not None and pool.refcount(shared_last) > 1  # (if not evicted)
+        # New blocks follow the session's last one where they can (attention reads a
+        # session with consecutive blocks in place); a private copy of a shared last
+        # block takes that block's place, so it follows the one before.
+        table = s.block_table
+        after = table[len(table) - cow - 1] if len(table) > cow else None
+        ids = pool.allocate(num_new_blocks + cow, after=after)
+        if cow:  # the other holder must never see this write
+            shared, private = s.block_table[-1], ids[0]
+            try:
+                m.storage.copy_block(shared, private)
+            except BaseException:  # (a device error): the new blocks are nobody's
+                pool.decref(ids)
+                raise
+            ids.pop(0)
+            s.block_table[-1] = private
+            pool.decref([shared])
+        s.block_table.extend(ids)
 
     def reserve_many(
         self, requests: Sequence[tuple[str, int] | tuple[str, int, bool]]
