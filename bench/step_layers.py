@@ -37,11 +37,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-# (label, module, attribute path, parent label): the call's path, outermost first. A
-# module-level function is also replaced where `users` import it by name.
+# (label, module, attribute path, parent label, users): the call's path, outermost first.
+# A module-level function is also replaced where `users` import it by name. Two functions
+# under one label are one layer (a lone step's forward, or a batch's).
 LAYERS: list[tuple[str, str, str, str | None, tuple[str, ...]]] = [
     ("parse request", "mha_serve.transport.convert", "parse_attend_request", None, ()),
-    ("door.attend", "mha_serve.transport.door", "AttentionDoor.attend", None, ()),
+    ("settle (status, metrics)", "mha_serve.transport.answer", "settle", None, ("mha_serve.transport.door",)),
+    ("door.attend", "mha_serve.transport.door", "AttentionDoor.attend", "settle (status, metrics)", ()),
     ("to_call", "mha_serve.transport.convert", "to_call", "door.attend", ("mha_serve.transport.door",)),
     ("serving.attend", "mha_serve.serving.async_engine", "AsyncEngine.attend", "door.attend", ()),
     ("session claim", "mha_serve.cache.sessions", "SessionTable.claim", "serving.attend", ()),
@@ -51,8 +53,9 @@ LAYERS: list[tuple[str, str, str, str | None, tuple[str, ...]]] = [
     ("engine.run_batch", "mha_serve.engine.engine", "Engine.run_batch", "lanes.submit", ()),
     ("reserve", "mha_serve.cache.sessions", "SessionTable.reserve_many", "engine.run_batch", ()),
     ("forward", "mha_serve.engine.sessions", "Sessions._forward", "engine.run_batch", ()),
+    ("forward", "mha_serve.engine.sessions", "Sessions._forward_alone", "engine.run_batch", ()),
     ("module.project", "mha_serve.model.attention", "MultiHeadAttention.project", "forward", ()),
-    ("overflow bounds", "mha_serve.engine.sessions", "_bounded_rows", "forward", ("mha_serve.engine.sessions",)),
+    ("overflow bounds", "mha_serve.engine.sessions", "cleared", "forward", ()),
     ("cache.append", "mha_serve.cache.kv_cache", "KVCache.append", "forward", ()),
     ("cache.read", "mha_serve.cache.kv_cache", "KVCache.read", "forward", ()),
     ("module.attend_cached", "mha_serve.model.attention", "MultiHeadAttention.attend_cached", "forward", ()),
@@ -96,7 +99,8 @@ def _install(times: dict[str, list[float]]) -> list[str]:
         setattr(owner, name, functools.wraps(fn)(timed))
         for user in users:
             setattr(importlib.import_module(user), name, getattr(owner, name))
-        installed.append(label)
+        if label not in installed:
+            installed.append(label)
     if "parse request" in installed:  # the servicer's parsers were bound at import
         from mha_serve.transport import convert, servicer
 
@@ -227,11 +231,12 @@ def report(runs: dict[str, dict], bare: float) -> None:
     ))  # fmt: skip
     children: dict[str | None, list[str]] = defaultdict(list)
     for label, _, _, parent, _ in LAYERS:
-        children[parent].append(label)
+        if label not in children[parent]:
+            children[parent].append(label)
     depth = {}
     for label, _, _, parent, _ in LAYERS:
         depth[label] = 0 if parent is None else depth[parent] + 1
-    for label, *_ in LAYERS:
+    for label in depth:  # (in order, once each)
         cells = []
         for n in names:
             layers = runs[n]["layers"]
