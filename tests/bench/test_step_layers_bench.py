@@ -42,6 +42,6 @@ def test_every_layer_is_timed_inside_the_one_around_it(tmp_path):
             if parent is not None:  # (a child's median under its parent's, with slack)
                 assert layers[label] <= layers[parent] * 1.5 + 5, (side, label, layers)
         assert data["runs"][side]["round_trip_us"] > 0
-    assert data["bare_us"] > 0
+    assert data["bare_us"] > 0 and data["bare_after_wait_us"] > 0
     for label in labels:
         assert label in run.stdout
