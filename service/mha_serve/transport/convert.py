@@ -97,9 +97,9 @@ def encode_result(result: AttendOutcome, single: bool) -> pb.AttendResponse:
     """Output and weights into a response message, two copies each (tobytes and protobuf's);
     encode_frames makes one. Filled in place: a nested message built apart is copied in."""
     response = pb.AttendResponse()
-    fill_proto(response.output, result.output[0] if single else result.output)
+    fill_proto(response.output, result.output, single=single)
     if result.weights is not None:
-        fill_proto(response.attention_weights, result.weights[0] if single else result.weights)
+        fill_proto(response.attention_weights, result.weights, single=single)
     if result.weight_heads:
         response.weight_heads.extend(result.weight_heads)
     if result.weight_query_start:

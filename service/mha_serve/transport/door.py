@@ -164,12 +164,12 @@ class AttentionDoor(Door):
                 else:
                     model = await self.label("Attend", message)
                     caller = client_identity(context)  # the stream's, once
-            elif not message.session_id:
+            elif not (named := message.session_id):
                 message.session_id = session_id
-            elif message.session_id != session_id:
+            elif named != session_id:
                 refusal = (
                     f"this stream steps session {session_id!r}, but a message names "
-                    f"{message.session_id!r}: open one stream per session"
+                    f"{named!r}: open one stream per session"
                 )
             if refusal is not None:
                 metrics.count_request("StreamSession", model, "INVALID_ARGUMENT")

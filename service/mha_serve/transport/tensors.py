@@ -52,7 +52,7 @@ def checked(tensor: pb.Tensor, what: str = "input", data: Any = None) -> tuple[A
                 f"{what}.dtype is unset; use DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16"
             )
         dtype_name(tensor.dtype, f"{what}.dtype")  # raises: not a supported dtype
-    shape = list(tensor.shape)
+    shape = tensor.shape[:]  # a list (half list()'s cost)
     if shape and min(shape) < 0:
         raise InvalidRequest(f"{what}.shape {shape} has a negative dimension")
     if data is None:
@@ -80,12 +80,14 @@ def to_proto(a: Array) -> pb.Tensor:
     return pb.Tensor(dtype=_proto_dtype(a), shape=a.shape, data=a.tobytes())
 
 
-def fill_proto(t: pb.Tensor, a: Array) -> None:
+def fill_proto(t: pb.Tensor, a: Array, *, single: bool = False) -> None:
     """to_proto into a message's Tensor field in place (nesting a built pb.Tensor in another
-    message costs protobuf three more copies)."""
+    message costs protobuf three more copies). single: the first sequence of the batch
+    only, without the batch dimension (as a[0], with no Array made for it)."""
     t.dtype = _proto_dtype(a)
-    t.shape[:] = a.shape
-    t.data = a.tobytes()  # (C order, whatever the array's layout: the wire's)
+    data = a.data[0] if single else a.data
+    t.shape[:] = data.shape
+    t.data = data.tobytes()  # (C order, whatever the array's layout: the wire's)
 
 
 def tensor_frames(field: int, a: Array) -> list[Any]:
