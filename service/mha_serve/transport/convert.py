@@ -57,7 +57,7 @@ def to_call(request: pb.AttendRequest, input_data: Any = None) -> tuple[AttendRe
     data, dtype, shape = checked(request.input, "input", input_data)
     single = len(shape) == 2
     x = Array.frombuffer(data, dtype, [1, *shape] if single else shape)  # (L, E) -> (1, L, E)
-    # (Each read of a repeated field builds a container: an absent one is not read.)
+    # (tuple() of an empty repeated field costs as much as of a full one: not for an empty one)
     lengths = request.lengths
     head_mask = request.head_mask
     output_dtype = request.output_dtype
@@ -75,7 +75,7 @@ def to_call(request: pb.AttendRequest, input_data: Any = None) -> tuple[AttendRe
     return call, single
 
 
-def _weights(weights: pb.WeightsOptions) -> dict[str, Any]:
+def _weights(weights: pb.WeightsRequest) -> dict[str, Any]:
     """AttendRequest's fields for the weights a request asks."""
     if not weights.enabled:
         if weights.heads or weights.query_start or weights.query_end or weights.dtype:
