@@ -249,14 +249,13 @@ class Batcher:
                 "timeout or reduce load"
             )
         try:
-            outcome = list(self._run_inline([payload]))
+            outcome = self._run_inline([payload])
             if len(outcome) != 1:
                 raise RuntimeError(f"run_batch returned {len(outcome)} results for 1 item")
         except Exception as e:  # the whole batch failed, as _finish reports it
             log.error("%s: batch of 1 requests failed", self.name, exc_info=e)
             raise
-        compute_s = self._clock() - now
-        info = BatchInfo(0.0, compute_s, sequences, 1)
+        info = BatchInfo(0.0, self._clock() - now, sequences, 1)
         self.num_inline += 1
         if self._on_batch is not None:
             try:

@@ -7,7 +7,7 @@ and thread means they never hold up, or share a forward with, the requests that 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from concurrent.futures import Executor
 from typing import Any
 
@@ -22,18 +22,19 @@ class ModelLanes:
         run_batch: RunBatch,
         run_one: Callable[[Any], Any],
         policy: BatchPolicy,
-        on_batch: Callable[[str, BatchInfo], None] | None = None,
+        on_batch: Callable[[str], Callable[[BatchInfo], None]] | None = None,
         fast_executor: Executor | None = None,
         weights_executor: Executor | None = None,
         inline: Callable[[Any], bool] | None = None,
         run_inline: RunBatch | None = None,
     ) -> None:
         """The executors run each lane's batches (None: a thread of the lane's own);
+        on_batch(lane): the observer of that lane's batches ("fast" or "weights");
         inline/run_inline: the fast lane's lone small items on the caller's thread
         (Batcher)."""
 
         def observer(lane: str) -> Callable[[BatchInfo], None] | None:
-            return None if on_batch is None else (lambda info: on_batch(lane, info))
+            return None if on_batch is None else on_batch(lane)
 
         self.fast = Batcher(
             name,
@@ -63,7 +64,7 @@ class ModelLanes:
             executor=weights_executor,
         )
 
-    async def submit(
+    def submit(
         self,
         payload: Any,
         *,
@@ -72,11 +73,10 @@ class ModelLanes:
         length: int,
         key: Hashable,
         deadline: float | None,
-    ) -> tuple[Any, BatchInfo]:
+    ) -> Awaitable[tuple[Any, BatchInfo]]:
+        """The lane's Batcher.submit (not a coroutine of its own: one frame less a call)."""
         lane = self.weights if need_weights else self.fast
-        return await lane.submit(
-            payload, sequences=sequences, length=length, key=key, deadline=deadline
-        )
+        return lane.submit(payload, sequences=sequences, length=length, key=key, deadline=deadline)
 
     async def close(self) -> None:
         await self.fast.close()

@@ -14,6 +14,7 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import (
     REGISTRY,
@@ -401,12 +402,17 @@ def _per_lane(model: str, lane: str) -> tuple:
     )
 
 
-def observe_batch(model: str, lane: str, info) -> None:
-    """Called by the batcher once per batch (info: mha_serve.batching.BatchInfo)."""
+def batch_observer(model: str, lane: str) -> Callable[[Any], None]:
+    """What the batcher calls once per batch of a lane (with a mha_serve.batching.BatchInfo);
+    the lane's labelled children are looked up once, here."""
     compute_h, size_h, requests_h = _per_lane(model, lane)
-    compute_h.observe(info.compute_s)
-    size_h.observe(info.batch_size)
-    requests_h.observe(info.num_requests)
+
+    def observe(info) -> None:
+        compute_h.observe(info.compute_s)
+        size_h.observe(info.batch_size)
+        requests_h.observe(info.num_requests)
+
+    return observe
 
 
 @functools.cache

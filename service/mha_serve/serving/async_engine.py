@@ -34,7 +34,7 @@ from mha_serve.engine.engine import RESTORE_TRIES
 from mha_serve.engine.faults import isolate_failures, out_of_memory_is_exhausted
 from mha_serve.engine.heads import analyze as analyze_heads
 from mha_serve.engine.threads import ComputeThreads
-from mha_serve.serving.finish import Computed, finish, offload
+from mha_serve.serving.finish import OFFLOAD_BYTES, Computed, finish
 from mha_serve.serving.protocol import Served
 from mha_serve.serving.sequences import SequenceKey, SequenceMap
 
@@ -207,20 +207,26 @@ class AsyncEngine:
         self, request: AttendRequest, ticket: Ticket, caller: str | None
     ) -> Computed:
         session_id = request.session_id
-
-        def claimed() -> contextlib.AbstractContextManager:  # a new claim each try
-            claim = self.engine.stepping(session_id, caller)
-            claim.__enter__()
-            return claim
-
-        claim, restore_s = await self._live(session_id, caller, claimed)  # until answered
-        ticket.restore_s += restore_s
-        try:
+        try:  # a live session (most steps): claimed at once, without a restore's machinery
+            claim = self._claim(session_id, caller)
+        except SessionSpilled:
+            claim, restore_s = await self._live(
+                session_id, caller, lambda: self._claim(session_id, caller)
+            )
+            ticket.restore_s += restore_s
+        try:  # until answered
             ticket.claimed = True
             return await self._compute(request, ticket)
         finally:
             claim.__exit__(None, None, None)
             self._session_answered()
+
+    def _claim(self, session_id: str, caller: str | None) -> contextlib.AbstractContextManager:
+        """The session's claim for one step (Engine.stepping), entered; SessionSpilled when
+        the session is in the spill tier (_live brings it back first)."""
+        claim = self.engine.stepping(session_id, caller)
+        claim.__enter__()
+        return claim
 
     def _session_answered(self) -> None:
         """A session call let go of its session: calls waiting for room try again."""
@@ -285,9 +291,14 @@ class AsyncEngine:
         return await self._on_compute(self.engine.restore_session, session_id, caller)
 
     async def _compute(self, request: AttendRequest, ticket: Ticket) -> Computed:
-        # Validation scans the input (NaN/Inf): off the event loop when it is large.
-        prepared = await offload(self.engine.prepare, request, ticket, nbytes=request.inputs.nbytes)
-        batch, seq_len, _ = request.inputs.shape
+        # Validation scans the input (NaN/Inf): off the event loop when it is large (offload's
+        # test written out: its coroutine would cost every small call a frame for nothing).
+        inputs = request.inputs
+        if inputs.nbytes < OFFLOAD_BYTES:
+            prepared = self.engine.prepare(request, ticket)
+        else:
+            prepared = await asyncio.to_thread(self.engine.prepare, request, ticket)
+        batch, seq_len, _ = inputs.shape
         model = prepared.hosted.spec.name  # a step's session's, when the request left it empty
         submitted = time.perf_counter()
         try:
@@ -403,7 +414,7 @@ def lanes_for(
         run_batch=run_batch,
         run_one=out_of_memory_is_exhausted(engine.run),
         policy=spec.batch_policy(),
-        on_batch=functools.partial(metrics.observe_batch, spec.name),
+        on_batch=functools.partial(metrics.batch_observer, spec.name),
         fast_executor=compute.main,
         weights_executor=compute.weights,
         # A lone small request on the event loop's thread: no crossing (batcher.py).

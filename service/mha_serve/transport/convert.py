@@ -10,11 +10,12 @@ from mha_client.tensors import parse_with_tensors
 from mha_serve.cache.types import SessionStats
 from mha_serve.engine.errors import InvalidRequest
 from mha_serve.engine.requests import Array, AttendOutcome, AttendRequest, CacheInfo, ModelView
+from mha_serve.serving.protocol import Timing
 from mha_serve.transport.tensors import (
     PROTO_DTYPES,
+    checked,
     dtype_name,
     fill_proto,
-    from_proto,
     tensor_frames,
 )
 
@@ -48,52 +49,75 @@ def to_call(request: pb.AttendRequest, input_data: Any = None) -> tuple[AttendRe
     """The engine's request for a message, and whether the input was a single 2-D sequence.
     input_data: input.data's bytes when parsing kept them out of the message (Received).
     A session step may leave the model empty: the engine sets its session's."""
-    model = request.model
-    if not model and not request.session_id:
+    model, session_id = request.model, request.session_id
+    if not model and not session_id:
         raise InvalidRequest("model is empty; name one of the models ListModels returns")
     if not request.HasField("input"):
         raise InvalidRequest("input is missing; send a (batch, seq_len, embed_dim) tensor")
-    x = from_proto(request.input, "input", input_data)
-    single = x.ndim == 2
-    if single:
-        x = Array(x.data[None], x.dtype)  # (L, E) -> (1, L, E)
-    weights = request.weights
-    if not weights.enabled and (
-        weights.heads or weights.query_start or weights.query_end or weights.dtype
-    ):
-        raise InvalidRequest(
-            "weights.heads/query_start/query_end/dtype are set but weights.enabled is false; "
-            "set weights.enabled to get attention weights"
-        )
+    data, dtype, shape = checked(request.input, "input", input_data)
+    single = len(shape) == 2
+    x = Array.frombuffer(data, dtype, [1, *shape] if single else shape)  # (L, E) -> (1, L, E)
+    # (tuple() of an empty repeated field costs as much as of a full one: not for an empty one)
+    lengths = request.lengths
+    head_mask = request.head_mask
+    output_dtype = request.output_dtype
     call = AttendRequest(
-        model=model,
-        inputs=x,
-        lengths=tuple(request.lengths) or None,
+        model,
+        x,
+        lengths=tuple(lengths) if lengths else None,
         causal=request.causal if request.HasField("causal") else None,
-        need_weights=weights.enabled,
-        weight_heads=tuple(weights.heads) or None,
-        query_start=weights.query_start,
-        query_end=weights.query_end,
-        weights_dtype=dtype_name(weights.dtype, "weights.dtype", default="float32"),
-        head_mask=tuple(request.head_mask) or None,
-        output_dtype=dtype_name(request.output_dtype, "output_dtype"),
-        session_id=request.session_id or None,
+        head_mask=tuple(head_mask) if head_mask else None,
+        output_dtype=dtype_name(output_dtype, "output_dtype") if output_dtype else None,
+        session_id=session_id or None,
+        # A request that asks no weights (most) sets no field of them: none is read.
+        **(_weights(request.weights) if request.HasField("weights") else {}),
     )
     return call, single
 
 
+def _weights(weights: pb.WeightsRequest) -> dict[str, Any]:
+    """AttendRequest's fields for the weights a request asks."""
+    if not weights.enabled:
+        if weights.heads or weights.query_start or weights.query_end or weights.dtype:
+            raise InvalidRequest(
+                "weights.heads/query_start/query_end/dtype are set but weights.enabled is "
+                "false; set weights.enabled to get attention weights"
+            )
+        return {}
+    return {
+        "need_weights": True,
+        "weight_heads": tuple(weights.heads) or None,
+        "query_start": weights.query_start,
+        "query_end": weights.query_end,
+        "weights_dtype": dtype_name(weights.dtype, "weights.dtype", default="float32"),
+    }
+
+
 def encode_result(result: AttendOutcome, single: bool) -> pb.AttendResponse:
     """Output and weights into a response message, two copies each (tobytes and protobuf's);
-    encode_frames makes one."""
-    response = pb.AttendResponse(
-        weight_heads=result.weight_heads,
-        weight_query_start=result.weight_query_start,
-        session=None if result.session is None else session_info(result.session),
-    )
-    fill_proto(response.output, result.output[0] if single else result.output)
+    encode_frames makes one. Filled in place: a nested message built apart is copied in."""
+    response = pb.AttendResponse()
+    fill_proto(response.output, result.output, single=single)
     if result.weights is not None:
-        fill_proto(response.attention_weights, result.weights[0] if single else result.weights)
+        fill_proto(response.attention_weights, result.weights, single=single)
+    if result.weight_heads:
+        response.weight_heads.extend(result.weight_heads)
+    if result.weight_query_start:
+        response.weight_query_start = result.weight_query_start
+    if result.session is not None:
+        fill_session(response.session, result.session)
     return response
+
+
+def stamp(response: pb.AttendResponse, model: str, timing: Timing) -> None:
+    """The model and timing fields of an answered Attend, in place."""
+    response.model = model
+    t = response.timing
+    t.queue_ms = timing.queue_ms
+    t.compute_ms = timing.compute_ms
+    t.total_ms = timing.total_ms
+    t.batch_size = timing.batch_size
+    t.restore_ms = timing.restore_ms
 
 
 def encode_reply(result: AttendOutcome, single: bool) -> pb.AttendResponse | Frames:
@@ -119,12 +143,12 @@ class Frames:
 def encode_frames(result: AttendOutcome, single: bool) -> Frames:
     """encode_result's response as Frames: no copy of output or weights until join()."""
     head = pb.AttendResponse(
-        weight_heads=result.weight_heads,
-        weight_query_start=result.weight_query_start,
-        session=None if result.session is None else session_info(result.session),
-    ).SerializeToString()
+        weight_heads=result.weight_heads, weight_query_start=result.weight_query_start
+    )
+    if result.session is not None:
+        fill_session(head.session, result.session)
     output = result.output[0] if single else result.output
-    parts = [head, *tensor_frames(2, output)]
+    parts = [head.SerializeToString(), *tensor_frames(2, output)]
     nbytes = output.nbytes
     if result.weights is not None:
         weights = result.weights[0] if single else result.weights
@@ -134,15 +158,20 @@ def encode_frames(result: AttendOutcome, single: bool) -> Frames:
 
 
 def session_info(stats: SessionStats) -> pb.SessionInfo:
-    return pb.SessionInfo(
-        session_id=stats.session_id,
-        model=stats.model,
-        num_tokens=stats.num_tokens,
-        num_blocks=stats.num_blocks,
-        bytes_held=stats.bytes_held,
-        max_len=stats.max_len or 0,
-        ttl_s=stats.ttl_s or 0.0,
-    )
+    info = pb.SessionInfo()
+    fill_session(info, stats)
+    return info
+
+
+def fill_session(info: pb.SessionInfo, stats: SessionStats) -> None:
+    """session_info into a message's SessionInfo field in place."""
+    info.session_id = stats.session_id
+    info.model = stats.model
+    info.num_tokens = stats.num_tokens
+    info.num_blocks = stats.num_blocks
+    info.bytes_held = stats.bytes_held
+    info.max_len = stats.max_len or 0
+    info.ttl_s = stats.ttl_s or 0.0
 
 
 def model_info(

@@ -31,6 +31,7 @@ from mha_serve.transport.convert import (
     encode_result,
     model_info,
     session_info,
+    stamp,
     to_call,
 )
 from mha_serve.transport.handlers import Malformed, MalformedLog
@@ -111,7 +112,7 @@ class AttentionDoor(Door):
         self._serving: EngineClient | None = None  # set once models are loaded and warm
         self.max_request_bytes = max_request_bytes
         self._methods = {
-            "Attend": self._attend_call,
+            "Attend": self.attend,
             "CreateSession": self._create_session,
             "GetSession": self._get_session,
             "ForkSession": self._fork_session,
@@ -163,12 +164,12 @@ class AttentionDoor(Door):
                 else:
                     model = await self.label("Attend", message)
                     caller = client_identity(context)  # the stream's, once
-            elif not message.session_id:
+            elif not (named := message.session_id):
                 message.session_id = session_id
-            elif message.session_id != session_id:
+            elif named != session_id:
                 refusal = (
                     f"this stream steps session {session_id!r}, but a message names "
-                    f"{message.session_id!r}: open one stream per session"
+                    f"{named!r}: open one stream per session"
                 )
             if refusal is not None:
                 metrics.count_request("StreamSession", model, "INVALID_ARGUMENT")
@@ -217,9 +218,6 @@ class AttentionDoor(Door):
 
     # --- attention ---------------------------------------------------------------------
 
-    async def _attend_call(self, request: Any, context: ReadOnlyContext) -> Any:
-        return await self.attend(request, context)
-
     async def attend(
         self,
         request: pb.AttendRequest | Received,
@@ -242,26 +240,12 @@ class AttentionDoor(Door):
             deadline=deadline_of(context),
             caller=(caller or client_identity(context)) if call.session_id else None,
         )
-        response, timing = served.reply, served.timing
+        response = served.reply
         if isinstance(response, Frames):  # the model and timing fields go after the tensors
-            tail = pb.AttendResponse(
-                model=served.model,
-                timing=pb.Timing(
-                    queue_ms=timing.queue_ms,
-                    compute_ms=timing.compute_ms,
-                    total_ms=timing.total_ms,
-                    batch_size=timing.batch_size,
-                    restore_ms=timing.restore_ms,
-                ),
-            ).SerializeToString()
-            return await offload(response.join, tail, nbytes=response.nbytes)
-        response.model = served.model
-        response.timing.queue_ms = timing.queue_ms
-        response.timing.compute_ms = timing.compute_ms
-        response.timing.total_ms = timing.total_ms
-        response.timing.batch_size = timing.batch_size
-        if timing.restore_ms:
-            response.timing.restore_ms = timing.restore_ms
+            tail = pb.AttendResponse()
+            stamp(tail, served.model, served.timing)
+            return await offload(response.join, tail.SerializeToString(), nbytes=response.nbytes)
+        stamp(response, served.model, served.timing)
         return response
 
     async def _analyze_heads(

@@ -7,8 +7,6 @@ import math
 import sys
 from typing import Any
 
-import numpy as np
-
 from mha_client.api import attention_pb2 as pb
 from mha_client.tensors import tensor_field
 from mha_serve.engine.errors import InvalidRequest
@@ -42,13 +40,20 @@ def from_proto(tensor: pb.Tensor, what: str = "input", data: Any = None) -> Arra
     """Decodes without copying the payload; the result is read-only memory, never written.
     data: the tensor's bytes when framing kept them out of the message (a view of the
     received bytes); None reads tensor.data, which is protobuf's copy."""
-    if tensor.dtype == pb.DTYPE_UNSPECIFIED:
-        raise InvalidRequest(
-            f"{what}.dtype is unset; use DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16"
-        )
-    dtype = dtype_name(tensor.dtype, f"{what}.dtype")
-    shape = list(tensor.shape)
-    if any(d < 0 for d in shape):
+    return Array.frombuffer(*checked(tensor, what, data))
+
+
+def checked(tensor: pb.Tensor, what: str = "input", data: Any = None) -> tuple[Any, str, list[int]]:
+    """from_proto's (bytes, dtype, shape), each checked against the others."""
+    dtype = DTYPE_NAMES.get(tensor.dtype)
+    if dtype is None:
+        if tensor.dtype == pb.DTYPE_UNSPECIFIED:
+            raise InvalidRequest(
+                f"{what}.dtype is unset; use DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16"
+            )
+        dtype_name(tensor.dtype, f"{what}.dtype")  # raises: not a supported dtype
+    shape = tensor.shape[:]  # a list (half list()'s cost)
+    if shape and min(shape) < 0:
         raise InvalidRequest(f"{what}.shape {shape} has a negative dimension")
     if data is None:
         data = tensor.data  # once: every read of a bytes field copies it (4 ms for 16 MB)
@@ -60,30 +65,32 @@ def from_proto(tensor: pb.Tensor, what: str = "input", data: Any = None) -> Arra
         )
     if expected == 0:  # never allocate: a zero dimension beside huge ones would overflow
         raise InvalidRequest(f"{what} is empty (shape {shape}); send at least one token")
-    return Array.frombuffer(data, dtype, shape)
+    return data, dtype, shape
 
 
-def _payload(a: Array) -> np.ndarray:
-    if a.dtype not in PROTO_DTYPES:
+def _proto_dtype(a: Array) -> int:
+    dtype = PROTO_DTYPES.get(a.dtype)
+    if dtype is None:
         raise TypeError(f"cannot send {a.dtype} on the wire")
-    return a.bytes_view()
+    return dtype
 
 
 def to_proto(a: Array) -> pb.Tensor:
     """Encodes an Array: two copies (tobytes, and protobuf's into the message)."""
-    return pb.Tensor(dtype=PROTO_DTYPES[a.dtype], shape=list(a.shape), data=_payload(a).tobytes())
+    return pb.Tensor(dtype=_proto_dtype(a), shape=a.shape, data=a.tobytes())
 
 
-def fill_proto(t: pb.Tensor, a: Array) -> None:
+def fill_proto(t: pb.Tensor, a: Array, *, single: bool = False) -> None:
     """to_proto into a message's Tensor field in place (nesting a built pb.Tensor in another
-    message costs protobuf three more copies)."""
-    payload = _payload(a)
-    t.dtype = PROTO_DTYPES[a.dtype]
-    t.shape[:] = a.shape
-    t.data = payload.tobytes()
+    message costs protobuf three more copies). single: the first sequence of the batch
+    only, without the batch dimension (as a[0], with no Array made for it)."""
+    t.dtype = _proto_dtype(a)
+    data = a.data[0] if single else a.data
+    t.shape[:] = data.shape
+    t.data = data.tobytes()  # (C order, whatever the array's layout: the wire's)
 
 
 def tensor_frames(field: int, a: Array) -> list[Any]:
     """Field `field` of a message holding this Array, as parts whose b"".join is its
     encoding: the memory is referenced, not copied (the join is the one copy)."""
-    return tensor_field(field, PROTO_DTYPES[a.dtype], a.shape, _payload(a))
+    return tensor_field(field, _proto_dtype(a), a.shape, a.bytes_view())

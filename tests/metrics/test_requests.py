@@ -1,0 +1,64 @@
+"""The per-call metrics (issue 25 binds their labelled children once, per model and per
+lane): each observation lands in its own model's and lane's series, by the value given."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from prometheus_client import REGISTRY
+
+from mha_serve import metrics
+
+MODEL = "requests-test"  # a model name no other test counts under
+
+
+def value(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_a_lanes_batch_observer_counts_that_lane_only():
+    fast = {"model": MODEL, "lane": "fast"}
+    weights = {"model": MODEL, "lane": "weights"}
+    names = ("mha_serve_batch_compute_seconds", "mha_serve_batch_size", "mha_serve_batch_requests")
+
+    def snapshot() -> dict:
+        got = {
+            (name + part, lane["lane"]): value(name + part, **lane)
+            for name in names
+            for lane in (fast, weights)
+            for part in ("_count", "_sum")
+        }
+        for le in ("4.0", "8.0"):  # (cumulative buckets)
+            got[le] = value("mha_serve_batch_size_bucket", le=le, **fast)
+        return got
+
+    before = snapshot()
+    observe = metrics.batch_observer(MODEL, "fast")
+    observe(SimpleNamespace(compute_s=0.003, batch_size=5, num_requests=2))
+    observe(SimpleNamespace(compute_s=0.02, batch_size=1, num_requests=1))
+    after = snapshot()
+    for name, total in zip(names, (0.023, 6, 3), strict=True):
+        assert after[(name + "_count", "fast")] == before[(name + "_count", "fast")] + 2
+        assert abs(after[(name + "_sum", "fast")] - before[(name + "_sum", "fast")] - total) < 1e-9
+        assert after[(name + "_count", "weights")] == before[(name + "_count", "weights")]
+    # 1 sequence is in the le=4 bucket, 5 only from le=8 on
+    assert after["4.0"] == before["4.0"] + 1 and after["8.0"] == before["8.0"] + 2
+
+
+def test_an_attend_counts_its_tokens_latencies_and_weights_bytes():
+    labels = {"model": MODEL}
+    names = (
+        "mha_serve_tokens_total",
+        "mha_serve_request_tokens_sum",
+        "mha_serve_queue_latency_seconds_sum",
+        "mha_serve_request_latency_seconds_count",
+        "mha_serve_attention_weights_bytes_total",
+    )
+    before = [value(n, **labels) for n in names]
+    metrics.observe_attend(MODEL, tokens=16, queue_s=0.001, total_s=0.004, weights_bytes=0)
+    metrics.observe_attend(MODEL, tokens=1, queue_s=0.002, total_s=0.003, weights_bytes=640)
+    after = [value(n, **labels) for n in names]
+    assert after[0] == before[0] + 17 and after[1] == before[1] + 17
+    assert abs(after[2] - before[2] - 0.003) < 1e-12
+    assert after[3] == before[3] + 2
+    assert after[4] == before[4] + 640
