@@ -20,7 +20,11 @@ from mha_serve.spec import DTYPE_NAMES, ModelSpec
 
 # numpy's element type for each wire dtype: numpy has no bfloat16, so bfloat16 travels as
 # its 16 bits in an int16 array (the bytes are the same).
-NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.int16}
+NUMPY_DTYPES = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(np.int16),
+}
 ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -35,7 +39,18 @@ class Array:
     @classmethod
     def frombuffer(cls, buffer: Any, dtype: str, shape: tuple[int, ...] | list[int]) -> Array:
         """A view of buffer's bytes (no copy), which must hold exactly shape in dtype."""
-        return cls(np.frombuffer(buffer, dtype=NUMPY_DTYPES[dtype]).reshape(shape), dtype)
+        np_dtype = NUMPY_DTYPES[dtype]
+        size = np_dtype.itemsize
+        for n in shape:
+            size *= n
+        nbytes = memoryview(buffer).nbytes
+        if nbytes != size:
+            raise ValueError(
+                f"{nbytes} bytes do not hold shape {tuple(shape)} of {dtype} ({size} bytes)"
+            )
+        # np.ndarray over the buffer, not np.frombuffer(...).reshape(): one call, not two
+        # (it would take a longer buffer's prefix: the size is checked above)
+        return cls(np.ndarray(shape, np_dtype, buffer), dtype)
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -226,15 +226,23 @@ class Sessions:
         """Frees idle sessions past their TTL; returns their ids."""
         return self.table.expire()
 
+    def claim(self, session_id: str, owner: str | None = None) -> None:
+        """Claims the session for one step, from its receipt until its answer (release):
+        another step meanwhile is refused with SessionBusy (SessionTable.claim)."""
+        self.table.claim(session_id, owner)
+
+    def release(self, session_id: str) -> None:
+        """The claimed step is answered, or failed."""
+        self.table.release(session_id)
+
     @contextlib.contextmanager
     def stepping(self, session_id: str, owner: str | None = None) -> Iterator[None]:
-        """Claims the session for one step, from its receipt until its answer
-        (SessionTable.claim: another step meanwhile is refused with SessionBusy)."""
-        self.table.claim(session_id, owner)
+        """claim, and release when the block ends."""
+        self.claim(session_id, owner)
         try:
             yield
         finally:
-            self.table.release(session_id)
+            self.release(session_id)
 
     def truncate(self, session_id: str, num_tokens: int, owner: str | None = None) -> SessionStats:
         """SessionTable.truncate: refused (SessionBusy) while a step of the session is

@@ -4,7 +4,7 @@ and Arrays (engine/requests.py) as tensors and back without a copy."""
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,6 +58,15 @@ class HostedModel:
     module: MultiHeadAttention
     device: torch.device
     dtype: torch.dtype
+    # Read on every step (Engine.runs_inline), so computed once: whether it computes on the
+    # CPU, and the bytes of K and V one key holds in its dtype.
+    on_cpu: bool = field(init=False)
+    kv_bytes_per_key: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        cfg = self.spec.attention
+        self.on_cpu = self.device.type == "cpu"
+        self.kv_bytes_per_key = 2 * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
 
     @property
     def num_parameters(self) -> int:

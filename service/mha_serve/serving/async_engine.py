@@ -55,7 +55,7 @@ class Ticket:
     received: float  # time.perf_counter() at receipt
     deadline: float | None  # time.monotonic() past which the caller no longer waits
     cancelled: bool = False  # the caller is gone: a step still computing is not kept
-    claimed: bool = False  # the call holds its session's claim (Engine.stepping)
+    claimed: bool = False  # the call holds its session's claim (Engine.claim)
     restore_s: float = 0.0  # bringing its session back from the spill tier first
 
 
@@ -207,26 +207,18 @@ class AsyncEngine:
         self, request: AttendRequest, ticket: Ticket, caller: str | None
     ) -> Computed:
         session_id = request.session_id
+        claim = self.engine.claim
         try:  # a live session (most steps): claimed at once, without a restore's machinery
-            claim = self._claim(session_id, caller)
-        except SessionSpilled:
-            claim, restore_s = await self._live(
-                session_id, caller, lambda: self._claim(session_id, caller)
-            )
+            claim(session_id, caller)
+        except SessionSpilled:  # in the spill tier: brought back first
+            _, restore_s = await self._live(session_id, caller, lambda: claim(session_id, caller))
             ticket.restore_s += restore_s
         try:  # until answered
             ticket.claimed = True
             return await self._compute(request, ticket)
         finally:
-            claim.__exit__(None, None, None)
+            self.engine.release(session_id)
             self._session_answered()
-
-    def _claim(self, session_id: str, caller: str | None) -> contextlib.AbstractContextManager:
-        """The session's claim for one step (Engine.stepping), entered; SessionSpilled when
-        the session is in the spill tier (_live brings it back first)."""
-        claim = self.engine.stepping(session_id, caller)
-        claim.__enter__()
-        return claim
 
     def _session_answered(self) -> None:
         """A session call let go of its session: calls waiting for room try again."""
