@@ -29,7 +29,7 @@ def render(results: dict[str, Any], targets: dict[str, Any], notes: bool = True)
         "",
         *(
             [
-                "*Before* columns: the same server from the code before issue 16's changes "
+                "*Before* columns: the same server running the code before "
                 f"(`--baseline-tree {results['baseline_tree']}`), measured in the same rounds, "
                 "alternating with the rest.",
                 "",
