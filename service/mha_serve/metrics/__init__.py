@@ -179,7 +179,8 @@ SESSIONS_ADOPTED = Counter(
 SESSIONS_LOST = Counter(
     "mha_serve_sessions_lost_total",
     "Sessions lost, by reason: spill_full (the spill tier expired its oldest), "
-    "replica_killed (a Ray replica died before moving them), bad_file (a spill file refused).",
+    "replica_killed (their Ray replica is gone without moving them: it died, or stopped and "
+    "could not move them), bad_file (a spill file refused).",
     ["reason"],
 )
 for _reason in LOST_REASONS:
@@ -230,7 +231,9 @@ def count_adopted(model: str, n: int) -> None:
 
 def count_lost(reason: str, n: int = 1) -> None:
     """`n` sessions lost, reason one of LOST_REASONS: "spill_full" (the spill tier expired
-    its oldest to make room), "replica_killed" (a Ray replica gone before it moved them),
+    its oldest to make room), "replica_killed" (their Ray replica gone without moving them:
+    it died, or stopped and could not move them: the replica that answers NOT_FOUND cannot
+    tell which; the stopping one logs each it could not move),
     "bad_file" (a spill file refused at adoption or restore). MhaServeSessionsLost fires."""
     if reason not in LOST_REASONS:
         raise ValueError(f"lost reason {reason!r} is not one of {LOST_REASONS}")
