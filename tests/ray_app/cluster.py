@@ -18,14 +18,18 @@ import yaml
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "ray" / "serve_config.yaml"
 APP = "mha"
 RAY_START_ATTEMPTS = 3
+# What ray.init raises when a process it starts misses its startup wait (start_ray).
+STARTUP_TIMEOUTS = ("timed out during startup", "Timed out waiting for file")
 
 
 def start_ray(ray: Any, num_cpus: int, **options: Any) -> None:
     """A Ray of its own for this process (`address="local"`: never the cluster a `ray start`
     left in /tmp/ray/ray_current_cluster, or RAY_ADDRESS names, which ray.init() would join,
-    dead or alive), started again when its raylet misses Ray's fixed 30 s registration wait
-    (ray/_private/node.py: "timed out during startup"), which a 2-core machine busy with
-    other work can: the start is retried, nothing the tests check is."""
+    dead or alive), started again when one of its processes misses Ray's fixed 30 s startup
+    waits (ray/_private/node.py: the raylet's registration, "timed out during startup"; the
+    GCS server writing its port, "Timed out waiting for file .../gcs_server_port_..."), which
+    a 2-core machine busy with other work can: the start is retried, nothing the tests check
+    is."""
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
         try:
             ray.init(
@@ -37,7 +41,7 @@ def start_ray(ray: Any, num_cpus: int, **options: Any) -> None:
             )
             return
         except Exception as e:
-            if "timed out during startup" not in str(e) or attempt == RAY_START_ATTEMPTS:
+            if not any(m in str(e) for m in STARTUP_TIMEOUTS) or attempt == RAY_START_ATTEMPTS:
                 raise
             ray.shutdown()
 
