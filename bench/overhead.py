@@ -199,6 +199,18 @@ class BytesStream:
         await self.call.read()  # the end of the stream
 
 
+async def timed_stream(channel: grpc.aio.Channel, payloads: list[bytes]) -> list[float]:
+    """The payloads as one stream's messages, each awaiting its reply; each round trip's
+    seconds."""
+    stream, times = BytesStream(channel), []
+    for p in payloads:
+        t = time.perf_counter()
+        await stream.round_trip(p)
+        times.append(time.perf_counter() - t)
+    await stream.close()
+    return times
+
+
 async def decode_steps(targets: dict[str, str], rounds: int, steps: int) -> list[dict]:
     """Per model and context: served (and baseline) steps, SDK steps, echo, bare torch."""
     import torch

@@ -136,7 +136,7 @@ async def stream_steps(target: str, model: str, context: int, steps: int, rounds
     round trip, microseconds."""
     import grpc
     import numpy as np
-    from overhead import EMBED, OPTIONS, BytesStream
+    from overhead import EMBED, OPTIONS, timed_stream
 
     from mha_client.messages import step_request
     from mha_client.sdk import AsyncClient
@@ -153,12 +153,7 @@ async def stream_steps(target: str, model: str, context: int, steps: int, rounds
     try:
         for _ in range(rounds):
             await session.truncate(start)
-            stream = BytesStream(channel)
-            for p in payloads:
-                t = time.perf_counter()
-                await stream.round_trip(p)
-                trips.append(time.perf_counter() - t)
-            await stream.close()
+            trips += await timed_stream(channel, payloads)
         await session.close()
     finally:
         await client.close()

@@ -35,7 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from overhead import OPTIONS, BytesStream, start_served  # noqa: E402
+from overhead import OPTIONS, start_served, timed_stream  # noqa: E402
 
 RATE_HZ = 1000
 STEPS = 64  # streamed steps per round trip loop; then the session is truncated back
@@ -91,13 +91,8 @@ async def steps(target: str, context: int, seconds: float) -> tuple[int, list[fl
             n, times, end = 0, [], time.monotonic() + seconds
             while time.monotonic() < end:
                 await session.truncate(context)
-                stream = BytesStream(channel)
-                for payload in tokens:
-                    t = time.perf_counter()
-                    await stream.round_trip(payload)
-                    times.append(time.perf_counter() - t)
-                    n += 1
-                await stream.close()
+                times += await timed_stream(channel, tokens)
+                n += len(tokens)
         await session.close()
     return n, times
 

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -346,23 +346,10 @@ class Sessions:
         bound = cleared(hosted, cache.dtype, p.input_absmax, cached, 1.0)
         if bound is None:
             return None
-        module = hosted.module
         x = p.inputs.to(hosted.device, hosted.dtype, non_blocking=True)  # (1, T, E)
-        n = r.num_tokens
         with torch.inference_mode():
-            positions = None
-            if hosted.spec.attention.rope is not None:  # the new tokens' absolute positions
-                positions = torch.arange(r.start, r.start + n, device=x.device)[None]  # (1, T)
-            q, k_new, v_new = module.project(x, positions)
-            if k_new.dtype != cache.dtype:  # a narrower cache (kv_cache_dtype)
-                k_new, v_new = k_new.to(cache.dtype), v_new.to(cache.dtype)
-            cache.append(k_new, v_new, (r.slots,))
-            kv = cache.read(
-                r.block_table, r.start + n, start=r.read_start, first_block=r.first_block
-            )
-            out = module.attend_cached(
-                q, (kv,), past_lengths=(r.start,), new_lengths=(n,), first_keys=(r.read_start,)
-            )
+            q, _, _ = _project_and_append(hosted, cache, x, (r,))
+            out = attend_steps(hosted.module, cache, q, (r,), (r.num_tokens,), batched=False)
         return StepForward(out, [], set(), set(), [max(cached, bound)], [True])
 
     def _forward(
@@ -384,15 +371,10 @@ class Sessions:
         if first.head_mask is not None:
             head_mask = torch.tensor(first.head_mask, dtype=hosted.dtype, device=hosted.device)
         with torch.inference_mode():
-            positions = None  # only rotary models use them (no cost per step otherwise)
-            if hosted.spec.attention.rope is not None:
-                # Each session's new tokens continue from its cached length; the cache keeps
-                # K rotated at these absolute positions.
-                starts = torch.tensor([r.start for r in reservations], device=x.device)
-                positions = starts[:, None] + torch.arange(x.shape[1], device=x.device)  # (B, T)
-            q, k_new, v_new = hosted.module.project(x, positions)  # (B, H|KVH, T, D)
-            if k_new.dtype != cache.dtype:  # a narrower cache (kv_cache_dtype): stored rounded
-                k_new, v_new = k_new.to(cache.dtype), v_new.to(cache.dtype)
+            # Write first, then attend over each session's positions in order, from its
+            # step's window on (read_start): batched (padded groups, one kernel each) or one
+            # kernel per session over its blocks in place (engine/attend.py).
+            q, k_new, v_new = _project_and_append(hosted, cache, x, reservations)
             # An inf key need not show in this step's output (a -inf score is just a zero
             # weight) but would poison every later step of its session, so the K/V
             # themselves are checked: those rows' steps are refused, not kept. float16 (a
@@ -405,10 +387,6 @@ class Sessions:
             # read with the output's, in one sync after the forward.
             bounded = _bounded_rows(hosted, cache, steps, cached)
             maxima = None if bounded is not None else row_absmax_tensor(q, k_new, v_new)  # (3, B)
-            # Write first, then attend over each session's positions in order, from its
-            # step's window on (read_start): batched (padded groups, one kernel each) or one
-            # kernel per session over its blocks in place (engine/attend.py).
-            cache.append(k_new, v_new, [r.slots for r in reservations])
             out = attend_steps(
                 hosted.module,
                 cache,
@@ -519,6 +497,30 @@ class Sessions:
             if not isinstance(e, Exception):
                 raise
             log.exception("settling a batch of %d session steps failed", len(live))
+
+
+def _project_and_append(
+    hosted: HostedModel, cache: KVCache, x: torch.Tensor, reservations: Sequence[Reservation]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v (B, H|KVH, T, D) of the steps' new tokens x (B, T, E), their K/V written into
+    the cache at each reservation's slots (in the cache's dtype: a narrower kv_cache_dtype is
+    stored rounded). Under inference_mode."""
+    positions = None  # only rotary models use them (no cost per step otherwise)
+    if hosted.spec.attention.rope is not None:
+        # Each session's new tokens continue from its cached length; the cache keeps K
+        # rotated at these absolute positions.
+        T = x.shape[1]
+        if len(reservations) == 1:
+            start = reservations[0].start
+            positions = torch.arange(start, start + T, device=x.device)[None]  # (1, T)
+        else:
+            starts = torch.tensor([r.start for r in reservations], device=x.device)
+            positions = starts[:, None] + torch.arange(T, device=x.device)  # (B, T)
+    q, k_new, v_new = hosted.module.project(x, positions)
+    if k_new.dtype != cache.dtype:
+        k_new, v_new = k_new.to(cache.dtype), v_new.to(cache.dtype)
+    cache.append(k_new, v_new, [r.slots for r in reservations])
+    return q, k_new, v_new
 
 
 def _step_outputs(
