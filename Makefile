@@ -2,8 +2,9 @@
 #   make serve   start mha-serve on the built-in models (mha, gqa, mqa); ARGS="--port 50052" to add flags
 #   make serve-ray  the Ray Serve app (deploy/ray/serve_config.yaml): gRPC proxy on 9000
 #   make test    lint, stub check and the whole test suite (what .ci/run runs)
-#   make gpu     on a machine with a CUDA GPU: .venv-gpu (torch's CUDA build), the whole suite on
-#                CUDA, the GPU benchmarks, docs/benchmarks-gpu.md; without a GPU it says so and
+#   make gpu     on a machine with a CUDA GPU: .venv-gpu (torch's CUDA build), the GPU
+#                benchmarks, the suite's device directories on CUDA (GPU_PYTEST_ARGS=tests: all),
+#                docs/benchmarks-gpu.md; without a GPU it says so and
 #                exits 0, installing nothing
 #   make gpu-wheels  where PyPI is reachable: the wheels an offline GPU machine lacks, into
 #                .gpu-wheels (bring that folder along; make gpu installs from it)

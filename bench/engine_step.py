@@ -211,7 +211,7 @@ def batch_decode(args) -> None:
         report_profiles(profiles, args.profile, {**meta, "dtype": str(hosted.dtype)})
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--model", default="mha", choices=["mha", "gqa", "mqa"])
@@ -226,12 +226,19 @@ def main() -> None:
         "--dtype", default="auto", help="the models' dtype (auto: float32 on the CPU, bf16 on CUDA)"
     )
     parser.add_argument("--profile", type=Path, help="torch.profiler of each side, to this JSON")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.steps_given = args.steps is not None
     if args.sessions:
         batch_decode(args)
         return
     args.steps = args.steps or 200
+    max_len = next(m.max_seq_len for m in default_models() if m.name == args.model)
+    if args.context + args.steps > max_len:  # each round's session steps past its context
+        parser.error(
+            f"--context {args.context} with --steps {args.steps}: the steps would take the "
+            f"session past {args.model}'s max_seq_len {max_len}; use --context at most "
+            f"{max_len - args.steps}"
+        )
     torch.set_num_threads(1)
     engine = engine_on(args, default_models())
     hosted = engine.get(args.model)

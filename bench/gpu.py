@@ -25,8 +25,14 @@ test suite on CUDA (bench/gpu_target.sh).
 5. 64 sessions decoding together vs one at a time through the server (bench/sessions.py).
 6. One session's streamed decode step through the server against its limit: the in-process
    step (eager; graphed beside it) plus an echo round trip of the same bytes.
+7. Attention at a new key length each call (a growing session's step), by kernel: cuDNN plans
+   every new shape (why the engine switches it off on CUDA), flash and memory-efficient do
+   not; cuDNN over keys padded to a bucket shares its plans.
 
-Sections 1-3 run bench/gpu_kernels.py's pieces, 4-6 are bench/gpu_served.py's; the page is
+Every part runs with the engine's choice of attention kernels (engine.choose_attention_kernels:
+cuDNN off), as the server does; section 7 forces each kernel in turn.
+
+Sections 1-3 and 7 run bench/gpu_kernels.py's pieces, 4-6 are bench/gpu_served.py's; the page is
 bench/gpu_report.py's.
 """
 
@@ -50,6 +56,18 @@ from gpu_report import write_report  # noqa: E402
 from gpu_served import KV_CONTEXT, MODELS, served  # noqa: E402
 
 TARGETS = {"kv_read_share_min": 0.5}
+# Section 7's rows: (kernel, sessions, mask, bucket)
+NEW_LENGTHS = [
+    ("engine", 1, False, 1),
+    ("engine", 64, True, 1),
+    ("cudnn", 1, False, 1),
+    ("cudnn", 64, True, 1),
+    ("cudnn", 1, True, 256),
+    ("cudnn", 64, True, 256),
+    ("flash", 1, False, 1),
+    ("efficient", 1, False, 1),
+    ("efficient", 64, True, 1),
+]
 # Section 2's ragged batch: 8 sessions at the full context among 56 at an eighth of it.
 RAGGED = [KV_CONTEXT] * 8 + [KV_CONTEXT // 8] * 56
 
@@ -88,10 +106,12 @@ def device_info(device) -> dict[str, Any]:
 def kernels(device, quick: bool, info: dict[str, Any]) -> dict[str, Any]:
     import torch
     from gpu_kernels import (
+        attempt,
         copy_bandwidth,
         datasheet_gbs,
         kv_row,
         load_module,
+        new_length_row,
         ragged_row,
         step_row,
     )
@@ -110,6 +130,7 @@ def kernels(device, quick: bool, info: dict[str, Any]) -> dict[str, Any]:
         "kv": [],
         "ragged": [],
         "graphs": [],
+        "new_lengths": [],
     }
     steps = 20 if quick else 50
     with torch.inference_mode():
@@ -132,11 +153,31 @@ def kernels(device, quick: bool, info: dict[str, Any]) -> dict[str, Any]:
                 print(describe(table, row), flush=True)
             del module, measures
             torch.cuda.empty_cache()
+        for kernel, batch, mask, bucket in NEW_LENGTHS:
+            holder: dict[str, Any] = {}
+            measure = partial(new_length_row, device, kernel, batch, mask=mask, bucket=bucket)
+            row = attempt(holder, "row", measure) or {
+                "kernel": kernel,
+                "batch": batch,
+                "mask": mask,
+                "bucket": bucket,
+                "errors": holder["errors"],
+            }
+            out["new_lengths"].append(row)
+            print(describe("new_lengths", row), flush=True)
     return out
 
 
 def describe(table: str, row: dict[str, Any]) -> str:
-    """A row of section 2 or 3 as one line of output."""
+    """A row of section 2, 3 or 7 as one line of output."""
+    if table == "new_lengths":
+        line = (
+            f"new key length each call, {row['kernel']:9s} x{row['batch']:2d} mask "
+            f"{'yes' if row['mask'] else 'no ':3s} bucket {row['bucket']:3d}: median "
+            f"{us(row.get('median_s'))}, worst {us(row.get('worst_s'))}, first "
+            f"{us(row.get('first_s'))}"
+        )
+        return line + "".join(f" [{k}: {e}]" for k, e in row.get("errors", {}).items())
     head = f"{row['model']} x{row['batch']:2d} at {row['context']:4d}"
     size = (row.get("kv_bytes") or 0) / 2**20
     if table == "kv":
@@ -249,10 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from gpu_kernels import attempt
 
+    from mha_serve.engine import choose_attention_kernels
+
     device = torch.device(args.device)
     if device.index is None:  # set_device and the generators want the index
         device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(device)
+    choose_attention_kernels(device, cudnn=False)  # as the server does (--cudnn-attention off)
     started = time.perf_counter()
     results: dict[str, Any] = {
         "command": " ".join(

@@ -382,3 +382,66 @@ def step_row(module: MultiHeadAttention, batch: int, context: int, *, pool: int,
     eager, graph = row.get("eager_s"), row.get("graph_s")
     row["speedup"] = eager / graph if eager and graph else None
     return row
+
+
+# ----- section 7: attention at a new key length each call -------------------------------------
+
+# The kernels a new-lengths row can ask for by name; "engine": none forced, whatever torch
+# picks with the engine's switch (engine.choose_attention_kernels, cuDNN off by default).
+SDPA_KERNELS = ("engine", "cudnn", "efficient", "flash", "math")
+
+
+def new_length_row(
+    device: torch.device,
+    kernel: str,
+    batch: int,
+    *,
+    mask: bool,
+    bucket: int = 1,
+    calls: int = 40,
+    first_keys: int = 3000,
+    heads: int = 8,
+    head_dim: int = 64,
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict:
+    """One decode query per row over keys one longer each call (a growing session's step):
+    the wall time of each call, synchronised (host work included: a kernel that plans per
+    shape pays its plan here). bucket > 1 pads the keys up to a multiple of it and masks
+    the padding, so calls share shapes. Median and worst of the calls after the first 5,
+    and the first call."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
+    if kernel not in SDPA_KERNELS:
+        raise ValueError(f"kernel {kernel!r} is not one of {', '.join(SDPA_KERNELS)}")
+    row: dict = {"kernel": kernel, "batch": batch, "mask": mask, "bucket": bucket}
+    g = torch.Generator(device=device).manual_seed(0)
+    times = []
+    for i in range(calls):
+        keys = first_keys + i
+        width = -(-keys // bucket) * bucket
+        q = torch.randn(batch, heads, 1, head_dim, device=device, dtype=dtype, generator=g)
+        k = torch.randn(batch, heads, width, head_dim, device=device, dtype=dtype, generator=g)
+        v = torch.randn_like(k)
+        allowed = None
+        if mask:
+            allowed = (torch.arange(width, device=device) < keys).expand(batch, 1, 1, width)
+        synchronize(device)
+        start = time.perf_counter()
+        if kernel == "engine":
+            F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        else:
+            with sdpa_kernel([backends[kernel]]):
+                F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    steady = sorted(times[5:]) if len(times) > 5 else sorted(times)
+    row.update(
+        first_s=times[0], median_s=statistics.median(steady), worst_s=steady[-1], calls=calls
+    )
+    return row

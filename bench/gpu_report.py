@@ -10,7 +10,8 @@ PAGE = "benchmarks-gpu.md"
 HOW = (
     "Produced by `make gpu` on a machine with a CUDA GPU (bench/gpu_target.sh: a venv of its "
     "own with torch's CUDA build; `python bench/gpu.py`, which writes this page and "
-    "`bench/results/gpu.json`; then the whole test suite with `MHA_SERVE_TEST_DEVICE=cuda`, "
+    "`bench/results/gpu.json`; then the test suite's device directories with "
+    "`MHA_SERVE_TEST_DEVICE=cuda`, "
     "whose summary joins the page). Without a GPU `make gpu` says so and exits 0; it never "
     "writes this page."
 )
@@ -55,6 +56,8 @@ def render(results: dict[str, Any], targets: dict[str, Any]) -> str:
         *stateless_section(results),
         *sessions_section(results),
         *lone_section(results),
+        *new_lengths_section(results),
+        *notes_section(),
     ]
     return "\n".join(out).rstrip() + "\n"
 
@@ -134,7 +137,11 @@ def suite_section(suite: dict[str, Any] | None) -> list[str]:
         out.append("")
     if suite.get("skip_reasons"):
         out += ["Skipped, by reason:", ""]
-        out += [f"- {n} x {reason[:200]}" for reason, n in suite["skip_reasons"]]
+        # a reason's first line (a skip may carry a tool's whole output)
+        out += [
+            f"- {n} x {(reason.splitlines() or [''])[0][:200]}"
+            for reason, n in suite["skip_reasons"]
+        ]
         out.append("")
     return out
 
@@ -359,6 +366,49 @@ def lone_section(results: dict[str, Any]) -> list[str]:
             f"| {us(r.get('inprocess_graph_s'))} | {pct(r.get('graph_saving_share'))} |"
         )
     return [*out, ""]
+
+
+def new_lengths_section(results: dict[str, Any]) -> list[str]:
+    rows = results.get("new_lengths") or []
+    if not rows:
+        return []
+    out = [
+        "## Attention at a new key length each call",
+        "",
+        "A growing session's decode step attends over one key more than its last: one query "
+        "row per session (8 heads of 64, bfloat16) over 3000 keys, then 3001, and so on, 40 "
+        "calls, each timed on the wall clock between device synchronisations (host work "
+        "included). *Kernel*: the one forced with `torch.nn.attention.sdpa_kernel`; *engine*: "
+        "none forced, under the engine's switch (`engine.choose_attention_kernels`: cuDNN off "
+        "unless `--cudnn-attention`). *Bucket*: keys padded up to a multiple of it, the "
+        "padding masked, so calls share shapes. Median and worst of the calls after the "
+        "first five, and the first call, us.",
+        "",
+        "| kernel | sessions | mask | bucket | **median** | worst | first |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if r.get("errors"):
+            why = "; ".join(r["errors"].values())[:120]
+            out.append(
+                f"| {r['kernel']} | {r['batch']} | {'yes' if r['mask'] else 'no'} "
+                f"| {r['bucket']} | not run: `{why}` | | |"
+            )
+            continue
+        out.append(
+            f"| {r['kernel']} | {r['batch']} | {'yes' if r['mask'] else 'no'} | {r['bucket']} "
+            f"| **{us(r['median_s'])}** | {us(r['worst_s'])} | {us(r['first_s'])} |"
+        )
+    return [*out, ""]
+
+
+def notes_section() -> list[str]:
+    """bench/gpu_notes.md: what was measured on a GPU outside this script's sections (a
+    profile, a one-off check), each note with its date, command and machine."""
+    notes = Path(__file__).with_name("gpu_notes.md")
+    if not notes.exists():
+        return []
+    return ["## Notes from other GPU runs", "", notes.read_text().strip(), ""]
 
 
 def write_report(results: dict[str, Any], docs: Path, targets: dict[str, Any]) -> Path:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make gpu` and `make gpu-wheels` (issue 25): on a machine with a CUDA GPU, a venv of its own
-# with torch's CUDA build, the whole test suite on CUDA, bench/gpu.py, docs/benchmarks-gpu.md.
+# with torch's CUDA build, the test suite's device directories on CUDA, bench/gpu.py,
+# docs/benchmarks-gpu.md.
 # Without a GPU it says why and exits 0, having installed and downloaded nothing.
 #
 #   bench/gpu_target.sh run      what `make gpu` runs
@@ -17,7 +18,8 @@
 #                        suite, run last, gets what the set-up and the benchmarks left of it
 #   GPU_SUITE_TIMEOUT_S  the suite's own limit instead; at it the suite is interrupted and
 #                        reported
-#   GPU_PYTEST_ARGS      more pytest arguments (e.g. -m 'not slow')
+#   GPU_PYTEST_ARGS      pytest's arguments: the directories whose code runs on the device
+#                        (engine, model, cache, serving, batching, e2e); `tests` for all
 #   GPU_BENCH_ARGS       more bench/gpu.py arguments (e.g. --quick)
 #   GPU_PARTS            what to run after the set-up, any of "bench engine profile suite"
 #                        (all four): bench/gpu.py; bench/engine_step.py on CUDA with
@@ -36,7 +38,9 @@ GPU_TORCH_SPEC=${GPU_TORCH_SPEC:-torch==2.13.0}
 GPU_WHEELS=${GPU_WHEELS:-.gpu-wheels}
 GPU_BUDGET_S=${GPU_BUDGET_S:-570}
 GPU_SUITE_TIMEOUT_S=${GPU_SUITE_TIMEOUT_S:-}
-GPU_PYTEST_ARGS=${GPU_PYTEST_ARGS:-}
+# The suite's directories whose code runs on the device (the rest, deploy, Ray, docs, runs the
+# same anywhere, and the whole suite outlasts a 10-minute lease): GPU_PYTEST_ARGS=tests for all.
+GPU_PYTEST_ARGS=${GPU_PYTEST_ARGS:-tests/engine tests/model tests/cache tests/serving tests/batching tests/e2e}
 GPU_BENCH_ARGS=${GPU_BENCH_ARGS:-}
 GPU_OUT=${GPU_OUT:-}
 GPU_PARTS=${GPU_PARTS:-bench engine profile suite}
@@ -192,7 +196,7 @@ run() {
   fi
   if [[ " $GPU_PARTS " == *" engine "* ]]; then
     say "the engine's step against the bare ops on CUDA (bench/engine_step.py, torch.profiler)"
-    "$PY" bench/engine_step.py --device cuda --context 4032 --rounds 5 --steps 100 \
+    "$PY" bench/engine_step.py --device cuda --context 3968 --rounds 5 --steps 100 \
       --profile "$RESULTS/engine_step_gpu.json"
     "$PY" bench/engine_step.py --device cuda --sessions 64 --contexts 4032 --rounds 3 \
       --profile "$RESULTS/engine_batch_gpu.json"
@@ -210,7 +214,7 @@ run() {
   if [[ " $GPU_PARTS " == *" suite "* ]]; then
     limit=${GPU_SUITE_TIMEOUT_S:-$((GPU_BUDGET_S - SECONDS - 30))}
     [ "$limit" -ge 60 ] || limit=60
-    say "the whole suite on CUDA (MHA_SERVE_TEST_DEVICE=cuda, at most $limit s)"
+    say "the suite on CUDA: $GPU_PYTEST_ARGS (MHA_SERVE_TEST_DEVICE=cuda, at most $limit s)"
     # shellcheck disable=SC2086  # GPU_PYTEST_ARGS holds several words
     MHA_SERVE_TEST_DEVICE=cuda "$PY" bench/gpu_suite.py --timeout "$limit" \
       --json-out "$RESULTS/gpu-suite.json" --log "$RESULTS/gpu-suite.log" -- $GPU_PYTEST_ARGS

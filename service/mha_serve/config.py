@@ -76,6 +76,10 @@ class ServerConfig:
     # runs on the event loop's thread, single-threaded, instead of crossing to the compute
     # thread and back (batching/batcher.py); concurrent requests still queue and batch.
     inline_lone_requests: bool = True
+    # On CUDA, let attention run cuDNN's kernel. It builds a plan for every new shape
+    # (35-50 ms of host time each on an H200), and sessions grow by a token a step, so it is
+    # off: flash and memory-efficient kernels need no plan (engine.choose_attention_kernels).
+    cudnn_attention: bool = False
     # --- durable sessions (docs/operations.md "Durable sessions") ---
     # A directory where a full KV cache moves its least recently used idle sessions instead of
     # refusing or evicting them, and where live sessions are written on SIGTERM (after

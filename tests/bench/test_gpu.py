@@ -301,6 +301,25 @@ def a_run() -> dict:
             "mean_batch_size": 30.0,
         },
         "lone": [{"model": "mha", "context": 4096, "served_s": 5e-4, "echo_s": 2e-4}],
+        "new_lengths": [
+            {
+                "kernel": "cudnn",
+                "batch": 64,
+                "mask": True,
+                "bucket": 1,
+                "first_s": 0.05,
+                "median_s": 0.039,
+                "worst_s": 0.06,
+                "calls": 40,
+            },
+            {
+                "kernel": "flash",
+                "batch": 64,
+                "mask": True,
+                "bucket": 1,
+                "errors": {"row": "RuntimeError: No available kernel."},
+            },
+        ],
         "suite": {
             "device": "cuda",
             "command": "pytest -q",
@@ -337,6 +356,7 @@ def test_the_page_renders_every_section_of_a_run_and_marks_the_target():
         "## Stateless throughput by batch and length",
         "## 64 sessions decoding together vs one at a time",
         "## One session's decode step against its limit",
+        "## Attention at a new key length each call",
     ):
         assert heading in page, heading
     assert (
@@ -358,6 +378,8 @@ def test_the_page_renders_every_section_of_a_run_and_marks_the_target():
     assert "the copy reached 90% of it" in page
     assert "by the rule they **pay**" in page
     assert "| mha | 4096 | 500.0 | 120.0 | 200.0 | 320.0 | **1.56** | 50.0 | 14% |" in page
+    assert "| cudnn | 64 | yes | 1 | **39000.0** | 60000.0 | 50000.0 |" in page
+    assert "| flash | 64 | yes | 1 | not run: `RuntimeError: No available kernel.` | | |" in page
 
 
 def test_the_committed_page_says_how_it_is_made_and_invents_no_figures():
@@ -474,3 +496,44 @@ def test_the_step_profile_refuses_a_context_its_steps_would_overrun_and_make_gpu
     assert e.value.code == 2
     passed = re.findall(r"step_profile\.py --context (\d+)", (BENCH / "gpu_target.sh").read_text())
     assert passed and all(int(c) + step_profile.STEPS <= max_len for c in passed)
+
+
+@pytest.mark.parametrize(("kernel", "mask", "bucket"), [("engine", False, 1), ("math", True, 4)])
+def test_the_new_length_row_runs_on_the_cpu_and_times_every_call(kernel, mask, bucket):
+    row = gpu_kernels.new_length_row(
+        torch.device("cpu"),
+        kernel,
+        2,
+        mask=mask,
+        bucket=bucket,
+        calls=7,
+        first_keys=5,
+        heads=2,
+        head_dim=4,
+        dtype=torch.float32,
+    )
+    assert (row["kernel"], row["batch"], row["mask"], row["bucket"]) == (kernel, 2, mask, bucket)
+    assert row["calls"] == 7 and 0 < row["median_s"] <= row["worst_s"]
+    with pytest.raises(ValueError, match="not one of engine, cudnn"):
+        gpu_kernels.new_length_row(torch.device("cpu"), "fast", 1, mask=False)
+
+
+def test_the_engine_step_refuses_a_context_its_steps_would_overrun_and_make_gpu_fits(capsys):
+    """Each round steps a new session --steps tokens past --context; past the model's
+    max_seq_len the engine refuses mid-run (make gpu once passed 4032 with 100 steps)."""
+    import re
+
+    import engine_step
+
+    from mha_serve.config import default_models
+
+    max_len = next(m.max_seq_len for m in default_models() if m.name == "mha")
+    with pytest.raises(SystemExit) as e:
+        engine_step.main(["--context", str(max_len - 99), "--steps", "100"])
+    assert e.value.code == 2
+    assert f"use --context at most {max_len - 100}" in capsys.readouterr().err
+    script = (BENCH / "gpu_target.sh").read_text()
+    runs = re.findall(
+        r"engine_step\.py --device cuda --context (\d+) --rounds \d+ --steps (\d+)", script
+    )
+    assert runs and all(int(c) + int(s) <= max_len for c, s in runs)

@@ -59,9 +59,10 @@ def triton_python() -> Path:
             timeout=900,
         )
         if install.returncode != 0:
+            last = (install.stderr.strip().splitlines() or ["no output"])[-1]  # pip's error
             pytest.skip(
                 f"could not install {', '.join(REQUIREMENTS)} into {TRITON_VENV} (is PyPI "
-                f"reachable?): {install.stderr[-1500:]}"
+                f"reachable?): {last[:300]}"
             )
         stamp.write_text(wanted)
     return python

@@ -31,6 +31,7 @@ from mha_serve.lazy import lazy_attributes
 # name -> submodule that defines it
 _LAZY = {
     "Engine": "engine",
+    "choose_attention_kernels": "engine",
     "resolve_device": "engine",
     "resolve_dtype": "engine",
     "HostedModel": "types",
@@ -41,7 +42,12 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from mha_serve.engine.engine import Engine, resolve_device, resolve_dtype
+    from mha_serve.engine.engine import (
+        Engine,
+        choose_attention_kernels,
+        resolve_device,
+        resolve_dtype,
+    )
     from mha_serve.engine.types import HostedModel, ModelSpec, Prepared, array_of, tensor_of
 
 
@@ -68,6 +74,7 @@ __all__ = [
     "RequestError",
     "TooLarge",
     "array_of",
+    "choose_attention_kernels",
     "resolve_device",
     "resolve_dtype",
     "tensor_of",

@@ -67,6 +67,17 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def choose_attention_kernels(device: torch.device, *, cudnn: bool) -> None:
+    """On CUDA, whether scaled_dot_product_attention may pick cuDNN's kernel (process-wide:
+    torch's backend switch). cuDNN builds an execution plan for every new shape: 35-50 ms
+    of host time on an H200 (torch 2.11, cuDNN 9.19; docs/benchmarks-gpu.md), and a
+    session's keys grow by one each step, so nearly every decode step and every prompt of
+    a new length would pay it. Off (the default), attention runs flash or memory-efficient
+    kernels, which need no plan. A CPU device leaves the switch as it is."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """'auto' is float32 on the CPU and bfloat16 (float16 without bf16 support) on CUDA."""
     if name == "auto":
@@ -99,8 +110,10 @@ class Engine:
         spill_dir: str = "",
         spill_bytes: int = 0,
         batched_attention: bool | None = None,
+        cudnn_attention: bool = False,
     ) -> None:
         """batched_attention: Sessions' (None: batched on CUDA, per session on the CPU);
+        cudnn_attention: let attention on CUDA run cuDNN's kernel (choose_attention_kernels);
         session_id_prefix starts every session id (a Ray Serve replica's own id); clock:
         the sessions' idle time and TTL (seconds; tests give a fake one)."""
         if not specs:
@@ -110,6 +123,7 @@ class Engine:
         if duplicates:
             raise ValueError(f"model names must be unique; repeated: {', '.join(duplicates)}")
         self.max_response_bytes = max_response_bytes
+        choose_attention_kernels(device, cudnn=cudnn_attention)
         self.models: dict[str, HostedModel] = {}
         for spec in specs:
             self.models[spec.name] = self._load(spec, device, dtype)

@@ -37,6 +37,7 @@ HELP = {
     "frontend_workers": "processes serving gRPC on the port in front of one engine process (1: one process; docs/operations.md)",
     "session_spill_dir": "directory for sessions a full KV cache moves out and SIGTERM writes; a server started on it adopts them (empty: off; one live server per directory)",
     "session_spill_bytes": "byte budget of the spill directory; past it the oldest spilled sessions expire",
+    "cudnn_attention": "on CUDA, let attention run cuDNN's kernel, which builds a plan of 35-50 ms for every new shape (a growing session's every step); off: flash or memory-efficient kernels",
     "inline_lone_requests": "a lone small request (a decode step) that finds its lane idle runs on the event loop's thread, no thread crossing; false: every request crosses to the compute thread",
 }
 

@@ -80,6 +80,7 @@ def load_engine(
         session_id_prefix=session_id_prefix,
         spill_dir=cfg.session_spill_dir,
         spill_bytes=cfg.session_spill_bytes,
+        cudnn_attention=cfg.cudnn_attention,
     )
     engine.warmup()
     adopt_spilled(engine)
