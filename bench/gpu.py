@@ -28,11 +28,15 @@ test suite on CUDA (bench/gpu_target.sh).
 7. Attention at a new key length each call (a growing session's step), by kernel: cuDNN plans
    every new shape (why the engine switches it off on CUDA), flash and memory-efficient do
    not; cuDNN over keys padded to a bucket shares its plans.
+8. The server with cuDNN's attention off (the default) against on (--cudnn-attention true),
+   alternating: stateless requests batched into changing sizes, 64 sessions decoding from
+   contexts new every round.
 
 Every part runs with the engine's choice of attention kernels (engine.choose_attention_kernels:
 cuDNN off), as the server does; section 7 forces each kernel in turn.
 
-Sections 1-3 and 7 run bench/gpu_kernels.py's pieces, 4-6 are bench/gpu_served.py's; the page is
+Sections 1-3 and 7 run bench/gpu_kernels.py's pieces, 4-6 and 8 are bench/gpu_served.py's; the
+page is
 bench/gpu_report.py's.
 """
 

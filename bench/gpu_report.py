@@ -57,6 +57,7 @@ def render(results: dict[str, Any], targets: dict[str, Any]) -> str:
         *sessions_section(results),
         *lone_section(results),
         *new_lengths_section(results),
+        *cudnn_switch_section(results),
         *notes_section(),
     ]
     return "\n".join(out).rstrip() + "\n"
@@ -400,6 +401,31 @@ def new_lengths_section(results: dict[str, Any]) -> list[str]:
             f"| **{us(r['median_s'])}** | {us(r['worst_s'])} | {us(r['first_s'])} |"
         )
     return [*out, ""]
+
+
+def cudnn_switch_section(results: dict[str, Any]) -> list[str]:
+    s = results.get("cudnn_switch")
+    if not s:
+        return []
+    off, on = s["stateless_seq_per_s"], s["sessions_tokens_per_s"]
+    return [
+        "## cuDNN's attention in the server: off (the default) against on",
+        "",
+        f"The same mha-serve twice, the default and with `--cudnn-attention true`, in "
+        f"{s['rounds']} alternating rounds; medians. Stateless: {s['batch']} x {s['length']} "
+        "tokens a request from 16 clients (the batcher coalesces them into batches of changing "
+        f"size). Sessions: {s['sessions']} gqa sessions decoding {s['steps']} steps together "
+        f"from a context new every round (from {s['context']}).",
+        "",
+        f"| cuDNN | stateless (seq/s) | {s['sessions']} sessions together (tokens/s) |",
+        "| --- | ---: | ---: |",
+        f"| off (default) | {off['served']:.0f} | {on['served']:.0f} |",
+        f"| on | {off['cudnn']:.0f} | {on['cudnn']:.0f} |",
+        "",
+        f"Off against on: stateless **{off['served'] / off['cudnn']:.2f}x**, sessions "
+        f"**{on['served'] / on['cudnn']:.2f}x**.",
+        "",
+    ]
 
 
 def notes_section() -> list[str]:

@@ -1,7 +1,9 @@
-"""bench/gpu.py's sections 4-6, through a real mha-serve on this machine's GPU (its CUDA
+"""bench/gpu.py's sections 4-6 and 8, through a real mha-serve on this machine's GPU (its CUDA
 defaults, bfloat16) with a gRPC echo beside it: stateless throughput by batch and length
 against in-process, 64 sessions decoding together vs one at a time, one session's streamed
-step. A section that fails is recorded under "errors" and the others still run."""
+step; and the same server with cuDNN's attention allowed (--cudnn-attention true) against
+the default, side by side. A section that fails is recorded under "errors" and the others
+still run."""
 
 from __future__ import annotations
 
@@ -157,7 +159,7 @@ def served(tmp: Path, device, quick: bool, rounds: int) -> dict[str, Any]:
 
     from mha_client.sdk import Client
 
-    procs, targets = start_servers(tmp, None)
+    procs, targets = start_servers(tmp, None, variants={"cudnn": ["--cudnn-attention", "true"]})
     out: dict[str, Any] = {}
     try:
         with Client(targets["served"]) as c:
@@ -177,6 +179,8 @@ def served(tmp: Path, device, quick: bool, rounds: int) -> dict[str, Any]:
         )
         lone = lone_steps(targets, KV_CONTEXT, 16 if quick else 64, rounds)
         attempt(out, "lone", lambda: asyncio.run(lone))
+        print("cuDNN's attention in the server: off (the default) against on:", flush=True)
+        attempt(out, "cudnn_switch", lambda: cudnn_switch(targets, rounds, 8 if quick else 16))
     finally:
         for proc in procs:
             proc.terminate()
@@ -186,3 +190,56 @@ def served(tmp: Path, device, quick: bool, rounds: int) -> dict[str, Any]:
     for key, error in out.get("errors", {}).items():
         print(f"{key}: FAILED: {error}", flush=True)
     return out
+
+
+# Section 8's stateless point (batch, length) and its 64 sessions' first context.
+SWITCH_POINT = (8, 128)
+SWITCH_CONTEXT = 256
+
+
+def cudnn_switch(
+    targets: dict[str, str], rounds: int, steps: int, num_sessions: int = 64, duration: float = 2.0
+) -> dict[str, Any]:
+    """The default server (cuDNN's attention off) against the same server with it on, in
+    alternating rounds: stateless requests at SWITCH_POINT from 16 clients (the batcher
+    coalesces them into batches of changing size), and num_sessions gqa sessions decoding
+    together from a context that is new every round (cuDNN would plan each new length)."""
+    import sessions
+
+    from mha_client.loadgen import GrpcTarget, LoadSpec, Workload, parse_seq_lens, run_load_sync
+
+    batch, length = SWITCH_POINT
+    workload = Workload("mha", parse_seq_lens(str(length)), EMBED, batch=batch)
+    spec = LoadSpec(concurrency=16, duration_s=duration, warmup=16)
+    names = ("served", "cudnn")
+    seq: dict[str, list[float]] = {n: [] for n in names}
+    tok: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            result = run_load_sync(lambda t=targets[name]: GrpcTarget(t), workload, spec)
+            if result.errors:
+                raise RuntimeError(f"{name} B={batch} L={length}: {result.errors}")
+            seq[name].append(result.sequences_per_s)
+            context = SWITCH_CONTEXT + r * (steps + 8)  # lengths no earlier round had
+            pair = asyncio.run(
+                sessions.batched_decode(targets[name], num_sessions, context, steps, 1)
+            )
+            tok[name].append(pair["concurrent_tokens_per_s"])
+            print(
+                f"  round {r + 1}, cudnn {'on ' if name == 'cudnn' else 'off'}: stateless "
+                f"B={batch} L={length} {seq[name][-1]:.0f} seq/s | {num_sessions} sessions from "
+                f"context "
+                f"{context}: {tok[name][-1]:.0f} tok/s together",
+                flush=True,
+            )
+    return {
+        "batch": batch,
+        "length": length,
+        "sessions": num_sessions,
+        "context": SWITCH_CONTEXT,
+        "steps": steps,
+        "rounds": rounds,
+        "stateless_seq_per_s": {n: statistics.median(v) for n, v in seq.items()},
+        "sessions_tokens_per_s": {n: statistics.median(v) for n, v in tok.items()},
+        "samples": {"stateless": seq, "sessions": tok},
+    }

@@ -301,6 +301,16 @@ def a_run() -> dict:
             "mean_batch_size": 30.0,
         },
         "lone": [{"model": "mha", "context": 4096, "served_s": 5e-4, "echo_s": 2e-4}],
+        "cudnn_switch": {
+            "batch": 8,
+            "length": 128,
+            "sessions": 64,
+            "context": 256,
+            "steps": 16,
+            "rounds": 2,
+            "stateless_seq_per_s": {"served": 2000.0, "cudnn": 500.0},
+            "sessions_tokens_per_s": {"served": 3000.0, "cudnn": 1000.0},
+        },
         "new_lengths": [
             {
                 "kernel": "cudnn",
@@ -357,6 +367,7 @@ def test_the_page_renders_every_section_of_a_run_and_marks_the_target():
         "## 64 sessions decoding together vs one at a time",
         "## One session's decode step against its limit",
         "## Attention at a new key length each call",
+        "## cuDNN's attention in the server: off (the default) against on",
     ):
         assert heading in page, heading
     assert (
@@ -379,6 +390,8 @@ def test_the_page_renders_every_section_of_a_run_and_marks_the_target():
     assert "by the rule they **pay**" in page
     assert "| mha | 4096 | 500.0 | 120.0 | 200.0 | 320.0 | **1.56** | 50.0 | 14% |" in page
     assert "| cudnn | 64 | yes | 1 | **39000.0** | 60000.0 | 50000.0 |" in page
+    assert "| off (default) | 2000 | 3000 |\n| on | 500 | 1000 |" in page
+    assert "Off against on: stateless **4.00x**, sessions **3.00x**." in page
     assert "| flash | 64 | yes | 1 | not run: `RuntimeError: No available kernel.` | | |" in page
 
 
@@ -537,3 +550,27 @@ def test_the_engine_step_refuses_a_context_its_steps_would_overrun_and_make_gpu_
         r"engine_step\.py --device cuda --context (\d+) --rounds \d+ --steps (\d+)", script
     )
     assert runs and all(int(c) + int(s) <= max_len for c, s in runs)
+
+
+@pytest.mark.slow
+def test_the_cudnn_switch_section_runs_two_real_servers_side_by_side(tmp_path):
+    """Section 8 on the CPU with tiny counts: the default server and one started with
+    --cudnn-attention true (on the CPU the switch changes nothing) both answer every
+    stateless request and every session step, in alternating rounds."""
+    import gpu_served
+    from overhead import start_servers
+
+    procs, targets = start_servers(
+        tmp_path, None, variants={"cudnn": ["--cudnn-attention", "true"]}
+    )
+    try:
+        out = gpu_served.cudnn_switch(targets, rounds=2, steps=2, num_sessions=3, duration=0.3)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
+    assert out["rounds"] == 2 and out["sessions"] == 3
+    for table in ("stateless", "sessions"):
+        assert set(out["samples"][table]) == {"served", "cudnn"}
+        assert all(len(v) == 2 and min(v) > 0 for v in out["samples"][table].values())
