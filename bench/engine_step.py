@@ -22,8 +22,9 @@ the server's compute thread does (the engine's own switch picks one for small st
 with a device sync). --profile FILE adds, after the timing, torch.profiler over a few steps
 of each side: per step, the torch ops each side calls (count and self CPU time, the top
 ones), and on CUDA the runtime calls that stall the host (stream and device syncs, copies)
-and the kernels launched. On a GPU a step's host work is its cost, so the op count is the
-engine's bookkeeping there; `make gpu` runs it (GPU_PARTS engine):
+and the kernels launched, and on any device the torch ops that would make a GPU's host wait
+(nonzero, .item(): SYNC_OPS). On a GPU a step's host work is its cost, so the op count is
+the engine's bookkeeping there; `make gpu` runs it (GPU_PARTS engine):
 
     python bench/engine_step.py --device cuda --context 4032 --profile out.json
     python bench/engine_step.py --device cuda --sessions 64 --contexts 4032 --profile out.json
@@ -52,6 +53,10 @@ TOP_OPS = 15
 HOST_STALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 COPIES = ("cudaMemcpyAsync", "cudaMemcpy")
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+# torch ops that make the host wait for a CUDA device, counted on any device (on the CPU they
+# are the stalls a GPU would see): nonzero (boolean-mask indexing runs it), a scalar read back
+# (.item(), int(t)), a tensor's truth (`if t:`)
+SYNC_OPS = ("aten::nonzero", "aten::_local_scalar_dense", "aten::is_nonzero")
 
 
 def sync(device: torch.device) -> None:
@@ -76,6 +81,7 @@ def profile_side(step: Callable[[int], object], steps: int, device: torch.device
     rows = prof.key_averages()
     ops = [r for r in rows if r.key.startswith("aten::")]
     runtime = {r.key: r.count for r in rows}
+    op_counts = {r.key: r.count for r in ops}
 
     def per_step(names: tuple[str, ...]) -> float:
         return sum(runtime.get(n, 0) for n in names) / steps
@@ -88,6 +94,7 @@ def profile_side(step: Callable[[int], object], steps: int, device: torch.device
         "aten_ops_per_step": sum(r.count for r in ops) / steps,
         "aten_self_cpu_us_per_step": sum(r.self_cpu_time_total for r in ops) / steps,
         "host_stalls_per_step": per_step(HOST_STALLS),
+        "sync_ops_per_step": sum(op_counts.get(n, 0) for n in SYNC_OPS) / steps,
         "copies_per_step": per_step(COPIES),
         "kernel_launches_per_step": per_step(LAUNCHES),
         "device_us_per_step": device_us / steps if device.type == "cuda" else None,
@@ -112,6 +119,7 @@ def report_profiles(sides: dict[str, dict], path: Path, meta: dict) -> None:
         ("kernel_launches_per_step", "kernel launches"),
         ("copies_per_step", "memcpy calls"),
         ("host_stalls_per_step", "host stalls (syncs)"),
+        ("sync_ops_per_step", "torch ops that sync on CUDA"),
         ("device_us_per_step", "device time us"),
     ):
         cells = [sides[n][key] for n in names]

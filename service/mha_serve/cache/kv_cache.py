@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from mha_serve.model.transfer import list_tensor
+
 DEFAULT_BLOCK_SIZE = 16  # tokens per block: 1/16 worst-case waste per session, few table entries
 PAD_SLOT = -1  # slot mapping entry for a padded token: nothing is written
 
@@ -109,22 +111,12 @@ class KVCache:
         slot_mapping (B, T) int64, PAD_SLOT (-1) at padded tokens (not written)."""
         KVH, D = self.num_kv_heads, self.head_dim
         B, T = slot_mapping.shape
-        for name, t in (("k", k), ("v", v)):
-            if t.shape != (B, KVH, T, D):
-                raise ValueError(
-                    f"{name} must be (B, KVH, T, D) = ({B}, {KVH}, {T}, {D}) to match "
-                    f"slot_mapping {tuple(slot_mapping.shape)}, got {tuple(t.shape)}"
-                )
-            if t.dtype != self.dtype:
-                raise ValueError(f"{name} has dtype {t.dtype} but the cache holds {self.dtype}")
+        self._check_new(k, v, B, T, f"slot_mapping {tuple(slot_mapping.shape)}")
         slots = slot_mapping.to(self.device, torch.int64).reshape(B * T)  # (B*T,)
         keep = slots != PAD_SLOT
         slots = slots[keep]  # (N,)
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.num_slots):
-            raise ValueError(
-                f"slot_mapping has slots in [{int(slots.min())}, {int(slots.max())}] "
-                f"outside 0..{self.num_slots - 1} (or {PAD_SLOT} for padding)"
-            )
+        if slots.numel():
+            self._check_slots(int(slots.min()), int(slots.max()))
         k_rows = k.transpose(0, 1).reshape(KVH, B * T, D)[:, keep]  # (KVH, N, D)
         v_rows = v.transpose(0, 1).reshape(KVH, B * T, D)[:, keep]  # (KVH, N, D)
         self.k.view(KVH, self.num_slots, D).index_copy_(1, slots, k_rows.to(self.device))
@@ -154,7 +146,54 @@ class KVCache:
                 self._k_slots.narrow(2, first, n).copy_(k if n == T else k.narrow(2, 0, n))
                 self._v_slots.narrow(2, first, n).copy_(v if n == T else v.narrow(2, 0, n))
                 return
-        self.write(k, v, slot_mapping(slots, T))  # checks everything, says what is wrong
+        self._append_rows(k, v, slots)
+
+    def _append_rows(
+        self, k: torch.Tensor, v: torch.Tensor, slots: Sequence[Sequence[int]]
+    ) -> None:
+        """append of a batch: write()'s checks made on the host lists and one index tensor
+        sent to the device, so that it never waits for the device (write() reads its slots'
+        range back and selects the real tokens by a mask: a sync for each on CUDA)."""
+        KVH, D, T = self.num_kv_heads, self.head_dim, k.shape[2]
+        B = len(slots)
+        self._check_new(k, v, B, T, f"{B} slot list(s) of at most {T}")
+        flat: list[int] = []  # the real tokens' cache slots, and their rows b * T + t in k
+        rows: list[int] = []
+        for b, s in enumerate(slots):
+            if len(s) > T:
+                raise ValueError(f"session {b} has {len(s)} slots but width is {T}")
+            flat.extend(s)
+            rows.extend(range(b * T, b * T + len(s)))
+        if not flat:
+            return
+        self._check_slots(min(flat), max(flat))
+        every = len(flat) == B * T  # no padded token: every row of k is written
+        index = list_tensor(flat if every else [flat, rows], self.device)  # (N,) | (2, N)
+        slot_index = index if every else index[0]
+        k_rows = k.transpose(0, 1).reshape(KVH, B * T, D)  # (KVH, B*T, D)
+        v_rows = v.transpose(0, 1).reshape(KVH, B * T, D)
+        if not every:
+            k_rows, v_rows = k_rows.index_select(1, index[1]), v_rows.index_select(1, index[1])
+        self.k.view(KVH, self.num_slots, D).index_copy_(1, slot_index, k_rows)
+        self.v.view(KVH, self.num_slots, D).index_copy_(1, slot_index, v_rows)
+
+    def _check_new(self, k: torch.Tensor, v: torch.Tensor, B: int, T: int, what: str) -> None:
+        KVH, D = self.num_kv_heads, self.head_dim
+        for name, t in (("k", k), ("v", v)):
+            if t.shape != (B, KVH, T, D):
+                raise ValueError(
+                    f"{name} must be (B, KVH, T, D) = ({B}, {KVH}, {T}, {D}) to match "
+                    f"{what}, got {tuple(t.shape)}"
+                )
+            if t.dtype != self.dtype:
+                raise ValueError(f"{name} has dtype {t.dtype} but the cache holds {self.dtype}")
+
+    def _check_slots(self, lo: int, hi: int) -> None:
+        if lo < 0 or hi >= self.num_slots:
+            raise ValueError(
+                f"slot_mapping has slots in [{lo}, {hi}] "
+                f"outside 0..{self.num_slots - 1} (or {PAD_SLOT} for padding)"
+            )
 
     def read(
         self,
@@ -218,14 +257,25 @@ class KVCache:
             counts.append(length - start)
             if not _consecutive(ids):
                 scattered.append((b, ids, start % bs))
-        rows = torch.tensor([bases, counts], dtype=torch.int64).to(self.device)  # (2, B)
+        # One host tensor, one copy: each row's first slot and count, then for the
+        # scattered rows their row, offset and block ids (padded with their last).
+        data = bases + counts
+        S = len(scattered)
+        M = max((len(ids) for _, ids, _ in scattered), default=0)
+        if S:
+            data += [b for b, _, _ in scattered] + [offset for _, _, offset in scattered]
+            for _, ids, _ in scattered:
+                data += list(ids) + [ids[-1]] * (M - len(ids))
+        host = list_tensor(data, self.device)  # (2B + S (2 + M),)
         j = torch.arange(width, device=self.device)[None]  # (1, width)
-        last = rows[1, :, None] - 1  # (B, 1): each row's last column
-        slots = rows[0, :, None] + torch.minimum(j, last)  # (B, width)
-        for b, ids, offset in scattered:  # a fragmented session: through its block ids
-            blocks = torch.tensor(list(ids), dtype=torch.int64).to(self.device)
-            pos = offset + torch.minimum(j[0], last[b])  # (width,) from its first block's start
-            slots[b] = blocks[pos // bs] * bs + pos % bs
+        last = host[B : 2 * B, None] - 1  # (B, 1): each row's last column
+        slots = host[:B, None] + torch.minimum(j, last)  # (B, width)
+        if S:  # fragmented sessions: through their block ids
+            rows, offsets = host[2 * B : 2 * B + S], host[2 * B + S : 2 * B + 2 * S]
+            blocks = host[2 * B + 2 * S :].view(S, M)  # (S, M)
+            # (S, width): positions from each one's first block's start
+            pos = offsets[:, None] + torch.minimum(j, last.index_select(0, rows))
+            slots.index_copy_(0, rows, blocks.gather(1, pos // bs) * bs + pos % bs)
         heads = torch.arange(KVH, device=self.device) * self.num_slots  # (KVH,)
         index = (heads[None, :, None] + slots[:, None, :]).view(-1)  # (B * KVH * width,)
         k_out, v_out = self._buffers(B * KVH * width)

@@ -23,6 +23,7 @@ import torch
 
 from mha_serve.cache import KVCache, Reservation
 from mha_serve.model import AttentionOutput, MultiHeadAttention
+from mha_serve.model.transfer import list_tensor
 
 # A row joins a padded group only while it reads at least this share of the group's
 # longest read (so at most half of a group's keys are padding).
@@ -97,9 +98,13 @@ def attend_steps(
     if len(groups) == 1 and not alone:  # every row in one group, in order: no scatter
         return _padded(module, cache, q, reservations, new_tokens, head_mask)
     parts = [(rows, _padded) for rows in groups] + ([(alone, _per_session)] if alone else [])
+    # Every part's rows in one index tensor (one copy to the device, no wait), cut per part.
+    indices = list_tensor([i for rows, _ in parts for i in rows], q.device)  # (B,)
     out = None
+    at = 0
     for rows, attend in parts:
-        index = torch.tensor(rows).to(q.device)
+        index = indices.narrow(0, at, len(rows))
+        at += len(rows)
         y = attend(
             module,
             cache,

@@ -10,12 +10,14 @@ tokens whose K/V were not written.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mha_serve.cache import (
@@ -49,6 +51,7 @@ from mha_serve.model.overflow import (
     scores_overflow,
     weight_bounds,
 )
+from mha_serve.model.transfer import host_buffer, list_tensor, to_device
 
 log = logging.getLogger(__name__)
 
@@ -346,7 +349,7 @@ class Sessions:
         bound = cleared(hosted, cache.dtype, p.input_absmax, cached, 1.0)
         if bound is None:
             return None
-        x = p.inputs.to(hosted.device, hosted.dtype, non_blocking=True)  # (1, T, E)
+        x = to_device(p.inputs, hosted.device, hosted.dtype)  # (1, T, E)
         with torch.inference_mode():
             q, _, _ = _project_and_append(hosted, cache, x, (r,))
             out = attend_steps(hosted.module, cache, q, (r,), (r.num_tokens,), batched=False)
@@ -369,7 +372,7 @@ class Sessions:
         heads = first.heads(hosted.spec.attention.num_heads) if first.need_weights else []
         head_mask = None
         if first.head_mask is not None:
-            head_mask = torch.tensor(first.head_mask, dtype=hosted.dtype, device=hosted.device)
+            head_mask = list_tensor(first.head_mask, hosted.device, hosted.dtype)  # (H,)
         with torch.inference_mode():
             # Write first, then attend over each session's positions in order, from its
             # step's window on (read_start): batched (padded groups, one kernel each) or one
@@ -445,6 +448,9 @@ class Sessions:
         out, heads = forward.out, forward.heads
         dtypes = [output_dtype(calls[i].request) for i, _ in live]
         host = on_host(out.output, dtypes)  # one copy for the batch, not one per step
+        # Its numpy memory, read once: steps in its dtype take a numpy view of their rows
+        # (no torch op per step).
+        rows = array_of(host) if host.dtype in dtypes else None
         settled = 0
         try:
             for b, (i, r) in enumerate(live):
@@ -460,7 +466,7 @@ class Sessions:
                         )
                         raise scores_overflow_error(narrower)
                     output, weights = _step_outputs(
-                        out, host, dtypes[b], b, r, p.request, heads, forward.finite[b]
+                        out, host, rows, dtypes[b], b, r, p.request, heads, forward.finite[b]
                     )
                     _raise_if_abandoned(p.state)  # last, right before commit: the smallest gap
                 except Exception as e:  # refused, caller gone, or a bug: not kept
@@ -514,7 +520,7 @@ def _project_and_append(
             start = reservations[0].start
             positions = torch.arange(start, start + T, device=x.device)[None]  # (1, T)
         else:
-            starts = torch.tensor([r.start for r in reservations], device=x.device)
+            starts = list_tensor([r.start for r in reservations], x.device)  # (B,)
             positions = starts[:, None] + torch.arange(T, device=x.device)  # (B, T)
     q, k_new, v_new = hosted.module.project(x, positions)
     if k_new.dtype != cache.dtype:
@@ -526,6 +532,7 @@ def _project_and_append(
 def _step_outputs(
     out: AttentionOutput,
     host: torch.Tensor,
+    rows: Array | None,
     dtype: torch.dtype,
     b: int,
     r: Reservation,
@@ -534,23 +541,47 @@ def _step_outputs(
     finite: bool,
 ) -> tuple[Array, Array | None]:
     """Step b's share of the batch's output and weights, its output in `dtype`; host: the
-    batch's output on the host (on_host); `finite`: its output row holds no NaN/Inf."""
+    batch's output on the host (on_host), rows: its numpy memory (None: not in any step's
+    dtype); `finite`: its output row holds no NaN/Inf in the model's dtype."""
     n = r.num_tokens
-    output = host if host.shape[0] == 1 and host.shape[1] == n else host[b : b + 1, :n]
-    if dtype != output.dtype:  # (no call at all otherwise: this runs per session per step)
-        output = output.to(dtype)
-    if not finite or output.dtype != out.output.dtype:  # a narrower dtype may overflow
-        require_finite(output, "output")
+    # A dtype whose range is not wider than the model's may overflow on the way to it.
+    check = not finite or _may_overflow(out.output.dtype, dtype)
+    if rows is not None and dtype == host.dtype and not check:  # (every step, most often)
+        output = _rows_of(rows, b, n)
+    else:
+        t = host if host.shape[0] == 1 and host.shape[1] == n else host[b : b + 1, :n]
+        if dtype != t.dtype:
+            t = t.to(dtype)
+        if check:
+            require_finite(t, "output")
+        # Contiguous here, on the compute thread: encoding then copies nothing with torch,
+        # so no other thread ever runs a torch op big enough to start an OpenMP team.
+        output = array_of(t.contiguous())
     weights = None
     if out.weights is not None:
         q_end = call.query_end or n
         w = out.weights[b : b + 1, :, call.query_start : q_end, : r.start + n]  # (1, h, R, S)
         w = repeat_heads(w, heads)
         weights = require_finite(w.to(DTYPES[call.weights_dtype]), "attention weights").cpu()
-    # Contiguous here, on the compute thread: encoding then copies nothing with torch,
-    # so no other thread ever runs a torch op big enough to start an OpenMP team.
-    output = output.contiguous()
-    return array_of(output), None if weights is None else array_of(weights.contiguous())
+    return output, None if weights is None else array_of(weights.contiguous())
+
+
+def _rows_of(rows: Array, b: int, n: int) -> Array:
+    """Row b's first n tokens of a batch's output (B, T, E) held as an Array: a numpy view
+    when they are contiguous (a whole row), else a numpy copy (on the compute thread)."""
+    data = rows.data
+    if not (data.shape[0] == 1 and data.shape[1] == n):
+        data = data[b : b + 1, :n]
+        if not data.flags.c_contiguous:
+            data = np.ascontiguousarray(data)
+    return Array(data, rows.dtype)
+
+
+@functools.cache
+def _may_overflow(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether a finite tensor in `source` may hold inf or NaN once converted to `target`:
+    unless target's range is wider (bfloat16 or float16 to float32, float16 to bfloat16)."""
+    return target != source and torch.finfo(target).max <= torch.finfo(source).max
 
 
 def _raise_if_abandoned(state: CallState) -> None:
@@ -604,15 +635,19 @@ def _batch_inputs(
 ) -> torch.Tensor:
     """The steps' tokens as one (B, T, E) tensor on the model's device and dtype: no copy
     for a lone step in the model's dtype; padded rows (unequal steps) are zeros."""
+    device, dtype = hosted.device, hosted.dtype
     longest = max(new_tokens)
+    # Made on the host and sent in one copy (through pinned memory on CUDA), never one per
+    # step. (cat in the inputs' dtype, then converted once: a cat into another dtype runs a
+    # few ops per input.)
     if all(n == longest for n in new_tokens):
         x = steps[0].inputs if len(steps) == 1 else torch.cat([c.inputs for c in steps])
-        return x.to(hosted.device, hosted.dtype, non_blocking=True)
-    embed_dim = hosted.spec.attention.embed_dim
-    x = torch.zeros(len(steps), longest, embed_dim, device=hosted.device, dtype=hosted.dtype)
+        return to_device(x, device, dtype)
+    x = host_buffer((len(steps), longest, hosted.spec.attention.embed_dim), dtype, device)
+    x.zero_()
     for b, c in enumerate(steps):
-        x[b, : new_tokens[b]].copy_(c.inputs[0], non_blocking=True)
-    return x
+        x[b, : new_tokens[b]].copy_(c.inputs[0])
+    return x.to(device, non_blocking=True)
 
 
 def _one_thread_is_enough(cache, reservations: list[Reservation]) -> bool:

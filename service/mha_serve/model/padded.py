@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .cached import explicit_attention
+from .transfer import list_tensor
 
 
 def padded_mask(
@@ -38,7 +39,7 @@ def padded_mask(
     whole = window is None or all(p - f < window for p, f in zip(past, first, strict=True))
     if T == 1 and whole and all(n == S for n in key_lengths):
         return None
-    rows = torch.tensor([list(past), list(new), list(first), key_lengths]).to(device)  # (4, B)
+    rows = list_tensor([list(past), list(new), list(first), key_lengths], device)  # (4, B)
     p, n, f, k = (r[:, None] for r in rows)  # (B, 1) each
     j = torch.arange(S, device=device)[None]  # (1, S)
     t = torch.arange(T, device=device)[None]  # (1, T)
