@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mha_serve.model.transfer import list_tensor
+from mha_serve.transfer import list_tensor
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per block: 1/16 worst-case waste per session, few table entries
 PAD_SLOT = -1  # slot mapping entry for a padded token: nothing is written

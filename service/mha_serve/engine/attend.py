@@ -23,7 +23,7 @@ import torch
 
 from mha_serve.cache import KVCache, Reservation
 from mha_serve.model import AttentionOutput, MultiHeadAttention
-from mha_serve.model.transfer import list_tensor
+from mha_serve.transfer import list_tensor
 
 # A row joins a padded group only while it reads at least this share of the group's
 # longest read (so at most half of a group's keys are padding).

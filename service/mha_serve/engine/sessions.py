@@ -51,7 +51,7 @@ from mha_serve.model.overflow import (
     scores_overflow,
     weight_bounds,
 )
-from mha_serve.model.transfer import host_buffer, list_tensor, to_device
+from mha_serve.transfer import host_buffer, list_tensor, to_device
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from mha_serve.transfer import list_tensor
+
 from .cached import explicit_attention
-from .transfer import list_tensor
 
 
 def padded_mask(

@@ -1,10 +1,10 @@
-"""model/transfer.py: a step's small host data on its device, pinned and non_blocking on
+"""mha_serve/transfer.py: a step's small host data on its device, pinned and non_blocking on
 CUDA, plain tensors on the CPU."""
 
 import pytest
 import torch
 
-from mha_serve.model.transfer import PINNED_MAX_BYTES, host_buffer, list_tensor, to_device
+from mha_serve.transfer import PINNED_MAX_BYTES, host_buffer, list_tensor, to_device
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
