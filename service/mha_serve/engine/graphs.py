@@ -110,6 +110,7 @@ class StaticDecode:
         )
         self._graphs: OrderedDict[tuple[int, int], tuple] = OrderedDict()
         self._pool = None
+        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None  # eager mode's
         self.captures = 0  # graphs captured so far (a replay of a known shape adds none)
 
     @staticmethod
@@ -219,13 +220,33 @@ class StaticDecode:
         slots = table.gather(1, p // bs) * bs + p % bs  # (Bb, W)
         heads = torch.arange(KVH, device=self.device) * num_slots  # (KVH,)
         index = (heads[None, :, None] + slots[:, None, :]).view(-1)  # (Bb * KVH * W,)
-        keys = cache.k.view(KVH * num_slots, D).index_select(0, index).view(Bb, KVH, W, D)
-        values = cache.v.view(KVH * num_slots, D).index_select(0, index).view(Bb, KVH, W, D)
+        keys, values = (
+            torch.index_select(store.view(KVH * num_slots, D), 0, index, out=buf).view(
+                Bb, KVH, W, D
+            )
+            for store, buf in zip(
+                (cache.k, cache.v), self._gather_buffers(index.numel()), strict=True
+            )
+        )
         allowed = (j < length[:, None])[:, None, None, :]  # (Bb, 1, 1, W)
         y = attend_padded(q, keys, values, allowed, self.module.scale, softcap=c.softcap)
         y = y.transpose(1, 2).reshape(Bb, 1, H * D)  # (Bb, 1, H*D)
         out = F.linear(y, self.module.wo.weight, self.module.wo.bias)  # (Bb, 1, E)
         return out, q, row_absmax_tensor(q, k, v, out)
+
+    def _gather_buffers(self, rows: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Eager mode: kept (rows, D) buffers for the gathered K and V, grown when too small
+        (on the CPU a fresh buffer per step costs more in page faults than the copy, as
+        KVCache.gather's). Graph mode: None, the graph's pool holds them (a buffer that grew
+        would leave earlier graphs reading freed memory)."""
+        if self.graph:
+            return None, None
+        if self._gathered is None or self._gathered[0].shape[0] < rows:
+            D, dtype = self.cache.head_dim, self.cache.dtype
+            self._gathered = tuple(
+                torch.empty(rows, D, dtype=dtype, device=self.device) for _ in "kv"
+            )
+        return self._gathered[0][:rows], self._gathered[1][:rows]
 
     def _replayable(self, Bb: int, W: int) -> tuple[torch.cuda.CUDAGraph, tuple]:
         """The graph of (Bb, W) and its static outputs, captured on first use: warmed up on
