@@ -28,6 +28,12 @@ the engine's bookkeeping there; `make gpu` runs it (GPU_PARTS engine):
 
     python bench/engine_step.py --device cuda --context 4032 --profile out.json
     python bench/engine_step.py --device cuda --sessions 64 --contexts 4032 --profile out.json
+
+--static-decode eager|graphs adds a third side to --sessions, and runs the engine's side of
+one session so: plain decode steps through engine/graphs.py's StaticDecode, in fixed shapes
+(eager), or replayed from CUDA graphs of them (graphs, CUDA only):
+
+    python bench/engine_step.py --device cuda --sessions 64 --contexts 4032 --static-decode graphs
 """
 
 from __future__ import annotations
@@ -137,7 +143,13 @@ def report_profiles(sides: dict[str, dict], path: Path, meta: dict) -> None:
 def engine_on(args, specs) -> Engine:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    return Engine(specs, device=device, dtype=dtype, max_response_bytes=2**28)
+    return Engine(
+        specs,
+        device=device,
+        dtype=dtype,
+        max_response_bytes=2**28,
+        static_decode=args.static_decode,
+    )
 
 
 def bare_step(module, x: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, pos: int):
@@ -169,6 +181,12 @@ def batch_decode(args) -> None:
     hosted = engine.get(args.model)
     profiles: dict[str, dict] = {}
     E = hosted.spec.attention.embed_dim
+    static = args.static_decode
+    # (label, batched attention, static_decode): per session and batched as any step, and
+    # the static side when asked
+    sides = [("per session", False, "off"), ("batched", True, "off")]
+    if static != "off":
+        sides.append((f"static {static}", True, static))
     g = torch.Generator().manual_seed(0)
     tokens = [array_of(torch.randn(1, 1, E, generator=g)) for _ in range(steps)]
     print(
@@ -182,7 +200,7 @@ def batch_decode(args) -> None:
             for sid in ids:
                 prompt = torch.randn(1, context, E, generator=g)
                 engine.attend(AttendRequest(args.model, array_of(prompt), session_id=sid))
-            times: dict[bool, list[float]] = {False: [], True: []}
+            times: dict[str, list[float]] = {label: [] for label, _, _ in sides}
 
             def step(t: int, ids=ids) -> None:
                 calls = [AttendRequest(args.model, tokens[t % steps], session_id=s) for s in ids]
@@ -190,29 +208,39 @@ def batch_decode(args) -> None:
                 assert all(o.batch_size == n for o in outcomes), outcomes[0]
 
             for _ in range(args.rounds):
-                for batched in (False, True):
+                for label, batched, mode in sides:
                     engine.sessions.batched_attention[args.model] = batched
+                    engine.sessions.static_decode = mode
                     start = time.perf_counter()
                     for t in range(steps):
                         step(t)
-                    times[batched].append((time.perf_counter() - start) / steps * 1e3)
+                    sync(hosted.device)
+                    times[label].append((time.perf_counter() - start) / steps * 1e3)
                     for sid in ids:  # back to the context for the other side
                         engine.truncate_session(sid, context)
             if args.profile:
-                for batched in (False, True):
+                for label, batched, mode in sides:
                     engine.sessions.batched_attention[args.model] = batched
-                    side = f"{'batched' if batched else 'per session'} @{context}"
+                    engine.sessions.static_decode = mode
+                    side = f"{label} @{context}"
                     profiles[side] = profile_side(step, min(steps, PROFILE_STEPS), hosted.device)
                     for sid in ids:
                         engine.truncate_session(sid, context)
             for sid in ids:
                 engine.close_session(sid)
-            each, batch = statistics.median(times[False]), statistics.median(times[True])
+            med = {label: statistics.median(t) for label, t in times.items()}
+            each, batch = med["per session"], med["batched"]
             print(
                 f"context {context}: per session {each:.2f} ms a step, batched {batch:.2f} ms "
-                f"(median of rounds; fastest {min(times[False]):.2f} vs {min(times[True]):.2f}): "
-                f"batched / per session = {batch / each:.2f}x time"
+                f"(median of rounds; fastest {min(times['per session']):.2f} vs "
+                f"{min(times['batched']):.2f}): batched / per session = {batch / each:.2f}x time"
             )
+            if static != "off":
+                label = sides[-1][0]
+                print(
+                    f"context {context}: {label} {med[label]:.2f} ms a step (fastest "
+                    f"{min(times[label]):.2f}): {label} / batched = {med[label] / batch:.2f}x time"
+                )
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.profile:
         meta = {"model": args.model, "sessions": n, "device": str(hosted.device)}
@@ -234,6 +262,12 @@ def main(argv: list[str] | None = None) -> None:
         "--dtype", default="auto", help="the models' dtype (auto: float32 on the CPU, bf16 on CUDA)"
     )
     parser.add_argument("--profile", type=Path, help="torch.profiler of each side, to this JSON")
+    parser.add_argument(
+        "--static-decode",
+        default="off",
+        choices=["off", "eager", "graphs"],
+        help="plain decode steps through engine/graphs.py (a third side with --sessions)",
+    )
     args = parser.parse_args(argv)
     args.steps_given = args.steps is not None
     if args.sessions:

@@ -57,7 +57,7 @@ def render(results: dict[str, Any], targets: dict[str, Any]) -> str:
         *sessions_section(results),
         *lone_section(results),
         *new_lengths_section(results),
-        *cudnn_switch_section(results),
+        *switches_section(results),
         *notes_section(),
     ]
     return "\n".join(out).rstrip() + "\n"
@@ -403,29 +403,37 @@ def new_lengths_section(results: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
-def cudnn_switch_section(results: dict[str, Any]) -> list[str]:
-    s = results.get("cudnn_switch")
+def switches_section(results: dict[str, Any]) -> list[str]:
+    s = results.get("switches")
     if not s:
         return []
-    off, on = s["stateless_seq_per_s"], s["sessions_tokens_per_s"]
-    return [
-        "## cuDNN's attention in the server: off (the default) against on",
+    names = list(s["stateless_seq_per_s"])
+    seq, tok, lone = s["stateless_seq_per_s"], s["sessions_tokens_per_s"], s["lone_step_s"]
+    out = [
+        "## The server's GPU switches against its defaults",
         "",
-        f"The same mha-serve twice, the default and with `--cudnn-attention true`, in "
+        f"The same mha-serve, once with its defaults and once per switch turned, in "
         f"{s['rounds']} alternating rounds; medians. Stateless: {s['batch']} x {s['length']} "
         "tokens a request from 16 clients (the batcher coalesces them into batches of changing "
-        f"size). Sessions: {s['sessions']} gqa sessions decoding {s['steps']} steps together "
-        f"from a context new every round (from {s['context']}).",
+        f"size). Together: {s['sessions']} gqa sessions decoding {s['steps']} steps at once "
+        f"from a context new every round (from {s['context']}). Alone: one gqa session's "
+        f"streamed decode step, from a context new every round (from {s['lone_context']}).",
         "",
-        f"| cuDNN | stateless (seq/s) | {s['sessions']} sessions together (tokens/s) |",
-        "| --- | ---: | ---: |",
-        f"| off (default) | {off['served']:.0f} | {on['served']:.0f} |",
-        f"| on | {off['cudnn']:.0f} | {on['cudnn']:.0f} |",
-        "",
-        f"Off against on: stateless **{off['served'] / off['cudnn']:.2f}x**, sessions "
-        f"**{on['served'] / on['cudnn']:.2f}x**.",
-        "",
+        f"| server | stateless (seq/s) | {s['sessions']} together (tokens/s) | alone (us) "
+        "| **vs defaults** (stateless, together, alone) |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
+    base = names[0]
+    for n in names:
+        flags = " ".join(s["flags"].get(n) or []) or "defaults"
+        vs = f"{seq[n] / seq[base]:.2f}x, {tok[n] / tok[base]:.2f}x, {lone[base] / lone[n]:.2f}x"
+        out.append(
+            f"| `{flags}` | {seq[n]:.0f} | {tok[n]:.0f} | {us(lone[n])} | "
+            + ("-" if n == base else f"**{vs}**")
+            + " |"
+        )
+    out += ["", "Above 1x: the switch turned does better than the defaults.", ""]
+    return out
 
 
 def notes_section() -> list[str]:

@@ -1,8 +1,8 @@
 """bench/gpu.py's sections 4-6 and 8, through a real mha-serve on this machine's GPU (its CUDA
 defaults, bfloat16) with a gRPC echo beside it: stateless throughput by batch and length
 against in-process, 64 sessions decoding together vs one at a time, one session's streamed
-step; and the same server with cuDNN's attention allowed (--cudnn-attention true) against
-the default, side by side. A section that fails is recorded under "errors" and the others
+step; and the same server with each GPU switch turned (--cudnn-attention true,
+--decode-graphs true) against the default, side by side. A section that fails is recorded under "errors" and the others
 still run."""
 
 from __future__ import annotations
@@ -159,7 +159,8 @@ def served(tmp: Path, device, quick: bool, rounds: int) -> dict[str, Any]:
 
     from mha_client.sdk import Client
 
-    procs, targets = start_servers(tmp, None, variants={"cudnn": ["--cudnn-attention", "true"]})
+    variants = {name: flags for name, flags in SWITCHES.items() if flags}
+    procs, targets = start_servers(tmp, None, variants=variants)
     out: dict[str, Any] = {}
     try:
         with Client(targets["served"]) as c:
@@ -179,8 +180,8 @@ def served(tmp: Path, device, quick: bool, rounds: int) -> dict[str, Any]:
         )
         lone = lone_steps(targets, KV_CONTEXT, 16 if quick else 64, rounds)
         attempt(out, "lone", lambda: asyncio.run(lone))
-        print("cuDNN's attention in the server: off (the default) against on:", flush=True)
-        attempt(out, "cudnn_switch", lambda: cudnn_switch(targets, rounds, 8 if quick else 16))
+        print("the server's GPU switches against its defaults:", flush=True)
+        attempt(out, "switches", lambda: switches(targets, rounds, 8 if quick else 16))
     finally:
         for proc in procs:
             proc.terminate()
@@ -192,18 +193,49 @@ def served(tmp: Path, device, quick: bool, rounds: int) -> dict[str, Any]:
     return out
 
 
-# Section 8's stateless point (batch, length) and its 64 sessions' first context.
+# Section 8's servers: the default and each switch turned the other way, by name.
+SWITCHES = {
+    "served": [],
+    "cudnn": ["--cudnn-attention", "true"],
+    "graphs": ["--decode-graphs", "true"],
+}
+# Its stateless point (batch, length), its sessions' first context, its lone step's context.
 SWITCH_POINT = (8, 128)
 SWITCH_CONTEXT = 256
+SWITCH_LONE_CONTEXT = 1024
 
 
-def cudnn_switch(
-    targets: dict[str, str], rounds: int, steps: int, num_sessions: int = 64, duration: float = 2.0
+async def lone_step_s(target: str, context: int, steps: int) -> float:
+    """Median seconds of a gqa session's streamed decode steps from context - steps."""
+    from mha_client.sdk import AsyncClient
+
+    rng = np.random.default_rng(2)
+    async with AsyncClient(target, timeout=600) as client:
+        session = await client.create_session("gqa")
+        await session.step(rng.standard_normal((context - steps, EMBED), dtype=np.float32))
+        times = []
+        async with session.stream() as stream:
+            for t in rng.standard_normal((steps, 1, EMBED), dtype=np.float32):
+                start = time.perf_counter()
+                await stream.step(t)
+                times.append(time.perf_counter() - start)
+        await session.close()
+    return statistics.median(times[2:] if len(times) > 4 else times)
+
+
+def switches(
+    targets: dict[str, str],
+    rounds: int,
+    steps: int,
+    num_sessions: int = 64,
+    duration: float = 2.0,
+    names: tuple[str, ...] = tuple(SWITCHES),
 ) -> dict[str, Any]:
-    """The default server (cuDNN's attention off) against the same server with it on, in
-    alternating rounds: stateless requests at SWITCH_POINT from 16 clients (the batcher
-    coalesces them into batches of changing size), and num_sessions gqa sessions decoding
-    together from a context that is new every round (cuDNN would plan each new length)."""
+    """The default server against the same server with one GPU switch turned (SWITCHES:
+    cuDNN's attention on; decode steps from CUDA graphs), in alternating rounds: stateless
+    requests at SWITCH_POINT from 16 clients (the batcher coalesces them into batches of
+    changing size); num_sessions gqa sessions decoding together from a context new every
+    round (cuDNN would plan each new length); one session's streamed step alone."""
     import sessions
 
     from mha_client.loadgen import GrpcTarget, LoadSpec, Workload, parse_seq_lens, run_load_sync
@@ -211,9 +243,9 @@ def cudnn_switch(
     batch, length = SWITCH_POINT
     workload = Workload("mha", parse_seq_lens(str(length)), EMBED, batch=batch)
     spec = LoadSpec(concurrency=16, duration_s=duration, warmup=16)
-    names = ("served", "cudnn")
     seq: dict[str, list[float]] = {n: [] for n in names}
     tok: dict[str, list[float]] = {n: [] for n in names}
+    lone: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             result = run_load_sync(lambda t=targets[name]: GrpcTarget(t), workload, spec)
@@ -225,11 +257,13 @@ def cudnn_switch(
                 sessions.batched_decode(targets[name], num_sessions, context, steps, 1)
             )
             tok[name].append(pair["concurrent_tokens_per_s"])
+            lone_context = SWITCH_LONE_CONTEXT + r * (steps + 8)
+            lone[name].append(asyncio.run(lone_step_s(targets[name], lone_context, steps)))
             print(
-                f"  round {r + 1}, cudnn {'on ' if name == 'cudnn' else 'off'}: stateless "
-                f"B={batch} L={length} {seq[name][-1]:.0f} seq/s | {num_sessions} sessions from "
-                f"context "
-                f"{context}: {tok[name][-1]:.0f} tok/s together",
+                f"  round {r + 1}, {name:6s}: stateless B={batch} L={length} "
+                f"{seq[name][-1]:.0f} seq/s | {num_sessions} sessions from context {context}: "
+                f"{tok[name][-1]:.0f} tok/s together | one step alone at {lone_context}: "
+                f"{lone[name][-1] * 1e6:.0f} us",
                 flush=True,
             )
     return {
@@ -237,9 +271,12 @@ def cudnn_switch(
         "length": length,
         "sessions": num_sessions,
         "context": SWITCH_CONTEXT,
+        "lone_context": SWITCH_LONE_CONTEXT,
         "steps": steps,
         "rounds": rounds,
+        "flags": {n: SWITCHES[n] for n in names},
         "stateless_seq_per_s": {n: statistics.median(v) for n, v in seq.items()},
         "sessions_tokens_per_s": {n: statistics.median(v) for n, v in tok.items()},
-        "samples": {"stateless": seq, "sessions": tok},
+        "lone_step_s": {n: statistics.median(v) for n, v in lone.items()},
+        "samples": {"stateless": seq, "sessions": tok, "lone": lone},
     }

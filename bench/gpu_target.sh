@@ -25,10 +25,11 @@
 #                        suite" (default: all but profile): bench/gpu.py; bench/engine_step.py
 #                        on CUDA with torch.profiler (the engine's step against the bare ops:
 #                        ops, kernel launches, host syncs per step; one session and 64
-#                        together); bench/step_layers.py at context 4032 (where a served decode
-#                        step's time goes, layer by layer, in real time); bench/step_profile.py
-#                        (the same by py-spy, which distorted the step on the H200 machine);
-#                        the suite
+#                        together, and each from CUDA graphs: --static-decode graphs);
+#                        bench/step_layers.py at context 4032 (where a served decode step's
+#                        time goes, layer by layer, in real time); bench/step_profile.py (the
+#                        same by py-spy, which distorted the step on the H200 machine); the
+#                        suite
 #   GPU_OUT              a folder that gets copies of the page, the results and the logs
 #   GPU_WHEELS_EXCLUDE   (make gpu-wheels) packages not to download; GPU_WHEELS_PYTHON: 3.12
 set -uo pipefail
@@ -200,8 +201,12 @@ run() {
     say "the engine's step against the bare ops on CUDA (bench/engine_step.py, torch.profiler)"
     "$PY" bench/engine_step.py --device cuda --context 3968 --rounds 5 --steps 100 \
       --profile "$RESULTS/engine_step_gpu.json"
-    "$PY" bench/engine_step.py --device cuda --sessions 64 --contexts 4032 --rounds 3 \
-      --profile "$RESULTS/engine_batch_gpu.json"
+    # the same lone step through engine/graphs.py replayed from CUDA graphs (decode_graphs)
+    "$PY" bench/engine_step.py --device cuda --context 3968 --rounds 3 --steps 100 \
+      --static-decode graphs
+    # per session, batched, and batched from CUDA graphs (the third side)
+    "$PY" bench/engine_step.py --device cuda --sessions 64 --contexts 1024,4032 --rounds 3 \
+      --static-decode graphs --profile "$RESULTS/engine_batch_gpu.json"
   fi
   if [[ " $GPU_PARTS " == *" layers "* ]]; then
     say "where a served decode step's time goes, layer by layer (bench/step_layers.py)"

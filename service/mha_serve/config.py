@@ -80,6 +80,10 @@ class ServerConfig:
     # (35-50 ms of host time each on an H200), and sessions grow by a token a step, so it is
     # off: flash and memory-efficient kernels need no plan (engine.choose_attention_kernels).
     cudnn_attention: bool = False
+    # On CUDA, plain decode steps (one token, no weights, no head mask) run in fixed shapes
+    # replayed from CUDA graphs, one per batch bucket and key width (engine/graphs.py): a
+    # step's host work is most of its cost on a GPU. Off until a GPU run measures it served.
+    decode_graphs: bool = False
     # --- durable sessions (docs/operations.md "Durable sessions") ---
     # A directory where a full KV cache moves its least recently used idle sessions instead of
     # refusing or evicting them, and where live sessions are written on SIGTERM (after

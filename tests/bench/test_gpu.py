@@ -301,15 +301,18 @@ def a_run() -> dict:
             "mean_batch_size": 30.0,
         },
         "lone": [{"model": "mha", "context": 4096, "served_s": 5e-4, "echo_s": 2e-4}],
-        "cudnn_switch": {
+        "switches": {
             "batch": 8,
             "length": 128,
             "sessions": 64,
             "context": 256,
+            "lone_context": 1024,
             "steps": 16,
             "rounds": 2,
+            "flags": {"served": [], "cudnn": ["--cudnn-attention", "true"]},
             "stateless_seq_per_s": {"served": 2000.0, "cudnn": 500.0},
             "sessions_tokens_per_s": {"served": 3000.0, "cudnn": 1000.0},
+            "lone_step_s": {"served": 4e-4, "cudnn": 8e-4},
         },
         "new_lengths": [
             {
@@ -367,7 +370,7 @@ def test_the_page_renders_every_section_of_a_run_and_marks_the_target():
         "## 64 sessions decoding together vs one at a time",
         "## One session's decode step against its limit",
         "## Attention at a new key length each call",
-        "## cuDNN's attention in the server: off (the default) against on",
+        "## The server's GPU switches against its defaults",
     ):
         assert heading in page, heading
     assert (
@@ -390,8 +393,8 @@ def test_the_page_renders_every_section_of_a_run_and_marks_the_target():
     assert "by the rule they **pay**" in page
     assert "| mha | 4096 | 500.0 | 120.0 | 200.0 | 320.0 | **1.56** | 50.0 | 14% |" in page
     assert "| cudnn | 64 | yes | 1 | **39000.0** | 60000.0 | 50000.0 |" in page
-    assert "| off (default) | 2000 | 3000 |\n| on | 500 | 1000 |" in page
-    assert "Off against on: stateless **4.00x**, sessions **3.00x**." in page
+    assert "| `defaults` | 2000 | 3000 | 400.0 | - |" in page
+    assert "| `--cudnn-attention true` | 500 | 1000 | 800.0 | **0.25x, 0.33x, 0.50x** |" in page
     assert "| flash | 64 | yes | 1 | not run: `RuntimeError: No available kernel.` | | |" in page
 
 
@@ -553,24 +556,24 @@ def test_the_engine_step_refuses_a_context_its_steps_would_overrun_and_make_gpu_
 
 
 @pytest.mark.slow
-def test_the_cudnn_switch_section_runs_two_real_servers_side_by_side(tmp_path):
-    """Section 8 on the CPU with tiny counts: the default server and one started with
-    --cudnn-attention true (on the CPU the switch changes nothing) both answer every
-    stateless request and every session step, in alternating rounds."""
+def test_the_switches_section_runs_real_servers_side_by_side(tmp_path):
+    """Section 8 on the CPU with tiny counts: the default server and one per GPU switch
+    turned (on the CPU both switches change nothing) all answer every stateless request and
+    every session step, in alternating rounds."""
     import gpu_served
     from overhead import start_servers
 
-    procs, targets = start_servers(
-        tmp_path, None, variants={"cudnn": ["--cudnn-attention", "true"]}
-    )
+    variants = {n: f for n, f in gpu_served.SWITCHES.items() if f}
+    assert set(variants) == {"cudnn", "graphs"}
+    procs, targets = start_servers(tmp_path, None, variants=variants)
     try:
-        out = gpu_served.cudnn_switch(targets, rounds=2, steps=2, num_sessions=3, duration=0.3)
+        out = gpu_served.switches(targets, rounds=2, steps=6, num_sessions=3, duration=0.3)
     finally:
         for proc in procs:
             proc.terminate()
         for proc in procs:
             proc.wait(30)
     assert out["rounds"] == 2 and out["sessions"] == 3
-    for table in ("stateless", "sessions"):
-        assert set(out["samples"][table]) == {"served", "cudnn"}
+    for table in ("stateless", "sessions", "lone"):
+        assert set(out["samples"][table]) == {"served", "cudnn", "graphs"}
         assert all(len(v) == 2 and min(v) > 0 for v in out["samples"][table].values())

@@ -111,9 +111,12 @@ class Engine:
         spill_bytes: int = 0,
         batched_attention: bool | None = None,
         cudnn_attention: bool = False,
+        static_decode: str = "off",
     ) -> None:
         """batched_attention: Sessions' (None: batched on CUDA, per session on the CPU);
         cudnn_attention: let attention on CUDA run cuDNN's kernel (choose_attention_kernels);
+        static_decode: how plain decode steps run, Sessions' ("graphs": CUDA graphs, for
+        models on CUDA);
         session_id_prefix starts every session id (a Ray Serve replica's own id); clock:
         the sessions' idle time and TTL (seconds; tests give a fake one)."""
         if not specs:
@@ -138,7 +141,14 @@ class Engine:
             spill_dir=spill_dir,
             spill_bytes=spill_bytes,
             batched_attention=batched_attention,
+            static_decode=static_decode,
         )
+        if static_decode == "graphs" and device.type != "cuda":
+            log.warning(
+                "decode_graphs is on but the models are on %s: CUDA graphs need CUDA, so "
+                "decode steps run as any step",
+                device,
+            )
 
     @staticmethod
     def _load(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> HostedModel:

@@ -112,6 +112,7 @@ class StaticDecode:
         self._pool = None
         self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None  # eager mode's
         self.captures = 0  # graphs captured so far (a replay of a known shape adds none)
+        self.steps = 0  # batches of steps run
 
     @staticmethod
     def supports(config: AttentionConfig) -> bool:
@@ -151,6 +152,7 @@ class StaticDecode:
             raise ValueError("StaticDecode runs decode steps: one new token per reservation")
         Bb = self.bucket(B)
         W = self.width(max(r.start + 1 - r.read_start for r in reservations))
+        self.steps += 1
         cols = _TABLE + self._table_width(W)
         n = Bb * cols
         if self._copied is not None:

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from mha_serve.engine.bounds import KeyBound, cleared, gate_absmax, key_absmax
 from mha_serve.engine.checks import require_finite, scores_overflow_error
 from mha_serve.engine.durable import Expectations, open_spill_tier, restore
 from mha_serve.engine.errors import Abandoned, DeadlinePassed, InvalidRequest, RequestError
+from mha_serve.engine.graphs import StaticDecode
 from mha_serve.engine.requests import Array, AttendOutcome, AttendRequest, CallState
 from mha_serve.engine.types import (
     DTYPES,
@@ -59,6 +61,9 @@ log = logging.getLogger(__name__)
 # torch thread (_one_thread_is_enough).
 SMALL_STEP_MIN_SESSIONS = 4
 SMALL_STEP_MAX_KV_BYTES = 1 << 20
+# How plain decode steps run (Sessions' static_decode): as any step; in fixed shapes
+# (engine/graphs.py); replayed from CUDA graphs of those shapes.
+STATIC_DECODE_MODES = ("off", "eager", "graphs")
 
 
 @dataclass(slots=True)
@@ -93,12 +98,26 @@ class Sessions:
         spill_dir: str = "",
         spill_bytes: int = 0,
         batched_attention: bool | None = None,
+        static_decode: str = "off",
     ) -> None:
         """id_prefix starts every session id (a Ray Serve replica's own id); the per-client
         limits bound each owner's live sessions and KV bytes (0: none); spill_dir: a full
         cache moves idle sessions there, up to spill_bytes ("": no spill tier);
         batched_attention: whether a batch of steps without weights attends in padded
-        groups (engine/attend.py), None: by each model's device (batched_by_default)."""
+        groups (engine/attend.py), None: by each model's device (batched_by_default);
+        static_decode: how plain decode steps (one token each, no weights, no head mask)
+        run: "off" as any step, "eager" in fixed shapes (engine/graphs.py, any device),
+        "graphs" replayed from CUDA graphs of those shapes (models on CUDA; the others as
+        "off")."""
+        if static_decode not in STATIC_DECODE_MODES:
+            raise ValueError(
+                f"static_decode {static_decode!r} is not one of {', '.join(STATIC_DECODE_MODES)}"
+            )
+        self.static_decode = static_decode
+        # Per model, made on its first plain decode batch (None: the model cannot run so),
+        # with a lock: one step at a time uses its static buffers; a step that finds it
+        # taken runs as any step.
+        self._static: dict[str, tuple[StaticDecode, threading.Lock] | None] = {}
         self.table = SessionTable(
             evict=evict, default_ttl_s=default_ttl_s, clock=clock, id_prefix=id_prefix
         )
@@ -316,15 +335,19 @@ class Sessions:
             if not live:
                 return results
             forward = None
-            if len(live) == 1:  # a lone step (every decode step that finds its lane idle)
+            steps = [calls[i] for i, _ in live]
+            static = self._static_for(hosted, cache, steps)
+            if static is not None:  # plain decode steps in fixed shapes (engine/graphs.py)
+                forward = self._forward_fixed(hosted, cache, steps, live, *static)
+            if forward is None and len(live) == 1:  # a lone step (one that finds its lane idle)
                 forward = self._forward_alone(hosted, cache, calls[live[0][0]], live[0][1])
-            else:
+            elif forward is None:
                 small = _one_thread_is_enough(cache, [r for _, r in live])
                 threads = torch.get_num_threads()
                 if small and threads > 1:
                     torch.set_num_threads(1)
             if forward is None:
-                forward = self._forward(hosted, cache, [calls[i] for i, _ in live], live)
+                forward = self._forward(hosted, cache, steps, live)
         except BaseException:  # nothing was kept: every reservation still open goes back
             for r in open_:
                 self.table.rollback(r)
@@ -335,6 +358,65 @@ class Sessions:
         compute_ms = (time.perf_counter() - start) * 1e3
         self._settle(forward, compute_ms, calls, live, results)
         return results
+
+    def _static_for(
+        self, hosted: HostedModel, cache: KVCache, steps: list[Prepared]
+    ) -> tuple[StaticDecode, threading.Lock] | None:
+        """The model's StaticDecode, its lock taken (release it), when static_decode is on
+        for it and every step is a plain decode step: one token, no weights, no head mask,
+        at most its largest batch bucket. None otherwise (the steps run as any step)."""
+        if self.static_decode == "off":
+            return None
+        if any(
+            p.inputs.shape[1] != 1 or p.request.need_weights or p.request.head_mask is not None
+            for p in steps
+        ):
+            return None
+        name = hosted.spec.name
+        if name not in self._static:
+            graphs = self.static_decode == "graphs"
+            runs = StaticDecode.supports(hosted.spec.attention) and (
+                not graphs or hosted.device.type == "cuda"
+            )
+            self._static[name] = None
+            if runs:
+                try:
+                    decode = StaticDecode(hosted, cache, graph=graphs)
+                except (ValueError, RuntimeError) as e:  # its buffers, say: as any step then
+                    log.warning("model %r: decode steps run as any step: %s", name, e)
+                else:
+                    self._static[name] = (decode, threading.Lock())
+        held = self._static[name]
+        if held is None or len(steps) > held[0].batch_buckets[-1]:
+            return None
+        return held if held[1].acquire(blocking=False) else None
+
+    def _forward_fixed(
+        self,
+        hosted: HostedModel,
+        cache: KVCache,
+        steps: list[Prepared],
+        live: list[tuple[int, Reservation]],
+        decode: StaticDecode,
+        lock: threading.Lock,
+    ) -> StepForward | None:
+        """_forward through the model's StaticDecode (its lock taken by _static_for, released
+        here). Should it fail (a graph that cannot be captured, its memory), it is logged and
+        switched off for the model, and None says: run the steps as any step (which writes
+        the same slots again, so nothing of the failed attempt is kept)."""
+        name = hosted.spec.name
+        try:
+            return self._forward(hosted, cache, steps, live, static=decode)
+        except Exception:
+            log.exception(
+                "model %r: decode steps in fixed shapes (engine/graphs.py) failed; this batch "
+                "and later ones run as any step",
+                name,
+            )
+            self._static[name] = None
+            return None
+        finally:
+            lock.release()
 
     def _forward_alone(
         self, hosted: HostedModel, cache: KVCache, p: Prepared, r: Reservation
@@ -361,8 +443,11 @@ class Sessions:
         cache: KVCache,
         steps: list[Prepared],
         live: list[tuple[int, Reservation]],
+        *,
+        static: StaticDecode | None = None,
     ) -> StepForward:
-        """Writes the steps' K/V and attends; what is left to keep or refuse per row."""
+        """Writes the steps' K/V and attends; what is left to keep or refuse per row.
+        static: plain decode steps run by it in fixed shapes (the same ops and checks)."""
         reservations = [r for _, r in live]
         # Each session's bound on the K/V it held before its step (its KeyBound).
         cached = [key_absmax(r.engine_state) for r in reservations]
@@ -373,6 +458,8 @@ class Sessions:
         head_mask = None
         if first.head_mask is not None:
             head_mask = list_tensor(first.head_mask, hosted.device, hosted.dtype)  # (H,)
+        if static is not None:
+            return self._forward_static(hosted, cache, steps, reservations, cached, x, static)
         with torch.inference_mode():
             # Write first, then attend over each session's positions in order, from its
             # step's window on (read_start): batched (padded groups, one kernel each) or one
@@ -407,30 +494,30 @@ class Sessions:
         with torch.inference_mode():
             # The step's one device sync: max |q|, |k|, |v| and |output| of every row. Rows
             # are refused after the forward, so the common case waits for nothing first.
-            out_max = row_absmax_tensor(out.output)
-            q_max, k_max, v_max, o_max = torch.cat([maxima, out_max]).tolist()
-            cfg = hosted.spec.attention
-            limit = score_limit(q.dtype, cache.dtype) / cfg.score_factor
-            D = cfg.head_dim
-            overflowed: set[int] = set()  # K/V not finite in the cache's dtype
-            too_large: set[int] = set()  # scores overflow (exact check where the bound fails)
-            for b, r in enumerate(reservations):
-                if not (k_max[b] < math.inf and v_max[b] < math.inf):
-                    overflowed.add(b)
-                elif bound_crossed(q_max[b], max(k_max[b], cached[b]), D, limit):
-                    q_b = q[b, :, : new_tokens[b]].to(cache.dtype)  # as the kernels see it
-                    end = r.start + r.num_tokens
-                    keys = cache.read(
-                        r.block_table, end, start=r.read_start, first_block=r.first_block
-                    )[0][0]  # (KVH, S, D) from position r.read_start
-                    window = cfg.sliding_window
-                    if scores_overflow(
-                        q_b, keys, limit, first_pos=r.start, window=window, first_key=r.read_start
-                    ):
-                        too_large.add(b)
-        finite = [m < math.inf for m in o_max]
-        key_bounds = [max(c, k, v) for c, k, v in zip(cached, k_max, v_max, strict=True)]
-        return StepForward(out, heads, overflowed, too_large, key_bounds, finite)
+            measured = torch.cat([maxima, row_absmax_tensor(out.output)])  # (4, B)
+        return _checked(hosted, cache, out, heads, q, reservations, new_tokens, cached, measured)
+
+    def _forward_static(
+        self,
+        hosted: HostedModel,
+        cache: KVCache,
+        steps: list[Prepared],
+        reservations: list[Reservation],
+        cached: list[float],
+        x: torch.Tensor,
+        static: StaticDecode,
+    ) -> StepForward:
+        """_forward's plain decode steps through StaticDecode: the same bounds first, then
+        the same checks on the maxima it measures with the output."""
+        bounded = _bounded_rows(hosted, cache, steps, cached)
+        with torch.inference_mode():
+            result = static.step(x, reservations)
+        out = AttentionOutput(output=result.output, weights=None)
+        if bounded is not None:  # no overflow anywhere: proven, not measured
+            key_bounds = [max(c, b) for c, b in zip(cached, bounded, strict=True)]
+            return StepForward(out, [], set(), set(), key_bounds, [True] * len(steps))
+        ones = [1] * len(steps)
+        return _checked(hosted, cache, out, [], result.q, reservations, ones, cached, result.maxima)
 
     def _settle(
         self,
@@ -503,6 +590,47 @@ class Sessions:
             if not isinstance(e, Exception):
                 raise
             log.exception("settling a batch of %d session steps failed", len(live))
+
+
+def _checked(
+    hosted: HostedModel,
+    cache: KVCache,
+    out: AttentionOutput,
+    heads: list[int],
+    q: torch.Tensor,
+    reservations: Sequence[Reservation],
+    new_tokens: Sequence[int],
+    cached: Sequence[float],
+    measured: torch.Tensor,
+) -> StepForward:
+    """The step's rows checked from `measured` (4, B): max |q|, |k|, |v| and |output| of
+    each row, read here in the step's one device sync. K/V not finite in the cache's dtype
+    refuse their row; so do scores that overflow, checked exactly (over the session's keys
+    in the cache) only for a row whose bound does not clear it."""
+    with torch.inference_mode():
+        q_max, k_max, v_max, o_max = measured.tolist()
+        cfg = hosted.spec.attention
+        limit = score_limit(q.dtype, cache.dtype) / cfg.score_factor
+        D = cfg.head_dim
+        overflowed: set[int] = set()  # K/V not finite in the cache's dtype
+        too_large: set[int] = set()  # scores overflow (exact check where the bound fails)
+        for b, r in enumerate(reservations):
+            if not (k_max[b] < math.inf and v_max[b] < math.inf):
+                overflowed.add(b)
+            elif bound_crossed(q_max[b], max(k_max[b], cached[b]), D, limit):
+                q_b = q[b, :, : new_tokens[b]].to(cache.dtype)  # as the kernels see it
+                end = r.start + r.num_tokens
+                keys = cache.read(
+                    r.block_table, end, start=r.read_start, first_block=r.first_block
+                )[0][0]  # (KVH, S, D) from position r.read_start
+                window = cfg.sliding_window
+                if scores_overflow(
+                    q_b, keys, limit, first_pos=r.start, window=window, first_key=r.read_start
+                ):
+                    too_large.add(b)
+    finite = [m < math.inf for m in o_max]
+    key_bounds = [max(c, k, v) for c, k, v in zip(cached, k_max, v_max, strict=True)]
+    return StepForward(out, heads, overflowed, too_large, key_bounds, finite)
 
 
 def _project_and_append(

@@ -81,6 +81,7 @@ def load_engine(
         spill_dir=cfg.session_spill_dir,
         spill_bytes=cfg.session_spill_bytes,
         cudnn_attention=cfg.cudnn_attention,
+        static_decode="graphs" if cfg.decode_graphs else "off",
     )
     engine.warmup()
     adopt_spilled(engine)
