@@ -159,20 +159,22 @@ def test_cuda_graphs_replay_the_steps_with_the_same_answers(static_steps):
 
 
 def test_a_failing_fixed_shape_step_falls_back_and_is_switched_off(engines, monkeypatch, caplog):
-    """Should StaticDecode fail (a graph that cannot be captured, its memory), the batch
-    runs as any step with the same answers, the failure is logged, and the model's later
-    steps run as any step without trying again."""
+    """Should StaticDecode fail (a graph that cannot be captured, its memory), here after
+    it wrote the steps' K/V, the batch runs as any step with the same answers, the failure
+    is logged, and the model's later steps run as any step without trying again."""
     tried: list[int] = []
+    real = StaticDecode._compute
 
-    def broken(self, x, reservations):
-        tried.append(len(reservations))
+    def broken(self, Bb, W):
+        tried.append(Bb)
+        real(self, Bb, W)  # the K/V written, the attention run
         raise RuntimeError("CUDA graph capture failed (made up)")
 
     before, _ = decode_together(engines["off"], "mqa", rounds=2)
     engine = make_engine("eager")
-    monkeypatch.setattr(StaticDecode, "step", broken)
+    monkeypatch.setattr(StaticDecode, "_compute", broken)
     got, _ = decode_together(engine, "mqa", rounds=2)
-    assert tried == [len(PASTS)], "tried once, then switched off"
+    assert tried == [8], "tried once (6 steps in the bucket of 8), then switched off"
     assert engine.sessions._static["mqa"] is None
     assert "run as any step" in caplog.text and "made up" in caplog.text
     for r, (a_round, b_round) in enumerate(zip(got, before, strict=True)):

@@ -15,8 +15,10 @@ width) and replays.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +38,10 @@ KEY_BUCKET = 256  # key widths are multiples of this (memory-efficient SDPA want
 MAX_GRAPHS = 128
 # Columns of a row of the integer buffer before its block table.
 _SLOT, _POS, _LEN, _OFF, _TABLE = range(5)
+# One capture at a time in the process: a capture empties the allocator's cache first, and two
+# at once would contend for it (each StaticDecode captures on a stream of its own, in
+# thread-local mode, so other threads' CUDA work goes on meanwhile).
+_CAPTURE = threading.Lock()
 
 
 @dataclass
@@ -103,7 +109,13 @@ class StaticDecode:
         size = buckets[-1] * cols
         self._host = torch.empty(size, dtype=torch.int64, pin_memory=pinned)
         self._host_np = self._host.numpy()
-        self._copied = torch.cuda.Event() if pinned else None  # the last copy out of _host
+        self._copied = None  # CUDA: an event after the last copy out of _host
+        self._capture_stream = None  # graph mode: the stream its captures run on
+        if pinned:
+            with torch.cuda.device(self.device):  # the model's device, not the current one
+                self._copied = torch.cuda.Event()
+                if graph:
+                    self._capture_stream = torch.cuda.Stream(self.device)
         self._ints = torch.zeros(size, dtype=torch.int64, device=self.device)
         self._x = torch.zeros(
             buckets[-1], 1, config.embed_dim, dtype=self.dtype, device=self.device
@@ -171,7 +183,7 @@ class StaticDecode:
             row[:_TABLE] = (r.slots[0], r.start, r.start + 1 - r.read_start, r.read_start % bs)
             row[_TABLE : _TABLE + hi - lo] = r.block_table[lo:hi]  # later entries: never read
         rows[B:] = rows[0]  # padding rows: row 0 again (same slot, same values)
-        with torch.inference_mode():
+        with torch.inference_mode(), self._on_device():
             self._ints[:n].copy_(self._host[:n], non_blocking=True)
             if self._copied is not None:
                 self._copied.record()
@@ -186,6 +198,14 @@ class StaticDecode:
             # Copies: the static outputs are overwritten by the next replay, and the pool's
             # memory is shared between graphs.
             return DecodeResult(out[:B].clone(), q[:B].clone(), maxima[:, :B].clone())
+
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        """CUDA: the model's device made current for the step (events, streams and a
+        capture otherwise land on the thread's current device, cuda:0, and a capture there
+        would record none of the model's kernels on cuda:1)."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return torch.cuda.device(self.device)
 
     def _table_width(self, width: int) -> int:
         """Block table entries a row of `width` keys may need: its first key may sit
@@ -259,14 +279,8 @@ class StaticDecode:
         if held is not None:
             self._graphs.move_to_end(key)
             return held
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # cuBLAS handles, workspaces: off the capture
-            self._compute(Bb, W)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            outputs = self._compute(Bb, W)
+        with _CAPTURE, _capturable_attention():
+            graph, outputs = self._capture(Bb, W)
         self._pool = graph.pool()
         self.captures += 1
         self._graphs[key] = (graph, outputs)
@@ -274,6 +288,40 @@ class StaticDecode:
             self._graphs.popitem(last=False)
         return graph, outputs
 
+    def _capture(self, Bb: int, W: int) -> tuple[torch.cuda.CUDAGraph, tuple]:
+        """Warm-up on the capture stream (cuBLAS handles, workspaces: off the capture), then
+        the capture there, thread-local (other threads' CUDA work is not the capture's);
+        the caller's stream is current again afterwards, also when the capture fails (torch
+        restores it only after a capture that ends well)."""
+        caller = torch.cuda.current_stream(self.device)
+        stream = self._capture_stream
+        stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(stream):
+                self._compute(Bb, W)
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(
+                graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"
+            ):
+                outputs = self._compute(Bb, W)
+        finally:
+            torch.cuda.set_stream(caller)
+        caller.wait_stream(stream)
+        return graph, outputs
+
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
+
+
+@contextlib.contextmanager
+def _capturable_attention() -> Iterator[None]:
+    """SDPA's memory-efficient kernel (math as the last resort) while capturing: cuDNN's
+    (when --cudnn-attention lets it run) has had illegal memory accesses inside CUDA graphs
+    with a boolean mask over more than 1024 keys (cuDNN 9.13-9.14), an error no fallback
+    survives; a replay runs what was captured."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        yield

@@ -66,6 +66,11 @@ SMALL_STEP_MAX_KV_BYTES = 1 << 20
 STATIC_DECODE_MODES = ("off", "eager", "graphs")
 
 
+class _FixedShapeFailed(Exception):
+    """StaticDecode.step failed (a graph that could not be captured, its memory): the
+    batch runs as any step instead (Sessions._forward_fixed)."""
+
+
 @dataclass(slots=True)
 class StepForward:
     """What one batched forward of session steps leaves for Sessions._settle to keep or
@@ -118,6 +123,7 @@ class Sessions:
         # with a lock: one step at a time uses its static buffers; a step that finds it
         # taken runs as any step.
         self._static: dict[str, tuple[StaticDecode, threading.Lock] | None] = {}
+        self._static_made = threading.Lock()  # one StaticDecode (and graph pool) per model
         self.table = SessionTable(
             evict=evict, default_ttl_s=default_ttl_s, clock=clock, id_prefix=id_prefix
         )
@@ -374,6 +380,18 @@ class Sessions:
             return None
         name = hosted.spec.name
         if name not in self._static:
+            with self._static_made:
+                self._make_static(hosted, cache)
+        held = self._static[name]
+        if held is None or len(steps) > held[0].batch_buckets[-1]:
+            return None
+        return held if held[1].acquire(blocking=False) else None
+
+    def _make_static(self, hosted: HostedModel, cache: KVCache) -> None:
+        """The model's StaticDecode and its lock into _static (None where it cannot run),
+        unless another thread made it first."""
+        name = hosted.spec.name
+        if name not in self._static:
             graphs = self.static_decode == "graphs"
             runs = StaticDecode.supports(hosted.spec.attention) and (
                 not graphs or hosted.device.type == "cuda"
@@ -386,10 +404,6 @@ class Sessions:
                     log.warning("model %r: decode steps run as any step: %s", name, e)
                 else:
                     self._static[name] = (decode, threading.Lock())
-        held = self._static[name]
-        if held is None or len(steps) > held[0].batch_buckets[-1]:
-            return None
-        return held if held[1].acquire(blocking=False) else None
 
     def _forward_fixed(
         self,
@@ -407,7 +421,7 @@ class Sessions:
         name = hosted.spec.name
         try:
             return self._forward(hosted, cache, steps, live, static=decode)
-        except Exception:
+        except _FixedShapeFailed:
             log.exception(
                 "model %r: decode steps in fixed shapes (engine/graphs.py) failed; this batch "
                 "and later ones run as any step",
@@ -510,8 +524,11 @@ class Sessions:
         """_forward's plain decode steps through StaticDecode: the same bounds first, then
         the same checks on the maxima it measures with the output."""
         bounded = _bounded_rows(hosted, cache, steps, cached)
-        with torch.inference_mode():
-            result = static.step(x, reservations)
+        try:
+            with torch.inference_mode():
+                result = static.step(x, reservations)
+        except Exception as e:  # the fixed-shape step's own failure: as any step instead
+            raise _FixedShapeFailed(f"{type(e).__name__}: {e}") from e
         out = AttentionOutput(output=result.output, weights=None)
         if bounded is not None:  # no overflow anywhere: proven, not measured
             key_bounds = [max(c, b) for c, b in zip(cached, bounded, strict=True)]
