@@ -23,19 +23,35 @@ class Cluster:
     config: dict  # what was deployed (deploy/ray/serve_config.yaml on these ports)
 
 
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for port 0 (Linux's file; its default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_ports(n: int) -> int:
     """A port p with p + 1 ... p + n - 1 free too (the replicas' metrics ports: base +
-    local rank)."""
-    for _ in range(100):
-        port = free_port()
+    local rank), below the kernel's ephemeral range: a replica binds them only once it is
+    up, after its own servers took ports by port 0, and a port that had been handed out
+    by port 0 here could have been handed out again to one of those (seen once in CI: a
+    replica's gRPC server on the port meant for another's /metrics)."""
+    low, _ = ephemeral_ports()
+    first = max(1024, low - 12000)
+    rng = np.random.default_rng()
+    for _ in range(200):
+        port = int(rng.integers(first, low - n))
         try:
-            for k in range(1, n):
+            for k in range(n):
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", port + k))
         except OSError:
             continue
         return port
-    raise RuntimeError(f"no {n} consecutive free ports")
+    raise RuntimeError(f"no {n} consecutive free ports in {first}..{low - 1}")
 
 
 @pytest.fixture(scope="module")
