@@ -102,7 +102,8 @@ def tensor_of(a: Array) -> torch.Tensor:
 
 def array_of(t: torch.Tensor) -> Array:
     """A CPU tensor as an Array over the same memory (a copy only if not contiguous)."""
-    t = t.detach()
+    if t.requires_grad:  # (numpy() runs its own detach otherwise: no second op)
+        t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
     if t.dtype == torch.bfloat16:
