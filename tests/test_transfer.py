@@ -40,3 +40,11 @@ def test_cuda_staging_is_pinned_up_to_its_cap():
     assert host_buffer((16, 512), torch.float32, cuda).is_pinned()
     over = PINNED_MAX_BYTES // 4 + 1
     assert not host_buffer((over,), torch.float32, cuda).is_pinned()
+
+
+def test_a_device_that_is_neither_cpu_nor_cuda_gets_its_tensor_there():
+    """(mps, say: torch's meta device stands in for it here) a plain tensor on that device,
+    never a CPU tensor beside its model's."""
+    meta = torch.device("meta")
+    assert list_tensor([1, 2, 3], meta).device.type == "meta"
+    assert to_device(torch.zeros(2), meta, torch.float32).device.type == "meta"

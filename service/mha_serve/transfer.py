@@ -28,8 +28,8 @@ def list_tensor(
 ) -> torch.Tensor:
     """values (a list of numbers, or equal lists of them: a matrix) as one tensor of dtype
     on device: one copy, which never waits for the device."""
-    if not pinned(device):
-        return torch.tensor(values, dtype=dtype)
+    if not pinned(device):  # the CPU (or another device, e.g. mps: a plain copy there)
+        return torch.tensor(values, dtype=dtype, device=device)
     host = torch.tensor(values, dtype=dtype, pin_memory=True)
     return host.to(device, non_blocking=True)
 

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mha_serve.transfer import list_tensor
+
 from .cached import attend_one, capped_scores, explicit_attention, key_mask
 from .checks import (
     check_cached,
@@ -277,7 +279,7 @@ class MultiHeadAttention(nn.Module):
             y = q.new_zeros(B, H, T, D)
             for b, (y_b, n) in enumerate(zip(ys, new_lengths, strict=True)):
                 y[b, :, :n] = y_b[0]
-            new_len = torch.tensor(list(new_lengths), device=q.device)
+            new_len = list_tensor(new_lengths, q.device)  # pinned, non_blocking on CUDA
             new_valid = torch.arange(T, device=q.device)[None, :] < new_len[:, None]  # (B, T)
         out = self._merge_heads(y, gate, new_valid)  # (B, T, E)
         if not need_weights:
@@ -315,7 +317,7 @@ class MultiHeadAttention(nn.Module):
         y = attend_padded(q, keys, values, allowed, self.scale, softcap=c.softcap)
         new_valid = None  # (B, T): padded tokens' rows are zero in the output
         if any(n != T for n in new_lengths):
-            new_len = torch.tensor(list(new_lengths)).to(q.device)
+            new_len = list_tensor(new_lengths, q.device)  # pinned, non_blocking on CUDA
             new_valid = torch.arange(T, device=q.device)[None, :] < new_len[:, None]
         return AttentionOutput(output=self._merge_heads(y, gate, new_valid), weights=None)
 
@@ -375,7 +377,7 @@ class MultiHeadAttention(nn.Module):
         """softmax(q k^T * scale) in float32 over allowed keys (scores soft-capped when the
         config says so), for query heads `heads`:
         q (B, H, R, D), k (B, KVH, S, D), allowed broadcastable to (B, 1, R, S)."""
-        idx = torch.tensor(heads, device=q.device)
+        idx = list_tensor(heads, q.device)
         qh = q[:, idx]  # (B, n, R, D)
         kh = k[:, idx // self.config.group_size]  # (B, n, S, D): GQA head h reads kv h // G
         scores = capped_scores(qh, kh, self.scale, self.config.softcap)  # (B, n, R, S) float32
