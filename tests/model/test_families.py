@@ -270,3 +270,16 @@ def test_low_precision_with_every_option_stays_near_float32(dtype, atol):
         )
     assert_close(got.float(), want, what=f"{dtype} forward", atol=atol, rtol=atol)
     assert_close(step.output.float(), want[:1, 8:], what=f"{dtype} cached", atol=atol, rtol=atol)
+
+
+def test_rope_frequencies_follow_the_module_and_stay_float32():
+    """On the weights' device from the start and after every move (a step then copies
+    nothing from the host for them), and never rounded by a move to another dtype."""
+    config = AttentionConfig(64, 4, rope={"theta": 100.0})
+    module = MultiHeadAttention(config)
+    freq = module.rope_freq.clone()
+    module.to(torch.bfloat16)
+    assert module.rope_freq.dtype == torch.float32 and torch.equal(module.rope_freq, freq)
+    module.to("meta")  # a device other than the CPU (this machine has no GPU)
+    assert module.rope_freq.device.type == "meta" and module.rope_freq.dtype == torch.float32
+    assert MultiHeadAttention(config, device="meta").rope_freq.device.type == "meta"

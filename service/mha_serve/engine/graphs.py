@@ -29,7 +29,6 @@ from mha_serve.engine.types import HostedModel
 from mha_serve.model import AttentionConfig, MultiHeadAttention
 from mha_serve.model.overflow import row_absmax_tensor
 from mha_serve.model.padded import attend_padded
-from mha_serve.model.rope import cos_sin, rotate
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 KEY_BUCKET = 256  # key widths are multiples of this (memory-efficient SDPA wants 16)
@@ -100,9 +99,6 @@ class StaticDecode:
         # never more than the cache's slots), rounded up to 16 for the kernel.
         longest = min(max_seq_len or cache.num_slots, cache.num_slots)
         self.max_width = -(-longest // 16) * 16
-        self._freq = None
-        if module.rope_freq is not None:  # on the device once: no copy inside a capture
-            self._freq = module.rope_freq.to(self.device)
         # One row per step: slot, position, keys, offset, then the block table (padded).
         cols = _TABLE + self._table_width(self.max_width)
         pinned = self.device.type == "cuda"
@@ -130,8 +126,9 @@ class StaticDecode:
     def supports(config: AttentionConfig) -> bool:
         """MHA, GQA and MQA, with or without RoPE (any scaling), a sliding window (a decode
         step's window is its reservation's read_start: it sees every key it reads) and
-        soft-capping (the explicit kernel has static shapes too). Not a q/k norm: its
-        RMSNorm is the module's private code, so those models keep the engine's step."""
+        soft-capping (the explicit kernel has static shapes too). Not yet a q/k norm (the
+        module's project would run it, but no test here covers it in fixed shapes): those
+        models keep the engine's step."""
         return config.qk_norm is None
 
     def width(self, num_keys: int) -> int:
@@ -222,14 +219,8 @@ class StaticDecode:
         slot, pos, length, offset = (ints[:, i] for i in (_SLOT, _POS, _LEN, _OFF))  # (Bb,)
         table = ints[:, _TABLE:]  # (Bb, NB)
         x = self._x[:Bb]  # (Bb, 1, E)
-        qkv = F.linear(x, self.module.wqkv.weight, self.module.wqkv.bias)
-        q, k, v = qkv.split_with_sizes([H * D, KVH * D, KVH * D], dim=-1)  # (Bb, 1, *)
-        q = q.view(Bb, 1, H, D).transpose(1, 2)  # (Bb, H, 1, D)
-        k = k.view(Bb, 1, KVH, D).transpose(1, 2)  # (Bb, KVH, 1, D)
-        v = v.view(Bb, 1, KVH, D).transpose(1, 2)  # (Bb, KVH, 1, D)
-        if self._freq is not None:
-            cos, sin = cos_sin(self._freq, self.module.rope_scaling, pos[:, None], x.dtype)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # (Bb, H|KVH, 1, D)
+        # (the module's rope_freq lives on its device: nothing copied inside a capture)
+        q, k, v = self.module.project(x, pos[:, None])  # (Bb, H|KVH, 1, D)
         if k.dtype != cache.dtype:
             k, v = k.to(cache.dtype), v.to(cache.dtype)
         # Write: padding rows write row 0's slot with row 0's values (no other slot).

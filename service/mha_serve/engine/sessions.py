@@ -449,7 +449,7 @@ class Sessions:
         with torch.inference_mode():
             q, _, _ = _project_and_append(hosted, cache, x, (r,))
             out = attend_steps(hosted.module, cache, q, (r,), (r.num_tokens,), batched=False)
-        return StepForward(out, [], set(), set(), [max(cached, bound)], [True])
+        return _proven(out, [], [cached], [bound])
 
     def _forward(
         self,
@@ -467,13 +467,13 @@ class Sessions:
         cached = [key_absmax(r.engine_state) for r in reservations]
         new_tokens = [p.inputs.shape[1] for p in steps]
         x = _batch_inputs(hosted, steps, new_tokens)  # (B, T, E)
+        if static is not None:  # plain decode steps: no weights, no head mask
+            return self._forward_static(hosted, cache, steps, reservations, cached, x, static)
         first = steps[0].request
         heads = first.heads(hosted.spec.attention.num_heads) if first.need_weights else []
         head_mask = None
         if first.head_mask is not None:
             head_mask = list_tensor(first.head_mask, hosted.device, hosted.dtype)  # (H,)
-        if static is not None:
-            return self._forward_static(hosted, cache, steps, reservations, cached, x, static)
         with torch.inference_mode():
             # Write first, then attend over each session's positions in order, from its
             # step's window on (read_start): batched (padded groups, one kernel each) or one
@@ -503,8 +503,7 @@ class Sessions:
                 head_mask=head_mask,
             )
         if bounded is not None:  # no overflow anywhere: proven, not measured
-            key_bounds = [max(c, b) for c, b in zip(cached, bounded, strict=True)]
-            return StepForward(out, heads, set(), set(), key_bounds, [True] * len(steps))
+            return _proven(out, heads, cached, bounded)
         with torch.inference_mode():
             # The step's one device sync: max |q|, |k|, |v| and |output| of every row. Rows
             # are refused after the forward, so the common case waits for nothing first.
@@ -531,8 +530,7 @@ class Sessions:
             raise _FixedShapeFailed(f"{type(e).__name__}: {e}") from e
         out = AttentionOutput(output=result.output, weights=None)
         if bounded is not None:  # no overflow anywhere: proven, not measured
-            key_bounds = [max(c, b) for c, b in zip(cached, bounded, strict=True)]
-            return StepForward(out, [], set(), set(), key_bounds, [True] * len(steps))
+            return _proven(out, [], cached, bounded)
         ones = [1] * len(steps)
         return _checked(hosted, cache, out, [], result.q, reservations, ones, cached, result.maxima)
 
@@ -607,6 +605,15 @@ class Sessions:
             if not isinstance(e, Exception):
                 raise
             log.exception("settling a batch of %d session steps failed", len(live))
+
+
+def _proven(
+    out: AttentionOutput, heads: list[int], cached: Sequence[float], bounded: Sequence[float]
+) -> StepForward:
+    """A step whose bounds prove that no row can overflow: nothing refused, every output
+    finite, each session's key bound the larger of its own (cached) and its step's."""
+    key_bounds = [max(c, b) for c, b in zip(cached, bounded, strict=True)]
+    return StepForward(out, heads, set(), set(), key_bounds, [True] * len(key_bounds))
 
 
 def _checked(

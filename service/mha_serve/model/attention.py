@@ -53,10 +53,13 @@ class MultiHeadAttention(nn.Module):
         self.config = config
         self.scale = config.scale
         # RoPE frequencies: a plain float32 tensor, not a buffer, so that module.to(dtype)
-        # never rounds them (transformers keeps them float32 too). Moved to x's device on use.
+        # never rounds them (transformers keeps them float32 too); kept on the weights'
+        # device (here and in _apply), so that a step copies nothing from the host for them
+        # (on CUDA such a copy from pageable memory would wait for the device).
         self.rope_freq, self.rope_scaling = (None, 1.0)
         if config.rope is not None:
-            self.rope_freq, self.rope_scaling = inv_freq(config.rope, config.head_dim)
+            freq, self.rope_scaling = inv_freq(config.rope, config.head_dim)
+            self.rope_freq = freq if device is None else freq.to(device)
         # Fused projection whose rows are [Wq; Wk; Wv] (as gpt-fast): one matmul,
         # and exactly nn.MultiheadAttention's in_proj_weight layout when KVH == H.
         self.wqkv = nn.Linear(
@@ -320,6 +323,12 @@ class MultiHeadAttention(nn.Module):
             new_len = list_tensor(new_lengths, q.device)  # pinned, non_blocking on CUDA
             new_valid = torch.arange(T, device=q.device)[None, :] < new_len[:, None]
         return AttentionOutput(output=self._merge_heads(y, gate, new_valid), weights=None)
+
+    def _apply(self, fn, recurse=True):  # module.to(device), .cuda(), ...: rope_freq follows
+        super()._apply(fn, recurse)
+        if self.rope_freq is not None:  # the device only: it stays float32
+            self.rope_freq = self.rope_freq.to(self.wqkv.weight.device)
+        return self
 
     def project(
         self, x: torch.Tensor, positions: torch.Tensor | None = None
