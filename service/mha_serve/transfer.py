@@ -47,6 +47,8 @@ def host_buffer(shape: Sequence[int], dtype: torch.dtype, device: torch.device) 
 def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Host tensor t on device in dtype (t itself when it is already): on CUDA converted into
     pinned memory first (host_buffer) and copied without a wait."""
+    if t.dtype == dtype and t.device == device:  # (a CPU model's step: no torch op at all)
+        return t
     if not pinned(device) or t.nbytes > PINNED_MAX_BYTES:
         return t.to(device, dtype, non_blocking=True)
     staging = host_buffer(t.shape, dtype, device)

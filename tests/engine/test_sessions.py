@@ -321,7 +321,7 @@ def test_a_failing_forward_keeps_nothing_and_restores_the_thread_count(engine, m
 
 
 def test_a_lone_step_that_fails_or_loses_its_session_keeps_nothing(engine, monkeypatch):
-    """A step alone takes its own path (Sessions._forward_alone): a failure in its forward
+    """A step alone takes its own path (Sessions._run_alone): a failure in its forward
     rolls its reservation back, a session closed while it runs answers NOT_FOUND and frees
     its blocks, and a step that follows is kept as if neither had happened."""
     hosted = engine.get("gqa")
@@ -447,24 +447,32 @@ def test_a_failure_while_settling_rolls_back_only_the_steps_not_kept(engine, mon
         assert step.session.num_tokens == kept
 
 
-def test_a_deadline_passing_while_the_reply_is_built_still_rolls_the_step_back(engine, monkeypatch):
+@pytest.mark.parametrize("alone", [True, False], ids=["lone step", "batch"])
+def test_a_deadline_passing_while_the_reply_is_built_still_rolls_the_step_back(
+    engine, monkeypatch, alone
+):
     """The caller-gone check runs last, after the reply's tensors are made (weights can
-    take milliseconds), right before the step is kept."""
+    take milliseconds), right before the step is kept: in a batch (Sessions._settle) and
+    for a lone step (Sessions._run_alone), whose reply is its output's array_of."""
     hosted = engine.get("gqa")
-    sid = engine.sessions.create("gqa", None, None).session_id
-    real = engine_sessions._step_outputs
+    sid, other = (engine.sessions.create("gqa", None, None).session_id for _ in range(2))
+    where = "array_of" if alone else "_step_outputs"
+    real = getattr(engine_sessions, where)
     state = State()
 
-    def slow(*args):  # _step_outputs(out, b, reservation, ...): the deadline passes in it
+    def slow(*args):  # the reply's tensors are made: the deadline passes meanwhile
         state.deadline = time.monotonic() + 0.01
         time.sleep(0.05)
         return real(*args)
 
-    monkeypatch.setattr(engine_sessions, "_step_outputs", slow)
-    call = req("gqa", seq(2, seed=12), session_id=sid)
-    (result,) = run_batch(engine, hosted, [call], [state])
+    monkeypatch.setattr(engine_sessions, where, slow)
+    calls = [req("gqa", seq(2, seed=12), session_id=sid)]
+    if not alone:
+        calls.append(req("gqa", seq(2, seed=13), session_id=other))
+    result, *rest = run_batch(engine, hosted, calls, [state, State()][: len(calls)])
     assert isinstance(result, DeadlinePassed)
     assert engine.sessions.table.session_stats(sid).num_tokens == 0
+    assert [r.session.num_tokens for r in rest] == [2] * (not alone)  # the other step: kept
 
 
 def test_weights_are_checked_again_against_the_session_as_it_is_when_the_step_runs():

@@ -313,6 +313,10 @@ class Sessions:
         checked them against the session then, and a step of the same session kept since
         (queued ahead of this one) makes them larger.
         """
+        if len(calls) == 1 and (self.static_decode == "off" or calls[0].inputs.shape[1] != 1):
+            outcome = self._run_alone(hosted, calls[0])
+            if outcome is not None:
+                return [outcome]
         start = time.perf_counter()
         name = hosted.spec.name
         cache = self.cache(name)
@@ -345,9 +349,7 @@ class Sessions:
             static = self._static_for(hosted, cache, steps)
             if static is not None:  # plain decode steps in fixed shapes (engine/graphs.py)
                 forward = self._forward_fixed(hosted, cache, steps, live, *static)
-            if forward is None and len(live) == 1:  # a lone step (one that finds its lane idle)
-                forward = self._forward_alone(hosted, cache, calls[live[0][0]], live[0][1])
-            elif forward is None:
+            if forward is None and len(live) > 1:
                 small = _one_thread_is_enough(cache, [r for _, r in live])
                 threads = torch.get_num_threads()
                 if small and threads > 1:
@@ -432,24 +434,68 @@ class Sessions:
         finally:
             lock.release()
 
-    def _forward_alone(
-        self, hosted: HostedModel, cache: KVCache, p: Prepared, r: Reservation
-    ) -> StepForward | None:
-        """_forward for one step without weights or a head mask whose bounds prove that
-        nothing of it can overflow (the common case), without the batch's lists: the same
-        ops on the same tensors. None, with nothing done, for any other step."""
+    def _run_alone(self, hosted: HostedModel, p: Prepared) -> AttendOutcome | Exception | None:
+        """A lone step (one that finds its lane idle: most decode steps) without weights or a
+        head mask whose bounds prove that nothing of it can overflow, run_steps' answer for
+        it without the batch's lists and sets: the same ops on the same tensors, the same
+        checks and outcome (tests/engine/test_lone_step.py). None, with nothing kept, for any
+        other step: run_steps then runs it as a batch of one."""
         request = p.request
         if request.need_weights or request.head_mask is not None:
             return None
-        cached = key_absmax(r.engine_state)
-        bound = cleared(hosted, cache.dtype, p.input_absmax, cached, 1.0)
-        if bound is None:
-            return None
-        x = to_device(p.inputs, hosted.device, hosted.dtype)  # (1, T, E)
-        with torch.inference_mode():
-            q, _, _ = _project_and_append(hosted, cache, x, (r,))
-            out = attend_steps(hosted.module, cache, q, (r,), (r.num_tokens,), batched=False)
-        return _proven(out, [], [cached], [bound])
+        start = time.perf_counter()
+        cache = self.cache(hosted.spec.name)
+        try:
+            r = self.table.reserve(request.session_id, p.inputs.shape[1], claimed=p.state.claimed)
+        except CacheError as e:
+            return e
+        kept = False  # until then, any error rolls the reservation back
+        try:
+            cached = key_absmax(r.engine_state)
+            bound = cleared(hosted, cache.dtype, p.input_absmax, cached, 1.0)
+            if bound is None:  # measured instead, as a batch of one
+                return None
+            x = to_device(p.inputs, hosted.device, hosted.dtype)  # (1, T, E)
+            with torch.inference_mode():
+                q, _, _ = _project_and_append(hosted, cache, x, (r,))
+                end = r.start + r.num_tokens
+                kv = cache.read(r.block_table, end, start=r.read_start, first_block=r.first_block)
+                out = hosted.module.attend_cached(
+                    q,
+                    (kv,),
+                    past_lengths=(r.start,),
+                    new_lengths=(r.num_tokens,),
+                    first_keys=(r.read_start,),
+                )
+            compute_ms = (time.perf_counter() - start) * 1e3
+            try:
+                dtype, y = output_dtype(request), out.output
+                if y.dtype == dtype and y.is_cpu:  # (1, T, E): the step's whole output
+                    output = array_of(y)
+                else:
+                    host = on_host(y, [dtype])
+                    output, _ = _step_outputs(out, host, None, dtype, 0, r, request, [], True)
+                _raise_if_abandoned(p.state)  # last, right before commit: the smallest gap
+            except Exception as e:  # refused, or its caller gone: not kept
+                return e
+            kept = True  # (commit takes the reservation, even when it raises)
+            try:
+                stats = self.table.commit(r, engine_state=KeyBound(max(cached, bound)))
+            except CacheError as e:  # closed while the step ran: its cache went with it
+                return e
+            except BaseException as e:  # a bug: rolled back, unless it was kept after all
+                with contextlib.suppress(ValueError):
+                    self.table.rollback(r)
+                if not isinstance(e, Exception):
+                    raise
+                log.exception("settling a lone session step failed")
+                return e
+        finally:
+            if not kept:
+                self.table.rollback(r)
+        return AttendOutcome(
+            output=output, weights=None, compute_ms=compute_ms, batch_size=1, session=stats
+        )
 
     def _forward(
         self,

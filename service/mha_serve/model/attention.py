@@ -340,10 +340,15 @@ class MultiHeadAttention(nn.Module):
         c = self.config
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
         B, L, _ = x.shape
-        # F.linear, not self.wqkv(x): a decode step is small enough for Module.__call__ to show.
-        qkv = F.linear(x, self.wqkv.weight, self.wqkv.bias)
+        # F.linear, not self.wqkv(x), and the parameters from the modules' own dicts, not
+        # nn.Module's __getattr__ (a Python call each): a decode step is small enough for
+        # each to show.
+        wqkv = self._modules["wqkv"]._parameters
+        qkv = F.linear(x, wqkv["weight"], wqkv["bias"])
         q, k, v = qkv.split_with_sizes([H * D, KVH * D, KVH * D], dim=-1)  # (B, L, H*D | KVH*D)
         norm = c.qk_norm
+        if L == 1 and norm is None and self.rope_freq is None:  # one token: no transpose
+            return q.view(B, H, 1, D), k.view(B, KVH, 1, D), v.view(B, KVH, 1, D)
         if norm is not None and norm.scope == "projection":  # OLMo-2: over all heads at once
             q, k = _rms_norm(q, self.q_norm, norm.eps), _rms_norm(k, self.k_norm, norm.eps)
         q = q.view(B, L, H, D)  # (B, L, H, D)
@@ -374,8 +379,10 @@ class MultiHeadAttention(nn.Module):
         B, H, L, D = y.shape
         if gate is not None:
             y = y * gate.view(1, H, 1, 1)
-        y = y.transpose(1, 2).reshape(B, L, H * D)  # (B, L, H*D)
-        out = F.linear(y, self.wo.weight, self.wo.bias)  # (B, L, E)
+        # (B, L, H*D); one token's heads need no transpose (a view where its layout allows)
+        y = y.reshape(B, 1, H * D) if L == 1 else y.transpose(1, 2).reshape(B, L, H * D)
+        wo = self._modules["wo"]._parameters  # (as in project)
+        out = F.linear(y, wo["weight"], wo["bias"])  # (B, L, E)
         if valid is not None:
             out = out.masked_fill(~valid[:, :, None], 0.0)
         return out
