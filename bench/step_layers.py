@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 # (label, module, attribute path, parent label, users): the call's path, outermost first.
 # A module-level function is also replaced where `users` import it by name. Two functions
-# under one label are one layer (a lone step's forward, or a batch's).
+# under one label are one layer.
 LAYERS: list[tuple[str, str, str, str | None, tuple[str, ...]]] = [
     ("parse request", "mha_serve.transport.convert", "parse_attend_request", None, ()),
     ("settle (status, metrics)", "mha_serve.transport.answer", "settle", None, ("mha_serve.transport.door",)),
@@ -53,15 +53,16 @@ LAYERS: list[tuple[str, str, str, str | None, tuple[str, ...]]] = [
     ("engine.prepare", "mha_serve.engine.engine", "Engine.prepare", "serving.attend", ()),
     ("lanes.submit", "mha_serve.batching.batcher", "Batcher.submit", "serving.attend", ()),
     ("engine.run_batch", "mha_serve.engine.engine", "Engine.run_batch", "lanes.submit", ()),
-    ("reserve", "mha_serve.cache.sessions", "SessionTable.reserve_many", "engine.run_batch", ()),
-    ("forward", "mha_serve.engine.sessions", "Sessions._forward", "engine.run_batch", ()),
-    ("forward", "mha_serve.engine.sessions", "Sessions._forward_alone", "engine.run_batch", ()),
-    ("module.project", "mha_serve.model.attention", "MultiHeadAttention.project", "forward", ()),
-    ("overflow bounds", "mha_serve.engine.sessions", "cleared", "forward", ()),
-    ("cache.append", "mha_serve.cache.kv_cache", "KVCache.append", "forward", ()),
-    ("cache.read", "mha_serve.cache.kv_cache", "KVCache.read", "forward", ()),
-    ("module.attend_cached", "mha_serve.model.attention", "MultiHeadAttention.attend_cached", "forward", ()),
-    ("settle", "mha_serve.engine.sessions", "Sessions._settle", "engine.run_batch", ()),
+    # A lone step (Sessions._run_alone: the streamed steps here each find their lane idle;
+    # a step it leaves to a batch's path shows in engine.run_batch's own time)
+    ("lone step", "mha_serve.engine.sessions", "Sessions._run_alone", "engine.run_batch", ()),
+    ("reserve", "mha_serve.cache.sessions", "SessionTable.reserve", "lone step", ()),
+    ("overflow bounds", "mha_serve.engine.sessions", "cleared", "lone step", ()),
+    ("module.project", "mha_serve.model.attention", "MultiHeadAttention.project", "lone step", ()),
+    ("cache.append", "mha_serve.cache.kv_cache", "KVCache.append", "lone step", ()),
+    ("cache.read", "mha_serve.cache.kv_cache", "KVCache.read", "lone step", ()),
+    ("module.attend_cached", "mha_serve.model.attention", "MultiHeadAttention.attend_cached", "lone step", ()),
+    ("commit", "mha_serve.cache.sessions", "SessionTable.commit", "lone step", ()),
     ("finish", "mha_serve.serving.finish", "finish", "serving.attend", ("mha_serve.serving.async_engine",)),
     ("encode reply", "mha_serve.transport.convert", "encode_result", "finish", ("mha_serve.transport.door",)),
 ]  # fmt: skip
