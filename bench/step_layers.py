@@ -63,6 +63,7 @@ LAYERS: list[tuple[str, str, str, str | None, tuple[str, ...]]] = [
     ("module.attend_cached", "mha_serve.model.attention", "MultiHeadAttention.attend_cached", "forward", ()),
     ("settle", "mha_serve.engine.sessions", "Sessions._settle", "engine.run_batch", ()),
     ("finish", "mha_serve.serving.finish", "finish", "serving.attend", ("mha_serve.serving.async_engine",)),
+    ("finish", "mha_serve.serving.finish", "finish_here", "serving.attend", ("mha_serve.serving.async_engine",)),
     ("encode reply", "mha_serve.transport.convert", "encode_result", "finish", ("mha_serve.transport.door",)),
 ]  # fmt: skip
 
