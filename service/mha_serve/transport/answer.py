@@ -47,7 +47,7 @@ async def settle(
     meanwhile (a computation, not a lookup)."""
     code = "OK"  # (the status's name: an enum's .name costs two Python calls a request)
     if in_flight:
-        metrics.IN_FLIGHT.inc()
+        metrics.in_flight(1)
     try:
         return await handle(*args)
     except EXPECTED as e:
@@ -69,7 +69,7 @@ async def settle(
         )
     finally:
         if in_flight:
-            metrics.IN_FLIGHT.dec()
+            metrics.in_flight(-1)
         metrics.count_request(method, model, code, protocol)
 
 
