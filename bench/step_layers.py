@@ -64,6 +64,7 @@ LAYERS: list[tuple[str, str, str, str | None, tuple[str, ...]]] = [
     ("module.attend_cached", "mha_serve.model.attention", "MultiHeadAttention.attend_cached", "lone step", ()),
     ("commit", "mha_serve.cache.sessions", "SessionTable.commit", "lone step", ()),
     ("finish", "mha_serve.serving.finish", "finish", "serving.attend", ("mha_serve.serving.async_engine",)),
+    ("finish", "mha_serve.serving.finish", "finish_here", "serving.attend", ("mha_serve.serving.async_engine",)),
     ("encode reply", "mha_serve.transport.convert", "encode_result", "finish", ("mha_serve.transport.door",)),
 ]  # fmt: skip
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from prometheus_client import REGISTRY
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from mha_serve import metrics
 
@@ -62,3 +69,58 @@ def test_an_attend_counts_its_tokens_latencies_and_weights_bytes():
     assert abs(after[2] - before[2] - 0.003) < 1e-12
     assert after[3] == before[3] + 2
     assert after[4] == before[4] + 640
+
+
+def _twin_registries():
+    """Two registries, each with one histogram, counter and gauge of the same names."""
+    made = []
+    for _ in range(2):
+        registry = CollectorRegistry()
+        made.append(
+            (
+                registry,
+                Histogram(
+                    "h_seconds", "h", ["m"], buckets=metrics.LATENCY_BUCKETS_S, registry=registry
+                ),
+                Counter("c", "c", ["m"], registry=registry),
+                Gauge("g", "g", registry=registry),
+            )
+        )
+    return made
+
+
+def test_the_per_request_updates_expose_what_observe_and_inc_expose():
+    """metrics._observe and _inc skip prometheus-client's checks, not its work: the same
+    amounts, bounds included, give the same exposition as its public methods."""
+    (public, h1, c1, g1), (direct, h2, c2, g2) = _twin_registries()
+    bounds = metrics.LATENCY_BUCKETS_S
+    amounts = [0.0, *bounds, *(b * 1.001 for b in bounds), 1e-9, 99.0, 1e6, 3, 0.0004]
+    observe, inc, add = (
+        metrics._observe(h2.labels("x")),
+        metrics._inc(c2.labels("x")),
+        metrics._inc(g2),
+    )
+    for amount in amounts:
+        h1.labels("x").observe(amount)
+        observe(amount)
+        c1.labels("x").inc(amount)
+        inc(amount)
+        g1.inc(1)
+        add(1)
+    g1.dec()
+    add(-1)
+    assert generate_latest(direct) == generate_latest(public)
+    assert direct.get_sample_value("h_seconds_count", {"m": "x"}) == len(amounts)
+
+
+def test_the_per_request_updates_fall_back_to_the_public_methods():
+    """A prometheus-client whose children keep their values elsewhere gets its own methods."""
+
+    class Other:
+        def observe(self, amount: float) -> None: ...
+
+        def inc(self, amount: float = 1) -> None: ...
+
+    other = Other()
+    assert metrics._observe(other) == other.observe
+    assert metrics._inc(other) == other.inc

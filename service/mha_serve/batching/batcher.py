@@ -37,6 +37,8 @@ _MAX_TRACKED_KEYS = 64  # batch keys whose overlap is remembered (head masks can
 # Measured here (2 cores): one decode stream saw 0 or 1 at 99% of its steps; 32 clients
 # sending 16-token requests saw 2 or more at 96% of theirs (other calls' reads and writes).
 LOOP_READY_MAX = 1
+# The ready queue of a loop without one (another implementation): busy, so items cross.
+_BUSY = range(LOOP_READY_MAX + 1)
 
 
 class ArrivalStats:
@@ -74,13 +76,6 @@ class ArrivalStats:
         return max_queue_delay_s if close and self.keeps_company(key) else 0.0
 
 
-def _loop_idle() -> bool:
-    """Whether the running event loop has no other work ready now (asyncio's ready queue;
-    a loop without one, another implementation, counts as busy: items then cross)."""
-    ready = getattr(asyncio.get_running_loop(), "_ready", None)
-    return ready is not None and len(ready) <= LOOP_READY_MAX
-
-
 class QueueFull(Exception):
     """The queue is at its bound; the caller should answer RESOURCE_EXHAUSTED at once."""
 
@@ -108,7 +103,7 @@ class Item:
         return self.sequences * self.length
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BatchInfo:
     """What a result's caller learns about the batch that computed it."""
 
@@ -211,9 +206,20 @@ class Batcher:
                 f"{self.name}: {self._queued_tokens} tokens are queued and this request adds {tokens} "
                 f"(limit {p.max_queue_tokens}); retry with backoff or send smaller requests"
             )
-        if self._inline is not None and self._idle(key) and _loop_idle() and self._inline(payload):
-            return self._run_alone(payload, sequences, key, deadline, self._clock())
         now = self._clock()
+        # Inline when the lane is idle (nothing queued, forming or running, and no reason to
+        # wait for company: the item would start alone at once anyway), the loop too (at
+        # most LOOP_READY_MAX other callbacks ready in asyncio's queue), and the item small.
+        if (
+            self._inline is not None
+            and not self._pending
+            and self._forming_key is _IDLE
+            and self._running_key is _IDLE
+            and self.arrivals.company_wait(key, p.max_queue_delay_s) == 0.0
+            and len(getattr(asyncio.get_running_loop(), "_ready", _BUSY)) <= LOOP_READY_MAX
+            and self._inline(payload)
+        ):
+            return self._run_alone(payload, sequences, key, deadline, now)
         future = asyncio.get_running_loop().create_future()
         item = Item(payload, sequences, length, key, deadline, future, now)
         self.arrivals.note(key, item.enqueued, self._busy_with(key))
@@ -226,16 +232,6 @@ class Batcher:
         except asyncio.CancelledError:
             self._withdraw(item)
             raise
-
-    def _idle(self, key: Hashable) -> bool:
-        """Nothing queued, forming or running, and no reason to wait for company: an item
-        of `key` would start alone at once anyway."""
-        return (
-            not self._pending
-            and self._forming_key is _IDLE
-            and self._running_key is _IDLE
-            and self.arrivals.company_wait(key, self.policy.max_queue_delay_s) == 0.0
-        )
 
     def _run_alone(
         self, payload: Any, sequences: int, key: Hashable, deadline: float | None, now: float

@@ -13,7 +13,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -34,7 +34,7 @@ from mha_serve.engine.engine import RESTORE_TRIES
 from mha_serve.engine.faults import isolate_failures, out_of_memory_is_exhausted
 from mha_serve.engine.heads import analyze as analyze_heads
 from mha_serve.engine.threads import ComputeThreads
-from mha_serve.serving.finish import OFFLOAD_BYTES, Computed, finish
+from mha_serve.serving.finish import OFFLOAD_BYTES, Computed, finish, finish_here
 from mha_serve.serving.protocol import Served
 from mha_serve.serving.sequences import SequenceKey, SequenceMap
 
@@ -165,60 +165,53 @@ class AsyncEngine:
         caller: str | None = None,
     ) -> Served[T]:
         computed = await self.compute(request, received=received, deadline=deadline, caller=caller)
-        return await finish(computed, encode, received)
+        # (finish's coroutine only for a large reply: a small one is encoded here)
+        served = finish_here(computed, encode, received)
+        return await finish(computed, encode, received) if served is None else served
 
-    async def compute(
+    def compute(
         self,
         request: AttendRequest,
         *,
         received: float,
         deadline: float | None,
         caller: str | None = None,
-    ) -> Computed:
+    ) -> Awaitable[Computed]:
         """attend without the encoding and the request metrics: what a frontend worker asks
-        of the engine process (serving/host.py), which then encodes and counts itself."""
-        session_id = request.session_id
+        of the engine process (serving/host.py), which then encodes and counts itself. (Not
+        a coroutine of its own: one frame less a call.)"""
         ticket = Ticket(received, deadline)
-        if not session_id:
-            return await self._compute(request, ticket)
-        give_up = time.monotonic() + ROOM_WAIT_S
-        if deadline is not None:
-            give_up = min(give_up, deadline)
-        retry = False
+        if not request.session_id:
+            return self._compute(request, ticket)
+        return self._session_call(request, ticket, caller)
+
+    async def _session_call(
+        self, request: AttendRequest, ticket: Ticket, caller: str | None
+    ) -> Computed:
+        """A session step, tried again while room for it in a full KV cache may come."""
+        seen, started = self._answered, time.monotonic()
+        try:  # most steps: answered (or refused) at the first try
+            return await self._compute(request, ticket, caller)
+        except CacheExhausted as e:
+            refused = e
+        give_up = started + ROOM_WAIT_S
+        if ticket.deadline is not None:
+            give_up = min(give_up, ticket.deadline)
         while True:
+            # Others answered since: not this try's own release (refused bringing its
+            # session back, it never held the claim).
+            others = self._answered - seen - ticket.claimed
+            if not await self._room_may_come(refused, others, give_up):
+                raise refused
             seen = self._answered
             ticket.claimed = False  # (until this try holds the session's claim)
             try:
-                if not retry:
-                    return await self._session_step(request, ticket, caller)
                 # Tries again one at a time: calls refused together (one batch whose
                 # sessions held the room each needed) would otherwise batch together again.
                 async with self._room_turn:
-                    return await self._session_step(request, ticket, caller)
+                    return await self._compute(request, ticket, caller)
             except CacheExhausted as e:
-                # Others answered since: not this try's own release (refused bringing its
-                # session back, it never held the claim).
-                others = self._answered - seen - ticket.claimed
-                if not await self._room_may_come(e, others, give_up):
-                    raise
-                retry = True
-
-    async def _session_step(
-        self, request: AttendRequest, ticket: Ticket, caller: str | None
-    ) -> Computed:
-        session_id = request.session_id
-        claim = self.engine.claim
-        try:  # a live session (most steps): claimed at once, without a restore's machinery
-            claim(session_id, caller)
-        except SessionSpilled:  # in the spill tier: brought back first
-            _, restore_s = await self._live(session_id, caller, lambda: claim(session_id, caller))
-            ticket.restore_s += restore_s
-        try:  # until answered
-            ticket.claimed = True
-            return await self._compute(request, ticket)
-        finally:
-            self.engine.release(session_id)
-            self._session_answered()
+                refused = e
 
     def _session_answered(self) -> None:
         """A session call let go of its session: calls waiting for room try again."""
@@ -282,29 +275,49 @@ class AsyncEngine:
         own (engine/threads.py); a restore is rare and short."""
         return await self._on_compute(self.engine.restore_session, session_id, caller)
 
-    async def _compute(self, request: AttendRequest, ticket: Ticket) -> Computed:
-        # Validation scans the input (NaN/Inf): off the event loop when it is large (offload's
-        # test written out: its coroutine would cost every small call a frame for nothing).
-        inputs = request.inputs
-        if inputs.nbytes < OFFLOAD_BYTES:
-            prepared = self.engine.prepare(request, ticket)
-        else:
-            prepared = await asyncio.to_thread(self.engine.prepare, request, ticket)
-        batch, seq_len, _ = inputs.shape
-        model = prepared.hosted.spec.name  # a step's session's, when the request left it empty
-        submitted = time.perf_counter()
-        try:
-            outcome, info = await self.lanes[model].submit(
-                prepared,
-                need_weights=request.need_weights,
-                sequences=batch,
-                length=seq_len,
-                key=prepared.key,
-                deadline=ticket.deadline,
-            )
-        except asyncio.CancelledError:  # the client is gone: a session step still running
-            ticket.cancelled = True  # is then rolled back, not kept (Sessions._settle)
-            raise
+    async def _compute(
+        self, request: AttendRequest, ticket: Ticket, caller: str | None = None
+    ) -> Computed:
+        """Prepares, queues and computes one call; a session step (ticket of a session call)
+        holds its session's claim (Engine.claim) from before it is prepared to its answer."""
+        session_id = request.session_id
+        if session_id:
+            claim = self.engine.claim
+            try:  # a live session (most steps): claimed at once, without a restore's machinery
+                claim(session_id, caller)
+            except SessionSpilled:  # in the spill tier: brought back first
+                _, restore_s = await self._live(
+                    session_id, caller, lambda: claim(session_id, caller)
+                )
+                ticket.restore_s += restore_s
+            ticket.claimed = True
+        try:  # until answered
+            # Validation scans the input (NaN/Inf): off the event loop when it is large
+            # (offload's test written out: its coroutine would cost every small call a frame).
+            inputs = request.inputs
+            if inputs.nbytes < OFFLOAD_BYTES:
+                prepared = self.engine.prepare(request, ticket)
+            else:
+                prepared = await asyncio.to_thread(self.engine.prepare, request, ticket)
+            batch, seq_len, _ = inputs.shape
+            model = prepared.hosted.spec.name  # a step's session's, when the request left it empty
+            submitted = time.perf_counter()
+            try:
+                outcome, info = await self.lanes[model].submit(
+                    prepared,
+                    need_weights=request.need_weights,
+                    sequences=batch,
+                    length=seq_len,
+                    key=prepared.key,
+                    deadline=ticket.deadline,
+                )
+            except asyncio.CancelledError:  # the client is gone: a session step still running
+                ticket.cancelled = True  # is then rolled back, not kept (Sessions._settle)
+                raise
+        finally:
+            if session_id:
+                self.engine.release(session_id)
+                self._session_answered()
         # Queue time includes decoding, validation and a restore before the request queued.
         queue_ms = (submitted - ticket.received + info.queue_s) * 1e3
         return Computed(

@@ -47,21 +47,36 @@ async def finish(
 ) -> Served[T]:
     """Encodes a computed call (off the loop when large) and counts it in the request
     metrics."""
-    outcome, request = computed.outcome, computed.request
-    batch, seq_len, _ = request.inputs.shape
-    weights_bytes = 0 if outcome.weights is None else outcome.weights.nbytes
-    # (offload's test written out: its coroutine would cost every small reply a frame)
-    if outcome.output.nbytes + weights_bytes < OFFLOAD_BYTES:
-        reply = encode(outcome)
-    else:
-        reply = await asyncio.to_thread(encode, outcome)
+    served = finish_here(computed, encode, received)
+    if served is None:
+        served = answered(computed, await asyncio.to_thread(encode, computed.outcome), received)
+    return served
+
+
+def finish_here(
+    computed: Computed, encode: Callable[[AttendOutcome], T], received: float
+) -> Served[T] | None:
+    """finish without a coroutine of its own, for a small reply (most: a decode step's):
+    encoded and counted here; None for a large one, which finish encodes off the loop."""
+    outcome = computed.outcome
+    weights = outcome.weights
+    if outcome.output.nbytes + (0 if weights is None else weights.nbytes) >= OFFLOAD_BYTES:
+        return None
+    return answered(computed, encode(outcome), received)
+
+
+def answered(computed: Computed, reply: T, received: float) -> Served[T]:
+    """A computed call's encoded reply, counted in the request metrics, with its timing."""
+    outcome, model = computed.outcome, computed.model
+    batch, seq_len, _ = computed.request.inputs.shape
+    weights = outcome.weights
     total_s = time.perf_counter() - received
     metrics.observe_attend(
-        computed.model,
+        model,
         tokens=batch * seq_len,
         queue_s=computed.queue_ms / 1e3,
         total_s=total_s,
-        weights_bytes=weights_bytes,
+        weights_bytes=0 if weights is None else weights.nbytes,
     )
     # batch_size: computed sequences (steps refused at reserve are not)
     timing = Timing(
@@ -71,4 +86,4 @@ async def finish(
         outcome.batch_size,
         computed.restore_ms,
     )
-    return Served(reply, timing, computed.model)
+    return Served(reply, timing, model)

@@ -5,11 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from mha_client.api import attention_pb2 as pb
 from mha_client.tensors import parse_with_tensors
 from mha_serve.cache.types import SessionStats
 from mha_serve.engine.errors import InvalidRequest
-from mha_serve.engine.requests import Array, AttendOutcome, AttendRequest, CacheInfo, ModelView
+from mha_serve.engine.requests import (
+    NUMPY_DTYPES,
+    Array,
+    AttendOutcome,
+    AttendRequest,
+    CacheInfo,
+    ModelView,
+)
 from mha_serve.serving.protocol import Timing
 from mha_serve.transport.tensors import (
     PROTO_DTYPES,
@@ -56,23 +65,26 @@ def to_call(request: pb.AttendRequest, input_data: Any = None) -> tuple[AttendRe
         raise InvalidRequest("input is missing; send a (batch, seq_len, embed_dim) tensor")
     data, dtype, shape = checked(request.input, "input", input_data)
     single = len(shape) == 2
-    x = Array.frombuffer(data, dtype, [1, *shape] if single else shape)  # (L, E) -> (1, L, E)
-    # (tuple() of an empty repeated field costs as much as of a full one: not for an empty one)
+    # checked() matched the bytes to the shape: the view is made here, not by
+    # Array.frombuffer, which would check them again.
+    x = Array(np.ndarray([1, *shape] if single else shape, NUMPY_DTYPES[dtype], data), dtype)
+    # (L, E) -> (1, L, E) above. Only the fields a request sets are passed (most steps set
+    # none); tuple() of an empty repeated field costs as much as of a full one.
     lengths = request.lengths
     head_mask = request.head_mask
     output_dtype = request.output_dtype
-    call = AttendRequest(
-        model,
-        x,
-        lengths=tuple(lengths) if lengths else None,
-        causal=request.causal if request.HasField("causal") else None,
-        head_mask=tuple(head_mask) if head_mask else None,
-        output_dtype=dtype_name(output_dtype, "output_dtype") if output_dtype else None,
-        session_id=session_id or None,
-        # A request that asks no weights (most) sets no field of them: none is read.
-        **(_weights(request.weights) if request.HasField("weights") else {}),
-    )
-    return call, single
+    options: dict[str, Any] = {}
+    if lengths:
+        options["lengths"] = tuple(lengths)
+    if request.HasField("causal"):
+        options["causal"] = request.causal
+    if head_mask:
+        options["head_mask"] = tuple(head_mask)
+    if output_dtype:
+        options["output_dtype"] = dtype_name(output_dtype, "output_dtype")
+    if request.HasField("weights"):  # a request that asks no weights (most) sets none
+        options.update(_weights(request.weights))
+    return AttendRequest(model, x, session_id=session_id or None, **options), single
 
 
 def _weights(weights: pb.WeightsRequest) -> dict[str, Any]:

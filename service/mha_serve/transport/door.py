@@ -39,6 +39,11 @@ from mha_serve.transport.heads import heads_response
 
 T = TypeVar("T")
 PROTOCOL = metrics.PROTOCOL_MHA_V1
+# The encoders of a call's reply, by whether its input was one 2-D sequence (made once, not
+# per call): framed bytes when large for a request as gRPC parsed it (Received), else a
+# message.
+_ENCODE_REPLY = {s: functools.partial(encode_reply, single=s) for s in (False, True)}
+_ENCODE_RESULT = {s: functools.partial(encode_result, single=s) for s in (False, True)}
 
 
 class ReadOnlyContext(Protocol):
@@ -49,12 +54,6 @@ class ReadOnlyContext(Protocol):
     def auth_context(self) -> Any: ...
     def invocation_metadata(self) -> Any: ...
     def done(self) -> bool: ...
-
-
-def deadline_of(context: ReadOnlyContext) -> float | None:
-    """time.monotonic() by which the caller stops waiting."""
-    remaining = context.time_remaining()
-    return None if remaining is None else time.monotonic() + remaining
 
 
 class Door:
@@ -85,10 +84,16 @@ class Door:
         if isinstance(request, Malformed):
             return self.malformed(method, request, context)
         model = await self.label(method, request)
-        handle = functools.partial(self._methods[method], request, context)
         computes = method == self.COMPUTES
         return await settle(
-            method, model, handle, protocol=self.PROTOCOL, over=over, in_flight=computes
+            method,
+            model,
+            self._methods[method],
+            request,
+            context,
+            protocol=self.PROTOCOL,
+            over=over,
+            in_flight=computes,
         )
 
     def malformed(self, method: str, request: Malformed, context: ReadOnlyContext) -> Refused:
@@ -175,12 +180,17 @@ class AttentionDoor(Door):
                 metrics.count_request("StreamSession", model, "INVALID_ARGUMENT")
                 yield Refused(grpc.StatusCode.INVALID_ARGUMENT, refusal)
                 return
-            handle = functools.partial(self.attend, request, context, caller)
-            metrics.IN_FLIGHT.inc()
-            try:
-                answer = await settle("StreamSession", model, handle, protocol=PROTOCOL, over=over)
-            finally:
-                metrics.IN_FLIGHT.dec()
+            answer = await settle(
+                "StreamSession",
+                model,
+                self.attend,
+                request,
+                context,
+                caller,
+                protocol=PROTOCOL,
+                over=over,
+                in_flight=True,
+            )
             yield answer
             if isinstance(answer, Refused):
                 return
@@ -228,16 +238,21 @@ class AttentionDoor(Door):
         answers framed bytes when large; a message answers a message. caller: the client's
         identity, when already known (a stream's)."""
         received = time.perf_counter()
-        parsed = request if isinstance(request, Received) else None
-        message = request.message if parsed is not None else request
-        serving = self.serving
-        call, single = to_call(message, parsed and parsed.input_data)
-        encode = encode_result if parsed is None else encode_reply
+        serving = self._serving
+        if serving is None:
+            serving = self.serving  # raises Unavailable
+        if isinstance(request, Received):
+            call, single = to_call(request.message, request.input_data)
+            encode = _ENCODE_REPLY[single]
+        else:
+            call, single = to_call(request)
+            encode = _ENCODE_RESULT[single]
+        remaining = context.time_remaining()  # deadline: time.monotonic() when it ends
         served = await serving.attend(
             call,
-            functools.partial(encode, single=single),
+            encode,
             received=received,
-            deadline=deadline_of(context),
+            deadline=None if remaining is None else time.monotonic() + remaining,
             caller=(caller or client_identity(context)) if call.session_id else None,
         )
         response = served.reply

@@ -127,7 +127,7 @@ class InferenceDoor(Door):
             return pb.ModelStreamInferResponse(error_message=request.message)
         model = self._model_label(request.model_name)
         code = grpc.StatusCode.OK
-        metrics.IN_FLIGHT.inc()
+        metrics.in_flight(1)
         try:
             return pb.ModelStreamInferResponse(infer_response=await self.infer(request, context))
         except EXPECTED as e:
@@ -141,7 +141,7 @@ class InferenceDoor(Door):
             log.exception("ModelStreamInfer failed on model %s", model)
             return stream_error(request, f"internal error: {type(e).__name__}: {e}")
         finally:
-            metrics.IN_FLIGHT.dec()
+            metrics.in_flight(-1)
             metrics.count_request("ModelStreamInfer", model, code.name, PROTOCOL)
 
     # --- health and metadata -----------------------------------------------------------
