@@ -241,6 +241,15 @@ def batch_decode(args) -> None:
                     f"context {context}: {label} {med[label]:.2f} ms a step (fastest "
                     f"{min(times[label]):.2f}): {label} / batched = {med[label] / batch:.2f}x time"
                 )
+                held = engine.sessions._static.get(args.model)
+                if held is not None and static == "graphs":  # what the captures cost so far
+                    decode = held[0]
+                    print(
+                        f"  graphs captured so far: {decode.captures}, "
+                        f"{decode.capture_s * 1e3:.1f} ms in all, the longest "
+                        f"{decode.longest_capture_s * 1e3:.1f} ms (a capture holds the "
+                        "step's thread: the event loop's for a lone step run inline)"
+                    )
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.profile:
         meta = {"model": args.model, "sessions": n, "device": str(hosted.device)}

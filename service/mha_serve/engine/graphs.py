@@ -16,7 +16,9 @@ width) and replays.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -29,6 +31,8 @@ from mha_serve.engine.types import HostedModel
 from mha_serve.model import AttentionConfig, MultiHeadAttention
 from mha_serve.model.overflow import row_absmax_tensor
 from mha_serve.model.padded import attend_padded
+
+log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 KEY_BUCKET = 256  # key widths are multiples of this (memory-efficient SDPA wants 16)
@@ -120,6 +124,10 @@ class StaticDecode:
         self._pool = None
         self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None  # eager mode's
         self.captures = 0  # graphs captured so far (a replay of a known shape adds none)
+        # Seconds the captures took in all, and the longest: a capture runs on the step's own
+        # thread (the event loop's, for a lone step run inline) and holds it that long.
+        self.capture_s = 0.0
+        self.longest_capture_s = 0.0
         self.steps = 0  # batches of steps run
 
     @staticmethod
@@ -270,10 +278,23 @@ class StaticDecode:
         if held is not None:
             self._graphs.move_to_end(key)
             return held
+        started = time.perf_counter()
         with _CAPTURE, _capturable_attention():
             graph, outputs = self._capture(Bb, W)
+        took = time.perf_counter() - started
         self._pool = graph.pool()
         self.captures += 1
+        self.capture_s += took
+        self.longest_capture_s = max(self.longest_capture_s, took)
+        log.info(
+            "captured the decode step's CUDA graph for %d step(s) over %d keys in %.1f ms "
+            "(%d captured, %.0f ms in all)",
+            Bb,
+            W,
+            took * 1e3,
+            self.captures,
+            self.capture_s * 1e3,
+        )
         self._graphs[key] = (graph, outputs)
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
