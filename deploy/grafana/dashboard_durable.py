@@ -84,8 +84,11 @@ DURABLE = (
     ),
     Panel(
         "Ray: sessions moved and lost",
-        "Sessions moved off Ray replicas that Ray stopped (scale-down, redeploy), and lost "
-        "with a replica that died before it could move them. Moved sessions keep their ids.",
+        "Sessions moved off Ray replicas that Ray stopped (scale-down, redeploy); lost with "
+        "a replica that died before it could move them (replica killed: look into the "
+        "crash); lost by a replica Ray stopped that could not move them (move failed: give "
+        "the replicas room, or raise graceful_shutdown_timeout_s). Moved sessions keep "
+        "their ids.",
         "ops",
         (
             Query(f"sum(rate(mha_serve_sessions_moved_total{{{TARGET}}}[{RATE}]))", "moved"),
@@ -94,12 +97,18 @@ DURABLE = (
                 f'{{reason="replica_killed", {TARGET}}}[{RATE}]))',
                 "lost: replica killed",
             ),
+            Query(
+                "sum(rate(mha_serve_sessions_lost_total"
+                f'{{reason="move_failed", {TARGET}}}[{RATE}]))',
+                "lost: move failed",
+            ),
         ),
     ),
     Panel(
         "Sessions lost by reason",
         "Sessions lost for good per second: spill_full (expired from a full spill tier), "
-        "replica_killed (Ray), bad_file (a spill file refused at adoption or restore). Any "
+        "replica_killed (a Ray replica died), move_failed (a Ray replica stopped and could "
+        "not move them), bad_file (a spill file refused at adoption or restore). Any "
         "loss fires MhaServeSessionsLost; docs/operations.md says what to do for each.",
         "ops",
         (Query(rate("mha_serve_sessions_lost_total", TARGET, by="reason"), "{{reason}}"),),

@@ -16,7 +16,15 @@ from mha_serve.cache.record import read_header
 from mha_serve.engine import Engine, ModelSpec
 from mha_serve.engine.threads import ComputeThreads
 from mha_serve.model import AttentionConfig
-from mha_serve.ray_app.moves import MOVES_AT_ONCE, Sent, Stopping, UntilStopping, move_all
+from mha_serve.ray_app.moves import (
+    MOVES_AT_ONCE,
+    NOWHERE,
+    OUT_OF_TIME,
+    Sent,
+    Stopping,
+    UntilStopping,
+    move_all,
+)
 from mha_serve.serving import AsyncEngine
 from tests.engine_calls import attend, req, torched
 
@@ -75,7 +83,7 @@ def test_every_session_moves_and_answers_there_as_it_would_have_at_home():
                 received[sid] = name
                 return Sent(replica=name)
 
-            assert await move_all(home, send, budget_s=60.0) == (7, [])
+            assert await move_all(home, send, budget_s=60.0) == (7, {})
             assert sorted(received) == sorted(sids + late)
             assert await home.session_ids() == []
             for n, sid in enumerate(sids):
@@ -93,7 +101,10 @@ def test_every_session_moves_and_answers_there_as_it_would_have_at_home():
     asyncio.run(main())
 
 
-def test_a_session_no_replica_takes_stays_and_is_reported():
+def test_a_session_no_replica_takes_stays_and_is_reported_with_why():
+    """Refused by every receiver tried, or out of time: it stays, reported with why (what
+    SequenceDirectory records for its NOT_FOUND: lost.py)."""
+
     async def main() -> None:
         compute = ComputeThreads(1, 1)
         home = AsyncEngine(engine("a"), compute)
@@ -103,8 +114,11 @@ def test_a_session_no_replica_takes_stays_and_is_reported():
             async def send(data: bytes) -> Sent:
                 return Sent(refused="no room")
 
-            assert await move_all(home, send, budget_s=60.0) == (0, [sid])
+            moved, failed = await move_all(home, send, budget_s=60.0)
+            assert (moved, list(failed)) == (0, [sid])
+            assert failed[sid].startswith("no replica took it: no room; no room")  # each try
             assert await home.session_ids() == [sid]  # not freed: nobody holds it elsewhere
+            assert await move_all(home, send, budget_s=0.0) == (0, {sid: OUT_OF_TIME})
         finally:
             await home.close()
             compute.shutdown()
@@ -133,11 +147,11 @@ def test_moves_give_up_when_no_replica_stays_or_is_coming():
             await entered.wait()
             gone = True
             moved, failed = await asyncio.wait_for(moving, 60)  # (the budget is 600 s)
-            assert (moved, sorted(failed)) == (0, sorted(sids))
+            assert (moved, failed) == (0, dict.fromkeys(sids, NOWHERE))
             assert len(sent) <= MOVES_AT_ONCE and sorted(await home.session_ids()) == sorted(sids)
             sent.clear()
             moved, failed = await move_all(home, send, 600.0, lambda: True)
-            assert (moved, sorted(failed)) == (0, sorted(sids))
+            assert (moved, failed) == (0, dict.fromkeys(sids, NOWHERE))
             assert sent == []  # none tried
         finally:
             await home.close()

@@ -2,7 +2,9 @@
 start until the old replica is gone, so its sessions have nowhere to move. The old replica
 gives up on them once no other replica has run for NOWHERE_GRACE_S, rather than hold its
 stop (and so the replacement's start) for its whole shutdown budget: the session answers
-NOT_FOUND as a lost one, the replacement serves, and the replica said why in its log.
+NOT_FOUND saying its replica stopped and could not move it, and why (the old replica told
+SequenceDirectory), counted lost as move_failed (not replica_killed) on the replacement's
+/metrics; the replacement serves, and the old replica said why in its log.
 (With room for the replacement, the same redeploy moves the session: docs/ray.md.)"""
 
 from __future__ import annotations
@@ -20,20 +22,22 @@ import pytest
 from mha_client.errors import MhaServeError
 from mha_client.sdk import Client
 from tests.ray_app.cluster import deploy, free_port, load_config, start_ray
-from tests.ray_app.conftest import replica_ids
+from tests.ray_app.conftest import free_ports, replica_ids
 from tests.ray_app.drivers import TIMEOUT_S
+from tests.ray_app.stepping import metric_sum
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def one_replica():
-    """A Ray of one CPU (its logs in a folder of its own) running the app with one replica."""
+    """A Ray of one CPU (its logs in a folder of its own) running the app with one replica,
+    its /metrics on the first of two ports (the replacement's rank may be 1)."""
     ray = pytest.importorskip("ray")
     temp = Path(tempfile.mkdtemp(prefix="ray1", dir="/tmp"))  # short: Ray's socket paths
     start_ray(ray, 1, _temp_dir=str(temp))
     try:
-        config = load_config(grpc_port=free_port(), num_replicas=1)
+        config = load_config(grpc_port=free_port(), num_replicas=1, metrics_port=free_ports(2))
         deploy(config)
         yield config, temp
     finally:
@@ -42,7 +46,7 @@ def one_replica():
 
 
 def test_a_session_with_nowhere_to_move_is_given_up_not_waited_for(one_replica):
-    from mha_serve.ray_app.moves import NOWHERE_GRACE_S
+    from mha_serve.ray_app.moves import NOWHERE, NOWHERE_GRACE_S
 
     config, temp = one_replica
     target = f"127.0.0.1:{config['grpc_options']['port']}"
@@ -62,8 +66,17 @@ def test_a_session_with_nowhere_to_move_is_given_up_not_waited_for(one_replica):
             session.step(x[4:])
         assert err.value.code == grpc.StatusCode.NOT_FOUND
         assert "is gone" in err.value.details and old in err.value.details
+        assert f"could not move it to another replica ({NOWHERE})" in err.value.details
+        with pytest.raises(MhaServeError) as err:  # asked again: counted once
+            session.step(x[4:])
+        assert NOWHERE in err.value.details
         again = client.create_session("gqa")  # the replacement serves
         assert again.step(x).session.num_tokens == 5
+    first = config["applications"][0]["args"]["metrics_port"]
+    ports = (first, first + 1)
+    lost = "mha_serve_sessions_lost_total"
+    assert metric_sum(ports, lost, 'reason="move_failed"') == 1
+    assert metric_sum(ports, lost, 'reason="replica_killed"') == 0
     said = f"replica {old} stopping: 0 sessions moved, 1 not ({session.id}): no other "
     said += f"replica ran for {NOWHERE_GRACE_S:g} s"
     logs = [p.read_text(errors="replace") for p in temp.glob("session_*/logs/worker-*.err")]

@@ -108,8 +108,8 @@ def test_a_redeploy_moves_every_session_and_keeps_their_owners(cluster, models):
 
 def test_a_killed_replica_loses_its_sessions_as_before(cluster, models):
     """Killed outright (no graceful stop: nothing moves): the sessions it held answer
-    NOT_FOUND saying their replica is gone, each counted lost (replica_killed) by the
-    replica that answers; the other replica's sessions step on."""
+    NOT_FOUND saying their replica is gone, each counted lost (replica_killed, not
+    move_failed) by the replica that answers; the other replica's sessions step on."""
     import ray
 
     steppers, channel, replicas = STATE["steppers"], STATE["channel"], STATE["replicas"]
@@ -155,6 +155,10 @@ def test_a_killed_replica_loses_its_sessions_as_before(cluster, models):
     assert counted_here == len(doomed)  # each answered by a live replica, none by Ray
     lost = metric_sum(cluster.metrics_ports, "mha_serve_sessions_lost_total", "replica_killed")
     assert lost == len(doomed)
+    # Not move_failed: the killed replica told SequenceDirectory nothing (test_one_replica.py
+    # has a stopped replica that could not move its session).
+    failed = metric_sum(cluster.metrics_ports, "mha_serve_sessions_lost_total", "move_failed")
+    assert failed == 0
     for st in steppers:
         st.close()
     channel.close()

@@ -148,7 +148,7 @@ def count_session_end(reason: str) -> None:
 # exports them), so that a dashboard reads 0 rather than "no data" before the first spill.
 
 SPILL_REASONS = ("room", "shutdown")  # to make room in a full KV cache; after draining
-LOST_REASONS = ("spill_full", "replica_killed", "bad_file")
+LOST_REASONS = ("spill_full", "replica_killed", "move_failed", "bad_file")
 
 SESSIONS_SPILLED = Counter(
     "mha_serve_sessions_spilled_total",
@@ -180,8 +180,9 @@ SESSIONS_ADOPTED = Counter(
 SESSIONS_LOST = Counter(
     "mha_serve_sessions_lost_total",
     "Sessions lost, by reason: spill_full (the spill tier expired its oldest), "
-    "replica_killed (their Ray replica is gone without moving them: it died, or stopped and "
-    "could not move them), bad_file (a spill file refused).",
+    "replica_killed (their Ray replica died: killed, crashed, out of memory, its node lost), "
+    "move_failed (their Ray replica stopped, a scale-down or redeploy, and could not move "
+    "them to another), bad_file (a spill file refused).",
     ["reason"],
 )
 for _reason in LOST_REASONS:
@@ -232,10 +233,10 @@ def count_adopted(model: str, n: int) -> None:
 
 def count_lost(reason: str, n: int = 1) -> None:
     """`n` sessions lost, reason one of LOST_REASONS: "spill_full" (the spill tier expired
-    its oldest to make room), "replica_killed" (their Ray replica gone without moving them:
-    it died, or stopped and could not move them: the replica that answers NOT_FOUND cannot
-    tell which; the stopping one logs each it could not move),
-    "bad_file" (a spill file refused at adoption or restore). MhaServeSessionsLost fires."""
+    its oldest to make room), "replica_killed" (their Ray replica died without moving them),
+    "move_failed" (their Ray replica stopped gracefully but could not move them: it told
+    SequenceDirectory, which the replica answering NOT_FOUND asks), "bad_file" (a spill file
+    refused at adoption or restore). MhaServeSessionsLost fires."""
     if reason not in LOST_REASONS:
         raise ValueError(f"lost reason {reason!r} is not one of {LOST_REASONS}")
     if n:

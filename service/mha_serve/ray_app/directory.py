@@ -19,6 +19,11 @@ replica has left its view. A directory rebuilds that map from the replicas thems
 starts (each lists the sessions it holds that another replica made: `foreign_sessions`),
 before its first answer, so one that restarts loses nothing; past HOMES_PRUNE_AT entries it keeps those
 whose replica still holds them.
+
+Sessions a stopping replica could not move (`moves_failed`: no room, nowhere to go, out of
+time) are kept with why (lost.FailedMoves, the newest MAX_FAILED_KEPT), for the replica that
+answers NOT_FOUND for one to count it move_failed, not replica_killed (`why_lost`). Kept as
+long as this directory runs: one that restarts has none (those count replica_killed).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any
 
 from mha_serve.ray_app.forward import calls
 from mha_serve.ray_app.ids import pinned_to, replica_of
+from mha_serve.ray_app.lost import FailedMoves
 from mha_serve.transport.oip.sequences import SequenceKey, SequenceMap
 
 log = logging.getLogger(__name__)
@@ -51,6 +57,7 @@ class SequenceDirectory:
         self._sequences = SequenceMap()
         self._homes: dict[str, str] = {}  # moved session id -> the replica holding it
         self._homes_prune_at = HOMES_PRUNE_AT
+        self._failed = FailedMoves()
         self._replicas_handle: Any = None
         # Started now (a restarted directory answers home_of once the replicas have said
         # what they hold), and with it the replicas' router, which learns which run.
@@ -99,6 +106,16 @@ class SequenceDirectory:
         """The replica holding a moved session; None for one that never moved (or ended)."""
         await asyncio.shield(self._rebuilt)
         return self._homes.get(session_id)
+
+    def moves_failed(self, replica: str, failed: dict[str, str]) -> None:
+        """The sessions that stopping replica could not move, each with why (one call)."""
+        self._failed.record(failed)
+        log.warning("SequenceDirectory: %d sessions of %s not moved", len(failed), replica)
+
+    def why_lost(self, session_id: str) -> str | None:
+        """Why its stopping replica could not move the session; None when it did not say
+        (it died, or this directory restarted since)."""
+        return self._failed.why(session_id)
 
     async def _rebuild(self) -> None:
         """The map as the replicas hold it: each one's foreign sessions (a directory that

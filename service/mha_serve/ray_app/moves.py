@@ -47,6 +47,10 @@ MARGIN_S = 1.0  # of the shutdown budget left for the rest of the replica's shut
 # (it would be running by then: a replacement started in ~6 s on 2 cores). Moves give up.
 NOWHERE_GRACE_S = 15.0
 NOWHERE_POLL_S = 0.1  # how often a move under way asks
+# Why a session was not moved (what SequenceDirectory records, and its NOT_FOUND says)
+NOWHERE = f"no other replica ran for {NOWHERE_GRACE_S:g} s: none stays, and none could start"
+OUT_OF_TIME = "not moved within the replica's graceful_shutdown_timeout_s"
+MAX_WHY_CHARS = 300  # of a refusal's words kept (each receiver's, joined)
 REOPEN = (
     "the Ray Serve replica {replica!r} serving this stream is stopping (scale-down or "
     "redeploy); its sessions move to another replica under the same ids: reopen the stream "
@@ -137,16 +141,16 @@ async def move_all(
     send: Callable[[bytes], Awaitable[Sent]],
     budget_s: float,
     nowhere: Callable[[], bool] = lambda: False,
-) -> tuple[int, list[str]]:
+) -> tuple[int, dict[str, str]]:
     """Moves every session this engine holds (live or spilled) through `send` (a handle call
     to a replica that stays); each is freed here once received there, its later calls here
-    told where it went. Returns (sessions moved, ids not moved). Sessions made or received
+    told where it went. Returns (sessions moved, {id not moved: why}). Sessions made or received
     meanwhile move too (the engine is asked again until it holds none). nowhere(): no
     replica stays or is coming to take them (leaving.none_stays): then no move is tried and
     one under way gives up, rather than wait on a handle with no replica behind it for the
     whole budget (and hold the replica's stop, and so a replacement's start, that long)."""
     deadline = time.monotonic() + budget_s
-    moved, failed = 0, []
+    moved, failed = 0, {}
     gate = asyncio.Semaphore(MOVES_AT_ONCE)
 
     async def one(session_id: str) -> None:
@@ -156,14 +160,20 @@ async def move_all(
             try:
                 if nowhere():
                     raise NoReplicaStays
+                if left <= 0:  # the budget is spent: none is tried
+                    raise TimeoutError
                 move = _unless(_move(serving, send, session_id), nowhere)
                 where = await asyncio.wait_for(move, max(left, 0.0))
             except NoReplicaStays:  # (said once, by the caller)
-                failed.append(session_id)
+                failed[session_id] = NOWHERE
                 return
-            except Exception as e:  # TimeoutError included: the budget is spent
+            except TimeoutError:
+                log.error("session %s not moved: %s", session_id, OUT_OF_TIME)
+                failed[session_id] = OUT_OF_TIME
+                return
+            except Exception as e:
                 log.error("session %s not moved: %r", session_id, e)
-                failed.append(session_id)
+                failed[session_id] = str(e)[:MAX_WHY_CHARS] or repr(e)
                 return
             if where:
                 moved += 1

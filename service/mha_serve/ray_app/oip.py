@@ -134,9 +134,10 @@ class InferenceMethods:
         what = "" if found is None else found[0].describe(request.model_name)
         gone = self._gone(method, session_id, what) if what else None
         if gone is not None:
+            reply = await gone
             if method == "ModelStreamInfer":
-                return Reply(response=stream_error(request, gone.details))
-            return gone
+                return Reply(response=stream_error(request, reply.details))
+            return reply
         return await self._here(method, request, caller)
 
     async def _here(self, method: str, request: Any, caller: Caller) -> Reply:
@@ -176,7 +177,7 @@ class InferenceMethods:
         session_id = routed_by or await self._call_directory("get", key) or ""
         what = sequence.describe(request.model_name)
         if routed_by and not self._held_here(routed_by):
-            reply = self._gone(method, routed_by, what)
+            reply = await self._gone(method, routed_by, what)
         elif self._held_here(session_id):
             # Here, or in no directory: the door steps it, or answers Triton's START message.
             reply = await self._here(method, request, caller)

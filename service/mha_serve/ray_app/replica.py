@@ -20,7 +20,7 @@ import functools
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import grpc
@@ -44,6 +44,7 @@ from mha_serve.ray_app.forward import (
     unary_answer,
 )
 from mha_serve.ray_app.ids import replica_of, session_prefix
+from mha_serve.ray_app.lost import RECORD_TIMEOUT_S, LostSessions, gone_details
 from mha_serve.ray_app.moves import (
     MARGIN_S,
     NOWHERE_GRACE_S,
@@ -85,7 +86,7 @@ class AttentionReplica(InferenceMethods):
         self.replica_id = context.replica_id.unique_id
         self.stopping = Stopping()
         self._foreign: dict[str, None] = {}  # sessions moved here from other replicas
-        self._gone_counted: dict[str, None] = {}  # gone sessions counted lost here
+        self._lost = LostSessions(self._why_lost if directory is not None else None)
         config = getattr(context, "_deployment_config", None)
         self._shutdown_s = float(
             getattr(config, "graceful_shutdown_timeout_s", None) or DEFAULT_SHUTDOWN_S
@@ -206,7 +207,7 @@ class AttentionReplica(InferenceMethods):
         requests, first = await peek(requests)
         gone = self._gone("StreamSession", getattr(first, "session_id", "") or "")
         if gone is not None:
-            yield gone
+            yield await gone
             return
         until = UntilStopping(requests, self.stopping)
         async for result in self.door.stream(until, CallContext(caller)):
@@ -233,7 +234,7 @@ class AttentionReplica(InferenceMethods):
             raise ValueError(f"{method!r} is not one of {sorted(self.door.unary_methods)}")
         gone = self._gone(method, getattr(request, "session_id", ""))
         if gone is not None:
-            return gone
+            return await gone
         caller = Caller(peer=caller) if isinstance(caller, str) else caller
         result = await self.door.unary(method, request, CallContext(caller))
         if isinstance(result, Refused):
@@ -324,9 +325,32 @@ class AttentionReplica(InferenceMethods):
             self.replica_id,
             moved,
             len(failed),
-            ", ".join(failed[:8]),
+            ", ".join(list(failed)[:8]),
             f": no other replica ran for {NOWHERE_GRACE_S:g} s" if nowhere() else "",
         )
+        if failed:
+            await self._report_failed(failed)
+
+    async def _report_failed(self, failed: dict[str, str]) -> None:
+        """Tells SequenceDirectory which sessions could not move, and why (one call), so
+        that the replica answering NOT_FOUND for them counts them move_failed (lost.py)."""
+        try:
+            own_request_id()
+            report = calls(self._directory, "moves_failed").remote(self.replica_id, failed)
+            await asyncio.wait_for(_value(report), RECORD_TIMEOUT_S)
+        except Exception as e:  # they will count as replica_killed
+            log.error(
+                "replica %s: SequenceDirectory did not record the %d sessions not moved (%r)",
+                self.replica_id,
+                len(failed),
+                e,
+            )
+
+    async def _why_lost(self, session_id: str) -> str | None:
+        """What SequenceDirectory recorded when the session's stopping replica could not
+        move it (None: nothing, so it died)."""
+        own_request_id()  # (its own call: the request that asked may have others in flight)
+        return await calls(self._directory, "why_lost").remote(session_id)
 
     def _remember_foreign(self, session_id: str) -> None:
         self._foreign.pop(session_id, None)
@@ -343,32 +367,23 @@ class AttentionReplica(InferenceMethods):
         owner = replica_of(session_id)
         return owner is None or owner == self.replica_id or session_id in self._foreign
 
-    def _gone(self, method: str, session_id: str, what: str = "") -> Reply | None:
-        """NOT_FOUND for a session that lived on another replica and was not moved here:
-        the router sends a call here only when that replica is gone (dead, or stopped
-        without moving it), and its cache with it. Counted lost once per session here.
-        what: the session's name for the client (a Triton sequence), when not its id."""
+    def _gone(self, method: str, session_id: str, what: str = "") -> Awaitable[Reply] | None:
+        """NOT_FOUND (an awaitable) for a session that lived on another replica and was not
+        moved here: the router sends a call here only when that replica is gone (dead, or
+        stopped without moving it), and its cache with it. Counted lost once per session
+        here, move_failed or replica_killed (lost.py). None (no await: every call asks) for
+        a session of this replica's to answer. what: the session's name for the client (a
+        Triton sequence), when not its id."""
         if not session_id or self._held_here(session_id):
             return None
-        owner = replica_of(session_id)
-        if session_id not in self._gone_counted:
-            self._gone_counted[session_id] = None
-            if len(self._gone_counted) > MAX_FOREIGN_REMEMBERED:
-                self._gone_counted.pop(next(iter(self._gone_counted)))
-            metrics.count_lost("replica_killed")
+        return self._answer_gone(method, session_id, what)
+
+    async def _answer_gone(self, method: str, session_id: str, what: str) -> Reply:
+        why = await self._lost.why(session_id)
         protocol = metrics.PROTOCOL_KSERVE_V2 if what else metrics.PROTOCOL_MHA_V1
         metrics.count_request(method, "unknown", grpc.StatusCode.NOT_FOUND.name, protocol)
-        named = f"{what} (session {session_id!r})" if what else f"session {session_id!r}"
-        again = "start it again with sequence_start" if what else "create a new session"
-        return Reply(
-            code=grpc.StatusCode.NOT_FOUND,
-            details=(
-                f"{named} is gone: it lived on Ray Serve replica {owner!r}, which is no "
-                "longer running or is stopping (it died, or was scaled down or replaced), and "
-                "its KV cache went with it; "
-                f"{again} and send its tokens again"
-            ),
-        )
+        details = gone_details(session_id, replica_of(session_id), why, what)
+        return Reply(code=grpc.StatusCode.NOT_FOUND, details=details)
 
 
 async def _value(result: Any) -> Any:
