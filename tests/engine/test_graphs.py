@@ -266,7 +266,7 @@ def test_refuses_what_it_does_not_run(engine):
     (r,) = engine.sessions.table.reserve_many([(ids[0], 2)])
     try:
         with pytest.raises(ValueError, match="one new token"):
-            static.step(torch.zeros(1, 1, 512), [r])
+            static.step(torch.zeros(1, 1, 512, device=hosted.device), [r])
     finally:
         engine.sessions.table.rollback(r)
         engine.sessions.close(ids[0])

@@ -92,11 +92,13 @@ def test_lone_steps_equal_the_same_steps_batched_and_a_recompute(engine, name, p
         )
         assert paths == ["batch"] and mine.batch_size == 2 and mine.session.num_tokens == hi
         batched.append(mine.output)
-    for (lo, hi), got, want in zip(spans, alone, batched, strict=True):
-        close(got, want, f"{name} [{lo}, {hi}): alone vs batched")
-    ref = run(engine, hosted, req(name, x, causal=True)).output
-    # (a bfloat16 cache holds K/V rounded to 8 bits of mantissa; the recompute does not)
+    # A bfloat16 cache holds K/V rounded to 8 bits of mantissa: the recompute does not, and
+    # on CUDA the batch of two attends padded (engine/attend.py), whose kernel rounds the
+    # queries to the cache's dtype in another order than the lone step's.
     atol = 2e-2 if hosted.spec.kv_cache_dtype == "bfloat16" else 1e-5
+    for (lo, hi), got, want in zip(spans, alone, batched, strict=True):
+        close(got, want, f"{name} [{lo}, {hi}): alone vs batched", atol)
+    ref = run(engine, hosted, req(name, x, causal=True)).output
     close(torch.cat(alone, dim=1), ref, f"{name}: alone vs recompute", atol)
     for sid in (a, b, c):
         engine.sessions.close(sid)
