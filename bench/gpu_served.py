@@ -280,3 +280,58 @@ def switches(
         "lone_step_s": {n: statistics.median(v) for n, v in lone.items()},
         "samples": {"stateless": seq, "sessions": tok, "lone": lone},
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Section 8 alone, with more rounds or fewer switches (`make gpu` runs it with 2 rounds
+    inside bench/gpu.py):
+
+        python bench/gpu_served.py --switches served,graphs --rounds 4 --json-out out.json
+
+    Without a CUDA GPU it says so and exits 0, measuring nothing (on the CPU the switches
+    change nothing)."""
+    import argparse
+    import json
+    import tempfile
+
+    import torch
+    from overhead import start_servers
+
+    p = argparse.ArgumentParser(description="bench/gpu.py's section 8 alone")
+    p.add_argument("--switches", default=",".join(SWITCHES), help="served (the defaults) first")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--json-out", type=Path)
+    args = p.parse_args(argv)
+    names = tuple(args.switches.split(","))
+    unknown = [n for n in names if n not in SWITCHES]
+    if unknown or names[0] != "served":
+        p.error(f"--switches: 'served' first, then any of {', '.join(SWITCHES)}; got {names}")
+    if not torch.cuda.is_available():
+        print(f"bench/gpu_served.py: skipped: torch {torch.__version__} sees no CUDA device")
+        return 0
+    variants = {n: SWITCHES[n] for n in names if SWITCHES[n]}
+    with tempfile.TemporaryDirectory() as tmp:
+        procs, targets = start_servers(Path(tmp), None, variants=variants)
+        try:
+            out = switches(targets, args.rounds, args.steps, names=names)
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                proc.wait(30)
+    base = names[0]
+    for n in names[1:]:
+        print(
+            f"{n} / {base}: stateless "
+            f"{out['stateless_seq_per_s'][n] / out['stateless_seq_per_s'][base]:.2f}x, "
+            f"together {out['sessions_tokens_per_s'][n] / out['sessions_tokens_per_s'][base]:.2f}x, "
+            f"alone {out['lone_step_s'][base] / out['lone_step_s'][n]:.2f}x (above 1: better)"
+        )
+    if args.json_out:
+        args.json_out.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -577,3 +577,18 @@ def test_the_switches_section_runs_real_servers_side_by_side(tmp_path):
     for table in ("stateless", "sessions", "lone"):
         assert set(out["samples"][table]) == {"served", "cudnn", "graphs"}
         assert all(len(v) == 2 and min(v) > 0 for v in out["samples"][table].values())
+
+
+def test_the_switches_alone_skip_cleanly_without_a_gpu_and_refuse_unknown_ones(tmp_path):
+    """bench/gpu_served.py's own command (section 8 alone): no GPU, nothing measured."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the servers would start for real")
+    cmd = [sys.executable, str(BENCH / "gpu_served.py"), "--json-out", str(tmp_path / "o.json")]
+    run = subprocess.run(
+        [*cmd, "--switches", "served,graphs"], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "skipped: torch" in run.stdout and "sees no CUDA device" in run.stdout
+    assert list(tmp_path.iterdir()) == []
+    bad = subprocess.run([*cmd, "--switches", "graphs,nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "'served' first" in bad.stderr, bad.stderr
