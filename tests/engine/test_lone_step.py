@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mha_serve.cache import SessionBusy
+from mha_serve.cache import Reservation, SessionBusy
 from mha_serve.engine import Abandoned, Engine, ModelSpec
 from mha_serve.engine import sessions as engine_sessions
 from mha_serve.model import AttentionConfig, MultiHeadAttention
@@ -48,7 +48,7 @@ def paths(monkeypatch) -> list[str]:
 
     def alone(self, hosted, p):
         outcome = real_alone(self, hosted, p)
-        if outcome is not None:
+        if outcome is not None and not isinstance(outcome, Reservation):  # (else: measured)
             seen.append("alone")
         return outcome
 
@@ -179,3 +179,49 @@ def test_one_token_projection_and_merge_equal_the_transposes(batch):
         merged = m._merge_heads(y, None, None)
         want = F.linear(y.transpose(1, 2).reshape(batch, 1, H * D), m.wo.weight, m.wo.bias)
         assert torch.equal(merged, want)
+
+
+def test_a_lone_step_whose_bounds_cannot_clear_it_keeps_its_one_reservation(engine, monkeypatch):
+    """Measured as a batch of one on the reservation _run_alone made: reserved once, its
+    room never given back in between (another lane could take it), and kept."""
+    hosted = engine.get("gqa")
+    sid = engine.sessions.create("gqa", None, None).session_id
+    x = tokens(engine, "gqa", 2, seed=8)
+    run(engine, hosted, req("gqa", x[:, :1], session_id=sid))
+    table = engine.sessions.table
+    calls: list[str] = []
+    for name in ("reserve", "reserve_many", "rollback"):
+        real = getattr(table, name)
+        monkeypatch.setattr(
+            table,
+            name,
+            lambda *a, __real=real, __name=name, **k: (calls.append(__name), __real(*a, **k))[1],
+        )
+    huge = run(engine, hosted, req("gqa", x[:, 1:] * 1e17, session_id=sid))  # finite
+    assert calls == ["reserve"], calls
+    assert huge.session.num_tokens == 2 and torch.isfinite(huge.output).all()
+    engine.sessions.close(sid)
+
+
+def test_a_batch_whose_host_copy_fails_keeps_nothing_and_leaves_no_session_busy(
+    engine, monkeypatch
+):
+    """The batch's one host copy of its output (Sessions._settle) failing, as a device error
+    would: every step answers that error, is rolled back, and its session takes the next."""
+    hosted = engine.get("mqa")
+    ids = [engine.sessions.create("mqa", None, None).session_id for _ in range(2)]
+    x = tokens(engine, "mqa", 3, seed=9)
+    for sid in ids:
+        run(engine, hosted, req("mqa", x[:, :2], session_id=sid))
+
+    def lost(*_):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine_sessions, "on_host", lost)
+    results = run_batch(engine, hosted, [req("mqa", x[:, 2:], session_id=s) for s in ids])
+    assert [str(r) for r in results] == ["device lost"] * 2
+    monkeypatch.undo()
+    for sid in ids:
+        assert engine.sessions.table.session_stats(sid).num_tokens == 2
+        assert run(engine, hosted, req("mqa", x[:, 2:], session_id=sid)).session.num_tokens == 3
+        engine.sessions.close(sid)

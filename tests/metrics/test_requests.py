@@ -124,3 +124,14 @@ def test_the_per_request_updates_fall_back_to_the_public_methods():
     other = Other()
     assert metrics._observe(other) == other.observe
     assert metrics._inc(other) == other.inc
+
+
+def test_a_histograms_edge_amounts_land_where_observe_puts_them():
+    """NaN (in no bucket), +/-inf and negative amounts: the same exposition as observe()."""
+    (public, h1, _, _), (direct, h2, _, _) = _twin_registries()
+    observe = metrics._observe(h2.labels("x"))
+    for amount in (float("-inf"), -1.0, float("inf"), float("nan"), 0.5):
+        h1.labels("x").observe(amount)
+        observe(amount)
+    assert generate_latest(direct) == generate_latest(public)
+    assert direct.get_sample_value("h_seconds_count", {"m": "x"}) == 4  # NaN in no bucket

@@ -278,10 +278,10 @@ class StaticDecode:
         if held is not None:
             self._graphs.move_to_end(key)
             return held
-        started = time.perf_counter()
         with _CAPTURE, _capturable_attention():
+            started = time.perf_counter()  # (not the wait for another model's capture)
             graph, outputs = self._capture(Bb, W)
-        took = time.perf_counter() - started
+            took = time.perf_counter() - started
         self._pool = graph.pool()
         self.captures += 1
         self.capture_s += took

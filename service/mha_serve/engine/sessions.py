@@ -313,17 +313,23 @@ class Sessions:
         checked them against the session then, and a step of the same session kept since
         (queued ahead of this one) makes them larger.
         """
+        start = time.perf_counter()
+        handed: Reservation | None = None  # a lone step's, reserved by _run_alone
         if len(calls) == 1 and (self.static_decode == "off" or calls[0].inputs.shape[1] != 1):
             outcome = self._run_alone(hosted, calls[0])
-            if outcome is not None:
+            if isinstance(outcome, Reservation):  # bounds that cannot clear it: measured here
+                handed = outcome
+            elif outcome is not None:
                 return [outcome]
-        start = time.perf_counter()
         name = hosted.spec.name
         cache = self.cache(name)
         results: list[AttendOutcome | Exception | None] = [None] * len(calls)
-        reserved = self.table.reserve_many(
-            [(p.request.session_id, p.inputs.shape[1], p.state.claimed) for p in calls]
-        )
+        if handed is not None:  # (never given back meanwhile: nobody else takes its room)
+            reserved: list[Reservation | CacheError] = [handed]
+        else:
+            reserved = self.table.reserve_many(
+                [(p.request.session_id, p.inputs.shape[1], p.state.claimed) for p in calls]
+            )
         # Until _settle takes them, any error rolls back the reservations still open.
         open_ = [r for r in reserved if isinstance(r, Reservation)]
         live: list[tuple[int, Reservation]] = []
@@ -434,12 +440,16 @@ class Sessions:
         finally:
             lock.release()
 
-    def _run_alone(self, hosted: HostedModel, p: Prepared) -> AttendOutcome | Exception | None:
+    def _run_alone(
+        self, hosted: HostedModel, p: Prepared
+    ) -> AttendOutcome | Exception | Reservation | None:
         """A lone step (one that finds its lane idle: most decode steps) without weights or a
         head mask whose bounds prove that nothing of it can overflow, run_steps' answer for
         it without the batch's lists and sets: the same ops on the same tensors, the same
-        checks and outcome (tests/engine/test_lone_step.py). None, with nothing kept, for any
-        other step: run_steps then runs it as a batch of one."""
+        checks and outcome (tests/engine/test_lone_step.py). For a step with weights or a
+        head mask, None, with nothing reserved; for one whose bounds cannot clear it, its
+        reservation, still open: run_steps then runs either as a batch of one (the latter
+        with that reservation, so that its room is never given back in between)."""
         request = p.request
         if request.need_weights or request.head_mask is not None:
             return None
@@ -449,12 +459,13 @@ class Sessions:
             r = self.table.reserve(request.session_id, p.inputs.shape[1], claimed=p.state.claimed)
         except CacheError as e:
             return e
-        kept = False  # until then, any error rolls the reservation back
+        kept = False  # until then (kept, or handed on), any error rolls the reservation back
         try:
             cached = key_absmax(r.engine_state)
             bound = cleared(hosted, cache.dtype, p.input_absmax, cached, 1.0)
-            if bound is None:  # measured instead, as a batch of one
-                return None
+            if bound is None:  # measured instead, as a batch of one, on this reservation
+                kept = True
+                return r
             x = to_device(p.inputs, hosted.device, hosted.dtype)  # (1, T, E)
             with torch.inference_mode():
                 q, _, _ = _project_and_append(hosted, cache, x, (r,))
@@ -594,13 +605,13 @@ class Sessions:
         that error (a pending step left behind would keep its session busy for good); those
         already kept keep their answers."""
         out, heads = forward.out, forward.heads
-        dtypes = [output_dtype(calls[i].request) for i, _ in live]
-        host = on_host(out.output, dtypes)  # one copy for the batch, not one per step
-        # Its numpy memory, read once: steps in its dtype take a numpy view of their rows
-        # (no torch op per step).
-        rows = array_of(host) if host.dtype in dtypes else None
         settled = 0
-        try:
+        try:  # (the batch's host copy too: a device error there rolls every step back)
+            dtypes = [output_dtype(calls[i].request) for i, _ in live]
+            host = on_host(out.output, dtypes)  # one copy for the batch, not one per step
+            # Its numpy memory, read once: steps in its dtype take a numpy view of their rows
+            # (no torch op per step).
+            rows = array_of(host) if host.dtype in dtypes else None
             for b, (i, r) in enumerate(live):
                 p = calls[i]
                 try:

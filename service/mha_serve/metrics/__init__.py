@@ -393,6 +393,8 @@ def _observe(child: Any) -> Callable[[float], None]:
     add_to_sum, add_to_bucket = total.inc, [bucket.inc for bucket in buckets]
 
     def observe(amount: float) -> None:
+        if amount != amount:  # NaN: observe() counts it in no bucket (bisect would: the first)
+            return child.observe(amount)
         add_to_sum(amount)
         add_to_bucket[bisect.bisect_left(bounds, amount)](1)
 
