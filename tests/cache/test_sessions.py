@@ -596,3 +596,31 @@ def test_the_engines_state_is_carried_never_read():
     res = table.reserve(s.id, 2)
     assert res.engine_state is None
     table.rollback(res)
+
+
+def test_reserve_many_holds_claimed_sessions_by_their_claims_without_pins(monkeypatch):
+    """Served steps are claimed from receipt to answer: a claim holds a session as a pin
+    does, so the batch pins only its unclaimed members, and making room for one still
+    never evicts another."""
+    clock = Clock()
+    table, _ = make(3, evict=True, clock=clock)
+    a, b, c = table.create("m"), table.create("m"), table.create("m")
+    append(table, a.id, 4)
+    clock.now += 1
+    append(table, b.id, 4)
+    pins: list[str] = []
+    real_pin = table.pin
+    monkeypatch.setattr(table, "pin", lambda sid: (pins.append(sid), real_pin(sid))[1])
+    for s in (a, b):
+        table.claim(s.id)
+    # a needs 2 blocks (1 free): evicting b would help, but b is in the batch, claimed.
+    results = table.reserve_many([(a.id, 5, True), (b.id, 1, True), (c.id, 1)])
+    assert pins == [c.id]  # the unclaimed one only
+    assert isinstance(results[0], CacheExhausted)  # b was not evicted for it
+    assert results[1].session_id == b.id  # b took the free block
+    assert isinstance(results[2], CacheExhausted)  # nothing left to evict: all held
+    table.commit(results[1])
+    for s in (a, b):
+        table.release(s.id)
+    assert table.get(b.id).num_tokens == 5 and table.get(a.id).num_tokens == 4
+    assert a.in_use == b.in_use == c.in_use == 0  # c's pin went with the batch

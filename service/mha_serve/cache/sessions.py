@@ -397,7 +397,8 @@ class SessionTable(RoomMaking, Moving):
         self, requests: Sequence[tuple[str, int] | tuple[str, int, bool]]
     ) -> list[Reservation | CacheError]:
         """reserve() for each (session_id, num_new_tokens[, claimed]) of one batch, with all
-        of the batch's sessions pinned first so that making room for one never evicts another.
+        of the batch's sessions held first so that making room for one never evicts another
+        (pinned; a claimed one is held by its claim already).
         Returns a Reservation or the CacheError for each, in order. Any other error (a
         device error copying a block) rolls back the batch's reservations and is raised."""
         with self._lock:
@@ -410,7 +411,9 @@ class SessionTable(RoomMaking, Moving):
             pinned = []
             results: list[Reservation | CacheError] = []
             try:
-                for session_id, *_ in requests:
+                for session_id, _, *claimed in requests:
+                    if claimed and claimed[0]:  # its claim holds it (served steps: every one);
+                        continue  # released early only when its caller is gone
                     with contextlib.suppress(CacheError):  # reserve() raises it again, in place
                         pinned.append(self.pin(session_id))
                 for session_id, n, *claimed in requests:
