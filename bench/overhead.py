@@ -10,9 +10,14 @@
    K/V, scaled_dot_product_attention, wo) plus one round trip of a bare grpc.aio bidi echo
    carrying the same request bytes. The three alternate in rounds; medians over all steps.
    The step through the SDK's generated stubs (messages, as a user writes it) is reported too.
+   The floor (bench/floor_server.py, in the same rounds): the same bytes through the least a
+   one-process Python grpc.aio server does for this step (parse, the bare step, serialize),
+   nothing of mha-serve in its path: floor / limit is what the limit's definition (two parts
+   each measured warm and alone, added) loses to the machine, served / floor is ours.
 2. Small stateless requests, 16 and 128 tokens, 32 clients (mha_client.loadgen, closed loop):
    served seq/s against 1 / (1 / in-process best-batch seq/s + 1 / echo server req/s), the
-   three alternating in rounds.
+   three alternating in rounds; the floor server's Attend (inline and batched, the better
+   kept) in the same rounds.
 3. Wire: payload copies of a 16 MiB tensor in every codec path (bench/copies.py, in a process
    of its own: it changes the allocator's settings).
 """
@@ -52,6 +57,9 @@ OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
 ]
 TARGETS = {"decode_step_ratio_max": 1.3, "small_16_min": 0.85, "small_128_min": 0.95, "copies": 2}
+# The floor servers (bench/floor_server.py) by target name: their Attend mode. "floor" also
+# answers the decode step.
+FLOORS = {"floor": "inline", "floor_batched": "batched"}
 
 
 # ----- the echo server: the wire's own cost, nothing else -------------------------------
@@ -68,6 +76,12 @@ async def serve_echo(port: int) -> None:
         async for request in requests:
             yield request
 
+    await serve_methods(port, attend, stream, "echo")
+
+
+async def serve_methods(port: int, attend: Any, stream: Any, name: str) -> None:
+    """A grpc.aio server on 127.0.0.1:port whose Attend and StreamSession are these handlers
+    (bytes in and out, no serializers); prints "<name> ready" once it listens."""
     server = grpc.aio.server(options=OPTIONS)
     handlers = {
         "Attend": grpc.unary_unary_rpc_method_handler(attend),
@@ -78,7 +92,7 @@ async def serve_echo(port: int) -> None:
     )
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
-    print("echo ready", flush=True)
+    print(f"{name} ready", flush=True)
     await server.wait_for_termination()
 
 
@@ -119,9 +133,11 @@ def start_servers(
     baseline: Path | None,
     extra: list[str] | None = None,
     variants: dict[str, list[str]] | None = None,
+    floor: bool = False,
 ) -> tuple[list[subprocess.Popen], dict]:
-    """{"served", "echo"[, "baseline"][, each variant]}: address of each, all ready. A
-    variant is this checkout's server with more flags (e.g. a feature turned off)."""
+    """{"served", "echo"[, "baseline"][, each variant][, each of FLOORS]}: address of each,
+    all ready. A variant is this checkout's server with more flags (e.g. a feature turned
+    off); floor: the floor servers too."""
     from mha_client.sdk import Client
 
     procs, targets = [], {}
@@ -132,19 +148,25 @@ def start_servers(
     for name, flags in (variants or {}).items():
         proc, targets[name] = start_served(tmp, name, None, [*(extra or []), *flags])
         procs.append(proc)
-    echo_port = free_port()
-    echo_log = tmp / "echo.log"
-    procs.append(start([sys.executable, __file__, "--serve-echo", str(echo_port)], echo_log))
-    targets["echo"] = f"127.0.0.1:{echo_port}"
+    bare = {"echo": [__file__, "--serve-echo"]}  # each prints "<name's first word> ready"
+    for name, mode in FLOORS.items() if floor else ():
+        bare[name] = [str(ROOT / "bench" / "floor_server.py"), "--attend", mode, "--port"]
+    logs = {}
+    for name, cmd in bare.items():
+        port = free_port()
+        logs[name] = (tmp / f"{name}.log", len(procs))
+        procs.append(start([sys.executable, *cmd, str(port)], logs[name][0]))
+        targets[name] = f"127.0.0.1:{port}"
     for name, target in targets.items():
-        if name != "echo":
+        if name not in bare:
             with Client(target) as c:
                 c.wait_ready(180)
     deadline = time.monotonic() + 60
-    while b"echo ready" not in echo_log.read_bytes():
-        if time.monotonic() > deadline or procs[-1].poll() is not None:
-            raise RuntimeError(f"echo server did not start: {echo_log.read_text()}")
-        time.sleep(0.1)
+    for name, (log, i) in logs.items():
+        while f"{name.split('_')[0]} ready".encode() not in log.read_bytes():
+            if time.monotonic() > deadline or procs[i].poll() is not None:
+                raise RuntimeError(f"{name} server did not start: {log.read_text()}")
+            time.sleep(0.1)
     return procs, targets
 
 
@@ -187,8 +209,8 @@ class BareStep:
 class BytesStream:
     """A bidi stream of bytes (no serializers): write one message, read one."""
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
-        self.call = channel.stream_stream(STEP_METHOD)()
+    def __init__(self, channel: grpc.aio.Channel, metadata: Any = None) -> None:
+        self.call = channel.stream_stream(STEP_METHOD)(metadata=metadata)
 
     async def round_trip(self, payload: bytes) -> bytes:
         await self.call.write(payload)
@@ -212,7 +234,8 @@ async def timed_stream(channel: grpc.aio.Channel, payloads: list[bytes]) -> list
 
 
 async def decode_steps(targets: dict[str, str], rounds: int, steps: int) -> list[dict]:
-    """Per model and context: served (and baseline) steps, SDK steps, echo, bare torch."""
+    """Per model and context: served (and baseline) steps, SDK steps, echo, bare torch, and
+    the floor server's steps when it runs (targets["floor"])."""
     import torch
 
     from mha_client.api import attention_pb2 as pb
@@ -220,7 +243,8 @@ async def decode_steps(targets: dict[str, str], rounds: int, steps: int) -> list
     from mha_client.sdk import AsyncClient
 
     torch.set_num_threads(1)  # a 1-token step is fastest on one thread here (engine does too)
-    servers = [n for n in targets if n != "echo"]  # "served" first
+    servers = [n for n in targets if n != "echo" and n not in FLOORS]  # "served" first
+    floors = ["floor"] if "floor" in targets else []
     rows = []
     rng = np.random.default_rng(0)
     clients = {n: AsyncClient(targets[n]) for n in servers}
@@ -242,18 +266,24 @@ async def decode_steps(targets: dict[str, str], rounds: int, steps: int) -> list
                         step_request(sessions[n].id, tokens[t], {}).SerializeToString()
                         for t in range(steps)
                     ]
-                payloads["echo"] = payloads["served"]
-                sides = [*servers, "sdk", "echo", "bare"]
+                payloads["echo"] = payloads["floor"] = payloads["served"]
+                # The floor's stream: the model, its K/V's length and the first position.
+                floor_meta = (
+                    ("floor-model", model),
+                    ("floor-start", str(start_len)),
+                    ("floor-context", str(ctx)),
+                )
+                sides = [*servers, *floors, "sdk", "echo", "bare"]
                 times: dict[str, list[float]] = {k: [] for k in sides}
                 server_total: list[float] = []  # receipt to reply, as the server timed it
                 for r in range(rounds + 1):  # round 0 warms up and is not counted
                     sample: dict[str, list[float]] = {k: [] for k in sides}
                     totals = []
-                    order = [*servers, "echo"]  # reversed every other round: no side
-                    for n in order if r % 2 else order[::-1]:  # always follows the same one
-                        if n != "echo":
+                    order = [*servers, *floors, "echo"]  # reversed every other round: no
+                    for n in order if r % 2 else order[::-1]:  # side always follows the same
+                        if n in sessions:
                             await sessions[n].truncate(start_len)
-                        stream = BytesStream(channels[n])
+                        stream = BytesStream(channels[n], floor_meta if n == "floor" else None)
                         for p in payloads[n]:
                             t = time.perf_counter()
                             reply = await stream.round_trip(p)
@@ -298,6 +328,14 @@ async def decode_steps(targets: dict[str, str], rounds: int, steps: int) -> list
                     f"{row['echo_ms']:.3f} = {limit:.3f} ms | ratio {row['ratio']:.2f} "
                     f"(sdk {row['sdk_ratio']:.2f})"
                 )
+                if floors:
+                    row["floor_ms"] = ms["floor"]
+                    row["floor_ratio"] = ms["floor"] / limit
+                    row["served_over_floor"] = ms["served"] / ms["floor"]
+                    line += (
+                        f" | floor {ms['floor']:.3f} ms: floor/limit {row['floor_ratio']:.2f}, "
+                        f"served/floor {row['served_over_floor']:.2f}"
+                    )
                 for other in servers[1:]:  # the baseline, the variants
                     row[f"{other}_ms"] = ms[other]
                     row[f"{other}_ratio"] = ms[other] / limit
@@ -381,8 +419,21 @@ def small_requests(
             "samples": samples,
         }
         line = ""
+        if all(n in med for n in FLOORS):  # the better of the floor's two Attend modes
+            for name, mode in FLOORS.items():
+                row[f"floor_{mode}_seq_per_s"] = med[name]
+            best = max(FLOORS, key=med.__getitem__)
+            row["floor_best"] = FLOORS[best]
+            row["floor_seq_per_s"] = med[best]
+            row["floor_ratio"] = med[best] / ceiling
+            row["served_over_floor"] = med["served"] / med[best]
+            line += (
+                f" | floor {med[best]:.0f} seq/s ({FLOORS[best]}; inline {med['floor']:.0f}, "
+                f"batched {med['floor_batched']:.0f}): floor/ceiling {row['floor_ratio']:.2f}, "
+                f"served/floor {row['served_over_floor']:.2f}"
+            )
         for other in targets:
-            if other in ("served", "echo"):
+            if other in ("served", "echo") or other in FLOORS:
                 continue
             row[f"{other}_seq_per_s"] = med[other]
             row[f"{other}_ratio"] = med[other] / ceiling
@@ -490,7 +541,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="mha-overhead-") as d:
         tmp = Path(d)
         results["wire"] = wire_copies(tmp)
-        procs, targets = start_servers(tmp, args.baseline_tree, args.server_arg, variants)
+        procs, targets = start_servers(
+            tmp, args.baseline_tree, args.server_arg, variants, floor=True
+        )
         try:
             results["decode"] = asyncio.run(decode_steps(targets, rounds, args.steps))
             results["small"] = small_requests(

@@ -1,0 +1,211 @@
+"""bench/floor_server.py answers what it stands for: a stream's steps equal overhead.BareStep
+run independently on the same tokens at the same positions, an Attend (inline, and batched
+with others queued) equals the module's forward, bad streams get a status that says why; and
+bench/overhead_report.py renders the floor columns, or dashes for a run without them.
+No timing is asserted."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from inprocess import load  # noqa: E402
+from overhead import ATTEND_METHOD, OPTIONS, STEP_METHOD, TARGETS, BareStep, free_port  # noqa: E402
+from overhead_report import render  # noqa: E402
+
+from mha_client.api import attention_pb2 as pb  # noqa: E402
+from mha_client.messages import build_attend_request, step_request  # noqa: E402
+
+EMBED = 512
+# Both sides run the same torch ops on one thread, in two processes: equal to the last bit
+# here; the tolerance only allows another BLAS build to order a sum differently.
+TOL = {"rtol": 1e-6, "atol": 1e-6}
+
+
+def start_floor(tmp_path: Path, mode: str) -> Iterator[str]:
+    port = free_port()
+    log = tmp_path / f"floor-{mode}.log"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench" / "floor_server.py"), "--port", str(port)]
+        + ["--attend", mode],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while b"floor ready" not in log.read_bytes():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def floor(tmp_path_factory) -> Iterator[str]:
+    yield from start_floor(tmp_path_factory.mktemp("floor"), "inline")
+
+
+@pytest.fixture(scope="module")
+def floor_batched(tmp_path_factory) -> Iterator[str]:
+    yield from start_floor(tmp_path_factory.mktemp("floor"), "batched")
+
+
+def output(reply: bytes) -> tuple[pb.AttendResponse, np.ndarray]:
+    message = pb.AttendResponse.FromString(reply)
+    t = message.output
+    assert t.dtype == pb.DTYPE_FLOAT32
+    return message, np.frombuffer(t.data, np.float32).reshape(tuple(t.shape))
+
+
+def test_stream_steps_equal_the_bare_step(floor):
+    model, start, ctx, steps = "gqa", 48, 64, 6
+    tokens = np.random.default_rng(1).standard_normal((steps, 1, EMBED), dtype=np.float32)
+    meta = (("floor-model", model), ("floor-start", str(start)), ("floor-context", str(ctx)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the floor's step
+    try:
+        bare = BareStep(model, ctx)
+        expected = [
+            bare(torch.from_numpy(tokens[i]).view(1, 1, EMBED), start + i).numpy()
+            for i in range(steps)
+        ]
+    finally:
+        torch.set_num_threads(threads)
+    with grpc.insecure_channel(floor, options=OPTIONS) as channel:
+        call = channel.stream_stream(STEP_METHOD)
+        for _ in range(2):  # a second stream of the same (model, context) starts over
+            requests = (step_request("s1", t, {}).SerializeToString() for t in tokens)
+            replies = list(call(requests, metadata=meta))
+            assert len(replies) == steps
+            for i, reply in enumerate(replies):
+                message, y = output(reply)
+                assert y.shape == (1, EMBED)  # (T, E), as the request's input
+                np.testing.assert_allclose(y, expected[i].reshape(1, EMBED), **TOL)
+                assert message.session.session_id == "s1"
+                assert message.session.num_tokens == start + i + 1
+                assert message.model == model
+
+
+def test_a_stream_without_its_setup_or_past_its_context_is_refused(floor):
+    token = np.zeros((1, EMBED), np.float32)
+    with grpc.insecure_channel(floor, options=OPTIONS) as channel:
+        call = channel.stream_stream(STEP_METHOD)
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(iter([step_request("s", token, {}).SerializeToString()])))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "floor-model" in err.value.details()
+        meta = (("floor-model", "mha"), ("floor-start", "7"), ("floor-context", "8"))
+        requests = [step_request("s", token, {}).SerializeToString()] * 2
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(iter(requests), metadata=meta))
+        assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        two = np.zeros((2, EMBED), np.float32)  # two tokens: a step is one
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(iter([step_request("s", two, {}).SerializeToString()]), metadata=meta))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def forward(model: str, x: np.ndarray) -> np.ndarray:
+    with torch.inference_mode():
+        return load(model)(torch.from_numpy(x)).output.numpy()
+
+
+def test_attend_equals_the_forward_inline(floor):
+    x = np.random.default_rng(2).standard_normal((2, 16, EMBED), dtype=np.float32)
+    with grpc.insecure_channel(floor, options=OPTIONS) as channel:
+        reply = channel.unary_unary(ATTEND_METHOD)(
+            build_attend_request("mha", x).SerializeToString()
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            channel.unary_unary(ATTEND_METHOD)(build_attend_request("nope", x).SerializeToString())
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    _, y = output(reply)
+    np.testing.assert_allclose(y, forward("mha", x), rtol=1e-5, atol=1e-5)
+
+
+def test_attend_batched_answers_each_request_with_its_own_rows(floor_batched):
+    # Concurrent requests are stacked into one forward: each must get its rows back.
+    # (Batched GEMMs may sum in another order than one request's: 1e-5.)
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal((1, 16, EMBED), dtype=np.float32) for _ in range(8)]
+    xs.append(rng.standard_normal((1, 8, EMBED), dtype=np.float32))  # another shape
+
+    async def send_all() -> list[bytes]:
+        async with grpc.aio.insecure_channel(floor_batched, options=OPTIONS) as channel:
+            call = channel.unary_unary(ATTEND_METHOD)
+            return await asyncio.gather(
+                *(call(build_attend_request("mqa", x).SerializeToString()) for x in xs)
+            )
+
+    for x, reply in zip(xs, asyncio.run(send_all()), strict=True):
+        _, y = output(reply)
+        np.testing.assert_allclose(y, forward("mqa", x), rtol=1e-5, atol=1e-5)
+
+
+def test_one_forward_answers_everything_queued_with_its_own_rows():
+    # In process, gated: the worker cannot take the queue while the test holds its lock, so
+    # the requests below are one batch (two forwards: one per shape).
+    from floor_server import BatchWorker
+
+    rng = np.random.default_rng(4)
+    xs = [rng.standard_normal((b, 16, EMBED), dtype=np.float32) for b in (1, 3, 2)]
+    xs.append(rng.standard_normal((1, 4, EMBED), dtype=np.float32))
+    module = load("mha")
+
+    async def queue_all() -> list[bytes]:
+        worker = BatchWorker(asyncio.get_running_loop())
+        with worker.ready:
+            answers = [
+                worker.submit(build_attend_request("mha", x), module, torch.from_numpy(x), 0.0)
+                for x in xs
+            ]
+        return await asyncio.gather(*answers)
+
+    replies = asyncio.run(queue_all())
+    for x, reply in zip(xs, replies, strict=True):
+        message, y = output(reply)
+        np.testing.assert_allclose(y, forward("mha", x), rtol=1e-5, atol=1e-5)
+        assert message.timing.batch_size == (6 if x.shape[1] == 16 else 1)
+
+
+def test_report_renders_the_floor_and_dashes_without_it():
+    old = json.loads((ROOT / "bench" / "results" / "overhead.json").read_text())
+    for row in old["decode"] + old["small"]:
+        assert not any(k.startswith("floor") for k in row)  # a run before the floor
+    page = render(old, TARGETS, notes=False)
+    assert "| floor | floor/limit | served/floor |" in page
+    assert "**1.76** | - | - | - |" in page  # mha 256's row: dashes
+    assert "did not measure it" in page
+
+    new = copy.deepcopy(old)
+    for row in new["decode"]:
+        row.update(floor_ms=0.5, floor_ratio=0.5 / row["limit_ms"])
+        row["served_over_floor"] = row["served_ms"] / 0.5
+    for row in new["small"]:
+        row.update(floor_seq_per_s=1234.0, floor_inline_seq_per_s=1000.0)
+        row.update(floor_batched_seq_per_s=1234.0, floor_best="batched")
+        row.update(floor_ratio=0.87, served_over_floor=0.66)
+    page = render(new, TARGETS, notes=False)
+    first = new["decode"][0]
+    assert (
+        f"**{first['ratio']:.2f}** | 0.500 | {first['floor_ratio']:.2f} "
+        f"| {first['served_over_floor']:.2f} |" in page
+    )
+    assert "| 1234 (1000, 1234) | 0.87 | 0.66 |" in page
+    assert "did not measure it" not in page
