@@ -15,7 +15,10 @@ models' weights (bench/inprocess.load):
   first step's position; each message is one token, the next position) and floor-context
   (the K/V's length: the served session's context). Streams of one (model, context) share
   its K/V (positions before floor-start stay zero, as in overhead's in-process step), so they
-  must not overlap: a second at once is refused (FAILED_PRECONDITION).
+  must not overlap: a second at once is refused (FAILED_PRECONDITION). With floor-spin-us
+  in its metadata a stream instead waits that long per message (a busy wait holding the
+  interpreter, as the step's Python does between its ops) and answers zeros: the same
+  messages and the same time between them without the step's memory traffic.
 - Attend (unary): the module's forward (inprocess.load(model)(x).output, what overhead's
   in-process ceiling times) on the request's input. --attend inline: on the event loop, one
   torch thread. --attend batched: requests go from the event loop to one worker thread that
@@ -136,8 +139,13 @@ class Floor:
     async def stream(self, requests: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             key, pos = self._stream_key(context)
+            spin_s = self._spin_s(context)
         except Refused as err:
             await context.abort(err.code, str(err))
+        if spin_s is not None:
+            async for data in self._spin(requests, key, pos, spin_s):
+                yield data
+            return
         if key in self.busy:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -170,6 +178,49 @@ class Floor:
                 yield response.SerializeToString()
         finally:
             self.busy.discard(key)
+
+    async def _spin(self, requests: Any, key: tuple[str, int], pos: int, spin_s: float) -> Any:
+        """The floor's stream with the step replaced by a busy wait of spin_s (the bare step's
+        time in a tight loop) and a zero output: what waiting that long between the wire's
+        messages costs a server, without the step's memory traffic."""
+        import torch
+
+        embed_dim = self.module(key[0]).config.embed_dim
+        zeros = torch.zeros(1, 1, embed_dim)
+        async for data in requests:
+            received = time.perf_counter()
+            request = pb.AttendRequest.FromString(data)
+            input_tensor(request, embed_dim)  # the same parse and checks as a step's
+            end = received + spin_s
+            while time.perf_counter() < end:
+                pass
+            pos += 1
+            response = reply(request, key[0], zeros, received)
+            s = response.session
+            s.session_id, s.model, s.num_tokens, s.max_len = (
+                request.session_id,
+                key[0],
+                pos,
+                key[1],
+            )
+            yield response.SerializeToString()
+
+    @staticmethod
+    def _spin_s(context: grpc.aio.ServicerContext) -> float | None:
+        """floor-spin-us from the stream's metadata, in seconds (None: a real step)."""
+        value = dict(context.invocation_metadata() or ()).get("floor-spin-us")
+        if value is None:
+            return None
+        try:
+            spin_us = float(value)
+        except ValueError:
+            spin_us = -1.0
+        if not 0 <= spin_us <= 1e6:
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"floor-spin-us {value!r} must be a number of microseconds in [0, 1e6]",
+            )
+        return spin_us * 1e-6
 
     @staticmethod
     def _stream_key(context: grpc.aio.ServicerContext) -> tuple[tuple[str, int], int]:

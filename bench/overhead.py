@@ -13,7 +13,10 @@
    The floor (bench/floor_server.py, in the same rounds): the same bytes through the least a
    one-process Python grpc.aio server does for this step (parse, the bare step, serialize),
    nothing of mha-serve in its path: floor / limit is what the limit's definition (two parts
-   each measured warm and alone, added) loses to the machine, served / floor is ours.
+   each measured warm and alone, added) loses to the machine, served / floor is ours. The
+   spin side (the floor's stream busy-waiting as long as the bare step, no step) splits the
+   floor's excess into the cost of waiting between the wire's messages and the step's own
+   cost inside a server.
 2. Small stateless requests, 16 and 128 tokens, 32 clients (mha_client.loadgen, closed loop):
    served seq/s against 1 / (1 / in-process best-batch seq/s + 1 / echo server req/s), the
    three alternating in rounds; the floor server's Attend (inline and batched, the better
@@ -273,17 +276,31 @@ async def decode_steps(targets: dict[str, str], rounds: int, steps: int) -> list
                     ("floor-start", str(start_len)),
                     ("floor-context", str(ctx)),
                 )
-                sides = [*servers, *floors, "sdk", "echo", "bare"]
+                # The spin side (the floor's stream waiting as long as the bare step takes
+                # in a tight loop, without its memory traffic): that length, measured now.
+                spin_meta = ()
+                if floors:
+                    warm = []
+                    for i, x in enumerate(xs):
+                        t = time.perf_counter()
+                        bare(x, start_len + i)
+                        warm.append(time.perf_counter() - t)
+                    spin_us = statistics.median(warm) * 1e6
+                    spin_meta = (*floor_meta, ("floor-spin-us", f"{spin_us:.1f}"))
+                    payloads["spin"] = payloads["served"]
+                spins = ["spin"] if floors else []
+                sides = [*servers, *floors, *spins, "sdk", "echo", "bare"]
                 times: dict[str, list[float]] = {k: [] for k in sides}
                 server_total: list[float] = []  # receipt to reply, as the server timed it
                 for r in range(rounds + 1):  # round 0 warms up and is not counted
                     sample: dict[str, list[float]] = {k: [] for k in sides}
                     totals = []
-                    order = [*servers, *floors, "echo"]  # reversed every other round: no
-                    for n in order if r % 2 else order[::-1]:  # side always follows the same
-                        if n in sessions:
+                    order = [*servers, *floors, *spins, "echo"]  # reversed every other
+                    for n in order if r % 2 else order[::-1]:  # round: no side always
+                        if n in sessions:  # follows the same one
                             await sessions[n].truncate(start_len)
-                        stream = BytesStream(channels[n], floor_meta if n == "floor" else None)
+                        meta = {"floor": floor_meta, "spin": spin_meta}.get(n)
+                        stream = BytesStream(channels["floor" if n == "spin" else n], meta)
                         for p in payloads[n]:
                             t = time.perf_counter()
                             reply = await stream.round_trip(p)
@@ -332,8 +349,11 @@ async def decode_steps(targets: dict[str, str], rounds: int, steps: int) -> list
                     row["floor_ms"] = ms["floor"]
                     row["floor_ratio"] = ms["floor"] / limit
                     row["served_over_floor"] = ms["served"] / ms["floor"]
+                    row["spin_us"] = spin_us
+                    row["spin_ms"] = ms["spin"]
                     line += (
-                        f" | floor {ms['floor']:.3f} ms: floor/limit {row['floor_ratio']:.2f}, "
+                        f" | spin {ms['spin']:.3f} ms ({spin_us:.0f} us) | floor "
+                        f"{ms['floor']:.3f} ms: floor/limit {row['floor_ratio']:.2f}, "
                         f"served/floor {row['served_over_floor']:.2f}"
                     )
                 for other in servers[1:]:  # the baseline, the variants

@@ -50,6 +50,46 @@ def _floor_paragraph(results: dict[str, Any]) -> list[str]:
     ]
 
 
+def _decomposition(rows: list[dict[str, Any]]) -> list[str]:
+    """Where a served step's time goes beyond the limit, from the same run's sides (a run
+    with the spin side only)."""
+    if not any("spin_ms" in r for r in rows):
+        return []
+    out = [
+        "Where the served step's time goes beyond the limit, from the same rounds. Spin: the "
+        "floor server's stream with the step replaced by a busy wait as long as the step "
+        "takes in a tight loop (measured before the rounds) and a zero output: the same "
+        "messages, parse and reply, the same time between them, without the step's memory "
+        "traffic. So *waiting* (spin - echo - the wait) is what the time between the wire's "
+        "messages costs the two processes (wake-ups, the client idle meanwhile); *the step "
+        "in a server* (floor - spin) is what the step costs inside a server beyond its "
+        "tight-loop time (its weights and K/V stream through the caches the wire's code "
+        "uses, and the other way round) plus the message work; *mha-serve's own* is served - "
+        "floor. Microseconds per step:",
+        "",
+        "| model | context | limit | waiting | the step in a server | mha-serve's own | served |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if "spin_ms" not in r:
+            continue
+        waiting = (r["spin_ms"] - r["echo_ms"]) * 1e3 - r["spin_us"]
+        step = (r["floor_ms"] - r["spin_ms"]) * 1e3 + r["spin_us"] - r["inprocess_ms"] * 1e3
+        own = (r["served_ms"] - r["floor_ms"]) * 1e3
+        out.append(
+            f"| {r['model']} | {r['context']} | {r['limit_ms'] * 1e3:.0f} | {waiting:+.0f} "
+            f"| {step:+.0f} | {own:+.0f} | {r['served_ms'] * 1e3:.0f} |"
+        )
+    out += [
+        "",
+        "(limit + waiting + the step in a server + mha-serve's own = served. The step's "
+        "term compares the floor's step with the in-process median of the same rounds; the "
+        "spin waited the median of a tight loop just before them.)",
+        "",
+    ]
+    return out
+
+
 def render(results: dict[str, Any], targets: dict[str, Any], notes: bool = True) -> str:
     m = results["machine"]
     s = results["settings"]
@@ -129,6 +169,7 @@ def render(results: dict[str, Any], targets: dict[str, Any], notes: bool = True)
         f"Worst ratio {worst:.2f}: {_mark(worst <= targets['decode_step_ratio_max'])} the "
         "target on this machine.",
         "",
+        *_decomposition(results["decode"]),
         "## Small stateless requests",
         "",
         "32 clients in a closed loop (mha_client.loadgen, requests serialized before the "

@@ -102,6 +102,26 @@ def test_stream_steps_equal_the_bare_step(floor):
                 assert message.model == model
 
 
+def test_a_spin_stream_answers_zeros_and_counts_its_positions(floor):
+    model, start, ctx = "mqa", 10, 32
+    tokens = np.random.default_rng(2).standard_normal((3, 1, EMBED), dtype=np.float32)
+    meta = (("floor-model", model), ("floor-start", str(start)), ("floor-context", str(ctx)))
+    with grpc.insecure_channel(floor, options=OPTIONS) as channel:
+        call = channel.stream_stream(STEP_METHOD)
+        requests = [step_request("s2", t, {}).SerializeToString() for t in tokens]
+        replies = list(call(iter(requests), metadata=(*meta, ("floor-spin-us", "50"))))
+        assert len(replies) == 3
+        for i, reply in enumerate(replies):
+            message, y = output(reply)
+            assert y.shape == (1, EMBED) and not y.any()
+            assert message.session.num_tokens == start + i + 1
+        for bad in ("-1", "fast", "2e6"):
+            with pytest.raises(grpc.RpcError) as err:
+                list(call(iter(requests), metadata=(*meta, ("floor-spin-us", bad))))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "floor-spin-us" in err.value.details()
+
+
 def test_a_stream_without_its_setup_or_past_its_context_is_refused(floor):
     token = np.zeros((1, EMBED), np.float32)
     with grpc.insecure_channel(floor, options=OPTIONS) as channel:
@@ -184,14 +204,19 @@ def test_one_forward_answers_everything_queued_with_its_own_rows():
         assert message.timing.batch_size == (6 if x.shape[1] == 16 else 1)
 
 
+FLOOR_KEYS = ("floor", "spin", "served_over_floor")
+
+
 def test_report_renders_the_floor_and_dashes_without_it():
     old = json.loads((ROOT / "bench" / "results" / "overhead.json").read_text())
-    for row in old["decode"] + old["small"]:
-        assert not any(k.startswith("floor") for k in row)  # a run before the floor
+    for row in old["decode"] + old["small"]:  # as a run before the floor server
+        for k in [k for k in row if k.startswith(FLOOR_KEYS)]:
+            del row[k]
     page = render(old, TARGETS, notes=False)
     assert "| floor | floor/limit | served/floor |" in page
-    assert "**1.76** | - | - | - |" in page  # mha 256's row: dashes
+    assert f"**{old['decode'][0]['ratio']:.2f}** | - | - | - |" in page  # its first row: dashes
     assert "did not measure it" in page
+    assert "mha-serve's own" not in page.split("## Small")[0].split("Medians over all")[1][-800:]
 
     new = copy.deepcopy(old)
     for row in new["decode"]:
@@ -209,3 +234,17 @@ def test_report_renders_the_floor_and_dashes_without_it():
     )
     assert "| 1234 (1000, 1234) | 0.87 | 0.66 |" in page
     assert "did not measure it" not in page
+    assert "| waiting | the step in a server |" not in page  # no spin side: no split
+
+
+def test_report_splits_the_served_step_by_the_spin_side():
+    results = json.loads((ROOT / "bench" / "results" / "overhead.json").read_text())
+    row = results["decode"][0]
+    row.update(served_ms=1.0, inprocess_ms=0.2, echo_ms=0.3, limit_ms=0.5, spin_us=190.0)
+    row.update(spin_ms=0.55, floor_ms=0.8, floor_ratio=1.6, served_over_floor=1.25)
+    page = render(results, TARGETS, notes=False)
+    # waiting 550 - 300 - 190 = +60; the step 800 - 550 + 190 - 200 = +240; own +200
+    assert f"| {row['model']} | {row['context']} | 500 | +60 | +240 | +200 | 1000 |" in page
+    others = [r for r in results["decode"][1:] if "spin_ms" in r]
+    table = page.split("| waiting | the step in a server |")[1].split("\n\n")[0]
+    assert table.count("\n| ") == 2 + len(others)  # the divider, this row, any others
