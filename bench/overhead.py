@@ -82,9 +82,16 @@ async def serve_echo(port: int) -> None:
     await serve_methods(port, attend, stream, "echo")
 
 
+PIN_ENV = "MHA_BENCH_EVENT_LOOP_CPU"  # the echo's and the floor's event loop CPU (--pin)
+
+
 async def serve_methods(port: int, attend: Any, stream: Any, name: str) -> None:
     """A grpc.aio server on 127.0.0.1:port whose Attend and StreamSession are these handlers
-    (bytes in and out, no serializers); prints "<name> ready" once it listens."""
+    (bytes in and out, no serializers); prints "<name> ready" once it listens. With PIN_ENV
+    set, the calling thread (the event loop's) and gRPC's threads, started from it next, run
+    on that CPU, as mha-serve's with --event-loop-cpu."""
+    if os.environ.get(PIN_ENV):
+        os.sched_setaffinity(0, {int(os.environ[PIN_ENV])})
     server = grpc.aio.server(options=OPTIONS)
     handlers = {
         "Attend": grpc.unary_unary_rpc_method_handler(attend),
@@ -107,8 +114,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+    )
 
 
 def start_served(
@@ -137,10 +146,14 @@ def start_servers(
     extra: list[str] | None = None,
     variants: dict[str, list[str]] | None = None,
     floor: bool = False,
+    pin: int | None = None,
 ) -> tuple[list[subprocess.Popen], dict]:
     """{"served", "echo"[, "baseline"][, each variant][, each of FLOORS]}: address of each,
     all ready. A variant is this checkout's server with more flags (e.g. a feature turned
-    off); floor: the floor servers too."""
+    off); floor: the floor servers too; pin: every server's event loop on this CPU
+    (mha-serve's --event-loop-cpu, PIN_ENV for the echo and the floor)."""
+    if pin is not None:
+        extra = [*(extra or []), f"--event-loop-cpu={pin}"]
     from mha_client.sdk import Client
 
     procs, targets = [], {}
@@ -158,7 +171,8 @@ def start_servers(
     for name, cmd in bare.items():
         port = free_port()
         logs[name] = (tmp / f"{name}.log", len(procs))
-        procs.append(start([sys.executable, *cmd, str(port)], logs[name][0]))
+        env = {} if pin is None else {PIN_ENV: str(pin)}
+        procs.append(start([sys.executable, *cmd, str(port)], logs[name][0], env))
         targets[name] = f"127.0.0.1:{port}"
     for name, target in targets.items():
         if name not in bare:
@@ -236,9 +250,23 @@ async def timed_stream(channel: grpc.aio.Channel, payloads: list[bytes]) -> list
     return times
 
 
-async def decode_steps(targets: dict[str, str], rounds: int, steps: int) -> list[dict]:
+async def decode_steps(
+    targets: dict[str, str], rounds: int, steps: int, client_cpus: set[int] | None = None
+) -> list[dict]:
     """Per model and context: served (and baseline) steps, SDK steps, echo, bare torch, and
-    the floor server's steps when it runs (targets["floor"])."""
+    the floor server's steps when it runs (targets["floor"]). client_cpus: this thread (the
+    clients and the in-process step) runs on these meanwhile (--pin: not the servers')."""
+    before = os.sched_getaffinity(0) if client_cpus else None
+    if client_cpus:
+        os.sched_setaffinity(0, client_cpus)
+    try:
+        return await _decode_steps(targets, rounds, steps)
+    finally:
+        if before is not None:
+            os.sched_setaffinity(0, before)
+
+
+async def _decode_steps(targets: dict[str, str], rounds: int, steps: int) -> list[dict]:
     import torch
 
     from mha_client.api import attention_pb2 as pb
@@ -533,8 +561,25 @@ def main(argv: list[str] | None = None) -> int:
         help="also this checkout's server with these flags, e.g. "
         "noinline=--inline-lone-requests=false (repeatable)",
     )
+    p.add_argument(
+        "--pin",
+        type=int,
+        metavar="CPU",
+        help="every server's event loop on this CPU (mha-serve's --event-loop-cpu; the echo's "
+        "and the floor's alike), the decode steps' client and in-process step on the others; "
+        "not with --baseline-tree (a tree before the flag), no frontend-workers curve",
+    )
     p.add_argument("--serve-echo", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    client_cpus = None
+    if args.pin is not None and not args.from_json and not args.serve_echo:
+        allowed = os.sched_getaffinity(0)
+        if args.baseline_tree is not None:
+            p.error("--pin starts servers with --event-loop-cpu: not with --baseline-tree")
+        if args.pin not in allowed or len(allowed) < 2:
+            p.error(f"--pin {args.pin}: give one of {sorted(allowed)}, with another left over")
+        client_cpus = allowed - {args.pin}
+        args.frontend_workers = "none"  # (frontend workers take no --event-loop-cpu)
     if args.serve_echo:
         asyncio.run(serve_echo(args.serve_echo))
         return 0
@@ -556,16 +601,17 @@ def main(argv: list[str] | None = None) -> int:
         "baseline_tree": None if args.baseline_tree is None else str(args.baseline_tree),
         "variants": variants,
         "server_args": args.server_arg,
+        "pin": args.pin,
         "targets": TARGETS,
     }
     with tempfile.TemporaryDirectory(prefix="mha-overhead-") as d:
         tmp = Path(d)
         results["wire"] = wire_copies(tmp)
         procs, targets = start_servers(
-            tmp, args.baseline_tree, args.server_arg, variants, floor=True
+            tmp, args.baseline_tree, args.server_arg, variants, floor=True, pin=args.pin
         )
         try:
-            results["decode"] = asyncio.run(decode_steps(targets, rounds, args.steps))
+            results["decode"] = asyncio.run(decode_steps(targets, rounds, args.steps, client_cpus))
             results["small"] = small_requests(
                 targets, rounds, duration, args.concurrency, 0.2 if args.quick else 0.4
             )

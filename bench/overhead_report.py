@@ -122,6 +122,18 @@ def render(results: dict[str, Any], targets: dict[str, Any], notes: bool = True)
         ),
         *(
             [
+                f"`--pin {results['pin']}`: every server's event loop (and gRPC's threads) "
+                f"on CPU {results['pin']} (mha-serve's `--event-loop-cpu {results['pin']}`, "
+                "its compute threads on every CPU; the echo and the floor alike), the "
+                "decode steps' client and in-process step on the other CPUs; the small "
+                "requests' clients and in-process forward unpinned.",
+                "",
+            ]
+            if results.get("pin") is not None
+            else []
+        ),
+        *(
+            [
                 "Variant columns: this checkout's server with "
                 + "; ".join(f"`{' '.join(f)}` ({n})" for n, f in results["variants"].items())
                 + ", in the same rounds.",

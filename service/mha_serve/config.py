@@ -76,6 +76,14 @@ class ServerConfig:
     # runs on the event loop's thread, single-threaded, instead of crossing to the compute
     # thread and back (batching/batcher.py); concurrent requests still queue and batch.
     inline_lone_requests: bool = True
+    # The CPU that the event loop's thread runs on, and gRPC's threads with it (they start
+    # from it); the compute threads keep every CPU the process may use. A lone decode step
+    # runs on the event loop's thread: pinned, its core's caches still hold the wire's code
+    # and the step's weights at the next step, instead of whatever ran on the core the OS
+    # woke it on. For a machine (or cpuset) the server has to itself. "none": the OS
+    # decides; "auto": the highest-numbered CPU the process may run on (a Kubernetes pod's
+    # exclusive cpuset, known only at start); or a CPU's number.
+    event_loop_cpu: str = "none"
     # On CUDA, let attention run cuDNN's kernel. It builds a plan for every new shape
     # (35-50 ms of host time each on an H200), and sessions grow by a token a step, so it is
     # off: flash and memory-efficient kernels need no plan (engine.choose_attention_kernels).
@@ -264,6 +272,17 @@ def build_config(file_path: str | None, overrides: dict[str, Any]) -> ServerConf
         raise ValueError(
             "session_spill_dir is set but session_spill_bytes is 0: give the spill tier a "
             "byte budget (e.g. --session-spill-bytes 8589934592 for 8 GiB)"
+        )
+    cfg.event_loop_cpu = cfg.event_loop_cpu.strip().lower()
+    if not (cfg.event_loop_cpu in ("none", "auto") or cfg.event_loop_cpu.isdigit()):
+        raise ValueError(
+            f"event_loop_cpu {cfg.event_loop_cpu!r} is not none, auto or a CPU's number (0, 1, ...)"
+        )
+    if cfg.event_loop_cpu != "none" and cfg.frontend_workers > 1:
+        raise ValueError(
+            "event_loop_cpu pins one process's event loop; with frontend_workers > 1 the "
+            "gRPC event loops run in several processes: pin the processes instead (taskset, "
+            "or the orchestrator's CPU sets)"
         )
     if cfg.max_concurrent_rpcs < 1:
         raise ValueError(f"max_concurrent_rpcs {cfg.max_concurrent_rpcs} must be at least 1")

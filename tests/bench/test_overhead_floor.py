@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 import subprocess
 import sys
 import time
@@ -248,3 +249,38 @@ def test_report_splits_the_served_step_by_the_spin_side():
     others = [r for r in results["decode"][1:] if "spin_ms" in r]
     table = page.split("| waiting | the step in a server |")[1].split("\n\n")[0]
     assert table.count("\n| ") == 2 + len(others)  # the divider, this row, any others
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux-only")
+def test_pin_puts_the_floor_servers_event_loop_on_its_cpu(tmp_path):
+    """overhead.py --pin: the echo's and the floor's event loop (serve_methods, PIN_ENV) on
+    the CPU given, as mha-serve's --event-loop-cpu; the floor's batch worker, started before
+    it, keeps every CPU."""
+    from overhead import PIN_ENV, start
+
+    cpu = max(os.sched_getaffinity(0))
+    log = tmp_path / "floor.log"
+    proc = start(
+        [sys.executable, str(ROOT / "bench" / "floor_server.py"), "--attend", "batched"]
+        + ["--port", str(free_port())],
+        log,
+        {PIN_ENV: str(cpu)},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while b"floor ready" not in log.read_bytes():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        lists = {}
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            status = Path(f"/proc/{proc.pid}/task/{tid}/status").read_text()
+            lists[int(tid)] = next(
+                line.split()[1]
+                for line in status.splitlines()
+                if line.startswith("Cpus_allowed") and "list" in line
+            )
+        assert lists[proc.pid] == str(cpu)  # the main thread: the event loop
+        assert len(os.sched_getaffinity(0)) == 1 or len(set(lists.values())) == 2
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -17,10 +17,16 @@ more (`weights_torch_threads`), keeping both counts together within the cores.
 A lone small request runs on the event loop's own thread instead (batching/batcher.py:
 no thread crossing): `on_caller` makes that thread's torch single-threaded, so it never
 starts a team of its own either.
+
+`pin_event_loop` (the server's event_loop_cpu) keeps the event loop's thread on one CPU.
+Threads inherit their starter's CPUs, so the threads started from it afterwards (gRPC's,
+/metrics') share that CPU, while the compute threads and asyncio's default executor take
+back every CPU the process had (`unpin`, their initializer).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,12 +37,50 @@ import torch
 T = TypeVar("T")
 
 
+# The CPUs the process could run on before pin_event_loop pinned its thread (None: never).
+_unpinned: frozenset[int] | None = None
+
+
+def pin_event_loop(cpu: str) -> int:
+    """Runs the calling thread (the event loop's) on one CPU alone: `cpu` is its number, or
+    "auto" for the highest-numbered one the process may run on. Threads started from it
+    afterwards inherit that, but for the compute threads and any thread `unpin` runs in.
+    Returns the CPU. Linux only (sched_setaffinity)."""
+    global _unpinned
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError("event_loop_cpu needs Linux (sched_setaffinity); use none here")
+    allowed = frozenset(os.sched_getaffinity(0))
+    cpu = max(allowed) if cpu == "auto" else int(cpu)
+    if cpu not in allowed:
+        raise ValueError(
+            f"event_loop_cpu {cpu} is not a CPU this process may run on: "
+            f"{', '.join(map(str, sorted(allowed)))}"
+        )
+    if _unpinned is None:
+        _unpinned = allowed
+    os.sched_setaffinity(0, {cpu})
+    return cpu
+
+
+def unpin() -> None:
+    """The calling thread back on every CPU the process had before pin_event_loop (a thread
+    started from the pinned event loop: a compute thread, the default executor's)."""
+    if _unpinned is not None:
+        os.sched_setaffinity(0, _unpinned)
+
+
 def _use_threads(n: int) -> None:
     """This thread's torch intra-op threads. torch sets a thread's count from a process-wide
     value on its first op; asking for the count first does that, so a later call in another
     thread cannot change this one's."""
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
+
+
+def _compute_thread(n: int) -> None:
+    """A compute thread's start: every CPU the process had (unpin), n torch threads."""
+    unpin()
+    _use_threads(n)
 
 
 class ComputeThreads:
@@ -50,13 +94,13 @@ class ComputeThreads:
         self.main = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="compute",
-            initializer=_use_threads,
+            initializer=_compute_thread,
             initargs=(self.torch_threads,),
         )
         self.weights = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="compute-weights",
-            initializer=_use_threads,
+            initializer=_compute_thread,
             initargs=(weights_torch_threads,),
         )
 

@@ -9,12 +9,13 @@ import logging
 import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from mha_serve import metrics
 from mha_serve.config import ServerConfig
 from mha_serve.engine import Engine, resolve_device, resolve_dtype
-from mha_serve.engine.threads import ComputeThreads
+from mha_serve.engine.threads import ComputeThreads, pin_event_loop, unpin
 from mha_serve.serving import AsyncEngine
 from mha_serve.serving.async_engine import SESSION_SWEEP_S
 from mha_serve.transport.grpc_server import SERVICE_NAME, GrpcServer
@@ -113,8 +114,12 @@ def spill_on_stop(engine: Engine) -> None:
 
 async def serve(cfg: ServerConfig) -> None:
     """Runs until SIGTERM or SIGINT, then stops gracefully."""
-    server = Server(cfg)
     loop = asyncio.get_running_loop()
+    if cfg.event_loop_cpu != "none":  # before gRPC starts its threads from this one
+        cpu = pin_event_loop(cfg.event_loop_cpu)
+        loop.set_default_executor(ThreadPoolExecutor(initializer=unpin))
+        log.info("event loop pinned to CPU %d; the compute threads run on every CPU", cpu)
+    server = Server(cfg)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
