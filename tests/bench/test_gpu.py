@@ -584,11 +584,12 @@ def test_the_switches_alone_skip_cleanly_without_a_gpu_and_refuse_unknown_ones(t
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the servers would start for real")
     cmd = [sys.executable, str(BENCH / "gpu_served.py"), "--json-out", str(tmp_path / "o.json")]
-    run = subprocess.run(
-        [*cmd, "--switches", "served,graphs"], capture_output=True, text=True, timeout=120
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "skipped: torch" in run.stdout and "sees no CUDA device" in run.stdout
-    assert list(tmp_path.iterdir()) == []
+    for names in ("served,graphs", "served,pinned"):  # (pinned: not in section 8's default)
+        run = subprocess.run(
+            [*cmd, "--switches", names], capture_output=True, text=True, timeout=120
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "skipped: torch" in run.stdout and "sees no CUDA device" in run.stdout
+        assert list(tmp_path.iterdir()) == []
     bad = subprocess.run([*cmd, "--switches", "graphs,nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and "'served' first" in bad.stderr, bad.stderr
