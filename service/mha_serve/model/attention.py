@@ -344,11 +344,12 @@ class MultiHeadAttention(nn.Module):
         # nn.Module's __getattr__ (a Python call each): a decode step is small enough for
         # each to show.
         wqkv = self._modules["wqkv"]._parameters
-        qkv = F.linear(x, wqkv["weight"], wqkv["bias"])
-        q, k, v = qkv.split_with_sizes([H * D, KVH * D, KVH * D], dim=-1)  # (B, L, H*D | KVH*D)
+        qkv = F.linear(x, wqkv["weight"], wqkv["bias"])  # (B, L, (H + 2 KVH) * D)
         norm = c.qk_norm
         if L == 1 and norm is None and self.rope_freq is None:  # one token: no transpose
-            return q.view(B, H, 1, D), k.view(B, KVH, 1, D), v.view(B, KVH, 1, D)
+            # (B, H + 2 KVH, 1, D) split by heads: two view ops, not four
+            return qkv.view(B, H + 2 * KVH, 1, D).split_with_sizes([H, KVH, KVH], dim=1)
+        q, k, v = qkv.split_with_sizes([H * D, KVH * D, KVH * D], dim=-1)  # (B, L, H*D | KVH*D)
         if norm is not None and norm.scope == "projection":  # OLMo-2: over all heads at once
             q, k = _rms_norm(q, self.q_norm, norm.eps), _rms_norm(k, self.k_norm, norm.eps)
         q = q.view(B, L, H, D)  # (B, L, H, D)
