@@ -194,7 +194,7 @@ def test_a_validated_step_far_from_overflow_measures_nothing(engine, monkeypatch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("size", [1, 512, (1 << 14) + 1])  # through a copy of |x|, and in place
+@pytest.mark.parametrize("size", [1, 512, (1 << 14) + 1])
 def test_array_absmax_is_torchs_max_abs_and_propagates_nan_and_inf(dtype, size):
     from mha_serve.engine.checks import array_absmax
     from mha_serve.engine.types import array_of
