@@ -474,21 +474,19 @@ class Sessions:
             with torch.inference_mode() if _INFERENCE_MODE is None else _INFERENCE_MODE(True):
                 q, _, _ = _project_and_append(hosted, cache, x, (r,))
                 end = r.start + r.num_tokens
-                kv = cache.read(r.block_table, end, start=r.read_start, first_block=r.first_block)
-                out = hosted.module.attend_cached(
-                    q,
-                    (kv,),
-                    past_lengths=(r.start,),
-                    new_lengths=(r.num_tokens,),
-                    first_keys=(r.read_start,),
+                keys, values = cache.read(
+                    r.block_table, end, start=r.read_start, first_block=r.first_block
                 )
+                # (1, T, E): attend_cached's answer for one sequence, without its tuples
+                y = hosted.module.attend_step(q, keys, values, r.start, r.read_start)
             compute_ms = (time.perf_counter() - start) * 1e3
             try:
-                dtype, y = output_dtype(request), out.output
-                if y.dtype == dtype and y.is_cpu:  # (1, T, E): the step's whole output
+                dtype = output_dtype(request)
+                if y.dtype == dtype and y.is_cpu:  # the step's whole output
                     output = array_of(y)
                 else:
                     host = on_host(y, [dtype])
+                    out = AttentionOutput(y, None)
                     output, _ = _step_outputs(out, host, None, dtype, 0, r, request, [], True)
                 _raise_if_abandoned(p.state)  # last, right before commit: the smallest gap
             except Exception as e:  # refused, or its caller gone: not kept
