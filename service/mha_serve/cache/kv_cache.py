@@ -66,7 +66,6 @@ class KVCache:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         # The same memory by slot, batch axis first: a session read is one slice of each
         # (read() runs once per session per step, so its few torch calls add up).
-        self._num_slots = self.num_blocks * block_size  # (num_slots, read by append)
         self._k_slots = self.k.view(1, num_kv_heads, self.num_blocks * block_size, head_dim)
         self._v_slots = self.v.view(1, num_kv_heads, self.num_blocks * block_size, head_dim)
         # gather()'s output buffers, one pair per thread that gathers (the compute thread and
@@ -130,17 +129,17 @@ class KVCache:
         A lone sequence whose slots are consecutive (every decode step, and any append
         inside its session's blocks) is two slice copies, no index tensors.
         """
+        T = k.shape[2]
         if len(slots) == 1:
             run = slots[0]
             n = len(run)
-            shape = k.shape
-            T = shape[2]
+            first = run[0] if n else -1
             if (
                 0 < n <= T
-                and (first := run[0]) >= 0
-                and run[-1] < self._num_slots
+                and first >= 0
+                and run[-1] < self.num_slots
                 and (n == 1 or _consecutive(run))
-                and shape == v.shape == (1, self.num_kv_heads, T, self.head_dim)
+                and k.shape == v.shape == (1, self.num_kv_heads, T, self.head_dim)
                 and k.dtype == v.dtype == self.dtype
             ):
                 # narrow: one view op each side (a slice is two), a copy each
@@ -209,7 +208,7 @@ class KVCache:
         (a sliding-window session's earlier blocks are gone): views into the cache (read
         them, never write) when those blocks are consecutive, as a session's usually are;
         else one copy of them."""
-        bs = self.block_size
+        KVH, D, bs = self.num_kv_heads, self.head_dim, self.block_size
         lo = start // bs - first_block  # block_table index of the block holding `start`
         hi = -(-length // bs) - first_block  # one past the block holding length - 1
         if not 0 <= start <= length or lo < 0 or len(block_table) < hi:
@@ -225,7 +224,6 @@ class KVCache:
             k = self._k_slots.narrow(2, first, n)  # (1, KVH, n, D)
             v = self._v_slots.narrow(2, first, n)
             return k, v
-        KVH, D = self.num_kv_heads, self.head_dim
         table = torch.tensor(list(ids), dtype=torch.int64, device=self.device)
         k = self.k.index_select(1, table).view(KVH, len(ids) * bs, D)[:, offset : offset + n]
         v = self.v.index_select(1, table).view(KVH, len(ids) * bs, D)[:, offset : offset + n]

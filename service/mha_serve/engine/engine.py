@@ -200,7 +200,7 @@ class Engine:
         hosted = self.get(model)
         spec, cfg = hosted.spec, hosted.spec.attention
         inputs = request.inputs
-        shape = list(inputs.data.shape)  # (the Array's numpy shape: no property call)
+        shape = list(inputs.shape)
         if len(shape) != 3:
             raise InvalidRequest(
                 f"input must be (batch, seq_len, embed_dim) or (seq_len, embed_dim); got shape {shape}"

@@ -50,7 +50,7 @@ def attend_one(
     (1, KVH, S, D) at positions first_key..past+n-1, causally and within the sliding window
     (query p sees key j when p - window < j <= p). Returns (1, H, n, D) in q's dtype."""
     _, H, n, _ = q.shape
-    _, KVH, S, _ = keys.shape
+    S, KVH = keys.shape[2], keys.shape[1]
     # The last query (position past + n - 1) sees key first_key: then so does every query
     # after its own position, and only the causal mask is left.
     whole = window is None or past + n - 1 - first_key < window
