@@ -62,6 +62,7 @@ LAYERS: list[tuple[str, str, str, str | None, tuple[str, ...]]] = [
     ("cache.append", "mha_serve.cache.kv_cache", "KVCache.append", "lone step", ()),
     ("cache.read", "mha_serve.cache.kv_cache", "KVCache.read", "lone step", ()),
     ("module.attend_cached", "mha_serve.model.attention", "MultiHeadAttention.attend_cached", "lone step", ()),
+    ("module.attend_cached", "mha_serve.model.attention", "MultiHeadAttention.attend_step", "lone step", ()),
     ("commit", "mha_serve.cache.sessions", "SessionTable.commit", "lone step", ()),
     ("finish", "mha_serve.serving.finish", "finish", "serving.attend", ("mha_serve.serving.async_engine",)),
     ("finish", "mha_serve.serving.finish", "finish_here", "serving.attend", ("mha_serve.serving.async_engine",)),

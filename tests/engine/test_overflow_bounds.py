@@ -10,9 +10,17 @@ import pytest
 import torch
 
 from mha_serve.engine import AttendRequest, Engine, InvalidRequest, ModelSpec
+from mha_serve.engine.bounds import cleared
 from mha_serve.model import AttentionConfig
-from mha_serve.model.config import RopeConfig
-from mha_serve.model.overflow import projected_bounds, weight_bounds
+from mha_serve.model.config import QKNormConfig, RopeConfig
+from mha_serve.model.overflow import (
+    MARGIN,
+    bound_crossed,
+    output_bound,
+    projected_bounds,
+    score_limit,
+    weight_bounds,
+)
 from tests.engine_calls import attend, req
 
 
@@ -155,3 +163,67 @@ def test_stateless_requests_the_bounds_clear_take_no_maxima_and_others_are_measu
     huge = torch.full((1, 3, 32), 6e4 if dtype == torch.float16 else 1e20, dtype=dtype)
     with pytest.raises(InvalidRequest):
         attend(engine, req("m", huge))
+
+
+def plain_cleared(hosted, cache_dtype, input_absmax, cached_absmax, gate):
+    """cleared() written with the bound functions themselves (the reference)."""
+    cfg = hosted.spec.attention
+    wb = weight_bounds(hosted.module)
+    limit = score_limit(hosted.dtype, cache_dtype) / MARGIN / cfg.score_factor
+    out_limit = torch.finfo(hosted.dtype).max / MARGIN
+    q_b, k_b, v_b = projected_bounds(input_absmax, cfg.embed_dim, wb, rotary=cfg.rope is not None)
+    v_all = max(v_b, cached_absmax)
+    if (
+        not max(q_b, k_b, v_b) < limit
+        or not max(input_absmax, gate, gate * v_all) < out_limit
+        or bound_crossed(q_b, max(k_b, cached_absmax), cfg.head_dim, limit * MARGIN)
+        or not output_bound(v_all, gate, wb) < out_limit
+    ):
+        return None
+    return max(k_b, v_b)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        AttentionConfig(32, 4, 2),
+        AttentionConfig(32, 4, 1, bias=False, rope=RopeConfig(), softmax_scale=2.0),
+        AttentionConfig(32, 4, 2, qk_norm=QKNormConfig(), softcap=30.0),
+    ],
+    ids=["gqa", "rope-scaled", "qknorm-softcap"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cleared_equals_the_bounds_written_plainly_and_follows_the_weights(cfg, dtype):
+    """cleared() keeps its constants per version of the weights and cache dtype: its answer
+    is the plain bounds' exactly, before and after the weights change (in place, through
+    .data, by module.to(dtype)), for either cache dtype, any gate and cached bound."""
+    engine = engine_of(ModelSpec("m", cfg, seed=1), dtype)
+    hosted = engine.get("m")
+    module = hosted.module
+    inputs = [0.0, 1e-3, 0.7, 3.0, 50.0, 900.0, 4e4, 1e20]
+
+    def same_everywhere():
+        for cache_dtype in (dtype, torch.bfloat16):
+            for x in inputs:
+                for cached in (0.0, 2.0, 1e4):
+                    for gate in (1.0, 8.0):
+                        want = plain_cleared(hosted, cache_dtype, x, cached, gate)
+                        assert cleared(hosted, cache_dtype, x, cached, gate) == want
+                        assert (
+                            cleared(hosted, cache_dtype, x, cached, gate, weight_bounds(module))
+                            == want
+                        )
+
+    same_everywhere()
+    answers = [cleared(hosted, dtype, x, 0.0, 1.0) for x in inputs]
+    with torch.no_grad():
+        module.wqkv.weight.mul_(1024)  # in place
+    same_everywhere()
+    assert [cleared(hosted, dtype, x, 0.0, 1.0) for x in inputs] != answers
+    module.wqkv.weight.data = module.wqkv.weight.data / 1024  # a new tensor under it
+    same_everywhere()
+    assert [cleared(hosted, dtype, x, 0.0, 1.0) for x in inputs] == answers
+    module.wo.weight.data = module.wo.weight.data * 1e6
+    same_everywhere()
+    module.to(torch.bfloat16 if dtype == torch.float32 else torch.float32)  # its dtype
+    same_everywhere()

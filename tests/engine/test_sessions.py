@@ -167,14 +167,17 @@ def test_small_batched_steps_run_single_threaded_and_restore_the_count(engine, m
         pytest.skip("the switch is for CPU kernels: on a GPU the step keeps torch's count")
     seen = []
     hosted = engine.get("gqa")
-    real = hosted.module.attend_cached  # the CPU's attention over the cache, lone or batched
     assert not engine.sessions.batched_attention["gqa"]
 
-    def spy(*args, **kwargs):
-        seen.append(torch.get_num_threads())
-        return real(*args, **kwargs)
+    # The CPU's attention over the cache: attend_step alone, attend_cached batched.
+    for name in ("attend_cached", "attend_step"):
+        real = getattr(hosted.module, name)
 
-    monkeypatch.setattr(hosted.module, "attend_cached", spy)
+        def spy(*args, real=real, **kwargs):
+            seen.append(torch.get_num_threads())
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(hosted.module, name, spy)
     ids = [engine.sessions.create("gqa", None, None).session_id for _ in range(4)]
     for i, sid in enumerate(ids):
         run(engine, hosted, req("gqa", seq(8, seed=i), session_id=sid))  # one: all threads
@@ -331,7 +334,7 @@ def test_a_lone_step_that_fails_or_loses_its_session_keeps_nothing(engine, monke
     for s in (sid, gone):
         run(engine, hosted, req("gqa", x[:, :15], session_id=s))
     used = pool.num_used
-    real = hosted.module.attend_cached
+    real = hosted.module.attend_step  # a lone step's attention
     calls = []
 
     def batch_path(*args, **kwargs):
@@ -343,7 +346,7 @@ def test_a_lone_step_that_fails_or_loses_its_session_keeps_nothing(engine, monke
         calls.append("broken")
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(hosted.module, "attend_cached", broken)
+    monkeypatch.setattr(hosted.module, "attend_step", broken)
     with pytest.raises(RuntimeError, match="device lost"):  # (the batch's error: run raises it)
         run_batch(engine, hosted, [req("gqa", x[:, 15:17], session_id=sid)])  # a new block
     assert calls == ["broken"] and pool.num_used == used
@@ -355,7 +358,7 @@ def test_a_lone_step_that_fails_or_loses_its_session_keeps_nothing(engine, monke
         engine.sessions.table.close(gone)  # as a CloseSession RPC would, mid-forward
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(hosted.module, "attend_cached", close_meanwhile)
+    monkeypatch.setattr(hosted.module, "attend_step", close_meanwhile)
     (closed,) = run_batch(engine, hosted, [req("gqa", x[:, 15:16], session_id=gone)])
     assert calls[-1] == "closed"
     assert isinstance(closed, SessionNotFound) and "closed" in str(closed)

@@ -272,3 +272,41 @@ def test_rope_positions_matter_and_padding_keeps_real_positions():
     assert_close(padded.output[1, :4], alone.output[0], what="padded row output")
     assert_close(padded.weights[1, :, :4, :4], alone.weights[0], what="padded row weights")
     assert torch.all(padded.output[1, 4:] == 0)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"sliding_window": 4}, {"softcap": 5.0}, {"rope": {"theta": 100.0}}],
+    ids=["plain", "window", "softcap", "rope"],
+)
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_attend_step_equals_attend_cached_exactly(variant, config, n, kv_dtype):
+    """attend_step (the engine's lone step) is attend_cached of one sequence without its
+    lists: exactly the same output as attend_cached's own path for one sequence (here taken
+    with a head mask of ones, which multiplies by 1.0), any family option, a window's read
+    from past its first key, keys narrower than q."""
+    module = make(VARIANTS[variant], seed=3, **config)
+    c = module.config
+    past = 9
+    first = 0 if c.sliding_window is None else past + 1 - c.sliding_window
+    g = torch.Generator().manual_seed(n)
+    with torch.inference_mode():
+        q = torch.randn(1, 8, n, c.head_dim, generator=g)
+        keys = torch.randn(1, c.num_kv_heads, past + n - first, c.head_dim, generator=g)
+        values = torch.randn(keys.shape, generator=g)
+        keys, values = keys.to(kv_dtype), values.to(kv_dtype)
+        got = module.attend_step(q, keys, values, past, first)
+        want = module.attend_cached(
+            q, [(keys, values)], past_lengths=[past], new_lengths=[n], first_keys=[first],
+            head_mask=torch.ones(8),
+        ).output  # fmt: skip
+        plain = module.attend_cached(
+            q, [(keys, values)], past_lengths=[past], new_lengths=[n], first_keys=[first]
+        ).output
+    assert got.shape == (1, n, E)
+    assert torch.equal(got, want), (got - want).abs().max()
+    assert torch.equal(plain, got)
+    with pytest.raises(ValueError, match="keys must be"):
+        module.attend_step(q, keys[:, :, 1:], values[:, :, 1:], past, first)

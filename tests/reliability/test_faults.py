@@ -29,7 +29,7 @@ WAIT_S = 30.0
 
 
 class Faults:
-    """Wraps a module's forward, project, attend_cached and attend_padded: a gate that holds the compute
+    """Wraps a module's forward, project, attend_cached, attend_step and attend_padded: a gate that holds the compute
     thread, and the fault raised for a batch that holds a poisoned row."""
 
     def __init__(self, module: torch.nn.Module, error: type[Exception]) -> None:
@@ -41,6 +41,7 @@ class Faults:
         self._poisoned = threading.local()
         forward, project = module.forward, module.project
         attend_cached, attend_padded = module.attend_cached, module.attend_padded
+        attend_step = module.attend_step
 
         def hold() -> None:
             if self.hold_next:
@@ -71,6 +72,7 @@ class Faults:
         module.forward = faulty_forward
         module.project = faulty_project
         module.attend_cached = after_the_write(attend_cached)
+        module.attend_step = after_the_write(attend_step)
         module.attend_padded = after_the_write(attend_padded)
 
 

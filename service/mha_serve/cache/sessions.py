@@ -314,50 +314,54 @@ class SessionTable(RoomMaking, Moving):
         if allowed), copies a shared partial last block first. Pins the session until
         commit() or rollback(); num_tokens is unchanged until commit(). claimed: the caller
         holds the session's claim (claim()); unclaimed, a claimed session is busy."""
-        with self._lock:
+        with self._lock:  # (every step: the common case reads each value once)
             now = self._clock()
             s = self._lookup(session_id, now)
             n = num_new_tokens
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            if type(n) is not int and (isinstance(n, bool) or not isinstance(n, int)) or n < 1:
                 raise InvalidSessionArgument(f"num_new_tokens must be an int >= 1, got {n!r}")
-            if s.holds.pending is not None or (s.holds.claimed and not claimed):
+            holds = s.holds
+            if holds.pending is not None or (holds.claimed and not claimed):
                 raise SessionBusy(_BUSY.format(session_id=session_id))
             m = self._models[s.model]
             bs, pool = m.storage.block_size, m.pool
-            total = s.num_tokens + n
+            past, first = s.num_tokens, s.first_block
+            total = past + n
             if s.max_len is not None and total > s.max_len:  # never above the model's
                 whose = " (the model's)" if s.max_len == m.max_len else ""
                 raise SessionFull(f"{_past(s, n)} its max_len {s.max_len}{whose}")
-            if _cdiv(total, bs) - s.first_block > pool.num_blocks:  # no eviction ever makes room
+            needed = -(-total // bs) - first  # blocks the session holds with the step
+            if needed > pool.num_blocks:  # no eviction ever makes room
                 raise SessionFull(
                     f"{_past(s, n)} all that model {s.model!r}'s KV cache holds: {pool.num_blocks} "
                     f"blocks of {bs} tokens ({m.storage.budget_bytes} bytes, kv_cache_bytes)"
                 )
-            num_new_blocks = _cdiv(total, bs) - s.first_block - len(s.block_table)
+            table = s.block_table
+            num_new_blocks = needed - len(table)
             shared_last = (  # a partial last block that a fork shares: copied before writing
-                s.block_table[-1]
-                if s.num_tokens % bs and s.block_table and pool.refcount(s.block_table[-1]) > 1
-                else None
+                table[-1] if past % bs and table and pool.refcount(table[-1]) > 1 else None
             )
             if num_new_blocks or shared_last is not None:  # (most decode steps: neither)
                 self._grow(s, m, num_new_blocks, shared_last, now)
-            first = s.first_block
-            slots = tuple(
-                s.block_table[p // bs - first] * bs + p % bs for p in range(s.num_tokens, total)
-            )
+                table = s.block_table
+            if n == 1:  # (a decode step)
+                slots = (table[past // bs - first] * bs + past % bs,)
+            else:
+                slots = tuple(table[p // bs - first] * bs + p % bs for p in range(past, total))
+            window = m.window
             res = Reservation(
                 session_id,
                 s.model,
-                s.num_tokens,
+                past,
                 n,
-                tuple(s.block_table),
+                tuple(table),
                 slots,
                 num_new_blocks,
-                first_block=first,
-                read_start=read_start(s.num_tokens, m.window),
-                engine_state=s.engine_state,
+                first,
+                0 if window is None else read_start(past, window),
+                s.engine_state,
             )
-            s.holds.pending = res
+            holds.pending = res
             s.last_used_s = now
             return res
 
@@ -444,13 +448,15 @@ class SessionTable(RoomMaking, Moving):
             if engine_state is not None:
                 s.engine_state = engine_state
             s.holds.pending = None
-            self._slide(s)
+            m = self._models[s.model]
+            if m.window is not None:
+                self._slide(s)
             s.last_used_s = self._clock()
             self._let_go(s)
             if s.id not in self._sessions:
                 reason, message = self._gone.get(s.id, ("closed", f"session {s.id!r} was closed"))
                 raise SessionNotFound(s.id, reason, message)
-            return self._session_stats(s)
+            return self._session_stats(s, m)
 
     def rollback(self, res: Reservation) -> None:
         """The step failed: free the blocks it appended and unpin. (A copy-on-write copy
@@ -575,17 +581,18 @@ class SessionTable(RoomMaking, Moving):
         s.first_block = first
         m.num_blocks_out_of_window += len(m.pool.decref(gone))  # a fork's shared ones stay
 
-    def _session_stats(self, s: Session) -> SessionStats:
-        bpb = self._models[s.model].storage.bytes_per_block
+    def _session_stats(self, s: Session, m: ModelCache | None = None) -> SessionStats:
+        storage = (self._models[s.model] if m is None else m).storage
+        num_blocks = len(s.block_table)
         return SessionStats(
             s.id,
             s.model,
             s.num_tokens,
-            s.num_blocks,
-            s.num_blocks * bpb,
+            num_blocks,
+            num_blocks * storage.bytes_per_block,
             s.max_len,
             s.ttl_s,
-            first_position=s.first_block * self._models[s.model].storage.block_size,
+            s.first_block * storage.block_size,
         )
 
     def _model_stats(self, name: str, m: ModelCache) -> ModelCacheStats:

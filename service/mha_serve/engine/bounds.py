@@ -6,21 +6,13 @@ cached K/V count through their KeyBound, kept beside the session's record."""
 
 from __future__ import annotations
 
-import functools
+import math
 from dataclasses import dataclass
 
 import torch
 
 from mha_serve.engine.types import HostedModel
-from mha_serve.model.overflow import (
-    MARGIN,
-    WeightBounds,
-    bound_crossed,
-    output_bound,
-    projected_bounds,
-    score_limit,
-    weight_bounds,
-)
+from mha_serve.model.overflow import MARGIN, WeightBounds, score_limit, weight_bounds
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,12 +39,6 @@ def key_absmax(engine_state: object) -> float:
     return 0.0 if engine_state is None else engine_state.absmax
 
 
-@functools.cache
-def _limits(dtype: torch.dtype, cache_dtype: torch.dtype) -> tuple[float, float]:
-    """(score limit over MARGIN, largest output over MARGIN) for a model and cache dtype."""
-    return score_limit(dtype, cache_dtype) / MARGIN, torch.finfo(dtype).max / MARGIN
-
-
 def gate_absmax(head_mask: tuple[float, ...] | None) -> float:
     return 1.0 if head_mask is None else max(abs(g) for g in head_mask)
 
@@ -69,12 +55,24 @@ def cleared(
     overflow: not K/V in the cache's dtype, not a score against the new and the cached keys
     (cached_absmax bounds those, and the cached values), not the output, which averages
     every value seen. None when they cannot prove it. wb: the module's weight_bounds, when
-    the caller read them once for a batch."""
-    cfg = hosted.spec.attention
-    wb = weight_bounds(hosted.module) if wb is None else wb
-    limit, out_limit = _limits(hosted.dtype, cache_dtype)
-    limit /= cfg.score_factor  # a scale above 1, or a soft-cap below 1, grows the scores
-    q_b, k_b, v_b = projected_bounds(input_absmax, cfg.embed_dim, wb, rotary=cfg.rope is not None)
+    the caller read them once for a batch.
+
+    The bounds are projected_bounds, bound_crossed and output_bound, computed here from
+    constants kept per version of the weights and cache dtype (_constants): the same
+    floating-point operations in the same order, without their calls (this runs on every
+    step)."""
+    module = hosted.module
+    wb = weight_bounds(module) if wb is None else wb
+    held = module.__dict__.get("_clearance")
+    c = None if held is None else held.get(cache_dtype)
+    if c is None or c[0] is not wb or c[1] is not hosted.dtype:
+        c = _constants(hosted, cache_dtype, wb)
+    _, _, sqrt_e, turn, q_fixed, q_row, q_bias, k_fixed, k_row, k_bias, v_row, v_bias = c[:12]
+    limit, crossed_at, out_limit, head_dim, o_row, o_bias = c[12:]
+    x_norm = sqrt_e * input_absmax
+    q_b = turn * (q_fixed or x_norm * q_row + q_bias)
+    k_b = turn * (k_fixed or x_norm * k_row + k_bias)
+    v_b = x_norm * v_row + v_bias
     # Every tensor on the way must fit too, not only K/V and the output: the input in the
     # model's dtype, q in the model's and the cache's (the kernels round it to the cache's),
     # the gate and the gated heads (a huge gate on tiny values times a small Wo clears the
@@ -83,8 +81,43 @@ def cleared(
     if (
         not max(q_b, k_b, v_b) < limit
         or not max(input_absmax, gate, gate * v_all) < out_limit
-        or bound_crossed(q_b, max(k_b, cached_absmax), cfg.head_dim, limit * MARGIN)
-        or not output_bound(v_all, gate, wb) < out_limit
+        or not head_dim * q_b * max(k_b, cached_absmax) * MARGIN < crossed_at  # bound_crossed
+        or not o_row * gate * v_all + o_bias < out_limit  # output_bound
     ):
         return None
     return max(k_b, v_b)
+
+
+def _constants(hosted: HostedModel, cache_dtype: torch.dtype, wb: WeightBounds) -> tuple:
+    """cleared()'s constants for the module's weights (wb), its dtype and cache_dtype, kept
+    on the module per cache dtype until its weights change."""
+    cfg = hosted.spec.attention
+    # A scale above 1, or a soft-cap below 1, grows the scores.
+    limit = score_limit(hosted.dtype, cache_dtype) / MARGIN / cfg.score_factor
+    out_limit = torch.finfo(hosted.dtype).max / MARGIN
+    c = (
+        wb,
+        hosted.dtype,
+        math.sqrt(cfg.embed_dim),  # ||x||_2 <= sqrt(E) max|x| (projected_bounds)
+        wb.rotation if cfg.rope is not None else 1.0,
+        wb.q_norm,
+        wb.q_row,
+        wb.q_bias,
+        wb.k_norm,
+        wb.k_row,
+        wb.k_bias,
+        wb.v_row,
+        wb.v_bias,
+        limit,
+        limit * MARGIN,
+        out_limit,
+        cfg.head_dim,
+        wb.o_row_l1,
+        wb.o_bias,
+    )
+    module = hosted.module
+    held = module.__dict__.get("_clearance")
+    if held is None:
+        held = module._clearance = {}
+    held[cache_dtype] = c
+    return c

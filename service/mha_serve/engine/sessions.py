@@ -61,6 +61,10 @@ log = logging.getLogger(__name__)
 # torch thread (_one_thread_is_enough).
 SMALL_STEP_MIN_SESSIONS = 4
 SMALL_STEP_MAX_KV_BYTES = 1 << 20
+# torch.inference_mode()'s own guard (torch/autograd/grad_mode.py enters it, behind three
+# Python calls of its own): a lone step enters it directly, as torch.inference_mode() where
+# a torch lacks it.
+_INFERENCE_MODE = getattr(torch._C, "_InferenceMode", None)
 # How plain decode steps run (Sessions' static_decode): as any step; in fixed shapes
 # (engine/graphs.py); replayed from CUDA graphs of those shapes.
 STATIC_DECODE_MODES = ("off", "eager", "graphs")
@@ -467,24 +471,22 @@ class Sessions:
                 kept = True
                 return r
             x = to_device(p.inputs, hosted.device, hosted.dtype)  # (1, T, E)
-            with torch.inference_mode():
+            with torch.inference_mode() if _INFERENCE_MODE is None else _INFERENCE_MODE(True):
                 q, _, _ = _project_and_append(hosted, cache, x, (r,))
                 end = r.start + r.num_tokens
-                kv = cache.read(r.block_table, end, start=r.read_start, first_block=r.first_block)
-                out = hosted.module.attend_cached(
-                    q,
-                    (kv,),
-                    past_lengths=(r.start,),
-                    new_lengths=(r.num_tokens,),
-                    first_keys=(r.read_start,),
+                keys, values = cache.read(
+                    r.block_table, end, start=r.read_start, first_block=r.first_block
                 )
+                # (1, T, E): attend_cached's answer for one sequence, without its tuples
+                y = hosted.module.attend_step(q, keys, values, r.start, r.read_start)
             compute_ms = (time.perf_counter() - start) * 1e3
             try:
-                dtype, y = output_dtype(request), out.output
-                if y.dtype == dtype and y.is_cpu:  # (1, T, E): the step's whole output
+                dtype = output_dtype(request)
+                if y.dtype == dtype and y.is_cpu:  # the step's whole output
                     output = array_of(y)
                 else:
                     host = on_host(y, [dtype])
+                    out = AttentionOutput(y, None)
                     output, _ = _step_outputs(out, host, None, dtype, 0, r, request, [], True)
                 _raise_if_abandoned(p.state)  # last, right before commit: the smallest gap
             except Exception as e:  # refused, or its caller gone: not kept
@@ -734,7 +736,8 @@ def _project_and_append(
     q, k_new, v_new = hosted.module.project(x, positions)
     if k_new.dtype != cache.dtype:
         k_new, v_new = k_new.to(cache.dtype), v_new.to(cache.dtype)
-    cache.append(k_new, v_new, [r.slots for r in reservations])
+    slots = [r.slots for r in reservations] if len(reservations) > 1 else [reservations[0].slots]
+    cache.append(k_new, v_new, slots)
     return q, k_new, v_new
 
 

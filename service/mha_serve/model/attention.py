@@ -227,6 +227,8 @@ class MultiHeadAttention(nn.Module):
             # One sequence, no weights (every decode step alone): the loop below, unrolled.
             (keys, values), past, new = kv[0], past_lengths[0], new_lengths[0]
             first = first_keys[0]
+            if new == T and gate is None:  # (attend_step checks it all again: a few us)
+                return AttentionOutput(self.attend_step(q, keys, values, past, first), None)
             check_cached(c, 0, keys, values, past, new, first, T, q)
             q_b = q if new == T else q[:, :, :new]  # (1, H, n, D)
             y = attend_one(
@@ -293,6 +295,28 @@ class MultiHeadAttention(nn.Module):
             all_w[b, :, : w.shape[2], first : first + w.shape[3]] = w[0]
         return AttentionOutput(output=out, weights=all_w)
 
+    def attend_step(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        past: int,
+        first_key: int = 0,
+    ) -> torch.Tensor:
+        """attend_cached of one sequence whose tokens are all new, without weights or a head
+        mask: a lone session step (the engine's most frequent call), its output (1, T, E)
+        alone, with the same checks and ops and none of attend_cached's tuples and lists.
+        q (1, H, T, D) at positions past..past+T-1; keys, values (1, KVH, past + T -
+        first_key, D) at positions first_key.. (KVCache.read)."""
+        c = self.config
+        T = check_queries(c, q)[2]
+        check_cached(c, 0, keys, values, past, T, first_key, T, q)
+        y = attend_one(
+            q, keys, values, past, self.scale,
+            first_key=first_key, window=c.sliding_window, softcap=c.softcap,
+        )  # fmt: skip
+        return self._merge_heads(y, None, None)  # (1, T, E)
+
     def attend_padded(
         self,
         q: torch.Tensor,
@@ -344,11 +368,12 @@ class MultiHeadAttention(nn.Module):
         # nn.Module's __getattr__ (a Python call each): a decode step is small enough for
         # each to show.
         wqkv = self._modules["wqkv"]._parameters
-        qkv = F.linear(x, wqkv["weight"], wqkv["bias"])
-        q, k, v = qkv.split_with_sizes([H * D, KVH * D, KVH * D], dim=-1)  # (B, L, H*D | KVH*D)
+        qkv = F.linear(x, wqkv["weight"], wqkv["bias"])  # (B, L, (H + 2 KVH) * D)
         norm = c.qk_norm
         if L == 1 and norm is None and self.rope_freq is None:  # one token: no transpose
-            return q.view(B, H, 1, D), k.view(B, KVH, 1, D), v.view(B, KVH, 1, D)
+            # (B, H + 2 KVH, 1, D) split by heads: two view ops, not four
+            return qkv.view(B, H + 2 * KVH, 1, D).split_with_sizes([H, KVH, KVH], dim=1)
+        q, k, v = qkv.split_with_sizes([H * D, KVH * D, KVH * D], dim=-1)  # (B, L, H*D | KVH*D)
         if norm is not None and norm.scope == "projection":  # OLMo-2: over all heads at once
             q, k = _rms_norm(q, self.q_norm, norm.eps), _rms_norm(k, self.k_norm, norm.eps)
         q = q.view(B, L, H, D)  # (B, L, H, D)

@@ -13,12 +13,14 @@ from .config import AttentionConfig
 
 def check_queries(config: AttentionConfig, q: torch.Tensor) -> tuple[int, int, int, int]:
     H, D = config.num_heads, config.head_dim
+    if isinstance(q, torch.Tensor):  # (every step: the shape read once, no tuple built)
+        shape = q.shape
+        if len(shape) == 4 and shape[1] == H and shape[3] == D and shape[0] and shape[2]:
+            return shape
     shape = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or (q.shape[1], q.shape[3]) != (H, D):
         raise ValueError(f"q must be (batch, num_heads={H}, new_len, head_dim={D}), got {shape}")
-    if 0 in q.shape:
-        raise ValueError(f"q must have batch >= 1 and new_len >= 1, got {shape}")
-    return tuple(q.shape)
+    raise ValueError(f"q must have batch >= 1 and new_len >= 1, got {shape}")
 
 
 def check_cached(
@@ -32,12 +34,29 @@ def check_cached(
     T: int,
     q: torch.Tensor,
 ) -> None:
-    KVH, D = config.num_kv_heads, config.head_dim
-    _check_step(config, b, past, new, first, T)
-    want = (1, KVH, past + new - first, D)
+    # (runs per sequence per step: the passing case first, in one expression)
+    W = config.sliding_window
+    if (
+        not 1 <= new <= T
+        or past < 0
+        or not 0 <= first <= (0 if W is None else max(0, past + 1 - W))
+    ):
+        _check_step(config, b, past, new, first, T)  # raises, saying which
+    want = (1, config.num_kv_heads, past + new - first, config.head_dim)
     device = q.device
+    if (
+        isinstance(keys, torch.Tensor)
+        and isinstance(values, torch.Tensor)
+        and keys.shape == want
+        and values.shape == want
+        and keys.device == device
+        and values.device == device
+        and keys.is_floating_point()
+        and values.is_floating_point()
+    ):
+        return
     for name, t in (("keys", keys), ("values", values)):
-        if not isinstance(t, torch.Tensor) or t.shape != want:  # (runs per step: lean)
+        if not isinstance(t, torch.Tensor) or t.shape != want:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(
                 f"sequence {b}: {name} must be (1, num_kv_heads, past + new - first, "

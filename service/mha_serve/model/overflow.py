@@ -193,25 +193,25 @@ class WeightBounds:
     k_norm: float = 0.0
 
 
-_WB = ("weight", "bias")
-
-
 def weight_bounds(module: torch.nn.Module) -> WeightBounds:
     """The module's WeightBounds, computed once per version of its weights (kept on the
     module, recomputed after any in-place change, a new parameter, or a new tensor under
     one: `.data = t` and module.to(dtype) keep the parameter's id and version)."""
     # The modules' own dicts, not attribute access: nn.Module's __getattr__ costs a Python
-    # call each, and this runs on every step.
+    # call each, and this runs on every step; the key written out (no list of parameters
+    # to build first), for the same reason.
     linears, own = module._modules, module._parameters
-    params = [
-        linear._parameters[name] for linear in (linears["wqkv"], linears["wo"]) for name in _WB
-    ]
-    params += [own.get("q_norm"), own.get("k_norm")]
+    qkv, o = linears["wqkv"]._parameters, linears["wo"]._parameters
     scaling = module.__dict__.get("rope_scaling", 1.0)
     key = [scaling]
-    for p in params:
+    for p in (qkv["weight"], qkv["bias"], o["weight"], o["bias"]):
         if p is not None:
             key += (id(p), p.data_ptr(), p.dtype, p._version)
+    if own:  # q_norm, k_norm (registered only with q/k norm)
+        for name in ("q_norm", "k_norm"):
+            p = own.get(name)
+            if p is not None:
+                key += (id(p), p.data_ptr(), p.dtype, p._version)
     cached = module.__dict__.get("_overflow_bounds")
     if cached is not None and cached[0] == key:
         return cached[1]
