@@ -9,9 +9,6 @@ import torch
 from mha_serve.engine.errors import InvalidRequest
 
 _MAX, _MIN = np.maximum.reduce, np.minimum.reduce
-# array_absmax reads inputs of at most this many values with torch (a decode step's token),
-# far below the size at which torch splits an op across threads (32768).
-SMALL_INPUT_VALUES = 4096
 # numpy has no bfloat16: its NaN and Inf are the values whose 8 exponent bits are all set.
 _BF16_EXPONENT = 0x7F80
 
@@ -48,20 +45,10 @@ def absmax(t: torch.Tensor) -> float:
     return float(max(_MAX(a, axis=None), -_MIN(a, axis=None)))
 
 
-def array_absmax(a, t: torch.Tensor | None = None) -> float:
+def array_absmax(a) -> float:
     """absmax of an engine Array (engine/requests.py: numpy memory, bfloat16 as its bits),
-    the request's one scan; NaN or inf when it holds one. t: the same memory as a tensor
-    (tensor_of), when the caller has it.
-
-    An input of at most SMALL_INPUT_VALUES (a decode step's token) is read with torch, on
-    t: two numpy ufunc calls cost about 15 us in a served step (each pulls numpy's ufunc
-    machinery back into the caches the forward leaves cold), three torch ops on memory
-    this small about 6 us less (bench/engine_step.py, alternating); so few values never
-    start an OpenMP team, whatever thread this is (torch splits no op below 32768). Larger
-    ones are read on the numpy memory without making a tensor first."""
+    read on its numpy memory without making a tensor first (the request's one scan)."""
     data = a.data
-    if t is not None and data.size <= SMALL_INPUT_VALUES:
-        return t.abs().max().item()  # (max propagates NaN)
     if a.dtype == "bfloat16":
         top = int(_MAX(data & 0x7FFF, axis=None))
         if top >= _BF16_EXPONENT:
