@@ -37,13 +37,14 @@ def build(args: dict[str, Any] | None = None) -> Any:
     from ray.serve.config import RequestRouterConfig
 
     from mha_serve.ray_app.directory import SequenceDirectory
-    from mha_serve.ray_app.replica import AttentionReplica
+    from mha_serve.ray_app.replica import AttentionReplica, check_not_on_ray
 
     args = dict(args or {})
     known = ("config_file", "overrides", "metrics_port", "direct_streams")
     unknown = set(args) - set(known)
     if unknown:
         raise ValueError(f"unknown args {sorted(unknown)}: the app takes {', '.join(known)}")
+    check_not_on_ray(args.get("overrides") or {}, "overrides.")
     # One replica, always: it is the one place every proxy and replica finds a Triton
     # sequence's session (directory.py). Not a knob for the config file.
     directory = serve.deployment(

@@ -65,6 +65,20 @@ log = logging.getLogger(__name__)
 
 MAX_FOREIGN_REMEMBERED = 4096  # ended sessions that moved here, still told apart from gone
 DEFAULT_SHUTDOWN_S = 20.0  # Ray's graceful_shutdown_timeout_s, when the config cannot be read
+# ServerConfig fields that a replica cannot honour, and why: refused, from the app's
+# overrides before anything is deployed (app.build) and from a config file as a replica starts.
+NOT_ON_RAY = {
+    "event_loop_cpu": "a replica's event loop is Ray's, and replicas share their node's "
+    "CPUs: pinning would put every replica's loop on the same CPU; leave it none",
+}
+
+
+def check_not_on_ray(settings: dict[str, Any], where: str) -> None:
+    """ValueError for a NOT_ON_RAY field of `settings` set to anything but none."""
+    for key, why in NOT_ON_RAY.items():
+        value = settings.get(key)
+        if value is not None and str(value).strip().lower() != "none":
+            raise ValueError(f"{where}{key} = {value!r} does not apply on Ray: {why}")
 
 
 class AttentionReplica(InferenceMethods):
@@ -92,6 +106,7 @@ class AttentionReplica(InferenceMethods):
             getattr(config, "graceful_shutdown_timeout_s", None) or DEFAULT_SHUTDOWN_S
         )
         cfg = build_config(config_file, dict(overrides or {}))
+        check_not_on_ray({key: getattr(cfg, key) for key in NOT_ON_RAY}, "")
         self.compute = ComputeThreads(cfg.torch_threads, cfg.weights_torch_threads)
         loop = asyncio.get_running_loop()
         # Loaded and warmed on the compute thread, as the standalone server does (threads.py).

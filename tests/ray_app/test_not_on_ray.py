@@ -1,0 +1,28 @@
+"""Server settings a Ray replica cannot honour are refused with a message that says why: in
+the app's overrides before anything is deployed (no Ray cluster needed), and from a config
+file as a replica starts (the same check)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mha_serve.ray_app import build
+from mha_serve.ray_app.replica import NOT_ON_RAY, check_not_on_ray
+
+
+@pytest.mark.parametrize("value", ["auto", "1", 0])
+def test_the_app_refuses_a_pinned_event_loop_in_its_overrides(value):
+    with pytest.raises(ValueError, match="overrides.event_loop_cpu .* does not apply on Ray"):
+        build({"overrides": {"event_loop_cpu": value}})
+
+
+def test_none_is_the_default_and_passes():
+    check_not_on_ray({"event_loop_cpu": "none", "torch_threads": 1}, "overrides.")
+    check_not_on_ray({"event_loop_cpu": " None "}, "")
+    check_not_on_ray({}, "")
+    assert set(NOT_ON_RAY) == {"event_loop_cpu"}
+
+
+def test_a_config_files_value_is_refused_as_the_replica_reads_it():
+    with pytest.raises(ValueError, match=r"^event_loop_cpu = 'auto' does not apply on Ray"):
+        check_not_on_ray({"event_loop_cpu": "auto"}, "")
