@@ -58,11 +58,10 @@ LAYERS: list[tuple[str, str, str, str | None, tuple[str, ...]]] = [
     ("lone step", "mha_serve.engine.sessions", "Sessions._run_alone", "engine.run_batch", ()),
     ("reserve", "mha_serve.cache.sessions", "SessionTable.reserve", "lone step", ()),
     ("overflow bounds", "mha_serve.engine.sessions", "cleared", "lone step", ()),
-    ("module.project", "mha_serve.model.attention", "MultiHeadAttention.project", "lone step", ()),
-    ("cache.append", "mha_serve.cache.kv_cache", "KVCache.append", "lone step", ()),
-    ("cache.read", "mha_serve.cache.kv_cache", "KVCache.read", "lone step", ()),
-    ("module.attend_cached", "mha_serve.model.attention", "MultiHeadAttention.attend_cached", "lone step", ()),
-    ("module.attend_cached", "mha_serve.model.attention", "MultiHeadAttention.attend_step", "lone step", ()),
+    # A decode step of a plain config: the cache's views and the module's one call (before
+    # them, project, append, read and attend_step, which now run for a prompt's tokens)
+    ("cache.step_views", "mha_serve.cache.kv_cache", "KVCache.step_views", "lone step", ()),
+    ("module.decode_one", "mha_serve.model.attention", "MultiHeadAttention.decode_one", "lone step", ()),
     ("commit", "mha_serve.cache.sessions", "SessionTable.commit", "lone step", ()),
     ("finish", "mha_serve.serving.finish", "finish", "serving.attend", ("mha_serve.serving.async_engine",)),
     ("finish", "mha_serve.serving.finish", "finish_here", "serving.attend", ("mha_serve.serving.async_engine",)),

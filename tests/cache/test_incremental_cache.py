@@ -230,3 +230,96 @@ def test_eviction_frees_lru_sessions_that_then_say_evicted():
     assert err.value.reason == "evicted"
     table.get(recent.id)
     assert kv.nbytes <= kv.budget_bytes
+
+
+def _decode_pair(config, num_kv_heads, dtype, kv_dtype, num_blocks):
+    """A module and two equal caches (zeros, then the same random prefix in every slot)."""
+    module = MultiHeadAttention(AttentionConfig(64, 8, num_kv_heads, **config))
+    init_weights(module, 5)
+    module = module.to(dtype).eval()
+    c = module.config
+    caches = []
+    for _ in range(2):
+        kv = KVCache(
+            num_kv_heads=num_kv_heads,
+            head_dim=c.head_dim,
+            budget_bytes=num_blocks * 2 * BS * num_kv_heads * c.head_dim * kv_dtype.itemsize,
+            block_size=BS,
+            dtype=kv_dtype,
+        )
+        g = torch.Generator().manual_seed(7)
+        kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+        kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+        caches.append(kv)
+    return module, caches
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("past", [0, 9, 1100])  # 1100: GQA's grouped kernel in float32
+def test_decode_one_is_the_plain_lone_step_exactly(variant, dtype, bias, past):
+    """KVCache.step_views + MultiHeadAttention.decode_one (the engine's lone decode step in
+    one call) against project -> append -> read -> attend_step: the same output and the
+    same cache, bit for bit."""
+    num_blocks = 300
+    module, (fast, plain) = _decode_pair(
+        {"bias": bias}, VARIANTS[variant], dtype, dtype, num_blocks
+    )
+    first_block = 3  # a session's blocks need not start at block 0
+    table = list(range(first_block, first_block + past // BS + 1))
+    slot = table[past // BS] * BS + past % BS
+    x = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(past)).to(dtype)
+    with torch.inference_mode():
+        views = fast.step_views(table, slot, past + 1)
+        assert views is not None
+        got = module.decode_one(x, *views)
+        q, k, v = module.project(x)
+        plain.append(k, v, [(slot,)])
+        keys, values = plain.read(table, past + 1)
+        want = module.attend_step(q, keys, values, past, 0)
+    assert got is not None and got.shape == (1, 1, 64) and got.dtype == dtype
+    assert torch.equal(got, want), (got - want).abs().max()
+    assert torch.equal(fast.k, plain.k) and torch.equal(fast.v, plain.v)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"sliding_window": 4},
+        {"softcap": 5.0},
+        {"rope": {"theta": 100.0}},
+        {"qk_norm": {"scope": "head"}},
+    ],
+    ids=["window", "softcap", "rope", "qk_norm"],
+)
+def test_decode_one_declines_other_configs_and_a_narrower_cache_writing_nothing(config):
+    """For any config it is not for, or a cache narrower than the model, decode_one is None
+    and has written nothing: the engine then takes the plain calls."""
+    cases = [(config, torch.float32), ({}, torch.bfloat16)]  # (the model float32)
+    for cfg, kv_dtype in cases:
+        module, (kv, _) = _decode_pair(cfg, 2, torch.float32, kv_dtype, 8)
+        before_k, before_v = kv.k.clone(), kv.v.clone()
+        with torch.inference_mode():
+            views = kv.step_views([0, 1], 5, 6)
+            assert views is not None
+            assert module.decode_one(torch.randn(1, 1, 64), *views) is None
+        assert torch.equal(kv.k, before_k) and torch.equal(kv.v, before_v)
+
+
+def test_step_views_only_for_consecutive_blocks_and_the_last_positions_slot():
+    """step_views is None where read() would copy (blocks not consecutive) or where the
+    slot is not position length - 1's: append() and read() then."""
+    _, (kv, _) = _decode_pair({}, 2, torch.float32, torch.float32, 8)
+    assert kv.step_views([2, 3], 2 * BS + BS + 1, BS + 2) is not None
+    assert kv.step_views([2, 4], 4 * BS + 1, BS + 2) is None  # not consecutive
+    assert kv.step_views([2, 3], 3 * BS + 2, BS + 2) is None  # another position's slot
+    assert kv.step_views([2, 3], 2 * BS + 2 * BS + 1, 2 * BS + 2) is None  # past the table
+    assert kv.step_views([9], 9 * BS, 1) is None  # past the cache's slots (8 blocks)
+    assert kv.step_views([], 0, 0) is None
+    k_slot, v_slot, keys, values = kv.step_views([5, 6], 5 * BS + 3, 4)
+    assert k_slot.shape == v_slot.shape == (1, 2, 1, 8)
+    assert keys.shape == values.shape == (1, 2, 4, 8)
+    assert k_slot.data_ptr() == keys[:, :, 3:].data_ptr()  # the views share the cache
+    reads = kv.read([5, 6], 4)
+    assert torch.equal(keys, reads[0]) and torch.equal(values, reads[1])

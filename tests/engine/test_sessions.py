@@ -334,7 +334,8 @@ def test_a_lone_step_that_fails_or_loses_its_session_keeps_nothing(engine, monke
     for s in (sid, gone):
         run(engine, hosted, req("gqa", x[:, :15], session_id=s))
     used = pool.num_used
-    real = hosted.module.attend_step  # a lone step's attention
+    module = hosted.module  # a lone step's attention: attend_step, or decode_one (one token)
+    real = {name: getattr(module, name) for name in ("attend_step", "decode_one")}
     calls = []
 
     def batch_path(*args, **kwargs):
@@ -346,21 +347,27 @@ def test_a_lone_step_that_fails_or_loses_its_session_keeps_nothing(engine, monke
         calls.append("broken")
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(hosted.module, "attend_step", broken)
-    with pytest.raises(RuntimeError, match="device lost"):  # (the batch's error: run raises it)
-        run_batch(engine, hosted, [req("gqa", x[:, 15:17], session_id=sid)])  # a new block
-    assert calls == ["broken"] and pool.num_used == used
+    for name in real:
+        monkeypatch.setattr(module, name, broken)
+    for new in (x[:, 15:17], x[:, 15:16]):  # two tokens (a new block), one (decode_one)
+        with pytest.raises(RuntimeError, match="device lost"):  # (the batch's error: run raises it)
+            run_batch(engine, hosted, [req("gqa", new, session_id=sid)])
+    assert calls == ["broken"] * 2 and pool.num_used == used
     assert engine.sessions.table.get(sid).num_tokens == 15
     blocks_of_gone = list(engine.sessions.table.get(gone).block_table)
 
-    def close_meanwhile(*args, **kwargs):
-        calls.append("closed")
-        engine.sessions.table.close(gone)  # as a CloseSession RPC would, mid-forward
-        return real(*args, **kwargs)
+    def close_meanwhile(name):
+        def closing(*args, **kwargs):
+            calls.append(name)
+            engine.sessions.table.close(gone)  # as a CloseSession RPC would, mid-forward
+            return real[name](*args, **kwargs)
 
-    monkeypatch.setattr(hosted.module, "attend_step", close_meanwhile)
+        return closing
+
+    for name in real:
+        monkeypatch.setattr(module, name, close_meanwhile(name))
     (closed,) = run_batch(engine, hosted, [req("gqa", x[:, 15:16], session_id=gone)])
-    assert calls[-1] == "closed"
+    assert calls[-1] == "decode_one"
     assert isinstance(closed, SessionNotFound) and "closed" in str(closed)
     assert all(pool.refcount(b) == 0 for b in blocks_of_gone)
     monkeypatch.undo()

@@ -29,7 +29,7 @@ WAIT_S = 30.0
 
 
 class Faults:
-    """Wraps a module's forward, project, attend_cached, attend_step and attend_padded: a gate that holds the compute
+    """Wraps a module's forward, project, attend_cached, attend_step, decode_one and attend_padded: a gate that holds the compute
     thread, and the fault raised for a batch that holds a poisoned row."""
 
     def __init__(self, module: torch.nn.Module, error: type[Exception]) -> None:
@@ -41,7 +41,7 @@ class Faults:
         self._poisoned = threading.local()
         forward, project = module.forward, module.project
         attend_cached, attend_padded = module.attend_cached, module.attend_padded
-        attend_step = module.attend_step
+        attend_step, decode_one = module.attend_step, module.decode_one
 
         def hold() -> None:
             if self.hold_next:
@@ -69,7 +69,15 @@ class Faults:
 
             return faulty
 
+        def faulty_decode_one(x, *args, **kw):  # a lone decode step: project to attention
+            hold()
+            y = decode_one(x, *args, **kw)
+            if y is not None and bool((x == POISON).any()):
+                raise self.error("injected fault after the cache write")
+            return y
+
         module.forward = faulty_forward
+        module.decode_one = faulty_decode_one
         module.project = faulty_project
         module.attend_cached = after_the_write(attend_cached)
         module.attend_step = after_the_write(attend_step)

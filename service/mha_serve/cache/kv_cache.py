@@ -229,6 +229,27 @@ class KVCache:
         v = self.v.index_select(1, table).view(KVH, len(ids) * bs, D)[:, offset : offset + n]
         return k.unsqueeze(0), v.unsqueeze(0)
 
+    def step_views(
+        self, block_table: Sequence[int], slot: int, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A lone one-token step's views of the cache, no copy: the new token's K and V
+        slot (1, KVH, 1, D) each, to write, and the session's K and V at positions
+        0..length-1 (1, KVH, length, D) each, to read once written (as read() returns
+        them), where block_table holds positions 0.. in consecutive blocks and `slot` is
+        position length - 1's (what append() and read() do for such a step in four view
+        ops). None otherwise, nothing done: append() and read() then."""
+        bs = self.block_size
+        needed = -(-length // bs)
+        ids = block_table[:needed]
+        first = ids[0] * bs if ids else -1
+        if length < 1 or len(ids) != needed or slot != first + length - 1:
+            return None
+        if first < 0 or slot >= self.num_slots or not _consecutive(ids):
+            return None
+        ks, vs = self._k_slots, self._v_slots
+        k, v = ks.narrow(2, first, length), vs.narrow(2, first, length)
+        return ks.narrow(2, slot, 1), vs.narrow(2, slot, 1), k, v
+
     def gather(
         self, reads: Sequence[tuple[Sequence[int], int, int, int]], width: int
     ) -> tuple[torch.Tensor, torch.Tensor]:

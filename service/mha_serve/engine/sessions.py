@@ -471,14 +471,27 @@ class Sessions:
                 kept = True
                 return r
             x = to_device(p.inputs, hosted.device, hosted.dtype)  # (1, T, E)
+            end = r.start + r.num_tokens
             with torch.inference_mode() if _INFERENCE_MODE is None else _INFERENCE_MODE(True):
-                q, _, _ = _project_and_append(hosted, cache, x, (r,))
-                end = r.start + r.num_tokens
-                keys, values = cache.read(
-                    r.block_table, end, start=r.read_start, first_block=r.first_block
-                )
-                # (1, T, E): attend_cached's answer for one sequence, without its tuples
-                y = hosted.module.attend_step(q, keys, values, r.start, r.read_start)
+                y = None
+                module = hosted.module
+                # A decode step of a plain config over a cache in its dtype: in one call
+                if (
+                    r.num_tokens == 1
+                    and module.decodes_in_one
+                    and cache.dtype == x.dtype
+                    and not r.first_block
+                ):
+                    views = cache.step_views(r.block_table, r.slots[0], end)
+                    if views is not None:  # (its blocks consecutive, as a session's usually are)
+                        y = module.decode_one(x, *views)
+                if y is None:
+                    q, _, _ = _project_and_append(hosted, cache, x, (r,))
+                    keys, values = cache.read(
+                        r.block_table, end, start=r.read_start, first_block=r.first_block
+                    )
+                    # (1, T, E): attend_cached's answer for one sequence, without its tuples
+                    y = module.attend_step(q, keys, values, r.start, r.read_start)
             compute_ms = (time.perf_counter() - start) * 1e3
             try:
                 dtype = output_dtype(request)

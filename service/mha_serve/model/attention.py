@@ -14,7 +14,7 @@ from torch import nn
 
 from mha_serve.transfer import list_tensor
 
-from .cached import attend_one, capped_scores, explicit_attention, key_mask
+from .cached import GROUPED_MIN_KEYS, attend_one, capped_scores, explicit_attention, key_mask
 from .checks import (
     check_cached,
     check_head_mask,
@@ -52,6 +52,13 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         self.config = config
         self.scale = config.scale
+        # Whether decode_one can run a lone decode step: none of the options it leaves out.
+        self.decodes_in_one = (
+            config.rope is None
+            and config.qk_norm is None
+            and config.softcap is None
+            and config.sliding_window is None
+        )
         # RoPE frequencies: a plain float32 tensor, not a buffer, so that module.to(dtype)
         # never rounds them (transformers keeps them float32 too); kept on the weights'
         # device (here and in _apply), so that a step copies nothing from the host for them
@@ -316,6 +323,44 @@ class MultiHeadAttention(nn.Module):
             first_key=first_key, window=c.sliding_window, softcap=c.softcap,
         )  # fmt: skip
         return self._merge_heads(y, None, None)  # (1, T, E)
+
+    def decode_one(
+        self,
+        x: torch.Tensor,
+        k_slot: torch.Tensor,
+        v_slot: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """A lone session step of one token x (1, 1, E) for a plain config (no RoPE, q/k
+        norm, soft-cap or sliding window) over a cache in x's dtype: project writes its K/V
+        into k_slot, v_slot (1, KVH, 1, D), then attend_step's output (1, 1, E) over keys,
+        values (1, KVH, S, D), positions 0..S-1 with the new token's last
+        (KVCache.step_views): the same ops on the same tensors as project, KVCache.append,
+        KVCache.read and attend_step, in one call without their checks, which such views
+        pass by construction (tests/cache/test_incremental_cache.py). None, nothing written,
+        for any other config (not decodes_in_one) or dtype: the caller then takes those
+        calls."""
+        if not self.decodes_in_one or keys.dtype != x.dtype:
+            return None
+        c = self.config
+        H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
+        linears = self._modules  # (as in project)
+        wqkv = linears["wqkv"]._parameters
+        qkv = F.linear(x, wqkv["weight"], wqkv["bias"])  # (1, 1, (H + 2 KVH) * D)
+        q, k, v = qkv.view(1, H + 2 * KVH, 1, D).split_with_sizes([H, KVH, KVH], dim=1)
+        k_slot.copy_(k)
+        v_slot.copy_(v)
+        S = keys.shape[2]
+        if KVH != H and S >= GROUPED_MIN_KEYS and keys.dtype == torch.float32:
+            y = attend_one(q, keys, values, S - 1, self.scale)  # (its grouped kernel)
+        else:  # attend_one's own call for one token that sees every key
+            y = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=None, is_causal=False, scale=self.scale,
+                enable_gqa=KVH != H,
+            )  # fmt: skip
+        wo = linears["wo"]._parameters
+        return F.linear(y.reshape(1, 1, H * D), wo["weight"], wo["bias"])  # (1, 1, E)
 
     def attend_padded(
         self,
