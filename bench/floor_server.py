@@ -112,6 +112,17 @@ def reply(
     return response
 
 
+def step_reply(
+    request: pb.AttendRequest, key: tuple[str, int], y: Any, num_tokens: int, received: float
+) -> bytes:
+    """A stream step's reply, serialized: reply() and the session's (id, model of the
+    stream's key, its tokens after the step, the key's context as max_len)."""
+    response = reply(request, key[0], y, received)
+    s = response.session
+    s.session_id, s.model, s.num_tokens, s.max_len = request.session_id, key[0], num_tokens, key[1]
+    return response.SerializeToString()
+
+
 class Floor:
     """The floor's handlers. modules: Attend's forward per model; steps: one BareStep (weights
     and K/V) per (model, context), built on a stream's first use."""
@@ -167,15 +178,7 @@ class Floor:
                     await context.abort(err.code, str(err))
                 y = step(x, pos)  # (1, 1, E)
                 pos += 1
-                response = reply(request, key[0], y, received)
-                s = response.session
-                s.session_id, s.model, s.num_tokens, s.max_len = (
-                    request.session_id,
-                    key[0],
-                    pos,
-                    key[1],
-                )
-                yield response.SerializeToString()
+                yield step_reply(request, key, y, pos, received)
         finally:
             self.busy.discard(key)
 
@@ -195,15 +198,7 @@ class Floor:
             while time.perf_counter() < end:
                 pass
             pos += 1
-            response = reply(request, key[0], zeros, received)
-            s = response.session
-            s.session_id, s.model, s.num_tokens, s.max_len = (
-                request.session_id,
-                key[0],
-                pos,
-                key[1],
-            )
-            yield response.SerializeToString()
+            yield step_reply(request, key, zeros, pos, received)
 
     @staticmethod
     def _spin_s(context: grpc.aio.ServicerContext) -> float | None:

@@ -198,20 +198,22 @@ def weight_bounds(module: torch.nn.Module) -> WeightBounds:
     module, recomputed after any in-place change, a new parameter, or a new tensor under
     one: `.data = t` and module.to(dtype) keep the parameter's id and version)."""
     # The modules' own dicts, not attribute access: nn.Module's __getattr__ costs a Python
-    # call each, and this runs on every step; the key written out (no list of parameters
-    # to build first), for the same reason.
+    # call each, and this runs on every step.
     linears, own = module._modules, module._parameters
     qkv, o = linears["wqkv"]._parameters, linears["wo"]._parameters
     scaling = module.__dict__.get("rope_scaling", 1.0)
     key = [scaling]
-    for p in (qkv["weight"], qkv["bias"], o["weight"], o["bias"]):
+    # (q_norm and k_norm are registered only with q/k norm)
+    for p in (
+        qkv["weight"],
+        qkv["bias"],
+        o["weight"],
+        o["bias"],
+        own.get("q_norm"),
+        own.get("k_norm"),
+    ):
         if p is not None:
             key += (id(p), p.data_ptr(), p.dtype, p._version)
-    if own:  # q_norm, k_norm (registered only with q/k norm)
-        for name in ("q_norm", "k_norm"):
-            p = own.get(name)
-            if p is not None:
-                key += (id(p), p.data_ptr(), p.dtype, p._version)
     cached = module.__dict__.get("_overflow_bounds")
     if cached is not None and cached[0] == key:
         return cached[1]
