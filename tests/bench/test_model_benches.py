@@ -70,8 +70,9 @@ def test_engine_step_bench_times_both_attention_paths_of_a_batch_of_sessions():
 
 def test_engine_step_profile_counts_each_sides_ops_per_step(tmp_path):
     """--profile: torch.profiler over a few steps of each side; per step, the torch ops each
-    calls (the engine's step calls more than the bare ops it cannot do without), and, for a
-    batch of sessions, both attention paths."""
+    calls, and, for a batch of sessions, both attention paths. A plain config's lone decode
+    step runs in one call (decode_one over step_views): about as many torch ops as the bare
+    ops it cannot do without (64 against 67 when written), never many more."""
     out = tmp_path / "lone.json"
     run(
         "engine_step.py",
@@ -79,7 +80,8 @@ def test_engine_step_profile_counts_each_sides_ops_per_step(tmp_path):
     )
     sides = json.loads(out.read_text())["profiles"]
     assert set(sides) == {"engine", "bare ops"}
-    assert sides["engine"]["aten_ops_per_step"] > sides["bare ops"]["aten_ops_per_step"] > 0
+    engine, bare = (sides[s]["aten_ops_per_step"] for s in ("engine", "bare ops"))
+    assert 0 < engine <= bare + 8 and bare > 0, (engine, bare)
     assert sides["engine"]["steps"] == 3 and sides["engine"]["top_ops"]
     assert sides["engine"]["device_us_per_step"] is None  # the CPU: no device time
     out = tmp_path / "batch.json"

@@ -317,9 +317,15 @@ def test_step_views_only_for_consecutive_blocks_and_the_last_positions_slot():
     assert kv.step_views([2, 3], 2 * BS + 2 * BS + 1, 2 * BS + 2) is None  # past the table
     assert kv.step_views([9], 9 * BS, 1) is None  # past the cache's slots (8 blocks)
     assert kv.step_views([], 0, 0) is None
-    k_slot, v_slot, keys, values = kv.step_views([5, 6], 5 * BS + 3, 4)
-    assert k_slot.shape == v_slot.shape == (1, 2, 1, 8)
+    kv_slot, keys, values = kv.step_views([5, 6], 5 * BS + 3, 4)
+    assert kv_slot.shape == (1, 4, 1, 8)  # K's 2 heads, then V's
     assert keys.shape == values.shape == (1, 2, 4, 8)
-    assert k_slot.data_ptr() == keys[:, :, 3:].data_ptr()  # the views share the cache
+    # the views share the cache: the slot is position 3 of both
+    assert kv_slot[:, :2].data_ptr() == keys[:, :, 3:].data_ptr()
+    assert kv_slot[:, 2:].data_ptr() == values[:, :, 3:].data_ptr()
+    k_new, v_new = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+    kv_slot.copy_(torch.cat([k_new, v_new], dim=1))  # decode_one's one copy
+    assert torch.equal(kv.k.view(2, -1, 8)[:, 5 * BS + 3], k_new.view(2, 8))
+    assert torch.equal(kv.v.view(2, -1, 8)[:, 5 * BS + 3], v_new.view(2, 8))
     reads = kv.read([5, 6], 4)
     assert torch.equal(keys, reads[0]) and torch.equal(values, reads[1])

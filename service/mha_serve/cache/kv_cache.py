@@ -62,12 +62,16 @@ class KVCache:
         # Empty, not zeros: on the CPU untouched pages cost no memory until sessions use
         # them. A read never reaches a slot that was not written (read() stops at the
         # session's length).
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        # K and V in one allocation, K's heads then V's: the new token's K and V of a lone
+        # decode step are then one copy, and the session's K/V one view (step_views).
+        kv = torch.empty((2, *shape), dtype=dtype, device=device)
+        self.k, self.v = kv[0], kv[1]  # (each contiguous)
         # The same memory by slot, batch axis first: a session read is one slice of each
         # (read() runs once per session per step, so its few torch calls add up).
-        self._k_slots = self.k.view(1, num_kv_heads, self.num_blocks * block_size, head_dim)
-        self._v_slots = self.v.view(1, num_kv_heads, self.num_blocks * block_size, head_dim)
+        slots = self.num_blocks * block_size
+        self._k_slots = self.k.view(1, num_kv_heads, slots, head_dim)
+        self._v_slots = self.v.view(1, num_kv_heads, slots, head_dim)
+        self._kv_slots = kv.view(1, 2 * num_kv_heads, slots, head_dim)  # K's heads, V's
         # gather()'s output buffers, one pair per thread that gathers (the compute thread and
         # the event loop's may both run steps): kept, because on the CPU a fresh buffer of a
         # batch's K/V costs more in page faults than the copy itself (32 ms against 6 ms for
@@ -231,13 +235,13 @@ class KVCache:
 
     def step_views(
         self, block_table: Sequence[int], slot: int, length: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """A lone one-token step's views of the cache, no copy: the new token's K and V
-        slot (1, KVH, 1, D) each, to write, and the session's K and V at positions
-        0..length-1 (1, KVH, length, D) each, to read once written (as read() returns
-        them), where block_table holds positions 0.. in consecutive blocks and `slot` is
-        position length - 1's (what append() and read() do for such a step in four view
-        ops). None otherwise, nothing done: append() and read() then."""
+        slot (1, 2 KVH, 1, D), K's heads then V's, to write in one copy, and the session's K
+        and V at positions 0..length-1 (1, KVH, length, D) each, to read once written (as
+        read() returns them), where block_table holds positions 0.. in consecutive blocks
+        and `slot` is position length - 1's (what append() and read() do for such a step,
+        in three view ops). None otherwise, nothing done: append() and read() then."""
         bs = self.block_size
         needed = -(-length // bs)
         ids = block_table[:needed]
@@ -246,9 +250,9 @@ class KVCache:
             return None
         if first < 0 or slot >= self.num_slots or not _consecutive(ids):
             return None
-        ks, vs = self._k_slots, self._v_slots
-        k, v = ks.narrow(2, first, length), vs.narrow(2, first, length)
-        return ks.narrow(2, slot, 1), vs.narrow(2, slot, 1), k, v
+        kvs, KVH = self._kv_slots, self.num_kv_heads
+        k, v = kvs.narrow(2, first, length).split_with_sizes((KVH, KVH), 1)
+        return kvs.narrow(2, slot, 1), k, v
 
     def gather(
         self, reads: Sequence[tuple[Sequence[int], int, int, int]], width: int

@@ -33,9 +33,10 @@ class BlockStorage(Protocol):
         """Writes a spilled session's K and V into its new blocks (a restore)."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Reservation:
-    """Room for one step's new tokens; hand back to commit() or rollback()."""
+    """Room for one step's new tokens; hand back to commit() or rollback(). Never written
+    once made (not frozen: a step makes one, see engine.requests.AttendOutcome)."""
 
     session_id: str
     model: str
@@ -121,8 +122,11 @@ class Session:
         return self.holds.pending
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SessionStats:
+    """A session as a call leaves it; never written once made (not frozen: every step
+    makes one, see engine.requests.AttendOutcome)."""
+
     session_id: str
     model: str
     num_tokens: int

@@ -15,13 +15,15 @@ from mha_serve.engine.types import HostedModel
 from mha_serve.model.overflow import MARGIN, WeightBounds, score_limit, weight_bounds
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class KeyBound:
     """A bound on max |k| and |v| over every key and value a session holds or held since it
     was last emptied: the overflow checks read it instead of the cached tensors. The engine's
     state of the session, which the cache carries on its record (Session.engine_state)
-    without reading it: frozen, so a fork shares its parent's; an upper bound, so it holds
-    for any prefix of the K/V (a truncate keeps it)."""
+    without reading it: never written once made (a step's commit makes a new one), so a
+    fork shares its parent's; an upper bound, so it holds for any prefix of the K/V (a
+    truncate keeps it). Not frozen, as the engine's other per-step records (Reservation,
+    SessionStats, AttendOutcome): see AttendOutcome."""
 
     absmax: float
 

@@ -133,9 +133,14 @@ class Unattended:
 UNATTENDED = Unattended()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AttendOutcome:
-    """What the engine returns for one request: its share of the batch that computed it."""
+    """What the engine returns for one request: its share of the batch that computed it.
+    Never written once made, like every record a step makes (Reservation, SessionStats,
+    KeyBound), but not frozen: a frozen dataclass stores each field through
+    object.__setattr__ in its __init__, about 5x a plain slot's store, and a decode step
+    makes several such records (about 6 us of a step's bookkeeping, bench/engine_step.py).
+    The request stays frozen: what the client asked is never written (AttendRequest)."""
 
     output: Array  # (B, L, E) in the requested dtype; padded rows are zero
     weights: Array | None  # (B, h, R, S) when asked

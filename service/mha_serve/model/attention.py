@@ -327,14 +327,14 @@ class MultiHeadAttention(nn.Module):
     def decode_one(
         self,
         x: torch.Tensor,
-        k_slot: torch.Tensor,
-        v_slot: torch.Tensor,
+        kv_slot: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
     ) -> torch.Tensor | None:
         """A lone session step of one token x (1, 1, E) for a plain config (no RoPE, q/k
         norm, soft-cap or sliding window) over a cache in x's dtype: project writes its K/V
-        into k_slot, v_slot (1, KVH, 1, D), then attend_step's output (1, 1, E) over keys,
+        into kv_slot (1, 2 KVH, 1, D: K's heads, then V's, as projected), then attend_step's
+        output (1, 1, E) over keys,
         values (1, KVH, S, D), positions 0..S-1 with the new token's last
         (KVCache.step_views): the same ops on the same tensors as project, KVCache.append,
         KVCache.read and attend_step, in one call without their checks, which such views
@@ -348,9 +348,8 @@ class MultiHeadAttention(nn.Module):
         linears = self._modules  # (as in project)
         wqkv = linears["wqkv"]._parameters
         qkv = F.linear(x, wqkv["weight"], wqkv["bias"])  # (1, 1, (H + 2 KVH) * D)
-        q, k, v = qkv.view(1, H + 2 * KVH, 1, D).split_with_sizes([H, KVH, KVH], dim=1)
-        k_slot.copy_(k)
-        v_slot.copy_(v)
+        q, kv = qkv.view(1, H + 2 * KVH, 1, D).split_with_sizes([H, 2 * KVH], dim=1)
+        kv_slot.copy_(kv)  # K and V at once
         S = keys.shape[2]
         if KVH != H and S >= GROUPED_MIN_KEYS and keys.dtype == torch.float32:
             y = attend_one(q, keys, values, S - 1, self.scale)  # (its grouped kernel)
