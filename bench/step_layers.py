@@ -63,6 +63,13 @@ LAYERS: list[tuple[str, str, str, str | None, tuple[str, ...]]] = [
     ("cache.step_views", "mha_serve.cache.kv_cache", "KVCache.step_views", "lone step", ()),
     ("module.decode_one", "mha_serve.model.attention", "MultiHeadAttention.decode_one", "lone step", ()),
     ("commit", "mha_serve.cache.sessions", "SessionTable.commit", "lone step", ()),
+    ("output's numpy view", "mha_serve.engine.types", "array_of", "lone step", ("mha_serve.engine.sessions",)),
+    # prepare's parts: the input's one scan (NaN/Inf, and the bounds' max |x|), its tensor
+    # view, the session's checks and the response's size
+    ("max |input| scan", "mha_serve.engine.checks", "array_absmax", "engine.prepare", ("mha_serve.engine.engine",)),
+    ("input tensor view", "mha_serve.engine.types", "tensor_of", "engine.prepare", ("mha_serve.engine.engine",)),
+    ("session checks", "mha_serve.engine.sessions", "Sessions.validate_step", "engine.prepare", ()),
+    ("response size", "mha_serve.engine.engine", "Engine._check_response_size", "engine.prepare", ()),
     ("finish", "mha_serve.serving.finish", "finish", "serving.attend", ("mha_serve.serving.async_engine",)),
     ("finish", "mha_serve.serving.finish", "finish_here", "serving.attend", ("mha_serve.serving.async_engine",)),
     ("encode reply", "mha_serve.transport.convert", "encode_result", "finish", ("mha_serve.transport.door",)),
