@@ -194,17 +194,29 @@ def test_a_validated_step_far_from_overflow_measures_nothing(engine, monkeypatch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("size", [1, 512, (1 << 14) + 1])
-def test_array_absmax_is_torchs_max_abs_and_propagates_nan_and_inf(dtype, size):
+@pytest.mark.parametrize("size", [1, 512, 4096, 4097, (1 << 14) + 1])
+@pytest.mark.parametrize("with_tensor", [False, True], ids=["numpy", "tensor"])
+def test_array_absmax_is_torchs_max_abs_and_propagates_nan_and_inf(dtype, size, with_tensor):
+    """Both ways of reading it (numpy's reductions; torch.aminmax on the tensor view for
+    at most SMALL_INPUT_VALUES values, as prepare does): the same max |x|, NaN and inf at
+    either end of the input and of the range."""
     from mha_serve.engine.checks import array_absmax
-    from mha_serve.engine.types import array_of
+    from mha_serve.engine.types import array_of, tensor_of
+
+    def read(t: torch.Tensor) -> float:
+        a = array_of(t)
+        return array_absmax(a, tensor_of(a) if with_tensor else None)
 
     g = torch.Generator().manual_seed(size)
     x = (torch.randn(1, 1, size, generator=g) * 100).to(dtype)
     x[0, 0, size // 2] = -1000.0  # the largest magnitude is negative
-    assert array_absmax(array_of(x)) == float(x.abs().max()) == 1000.0
-    for special, want in ((float("inf"), "inf"), (float("-inf"), "inf"), (float("nan"), "nan")):
-        y = x.clone()
-        y[0, 0, -1] = special
-        got = array_absmax(array_of(y))
-        assert (got != got) if want == "nan" else got == float("inf"), (special, got)
+    assert read(x) == float(x.abs().max()) == 1000.0
+    x[0, 0, size // 2] = 1000.0  # positive
+    assert read(x) == 1000.0
+    specials = ((float("inf"), "inf"), (float("-inf"), "inf"), (float("nan"), "nan"))
+    for special, want in specials:
+        for at in (0, -1):
+            y = x.clone()
+            y[0, 0, at] = special
+            got = read(y)
+            assert (got != got) if want == "nan" else got == float("inf"), (special, at, got)

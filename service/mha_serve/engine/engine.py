@@ -250,7 +250,8 @@ class Engine:
             )
         if head_mask is not None and not all(v == v and abs(v) != math.inf for v in head_mask):
             raise InvalidRequest("head_mask contains NaN or Inf")
-        input_absmax = array_absmax(inputs)  # one pass: the finiteness check, and bounds
+        tensor = tensor_of(inputs)
+        input_absmax = array_absmax(inputs, tensor)  # one pass: the finiteness check, bounds
         if not input_absmax < math.inf:
             raise InvalidRequest("input contains NaN or Inf values; send finite embeddings")
         num_keys = seq_len
@@ -261,7 +262,7 @@ class Engine:
             request,
             state,
             hosted,
-            tensor_of(inputs),
+            tensor,
             input_absmax,
             self.batch_key(hosted, request),
             num_keys,
