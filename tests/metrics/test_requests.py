@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 from prometheus_client import (
     REGISTRY,
     CollectorRegistry,
@@ -135,3 +136,39 @@ def test_a_histograms_edge_amounts_land_where_observe_puts_them():
         observe(amount)
     assert generate_latest(direct) == generate_latest(public)
     assert direct.get_sample_value("h_seconds_count", {"m": "x"}) == 4  # NaN in no bucket
+
+
+def test_request_counts_counts_what_count_request_counts():
+    """A stream's counter, bound once: the same series as count_request, OK or not."""
+    method, protocol = "StreamSession", metrics.PROTOCOL_MHA_V1
+
+    def counted(code: str) -> float:
+        labels = {"method": method, "model": MODEL, "code": code, "protocol": protocol}
+        return value("mha_serve_requests_total", **labels)
+
+    before = {code: counted(code) for code in ("OK", "NOT_FOUND")}
+    count = metrics.request_counts(method, MODEL, protocol)
+    count("OK")
+    count("OK")
+    count("NOT_FOUND")
+    metrics.count_request(method, MODEL, "OK", protocol)
+    assert counted("OK") == before["OK"] + 3
+    assert counted("NOT_FOUND") == before["NOT_FOUND"] + 1
+
+
+def test_a_models_attend_observer_is_observe_attend():
+    labels = {"model": MODEL}
+    names = (
+        "mha_serve_tokens_total",
+        "mha_serve_request_tokens_count",
+        "mha_serve_queue_latency_seconds_sum",
+        "mha_serve_request_latency_seconds_sum",
+        "mha_serve_attention_weights_bytes_total",
+    )
+    before = [value(n, **labels) for n in names]
+    assert metrics.attend_observer(MODEL) is metrics.attend_observer(MODEL)  # bound once
+    metrics.attend_observer(MODEL)(3, 0.25, 0.5, 0)
+    metrics.observe_attend(MODEL, tokens=2, queue_s=0.25, total_s=0.5, weights_bytes=8)
+    after = [value(n, **labels) for n in names]
+    got = [a - b for a, b in zip(after, before, strict=True)]
+    assert got == pytest.approx([5, 2, 0.5, 1.0, 8], abs=1e-9)

@@ -412,28 +412,32 @@ in_flight: Callable[[float], None] = _inc(IN_FLIGHT)
 
 
 @functools.cache
-def _per_model(model: str) -> tuple:
-    """Label lookups cost microseconds per request; models are few, so keep their children."""
-    return (
-        _inc(TOKENS.labels(model)),
-        _observe(REQUEST_TOKENS.labels(model)),
-        _observe(QUEUE_LATENCY.labels(model)),
-        _observe(REQUEST_LATENCY.labels(model)),
-        _inc(WEIGHTS_BYTES.labels(model)),
-    )
+def attend_observer(model: str) -> Callable[[int, float, float, int], None]:
+    """observe_attend of one model, its children looked up once (label lookups cost
+    microseconds per request; models are few): observe(tokens, queue_s, total_s,
+    weights_bytes)."""
+    count_tokens = _inc(TOKENS.labels(model))
+    observe_tokens = _observe(REQUEST_TOKENS.labels(model))
+    observe_queue = _observe(QUEUE_LATENCY.labels(model))
+    observe_latency = _observe(REQUEST_LATENCY.labels(model))
+    count_weights = _inc(WEIGHTS_BYTES.labels(model))
+
+    def observe(tokens: int, queue_s: float, total_s: float, weights_bytes: int) -> None:
+        count_tokens(tokens)
+        observe_tokens(tokens)
+        observe_queue(queue_s)
+        observe_latency(total_s)
+        if weights_bytes:
+            count_weights(weights_bytes)
+
+    return observe
 
 
 def observe_attend(
     model: str, *, tokens: int, queue_s: float, total_s: float, weights_bytes: int
 ) -> None:
     """Called once per answered Attend or session step (model: a hosted model's name)."""
-    count_tokens, observe_tokens, observe_queue, observe_latency, count_weights = _per_model(model)
-    count_tokens(tokens)
-    observe_tokens(tokens)
-    observe_queue(queue_s)
-    observe_latency(total_s)
-    if weights_bytes:
-        count_weights(weights_bytes)
+    attend_observer(model)(tokens, queue_s, total_s, weights_bytes)
 
 
 @functools.cache
@@ -467,6 +471,20 @@ def count_request(method: str, model: str, code: str, protocol: str = PROTOCOL_M
     """One finished RPC. The label values are bounded: method names, hosted models (or
     "unknown"), status code names and the two protocols."""
     _request_counter(method, model, code, protocol)(1)
+
+
+def request_counts(method: str, model: str, protocol: str) -> Callable[[str], None]:
+    """count_request(method, model, code, protocol) with all but the code bound, its "OK"
+    child looked up once (a stream counts each of its messages)."""
+    ok = _request_counter(method, model, "OK", protocol)
+
+    def count(code: str) -> None:
+        if code == "OK":
+            ok(1)
+        else:
+            _request_counter(method, model, code, protocol)(1)
+
+    return count
 
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
