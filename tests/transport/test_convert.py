@@ -132,3 +132,21 @@ def test_stamp_sets_the_model_and_every_timing_field():
     assert reply.timing == pb.Timing(
         queue_ms=0.5, compute_ms=1.25, total_ms=2.0, batch_size=3, restore_ms=4.5
     )
+
+
+@pytest.mark.parametrize("limits", [{}, {"max_len": 0, "ttl_s": 0.0}])
+def test_fields_at_their_default_are_left_unset_the_same_bytes(limits):
+    """A session without limits and a call that restored nothing leave max_len, ttl_s and
+    restore_ms unset: proto3 sends a field at 0 as no field, so the bytes are the same."""
+    stats = SessionStats("s-1", "mha", num_tokens=7, num_blocks=1, bytes_held=512, **limits)
+    info = session_info(stats)
+    want = pb.SessionInfo(session_id="s-1", model="mha", num_tokens=7, num_blocks=1)
+    want.bytes_held, want.max_len, want.ttl_s = 512, 0, 0.0
+    assert info == want and info.SerializeToString() == want.SerializeToString()
+    assert info.max_len == 0 and info.ttl_s == 0.0
+    reply = pb.AttendResponse()
+    stamp(reply, "mha", Timing(0.5, 1.25, 2.0, 3))
+    assert reply.timing.restore_ms == 0.0
+    assert reply.timing == pb.Timing(
+        queue_ms=0.5, compute_ms=1.25, total_ms=2.0, batch_size=3, restore_ms=0.0
+    )

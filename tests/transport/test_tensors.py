@@ -53,3 +53,35 @@ def test_malformed_tensors_are_invalid(message, match):
 def test_unspecified_output_dtype_takes_default():
     assert dtype_name(pb.DTYPE_UNSPECIFIED, "x", default="float16") == "float16"
     assert dtype_name(pb.DTYPE_BFLOAT16, "x") == "bfloat16"
+
+
+def test_fill_proto_fills_what_to_proto_makes_for_every_shape_and_dtype():
+    """fill_proto copies in a Tensor head kept per (dtype, shape): the same message as
+    to_proto's for each, a batch or its first sequence, while the kept heads are emptied
+    and refilled (more shapes than MAX_HEADS) and when a field held another tensor."""
+    import numpy as np
+
+    from mha_serve.engine.requests import Array
+    from mha_serve.transport import tensors
+
+    rng = np.random.default_rng(0)
+    shapes = [(1, 1, 8), (1, 3, 8), (2, 1, 8), (1, 1, 4)]
+    shapes += [(1, n, 2) for n in range(1, tensors.MAX_HEADS + 10)]
+    reply = pb.AttendResponse()
+    for round_ in range(2):  # the second round finds some heads kept, others not
+        for shape in shapes:
+            for dtype, np_dtype in (("float32", np.float32), ("float16", np.float16)):
+                for single in (False, True):
+                    data = rng.standard_normal(shape).astype(np_dtype)
+                    fresh = pb.Tensor()
+                    tensors.fill_proto(fresh, Array(data, dtype), single=single)
+                    tensors.fill_proto(reply.output, Array(data, dtype), single=single)
+                    want = to_proto(Array(data[0] if single else data, dtype))
+                    assert fresh == want and reply.output == want, (round_, shape, dtype)
+        assert 0 < len(tensors._HEADS) <= tensors.MAX_HEADS
+    bf16 = Array(np.arange(6, dtype=np.int16).reshape(1, 2, 3), "bfloat16")
+    out = pb.Tensor()
+    tensors.fill_proto(out, bf16)
+    assert out == to_proto(bf16) and out.dtype == pb.DTYPE_BFLOAT16
+    with pytest.raises(TypeError, match="cannot send int8"):
+        tensors.fill_proto(pb.Tensor(), Array(np.zeros((1, 1, 2), np.int8), "int8"))

@@ -103,7 +103,7 @@ class Item:
         return self.sequences * self.length
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (never written; not frozen: a frozen __init__ costs ~3x, every call)
 class BatchInfo:
     """What a result's caller learns about the batch that computed it."""
 

@@ -164,7 +164,19 @@ class AsyncEngine:
         deadline: float | None,
         caller: str | None = None,
     ) -> Served[T]:
-        computed = await self.compute(request, received=received, deadline=deadline, caller=caller)
+        ticket = Ticket(received, deadline)
+        if not request.session_id:
+            computed = await self._compute(request, ticket)
+        else:  # _session_call's first try written out: one coroutine less a step
+            seen, started = self._answered, time.monotonic()
+            try:
+                computed = await self._compute(request, ticket, caller)
+            except CacheExhausted as e:
+                refused = e  # (retried outside the handler: its wait is not in its context)
+            else:
+                refused = None
+            if refused is not None:
+                computed = await self._room_retries(request, ticket, caller, refused, seen, started)
         # (finish's coroutine only for a large reply: a small one is encoded here)
         served = finish_here(computed, encode, received)
         return await finish(computed, encode, received) if served is None else served
@@ -194,6 +206,20 @@ class AsyncEngine:
             return await self._compute(request, ticket, caller)
         except CacheExhausted as e:
             refused = e
+        return await self._room_retries(request, ticket, caller, refused, seen, started)
+
+    async def _room_retries(
+        self,
+        request: AttendRequest,
+        ticket: Ticket,
+        caller: str | None,
+        refused: CacheExhausted,
+        seen: int,
+        started: float,
+    ) -> Computed:
+        """A session step refused for room at its first try (`refused`; `seen`: calls
+        answered before it, `started`: time.monotonic() then), tried again while room may
+        come."""
         give_up = started + ROOM_WAIT_S
         if ticket.deadline is not None:
             give_up = min(give_up, ticket.deadline)
@@ -216,6 +242,8 @@ class AsyncEngine:
     def _session_answered(self) -> None:
         """A session call let go of its session: calls waiting for room try again."""
         self._answered += 1
+        if not self._room_waiters:  # (most steps: none waits, no list made)
+            return
         waiters, self._room_waiters = self._room_waiters, []
         for waiter in waiters:
             if not waiter.done():

@@ -28,7 +28,7 @@ async def offload(fn: Callable[..., T], *args: Any, nbytes: int) -> T:
     return await asyncio.to_thread(fn, *args)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # never written; not frozen: a frozen __init__ costs ~3x
 class Computed:
     """A computed Attend or step, before its encoding: the request, the model that computed
     it (a step's session's, when the request left it empty), the engine's outcome, and
@@ -60,30 +60,25 @@ def finish_here(
     encoded and counted here; None for a large one, which finish encodes off the loop."""
     outcome = computed.outcome
     weights = outcome.weights
-    if outcome.output.nbytes + (0 if weights is None else weights.nbytes) >= OFFLOAD_BYTES:
+    nbytes = outcome.output.nbytes
+    if weights is not None:
+        nbytes += weights.nbytes
+    if nbytes >= OFFLOAD_BYTES:
         return None
     return answered(computed, encode(outcome), received)
 
 
 def answered(computed: Computed, reply: T, received: float) -> Served[T]:
     """A computed call's encoded reply, counted in the request metrics, with its timing."""
-    outcome, model = computed.outcome, computed.model
+    outcome, model, queue_ms = computed.outcome, computed.model, computed.queue_ms
     batch, seq_len, _ = computed.request.inputs.shape
     weights = outcome.weights
     total_s = time.perf_counter() - received
-    metrics.observe_attend(
-        model,
-        tokens=batch * seq_len,
-        queue_s=computed.queue_ms / 1e3,
-        total_s=total_s,
-        weights_bytes=0 if weights is None else weights.nbytes,
+    metrics.attend_observer(model)(
+        batch * seq_len, queue_ms / 1e3, total_s, 0 if weights is None else weights.nbytes
     )
     # batch_size: computed sequences (steps refused at reserve are not)
     timing = Timing(
-        computed.queue_ms,
-        computed.compute_ms,
-        total_s * 1e3,
-        outcome.batch_size,
-        computed.restore_ms,
+        queue_ms, computed.compute_ms, total_s * 1e3, outcome.batch_size, computed.restore_ms
     )
     return Served(reply, timing, model)

@@ -35,7 +35,7 @@ class Unavailable(RequestError):
 EXPECTED = (RequestError, CacheError, QueueFull, Closed, DeadlineExceeded)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # never written; not frozen: a frozen __init__ costs ~3x
 class Timing:
     queue_ms: float  # receipt to start of compute: decoding, validation, waiting
     compute_ms: float  # the batch's forward (and weights, when asked)
@@ -44,7 +44,7 @@ class Timing:
     restore_ms: float = 0.0  # its session brought back from the spill tier (in queue_ms too)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # never written; not frozen: a frozen __init__ costs ~3x
 class Served(Generic[T]):
     """An Attend or session step, answered: the encoded reply, its timing, and the model
     that computed it (a step that left the model empty gets its session's)."""

@@ -38,13 +38,16 @@ async def settle(
     protocol: str,
     over: Callable[[], bool] = lambda: False,
     in_flight: bool = False,
+    count: Callable[[str], None] | None = None,
 ) -> T | Refused:
     """Runs a handler, handle(*args): its result, or its error as Refused (expected errors
     their status, anything else INTERNAL, logged), counted once under the door's protocol
     before it is returned: a client that has it finds it counted. over(): the call is over
     already (its deadline passed; gRPC answers DEADLINE_EXCEEDED itself): an error is then
     counted and raised as CancelledError, not answered. in_flight: counted in IN_FLIGHT
-    meanwhile (a computation, not a lookup)."""
+    meanwhile (a computation, not a lookup). count(code): the request counter of method,
+    model and protocol, bound once (metrics.request_counts: a stream's, for its every
+    message); None: looked up here."""
     code = "OK"  # (the status's name: an enum's .name costs two Python calls a request)
     if in_flight:
         metrics.in_flight(1)
@@ -70,7 +73,10 @@ async def settle(
     finally:
         if in_flight:
             metrics.in_flight(-1)
-        metrics.count_request(method, model, code, protocol)
+        if count is None:
+            metrics.count_request(method, model, code, protocol)
+        else:
+            count(code)
 
 
 async def sent(context: grpc.aio.ServicerContext, result: T | Refused) -> T:

@@ -36,7 +36,7 @@ VARIANTS = {"mha": pb.VARIANT_MHA, "gqa": pb.VARIANT_GQA, "mqa": pb.VARIANT_MQA}
 FRAME_BYTES = 1 << 16
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (never written: not frozen, whose __init__ costs ~3x, every message)
 class Received:
     """An AttendRequest as parsed off the wire: input_data is input.data's bytes (a view of
     the received message) or None when they are in the message. The servicer answers a
@@ -129,7 +129,8 @@ def stamp(response: pb.AttendResponse, model: str, timing: Timing) -> None:
     t.compute_ms = timing.compute_ms
     t.total_ms = timing.total_ms
     t.batch_size = timing.batch_size
-    t.restore_ms = timing.restore_ms
+    if timing.restore_ms:  # (0 is proto3's unset: most calls restore nothing)
+        t.restore_ms = timing.restore_ms
 
 
 def encode_reply(result: AttendOutcome, single: bool) -> pb.AttendResponse | Frames:
@@ -182,8 +183,10 @@ def fill_session(info: pb.SessionInfo, stats: SessionStats) -> None:
     info.num_tokens = stats.num_tokens
     info.num_blocks = stats.num_blocks
     info.bytes_held = stats.bytes_held
-    info.max_len = stats.max_len or 0
-    info.ttl_s = stats.ttl_s or 0.0
+    if stats.max_len:  # (None and 0 are proto3's unset: a fresh message has them so)
+        info.max_len = stats.max_len
+    if stats.ttl_s:
+        info.ttl_s = stats.ttl_s
 
 
 def model_info(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from types import EllipsisType
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -54,6 +55,12 @@ class ReadOnlyContext(Protocol):
     def auth_context(self) -> Any: ...
     def invocation_metadata(self) -> Any: ...
     def done(self) -> bool: ...
+
+
+def _deadline(context: ReadOnlyContext) -> float | None:
+    """The call's deadline: time.monotonic() when it ends; None: it has none."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
 
 
 class Door:
@@ -147,53 +154,66 @@ class AttentionDoor(Door):
         requests: AsyncIterator[Any],
         context: ReadOnlyContext,
         over: Callable[[], bool] = lambda: False,
+        refuse: Callable[[Refused], Awaitable[Any]] | None = None,
     ) -> AsyncIterator[Any]:
         """A StreamSession: one session's steps, one per message, answered in order; the
-        first error is yielded as Refused and ends it. Later messages may leave session_id
-        empty; naming another session is an error."""
-        session_id, model, caller = "", "", None
+        first error is yielded as Refused and ends it, or with `refuse`, awaited as
+        refuse(refused) (a host that ends the call by raising: gRPC's abort). Later messages
+        may leave session_id empty; naming another session is an error."""
+        # What every message of the stream shares, read at its first: its session, model
+        # label, client, request counter and deadline (a call's, fixed when it began).
+        session_id, model, caller, count, deadline = "", "", None, None, None
         async for request in requests:
             if isinstance(request, Malformed):
-                yield self.malformed("StreamSession", request, context)
-                return
-            message = request.message if isinstance(request, Received) else request
-            refusal = None
-            if not session_id:
-                session_id = message.session_id
+                answer = self.malformed("StreamSession", request, context)
+            else:
+                message = request.message if isinstance(request, Received) else request
+                refusal = None
                 if not session_id:
+                    session_id = message.session_id
+                    if not session_id:
+                        refusal = (
+                            "the first message of a StreamSession needs session_id "
+                            "(CreateSession makes one)"
+                        )
+                        model = "unknown"
+                    else:
+                        model = await self.label("Attend", message)
+                        caller = client_identity(context)  # the stream's, once
+                        count = metrics.request_counts("StreamSession", model, PROTOCOL)
+                        deadline = _deadline(context)
+                elif not (named := message.session_id):
+                    message.session_id = session_id
+                elif named != session_id:
                     refusal = (
-                        "the first message of a StreamSession needs session_id (CreateSession "
-                        "makes one)"
+                        f"this stream steps session {session_id!r}, but a message names "
+                        f"{named!r}: open one stream per session"
                     )
-                    model = "unknown"
+                if refusal is None:
+                    answer = await settle(
+                        "StreamSession",
+                        model,
+                        self.attend,
+                        request,
+                        context,
+                        caller,
+                        deadline,
+                        protocol=PROTOCOL,
+                        over=over,
+                        in_flight=True,
+                        count=count,
+                    )
+                    if not isinstance(answer, Refused):
+                        yield answer
+                        continue
                 else:
-                    model = await self.label("Attend", message)
-                    caller = client_identity(context)  # the stream's, once
-            elif not (named := message.session_id):
-                message.session_id = session_id
-            elif named != session_id:
-                refusal = (
-                    f"this stream steps session {session_id!r}, but a message names "
-                    f"{named!r}: open one stream per session"
-                )
-            if refusal is not None:
-                metrics.count_request("StreamSession", model, "INVALID_ARGUMENT")
-                yield Refused(grpc.StatusCode.INVALID_ARGUMENT, refusal)
-                return
-            answer = await settle(
-                "StreamSession",
-                model,
-                self.attend,
-                request,
-                context,
-                caller,
-                protocol=PROTOCOL,
-                over=over,
-                in_flight=True,
-            )
-            yield answer
-            if isinstance(answer, Refused):
-                return
+                    metrics.count_request("StreamSession", model, "INVALID_ARGUMENT")
+                    answer = Refused(grpc.StatusCode.INVALID_ARGUMENT, refusal)
+            if refuse is None:  # the first refusal ends the stream
+                yield answer
+            else:
+                await refuse(answer)
+            return
 
     # --- labels ------------------------------------------------------------------------
 
@@ -233,10 +253,12 @@ class AttentionDoor(Door):
         request: pb.AttendRequest | Received,
         context: ReadOnlyContext,
         caller: str | None = None,
+        deadline: float | None | EllipsisType = ...,
     ) -> Any:
         """One Attend or session step. A request as the gRPC handlers parse it (Received)
         answers framed bytes when large; a message answers a message. caller: the client's
-        identity, when already known (a stream's)."""
+        identity, and deadline the call's (time.monotonic(), None: none), when already known
+        (a stream's); `...`: read from the context."""
         received = time.perf_counter()
         serving = self._serving
         if serving is None:
@@ -247,12 +269,13 @@ class AttentionDoor(Door):
         else:
             call, single = to_call(request)
             encode = _ENCODE_RESULT[single]
-        remaining = context.time_remaining()  # deadline: time.monotonic() when it ends
+        if deadline is ...:
+            deadline = _deadline(context)
         served = await serving.attend(
             call,
             encode,
             received=received,
-            deadline=None if remaining is None else time.monotonic() + remaining,
+            deadline=deadline,
             caller=(caller or client_identity(context)) if call.session_id else None,
         )
         response = served.reply

@@ -12,7 +12,7 @@ from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_serve import metrics
 from mha_serve.serving import EngineClient, Unavailable
-from mha_serve.transport.answer import Refused, answer, over, sent
+from mha_serve.transport.answer import answer, over, sent
 from mha_serve.transport.convert import Received, parse_attend_request
 from mha_serve.transport.door import AttentionDoor
 from mha_serve.transport.status import STATUS_OF, status_of
@@ -54,17 +54,17 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     ) -> pb.AttendResponse | bytes:
         return await self._unary("Attend", request, context)
 
-    async def StreamSession(
+    def StreamSession(
         self,
         requests: AsyncIterator[pb.AttendRequest | Received],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.AttendResponse | bytes]:
         """One session's steps, one per message, answered in order; the first error ends the
-        stream (AttentionDoor.stream)."""
-        async for result in self.door.stream(requests, context, lambda: over(context)):
-            if isinstance(result, Refused):
-                await context.abort(result.code, result.details)
-            yield result
+        stream (AttentionDoor.stream), its status sent by aborting the call. (The door's
+        generator itself, not one around it: every message passes one generator less.)"""
+        return self.door.stream(
+            requests, context, lambda: over(context), refuse=lambda r: sent(context, r)
+        )
 
     async def CreateSession(self, request, context) -> pb.SessionInfo:
         return await self._unary("CreateSession", request, context)
