@@ -72,6 +72,10 @@ class KVCache:
         self._k_slots = self.k.view(1, num_kv_heads, slots, head_dim)
         self._v_slots = self.v.view(1, num_kv_heads, slots, head_dim)
         self._kv_slots = kv.view(1, 2 * num_kv_heads, slots, head_dim)  # K's heads, V's
+        # step_views' views of it, each one as_strided (a narrow is three dispatches)
+        self._strides = self._kv_slots.stride()
+        self._k_at = self._kv_slots.storage_offset()  # position 0 of K's first head
+        self._v_at = self._k_at + num_kv_heads * slots * head_dim  # and of V's
         # gather()'s output buffers, one pair per thread that gathers (the compute thread and
         # the event loop's may both run steps): kept, because on the CPU a fresh buffer of a
         # batch's K/V costs more in page faults than the copy itself (32 ms against 6 ms for
@@ -250,9 +254,15 @@ class KVCache:
             return None
         if first < 0 or slot >= self.num_slots or not _consecutive(ids):
             return None
-        kvs, KVH = self._kv_slots, self.num_kv_heads
-        k, v = kvs.narrow(2, first, length).split_with_sizes((KVH, KVH), 1)
-        return kvs.narrow(2, slot, 1), k, v
+        kvs, strides, D = self._kv_slots, self._strides, self.head_dim
+        shape = (1, self.num_kv_heads, length, D)
+        k = kvs.as_strided(shape, strides, self._k_at + first * D)
+        v = kvs.as_strided(shape, strides, self._v_at + first * D)
+        return (
+            kvs.as_strided((1, 2 * self.num_kv_heads, 1, D), strides, self._k_at + slot * D),
+            k,
+            v,
+        )
 
     def gather(
         self, reads: Sequence[tuple[Sequence[int], int, int, int]], width: int

@@ -348,7 +348,11 @@ class MultiHeadAttention(nn.Module):
         linears = self._modules  # (as in project)
         wqkv = linears["wqkv"]._parameters
         qkv = F.linear(x, wqkv["weight"], wqkv["bias"])  # (1, 1, (H + 2 KVH) * D)
-        q, kv = qkv.view(1, H + 2 * KVH, 1, D).split_with_sizes([H, 2 * KVH], dim=1)
+        # q (1, H, 1, D) and K, V (1, 2 KVH, 1, D), each one as_strided over qkv's row (a
+        # view and a split are four dispatches)
+        strides = ((H + 2 * KVH) * D, D, D, 1)
+        q = qkv.as_strided((1, H, 1, D), strides)
+        kv = qkv.as_strided((1, 2 * KVH, 1, D), strides, qkv.storage_offset() + H * D)
         kv_slot.copy_(kv)  # K and V at once
         S = keys.shape[2]
         if KVH != H and S >= GROUPED_MIN_KEYS and keys.dtype == torch.float32:
