@@ -22,9 +22,11 @@ the server's compute thread does (the engine's own switch picks one for small st
 with a device sync). --profile FILE adds, after the timing, torch.profiler over a few steps
 of each side: per step, the torch ops each side calls (count and self CPU time, the top
 ones), and on CUDA the runtime calls that stall the host (stream and device syncs, copies)
-and the kernels launched, and on any device the torch ops that would make a GPU's host wait
-(nonzero, .item(): SYNC_OPS). On a GPU a step's host work is its cost, so the op count is
-the engine's bookkeeping there; `make gpu` runs it (GPU_PARTS engine):
+and the kernels launched, with the top kernels by device time (where a batch's 2.8 ms of
+device time at 64 sessions goes: bench/gpu_notes.md), and on any device the torch ops that
+would make a GPU's host wait (nonzero, .item(): SYNC_OPS). On a GPU a lone step's host work
+is its cost, so the op count is the engine's bookkeeping there; `make gpu` runs it
+(GPU_PARTS engine):
 
     python bench/engine_step.py --device cuda --context 4032 --profile out.json
     python bench/engine_step.py --device cuda --sessions 64 --contexts 4032 --profile out.json
@@ -94,7 +96,9 @@ def profile_side(step: Callable[[int], object], steps: int, device: torch.device
 
     top = sorted(ops, key=lambda r: r.self_cpu_time_total, reverse=True)[:TOP_OPS]
     # The kernels' own rows (an op's row counts its kernels' time again).
-    device_us = sum(r.self_device_time_total for r in rows if r.device_type == DeviceType.CUDA)
+    kernels = [r for r in rows if r.device_type == DeviceType.CUDA]
+    device_us = sum(r.self_device_time_total for r in kernels)
+    top_kernels = sorted(kernels, key=lambda r: r.self_device_time_total, reverse=True)
     return {
         "steps": steps,
         "aten_ops_per_step": sum(r.count for r in ops) / steps,
@@ -111,6 +115,15 @@ def profile_side(step: Callable[[int], object], steps: int, device: torch.device
                 "self_cpu_us_per_step": r.self_cpu_time_total / steps,
             }
             for r in top
+        ],  # fmt: skip
+        # Where the device's time goes (CUDA; none on the CPU): the kernels by their time
+        "top_kernels": [
+            {
+                "kernel": r.key,
+                "launches_per_step": r.count / steps,
+                "device_us_per_step": r.self_device_time_total / steps,
+            }
+            for r in top_kernels[:TOP_OPS]
         ],  # fmt: skip
     }
 
@@ -136,6 +149,13 @@ def report_profiles(sides: dict[str, dict], path: Path, meta: dict) -> None:
         print(f"  {n}: top torch ops by self CPU time (calls, us per step)")
         for r in sides[n]["top_ops"]:
             print(f"    {r['op']:<40} {r['calls_per_step']:6.1f} {r['self_cpu_us_per_step']:9.1f}")
+        if sides[n]["top_kernels"]:
+            print(f"  {n}: top kernels by device time (launches, us per step)")
+            for r in sides[n]["top_kernels"]:
+                name = r["kernel"] if len(r["kernel"]) <= 60 else r["kernel"][:57] + "..."
+                print(
+                    f"    {name:<60} {r['launches_per_step']:6.1f} {r['device_us_per_step']:9.1f}"
+                )
     path.write_text(json.dumps({**meta, "profiles": sides}, indent=1))
     print(f"wrote {path}")
 

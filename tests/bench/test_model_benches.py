@@ -84,6 +84,7 @@ def test_engine_step_profile_counts_each_sides_ops_per_step(tmp_path):
     assert 0 < engine <= bare + 8 and bare > 0, (engine, bare)
     assert sides["engine"]["steps"] == 3 and sides["engine"]["top_ops"]
     assert sides["engine"]["device_us_per_step"] is None  # the CPU: no device time
+    assert sides["engine"]["top_kernels"] == []  # (on CUDA: the kernels by device time)
     out = tmp_path / "batch.json"
     run(
         "engine_step.py",
