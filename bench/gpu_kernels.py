@@ -178,6 +178,21 @@ class DecodeBench:
         self.q = [module.project(self.x[gi])[0] for gi in range(self.groups)]  # (B, H, 1, D)
         self.past, self.new = [n - 1 for n in contexts], [1] * batch
         self._contiguous: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # paged(): per group, each session's block table (padded with its last block) and
+        # its length, int32 as the kernel takes them; the queries' offsets (one each)
+        self._tables = [
+            (
+                torch.tensor(
+                    [ids[s] + ids[s][-1:] * (blocks - len(ids[s])) for s in range(g0, g0 + batch)],
+                    dtype=torch.int32,
+                    device=self.device,
+                ),
+                torch.tensor(n_of[g0 : g0 + batch], dtype=torch.int32, device=self.device),
+            )
+            for g0 in range(0, sessions, batch)
+        ]
+        self._cu_q = torch.arange(batch + 1, dtype=torch.int32, device=self.device)
+        self._pool: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def timed(self, fn: Callable[[int], object]) -> float:
         """per_call_s of fn over this bench's groups (each call the next group)."""
@@ -205,6 +220,40 @@ class DecodeBench:
             min_fill=min_fill,
         )
         return out.output  # (B, 1, E)
+
+    def paged(self, group: int, pool: bool = False) -> torch.Tensor:
+        """The K/V-reading part through torch's paged attention kernel
+        (torch.nn.attention.varlen.varlen_attn with each session's block table and length:
+        flash attention's decode, CUDA only), each session's blocks read where they are, no
+        gather: over the cache's K/V as a (blocks, block_size, KVH, D) view of its (KVH,
+        blocks, block_size, D) storage, or (pool) over a copy laid out so, made once outside
+        the timing (what a cache laid out for the kernel would hold). Then wo."""
+        if self.device.type != "cuda":
+            raise RuntimeError("torch's paged varlen_attn needs CUDA (flash attention)")
+        from torch.nn.attention.varlen import varlen_attn
+
+        k, v = (t.permute(1, 2, 0, 3) for t in (self.cache.k, self.cache.v))
+        if pool:
+            if self._pool is None:
+                self._pool = (k.contiguous(), v.contiguous())
+            k, v = self._pool
+        table, lengths = self._tables[group]
+        c = self.module.config
+        y = varlen_attn(
+            self.q[group][:, :, 0],  # (B, H, D): one query per session
+            k,
+            v,
+            self._cu_q,
+            None,
+            1,
+            self.context,
+            scale=self.module.scale,
+            enable_gqa=c.num_kv_heads != c.num_heads,
+            seqused_k=lengths,
+            block_table=table,
+        )  # (B, H, D)
+        y = y.reshape(self.batch, 1, c.num_heads * c.head_dim)
+        return F.linear(y, self.module.wo.weight, self.module.wo.bias)  # (B, 1, E)
 
     def step(self, group: int) -> torch.Tensor:
         """The whole decode step of group's sessions; their new K/V land at position
@@ -325,18 +374,22 @@ def eager_and_graph(b: DecodeBench, fn: Callable[[int], torch.Tensor], row: dict
 
 def kv_row(module: MultiHeadAttention, batch: int, context: int, *, pool: int, roofline: float):
     """Section 2: the K/V-reading part of a decode step per session (eager, and from a
-    graph), as the engine runs it batched, and as one kernel over contiguous K/V, each as a
-    share of the roofline (bytes/s), and the errors of the step and of the engine's
-    attention."""
+    graph), as the engine runs it batched, as one kernel over contiguous K/V, and through
+    torch's paged kernel over the block tables (over the cache's layout, and over a pool
+    laid out for it), each as a share of the roofline (bytes/s), and the errors of the
+    step, the engine's attention and the paged kernel's."""
     b = DecodeBench(module, batch, context, min_pool_bytes=pool)
     row: dict = {"model": "", "batch": batch, "context": context, "kv_bytes": b.step_bytes}
     eager_and_graph(b, b.attend, row)
     attempt(row, "engine_s", lambda: b.timed(b.engine))
     attempt(row, "batched_s", lambda: b.timed(b.batched))
+    attempt(row, "paged_s", lambda: b.timed(b.paged))
+    attempt(row, "paged_pool_s", lambda: b.timed(partial(b.paged, pool=True)))
     got, ref = b.step(0).double(), b.reference(0)
     row["step_rel_error"] = float((got - ref).abs().max() / ref.abs().max())
     attempt(row, "engine_rel_error", lambda: rel_error(b.engine(0), ref))
-    for k in ("eager", "graph", "engine", "batched"):
+    attempt(row, "paged_rel_error", lambda: rel_error(b.paged(0), ref))
+    for k in ("eager", "graph", "engine", "batched", "paged", "paged_pool"):
         t = row.get(f"{k}_s")
         row[f"{k}_share"] = None if t is None else b.step_bytes / t / roofline
     return row

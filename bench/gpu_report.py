@@ -209,7 +209,43 @@ def kv_section(results: dict[str, Any], targets: dict[str, Any]) -> list[str]:
             verdict = "failed" if share is None else "meets" if share >= goal else "misses"
             marks.append(f"{label} {pct(share)} ({verdict})")
         out.append(f"- {r['model']}: {', '.join(marks)}")
-    return [*out, "", *ragged_section(results)]
+    return [*out, "", *paged_section(rows, goal), *ragged_section(results)]
+
+
+def paged_section(rows: list[dict[str, Any]], goal: float) -> list[str]:
+    """Section 2's paged-kernel columns (runs since the sixth session of issue 25)."""
+    rows = [r for r in rows if "paged_s" in r]
+    if not rows:
+        return []
+    out = [
+        "Paged: the same step through torch's paged attention kernel "
+        "(`torch.nn.attention.varlen.varlen_attn` with each session's block table and length: "
+        "flash attention's decode, CUDA only), each session's blocks read where they are, no "
+        "gather; *cache's layout*: over the cache's K/V viewed as (blocks, block_size, KVH, D) "
+        "(its storage is (KVH, blocks, block_size, D)); *pool*: over a copy laid out so, made "
+        "once outside the timing (what a cache laid out for the kernel would hold). What the "
+        "engine's batched path would become (docs/benchmarks-overhead.md, issue 25).",
+        "",
+        "| model | sessions | **paged, cache's layout (us)** | share | paged, pool (us) | share "
+        "| error, paged |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['model']} | {r['batch']} | {measured(r, 'paged_s')} "
+            f"| **{pct(r.get('paged_share'))}** | {measured(r, 'paged_pool_s')} "
+            f"| {pct(r.get('paged_pool_share'))} | {sci(r.get('paged_rel_error'))} |"
+        )
+    widest = max(r["batch"] for r in rows)
+    out += ["", f"At {widest} sessions, against the target of {goal:.0%}:", ""]
+    for r in (r for r in rows if r["batch"] == widest):
+        marks = []
+        for k, label in (("paged", "cache's layout"), ("paged_pool", "pool")):
+            share = r.get(f"{k}_share")
+            verdict = "failed" if share is None else "meets" if share >= goal else "misses"
+            marks.append(f"{label} {pct(share)} ({verdict})")
+        out.append(f"- {r['model']}: {', '.join(marks)}")
+    return [*out, ""]
 
 
 def ragged_section(results: dict[str, Any]) -> list[str]:

@@ -473,7 +473,15 @@ def test_a_row_records_what_it_could_not_measure_and_the_page_says_so():
             assert (
                 row["graph_s"] is None and row["speedup" if row is step else "graph_share"] is None
             )
-            assert row["errors"] == {"graph": "RuntimeError: CUDA graphs need a CUDA device"}
+        assert step["errors"] == {"graph": "RuntimeError: CUDA graphs need a CUDA device"}
+        paged = "RuntimeError: torch's paged varlen_attn needs CUDA (flash attention)"
+        assert kv["errors"] == {
+            "graph": "RuntimeError: CUDA graphs need a CUDA device",
+            "paged_s": paged,
+            "paged_pool_s": paged,
+            "paged_rel_error": paged,
+        }
+        assert kv["paged_share"] is None and kv["paged_pool_share"] is None
 
     def broken(module, batch, context):
         raise MemoryError("out of memory")
@@ -494,6 +502,9 @@ def test_a_row_records_what_it_could_not_measure_and_the_page_says_so():
     assert "## What failed in this run\n\n- lone: `RuntimeError: the server went away`" in page
     assert "- kv mqa x64 at 4096: row: `MemoryError: out of memory`" in page
     assert "| mqa | 64 | - | - | **-** | failed | - | failed | - | failed | - | - | - |" in page
+    if not torch.cuda.is_available():  # the paged kernel's table: what could not be measured
+        assert "| gqa | 2 | failed | **-** | failed | - | - |" in page
+        assert "- gqa: cache's layout - (failed), pool - (failed)" in page
 
 
 def test_the_step_profile_refuses_a_context_its_steps_would_overrun_and_make_gpu_fits():
