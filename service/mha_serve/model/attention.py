@@ -334,13 +334,12 @@ class MultiHeadAttention(nn.Module):
         """A lone session step of one token x (1, 1, E) for a plain config (no RoPE, q/k
         norm, soft-cap or sliding window) over a cache in x's dtype: project writes its K/V
         into kv_slot (1, 2 KVH, 1, D: K's heads, then V's, as projected), then attend_step's
-        output (1, 1, E) over keys,
-        values (1, KVH, S, D), positions 0..S-1 with the new token's last
-        (KVCache.step_views): the same ops on the same tensors as project, KVCache.append,
-        KVCache.read and attend_step, in one call without their checks, which such views
-        pass by construction (tests/cache/test_incremental_cache.py). None, nothing written,
-        for any other config (not decodes_in_one) or dtype: the caller then takes those
-        calls."""
+        output (1, 1, E) over keys, values (1, KVH, S, D), positions 0..S-1 with the new
+        token's last (KVCache.step_views): the same ops on the same tensors as project,
+        KVCache.append, KVCache.read and attend_step, in one call without their checks,
+        which such views pass by construction (tests/cache/test_incremental_cache.py).
+        None, nothing written, for any other config (not decodes_in_one) or dtype: the
+        caller then takes those calls."""
         if not self.decodes_in_one or keys.dtype != x.dtype:
             return None
         c = self.config
