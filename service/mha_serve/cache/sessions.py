@@ -318,7 +318,7 @@ class SessionTable(RoomMaking, Moving):
             now = self._clock()
             s = self._lookup(session_id, now)
             n = num_new_tokens
-            if type(n) is not int and (isinstance(n, bool) or not isinstance(n, int)) or n < 1:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise InvalidSessionArgument(f"num_new_tokens must be an int >= 1, got {n!r}")
             holds = s.holds
             if holds.pending is not None or (holds.claimed and not claimed):

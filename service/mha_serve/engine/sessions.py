@@ -749,8 +749,7 @@ def _project_and_append(
     q, k_new, v_new = hosted.module.project(x, positions)
     if k_new.dtype != cache.dtype:
         k_new, v_new = k_new.to(cache.dtype), v_new.to(cache.dtype)
-    slots = [r.slots for r in reservations] if len(reservations) > 1 else [reservations[0].slots]
-    cache.append(k_new, v_new, slots)
+    cache.append(k_new, v_new, [r.slots for r in reservations])
     return q, k_new, v_new
 
 
