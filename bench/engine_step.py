@@ -169,6 +169,7 @@ def engine_on(args, specs) -> Engine:
         dtype=dtype,
         max_response_bytes=2**28,
         static_decode=args.static_decode,
+        flash_decode=getattr(args, "flash_decode", False),
     )
 
 
@@ -202,11 +203,15 @@ def batch_decode(args) -> None:
     profiles: dict[str, dict] = {}
     E = hosted.spec.attention.embed_dim
     static = args.static_decode
-    # (label, batched attention, static_decode): per session and batched as any step, and
-    # the static side when asked
-    sides = [("per session", False, "off"), ("batched", True, "off")]
+    # (label, batched attention, static_decode, flash decode): per session and batched as
+    # any step, and the static and flash decode sides when asked (flash decode: where the
+    # engine can run it; Sessions logs why not)
+    flash = engine.sessions.flash_kernels.pop(args.model, None)
+    sides = [("per session", False, "off", None), ("batched", True, "off", None)]
     if static != "off":
-        sides.append((f"static {static}", True, static))
+        sides.append((f"static {static}", True, static, None))
+    if flash is not None:
+        sides.append(("flash decode", True, "off", flash))
     g = torch.Generator().manual_seed(0)
     tokens = [array_of(torch.randn(1, 1, E, generator=g)) for _ in range(steps)]
     print(
@@ -220,7 +225,14 @@ def batch_decode(args) -> None:
             for sid in ids:
                 prompt = torch.randn(1, context, E, generator=g)
                 engine.attend(AttendRequest(args.model, array_of(prompt), session_id=sid))
-            times: dict[str, list[float]] = {label: [] for label, _, _ in sides}
+            times: dict[str, list[float]] = {label: [] for label, *_ in sides}
+
+            def side(batched: bool, mode: str, kernel) -> None:
+                engine.sessions.batched_attention[args.model] = batched
+                engine.sessions.static_decode = mode
+                engine.sessions.flash_kernels.pop(args.model, None)
+                if kernel is not None:
+                    engine.sessions.flash_kernels[args.model] = kernel
 
             def step(t: int, ids=ids) -> None:
                 calls = [AttendRequest(args.model, tokens[t % steps], session_id=s) for s in ids]
@@ -228,9 +240,8 @@ def batch_decode(args) -> None:
                 assert all(o.batch_size == n for o in outcomes), outcomes[0]
 
             for _ in range(args.rounds):
-                for label, batched, mode in sides:
-                    engine.sessions.batched_attention[args.model] = batched
-                    engine.sessions.static_decode = mode
+                for label, batched, mode, kernel in sides:
+                    side(batched, mode, kernel)
                     start = time.perf_counter()
                     for t in range(steps):
                         step(t)
@@ -239,11 +250,10 @@ def batch_decode(args) -> None:
                     for sid in ids:  # back to the context for the other side
                         engine.truncate_session(sid, context)
             if args.profile:
-                for label, batched, mode in sides:
-                    engine.sessions.batched_attention[args.model] = batched
-                    engine.sessions.static_decode = mode
-                    side = f"{label} @{context}"
-                    profiles[side] = profile_side(step, min(steps, PROFILE_STEPS), hosted.device)
+                for label, batched, mode, kernel in sides:
+                    side(batched, mode, kernel)
+                    name = f"{label} @{context}"
+                    profiles[name] = profile_side(step, min(steps, PROFILE_STEPS), hosted.device)
                     for sid in ids:
                         engine.truncate_session(sid, context)
             for sid in ids:
@@ -255,8 +265,14 @@ def batch_decode(args) -> None:
                 f"(median of rounds; fastest {min(times['per session']):.2f} vs "
                 f"{min(times['batched']):.2f}): batched / per session = {batch / each:.2f}x time"
             )
+            if flash is not None:
+                print(
+                    f"context {context}: flash decode {med['flash decode']:.2f} ms a step "
+                    f"(fastest {min(times['flash decode']):.2f}): flash decode / batched = "
+                    f"{med['flash decode'] / batch:.2f}x time"
+                )
             if static != "off":
-                label = sides[-1][0]
+                label = f"static {static}"
                 print(
                     f"context {context}: {label} {med[label]:.2f} ms a step (fastest "
                     f"{min(times[label]):.2f}): {label} / batched = {med[label] / batch:.2f}x time"
@@ -296,6 +312,11 @@ def main(argv: list[str] | None = None) -> None:
         default="off",
         choices=["off", "eager", "graphs"],
         help="plain decode steps through engine/graphs.py (a third side with --sessions)",
+    )
+    parser.add_argument(
+        "--flash-decode",
+        action="store_true",
+        help="with --sessions, a side with flash decode (engine/attend.py; CUDA, bf16/fp16)",
     )
     args = parser.parse_args(argv)
     args.steps_given = args.steps is not None

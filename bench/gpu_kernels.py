@@ -9,6 +9,7 @@ wall clock.
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 import statistics
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from mha_serve.cache import KVCache, Reservation
 from mha_serve.config import default_models
-from mha_serve.engine.attend import BATCHED_MIN_FILL, attend_steps
+from mha_serve.engine.attend import BATCHED_MIN_FILL, FlashKernel, attend_steps, flash_varlen
 from mha_serve.model import MultiHeadAttention, init_weights
 
 # Datasheet HBM bandwidth in GB/s (1e9 bytes/s), by device name as torch reports it; the first
@@ -109,6 +110,13 @@ def kv_read_bytes(module: MultiHeadAttention, batch: int, context: int, itemsize
     return batch * 2 * c.num_kv_heads * context * c.head_dim * itemsize
 
 
+# torch's paged flash kernel (varlen_attn's block_table, torch >= 2.13) takes pages of a
+# multiple of 256 tokens ("Paged KV cache block size must be divisible by 256"): paged()
+# reads the cache's 16-token blocks as 256-token pages, so each bench session's blocks start
+# on a page.
+PAGE_TOKENS = 256
+
+
 class DecodeBench:
     """One model's decode step for `batch` sessions at `context` (context - 1 tokens cached,
     one new; or session b at contexts[b], ragged) with the engine's ops: project, write the
@@ -143,12 +151,14 @@ class DecodeBench:
         self.step_bytes = sum(kv_read_bytes(module, 1, n, weight.element_size()) for n in contexts)
         self.groups = max(1, math.ceil(min_pool_bytes / self.step_bytes))
         blocks = -(-context // block_size)  # per session, the longest's
+        per_page = PAGE_TOKENS // block_size  # blocks per paged() page
+        stride = -(-blocks // per_page) * per_page  # session s's blocks start at s * stride
         sessions = self.groups * batch
         per_block = block_size * 2 * KVH * D * weight.element_size()
         self.cache = KVCache(
             num_kv_heads=KVH,
             head_dim=D,
-            budget_bytes=sessions * blocks * per_block,
+            budget_bytes=sessions * stride * per_block,
             block_size=block_size,
             dtype=self.dtype,
             device=self.device,
@@ -158,7 +168,7 @@ class DecodeBench:
         self.cache.v.normal_(generator=g)
         n_of = [contexts[s % batch] for s in range(sessions)]  # session s's context
         ids = [
-            list(range(s * blocks, s * blocks + -(-n_of[s] // block_size))) for s in range(sessions)
+            list(range(s * stride, s * stride + -(-n_of[s] // block_size))) for s in range(sessions)
         ]
         self.kv = [  # per group: batch (keys, values) views, (1, KVH, contexts[b], D) each
             [self.cache.read(ids[gi * batch + b], contexts[b]) for b in range(batch)]
@@ -178,12 +188,18 @@ class DecodeBench:
         self.q = [module.project(self.x[gi])[0] for gi in range(self.groups)]  # (B, H, 1, D)
         self.past, self.new = [n - 1 for n in contexts], [1] * batch
         self._contiguous: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # paged(): per group, each session's block table (padded with its last block) and
-        # its length, int32 as the kernel takes them; the queries' offsets (one each)
+        # paged(): per group, each session's page table (its 256-token pages, padded with
+        # its last) and its length, int32 as the kernel takes them; the queries' offsets
+        pages = stride // per_page
         self._tables = [
             (
                 torch.tensor(
-                    [ids[s] + ids[s][-1:] * (blocks - len(ids[s])) for s in range(g0, g0 + batch)],
+                    [
+                        list(range(s * pages, s * pages + -(-n_of[s] // PAGE_TOKENS)))
+                        + [s * pages + (n_of[s] - 1) // PAGE_TOKENS]
+                        * (pages - -(-n_of[s] // PAGE_TOKENS))
+                        for s in range(g0, g0 + batch)
+                    ],
                     dtype=torch.int32,
                     device=self.device,
                 ),
@@ -206,10 +222,12 @@ class DecodeBench:
         )
         return out.output  # (B, 1, E)
 
-    def engine(self, group: int, min_fill: float = BATCHED_MIN_FILL) -> torch.Tensor:
+    def engine(
+        self, group: int, min_fill: float = BATCHED_MIN_FILL, flash: FlashKernel | None = None
+    ) -> torch.Tensor:
         """The K/V-reading part as the engine runs a batch now: padded groups of sessions'
         K/V gathered from the cache, one kernel each (engine/attend.py), and wo. min_fill 0:
-        every session in one group, however unequal."""
+        every session in one group, however unequal. flash: read in place by it instead."""
         out = attend_steps(
             self.module,
             self.cache,
@@ -218,21 +236,40 @@ class DecodeBench:
             self.new,
             batched=True,
             min_fill=min_fill,
+            flash=flash,
         )
         return out.output  # (B, 1, E)
 
+    def in_place(self, group: int) -> torch.Tensor:
+        """The K/V-reading part as the engine runs a batch with --flash-decode: each session's
+        K/V read where they lie by one flash kernel (engine/attend.py's flash_varlen over the
+        cache viewed token-major, each session's first slot and length), no gather, and
+        wo."""
+        if self.device.type != "cuda":
+            raise RuntimeError("flash decode needs CUDA (flash attention)")
+        return self.engine(group, flash=flash_varlen)
+
     def paged(self, group: int, pool: bool = False) -> torch.Tensor:
         """The K/V-reading part through torch's paged attention kernel
-        (torch.nn.attention.varlen.varlen_attn with each session's block table and length:
-        flash attention's decode, CUDA only), each session's blocks read where they are, no
-        gather: over the cache's K/V as a (blocks, block_size, KVH, D) view of its (KVH,
-        blocks, block_size, D) storage, or (pool) over a copy laid out so, made once outside
-        the timing (what a cache laid out for the kernel would hold). Then wo."""
+        (torch.nn.attention.varlen.varlen_attn with each session's page table and length:
+        flash attention's decode, CUDA only, torch >= 2.13), each session's pages read where
+        they are, no gather: over the cache's K/V as a (pages, 256, KVH, D) view of its (KVH,
+        blocks, block_size, D) storage (16 blocks a page), or (pool) over a copy laid out so,
+        made once outside the timing (what a cache laid out for the kernel would hold). Then
+        wo."""
         if self.device.type != "cuda":
             raise RuntimeError("torch's paged varlen_attn needs CUDA (flash attention)")
         from torch.nn.attention.varlen import varlen_attn
 
-        k, v = (t.permute(1, 2, 0, 3) for t in (self.cache.k, self.cache.v))
+        if "block_table" not in inspect.signature(varlen_attn).parameters:
+            raise RuntimeError(
+                f"torch {torch.__version__}'s varlen_attn takes no block_table (torch 2.13's does)"
+            )
+        KVH, D = self.cache.num_kv_heads, self.cache.head_dim
+        k, v = (
+            t.view(KVH, -1, PAGE_TOKENS, D).permute(1, 2, 0, 3)
+            for t in (self.cache.k, self.cache.v)
+        )
         if pool:
             if self._pool is None:
                 self._pool = (k.contiguous(), v.contiguous())
@@ -382,14 +419,16 @@ def kv_row(module: MultiHeadAttention, batch: int, context: int, *, pool: int, r
     row: dict = {"model": "", "batch": batch, "context": context, "kv_bytes": b.step_bytes}
     eager_and_graph(b, b.attend, row)
     attempt(row, "engine_s", lambda: b.timed(b.engine))
+    attempt(row, "in_place_s", lambda: b.timed(b.in_place))
     attempt(row, "batched_s", lambda: b.timed(b.batched))
     attempt(row, "paged_s", lambda: b.timed(b.paged))
     attempt(row, "paged_pool_s", lambda: b.timed(partial(b.paged, pool=True)))
     got, ref = b.step(0).double(), b.reference(0)
     row["step_rel_error"] = float((got - ref).abs().max() / ref.abs().max())
     attempt(row, "engine_rel_error", lambda: rel_error(b.engine(0), ref))
+    attempt(row, "in_place_rel_error", lambda: rel_error(b.in_place(0), ref))
     attempt(row, "paged_rel_error", lambda: rel_error(b.paged(0), ref))
-    for k in ("eager", "graph", "engine", "batched", "paged", "paged_pool"):
+    for k in ("eager", "graph", "engine", "in_place", "batched", "paged", "paged_pool"):
         t = row.get(f"{k}_s")
         row[f"{k}_share"] = None if t is None else b.step_bytes / t / roofline
     return row
@@ -408,10 +447,12 @@ def ragged_row(
     attempt(row, "eager_s", lambda: b.timed(b.attend))
     attempt(row, "engine_s", lambda: b.timed(b.engine))
     attempt(row, "one_group_s", lambda: b.timed(partial(b.engine, min_fill=0.0)))
+    attempt(row, "in_place_s", lambda: b.timed(b.in_place))
     ref = b.reference(0)
     attempt(row, "engine_rel_error", lambda: rel_error(b.engine(0), ref))
     attempt(row, "one_group_rel_error", lambda: rel_error(b.engine(0, 0.0), ref))
-    for k in ("eager", "engine", "one_group"):
+    attempt(row, "in_place_rel_error", lambda: rel_error(b.in_place(0), ref))
+    for k in ("eager", "engine", "one_group", "in_place"):
         t = row.get(f"{k}_s")
         row[f"{k}_share"] = None if t is None else b.step_bytes / t / roofline
     return row

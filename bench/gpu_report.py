@@ -213,34 +213,50 @@ def kv_section(results: dict[str, Any], targets: dict[str, Any]) -> list[str]:
 
 
 def paged_section(rows: list[dict[str, Any]], goal: float) -> list[str]:
-    """Section 2's paged-kernel columns (runs since the sixth session of issue 25)."""
-    rows = [r for r in rows if "paged_s" in r]
+    """Section 2's read-in-place columns: flash decode (since the seventh session of issue
+    25) and torch's paged kernel (since the sixth)."""
+    rows = [r for r in rows if "paged_s" in r or "in_place_s" in r]
     if not rows:
         return []
     out = [
-        "Paged: the same step through torch's paged attention kernel "
-        "(`torch.nn.attention.varlen.varlen_attn` with each session's block table and length: "
-        "flash attention's decode, CUDA only), each session's blocks read where they are, no "
-        "gather; *cache's layout*: over the cache's K/V viewed as (blocks, block_size, KVH, D) "
-        "(its storage is (KVH, blocks, block_size, D)); *pool*: over a copy laid out so, made "
-        "once outside the timing (what a cache laid out for the kernel would hold). What the "
-        "engine's batched path would become (docs/benchmarks-overhead.md, issue 25).",
+        "Read in place, no gather. *Flash decode*: the engine's batch with `--flash-decode` "
+        "(engine/attend.py): FlashAttention's varlen forward (torch's own, in torch 2.11 and "
+        "2.13) over the cache viewed token-major, each session's first slot and length given "
+        "(`cu_seqlens_k`, `seqused_k`), then wo. *Paged*: torch's paged attention kernel "
+        "(`torch.nn.attention.varlen.varlen_attn` with each session's page table and length, "
+        "torch >= 2.13 only; pages of 256 tokens, which it requires), over the cache's K/V "
+        "viewed as (pages, 256, KVH, D) (*cache's layout*; its storage is (KVH, blocks, "
+        "block_size, D)) and over a copy laid out so, made once outside the timing (*pool*). "
+        "A failed cell's reason is under the table.",
         "",
-        "| model | sessions | **paged, cache's layout (us)** | share | paged, pool (us) | share "
-        "| error, paged |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| model | sessions | **flash decode (us)** | share | paged, cache's layout (us) | share "
+        "| paged, pool (us) | share | error, flash decode | error, paged |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         out.append(
-            f"| {r['model']} | {r['batch']} | {measured(r, 'paged_s')} "
-            f"| **{pct(r.get('paged_share'))}** | {measured(r, 'paged_pool_s')} "
-            f"| {pct(r.get('paged_pool_share'))} | {sci(r.get('paged_rel_error'))} |"
+            f"| {r['model']} | {r['batch']} | {measured(r, 'in_place_s')} "
+            f"| **{pct(r.get('in_place_share'))}** | {measured(r, 'paged_s')} "
+            f"| {pct(r.get('paged_share'))} | {measured(r, 'paged_pool_s')} "
+            f"| {pct(r.get('paged_pool_share'))} | {sci(r.get('in_place_rel_error'))} "
+            f"| {sci(r.get('paged_rel_error'))} |"
         )
+    failed = [
+        f"- {r['model']}, {r['batch']} sessions, {key}: `{why[:200]}`"
+        for r in rows
+        for key, why in (r.get("errors") or {}).items()
+        if key.startswith(("in_place", "paged"))
+    ]
+    if failed:
+        out += ["", "Why a cell is empty:", "", *failed]
     widest = max(r["batch"] for r in rows)
     out += ["", f"At {widest} sessions, against the target of {goal:.0%}:", ""]
     for r in (r for r in rows if r["batch"] == widest):
         marks = []
-        for k, label in (("paged", "cache's layout"), ("paged_pool", "pool")):
+        labels = (("in_place", "flash decode"), ("paged", "paged"), ("paged_pool", "pool"))
+        for k, label in labels:
+            if f"{k}_s" not in r:  # a run from before this column
+                continue
             share = r.get(f"{k}_share")
             verdict = "failed" if share is None else "meets" if share >= goal else "misses"
             marks.append(f"{label} {pct(share)} ({verdict})")
@@ -257,12 +273,14 @@ def ragged_section(results: dict[str, Any]) -> list[str]:
         "the engine's rule (engine/attend.py): longest first, a session joins a padded group "
         "while it reads at least half of the group's longest, so padding at most doubles a "
         "session's cost and a group of one reads in place; *one group*: every session padded "
-        "to the longest. Share counts only the real K/V bytes.",
+        "to the longest; *flash decode*: every session read in place, no padding "
+        "(`--flash-decode`, above). Share counts only the real K/V bytes.",
         "",
         "| model | sessions | contexts | K/V per step | per session (us) | share "
-        "| **engine's groups (us)** | share | one group (us) | share | error, groups "
-        "| error, one group |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| **engine's groups (us)** | share | one group (us) | share | flash decode (us) "
+        "| share | error, groups | error, one group | error, flash decode |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | ---: | ---: |",
     ]
     for r in rows:
         size = f"{r['kv_bytes'] / 2**20:.1f} MiB" if r.get("kv_bytes") else "-"
@@ -271,8 +289,9 @@ def ragged_section(results: dict[str, Any]) -> list[str]:
             f"| {r['model']} | {r['batch']} | {contexts} | {size} | {us(r.get('eager_s'))} "
             f"| {pct(r.get('eager_share'))} | {us(r.get('engine_s'))} "
             f"| **{pct(r.get('engine_share'))}** | {us(r.get('one_group_s'))} "
-            f"| {pct(r.get('one_group_share'))} | {sci(r.get('engine_rel_error'))} "
-            f"| {sci(r.get('one_group_rel_error'))} |"
+            f"| {pct(r.get('one_group_share'))} | {measured(r, 'in_place_s')} "
+            f"| {pct(r.get('in_place_share'))} | {sci(r.get('engine_rel_error'))} "
+            f"| {sci(r.get('one_group_rel_error'))} | {sci(r.get('in_place_rel_error'))} |"
         )
     return [*out, ""]
 

@@ -201,7 +201,8 @@ SWITCHES = {
 }
 # Switches `--switches` takes besides, not in `make gpu`'s section 8 (its time is budgeted):
 # the event loop pinned (--event-loop-cpu: on 2 CPU cores a lone step 18-22% quicker).
-MORE_SWITCHES = {"pinned": ["--event-loop-cpu", "auto"]}
+# Flash decode (--flash-decode): batched decode steps read K/V in place, one kernel.
+MORE_SWITCHES = {"pinned": ["--event-loop-cpu", "auto"], "flash": ["--flash-decode", "true"]}
 ALL_SWITCHES = {**SWITCHES, **MORE_SWITCHES}
 # Its stateless point (batch, length), its sessions' first context, its lone step's context.
 SWITCH_POINT = (8, 128)

@@ -204,9 +204,9 @@ run() {
     # the same lone step through engine/graphs.py replayed from CUDA graphs (decode_graphs)
     "$PY" bench/engine_step.py --device cuda --context 3968 --rounds 3 --steps 100 \
       --static-decode graphs
-    # per session, batched, and batched from CUDA graphs (the third side)
+    # per session, batched, batched from CUDA graphs and batched with flash decode
     "$PY" bench/engine_step.py --device cuda --sessions 64 --contexts 1024,4032 --rounds 3 \
-      --static-decode graphs --profile "$RESULTS/engine_batch_gpu.json"
+      --static-decode graphs --flash-decode --profile "$RESULTS/engine_batch_gpu.json"
   fi
   if [[ " $GPU_PARTS " == *" layers "* ]]; then
     say "where a served decode step's time goes, layer by layer (bench/step_layers.py)"

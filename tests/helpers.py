@@ -58,6 +58,16 @@ def suite_torch_device():
     return torch.device(suite_device())
 
 
+def config_of(argv: list[str]):
+    """The ServerConfig a command line makes (its --config file, then the environment, then
+    its flags), as mha-serve's main() builds it."""
+    from mha_serve.config import build_config
+    from mha_serve.transport.main import parser
+
+    args = parser().parse_args(argv)
+    return build_config(args.config, {k: getattr(args, k) for k in vars(args) if k != "config"})
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

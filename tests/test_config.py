@@ -6,6 +6,7 @@ import pytest
 
 from mha_serve.config import ServerConfig, build_config, default_models
 from mha_serve.transport.main import main, parser
+from tests.helpers import config_of
 
 
 def test_built_in_models_are_three_variants_of_one_size():
@@ -27,8 +28,7 @@ def test_file_then_environment_then_flags(tmp_path, monkeypatch):
     )
     monkeypatch.setenv("MHA_SERVE_PORT", "7000")
     monkeypatch.setenv("MHA_SERVE_METRICS_PORT", "7001")
-    args = parser().parse_args(["--config", str(cfg_file), "--metrics-port", "8001"])
-    cfg = build_config(args.config, {k: getattr(args, k) for k in vars(args) if k != "config"})
+    cfg = config_of(["--config", str(cfg_file), "--metrics-port", "8001"])
     assert (cfg.port, cfg.metrics_port, cfg.device) == (7000, 8001, "cpu")
     (model,) = cfg.models
     assert model.name == "small" and model.attention.variant == "gqa" and model.attention.causal
@@ -127,9 +127,7 @@ def test_example_config_in_docs_loads():
 
 def test_boolean_settings_from_environment(monkeypatch, capsys):
     monkeypatch.setenv("MHA_SERVE_EVICT_IDLE_SESSIONS", "true")
-    args = parser().parse_args([])
-    cfg = build_config(None, {k: getattr(args, k) for k in vars(args) if k != "config"})
-    assert cfg.evict_idle_sessions is True
+    assert config_of([]).evict_idle_sessions is True
     monkeypatch.setenv("MHA_SERVE_EVICT_IDLE_SESSIONS", "maybe")
     assert main([]) == 2
     assert "evict_idle_sessions must be bool, got 'maybe'" in capsys.readouterr().err

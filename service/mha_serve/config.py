@@ -92,6 +92,11 @@ class ServerConfig:
     # replayed from CUDA graphs, one per batch bucket and key width (engine/graphs.py): a
     # step's host work is most of its cost on a GPU. Off until a GPU run measures it served.
     decode_graphs: bool = False
+    # On CUDA, a batch of decode steps (one token each, no weights, no head mask) of a
+    # float16/bfloat16 model reads each session's K/V where it lies in the cache, in one
+    # flash attention kernel (engine/attend.py), instead of copying them into a padded batch
+    # first. Off until a GPU run measures it served.
+    flash_decode: bool = False
     # --- durable sessions (docs/operations.md "Durable sessions") ---
     # A directory where a full KV cache moves its least recently used idle sessions instead of
     # refusing or evicting them, and where live sessions are written on SIGTERM (after

@@ -130,7 +130,12 @@ def test_the_benchmarked_decode_step_equals_a_float64_recompute(num_kv_heads):
         b = gpu_kernels.DecodeBench(module, 3, 37, min_pool_bytes=2 * per_group + 1, block_size=8)
         assert b.groups == 3 and b.step_bytes == per_group  # rotates over 3 sets of sessions
         slots = b.slots.flatten().tolist()
-        assert len(set(slots)) == 9 and all(s % 40 == 36 for s in slots)  # each its own last
+        # each its own last; sessions 256 slots apart (each starts a page of paged())
+        assert len(set(slots)) == 9 and all(s % 256 == 36 for s in slots)
+        for g, (table, lengths) in enumerate(b._tables):  # paged(): each session's first page
+            firsts = [r.block_table[0] * 8 for r in b.reservations[g]]
+            assert [p * gpu_kernels.PAGE_TOKENS for p in table[:, 0].tolist()] == firsts
+            assert lengths.tolist() == [37] * 3 and table.dtype == torch.int32
         for group in range(b.groups):
             got = b.step(group)
             ref = b.reference(group)
@@ -475,13 +480,17 @@ def test_a_row_records_what_it_could_not_measure_and_the_page_says_so():
             )
         assert step["errors"] == {"graph": "RuntimeError: CUDA graphs need a CUDA device"}
         paged = "RuntimeError: torch's paged varlen_attn needs CUDA (flash attention)"
+        flash = "RuntimeError: flash decode needs CUDA (flash attention)"
         assert kv["errors"] == {
             "graph": "RuntimeError: CUDA graphs need a CUDA device",
+            "in_place_s": flash,
+            "in_place_rel_error": flash,
             "paged_s": paged,
             "paged_pool_s": paged,
             "paged_rel_error": paged,
         }
         assert kv["paged_share"] is None and kv["paged_pool_share"] is None
+        assert kv["in_place_share"] is None
 
     def broken(module, batch, context):
         raise MemoryError("out of memory")
@@ -503,8 +512,9 @@ def test_a_row_records_what_it_could_not_measure_and_the_page_says_so():
     assert "- kv mqa x64 at 4096: row: `MemoryError: out of memory`" in page
     assert "| mqa | 64 | - | - | **-** | failed | - | failed | - | failed | - | - | - |" in page
     if not torch.cuda.is_available():  # the paged kernel's table: what could not be measured
-        assert "| gqa | 2 | failed | **-** | failed | - | - |" in page
-        assert "- gqa: cache's layout - (failed), pool - (failed)" in page
+        assert "| gqa | 2 | failed | **-** | failed | - | failed | - | - | - |" in page
+        assert "- gqa: flash decode - (failed), paged - (failed), pool - (failed)" in page
+        assert f"- gqa, 2 sessions, in_place_s: `{flash}`" in page
 
 
 def test_the_step_profile_refuses_a_context_its_steps_would_overrun_and_make_gpu_fits():

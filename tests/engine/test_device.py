@@ -16,6 +16,7 @@ from mha_serve.engine import (
 )
 from mha_serve.transport.server import load_engine
 from tests.engine_calls import req, run_batch, torched
+from tests.helpers import config_of
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -63,12 +64,9 @@ def test_the_servers_setting_reaches_the_engine(cudnn_switch, monkeypatch):
     """--cudnn-attention travels from the command line to the engine's choice, for the
     engine's device (here the CPU, where the switch itself is left as it was)."""
     import mha_serve.engine.engine as engine_module
-    from mha_serve.config import build_config
-    from mha_serve.transport.main import parser
 
-    assert build_config(None, {}).cudnn_attention is False  # the default: off
-    args = parser().parse_args(["--cudnn-attention", "true", "--device", "cpu"])
-    cfg = build_config(None, {k: getattr(args, k) for k in vars(args) if k != "config"})
+    assert config_of([]).cudnn_attention is False  # the default: off
+    cfg = config_of(["--cudnn-attention", "true", "--device", "cpu"])
     assert cfg.cudnn_attention is True
     seen = []
     real = engine_module.choose_attention_kernels

@@ -264,6 +264,36 @@ class KVCache:
             v,
         )
 
+    def by_token(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V token-major, (num_slots, KVH, D) each: views of the same memory (strides
+        D, num_slots * D, 1), for kernels that take a sequence as rows of (KVH, D) (flash
+        attention's varlen forward, engine/attend.py)."""
+        KVH, D = self.num_kv_heads, self.head_dim
+        return (
+            self.k.view(KVH, self.num_slots, D).transpose(0, 1),
+            self.v.view(KVH, self.num_slots, D).transpose(0, 1),
+        )
+
+    def runs(self, reads: Sequence[tuple[Sequence[int], int, int, int]]) -> list[int | None]:
+        """Where each read lies in one run of slots: reads[b] = (block_table, start, length,
+        first_block) as read() takes them; the slot of position start when positions
+        start..length-1 sit in consecutive blocks (they are then slots first..first +
+        length - start - 1 of every head), None when they do not (read() would copy)."""
+        bs = self.block_size
+        out: list[int | None] = []
+        for b, (table, start, length, first_block) in enumerate(reads):
+            lo = start // bs - first_block
+            hi = -(-length // bs) - first_block
+            if not 0 <= start < length or lo < 0 or len(table) < hi:
+                raise ValueError(
+                    f"read {b}: positions {start}..{length - 1} of a session with "
+                    f"{len(table)} block(s) from position {first_block * bs} do not fit "
+                    f"{hi - lo} block(s) of {bs} from its block {first_block + lo}"
+                )
+            ids = table[lo:hi]
+            out.append(ids[0] * bs + start % bs if _consecutive(ids) else None)
+        return out
+
     def gather(
         self, reads: Sequence[tuple[Sequence[int], int, int, int]], width: int
     ) -> tuple[torch.Tensor, torch.Tensor]:

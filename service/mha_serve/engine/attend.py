@@ -8,6 +8,14 @@ BATCHED_MIN_FILL of the group's longest read, so padding at most doubles what a 
 costs, and an outlier (one long session among short ones) is a group of its own; a group
 of one reads its session in place (no copy), as the per-session path does.
 
+In place (flash decode, CUDA): a batch of decode steps (one token each, no head mask) of a
+model flash attention can run (flash_decode_unsupported) reads every session whose read
+lies in consecutive blocks where it lies, in one kernel: FlashAttention's varlen forward
+over the cache viewed token-major (KVCache.by_token), each session's first slot and length
+given (cu_seqlens_k, seqused_k); no copy, no mask, no padding. Rows whose blocks are not
+consecutive attend as above. Off unless asked (Sessions' flash_decode): not yet measured
+served on a GPU.
+
 Per session: attend_cached runs one kernel per session over views of the cache. Always for
 steps that ask for weights; on CUDA the batched path is the default (a kernel per session
 left the GPU at 1-5% of its memory bandwidth at 64 sessions, docs/benchmarks-gpu.md); on
@@ -17,7 +25,7 @@ copy costs more than the kernels it saves: bench/engine_step.py --sessions 64).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -36,9 +44,58 @@ MAX_GATHER_BYTES = 256 << 20
 WIDTH_MULTIPLE = 16
 
 
+# (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_k, scale) -> (B, H, D): flash_varlen's
+# signature; tests on the CPU pass a plain reference of its semantics.
+FlashKernel = Callable[..., torch.Tensor]
+
+
 def batched_by_default(device: torch.device) -> bool:
     """Whether steps without weights attend batched on this device when not told."""
     return device.type == "cuda"
+
+
+def flash_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    used: torch.Tensor,
+    max_k: int,
+    scale: float,
+) -> torch.Tensor:
+    """FlashAttention's varlen forward, torch's own build (CUDA, float16/bfloat16; the same
+    operator and arguments in torch 2.11 and 2.13): q (B, H, D), one query per sequence
+    (cu_q = 0..B, int32); sequence b's keys and values are rows cu_k[b] .. cu_k[b] +
+    used[b] - 1 of k, v (N, KVH, D) (any strides, the last dimension contiguous; with
+    seqused_k the kernel reads cu_k[b] as a start only, so sequences may lie anywhere);
+    KVH divides H (query head h reads K/V head h // (H / KVH)). Returns (B, H, D)."""
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, 1, max_k, 0.0, False, False, scale=scale, seqused_k=used
+    )
+    return out[0]
+
+
+def flash_decode_unsupported(
+    config, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype
+) -> str | None:
+    """Why flash decode cannot run a model (None: it can): config an AttentionConfig."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"flash attention takes float16 or bfloat16 (the model is {str(dtype).removeprefix('torch.')})"
+    if cache_dtype != dtype:
+        return "the KV cache is narrower than the model (kv_cache_dtype)"
+    if config.softcap is not None:
+        return "the model soft-caps its scores (softcap), which this kernel call does not"
+    if config.head_dim % 8 or config.head_dim > 256:
+        return f"flash attention needs head_dim a multiple of 8 up to 256 (it is {config.head_dim})"
+    if device.type != "cuda":
+        return f"it needs CUDA (the model is on {device.type})"
+    if not torch.backends.cuda.is_flash_attention_available():
+        return "this torch build has no flash attention"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"flash attention needs compute capability 8.0 or newer (this GPU: {major}.{minor})"
+    return None
 
 
 def plan_groups(
@@ -83,21 +140,50 @@ def attend_steps(
     weight_heads: Sequence[int] | None = None,
     head_mask: torch.Tensor | None = None,
     min_fill: float = BATCHED_MIN_FILL,
+    flash: FlashKernel | None = None,
 ) -> AttentionOutput:
     """The steps' attention over their sessions' cached K/V (the step's own already
     written): q (B, H, T, D) as `project` returns it; output (B, T, E), padded tokens' rows
     zero. batched: in padded groups (plan_groups, min_fill) where a step asks for no
-    weights."""
+    weights; flash (flash_varlen, for a model flash_decode_unsupported clears): one token
+    each and no head mask, the rows whose blocks are consecutive read in place by it."""
     B = q.shape[0]
     if need_weights or not batched or B == 1:
         return _per_session(
             module, cache, q, reservations, new_tokens, need_weights, weight_heads, head_mask
         )
+    rest = range(B)
+    parts: list = []
+    if flash is not None and head_mask is None and q.shape[2] == 1:
+        # The kernel gets no mask: each row reads from its token's first key on (its
+        # window's, which read_start may precede), to its own.
+        W = module.config.sliding_window
+        reads = [
+            (
+                r.block_table,
+                r.read_start if W is None else max(r.read_start, r.start + 1 - W),
+                r.start + 1,
+                r.first_block,
+            )
+            for r in reservations
+        ]
+        firsts = cache.runs(reads)
+        counts = [length - start for _, start, length, _ in reads]
+        if None not in firsts:  # every row in place, in order: no scatter
+            return _in_place(module, q, cache, firsts, counts, flash)
+        placed = [i for i, f in enumerate(firsts) if f is not None]
+        rest = [i for i, f in enumerate(firsts) if f is None]
+        if placed:  # (their attend: _in_place, below)
+            parts.append((placed, None))
     lengths = [r.start + r.num_tokens - r.read_start for r in reservations]
-    groups, alone = plan_groups(lengths, cache.bytes_per_token, min_fill=min_fill)
-    if len(groups) == 1 and not alone:  # every row in one group, in order: no scatter
+    groups, alone = plan_groups(
+        [lengths[i] for i in rest], cache.bytes_per_token, min_fill=min_fill
+    )
+    if not parts and len(groups) == 1 and not alone:  # every row in one group, in order
         return _padded(module, cache, q, reservations, new_tokens, head_mask)
-    parts = [(rows, _padded) for rows in groups] + ([(alone, _per_session)] if alone else [])
+    parts += [([rest[i] for i in rows], _padded) for rows in groups]
+    if alone:
+        parts.append(([rest[i] for i in alone], _per_session))
     # Every part's rows in one index tensor (one copy to the device, no wait), cut per part.
     indices = list_tensor([i for rows, _ in parts for i in rows], q.device)  # (B,)
     out = None
@@ -105,18 +191,50 @@ def attend_steps(
     for rows, attend in parts:
         index = indices.narrow(0, at, len(rows))
         at += len(rows)
-        y = attend(
-            module,
-            cache,
-            q.index_select(0, index),
-            [reservations[i] for i in rows],
-            [new_tokens[i] for i in rows],
-            head_mask=head_mask,
-        ).output
+        if attend is None:  # rows read in place
+            sub = [firsts[i] for i in rows], [counts[i] for i in rows]
+            y = _in_place(module, q.index_select(0, index), cache, *sub, flash).output
+        else:
+            y = attend(
+                module,
+                cache,
+                q.index_select(0, index),
+                [reservations[i] for i in rows],
+                [new_tokens[i] for i in rows],
+                head_mask=head_mask,
+            ).output
         if out is None:
             out = y.new_zeros(B, *y.shape[1:])  # (B, T, E)
         out.index_copy_(0, index, y)
     return AttentionOutput(output=out, weights=None)
+
+
+def _in_place(
+    module: MultiHeadAttention,
+    q: torch.Tensor,
+    cache: KVCache,
+    firsts: Sequence[int],
+    counts: Sequence[int],
+    flash: FlashKernel,
+) -> AttentionOutput:
+    """One token per row (q (B, H, 1, D)), no head mask: row b's keys are counts[b] slots from
+    firsts[b] in every head (KVCache.runs), read where they lie by one flash kernel."""
+    B = q.shape[0]
+    # cu_seqlens_q 0..B, cu_seqlens_k each row's first slot (its last entry unread), seqused_k
+    # each row's key count: one int32 tensor, one copy.
+    meta = list_tensor([*range(B + 1), *firsts, firsts[-1], *counts], q.device, torch.int32)
+    k, v = cache.by_token()  # (slots, KVH, D) each
+    y = flash(
+        q[:, :, 0],
+        k,
+        v,
+        meta[: B + 1],
+        meta[B + 1 : 2 * B + 2],
+        meta[2 * B + 2 :],
+        max(counts),
+        module.scale,
+    )  # (B, H, D)
+    return AttentionOutput(output=module.merge_heads(y.unsqueeze(2)), weights=None)
 
 
 def _padded(

@@ -112,8 +112,10 @@ class Engine:
         batched_attention: bool | None = None,
         cudnn_attention: bool = False,
         static_decode: str = "off",
+        flash_decode: bool = False,
     ) -> None:
         """batched_attention: Sessions' (None: batched on CUDA, per session on the CPU);
+        flash_decode: Sessions' (batched decode steps read K/V in place, CUDA);
         cudnn_attention: let attention on CUDA run cuDNN's kernel (choose_attention_kernels);
         static_decode: how plain decode steps run, Sessions' ("graphs": CUDA graphs, for
         models on CUDA);
@@ -142,6 +144,7 @@ class Engine:
             spill_bytes=spill_bytes,
             batched_attention=batched_attention,
             static_decode=static_decode,
+            flash_decode=flash_decode,
         )
         if static_decode == "graphs" and device.type != "cuda":
             log.warning(

@@ -29,7 +29,13 @@ from mha_serve.cache import (
     SessionStats,
     SessionTable,
 )
-from mha_serve.engine.attend import attend_steps, batched_by_default
+from mha_serve.engine.attend import (
+    FlashKernel,
+    attend_steps,
+    batched_by_default,
+    flash_decode_unsupported,
+    flash_varlen,
+)
 from mha_serve.engine.bounds import KeyBound, cleared, gate_absmax, key_absmax
 from mha_serve.engine.checks import require_finite, scores_overflow_error
 from mha_serve.engine.durable import Expectations, open_spill_tier, restore
@@ -108,6 +114,7 @@ class Sessions:
         spill_bytes: int = 0,
         batched_attention: bool | None = None,
         static_decode: str = "off",
+        flash_decode: bool = False,
     ) -> None:
         """id_prefix starts every session id (a Ray Serve replica's own id); the per-client
         limits bound each owner's live sessions and KV bytes (0: none); spill_dir: a full
@@ -117,7 +124,9 @@ class Sessions:
         static_decode: how plain decode steps (one token each, no weights, no head mask)
         run: "off" as any step, "eager" in fixed shapes (engine/graphs.py, any device),
         "graphs" replayed from CUDA graphs of those shapes (models on CUDA; the others as
-        "off")."""
+        "off"); flash_decode: batched plain decode steps of a model flash attention can run
+        read each session's K/V in place, one kernel (engine/attend.py; the other models
+        as without it, with a warning that says why)."""
         if static_decode not in STATIC_DECODE_MODES:
             raise ValueError(
                 f"static_decode {static_decode!r} is not one of {', '.join(STATIC_DECODE_MODES)}"
@@ -142,6 +151,9 @@ class Sessions:
             else batched_attention
             for name, hosted in models.items()
         }
+        # Per model with a cache: the kernel batched decode steps read their K/V in place
+        # with (flash_decode; absent: gathered). A plain dict: tests put a reference in.
+        self.flash_kernels: dict[str, FlashKernel] = {}
         for name, hosted in models.items():
             spec = hosted.spec
             if spec.kv_cache_bytes == 0:
@@ -165,6 +177,12 @@ class Sessions:
             except ValueError as e:
                 raise ValueError(f"model {name!r}: kv_cache_bytes: {e}") from None
             self.caches[name] = cache
+            if flash_decode:
+                why = flash_decode_unsupported(spec.attention, hosted.device, hosted.dtype, dtype)
+                if why is None:
+                    self.flash_kernels[name] = flash_varlen
+                else:
+                    log.warning("flash_decode is on, but not for model %r: %s", name, why)
             window = spec.attention.sliding_window  # sessions then keep their window only
             self.table.add_model(name, cache, max_len=spec.max_seq_len, window=window)
         # What a session's record must match here: spill files, and sessions moved in.
@@ -570,6 +588,7 @@ class Sessions:
                 reservations,
                 new_tokens,
                 batched=self.batched_attention.get(hosted.spec.name, False),
+                flash=self.flash_kernels.get(hosted.spec.name),
                 need_weights=first.need_weights,
                 weight_heads=sorted(set(heads)) if first.need_weights else None,
                 head_mask=head_mask,

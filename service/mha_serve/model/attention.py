@@ -445,6 +445,11 @@ class MultiHeadAttention(nn.Module):
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # (B, H|KVH, L, D)
         return q, k, v
 
+    def merge_heads(self, y: torch.Tensor) -> torch.Tensor:
+        """Attention's per-head output y (B, H, L, D) as the module's output (B, L, E): heads
+        merged, then wo (for a kernel run outside the module, engine/attend.py)."""
+        return self._merge_heads(y, None, None)
+
     def _merge_heads(
         self, y: torch.Tensor, gate: torch.Tensor | None, valid: torch.Tensor | None
     ) -> torch.Tensor:

@@ -39,6 +39,7 @@ HELP = {
     "session_spill_bytes": "byte budget of the spill directory; past it the oldest spilled sessions expire",
     "cudnn_attention": "on CUDA, let attention run cuDNN's kernel, which builds a plan of 35-50 ms for every new shape (a growing session's every step); off: flash or memory-efficient kernels",
     "decode_graphs": "on CUDA, decode steps run in fixed shapes replayed from CUDA graphs (one per batch bucket and key width); off: as any step",
+    "flash_decode": "on CUDA, batched decode steps of a float16/bfloat16 model read each session's K/V in place in one flash attention kernel; off: copied into a padded batch first",
     "event_loop_cpu": "none | auto | N: the CPU the event loop's thread (and gRPC's) runs on, for a machine the server has to itself (auto: the last CPU the process may use); the compute threads keep every CPU (docs/operations.md)",
     "inline_lone_requests": "a lone small request (a decode step) that finds its lane idle runs on the event loop's thread, no thread crossing; false: every request crosses to the compute thread",
 }

@@ -83,6 +83,7 @@ def load_engine(
         spill_bytes=cfg.session_spill_bytes,
         cudnn_attention=cfg.cudnn_attention,
         static_decode="graphs" if cfg.decode_graphs else "off",
+        flash_decode=cfg.flash_decode,
     )
     engine.warmup()
     adopt_spilled(engine)
