@@ -149,6 +149,31 @@ def test_rows_in_place_and_rows_copied_in_one_batch():
     close(all_in_place.output, want[[0, 2, 3]], "all in place vs per session")
 
 
+def test_a_kernel_that_fails_turns_flash_decode_off_and_the_step_still_answers(caplog):
+    """The kernel raising (a torch that refuses its arguments, say): the step attends
+    gathered and answers as per session, the model runs without flash decode from then on,
+    and the log says why."""
+    calls = []
+
+    def refuses(q, *args):
+        calls.append(q.shape[0])
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.")
+
+    engine = flash_engine(False)
+    engine.sessions.flash_kernels["gqa"] = refuses
+    per_session = flash_engine(False)
+    per_session.sessions.batched_attention = dict.fromkeys(per_session.models, False)
+    with caplog.at_level(logging.ERROR, logger="mha_serve.engine.sessions"):
+        got, _ = decode_together(engine, "gqa", rounds=2)
+    want, _ = decode_together(per_session, "gqa", rounds=2)
+    assert calls == [6] and "gqa" not in engine.sessions.flash_kernels
+    said = [r.getMessage() for r in caplog.records]
+    assert any("flash decode failed for model 'gqa'" in m and "Ampere" in m for m in said), said
+    for r, (a_round, w_round) in enumerate(zip(got, want, strict=True)):
+        for i, (a, w) in enumerate(zip(a_round, w_round, strict=True)):
+            close(a, w, f"round {r} session {i}: after the kernel failed vs per session")
+
+
 def test_a_head_mask_or_several_tokens_never_reach_the_kernel():
     engine = flash_engine(False)
     spy = Spy(reference_varlen)

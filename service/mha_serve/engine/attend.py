@@ -49,6 +49,11 @@ WIDTH_MULTIPLE = 16
 FlashKernel = Callable[..., torch.Tensor]
 
 
+class FlashDecodeFailed(RuntimeError):
+    """The flash kernel raised (its error is the cause): nothing was written, so the same
+    rows can attend again without it."""
+
+
 def batched_by_default(device: torch.device) -> bool:
     """Whether steps without weights attend batched on this device when not told."""
     return device.type == "cuda"
@@ -224,16 +229,11 @@ def _in_place(
     # each row's key count: one int32 tensor, one copy.
     meta = list_tensor([*range(B + 1), *firsts, firsts[-1], *counts], q.device, torch.int32)
     k, v = cache.by_token()  # (slots, KVH, D) each
-    y = flash(
-        q[:, :, 0],
-        k,
-        v,
-        meta[: B + 1],
-        meta[B + 1 : 2 * B + 2],
-        meta[2 * B + 2 :],
-        max(counts),
-        module.scale,
-    )  # (B, H, D)
+    cu_q, cu_k, used = meta[: B + 1], meta[B + 1 : 2 * B + 2], meta[2 * B + 2 :]
+    try:
+        y = flash(q[:, :, 0], k, v, cu_q, cu_k, used, max(counts), module.scale)  # (B, H, D)
+    except RuntimeError as e:  # (a CUDA error that poisons the context is no better after)
+        raise FlashDecodeFailed(f"{type(e).__name__}: {e}") from e
     return AttentionOutput(output=module.merge_heads(y.unsqueeze(2)), weights=None)
 
 

@@ -30,6 +30,7 @@ from mha_serve.cache import (
     SessionTable,
 )
 from mha_serve.engine.attend import (
+    FlashDecodeFailed,
     FlashKernel,
     attend_steps,
     batched_by_default,
@@ -581,18 +582,28 @@ class Sessions:
             # read with the output's, in one sync after the forward.
             bounded = _bounded_rows(hosted, cache, steps, cached)
             maxima = None if bounded is not None else row_absmax_tensor(q, k_new, v_new)  # (3, B)
-            out = attend_steps(
+            attend = functools.partial(
+                attend_steps,
                 hosted.module,
                 cache,
                 q,
                 reservations,
                 new_tokens,
                 batched=self.batched_attention.get(hosted.spec.name, False),
-                flash=self.flash_kernels.get(hosted.spec.name),
                 need_weights=first.need_weights,
                 weight_heads=sorted(set(heads)) if first.need_weights else None,
                 head_mask=head_mask,
             )
+            try:
+                out = attend(flash=self.flash_kernels.get(hosted.spec.name))
+            except FlashDecodeFailed as e:  # reads only: the same step again, gathered
+                log.error(
+                    "flash decode failed for model %r, which attends without it from now: %s",
+                    hosted.spec.name,
+                    e.__cause__,
+                )
+                self.flash_kernels.pop(hosted.spec.name, None)
+                out = attend(flash=None)
         if bounded is not None:  # no overflow anywhere: proven, not measured
             return _proven(out, heads, cached, bounded)
         with torch.inference_mode():
