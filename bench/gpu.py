@@ -28,8 +28,8 @@ test suite on CUDA (bench/gpu_target.sh).
 7. Attention at a new key length each call (a growing session's step), by kernel: cuDNN plans
    every new shape (why the engine switches it off on CUDA), flash and memory-efficient do
    not; cuDNN over keys padded to a bucket shares its plans.
-8. The server's GPU switches against its defaults, alternating: cuDNN's attention on
-   (--cudnn-attention true) and decode steps from CUDA graphs (--decode-graphs true), each
+8. The server's GPU switches against its defaults, alternating: flash decode on
+   (--flash-decode true) and decode steps from CUDA graphs (--decode-graphs true), each
    on stateless requests batched into changing sizes, 64 sessions decoding together, and one
    session's step alone, from contexts new every round.
 

@@ -585,7 +585,7 @@ def test_the_switches_section_runs_real_servers_side_by_side(tmp_path):
     from overhead import start_servers
 
     variants = {n: f for n, f in gpu_served.SWITCHES.items() if f}
-    assert set(variants) == {"cudnn", "graphs"}
+    assert set(variants) == {"flash", "graphs"}
     procs, targets = start_servers(tmp_path, None, variants=variants)
     try:
         out = gpu_served.switches(targets, rounds=2, steps=6, num_sessions=3, duration=0.3)
@@ -596,7 +596,7 @@ def test_the_switches_section_runs_real_servers_side_by_side(tmp_path):
             proc.wait(30)
     assert out["rounds"] == 2 and out["sessions"] == 3
     for table in ("stateless", "sessions", "lone"):
-        assert set(out["samples"][table]) == {"served", "cudnn", "graphs"}
+        assert set(out["samples"][table]) == {"served", "flash", "graphs"}
         assert all(len(v) == 2 and min(v) > 0 for v in out["samples"][table].values())
 
 
