@@ -193,23 +193,33 @@ def kv_section(results: dict[str, Any], targets: dict[str, Any]) -> list[str]:
             "stays empty until the next `make gpu`; per session is what the engine ran then.",
             "",
         ]
+    labels = (
+        ("engine", "engine"),
+        ("eager", "per session"),
+        ("graph", "graph"),
+        ("batched", "one kernel"),
+    )
+    out += verdicts(rows, goal, labels)
+    return [*out, "", *paged_section(rows, goal), *ragged_section(results)]
+
+
+def verdicts(
+    rows: list[dict[str, Any]], goal: float, labels: tuple[tuple[str, str], ...]
+) -> list[str]:
+    """At the widest batch, each (column, label)'s share against the goal, per model (a
+    column a run predates is left out)."""
     widest = max(r["batch"] for r in rows)
-    out += [f"At {widest} sessions, against the target of {goal:.0%}:", ""]
+    out = [f"At {widest} sessions, against the target of {goal:.0%}:", ""]
     for r in (r for r in rows if r["batch"] == widest):
         marks = []
-        for k, label in (
-            ("engine", "engine"),
-            ("eager", "per session"),
-            ("graph", "graph"),
-            ("batched", "one kernel"),
-        ):
+        for k, label in labels:
             if f"{k}_s" not in r:  # a run from before this column
                 continue
             share = r.get(f"{k}_share")
             verdict = "failed" if share is None else "meets" if share >= goal else "misses"
             marks.append(f"{label} {pct(share)} ({verdict})")
         out.append(f"- {r['model']}: {', '.join(marks)}")
-    return [*out, "", *paged_section(rows, goal), *ragged_section(results)]
+    return out
 
 
 def paged_section(rows: list[dict[str, Any]], goal: float) -> list[str]:
@@ -249,19 +259,8 @@ def paged_section(rows: list[dict[str, Any]], goal: float) -> list[str]:
     ]
     if failed:
         out += ["", "Why a cell is empty:", "", *failed]
-    widest = max(r["batch"] for r in rows)
-    out += ["", f"At {widest} sessions, against the target of {goal:.0%}:", ""]
-    for r in (r for r in rows if r["batch"] == widest):
-        marks = []
-        labels = (("in_place", "flash decode"), ("paged", "paged"), ("paged_pool", "pool"))
-        for k, label in labels:
-            if f"{k}_s" not in r:  # a run from before this column
-                continue
-            share = r.get(f"{k}_share")
-            verdict = "failed" if share is None else "meets" if share >= goal else "misses"
-            marks.append(f"{label} {pct(share)} ({verdict})")
-        out.append(f"- {r['model']}: {', '.join(marks)}")
-    return [*out, ""]
+    labels = (("in_place", "flash decode"), ("paged", "paged"), ("paged_pool", "pool"))
+    return [*out, "", *verdicts(rows, goal, labels), ""]
 
 
 def ragged_section(results: dict[str, Any]) -> list[str]:

@@ -281,18 +281,34 @@ class KVCache:
         length - start - 1 of every head), None when they do not (read() would copy)."""
         bs = self.block_size
         out: list[int | None] = []
-        for b, (table, start, length, first_block) in enumerate(reads):
-            lo = start // bs - first_block
-            hi = -(-length // bs) - first_block
-            if not 0 <= start < length or lo < 0 or len(table) < hi:
-                raise ValueError(
-                    f"read {b}: positions {start}..{length - 1} of a session with "
-                    f"{len(table)} block(s) from position {first_block * bs} do not fit "
-                    f"{hi - lo} block(s) of {bs} from its block {first_block + lo}"
-                )
-            ids = table[lo:hi]
-            out.append(ids[0] * bs + start % bs if _consecutive(ids) else None)
+        for b, read in enumerate(reads):
+            ids = self._read_blocks(b, *read)
+            out.append(ids[0] * bs + read[1] % bs if _consecutive(ids) else None)
         return out
+
+    def _read_blocks(
+        self,
+        b: int,
+        table: Sequence[int],
+        start: int,
+        length: int,
+        first_block: int,
+        width: int | None = None,
+    ) -> Sequence[int]:
+        """The block ids that hold read b's positions start..length-1 (runs' and gather's
+        reads; at most width of them when given), or ValueError saying why they cannot."""
+        bs = self.block_size
+        lo = start // bs - first_block
+        hi = -(-length // bs) - first_block
+        wide = width is not None and length - start > width
+        if not 0 <= start < length or lo < 0 or len(table) < hi or wide:
+            raise ValueError(
+                f"read {b}: positions {start}..{length - 1} of a session with "
+                f"{len(table)} block(s) from position {first_block * bs} do not fit "
+                f"{hi - lo} block(s) of {bs} from its block {first_block + lo}"
+                + ("" if width is None else f" and width {width}")
+            )
+        return table[lo:hi]
 
     def gather(
         self, reads: Sequence[tuple[Sequence[int], int, int, int]], width: int
@@ -308,16 +324,7 @@ class KVCache:
         B = len(reads)
         bases, counts, scattered = [], [], []  # scattered: rows whose blocks are not consecutive
         for b, (table, start, length, first_block) in enumerate(reads):
-            lo = start // bs - first_block
-            hi = -(-length // bs) - first_block
-            if not 0 <= start < length or lo < 0 or len(table) < hi or length - start > width:
-                raise ValueError(
-                    f"read {b}: positions {start}..{length - 1} of a session with "
-                    f"{len(table)} block(s) from position {first_block * bs} do not fit "
-                    f"{hi - lo} block(s) of {bs} from its block {first_block + lo} and width "
-                    f"{width}"
-                )
-            ids = table[lo:hi]
+            ids = self._read_blocks(b, table, start, length, first_block, width)
             bases.append(ids[0] * bs + start % bs)
             counts.append(length - start)
             if not _consecutive(ids):
