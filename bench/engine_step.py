@@ -174,7 +174,9 @@ def engine_on(args, specs) -> Engine:
 
 
 def bare_step(module, x: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, pos: int):
-    """x (1, 1, E); k_all, v_all (1, KVH, S, D) preallocated: the step's minimal torch ops."""
+    """x (1, 1, E); k_all, v_all (1, KVH, S, D) preallocated: the step's minimal torch ops
+    (each KV head's query heads as the rows of one attention call: its fastest form on the
+    CPU, bench/decode_attention.py)."""
     c = module.config
     H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
     qkv = F.linear(x, module.wqkv.weight, module.wqkv.bias)
@@ -182,12 +184,9 @@ def bare_step(module, x: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
     k_all[:, :, pos].copy_(k.view(1, KVH, D))
     v_all[:, :, pos].copy_(v.view(1, KVH, D))
     y = F.scaled_dot_product_attention(
-        q.view(1, 1, H, D).transpose(1, 2),
-        k_all[:, :, : pos + 1],
-        v_all[:, :, : pos + 1],
-        enable_gqa=KVH != H,
-    )
-    return F.linear(y.transpose(1, 2).reshape(1, 1, H * D), module.wo.weight, module.wo.bias)
+        q.view(1, KVH, H // KVH, D), k_all[:, :, : pos + 1], v_all[:, :, : pos + 1]
+    )  # (1, KVH, G, D): query head h = kv * G + g
+    return F.linear(y.reshape(1, 1, H * D), module.wo.weight, module.wo.bias)
 
 
 def batch_decode(args) -> None:

@@ -192,7 +192,8 @@ def start_servers(
 
 class BareStep:
     """One model's decode step in plain torch: fused qkv, K/V written into a preallocated
-    contiguous (1, KVH, S, D) buffer, scaled_dot_product_attention, wo."""
+    contiguous (1, KVH, S, D) buffer, scaled_dot_product_attention (each KV head's query
+    heads as its rows), wo."""
 
     def __init__(self, model: str, capacity: int) -> None:
         import torch
@@ -214,13 +215,12 @@ class BareStep:
             q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
             self.k[:, :, pos].copy_(k.view(1, KVH, D))
             self.v[:, :, pos].copy_(v.view(1, KVH, D))
+            # Each KV head's query heads as the rows of one call (the fastest form on the
+            # CPU: bench/decode_attention.py): (1, KVH, G, D), query head h = kv * G + g
             y = F.scaled_dot_product_attention(
-                q.view(1, 1, H, D).transpose(1, 2),  # (1, H, 1, D)
-                self.k[:, :, : pos + 1],
-                self.v[:, :, : pos + 1],
-                enable_gqa=KVH != H,
+                q.view(1, KVH, H // KVH, D), self.k[:, :, : pos + 1], self.v[:, :, : pos + 1]
             )
-            return F.linear(y.transpose(1, 2).reshape(1, 1, H * D), m.wo.weight, m.wo.bias)
+            return F.linear(y.reshape(1, 1, H * D), m.wo.weight, m.wo.bias)
 
 
 class BytesStream:

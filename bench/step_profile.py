@@ -97,6 +97,36 @@ async def steps(target: str, context: int, seconds: float) -> tuple[int, list[fl
     return n, times
 
 
+async def sessions_together(target: str, seconds: float, n: int = 64) -> tuple[int, list[float]]:
+    """`n` gqa sessions at context 256 streaming one-token steps at once (per token; wall:
+    1/rate), each session truncated back between its bursts of STEPS steps."""
+    from mha_client.sdk import AsyncClient
+
+    rng = np.random.default_rng(0)
+    tokens = rng.standard_normal((n, STEPS, 512), dtype=np.float32)
+    async with AsyncClient(target, timeout=600) as client:
+        sessions = []
+        for _ in range(n):
+            s = await client.create_session("gqa")
+            await s.step(rng.standard_normal((256, 512), dtype=np.float32))
+            sessions.append(s)
+
+        async def burst(i: int) -> None:
+            async with sessions[i].stream() as stream:
+                for t in range(STEPS):
+                    await stream.step(tokens[i, t : t + 1])
+            await sessions[i].truncate(256)
+
+        total, end, start = 0, time.monotonic() + seconds, time.perf_counter()
+        while time.monotonic() < end:
+            await asyncio.gather(*(burst(i) for i in range(n)))
+            total += n * STEPS
+        rate = total / (time.perf_counter() - start)
+        for s in sessions:
+            await s.close()
+    return total, [1.0 / rate]
+
+
 def small_requests(target: str, seconds: float, concurrency: int = 32) -> tuple[int, list[float]]:
     """Closed-loop 16-token Attends from `concurrency` clients (mha_client.loadgen)."""
     from mha_client.loadgen import GrpcTarget, LoadSpec, Workload, parse_seq_lens, run_load_sync
@@ -119,6 +149,8 @@ def profile(
     time.sleep(0.5)
     if load == "decode":
         n, times = asyncio.run(steps(target, context, seconds))
+    elif load == "sessions64":
+        n, times = asyncio.run(sessions_together(target, seconds))
     else:
         n, times = small_requests(target, seconds)
     spy.wait(60)
@@ -142,9 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=256)
     p.add_argument(
         "--load",
-        choices=("decode", "small16"),
+        choices=("decode", "small16", "sessions64"),
         default="decode",
-        help="a decode stream, or 16-token Attends from 32 clients (per request; wall: 1/rate)",
+        help="a decode stream, 16-token Attends from 32 clients, or 64 gqa sessions at context "
+        "256 decoding together (per request or token; wall: 1/rate)",
     )
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--rounds", type=int, default=2)
@@ -207,11 +240,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         summary[name]["busy_us"] = busy
     header = "part".ljust(30) + "".join(n.rjust(12) for n in summary)
-    what = (
-        f"mha decode step at context {args.context}"
-        if args.load == "decode"
-        else "16-token Attend from 32 clients"
-    )
+    what = {
+        "decode": f"mha decode step at context {args.context}",
+        "small16": "16-token Attend from 32 clients",
+        "sessions64": "64 gqa sessions at context 256 decoding together, per token",
+    }[args.load]
     print(f"{what}, us of one core per request (median of {args.rounds} rounds):")
     print(header)
     for part in [*parts, "busy_us", "wall_us_p50"]:

@@ -2,7 +2,7 @@
 end with tiny counts: a window session's KV bytes flat across lengths (the full one's in
 proportion), pruned models' KV bytes in proportion to their heads and the unpruned row's
 error 0, both attention paths of a batch of sessions decoding, and engine_step.py's profile of both
-sides. Timings are not asserted."""
+sides, and bench/decode_attention.py's rows. Timings are not asserted."""
 
 from __future__ import annotations
 
@@ -95,3 +95,16 @@ def test_engine_step_profile_counts_each_sides_ops_per_step(tmp_path):
     assert report["dtype"] == "torch.bfloat16" and report["sessions"] == 3
     assert set(report["profiles"]) == {"per session @8", "batched @8"}
     assert all(p["aten_ops_per_step"] > 0 for p in report["profiles"].values())
+
+
+def test_decode_attention_bench_rows_agree_between_the_two_calls(tmp_path):
+    """bench/decode_attention.py --quick: a row per dtype, KV heads and keys, both calls'
+    answers within the dtype's rounding of each other."""
+    out = tmp_path / "da.json"
+    run("decode_attention.py", "--quick", "--json-out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 3 * 3 * 3
+    assert {(r["dtype"], r["kv_heads"], r["keys"]) for r in rows} >= {("float32", 1, 4096)}
+    for r in rows:
+        assert r["before_us"] > 0 and r["now_us"] > 0
+        assert r["max_diff"] <= (1e-5 if r["dtype"] == "float32" else 1e-2), r

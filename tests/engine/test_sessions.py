@@ -58,12 +58,8 @@ def test_ragged_batched_steps_equal_full_recompute(engine, name):
 
 
 @pytest.mark.parametrize("name", ["gqa", "mqa"])
-@pytest.mark.parametrize("grouped_min_keys", [1, 10**9])
-def test_decode_steps_equal_full_recompute_on_both_attention_kernels(
-    engine, name, grouped_min_keys, monkeypatch
-):
-    """A lone decode token of GQA/MQA deep enough takes the grouped matmuls, else SDPA."""
-    monkeypatch.setattr(cached, "GROUPED_MIN_KEYS", grouped_min_keys)
+def test_decode_steps_equal_full_recompute(engine, name):
+    """Lone decode tokens of GQA/MQA (each KV head's query heads as one call's rows)."""
     hosted = engine.get(name)
     x = seq(40, seed=5)
     sid = engine.sessions.create(name, None, None).session_id
@@ -74,20 +70,33 @@ def test_decode_steps_equal_full_recompute_on_both_attention_kernels(
     assert diff.max() < ATOL, f"max {diff.max():.2e} mean {diff.mean():.2e}"
 
 
-@pytest.mark.parametrize(("kvh", "keys"), [(2, 50), (1, 1), (4, 1030)])
-def test_grouped_decode_matches_sdpa(kvh, keys):
-    """The grouped kernel alone against SDPA, in float32 and bfloat16."""
-    for dtype, atol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
-        g = torch.Generator().manual_seed(keys)
-        q = torch.randn(1, 8, 1, 64, generator=g).to(dtype)
-        k = torch.randn(1, kvh, keys, 64, generator=g).to(dtype)
-        v = torch.randn(1, kvh, keys, 64, generator=g).to(dtype)
-        got = cached._grouped_decode(q, k, v, 0.125)
-        ref = torch.nn.functional.scaled_dot_product_attention(
-            q.float(), k.float(), v.float(), scale=0.125, enable_gqa=True
-        )
-        assert got.shape == (1, 8, 1, 64) and got.dtype == dtype
-        assert (got.float() - ref).abs().max() < atol
+@pytest.mark.parametrize(("kvh", "keys"), [(8, 50), (2, 50), (1, 1), (4, 1030), (2, 4100)])
+@pytest.mark.parametrize(
+    ("dtype", "atol"), [(torch.float32, 1e-6), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)]
+)
+def test_attend_token_matches_a_float64_statement(kvh, keys, dtype, atol):
+    """One token's attention with its query heads folded onto their KV heads: query head h
+    reads KV head h // (8 / kvh), every key, softmax(q k^T * scale) v, against float64
+    arithmetic written out, for MHA (kvh 8), GQA and MQA, in the three dtypes; keys and
+    values strided views (as the cache hands them), q an as_strided view (as decode_one's)."""
+    g = torch.Generator().manual_seed(keys + kvh)
+    H, D = 8, 64
+    qkv = torch.randn(1, 1, (H + 2 * kvh) * D, generator=g).to(dtype)
+    q = qkv.as_strided((1, H, 1, D), ((H + 2 * kvh) * D, D, D, 1))
+    k = torch.randn(1, kvh, keys + 7, D, generator=g).to(dtype)[:, :, :keys]
+    v = torch.randn(1, kvh, keys + 7, D, generator=g).to(dtype)[:, :, :keys]
+    got = cached.attend_token(q, k, v, 0.125)
+    assert got.shape == (1, H, 1, D) and got.dtype == dtype
+    want = torch.empty(H, D, dtype=torch.float64)
+    for h in range(H):
+        kv = h // (H // kvh)
+        scores = k[0, kv].double() @ q[0, h, 0].double() * 0.125  # (S,)
+        want[h] = torch.softmax(scores, dim=0) @ v[0, kv].double()
+    assert (got[0, :, 0].double() - want).abs().max() < atol
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, scale=0.125, enable_gqa=kvh != H
+    )
+    assert (got.float() - sdpa.float()).abs().max() < atol  # (the call it replaces)
 
 
 def test_weights_of_a_step_are_rows_of_the_full_causal_weights(engine):

@@ -14,7 +14,7 @@ from torch import nn
 
 from mha_serve.transfer import list_tensor
 
-from .cached import GROUPED_MIN_KEYS, attend_one, capped_scores, explicit_attention, key_mask
+from .cached import attend_one, attend_token, capped_scores, explicit_attention, key_mask
 from .checks import (
     check_cached,
     check_head_mask,
@@ -353,14 +353,7 @@ class MultiHeadAttention(nn.Module):
         q = qkv.as_strided((1, H, 1, D), strides)
         kv = qkv.as_strided((1, 2 * KVH, 1, D), strides, qkv.storage_offset() + H * D)
         kv_slot.copy_(kv)  # K and V at once
-        S = keys.shape[2]
-        if KVH != H and S >= GROUPED_MIN_KEYS and keys.dtype == torch.float32:
-            y = attend_one(q, keys, values, S - 1, self.scale)  # (its grouped kernel)
-        else:  # attend_one's own call for one token that sees every key
-            y = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=None, is_causal=False, scale=self.scale,
-                enable_gqa=KVH != H,
-            )  # fmt: skip
+        y = attend_token(q, keys, values, self.scale)  # (attend_one's call for it)
         wo = linears["wo"]._parameters
         return F.linear(y.reshape(1, 1, H * D), wo["weight"], wo["bias"])  # (1, 1, E)
 

@@ -24,13 +24,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# A lone decode token of GQA/MQA at least this deep attends by two matmuls per KV head
-# (its G query heads as the rows of one matrix), reading each KV head once. The CPU SDPA
-# kernel walks the keys once per query head instead: at 4096 keys, 8 query heads, it took
-# 0.60 ms for MQA and 0.70 ms for GQA (2 KV heads) against 0.33 and 0.54 ms grouped; below
-# ~1024 keys SDPA is as fast or faster. (2-core CPU, float32.) Only float32 keys take it:
-# its products run in the keys' dtype, where SDPA keeps scores and sums in float32.
-GROUPED_MIN_KEYS = 1024
 # explicit_attention holds at most this many float32 scores at a time (64 MiB).
 EXPLICIT_CHUNK_ELEMENTS = 1 << 24
 
@@ -59,15 +52,13 @@ def attend_one(
         return explicit_attention(q, keys, values, allowed, scale, softcap)
     narrow = keys.dtype != q.dtype  # a cache narrower than the model (kv_cache_dtype)
     qk = q.to(keys.dtype) if narrow else q
-    if n == 1 and whole and KVH != H and S >= GROUPED_MIN_KEYS and keys.dtype == torch.float32:
-        y = _grouped_decode(qk, keys, values, scale)
+    if n == 1 and whole:
+        y = attend_token(qk, keys, values, scale)
     else:
-        # One token sees every key it is given; n tokens from position 0 are plain
-        # (top-left) causal while the window holds them all.
+        # n tokens from position 0 are plain (top-left) causal while the window holds
+        # them all.
         plain = whole and past == 0 and first_key == 0
-        allowed = None
-        if not (n == 1 and whole) and not plain:
-            allowed = key_mask(past, n, first_key, S, window, q.device)
+        allowed = None if plain else key_mask(past, n, first_key, S, window, q.device)
         y = F.scaled_dot_product_attention(
             qk,
             keys,
@@ -137,15 +128,22 @@ def explicit_attention(
     return out
 
 
-def _grouped_decode(
+def attend_token(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Attention of one token, q (1, H, 1, D), over keys, values (1, KVH, S, D) with
-    H = KVH * G (query head h reads KV head h // G): each KV head's G query heads are the
-    rows of one (G, D) matrix. Softmax in float32. Returns (1, H, 1, D)."""
-    _, H, _, D = q.shape
+    """One token that sees every key it is given (a decode step): q (1, H, 1, D) over keys,
+    values (1, KVH, S, D), query head h reading KV head h // G (H = KVH * G). Returns
+    (1, H, 1, D).
+
+    GQA/MQA: each KV head's G query heads are the G query rows of one SDPA call over that
+    head (FlashAttention's own layout for decoding), so the kernel reads each KV head once.
+    SDPA with enable_gqa on the CPU reads the keys once per query head instead: 8 query
+    heads of 64 over 256 to 4096 keys took 1.6-3.1x the time in float32 (2 or 1 KV heads;
+    one thread, bench/README.md "Decode attention"), up to 5x in float16. Rows are
+    independent (one token, no mask), so the answer is SDPA's with enable_gqa."""
+    H, D = q.shape[1], q.shape[3]
     KVH = keys.shape[1]
-    qg = (q * scale).reshape(1, KVH, H // KVH, D)  # (1, KVH, G, D)
-    scores = torch.matmul(qg, keys.transpose(-1, -2))  # (1, KVH, G, S)
-    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-    return torch.matmul(p, values).reshape(1, H, 1, D)
+    if KVH == H:
+        return F.scaled_dot_product_attention(q, keys, values, scale=scale)
+    y = F.scaled_dot_product_attention(q.reshape(1, KVH, H // KVH, D), keys, values, scale=scale)
+    return y.reshape(1, H, 1, D)
