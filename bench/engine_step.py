@@ -5,7 +5,8 @@ same machine: the engine's step (`Engine.attend` of one AttendRequest with a ses
 a front door calls it: validation, reserve, project, overflow bounds, cache write and read,
 attention, commit, the outcome's arrays) and the bare ops
 it cannot do without (fused qkv projection, a copy into a preallocated contiguous K/V,
-scaled_dot_product_attention over it, the output projection). The difference is the
+scaled_dot_product_attention over it with each KV head's query heads as its rows, the
+output projection). The difference is the
 engine's bookkeeping per step.
 
     python bench/engine_step.py [--context 256] [--model mha] [--rounds 7] [--steps 200]

@@ -7,8 +7,8 @@
    step (a real server on loopback, StreamSession, request and reply as bytes; the steps of a
    round end at the context, each round truncates back to where they start) against its
    limit, the same step in plain torch in this process (fused qkv, a preallocated contiguous
-   K/V, scaled_dot_product_attention, wo) plus one round trip of a bare grpc.aio bidi echo
-   carrying the same request bytes. The three alternate in rounds; medians over all steps.
+   K/V, scaled_dot_product_attention with each KV head's query heads as its rows, wo) plus
+   one round trip of a bare grpc.aio bidi echo carrying the same request bytes. The three alternate in rounds; medians over all steps.
    The step through the SDK's generated stubs (messages, as a user writes it) is reported too.
    The floor (bench/floor_server.py, in the same rounds): the same bytes through the least a
    one-process Python grpc.aio server does for this step (parse, the bare step, serialize),

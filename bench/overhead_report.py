@@ -147,7 +147,8 @@ def render(results: dict[str, Any], targets: dict[str, Any], notes: bool = True)
         "Served: a StreamSession step through a real mha-serve on loopback (request and reply "
         "as bytes, the reply's timing read for the server column). Limit: the same step in "
         "plain torch in the benchmark's process (one torch thread; fused qkv, a preallocated "
-        "contiguous K/V, `scaled_dot_product_attention`, wo) plus one round trip of a bare "
+        "contiguous K/V, `scaled_dot_product_attention` with each KV head's query heads as its "
+        "rows, wo) plus one round trip of a bare "
         "`grpc.aio` bidi echo of the same request bytes. SDK: the step through the generated "
         "stubs (`AsyncSession.stream().step`, messages both ways). Medians over all steps, "
         f"ms; target ratio <= {targets['decode_step_ratio_max']}.",
