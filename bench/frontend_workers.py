@@ -10,6 +10,10 @@ measured in alternating rounds (the order reversed every other round; round 0 wa
   kernel's SO_REUSEPORT spreads them over the frontends;
 - a streamed decode step at context 256 (overhead.py's bytes stream on one StreamSession,
   the steps of a round ending at the context), p50 over every round's steps;
+- `--sessions` gqa sessions decoding together (64; 0 skips it): each client process prefills
+  its share to `--context` over its share of the connections, all wait at one barrier, then
+  step `--together-steps` tokens on every session at once (a stream each); tokens/s over
+  all processes, from the first step sent to the last answer;
 - the CPU each side used during the 16-token loads (engine process, frontends, the load
   generator, the hypervisor's steal), in cores, from /proc.
 Each N's ratio to N = 1 is of medians over the same rounds. Nothing here is a CI gate.
@@ -42,6 +46,7 @@ from overhead import OPTIONS, BytesStream, machine, start_served  # noqa: E402
 
 EMBED = 512
 MODEL = "mha"
+SESSIONS_MODEL = "gqa"  # as bench/not_slower.py's and bench/sessions.py's sessions
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 60.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -183,6 +188,76 @@ def throughput(
     return {"seq_per_s": seq_per_s, "cores": cores}
 
 
+# ----- sessions decoding together --------------------------------------------------------------
+
+
+def _together(
+    target: str, sessions: int, channels: int, context: int, steps: int, seed: int, barrier: Any
+) -> dict:
+    """One client process's share of the sessions decoding together (or the whole, in this
+    process): its sessions over `channels` connections, prefilled, then, past the barrier
+    (None: none), `steps` one-token steps on each at once; its first instant, last and
+    tokens."""
+    return asyncio.run(_together_async(target, sessions, channels, context, steps, seed, barrier))
+
+
+async def _together_async(
+    target: str, sessions: int, channels: int, context: int, steps: int, seed: int, barrier: Any
+) -> dict:
+    from mha_client.sdk import AsyncClient
+
+    rng = np.random.default_rng(seed)
+    clients = [AsyncClient(target, timeout=600) for _ in range(max(1, min(channels, sessions)))]
+    held = []
+    try:
+        for i in range(sessions):
+            s = await clients[i % len(clients)].create_session(SESSIONS_MODEL)
+            held.append(s)
+            await s.step(rng.standard_normal((context, EMBED), dtype=np.float32))
+        tokens = rng.standard_normal((sessions, steps, 1, EMBED), dtype=np.float32)
+        if barrier is not None:
+            barrier.wait(START_TIMEOUT_S)  # every process prefilled: all start at once
+
+        async def decode(i: int) -> None:
+            async with held[i].stream() as stream:
+                for t in range(steps):
+                    await stream.step(tokens[i, t])
+
+        begin = time.time()
+        await asyncio.gather(*(decode(i) for i in range(sessions)))
+        end = time.time()
+    finally:
+        for s in held:
+            await s.close()
+        for c in clients:
+            await c.close()
+    return {"begin": begin, "end": end, "tokens": sessions * steps}
+
+
+def together(
+    served: Served,
+    args: argparse.Namespace,
+    pool: concurrent.futures.Executor | None,
+    barrier: Any,
+    seed: int,
+) -> float:
+    """tokens/s of --sessions sessions decoding together, over the client processes."""
+    k = args.client_processes
+    shares = [args.sessions // k + (i < args.sessions % k) for i in range(k)]
+    channels = max(1, args.channels // k)
+    point = (served.target, args.context, args.together_steps)
+    if pool is None:
+        parts = [_together(served.target, shares[0], channels, *point[1:], seed, None)]
+    else:
+        futures = [
+            pool.submit(_together, served.target, n, channels, *point[1:], seed + i, barrier)
+            for i, n in enumerate(shares)
+        ]
+        parts = [f.result() for f in futures]
+    wall = max(p["end"] for p in parts) - min(p["begin"] for p in parts)
+    return sum(p["tokens"] for p in parts) / wall
+
+
 # ----- decode step ----------------------------------------------------------------------------
 
 
@@ -237,12 +312,15 @@ def measure(servers: dict[int, Served], args: argparse.Namespace) -> dict[str, A
     sides = {n: DecodeSide(s.target, args.context, args.steps) for n, s in servers.items()}
     for side in sides.values():
         loop.run_until_complete(side.open(prompt, tokens))
-    pool = None
+    pool = barrier = manager = None
     if args.client_processes > 1:
-        pool = concurrent.futures.ProcessPoolExecutor(
-            args.client_processes, mp_context=multiprocessing.get_context("spawn")
-        )
+        spawn = multiprocessing.get_context("spawn")
+        pool = concurrent.futures.ProcessPoolExecutor(args.client_processes, mp_context=spawn)
+        if args.sessions:
+            manager = spawn.Manager()
+            barrier = manager.Barrier(args.client_processes)
     seq: dict[tuple[int, int], list[float]] = {(n, L): [] for n in servers for L in args.seq_lens}
+    tok: dict[int, list[float]] = {n: [] for n in servers}
     cores: dict[int, list[dict]] = {n: [] for n in servers}
     steps: dict[int, list[float]] = {n: [] for n in servers}
     try:
@@ -260,6 +338,16 @@ def measure(servers: dict[int, Served], args: argparse.Namespace) -> dict[str, A
                         seq[(n, seq_len)].append(point["seq_per_s"])
                         if seq_len == args.seq_lens[0]:
                             cores[n].append(point["cores"])
+            if args.sessions:
+                for n in order:
+                    rate = together(servers[n], args, pool, barrier, seed=r)
+                    label = "warm-up" if r == 0 else f"round {r}"
+                    print(
+                        f"{label}: N={n} {args.sessions} sessions together {rate:.0f} tok/s",
+                        flush=True,
+                    )
+                    if r > 0:
+                        tok[n].append(rate)
             decoded = loop.run_until_complete(_decode_round(sides, order))
             if r > 0:
                 for n, t in decoded.items():
@@ -267,6 +355,8 @@ def measure(servers: dict[int, Served], args: argparse.Namespace) -> dict[str, A
     finally:
         if pool is not None:
             pool.shutdown()
+        if manager is not None:
+            manager.shutdown()
         for side in sides.values():
             loop.run_until_complete(side.close())
         loop.close()
@@ -276,6 +366,9 @@ def measure(servers: dict[int, Served], args: argparse.Namespace) -> dict[str, A
         for seq_len in args.seq_lens:
             row[f"seq_per_s_{seq_len}"] = statistics.median(seq[(n, seq_len)])
             row[f"samples_{seq_len}"] = seq[(n, seq_len)]
+        if args.sessions:
+            row["together_tok_per_s"] = statistics.median(tok[n])
+            row["together_samples"] = tok[n]
         row["decode_p50_ms"] = statistics.median(steps[n]) * 1e3
         row["cores"] = {k: statistics.median(c[k] for c in cores[n]) for k in cores[n][0]}
         rows.append(row)
@@ -285,15 +378,20 @@ def measure(servers: dict[int, Served], args: argparse.Namespace) -> dict[str, A
             key = f"seq_per_s_{seq_len}"
             row[f"ratio_{seq_len}"] = row[key] / base[key]
         row["decode_ratio"] = row["decode_p50_ms"] / base["decode_p50_ms"]
+        if args.sessions:
+            row["together_ratio"] = row["together_tok_per_s"] / base["together_tok_per_s"]
     return {"rows": rows}
 
 
 def table(results: dict[str, Any]) -> str:
     m, s = results["machine"], results["settings"]
     lens = s["seq_lens"]
+    sessions = s.get("sessions", 0)
     head = ["N"]
     for L in lens:
         head += [f"{L} tok seq/s", "vs N=1"]
+    if sessions:
+        head += [f"{sessions} sessions together tok/s", "vs N=1"]
     head += [f"step p50 ms (ctx {s['context']})", "vs N=1"]
     head += [f"cores at {lens[0]} tok: engine", "frontends", "client", "steal"]
     head += ["server CPU ms/seq"]
@@ -302,7 +400,8 @@ def table(results: dict[str, Any]) -> str:
         f"{m['loadavg_at_start'][0]:.1f} at start, {m['loadavg_at_end'][0]:.1f} at end",
         f"{s['rounds']} rounds, {s['duration_s']:g} s per load point, {s['concurrency']} "
         f"clients over {s['channels']} channels in {s['client_processes']} process(es), "
-        f"{s['steps']} steps per round",
+        f"{s['steps']} steps per round"
+        + (f"; {sessions} gqa sessions x {s['together_steps']} steps together" if sessions else ""),
         "| " + " | ".join(head) + " |",
         "|" + " ---: |" * len(head),
     ]
@@ -311,6 +410,8 @@ def table(results: dict[str, Any]) -> str:
         for L in lens:
             cells += [f"{row[f'seq_per_s_{L}']:.0f}", f"{row[f'ratio_{L}']:.2f}"]
         c = row["cores"]
+        if sessions:
+            cells += [f"{row['together_tok_per_s']:.0f}", f"{row['together_ratio']:.2f}"]
         cells += [f"{row['decode_p50_ms']:.3f}", f"{row['decode_ratio']:.2f}"]
         cells += [f"{c['engine']:.2f}", f"{c['frontends']:.2f}", f"{c['client']:.2f}"]
         cells += [f"{c['steal']:.2f}", f"{c['server_ms_per_seq']:.3f}"]
@@ -346,6 +447,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=256, help="decode step context")
     p.add_argument("--steps", type=int, default=64, help="decode steps per round and server")
     p.add_argument(
+        "--sessions",
+        type=int,
+        default=64,
+        help="gqa sessions decoding together, at --context, over the client processes (0 skips)",
+    )
+    p.add_argument(
+        "--together-steps", type=int, default=16, help="steps of each session decoding together"
+    )
+    p.add_argument(
         "--server-arg", action="append", default=[], metavar="FLAG", help="a flag for every server"
     )
     p.add_argument(
@@ -354,6 +464,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.steps >= args.context or args.client_processes < 1 or not args.workers:
         p.error("--steps must be below --context, --client-processes >= 1, --workers non-empty")
+    if args.sessions < 0 or args.together_steps < 1:
+        p.error("--sessions must be >= 0 and --together-steps >= 1")
+    if args.sessions and args.sessions < args.client_processes:
+        p.error(f"--sessions {args.sessions}: at least one per client process")
     started = time.perf_counter()
     results: dict[str, Any] = {
         "command": " ".join(["python", "bench/frontend_workers.py", *(argv or sys.argv[1:])]),
@@ -362,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {
             k: getattr(args, k)
             for k in ("workers", "rounds", "concurrency", "channels", "client_processes")
-            + ("seq_lens", "context", "steps", "server_arg")
+            + ("seq_lens", "context", "steps", "sessions", "together_steps", "server_arg")
         }
         | {"duration_s": args.duration},
     }
