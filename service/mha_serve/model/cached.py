@@ -138,8 +138,8 @@ def attend_token(
     GQA/MQA: each KV head's G query heads are the G query rows of one SDPA call over that
     head (FlashAttention's own layout for decoding), so the kernel reads each KV head once.
     SDPA with enable_gqa on the CPU reads the keys once per query head instead: 8 query
-    heads of 64 over 256 to 4096 keys took 1.6-3.1x the time in float32 (2 or 1 KV heads;
-    one thread, bench/README.md "Decode attention"), up to 5x in float16. Rows are
+    heads of 64 over 256 to 4096 keys took 1.5-3.2x the time in float32 (2 or 1 KV heads,
+    one thread: `python bench/decode_attention.py`), up to 5x in float16. Rows are
     independent (one token, no mask), so the answer is SDPA's with enable_gqa."""
     H, D = q.shape[1], q.shape[3]
     KVH = keys.shape[1]
