@@ -533,15 +533,23 @@ def serve_metrics(
 ) -> None:
     """Starts the HTTP /metrics endpoint in a background thread: this process's metrics,
     or in multiprocess mode every process's files, this process's LIVE gauges and the
-    process_* figures of this process and `others()`."""
-    if not multiprocess_mode():
-        start_http_server(port, addr=host)
-        return
-    registry = CollectorRegistry(auto_describe=True)
-    multiprocess.MultiProcessCollector(registry)
-    registry.register(LIVE)
-    registry.register(ProcessTree(others or list))
-    start_http_server(port, addr=host, registry=registry)
+    process_* figures of this process and `others()`. host: an address or name, an IPv6
+    address with or without brackets. OSError saying which port when it cannot listen."""
+    addr = host.strip("[]")
+    registry = REGISTRY
+    if multiprocess_mode():
+        registry = CollectorRegistry(auto_describe=True)
+        multiprocess.MultiProcessCollector(registry)
+        registry.register(LIVE)
+        registry.register(ProcessTree(others or list))
+    try:
+        start_http_server(port, addr=addr, registry=registry)
+    except OSError as e:
+        where = f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+        raise OSError(
+            f"could not serve /metrics on {where} (--metrics-port, --metrics-host): "
+            f"{e.strerror or e}"
+        ) from e
 
 
 def process_gone(pid: int) -> None:

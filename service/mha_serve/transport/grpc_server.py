@@ -28,6 +28,15 @@ from mha_serve.transport.oip import InferenceServicer
 from mha_serve.transport.servicer import AttentionServicer
 
 log = logging.getLogger(__name__)
+
+
+def host_port(host: str, port: int) -> str:
+    """host:port as gRPC and URLs write it: an IPv6 address in brackets ("[::1]:50051"),
+    whether --host gave it with them or without."""
+    bare = host.strip("[]")
+    return f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
+
+
 SERVICE = pb.DESCRIPTOR.services_by_name["AttentionService"]
 SERVICE_NAME = SERVICE.full_name  # "mha.v1.AttentionService"
 # Once the calls in the handlers are done, gRPC's own stop gets this long (at most) before it
@@ -105,7 +114,7 @@ class GrpcServer:
         )
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        address = f"{cfg.host}:{cfg.port}"
+        address = host_port(cfg.host, cfg.port)
         credentials = server_credentials(cfg)
         try:
             if credentials is None:
@@ -121,16 +130,15 @@ class GrpcServer:
         if cfg.tls_client_ca_file:
             security = "mutual TLS"
         log.info(
-            "gRPC listening on %s:%d, %s%s (NOT_SERVING until warm)",
-            cfg.host,
-            self.port,
+            "gRPC listening on %s, %s%s (NOT_SERVING until warm)",
+            host_port(cfg.host, self.port),
             security,
             ", bearer token required" if self.requires_token else "",
         )
         if cfg.metrics_port:
             metrics_host = cfg.metrics_host or cfg.host
             metrics.serve_metrics(cfg.metrics_port, metrics_host)
-            log.info("metrics on http://%s:%d/metrics", metrics_host, cfg.metrics_port)
+            log.info("metrics on http://%s/metrics", host_port(metrics_host, cfg.metrics_port))
 
     async def load(self) -> None:
         """Opens the engine (warm), then reports SERVING."""

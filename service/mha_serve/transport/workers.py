@@ -43,6 +43,7 @@ from mha_serve.engine.threads import ComputeThreads
 from mha_serve.serving import AsyncEngine
 from mha_serve.serving.host import EngineHost, clean_shared_memory
 from mha_serve.transport.frontend import STOP_SIGNALS, frontend_main
+from mha_serve.transport.grpc_server import host_port
 from mha_serve.transport.server import load_engine, spill_on_stop
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def reserve_port(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise OSError(f"could not listen on {host}:{port}: {e.strerror}") from e
+        raise OSError(f"could not listen on {host_port(host, port)}: {e.strerror}") from e
     return sock
 
 
@@ -178,7 +179,7 @@ class EngineProcess:
             if cfg.metrics_port:
                 metrics_host = cfg.metrics_host or cfg.host
                 metrics.serve_metrics(cfg.metrics_port, metrics_host, others=self.others)
-                log.info("metrics on http://%s:%d/metrics", metrics_host, cfg.metrics_port)
+                log.info("metrics on http://%s/metrics", host_port(metrics_host, cfg.metrics_port))
             for index in range(self.count):
                 self._spawn(index)
             if not await self._until_stopping(self._load()):
@@ -186,9 +187,8 @@ class EngineProcess:
             if not await self._until_stopping(self.all_listening.wait()):
                 return
             log.info(
-                "gRPC listening on %s:%d with %d frontend workers; SERVING models: %s",
-                cfg.host,
-                self.port,
+                "gRPC listening on %s with %d frontend workers; SERVING models: %s",
+                host_port(cfg.host, self.port),
                 self.count,
                 ", ".join(self.serving.engine.models),
             )
