@@ -135,6 +135,8 @@ async def test_bearer_token_over_tls_and_health_without_it(pki, tmp_path, caplog
                 await c.attend("small", x())
             assert no_token.value.code == grpc.StatusCode.UNAUTHENTICATED
             assert "needs a bearer token" in no_token.value.details
+            # The way it names works: ChannelSecurity(token=...), as above.
+            assert "security=ChannelSecurity(token=...)" in no_token.value.details
             # Health is exempt: probes carry no secrets.
             assert (await c.health()) == "SERVING"
         wrong = ChannelSecurity(ca_file=ca, token="not-" + TOKEN)

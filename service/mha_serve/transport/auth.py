@@ -102,7 +102,8 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             return None
         why = (
             "this server needs a bearer token: send metadata 'authorization: Bearer <token>' "
-            "(mha-client --token-file, Client(token=...))"
+            "(mha-client --token-file; in Python, "
+            "Client(target, security=ChannelSecurity(token=...)))"
             if token is None
             else "the bearer token is not valid here"
         )
