@@ -128,8 +128,17 @@ def test_weight_budget_refuses_up_front_and_narrowing_fits(engine):
 
 def test_output_larger_than_response_limit_is_too_large(engine):
     # 8 MiB response limit; 5 x 1024 x 512 x 4 bytes = 10 MiB of output.
-    with pytest.raises(TooLarge, match="the output alone is 10.0 MiB"):
+    with pytest.raises(TooLarge, match="the output alone is 10.0 MiB") as refused:
         engine.prepare(req("mha", torch.zeros(5, 1024, 512)))
+    # What fits, what is kept back, and what to change: not "fewer sequences" to a step.
+    message = str(refused.value)
+    assert "(5 x 1024 x 512 float32)" in message and "64.0 KiB is kept" in message
+    assert "at most 7.9 MiB of output" in message and "fewer or shorter sequences" in message
+    sid = engine.create_session("mha").session_id
+    with pytest.raises(TooLarge, match="the output alone is 8.0 MiB") as step:
+        engine.prepare(req("mha", torch.zeros(1, 4096, 512), session_id=sid))
+    assert "send fewer tokens per step" in str(step.value)
+    assert "sequences" not in str(step.value)
 
 
 def test_bad_engine_configs_fail_with_the_fix():

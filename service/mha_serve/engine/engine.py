@@ -276,9 +276,19 @@ class Engine:
         out_dtype = DTYPES[call.output_dtype or call.inputs.dtype]
         out_bytes = batch * seq_len * embed_dim * out_dtype.itemsize
         if out_bytes + RESPONSE_OVERHEAD_BYTES > self.max_response_bytes:
+            room = self.max_response_bytes - RESPONSE_OVERHEAD_BYTES
+            fewer = (
+                "send fewer tokens per step"
+                if call.session_id
+                else "send fewer or shorter sequences per request"
+            )
             raise TooLarge(
-                f"the output alone is {_mib(out_bytes)} but responses are limited to "
-                f"{_mib(self.max_response_bytes)}; send fewer sequences per request"
+                f"the output alone is {_mib(out_bytes)} ({batch} x {seq_len} x {embed_dim} "
+                f"{str(out_dtype).removeprefix('torch.')}) but responses are limited to "
+                f"{_mib(self.max_response_bytes)}, of which {_mib(RESPONSE_OVERHEAD_BYTES)} is "
+                f"kept for the reply's other fields: at most {_mib(max(room, 0))} of output; "
+                f"{fewer}, ask for a narrower output_dtype, or raise the server's "
+                "--max-send-message-bytes"
             )
         if not call.need_weights:
             return
