@@ -624,3 +624,24 @@ def test_reserve_many_holds_claimed_sessions_by_their_claims_without_pins(monkey
         table.release(s.id)
     assert table.get(b.id).num_tokens == 5 and table.get(a.id).num_tokens == 4
     assert a.in_use == b.in_use == c.in_use == 0  # c's pin went with the batch
+
+
+def test_a_session_made_with_a_ttl_shorter_than_its_making_is_answered_then_expires():
+    """create/fork answer with the session as made (made_stats), however short its TTL;
+    the next call finds it expired, as any session idle past its TTL."""
+
+    class Ticking(Clock):  # every reading a second later: each call takes longer than the TTL
+        def __call__(self) -> float:
+            self.now += 1.0
+            return self.now
+
+    table, _ = make(ttl_s=0.5, clock=Ticking())
+    made = table.create("m")
+    assert table.made_stats(made).session_id == made.id
+    with pytest.raises(SessionNotFound, match="expired"):
+        table.session_stats(made.id)
+    parent = table.create("m", ttl_s=100.0)
+    child = table.fork(parent.id, ttl_s=0.5)
+    assert table.made_stats(child).num_tokens == 0
+    with pytest.raises(SessionNotFound, match="expired"):
+        table.get(child.id)

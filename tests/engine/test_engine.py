@@ -166,3 +166,26 @@ def test_all_finite_matches_torch_on_every_dtype(dtype):
         assert not all_finite(y) and not bool(torch.isfinite(y).all())
         assert not all_finite(y[1:, 1::2])  # a strided view is checked too
     assert all_finite(torch.full((4,), 65504.0, dtype=dtype))  # largest float16, still finite
+
+
+def test_create_and_fork_answer_a_session_whose_ttl_is_shorter_than_the_call():
+    """The engine answers CreateSession/ForkSession with the session as made, never
+    NOT_FOUND for it however short its TTL (a clock a second on at every reading: each call
+    outlasts a TTL of half a second); its next call finds it expired."""
+    from mha_serve.cache import SessionNotFound
+
+    ticks = iter(range(10**6))
+    engine = Engine(
+        [ModelSpec("tiny", AttentionConfig(32, 4, 2), seed=7)],
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        max_response_bytes=MiB,
+        clock=lambda: float(next(ticks)),
+    )
+    made = engine.create_session("tiny", ttl_s=0.5)
+    assert made.num_tokens == 0 and made.ttl_s == 0.5
+    with pytest.raises(SessionNotFound, match="expired"):
+        engine.get_session(made.session_id)
+    parent = engine.create_session("tiny", ttl_s=100.0)
+    child = engine.fork_session(parent.session_id, ttl_s=0.5)
+    assert child.session_id != parent.session_id and child.ttl_s == 0.5

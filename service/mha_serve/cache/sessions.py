@@ -470,6 +470,13 @@ class SessionTable(RoomMaking, Moving):
             s.holds.pending = None
             self._let_go(s)
 
+    def made_stats(self, s: Session) -> SessionStats:
+        """The stats of a session create() or fork() just returned, as made: without the
+        lookup, whose TTL check would drop a session of a TTL shorter than the call took
+        (the answer to its making says it exists; its next call finds it expired)."""
+        with self._lock:
+            return self._session_stats(s)
+
     def session_stats(self, session_id: str, owner: str | None = None) -> SessionStats:
         with self._lock:
             s = self._lookup(session_id, self._clock())

@@ -224,8 +224,9 @@ class Sessions:
         self, model: str, max_len: int | None, ttl_s: float | None, owner: str = ""
     ) -> SessionStats:
         self.cache(model)
-        session = self.table.create(model, max_len=max_len, ttl_s=ttl_s, owner=owner)
-        return self.table.session_stats(session.id)
+        return self.table.made_stats(
+            self.table.create(model, max_len=max_len, ttl_s=ttl_s, owner=owner)
+        )
 
     def stats(self, session_id: str, owner: str | None = None) -> SessionStats:
         return self.table.session_stats(session_id, owner)
@@ -247,7 +248,7 @@ class Sessions:
 
     def fork(self, session_id: str, ttl_s: float | None, owner: str | None = None) -> SessionStats:
         """A new session sharing the parent's tokens (copy-on-write); ttl_s None: the parent's."""
-        return self.table.session_stats(self.table.fork(session_id, ttl_s=ttl_s, owner=owner).id)
+        return self.table.made_stats(self.table.fork(session_id, ttl_s=ttl_s, owner=owner))
 
     def close(self, session_id: str, owner: str | None = None) -> None:
         self.table.close(session_id, owner)
