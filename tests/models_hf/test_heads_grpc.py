@@ -34,6 +34,12 @@ def test_sdk_report_equals_the_layers_own_analysis(served, minilm_dir):
     with pytest.raises(MhaServeError, match="leave head_mask empty") as err:
         client._run(ops.Rpc("AnalyzeHeads", req, lambda r, _: r), 10)
     assert err.value.code.name == "INVALID_ARGUMENT"
+    req = build_heads_request("minilm1", x[0])
+    req.attend.weights.enabled = True  # refused as the docs say, not silently ignored
+    req.attend.weights.heads.append(99)
+    with pytest.raises(MhaServeError, match="leave attend.weights unset") as err:
+        client._run(ops.Rpc("AnalyzeHeads", req, lambda r, _: r), 10)
+    assert err.value.code.name == "INVALID_ARGUMENT"
 
 
 def test_cli_heads_prints_json_and_writes_pngs(served, tmp_path, capsys):

@@ -24,6 +24,11 @@ def analyze(engine: Engine, request: AttendRequest, *, include_weights: bool) ->
         raise InvalidRequest("head analysis runs on stateless inputs; leave session_id empty")
     if request.head_mask is not None:
         raise InvalidRequest("head analysis masks heads itself; leave head_mask empty")
+    if request.need_weights:
+        raise InvalidRequest(
+            "head analysis reads every head's weights itself; leave attend.weights unset "
+            "(include_weights returns sequence 0's)"
+        )
     request = dataclasses.replace(
         request, need_weights=True, weight_heads=None, query_start=0, query_end=0
     )
