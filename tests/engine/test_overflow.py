@@ -60,7 +60,7 @@ def test_a_query_against_a_cached_key_is_refused_and_nothing_is_kept(engine):
     sid = engine.sessions.create("tiny", None, None).session_id
     first = step(engine, sid, token(k0=1e19))
     assert first.session.num_tokens == 1
-    with pytest.raises(InvalidRequest, match="attention scores of this input overflow float32"):
+    with pytest.raises(InvalidRequest, match="attention scores of this input may overflow float32"):
         step(engine, sid, token(q0=2e19))
     assert engine.sessions.table.get(sid).num_tokens == 1  # rolled back
     ok = step(engine, sid, token(q0=1e18))  # 1e37: fits

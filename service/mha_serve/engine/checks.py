@@ -90,7 +90,9 @@ def scores_overflow_error(dtype: torch.dtype) -> InvalidRequest:
     refused whatever a kernel would make of them (mha_serve.model.overflow)."""
     name = str(dtype).removeprefix("torch.")
     return InvalidRequest(
-        f"the attention scores of this input overflow {name} (a product q . k of its queries "
-        f"and keys reaches {torch.finfo(dtype).max:.3g}, or its values are not finite): the "
-        "input values are too large for the model; scale the input down"
+        f"the attention scores of this input may overflow {name} (for a query and a key it "
+        "attends to, sum_i |q_i| |k_i|, the bound on q . k that every machine computes alike, "
+        f"reaches half of {torch.finfo(dtype).max:.3g} over the model's score factor; or its "
+        "values are not finite): the input values are too large for the model; scale the "
+        "input down"
     )
