@@ -31,7 +31,7 @@ class ServerConfig:
     host: str = "0.0.0.0"
     port: int = DEFAULT_PORT  # gRPC; 0 picks a free port
     metrics_port: int = DEFAULT_METRICS_PORT  # HTTP /metrics; 0 turns it off
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: fp32 on CPU, bf16 on CUDA)
     max_receive_message_bytes: int = DEFAULT_MAX_RECEIVE_MESSAGE_BYTES
     max_send_message_bytes: int = DEFAULT_MAX_SEND_MESSAGE_BYTES

@@ -104,7 +104,7 @@ def test_max_len_checked_before_allocating(session_max, model_max, piece):
 def test_create_refuses_bad_arguments():
     table, _ = make(max_len=100)
     for kwargs, piece in [
-        ({"max_len": 101}, "max_len 101 is past model 'm''s max_len 100"),
+        ({"max_len": 101}, "max_len 101 is past the max_seq_len 100 of model 'm'"),
         ({"max_len": 0}, ">= 1"),
         ({"ttl_s": -1}, "> 0"),
     ]:
@@ -377,7 +377,7 @@ def test_a_step_past_all_the_cache_could_hold_is_out_of_range_not_exhausted():
     table, _ = make(4, evict=True)
     s = table.create("m")
     append(table, s.id, 3)
-    with pytest.raises(SessionFull, match="KV cache holds: 4 blocks of 4 tokens"):
+    with pytest.raises(SessionFull, match="KV cache of model 'm' holds: 4 blocks of 4 tokens"):
         table.reserve(s.id, 14)  # 17 tokens: 5 blocks of the 4 there are
     assert table.get(s.id).num_tokens == 3 and table.pool("m").num_used == 1
 

@@ -120,7 +120,7 @@ def test_a_bad_or_foreign_file_is_refused_saying_what_is_wrong(what, data, messa
 
 def test_a_file_larger_than_the_models_cache_is_refused():
     k, v = kv(20)
-    with pytest.raises(BadRecord, match="whole KV cache holds"):
+    with pytest.raises(BadRecord, match="the whole KV cache of model .m. holds"):
         decode(encode(record(), k, v), "f", dataclasses.replace(EXPECTED, max_bytes=100))
 
 

@@ -82,7 +82,7 @@ def test_a_step_larger_than_the_pool_is_full_but_a_long_session_is_not():
     s = table.create("m")
     for _ in range(10):
         step(table, kv, s.id, 5)  # 50 tokens, in steps the pool holds with the window
-    with pytest.raises(SessionFull, match="all that model 'm'"):
+    with pytest.raises(SessionFull, match="all that the KV cache of model 'm' holds"):
         table.reserve(s.id, 20)  # its blocks from the window on, and 20 more: 6 blocks
     assert table.session_stats(s.id).num_tokens == 50
 

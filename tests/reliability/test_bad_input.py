@@ -144,7 +144,7 @@ def test_session_calls_with_bad_arguments(stub, bystander):
             stub.CreateSession,
             pb.CreateSessionRequest(model="mha", max_len=10**9),
             INVALID,
-            "past model 'mha'",
+            "past the max_seq_len 4096 of model 'mha'",
         ),
         (stub.CreateSession, pb.CreateSessionRequest(model="mha", ttl_s=-1), INVALID, "ttl"),
         (

@@ -173,14 +173,14 @@ def check(record: SessionRecord, expected: Expected, source: str) -> None:
         )
     if record.num_tokens > expected.max_len:
         raise BadRecord(
-            f"{source}: {record.num_tokens} tokens, past model {record.model!r}'s max_seq_len "
-            f"{expected.max_len}"
+            f"{source}: {record.num_tokens} tokens, past the max_seq_len {expected.max_len} "
+            f"of model {record.model!r}"
         )
     nbytes = 2 * record.held * record.num_kv_heads * record.head_dim * expected.dtype.itemsize
     if nbytes > expected.max_bytes:
         raise BadRecord(
-            f"{source}: {nbytes} bytes of K/V, more than model {record.model!r}'s whole KV "
-            f"cache holds ({expected.max_bytes})"
+            f"{source}: {nbytes} bytes of K/V, more than the whole KV cache of model "
+            f"{record.model!r} holds ({expected.max_bytes})"
         )
 
 

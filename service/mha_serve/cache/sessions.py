@@ -150,7 +150,7 @@ class SessionTable(RoomMaking, Moving):
                     raise InvalidSessionArgument(f"max_len must be an int >= 1, got {max_len!r}")
                 if m.max_len is not None and max_len > m.max_len:
                     raise InvalidSessionArgument(
-                        f"max_len {max_len} is past model {model!r}'s max_len {m.max_len}"
+                        f"max_len {max_len} is past the max_seq_len {m.max_len} of model {model!r}"
                     )
             ttl_s = self.default_ttl_s if ttl_s is None else _check_ttl(ttl_s)
             now = self._clock()
@@ -232,7 +232,7 @@ class SessionTable(RoomMaking, Moving):
             if 0 < n < shortest:
                 raise InvalidSessionArgument(
                     f"session {session_id!r} no longer holds its tokens before position "
-                    f"{s.first_block * bs} (model {s.model!r}'s sliding window of {m.window} "
+                    f"{s.first_block * bs} (the sliding window of {m.window} of model {s.model!r} "
                     f"freed them): truncated to {n}, its next token would see tokens that are "
                     f"gone; truncate it to 0 or to {shortest}..{s.num_tokens} tokens"
                 )
@@ -333,8 +333,9 @@ class SessionTable(RoomMaking, Moving):
             needed = -(-total // bs) - first  # blocks the session holds with the step
             if needed > pool.num_blocks:  # no eviction ever makes room
                 raise SessionFull(
-                    f"{_past(s, n)} all that model {s.model!r}'s KV cache holds: {pool.num_blocks} "
-                    f"blocks of {bs} tokens ({m.storage.budget_bytes} bytes, kv_cache_bytes)"
+                    f"{_past(s, n)} all that the KV cache of model {s.model!r} holds: "
+                    f"{pool.num_blocks} blocks of {bs} tokens ({m.storage.budget_bytes} bytes, "
+                    "kv_cache_bytes)"
                 )
             table = s.block_table
             num_new_blocks = needed - len(table)

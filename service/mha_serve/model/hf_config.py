@@ -85,7 +85,8 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
         raise ValueError(
             f"{config_path}: layer must be an int in 0..{num_layers - 1} ({family} with "
-            f"{num_layers} layers), got {layer!r}; set layer = N in the [[models]] table"
+            f"{num_layers} layers), got {layer!r}; set layer = N in the [[models]] table "
+            "(--layer N for the convert command)"
         )
     if family == "bert":
         attention = _bert(cfg, config_path)

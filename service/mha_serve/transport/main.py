@@ -15,7 +15,7 @@ HELP = {
     "host": "address to listen on (gRPC, and metrics unless --metrics-host)",
     "port": "gRPC port; 0 picks a free one",
     "metrics_port": "HTTP port of /metrics; 0 turns it off",
-    "device": "auto | cpu | cuda | cuda:N (auto: CUDA when available)",
+    "device": "auto | cpu | cuda | cuda:N | mps (auto: CUDA when available)",
     "dtype": "auto | float32 | float16 | bfloat16 (auto: float32 on CPU, bfloat16 on CUDA)",
     "max_receive_message_bytes": "largest request accepted",
     "max_send_message_bytes": "largest response sent (bounds embeddings + attention weights)",
