@@ -282,3 +282,32 @@ def test_sigterm_while_the_frontends_start_exits_zero(tmp_path):
     log = proc.log()
     assert code == 0, log
     assert "exited with -15" not in log and "stopping:" not in log, log
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_second_stop_signal_ends_the_drain_at_once(tmp_path, workers):
+    """SIGTERM starts the drain (here a 600 s --drain-delay-s: health NOT_SERVING, calls still
+    answered); a second SIGTERM, sent once the drain has begun, stops the server at once and
+    it exits 0. Without the second signal the process would run out the delay, far past this
+    test's wait. With frontend workers the engine passes the second on to them."""
+    proc = ServerProcess(
+        "--drain-delay-s", "600", "--frontend-workers", workers, log_path=tmp_path / "server.log"
+    )
+    try:
+        proc.wait_serving()
+        proc.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + WAIT_S
+        while "draining: NOT_SERVING for 600.0 s" not in proc.log():  # the gate: draining
+            assert time.monotonic() < deadline and proc.proc.poll() is None, proc.log()
+            time.sleep(0.05)
+        with grpc.insecure_channel(proc.target) as channel:  # still answering meanwhile
+            stub = health_pb2_grpc.HealthStub(channel)
+            status = stub.Check(health_pb2.HealthCheckRequest(), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        proc.proc.send_signal(signal.SIGTERM)
+        code = proc.proc.wait(WAIT_S)
+    finally:
+        proc.stop()
+    log = proc.log()
+    assert code == 0, log
+    assert "second stop signal" in log, log

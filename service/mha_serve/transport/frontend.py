@@ -17,7 +17,7 @@ import sys
 
 from mha_serve.config import ServerConfig
 from mha_serve.serving.remote import RemoteEngine
-from mha_serve.transport.grpc_server import GrpcServer
+from mha_serve.transport.grpc_server import GrpcServer, stop_signal
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,8 @@ async def _frontend(cfg: ServerConfig, engine_path: str, engine_pid: int, index:
     server = FrontendServer(cfg, engine_path, engine_pid)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, stop.set)
+    for sig in STOP_SIGNALS:  # a second one ends the drain at once
+        loop.add_signal_handler(sig, stop_signal, stop, server)
     # Blocked by the engine process until now (workers.py): one sent meanwhile arrives here.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     stopping = asyncio.create_task(stop.wait())

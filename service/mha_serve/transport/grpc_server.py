@@ -9,6 +9,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -28,6 +29,14 @@ from mha_serve.transport.oip import InferenceServicer
 from mha_serve.transport.servicer import AttentionServicer
 
 log = logging.getLogger(__name__)
+
+
+def stop_signal(stop: asyncio.Event, server: GrpcServer) -> None:
+    """SIGTERM/SIGINT: the first drains (stop), a second ends the drain at once (hurry)."""
+    if stop.is_set():
+        server.hurry()
+    else:
+        stop.set()
 
 
 def host_port(host: str, port: int) -> str:
@@ -82,6 +91,7 @@ class GrpcServer:
         )
         self.port: int | None = None
         self._stopped = asyncio.Event()
+        self._hurried = asyncio.Event()  # a second stop signal: end the drain now
         self.drain = Drain()  # both doors' calls: refused once draining, waited for on stop
 
     async def start(self) -> None:
@@ -176,10 +186,11 @@ class GrpcServer:
         await self.health.enter_graceful_shutdown()
         if self.cfg.drain_delay_s > 0:  # still answering, health NOT_SERVING
             log.info(
-                "draining: NOT_SERVING for %.1f s before refusing new calls",
+                "draining: NOT_SERVING for %.1f s before refusing new calls (a second "
+                "SIGTERM/SIGINT stops at once)",
                 self.cfg.drain_delay_s,
             )
-            await asyncio.sleep(self.cfg.drain_delay_s)
+            await self._unless_hurried(asyncio.sleep(self.cfg.drain_delay_s))
         grace_s, started = self.cfg.grace_period_s, time.monotonic()
         self.drain.close()
         log.info(
@@ -188,7 +199,9 @@ class GrpcServer:
             grace_s,
             self.drain.in_flight,
         )
-        await self.drain.wait(grace_s)
+        await self._unless_hurried(self.drain.wait(grace_s))
+        if self._hurried.is_set():
+            grace_s = 0.0
         if self.drain.in_flight:
             log.warning(
                 "grace period of %.1f s over: cancelling %d calls still in flight",
@@ -202,6 +215,28 @@ class GrpcServer:
             await self.serving.close()
         self.close_serving()
         log.info("stopped")
+
+    def hurry(self) -> None:
+        """A second stop signal: the drain ends now (what is left of --drain-delay-s and
+        --grace-period-s is skipped; calls still in flight are cancelled), as a second
+        Ctrl-C does. Before stop(), it makes stop() skip both."""
+        if not self._hurried.is_set():
+            log.warning(
+                "second stop signal: stopping now, cancelling %d call(s) in flight",
+                self.drain.in_flight,
+            )
+            self._hurried.set()
+
+    async def _unless_hurried(self, work: Any) -> None:
+        """Awaits work, or until hurry() (work then cancelled)."""
+        task = asyncio.ensure_future(work)
+        hurried = asyncio.ensure_future(self._hurried.wait())
+        try:
+            await asyncio.wait({task, hurried}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (task, hurried):
+                t.cancel()
+            await asyncio.gather(task, hurried, return_exceptions=True)
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()

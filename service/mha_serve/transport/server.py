@@ -18,7 +18,7 @@ from mha_serve.engine import Engine, resolve_device, resolve_dtype
 from mha_serve.engine.threads import ComputeThreads, pin_event_loop, unpin
 from mha_serve.serving import AsyncEngine
 from mha_serve.serving.async_engine import SESSION_SWEEP_S
-from mha_serve.transport.grpc_server import SERVICE_NAME, GrpcServer
+from mha_serve.transport.grpc_server import SERVICE_NAME, GrpcServer, stop_signal
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ async def serve(cfg: ServerConfig) -> None:
     server = Server(cfg)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop_signal, stop, server)
     start = asyncio.create_task(server.start())
     stopping = asyncio.create_task(stop.wait())
     try:

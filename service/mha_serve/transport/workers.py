@@ -171,7 +171,7 @@ class EngineProcess:
         cfg = self.cfg
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stopping.set)
+            loop.add_signal_handler(sig, self._on_signal)
         placeholder = reserve_port(cfg.host, cfg.port)
         self.port = placeholder.getsockname()[1]
         try:
@@ -224,6 +224,18 @@ class EngineProcess:
             log.error("stopping: %s", self.failed)
             return 1
         return 0
+
+    def _on_signal(self) -> None:
+        """The first SIGTERM/SIGINT stops (frontends drain, then the engine); a second is
+        passed on to the frontends, whose drain then ends at once (as a second Ctrl-C does
+        in a terminal, where every process of the group gets it)."""
+        if not self.stopping.is_set():
+            self.stopping.set()
+            return
+        log.warning("second stop signal: the frontends stop their drain now")
+        for frontend in self.frontends.values():
+            if frontend.process.is_alive():
+                frontend.process.terminate()
 
     async def _stop(self) -> None:
         """Frontends drain first (each as the standalone server does), then the engine."""
