@@ -20,7 +20,7 @@ from mha_client.channel import ChannelSecurity
 from mha_client.cli_heads import add_heads_command
 from mha_client.cli_sessions import add_session_commands
 from mha_client.cli_types import positive_float
-from mha_client.errors import MhaServeError
+from mha_client.errors import InvalidArgumentError, MhaServeError
 from mha_client.heatmap import require_matplotlib, save_heatmap
 from mha_client.loadgen import add_load_arguments, cmd_load
 from mha_client.report import (
@@ -427,7 +427,9 @@ def cmd_attend(client: Client, args: argparse.Namespace) -> int:
 
 def _report(err: MhaServeError, target: str) -> None:
     print(f"error: {err}", file=sys.stderr)
-    if err.code == grpc.StatusCode.UNAVAILABLE:
+    if isinstance(err, InvalidArgumentError):
+        print("mha-client refused this before sending it: the server saw nothing", file=sys.stderr)
+    elif err.code == grpc.StatusCode.UNAVAILABLE:
         print(
             f"mha-serve at {target} cannot be reached or is not accepting requests; "
             f"is it running? pass --target HOST:PORT or set {ENV_TARGET}",

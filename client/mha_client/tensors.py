@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from mha_client.api import attention_pb2 as pb
+from mha_client.errors import InvalidArgumentError
 
 # Wire dtype names accepted by the SDK and CLI, and their proto enums.
 DTYPE_NAMES: dict[str, int] = {
@@ -30,12 +31,13 @@ _WIRE_NUMPY: dict[int, np.dtype] = {
 
 
 def dtype_enum(name: str) -> int:
-    """The pb.DType enum for a wire dtype name; ValueError listing the choices otherwise."""
+    """The pb.DType enum for a wire dtype name; InvalidArgumentError (a ValueError) listing
+    the choices otherwise."""
     try:
         return DTYPE_NAMES[name]
-    except KeyError:
+    except (KeyError, TypeError):
         choices = ", ".join(DTYPE_NAMES)
-        raise ValueError(f"unknown dtype {name!r}; choose one of {choices}") from None
+        raise InvalidArgumentError(f"unknown dtype {name!r}; choose one of {choices}") from None
 
 
 def dtype_name(enum: int) -> str:
@@ -94,7 +96,7 @@ def _wire_array(array: np.ndarray, dtype: str | None) -> tuple[int, np.ndarray]:
     """The dtype enum and the array in its wire layout (no copy when it already is)."""
     arr = np.asarray(array)
     if not np.issubdtype(arr.dtype, np.floating):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"cannot send a {arr.dtype} array; attention inputs are floats: "
             f"convert with .astype(np.float32)"
         )

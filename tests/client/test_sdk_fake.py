@@ -18,7 +18,7 @@ import pytest
 from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_client.cli import main
-from mha_client.errors import MhaServeError
+from mha_client.errors import ClosedError, InvalidArgumentError, MhaServeError
 from mha_client.sdk import AsyncClient, Client, KVCacheInfo, ModelInfo, SessionInfo
 from mha_client.tensors import dtype_name, from_proto, to_proto
 
@@ -259,6 +259,36 @@ def test_bad_arguments_fail_before_the_call(target):
             c.attend("echo", _x(2, 8), weights=True, query_range=(3, 3))
 
 
+def test_client_side_refusals_are_mha_serve_errors_and_value_errors(target, servicer):
+    """README: every SDK error is an MhaServeError; a refusal before sending is also the
+    ValueError it always was."""
+    sent = len(servicer.requests)
+    x = _x(4, 8)
+    with Client(target) as c:
+        for call, says in [
+            (lambda: c.attend("echo", np.ones((4, 8), np.int32)), "cannot send a int32 array"),
+            (lambda: c.attend("echo", x, input_dtype="float64"), "unknown dtype 'float64'"),
+            (lambda: c.attend("echo", x, weights=True, query_range=(-3, None)), "negative"),
+        ]:
+            with pytest.raises(InvalidArgumentError, match=says) as err:
+                call()
+            assert isinstance(err.value, MhaServeError) and isinstance(err.value, ValueError)
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(servicer.requests) == sent  # none of them reached the server
+
+
+def test_a_call_on_a_closed_client_says_so(target):
+    with Client(target) as c:
+        c.list_models()
+    for call in (c.list_models, lambda: c.attend("echo", _x(2, 8)), c.session("s").refresh):
+        with pytest.raises(ClosedError, match="this Client is closed.*create a new one") as err:
+            call()
+        assert isinstance(err.value, MhaServeError) and isinstance(err.value, ValueError)
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(ClosedError, match="this Client is closed"):
+        c.session("s").stream()
+
+
 @needs_health
 def test_health_and_wait_ready(fake):
     target, _, health_servicer = fake
@@ -302,6 +332,15 @@ async def test_async_client(target):
         if health is not None:
             assert await c.health() == "SERVING"
             await c.wait_ready(5.0)
+
+
+async def test_a_call_on_a_closed_async_client_says_so(target):
+    async with AsyncClient(target) as c:
+        await c.list_models()
+    with pytest.raises(ClosedError, match="this AsyncClient is closed.*create a new one"):
+        await c.attend("echo", _x(2, 8))
+    with pytest.raises(ClosedError, match="this AsyncClient is closed"):
+        c.session("s").stream()
 
 
 async def test_an_internal_error_past_a_streams_deadline_reads_as_deadline_exceeded(target):

@@ -7,6 +7,7 @@ import pytest
 
 from mha_client import tensors
 from mha_client.api import attention_pb2 as pb
+from mha_client.errors import InvalidArgumentError, MhaServeError
 from mha_client.tensors import (
     DTYPE_ENUMS,
     DTYPE_NAMES,
@@ -170,3 +171,11 @@ def test_bfloat16_in_chunks_is_bfloat16_in_one(monkeypatch):
     assert chunked.shape == (10, 100) and chunked.dtype == np.uint16
     # A strided view converts as its contiguous copy does.
     np.testing.assert_array_equal(float32_to_bfloat16_bits(x.T), whole.T)
+
+
+def test_client_side_refusals_are_mha_serve_errors_and_value_errors():
+    for bad in (lambda: to_proto(np.arange(4)), lambda: dtype_enum("float64")):
+        with pytest.raises(InvalidArgumentError) as err:
+            bad()
+        assert isinstance(err.value, MhaServeError) and isinstance(err.value, ValueError)
+        assert str(err.value).startswith("INVALID_ARGUMENT: ") and err.value.target == ""
