@@ -30,7 +30,7 @@ from mha_client.report import (
     models_table,
 )
 from mha_client.sdk import DEFAULT_TARGET, AttendResult, Client
-from mha_client.tensors import DTYPE_NAMES
+from mha_client.tensors import DTYPE_NAMES, default_wire_dtype
 
 ENV_TARGET = "MHA_CLIENT_TARGET"
 ENV_TOKEN = "MHA_CLIENT_TOKEN"  # a bearer token, when no --token-file is given
@@ -418,7 +418,7 @@ def cmd_attend(client: Client, args: argparse.Namespace) -> int:
         _save(args.save, result, lengths)
     if args.heatmap is not None:
         _heatmap(args.heatmap, result, lengths)
-    wire_dtype = args.dtype or ("float16" if x.dtype == np.float16 else "float32")
+    wire_dtype = args.dtype or default_wire_dtype(x)
     files = {k: str(v) for k, v in (("saved", args.save), ("heatmap", args.heatmap)) if v}
     summary = attend_summary(result, x, lengths, wire_dtype, files)
     print(json.dumps(summary, indent=2) if args.json else format_attend_summary(summary))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import warnings
 from concurrent import futures
 
 import grpc
@@ -277,6 +278,31 @@ def test_client_side_refusals_are_mha_serve_errors_and_value_errors(target, serv
     assert len(servicer.requests) == sent  # none of them reached the server
 
 
+def test_float16_the_client_would_overflow_is_refused_before_sending(target, servicer):
+    sent = len(servicer.requests)
+    x = _x(8, 8) * 1e5  # beyond float16's 65504
+    with Client(target) as c, warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's "overflow encountered in cast" must not leak
+        with pytest.raises(InvalidArgumentError, match=r"beyond float16's range \(\+-65504"):
+            c.attend("echo", x, input_dtype="float16")
+        r = c.attend("echo", x)  # as float32 it goes
+    assert len(servicer.requests) == sent + 1
+    np.testing.assert_array_equal(r.output, x)
+
+
+@pytest.mark.parametrize(("kind", "dtype"), [("f2", np.float16), ("f4", np.float32)])
+def test_big_endian_input_is_answered_as_its_native_dtype(target, servicer, kind, dtype):
+    """output_dtype unset answers the input's dtype: a big-endian float16 array is float16."""
+    x = _x(3, 8)
+    with Client(target) as c:
+        r = c.attend("echo", x.astype(">" + kind))
+    assert servicer.requests[-1].input.dtype == (
+        pb.DTYPE_FLOAT16 if dtype == np.float16 else pb.DTYPE_FLOAT32
+    )
+    assert r.output.dtype == dtype
+    np.testing.assert_array_equal(r.output, x.astype(dtype))
+
+
 def test_a_call_on_a_closed_client_says_so(target):
     with Client(target) as c:
         c.list_models()
@@ -409,6 +435,21 @@ def test_cli_attend_input_file_and_npy_output(target, tmp_path, capsys):
                  "--save", str(out), "--output-dtype", "float16"]) == 0  # fmt: skip
     np.testing.assert_array_equal(np.load(out), x.astype(np.float16))
     assert "(4, 8) float16" in capsys.readouterr().out
+
+
+def test_cli_float16_overflow_is_the_clients_error_not_the_inputs(
+    target, servicer, tmp_path, capsys
+):
+    np.save(tmp_path / "x.npy", _x(8, 8) * 1e5)
+    sent = len(servicer.requests)
+    argv = ["--target", target, "attend", "echo", "--input", str(tmp_path / "x.npy")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main([*argv, "--dtype", "float16"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: INVALID_ARGUMENT: ") and "beyond float16's range" in err
+    assert "send float32" in err and "refused this before sending it" in err
+    assert "NaN or Inf" not in err and len(servicer.requests) == sent
 
 
 def test_cli_heatmap(target, tmp_path, capsys):
