@@ -18,6 +18,7 @@ import numpy as np
 
 from mha_client.channel import ChannelSecurity
 from mha_client.cli_heads import add_heads_command
+from mha_client.cli_save import SAVE_HELP, save_path, save_result
 from mha_client.cli_sessions import add_session_commands
 from mha_client.cli_types import positive_float
 from mha_client.errors import InvalidArgumentError, MhaServeError
@@ -266,12 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(DTYPE_NAMES),
         help="dtype of returned embeddings (default: the input's)",
     )
-    attend.add_argument(
-        "--save",
-        type=Path,
-        metavar="OUT.npz|OUT.npy",
-        help=".npz: output, weights, weight_heads, lengths; .npy: output",
-    )
+    attend.add_argument("--save", type=save_path, metavar="OUT.npz|OUT.npy", help=SAVE_HELP)
     attend.add_argument(
         "--heatmap",
         type=Path,
@@ -356,18 +352,6 @@ def _real_lengths(x: np.ndarray, lengths: list[int] | None) -> np.ndarray:
     return np.asarray(lengths if lengths else [x.shape[-2]] * batch, dtype=np.int32)
 
 
-def _save(path: Path, result: AttendResult, lengths: np.ndarray) -> None:
-    if path.suffix == ".npy":
-        np.save(path, result.output)
-        return
-    arrays = {"output": result.output, "lengths": lengths}
-    if result.weights is not None:
-        arrays["weights"] = result.weights
-        arrays["weight_heads"] = np.asarray(result.weight_heads, dtype=np.int32)
-        arrays["weight_query_start"] = np.asarray(result.weight_query_start, dtype=np.int32)
-    np.savez(path, **arrays)
-
-
 def _heatmap(path: Path, result: AttendResult, lengths: np.ndarray) -> None:
     if result.weights is None:
         raise ValueError(f"the server returned no attention weights for {result.model}")
@@ -389,8 +373,6 @@ def _heatmap(path: Path, result: AttendResult, lengths: np.ndarray) -> None:
 
 
 def cmd_attend(client: Client, args: argparse.Namespace) -> int:
-    if args.save is not None and args.save.suffix not in (".npz", ".npy"):
-        raise UsageError(f"--save {args.save}: name an .npz (all arrays) or .npy (output) file")
     want_weights = args.weights or args.heatmap is not None
     if not want_weights and (args.heads or args.rows or args.weights_dtype):
         raise UsageError("--heads, --rows and --weights-dtype select weights: add --weights")
@@ -415,7 +397,7 @@ def cmd_attend(client: Client, args: argparse.Namespace) -> int:
     )
     lengths = _real_lengths(x, args.lengths)
     if args.save is not None:
-        _save(args.save, result, lengths)
+        save_result(args.save, result, lengths)
     if args.heatmap is not None:
         _heatmap(args.heatmap, result, lengths)
     wire_dtype = args.dtype or default_wire_dtype(x)

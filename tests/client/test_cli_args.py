@@ -81,6 +81,8 @@ def test_usage_errors_exit_2_with_a_message(argv, message, capsys):
     [
         (["attend", "m", "--random-shape", "3", "--heads", "0"], "add --weights"),
         (["attend", "m", "--random-shape", "3", "--save", "out.txt"], ".npz"),
+        # session step --save takes what attend --save takes (numpy would write out.npy.npz)
+        (["session", "step", "s", "--random-tokens", "2", "--save", "o.txt"], ".npz"),
     ],
 )
 def test_checks_after_parsing_exit_2_before_any_call(argv, message, capsys):
