@@ -78,8 +78,15 @@ def row_range(text: str) -> tuple[int, int | None]:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a row range START:END, e.g. 2:7 (either side may be left out)"
         ) from None
-    if lo < 0 or (hi is not None and hi <= lo):
-        raise argparse.ArgumentTypeError(f"rows {text!r} are empty: need 0 <= START < END")
+    if lo < 0:
+        raise argparse.ArgumentTypeError(
+            f"rows {text!r} start at {lo}: rows count from 0, so START must be >= 0 "
+            f"(0 <= START < END)"
+        )
+    if hi is not None and hi <= lo:
+        raise argparse.ArgumentTypeError(
+            f"rows {text!r} are empty: END must be greater than START (0 <= START < END)"
+        )
     return lo, hi
 
 

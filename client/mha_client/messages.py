@@ -204,8 +204,9 @@ def build_attend_request(
         if query_range is not None:
             start, end = query_range
             if start < 0 or (end is not None and end <= start):
+                wrong = f"starts at {start}, before row 0" if start < 0 else "is empty"
                 raise InvalidArgumentError(
-                    f"query_range {query_range} is empty or negative; pass (start, end) with "
+                    f"query_range {query_range} {wrong}; pass (start, end) with "
                     f"0 <= start < end, or (start, None) for rows to the end"
                 )
             req.weights.query_start = int(start)
