@@ -85,6 +85,11 @@ def test_usage_errors_exit_2_with_a_message(argv, message, capsys):
         (["attend", "m", "--random-shape", "3", "--save", "out.txt"], ".npz"),
         # session step --save takes what attend --save takes (numpy would write out.npy.npz)
         (["session", "step", "s", "--random-tokens", "2", "--save", "o.txt"], ".npz"),
+        # load --concurrency 0 ran 1 client; 0 and -3 are refused alike
+        (["load", "m", "--concurrency", "0", "--requests", "3"], "'0' is not a positive"),
+        (["load", "m", "--concurrency", "-3", "--requests", "3"], "'-3' is not a positive"),
+        (["load", "m", "--requests", "0"], "'0' is not a positive integer"),
+        (["load", "m", "--requests", "3", "--warmup", "-1"], "'-1' is not an integer >= 0"),
     ],
 )
 def test_checks_after_parsing_exit_2_before_any_call(argv, message, capsys):
