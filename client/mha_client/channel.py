@@ -10,6 +10,8 @@ from typing import Any
 
 import grpc
 
+from mha_client.errors import InvalidArgumentError
+
 
 @dataclass(frozen=True)
 class ChannelSecurity:
@@ -30,9 +32,9 @@ class ChannelSecurity:
 
     def __post_init__(self) -> None:
         if bool(self.cert_file) != bool(self.key_file):
-            raise ValueError("cert_file and key_file go together (mutual TLS): give both")
+            raise InvalidArgumentError("cert_file and key_file go together (mutual TLS): give both")
         if self.token is not None and not self.token.strip():
-            raise ValueError("token is empty")
+            raise InvalidArgumentError("token is empty")
 
     @property
     def uses_tls(self) -> bool:
@@ -53,7 +55,7 @@ class ChannelSecurity:
         if token_file:
             lines = Path(token_file).read_text().split()
             if not lines:
-                raise ValueError(f"token file {token_file} is empty")
+                raise InvalidArgumentError(f"token file {token_file} is empty")
             token = lines[0]
         return cls(tls, ca_file or None, cert_file or None, key_file or None, token or None)
 
@@ -69,7 +71,7 @@ class ChannelSecurity:
             creds = grpc.local_channel_credentials(grpc.LocalConnectionType.UDS)
         elif self.token is not None:
             if not _is_loopback(target):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"a bearer token over plaintext to {target} would cross the network "
                     "readable: use TLS (tls=True or ca_file; mha-client --tls / --ca-file)"
                 )

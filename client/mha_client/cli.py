@@ -18,9 +18,10 @@ import numpy as np
 
 from mha_client.channel import ChannelSecurity
 from mha_client.cli_heads import add_heads_command
+from mha_client.cli_save import SAVE_HELP, save_path, save_result
 from mha_client.cli_sessions import add_session_commands
 from mha_client.cli_types import positive_float
-from mha_client.errors import MhaServeError
+from mha_client.errors import InvalidArgumentError, MhaServeError
 from mha_client.heatmap import require_matplotlib, save_heatmap
 from mha_client.loadgen import add_load_arguments, cmd_load
 from mha_client.report import (
@@ -30,7 +31,7 @@ from mha_client.report import (
     models_table,
 )
 from mha_client.sdk import DEFAULT_TARGET, AttendResult, Client
-from mha_client.tensors import DTYPE_NAMES
+from mha_client.tensors import DTYPE_NAMES, default_wire_dtype
 
 ENV_TARGET = "MHA_CLIENT_TARGET"
 ENV_TOKEN = "MHA_CLIENT_TOKEN"  # a bearer token, when no --token-file is given
@@ -77,8 +78,15 @@ def row_range(text: str) -> tuple[int, int | None]:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a row range START:END, e.g. 2:7 (either side may be left out)"
         ) from None
-    if lo < 0 or (hi is not None and hi <= lo):
-        raise argparse.ArgumentTypeError(f"rows {text!r} are empty: need 0 <= START < END")
+    if lo < 0:
+        raise argparse.ArgumentTypeError(
+            f"rows {text!r} start at {lo}: rows count from 0, so START must be >= 0 "
+            f"(0 <= START < END)"
+        )
+    if hi is not None and hi <= lo:
+        raise argparse.ArgumentTypeError(
+            f"rows {text!r} are empty: END must be greater than START (0 <= START < END)"
+        )
     return lo, hi
 
 
@@ -266,12 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(DTYPE_NAMES),
         help="dtype of returned embeddings (default: the input's)",
     )
-    attend.add_argument(
-        "--save",
-        type=Path,
-        metavar="OUT.npz|OUT.npy",
-        help=".npz: output, weights, weight_heads, lengths; .npy: output",
-    )
+    attend.add_argument("--save", type=save_path, metavar="OUT.npz|OUT.npy", help=SAVE_HELP)
     attend.add_argument(
         "--heatmap",
         type=Path,
@@ -356,18 +359,6 @@ def _real_lengths(x: np.ndarray, lengths: list[int] | None) -> np.ndarray:
     return np.asarray(lengths if lengths else [x.shape[-2]] * batch, dtype=np.int32)
 
 
-def _save(path: Path, result: AttendResult, lengths: np.ndarray) -> None:
-    if path.suffix == ".npy":
-        np.save(path, result.output)
-        return
-    arrays = {"output": result.output, "lengths": lengths}
-    if result.weights is not None:
-        arrays["weights"] = result.weights
-        arrays["weight_heads"] = np.asarray(result.weight_heads, dtype=np.int32)
-        arrays["weight_query_start"] = np.asarray(result.weight_query_start, dtype=np.int32)
-    np.savez(path, **arrays)
-
-
 def _heatmap(path: Path, result: AttendResult, lengths: np.ndarray) -> None:
     if result.weights is None:
         raise ValueError(f"the server returned no attention weights for {result.model}")
@@ -389,8 +380,6 @@ def _heatmap(path: Path, result: AttendResult, lengths: np.ndarray) -> None:
 
 
 def cmd_attend(client: Client, args: argparse.Namespace) -> int:
-    if args.save is not None and args.save.suffix not in (".npz", ".npy"):
-        raise UsageError(f"--save {args.save}: name an .npz (all arrays) or .npy (output) file")
     want_weights = args.weights or args.heatmap is not None
     if not want_weights and (args.heads or args.rows or args.weights_dtype):
         raise UsageError("--heads, --rows and --weights-dtype select weights: add --weights")
@@ -415,10 +404,10 @@ def cmd_attend(client: Client, args: argparse.Namespace) -> int:
     )
     lengths = _real_lengths(x, args.lengths)
     if args.save is not None:
-        _save(args.save, result, lengths)
+        save_result(args.save, result, lengths)
     if args.heatmap is not None:
         _heatmap(args.heatmap, result, lengths)
-    wire_dtype = args.dtype or ("float16" if x.dtype == np.float16 else "float32")
+    wire_dtype = args.dtype or default_wire_dtype(x)
     files = {k: str(v) for k, v in (("saved", args.save), ("heatmap", args.heatmap)) if v}
     summary = attend_summary(result, x, lengths, wire_dtype, files)
     print(json.dumps(summary, indent=2) if args.json else format_attend_summary(summary))
@@ -427,7 +416,9 @@ def cmd_attend(client: Client, args: argparse.Namespace) -> int:
 
 def _report(err: MhaServeError, target: str) -> None:
     print(f"error: {err}", file=sys.stderr)
-    if err.code == grpc.StatusCode.UNAVAILABLE:
+    if isinstance(err, InvalidArgumentError):
+        print("mha-client refused this before sending it: the server saw nothing", file=sys.stderr)
+    elif err.code == grpc.StatusCode.UNAVAILABLE:
         print(
             f"mha-serve at {target} cannot be reached or is not accepting requests; "
             f"is it running? pass --target HOST:PORT or set {ENV_TARGET}",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mha_client.cli_save import SAVE_HELP, save_path, save_result
 from mha_client.cli_types import non_negative_int, positive_float, positive_int
 from mha_client.sdk import Client, SessionInfo
 
@@ -76,7 +77,7 @@ def add_session_commands(sub: argparse._SubParsersAction, common: argparse.Argum
     step.add_argument(
         "--weights", action="store_true", help="return the new rows' attention weights"
     )
-    step.add_argument("--save", type=Path, metavar="OUT.npz", help="save output (and weights)")
+    step.add_argument("--save", type=save_path, metavar="OUT.npz|OUT.npy", help=SAVE_HELP)
     step.add_argument("--json", action="store_true")
     step.set_defaults(func=cmd_step)
 
@@ -155,14 +156,14 @@ def cmd_step(client: Client, args: argparse.Namespace) -> int:
             (args.random_tokens, embed_dim), dtype=np.float32
         )
     r = s.step(x, weights=args.weights)
-    if args.save is not None:
-        arrays = {"output": r.output} | ({"weights": r.weights} if r.weights is not None else {})
-        np.savez(args.save, **arrays)
+    if args.save is not None:  # as attend --save: the step's tokens are its one sequence
+        save_result(args.save, r, np.asarray([x.shape[-2]], dtype=np.int32))
     summary = {
         "session": asdict(r.session),
         "output_shape": list(r.output.shape),
         "weights_shape": None if r.weights is None else list(r.weights.shape),
         "timing": asdict(r.timing),
+        "files": {"saved": str(args.save)} if args.save is not None else {},
     }
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -178,6 +179,8 @@ def cmd_step(client: Client, args: argparse.Namespace) -> int:
             f"timing     queue {t.queue_ms:.2f} ms, compute {t.compute_ms:.2f} ms, "
             f"round trip {t.round_trip_ms:.2f} ms, batch {t.batch_size}"
         )
+        if args.save is not None:
+            print(f"saved      {args.save}")
     return EXIT_OK
 
 

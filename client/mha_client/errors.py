@@ -1,4 +1,5 @@
-"""The one exception the SDK raises for failed RPCs: a gRPC status code and the details."""
+"""The SDK's exceptions: every error it raises is an MhaServeError, a gRPC status code and the
+details, whether the server answered it or the client refused the call before sending."""
 
 from __future__ import annotations
 
@@ -26,3 +27,22 @@ class MhaServeError(Exception):
         code = code_fn() if callable(code_fn) else None
         details = details_fn() if callable(details_fn) else None
         return cls(code or grpc.StatusCode.UNKNOWN, details or str(err), target)
+
+
+class InvalidArgumentError(MhaServeError, ValueError):
+    """An argument the client refuses before sending anything (a non-float array, an unknown
+    dtype, a float16 conversion that would overflow...): code INVALID_ARGUMENT, as the server
+    answers what it refuses, and `target` "" (nothing was sent). Also a ValueError, which
+    these checks raised before they were MhaServeErrors."""
+
+    def __init__(self, details: str) -> None:
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, details)
+
+
+class ClosedError(MhaServeError, ValueError, RuntimeError):
+    """A call on a Client or AsyncClient after close() (the end of its `with` block), or a
+    step on a session stream after its close: code FAILED_PRECONDITION, nothing sent. Also a
+    ValueError and a RuntimeError, what gRPC's closed channel and a closed stream raised."""
+
+    def __init__(self, details: str, target: str = "") -> None:
+        super().__init__(grpc.StatusCode.FAILED_PRECONDITION, details, target)

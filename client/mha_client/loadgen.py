@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 
 from mha_client.channel import ChannelSecurity, open_channel
-from mha_client.cli_types import positive_int
+from mha_client.cli_types import non_negative_int, positive_int
 from mha_client.sdk import DEFAULT_MAX_MESSAGE_BYTES, build_attend_request, channel_options
 
 GRPC_ATTEND_METHOD = "/mha.v1.AttentionService/Attend"
@@ -259,10 +259,19 @@ class LoadResult:
     tokens_per_s: float  # real tokens (batch x length) of successful requests
     latency: LatencyStats
     client_cpu_s: float  # CPU time of the generator's process over the whole run
+    # Wall time of that same whole run (warm-up included): the span client_cpu_s is spent
+    # in, so client_cpu_s / client_wall_s is the cores the generator kept busy. elapsed_s,
+    # the measured window alone, is shorter: CPU divided by it could exceed the machine.
+    client_wall_s: float
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def client_cores(self) -> float:
+        """Cores the generator's process kept busy on average over its run."""
+        return self.client_cpu_s / self.client_wall_s if self.client_wall_s > 0 else 0.0
 
     def format(self) -> str:
         loop = (
@@ -286,8 +295,8 @@ class LoadResult:
                 f"latency ms   p50 {lat.p50_ms:.2f}  p95 {lat.p95_ms:.2f}  p99 {lat.p99_ms:.2f}  "
                 f"max {lat.max_ms:.2f}  mean {lat.mean_ms:.2f}",
                 f"errors       {errors}",
-                f"client cpu   {self.client_cpu_s:.1f} s "
-                f"({self.client_cpu_s / max(self.elapsed_s, 1e-9):.2f} cores)",
+                f"client cpu   {self.client_cpu_s:.3f} s in {self.client_wall_s:.3f} s, "
+                f"warm-up included ({self.client_cores:.2f} cores)",
             ]
         )
 
@@ -463,7 +472,7 @@ async def run_load(
         if reporter is not None:
             reporter.cancel()
             await asyncio.gather(reporter, return_exceptions=True)
-    cpu_s = time.process_time() - cpu_start
+    cpu_s, wall_s = time.process_time() - cpu_start, time.perf_counter() - started
     elapsed = run.last_done - run.measure_start if run.measure_start is not None else 0.0
     ok = len(run.latencies)
     per_s = (lambda n: n / elapsed) if elapsed > 0 else (lambda n: 0.0)
@@ -487,6 +496,7 @@ async def run_load(
         tokens_per_s=per_s(run.tokens),
         latency=latency_stats(run.latencies),
         client_cpu_s=cpu_s,
+        client_wall_s=wall_s,
     )
 
 
@@ -518,7 +528,7 @@ def _seq_lens_arg(text: str) -> SeqLens:
 def add_load_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="model name, as `mha-client models` lists")
     loop = p.add_mutually_exclusive_group()
-    loop.add_argument("--concurrency", type=int, help="closed loop: N clients (default 1)")
+    loop.add_argument("--concurrency", type=positive_int, help="closed loop: N clients (default 1)")
     loop.add_argument("--rate", type=float, help="open loop: requests per second")
     p.add_argument(
         "--arrivals",
@@ -526,7 +536,7 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
         default="poisson",
         help="open-loop arrival process (default poisson)",
     )
-    p.add_argument("--requests", type=int, help="measured requests (after warm-up)")
+    p.add_argument("--requests", type=positive_int, help="measured requests (after warm-up)")
     p.add_argument(
         "--duration",
         type=float,
@@ -548,7 +558,9 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
         help="TCP connections the clients share, taken in turn (default 1); a server with "
         "--frontend-workers N spreads connections, not calls, over its frontends: give N or more",
     )
-    p.add_argument("--warmup", type=int, default=20, help="requests left out of the stats")
+    p.add_argument(
+        "--warmup", type=non_negative_int, default=20, help="requests left out of the stats"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", type=Path, metavar="FILE.json", help="write the results here")
 

@@ -10,6 +10,7 @@ from typing import Any, TypedDict
 import numpy as np
 
 from mha_client.api import attention_pb2 as pb
+from mha_client.errors import InvalidArgumentError
 from mha_client.tensors import (
     array_field,
     dtype_enum,
@@ -171,7 +172,8 @@ def build_attend_request(
     input_dtype: str | None = None,
     session_id: str | None = None,
 ) -> pb.AttendRequest:
-    """The AttendRequest for `attend`; ValueError for arguments that cannot work.
+    """The AttendRequest for `attend`; InvalidArgumentError (an MhaServeError and a ValueError)
+    for arguments that cannot work, before anything is sent.
 
     x: (L, E) or (B, L, E) floats. lengths: real length per sequence (the rest is padding).
     causal: None takes the model's default. weights: return attention weights, narrowed by
@@ -182,11 +184,13 @@ def build_attend_request(
     """
     arr = np.asarray(x)
     if arr.ndim not in (2, 3):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"x has shape {arr.shape}; expected (seq_len, embed_dim) or (batch, seq_len, embed_dim)"
         )
     if not weights and (heads is not None or query_range is not None or weights_dtype):
-        raise ValueError("heads, query_range and weights_dtype select weights: pass weights=True")
+        raise InvalidArgumentError(
+            "heads, query_range and weights_dtype select weights: pass weights=True"
+        )
     req = pb.AttendRequest(model=model, session_id=session_id or "")
     fill_proto(req.input, arr, input_dtype)  # in place: a nested pb.Tensor costs 3 copies more
     if lengths is not None:
@@ -200,8 +204,9 @@ def build_attend_request(
         if query_range is not None:
             start, end = query_range
             if start < 0 or (end is not None and end <= start):
-                raise ValueError(
-                    f"query_range {query_range} is empty or negative; pass (start, end) with "
+                wrong = f"starts at {start}, before row 0" if start < 0 else "is empty"
+                raise InvalidArgumentError(
+                    f"query_range {query_range} {wrong}; pass (start, end) with "
                     f"0 <= start < end, or (start, None) for rows to the end"
                 )
             req.weights.query_start = int(start)
@@ -229,7 +234,7 @@ def encode_attend_request(model: str, x: np.ndarray, **options: Any) -> bytes:
     way costs five): for a channel method sending bytes as they are (no request_serializer)."""
     arr = np.asarray(x)
     # Checks all but x's bytes on an empty slice; a wrong rank whole, for build's error to
-    # name x's shape (and a 0-d x to raise ValueError, not IndexError).
+    # name x's shape (and a 0-d x to raise InvalidArgumentError, not IndexError).
     probe = arr[..., :0] if arr.ndim in (2, 3) else arr
     head = build_attend_request(model, probe, **options)
     head.ClearField("input")
@@ -290,9 +295,9 @@ def parse_attend_response(
 def check_keep(num_tokens: int) -> None:
     """A TruncateSession count the request can carry: an int in [0, 2**64)."""
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        raise InvalidArgumentError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
     if num_tokens >= 2**64:  # TruncateSessionRequest.num_tokens is a uint64
-        raise ValueError(
+        raise InvalidArgumentError(
             f"num_tokens {num_tokens} is past any session's length (the request holds < 2**64)"
         )
 

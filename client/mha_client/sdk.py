@@ -1,8 +1,9 @@
 """Python SDK for mha-serve: `Client` (blocking) and `AsyncClient` (asyncio) with the same methods.
 
-Both speak mha.v1 over gRPC and turn every failed call into `MhaServeError`. Each call is
-written once in `mha_client.ops` (its request and how its reply is read); the two clients
-only send it.
+Both speak mha.v1 over gRPC and turn every failed call into `MhaServeError`: what the server
+refused, and what the client refused before sending (`InvalidArgumentError` for arguments,
+`ClosedError` for a call after close()). Each call is written once in `mha_client.ops` (its
+request and how its reply is read); the two clients only send it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 from mha_client import ops
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_client.channel import ChannelSecurity, open_channel
-from mha_client.errors import MhaServeError
+from mha_client.errors import ClosedError, MhaServeError
 from mha_client.messages import (  # re-exported: the SDK's public values
     AttendOptions,
     AttendResult,
@@ -137,8 +138,20 @@ class _Channel:
         self._stub = pb_grpc.AttentionServiceStub(self._channel)
         self._bytes_stub = ops.BytesStub(self._channel)  # Attend, StreamSession: framed codec
         self._health_stub: Any = None  # made at the first health call (its package may lack)
+        self._closed = False
+
+    def _check_open(self) -> None:
+        """ClosedError for a call after close(): gRPC's own error there (a ValueError from a
+        blocking channel, a UsageError from an aio one) names neither the client nor the fix."""
+        if self._closed:
+            raise ClosedError(
+                f"this {type(self).__name__} is closed (close() was called or its `with` block "
+                f"ended); create a new one to call {self.target}",
+                self.target,
+            )
 
     def _method(self, rpc: ops.Rpc, timeout: float | None) -> tuple[Any, dict[str, Any]]:
+        self._check_open()
         if rpc.health and self._health_stub is None:
             self._health_stub = ops.health_stubs()[1].HealthStub(self._channel)
         stub = self._health_stub if rpc.health else self._bytes_stub if rpc.raw else self._stub
@@ -159,6 +172,7 @@ class Client(_Channel):
         self.close()
 
     def close(self) -> None:
+        self._closed = True
         self._channel.close()
 
     def _run(self, rpc: ops.Rpc[T], timeout: float | None = None) -> T:
@@ -225,6 +239,7 @@ class AsyncClient(_Channel):
         await self.close()
 
     async def close(self) -> None:
+        self._closed = True
         await self._channel.close()
 
     async def _run(self, rpc: ops.Rpc[T], timeout: float | None = None) -> T:

@@ -30,7 +30,7 @@ import grpc
 import numpy as np
 
 from mha_client import ops
-from mha_client.errors import MhaServeError
+from mha_client.errors import ClosedError, MhaServeError
 from mha_client.messages import AttendOptions, AttendResult, SessionInfo, step_request_bytes
 
 if TYPE_CHECKING:
@@ -129,6 +129,7 @@ class SessionStream:
 
     def _open(self) -> None:
         client = self._session._client
+        client._check_open()
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._replies: Iterator[bytes] = client._bytes_stub.StreamSession(
             iter(self._requests.get, _END),
@@ -147,7 +148,7 @@ class SessionStream:
 
     def step(self, x: np.ndarray, **options: Any) -> AttendResult:
         if not self._end.alive:
-            raise RuntimeError(_CLOSED)
+            raise ClosedError(_CLOSED, self._session._client.target)
         start = time.perf_counter()
         request = step_request_bytes(self._session.id, x, options)
         for reopened in range(MAX_REOPENS + 1):
@@ -236,6 +237,7 @@ class AsyncSessionStream:
 
     def _open(self) -> None:
         client = self._session._client
+        client._check_open()
         self._call = client._bytes_stub.StreamSession(
             timeout=_remaining(self._deadline), metadata=getattr(client, "metadata", None)
         )
@@ -248,7 +250,7 @@ class AsyncSessionStream:
 
     async def step(self, x: np.ndarray, **options: Any) -> AttendResult:
         if self._closed:
-            raise RuntimeError(_CLOSED)
+            raise ClosedError(_CLOSED, self._session._client.target)
         start = time.perf_counter()
         request = step_request_bytes(self._session.id, x, options)
         for reopened in range(MAX_REOPENS + 1):

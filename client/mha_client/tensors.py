@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from mha_client.api import attention_pb2 as pb
+from mha_client.errors import InvalidArgumentError
 
 # Wire dtype names accepted by the SDK and CLI, and their proto enums.
 DTYPE_NAMES: dict[str, int] = {
@@ -29,13 +30,35 @@ _WIRE_NUMPY: dict[int, np.dtype] = {
 }
 
 
+# The smallest magnitude that rounding to nearest takes to inf in each wire dtype: half-way
+# between its largest finite value and the next power of two (a tie rounds to the even
+# neighbour, and inf is the even one there).
+_OVERFLOW_AT: dict[int, float] = {
+    pb.DTYPE_FLOAT32: 2.0**128 - 2.0**103,  # largest 3.4028235e38
+    pb.DTYPE_FLOAT16: 2.0**16 - 2.0**4,  # largest 65504
+    pb.DTYPE_BFLOAT16: 2.0**128 - 2.0**119,  # largest 3.3895314e38
+}
+_LARGEST = {
+    pb.DTYPE_FLOAT32: "3.4028e38",
+    pb.DTYPE_FLOAT16: "65504",
+    pb.DTYPE_BFLOAT16: "3.3895e38",
+}
+
+
 def dtype_enum(name: str) -> int:
-    """The pb.DType enum for a wire dtype name; ValueError listing the choices otherwise."""
+    """The pb.DType enum for a wire dtype name; InvalidArgumentError (a ValueError) listing
+    the choices otherwise."""
     try:
         return DTYPE_NAMES[name]
-    except KeyError:
+    except (KeyError, TypeError):
         choices = ", ".join(DTYPE_NAMES)
-        raise ValueError(f"unknown dtype {name!r}; choose one of {choices}") from None
+        raise InvalidArgumentError(f"unknown dtype {name!r}; choose one of {choices}") from None
+
+
+def default_wire_dtype(array: np.ndarray) -> str:
+    """What an array goes as when no dtype is asked: float16 as float16 (in either byte
+    order), every other float as float32."""
+    return "float16" if np.asarray(array).dtype.type is np.float16 else "float32"
 
 
 def dtype_name(enum: int) -> str:
@@ -90,20 +113,51 @@ def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     return wide.view(np.float32)
 
 
+def _check_fits(arr: np.ndarray, enum: int) -> None:
+    """InvalidArgumentError when converting arr to the wire dtype would turn finite values
+    into inf: the client would make the non-finite input the server refuses. Values already
+    NaN or inf are left to the server, which refuses them with its own message."""
+    limit = _OVERFLOW_AT[enum]
+    if arr.size == 0 or float(np.finfo(arr.dtype).max) < limit:
+        return  # a dtype whose values all fit (float16 into anything, float32 into float32)
+    # Two reductions, no temporaries, for the usual input: a NaN fails both comparisons.
+    if -limit < arr.min() and arr.max() < limit:
+        return
+    with np.errstate(invalid="ignore"):
+        finite = np.isfinite(arr)
+        over = finite & (np.abs(arr) >= limit)
+    num_over = int(np.count_nonzero(over))
+    if num_over == 0:
+        return
+    name = dtype_name(enum)
+    largest = float(np.abs(arr[finite]).max())
+    fix = "scale the input down"
+    if enum != pb.DTYPE_FLOAT32:
+        fix = f"send float32 (leave input_dtype / --dtype unset) or {fix}"
+    raise InvalidArgumentError(
+        f"{num_over} of the input's {arr.size} values are beyond {name}'s range "
+        f"(+-{_LARGEST[enum]}; the largest |x| is {largest:.4g}): converted to {name} they "
+        f"would be sent as inf; {fix}"
+    )
+
+
 def _wire_array(array: np.ndarray, dtype: str | None) -> tuple[int, np.ndarray]:
-    """The dtype enum and the array in its wire layout (no copy when it already is)."""
+    """The dtype enum and the array in its wire layout (no copy when it already is).
+
+    InvalidArgumentError before anything is sent for a non-float array, an unknown dtype, or
+    finite values the conversion would make inf (_check_fits)."""
     arr = np.asarray(array)
     if not np.issubdtype(arr.dtype, np.floating):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"cannot send a {arr.dtype} array; attention inputs are floats: "
             f"convert with .astype(np.float32)"
         )
-    if dtype is None:
-        dtype = "float16" if arr.dtype == np.float16 else "float32"
-    enum = dtype_enum(dtype)
+    enum = dtype_enum(default_wire_dtype(arr) if dtype is None else dtype)
+    _check_fits(arr, enum)
     if enum == pb.DTYPE_BFLOAT16:
         return enum, float32_to_bfloat16_bits(arr.astype(np.float32, copy=False))
-    # copy=False: a no-op for arrays already in the wire dtype and byte order.
+    # copy=False: a no-op for arrays already in the wire dtype and byte order; a big-endian
+    # array is swapped to the wire's little-endian here.
     return enum, arr.astype(_WIRE_NUMPY[enum], copy=False)
 
 

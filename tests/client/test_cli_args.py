@@ -40,7 +40,9 @@ def test_value_parsers():
         (float_list, "1,a", "comma-separated list of numbers"),
         (row_range, "abc", "START:END"),
         (row_range, "5", "START:END"),
-        (row_range, "7:2", "empty"),
+        (row_range, "7:2", "are empty: END must be greater than START"),
+        (row_range, "-3:", "start at -3: rows count from 0, so START must be >= 0"),
+        (row_range, "-3:5", "START must be >= 0"),
         (random_shape, "2,0", "positive integers"),
         (random_shape, "1,2,3", "BATCH,SEQ_LEN"),
     ],
@@ -81,6 +83,13 @@ def test_usage_errors_exit_2_with_a_message(argv, message, capsys):
     [
         (["attend", "m", "--random-shape", "3", "--heads", "0"], "add --weights"),
         (["attend", "m", "--random-shape", "3", "--save", "out.txt"], ".npz"),
+        # session step --save takes what attend --save takes (numpy would write out.npy.npz)
+        (["session", "step", "s", "--random-tokens", "2", "--save", "o.txt"], ".npz"),
+        # load --concurrency 0 ran 1 client; 0 and -3 are refused alike
+        (["load", "m", "--concurrency", "0", "--requests", "3"], "'0' is not a positive"),
+        (["load", "m", "--concurrency", "-3", "--requests", "3"], "'-3' is not a positive"),
+        (["load", "m", "--requests", "0"], "'0' is not a positive integer"),
+        (["load", "m", "--requests", "3", "--warmup", "-1"], "'-1' is not an integer >= 0"),
     ],
 )
 def test_checks_after_parsing_exit_2_before_any_call(argv, message, capsys):

@@ -4,9 +4,12 @@ metadata (--application) as its model lookup does (the numpy echo servicer, no t
 from __future__ import annotations
 
 import json
+import os
+import re
 from concurrent import futures
 
 import grpc
+import pytest
 
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_client.cli import main
@@ -70,3 +73,33 @@ def test_load_spreads_its_calls_over_the_channels_asked(tmp_path, capsys):
     capsys.readouterr()
     assert main(["load", "echo", "--channels", "0"]) == 2  # argparse's exit, with the reason
     assert "'0' is not a positive integer" in capsys.readouterr().err
+
+
+def test_load_cores_are_its_cpu_seconds_over_the_wall_seconds_they_took(tmp_path, capsys):
+    """A short run printed "client cpu 0.0 s (2.61 cores)" on 2 cores: CPU of the whole run
+    (warm-up included) over the measured window alone, and its seconds rounded to 0.0."""
+    servicer = MetadataEcho()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_AttentionServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    out = tmp_path / "load.json"
+    try:
+        argv = ["load", "echo", "--target", f"127.0.0.1:{port}", "--requests", "3"]
+        argv += ["--warmup", "20", "--seq-len", "2", "--json-out", str(out)]
+        assert main(argv) == 0, capsys.readouterr().err
+    finally:
+        server.stop(grace=None)
+    data = json.loads(out.read_text())
+    cpu_s, wall_s = data["client_cpu_s"], data["client_wall_s"]
+    assert wall_s >= data["elapsed_s"] > 0  # the whole run holds the measured window
+    line = re.search(
+        r"client cpu +(\d+\.\d{3}) s in (\d+\.\d{3}) s, warm-up included \((\d+\.\d\d) cores\)",
+        capsys.readouterr().out,
+    )
+    assert line, "no client cpu line"
+    shown_cpu, shown_wall, shown_cores = map(float, line.groups())
+    assert shown_cpu == pytest.approx(cpu_s, abs=5e-4)
+    assert shown_wall == pytest.approx(wall_s, abs=5e-4)
+    assert shown_cores == pytest.approx(cpu_s / wall_s, abs=5e-3)
+    assert shown_cores <= (os.cpu_count() or 1) + 0.05  # a process cannot use more cores

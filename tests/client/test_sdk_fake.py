@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import warnings
 from concurrent import futures
 
 import grpc
@@ -18,7 +19,7 @@ import pytest
 from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_client.cli import main
-from mha_client.errors import MhaServeError
+from mha_client.errors import ClosedError, InvalidArgumentError, MhaServeError
 from mha_client.sdk import AsyncClient, Client, KVCacheInfo, ModelInfo, SessionInfo
 from mha_client.tensors import dtype_name, from_proto, to_proto
 
@@ -259,6 +260,61 @@ def test_bad_arguments_fail_before_the_call(target):
             c.attend("echo", _x(2, 8), weights=True, query_range=(3, 3))
 
 
+def test_client_side_refusals_are_mha_serve_errors_and_value_errors(target, servicer):
+    """README: every SDK error is an MhaServeError; a refusal before sending is also the
+    ValueError it always was."""
+    sent = len(servicer.requests)
+    x = _x(4, 8)
+    with Client(target) as c:
+        for call, says in [
+            (lambda: c.attend("echo", np.ones((4, 8), np.int32)), "cannot send a int32 array"),
+            (lambda: c.attend("echo", x, input_dtype="float64"), "unknown dtype 'float64'"),
+            (lambda: c.attend("echo", x, weights=True, query_range=(-3, None)), "before row 0"),
+        ]:
+            with pytest.raises(InvalidArgumentError, match=says) as err:
+                call()
+            assert isinstance(err.value, MhaServeError) and isinstance(err.value, ValueError)
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(servicer.requests) == sent  # none of them reached the server
+
+
+def test_float16_the_client_would_overflow_is_refused_before_sending(target, servicer):
+    sent = len(servicer.requests)
+    x = _x(8, 8) * 1e5  # beyond float16's 65504
+    with Client(target) as c, warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's "overflow encountered in cast" must not leak
+        with pytest.raises(InvalidArgumentError, match=r"beyond float16's range \(\+-65504"):
+            c.attend("echo", x, input_dtype="float16")
+        r = c.attend("echo", x)  # as float32 it goes
+    assert len(servicer.requests) == sent + 1
+    np.testing.assert_array_equal(r.output, x)
+
+
+@pytest.mark.parametrize(("kind", "dtype"), [("f2", np.float16), ("f4", np.float32)])
+def test_big_endian_input_is_answered_as_its_native_dtype(target, servicer, kind, dtype):
+    """output_dtype unset answers the input's dtype: a big-endian float16 array is float16."""
+    x = _x(3, 8)
+    with Client(target) as c:
+        r = c.attend("echo", x.astype(">" + kind))
+    assert servicer.requests[-1].input.dtype == (
+        pb.DTYPE_FLOAT16 if dtype == np.float16 else pb.DTYPE_FLOAT32
+    )
+    assert r.output.dtype == dtype
+    np.testing.assert_array_equal(r.output, x.astype(dtype))
+
+
+def test_a_call_on_a_closed_client_says_so(target):
+    with Client(target) as c:
+        c.list_models()
+    for call in (c.list_models, lambda: c.attend("echo", _x(2, 8)), c.session("s").refresh):
+        with pytest.raises(ClosedError, match="this Client is closed.*create a new one") as err:
+            call()
+        assert isinstance(err.value, MhaServeError) and isinstance(err.value, ValueError)
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(ClosedError, match="this Client is closed"):
+        c.session("s").stream()
+
+
 @needs_health
 def test_health_and_wait_ready(fake):
     target, _, health_servicer = fake
@@ -302,6 +358,15 @@ async def test_async_client(target):
         if health is not None:
             assert await c.health() == "SERVING"
             await c.wait_ready(5.0)
+
+
+async def test_a_call_on_a_closed_async_client_says_so(target):
+    async with AsyncClient(target) as c:
+        await c.list_models()
+    with pytest.raises(ClosedError, match="this AsyncClient is closed.*create a new one"):
+        await c.attend("echo", _x(2, 8))
+    with pytest.raises(ClosedError, match="this AsyncClient is closed"):
+        c.session("s").stream()
 
 
 async def test_an_internal_error_past_a_streams_deadline_reads_as_deadline_exceeded(target):
@@ -370,6 +435,21 @@ def test_cli_attend_input_file_and_npy_output(target, tmp_path, capsys):
                  "--save", str(out), "--output-dtype", "float16"]) == 0  # fmt: skip
     np.testing.assert_array_equal(np.load(out), x.astype(np.float16))
     assert "(4, 8) float16" in capsys.readouterr().out
+
+
+def test_cli_float16_overflow_is_the_clients_error_not_the_inputs(
+    target, servicer, tmp_path, capsys
+):
+    np.save(tmp_path / "x.npy", _x(8, 8) * 1e5)
+    sent = len(servicer.requests)
+    argv = ["--target", target, "attend", "echo", "--input", str(tmp_path / "x.npy")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main([*argv, "--dtype", "float16"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: INVALID_ARGUMENT: ") and "beyond float16's range" in err
+    assert "send float32" in err and "refused this before sending it" in err
+    assert "NaN or Inf" not in err and len(servicer.requests) == sent
 
 
 def test_cli_heatmap(target, tmp_path, capsys):

@@ -1,17 +1,26 @@
-"""The tensor codec: round trips, bfloat16 rounding, byte order and size checks."""
+"""The tensor codec: round trips, bfloat16 rounding, byte order and size checks, and the
+conversions the client refuses before sending."""
 
 from __future__ import annotations
 
+import re
+import warnings
+
+import grpc
 import numpy as np
 import pytest
 
 from mha_client import tensors
 from mha_client.api import attention_pb2 as pb
+from mha_client.errors import InvalidArgumentError, MhaServeError
 from mha_client.tensors import (
     DTYPE_ENUMS,
     DTYPE_NAMES,
+    array_field,
     bfloat16_bits_to_float32,
+    default_wire_dtype,
     dtype_enum,
+    dtype_name,
     float32_to_bfloat16_bits,
     from_proto,
     to_proto,
@@ -170,3 +179,68 @@ def test_bfloat16_in_chunks_is_bfloat16_in_one(monkeypatch):
     assert chunked.shape == (10, 100) and chunked.dtype == np.uint16
     # A strided view converts as its contiguous copy does.
     np.testing.assert_array_equal(float32_to_bfloat16_bits(x.T), whole.T)
+
+
+# ----- conversions the client makes: refused before sending when they would make inf
+
+
+def _quiet(fn, *args):
+    """fn(*args) with every warning an error: no numpy RuntimeWarning may leak."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return fn(*args)
+
+
+@pytest.mark.parametrize(
+    ("x", "dtype", "range_"),
+    [
+        (np.array([[1.0, -7e4]], np.float32), "float16", "float16's range (+-65504"),
+        (np.array([[65520.0]], np.float32), "float16", "float16's range"),  # rounds to inf
+        (np.array([[3.4e38]], np.float32), "bfloat16", "bfloat16's range"),
+        (np.array([[1e39]]), None, "float32's range"),  # float64 goes as float32
+        (np.array([[1e39]]), "bfloat16", "bfloat16's range"),
+    ],
+)
+def test_a_conversion_that_would_make_inf_is_refused_by_the_client(x, dtype, range_):
+    with pytest.raises(InvalidArgumentError, match=re.escape(range_)) as err:
+        _quiet(to_proto, x, dtype)
+    assert isinstance(err.value, MhaServeError) and isinstance(err.value, ValueError)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "1 of the input's" in err.value.details and "scale the input down" in err.value.details
+    with pytest.raises(InvalidArgumentError, match="beyond"):  # the framed path too
+        _quiet(array_field, 2, x, dtype)
+
+
+def test_the_largest_values_that_round_to_a_finite_one_are_sent():
+    x = np.array([65504.0, -65519.0, 1e-9], np.float32)
+    np.testing.assert_array_equal(
+        from_proto(_quiet(to_proto, x, "float16")), np.array([65504, -65504, 0], np.float16)
+    )
+    bf16_max = np.float32(3.3895314e38)
+    assert from_proto(_quiet(to_proto, np.array([bf16_max]), "bfloat16"))[0] == bf16_max
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", None])
+def test_input_already_nan_or_inf_is_sent_as_it_is(dtype):
+    """The server refuses non-finite input with its own message: the client leaves it be."""
+    x = np.array([1.0, np.nan, np.inf, -np.inf])
+    got = from_proto(_quiet(to_proto, x, dtype))
+    assert np.isnan(got[1]) and got[2] == np.inf and got[3] == -np.inf and got[0] == 1.0
+
+
+@pytest.mark.parametrize("order", [">", "<", "="])
+@pytest.mark.parametrize(("kind", "enum"), [("f2", pb.DTYPE_FLOAT16), ("f4", pb.DTYPE_FLOAT32)])
+def test_either_byte_order_goes_as_its_dtype_in_little_endian(order, kind, enum):
+    x = np.arange(6, dtype=np.float32).reshape(2, 3).astype(order + kind)
+    assert default_wire_dtype(x) == dtype_name(enum)
+    t = to_proto(x)
+    assert t.dtype == enum and t.data == x.astype("<" + kind).tobytes()
+    np.testing.assert_array_equal(from_proto(t), x)
+
+
+def test_client_side_refusals_are_mha_serve_errors_and_value_errors():
+    for bad in (lambda: to_proto(np.arange(4)), lambda: dtype_enum("float64")):
+        with pytest.raises(InvalidArgumentError) as err:
+            bad()
+        assert isinstance(err.value, MhaServeError) and isinstance(err.value, ValueError)
+        assert str(err.value).startswith("INVALID_ARGUMENT: ") and err.value.target == ""

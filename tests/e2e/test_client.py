@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from mha_client.cli import main as cli_main
 from mha_client.errors import MhaServeError
 from mha_client.sdk import AsyncClient, Client
 from mha_serve.config import default_models
@@ -192,3 +193,26 @@ def test_cli_sessions_and_decode(server, tmp_path):
     left = re.search(r"session +([0-9a-f]+) \(left open\)", kept.stderr)  # past max_seq_len
     assert left, kept.stderr
     assert cli("session", "close", left.group(1), target=server.target).returncode == 0
+
+
+def test_cli_session_step_saves_as_attend_does(server, tmp_path, capsys):
+    """session step --save OUT.npy wrote OUT.npy.npz (np.savez) and printed nothing; now
+    it writes what attend --save writes, and says so."""
+    assert cli_main(["--target", server.target, "session", "create", "gqa", "--json"]) == 0
+    sid = json.loads(capsys.readouterr().out)["session_id"]
+    step = ["--target", server.target, "session", "step", sid]
+    np.save(tmp_path / "x2d.npy", np.ones((4, 512), np.float32))
+    npy, npz = tmp_path / "sx.npy", tmp_path / "sx.npz"
+    try:
+        assert cli_main([*step, "--input", str(tmp_path / "x2d.npy"), "--save", str(npy)]) == 0
+        assert f"saved      {npy}" in capsys.readouterr().out.splitlines()
+        assert np.load(npy).shape == (4, 512) and not Path(f"{npy}.npz").exists()
+        argv = [*step, "--random-tokens", "2", "--weights", "--save", str(npz), "--json"]
+        assert cli_main(argv) == 0
+        assert json.loads(capsys.readouterr().out)["files"] == {"saved": str(npz)}
+        with np.load(npz) as saved:
+            assert saved["output"].shape == (2, 512) and saved["lengths"].tolist() == [2]
+            assert saved["weights"].shape == (8, 2, 6)  # heads, new rows, all keys
+            assert saved["weight_heads"].tolist() == list(range(8))
+    finally:
+        assert cli_main(["--target", server.target, "session", "close", sid]) == 0

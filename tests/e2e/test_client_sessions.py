@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from mha_client.errors import MhaServeError
+from mha_client.errors import ClosedError, MhaServeError
 from mha_client.sdk import AsyncClient, Client
 
 ATOL = 1e-5
@@ -78,8 +78,10 @@ def test_a_closed_stream_says_so(client):
         stream.step(np.ones((1, 512), np.float32))
         stream.close()
         stream.close()  # twice is a no-op
-        with pytest.raises(RuntimeError, match="stream is closed"):
+        # A ClosedError (an MhaServeError, as every SDK error), still the RuntimeError it was.
+        with pytest.raises(ClosedError, match="stream is closed") as err:
             stream.step(np.ones((1, 512), np.float32))
+        assert isinstance(err.value, RuntimeError)
         assert s.refresh().num_tokens == 1
 
 
@@ -94,8 +96,9 @@ async def test_async_stream_after_an_error_raises_that_error(server):
                 await stream.step(np.zeros((1, 512), np.float32))
             assert err.value.code.name == "OUT_OF_RANGE" and "max_len 2" in err.value.details
         await stream.close()
-        with pytest.raises(RuntimeError, match="stream is closed"):
+        with pytest.raises(ClosedError, match="stream is closed") as err:
             await stream.step(np.zeros((1, 512), np.float32))
+        assert isinstance(err.value, RuntimeError)
 
 
 def test_a_dropped_unclosed_stream_ends_its_request_thread(client):

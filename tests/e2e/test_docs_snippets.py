@@ -1,0 +1,66 @@
+"""The Python snippets of README.md and docs/ run as written: each compiles and names nothing
+it does not define (pyflakes' rules, through ruff), and README's SDK ones run against the real
+server, with only the target changed."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+README_TARGET = "127.0.0.1:50051"  # what `make serve` listens on, as the snippets say
+
+
+def python_snippets(path: Path) -> list[str]:
+    """The ```python blocks of a page."""
+    return re.findall(r"^```python\n(.*?)^```", path.read_text(), re.M | re.S)
+
+
+def sdk_snippets(path: Path) -> list[str]:
+    """Those that use the SDK alone (not Triton's client, which needs its own environment)."""
+    return [b for b in python_snippets(path) if "mha_client" in b and "tritonclient" not in b]
+
+
+SNIPPETS = [
+    pytest.param(code, id=f"{path.relative_to(ROOT)}:{i}")
+    for path in DOCS
+    for i, code in enumerate(python_snippets(path))
+]
+
+
+def test_the_pages_have_sdk_snippets():
+    assert len(sdk_snippets(ROOT / "README.md")) == 2
+    assert len(sdk_snippets(ROOT / "docs" / "models.md")) == 1
+
+
+@pytest.mark.parametrize("code", SNIPPETS)
+def test_snippet_compiles_and_defines_what_it_uses(code):
+    compile(code, "snippet", "exec")  # e.g. no `async with` outside an async function
+    lint = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--isolated", "--select", "F", "--no-cache"]
+        + ["--stdin-filename", "snippet.py", "-"],
+        input=code,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_readme_snippet_runs_against_the_server(server, index, tmp_path, monkeypatch, capsys):
+    code = sdk_snippets(ROOT / "README.md")[index]
+    assert README_TARGET in code
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code.replace(README_TARGET, server.target), "README.md", "exec"), {})
+    printed = capsys.readouterr().out.split("\n")
+    expected = {
+        0: ["(4, 32, 512)", "(4, 2, 16, 32)"],  # then the timing, and the async client's shape
+        1: ["24", "24", "22"],  # tokens after the decode loop, in the fork, after truncate
+    }[index]
+    assert printed[: len(expected)] == expected
