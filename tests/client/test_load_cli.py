@@ -3,6 +3,7 @@ metadata (--application) as its model lookup does (the numpy echo servicer, no t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -38,19 +39,26 @@ class MetadataEcho(EchoServicer):
         return super().Attend(request, context)
 
 
-def test_load_requests_carry_the_application_metadata(tmp_path, capsys):
+@contextlib.contextmanager
+def echo_server():
+    """A MetadataEcho on 127.0.0.1: (servicer, port), stopped at the end."""
     servicer = MetadataEcho()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     pb_grpc.add_AttentionServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    out = tmp_path / "load.json"
     try:
+        yield servicer, port
+    finally:
+        server.stop(grace=None)
+
+
+def test_load_requests_carry_the_application_metadata(tmp_path, capsys):
+    out = tmp_path / "load.json"
+    with echo_server() as (servicer, port):
         argv = ["--application", "mha", "load", "echo", "--target", f"127.0.0.1:{port}"]
         argv += ["--requests", "4", "--warmup", "1", "--seq-len", "2", "--json-out", str(out)]
         assert main(argv) == 0, capsys.readouterr().err
-    finally:
-        server.stop(grace=None)
     assert json.loads(out.read_text())["ok"] == 4
     assert servicer.applications[0] == ("GetModelInfo", "mha")
     assert servicer.applications[1:] == [("Attend", "mha")] * 5  # warm-up included
@@ -58,17 +66,10 @@ def test_load_requests_carry_the_application_metadata(tmp_path, capsys):
 
 def test_load_spreads_its_calls_over_the_channels_asked(tmp_path, capsys):
     """--channels N: N connections (what spreads load over a server's frontend workers)."""
-    servicer = MetadataEcho()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_AttentionServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
+    with echo_server() as (servicer, port):
         argv = ["load", "echo", "--target", f"127.0.0.1:{port}", "--channels", "3"]
         argv += ["--requests", "9", "--warmup", "0", "--seq-len", "2", "--concurrency", "3"]
         assert main(argv) == 0, capsys.readouterr().err
-    finally:
-        server.stop(grace=None)
     assert len(set(servicer.peers[:9])) == 3  # calls taken in turn over 3 connections
     capsys.readouterr()
     assert main(["load", "echo", "--channels", "0"]) == 2  # argparse's exit, with the reason
@@ -78,18 +79,11 @@ def test_load_spreads_its_calls_over_the_channels_asked(tmp_path, capsys):
 def test_load_cores_are_its_cpu_seconds_over_the_wall_seconds_they_took(tmp_path, capsys):
     """A short run printed "client cpu 0.0 s (2.61 cores)" on 2 cores: CPU of the whole run
     (warm-up included) over the measured window alone, and its seconds rounded to 0.0."""
-    servicer = MetadataEcho()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_AttentionServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
     out = tmp_path / "load.json"
-    try:
+    with echo_server() as (_, port):
         argv = ["load", "echo", "--target", f"127.0.0.1:{port}", "--requests", "3"]
         argv += ["--warmup", "20", "--seq-len", "2", "--json-out", str(out)]
         assert main(argv) == 0, capsys.readouterr().err
-    finally:
-        server.stop(grace=None)
     data = json.loads(out.read_text())
     cpu_s, wall_s = data["client_cpu_s"], data["client_wall_s"]
     assert wall_s >= data["elapsed_s"] > 0  # the whole run holds the measured window
