@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 from mha_serve.config import default_models
 from mha_serve.engine import AttendRequest, Engine, array_of, resolve_device, resolve_dtype
+from mha_serve.model.config import RopeConfig
 
 PROFILE_STEPS = 20  # steps per side under the profiler
 TOP_OPS = 15
@@ -174,18 +175,32 @@ def engine_on(args, specs) -> Engine:
     )
 
 
-def bare_step(module, x: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, pos: int):
+def bare_step(
+    module,
+    x: torch.Tensor,
+    k_all: torch.Tensor,
+    v_all: torch.Tensor,
+    pos: int,
+    freq: torch.Tensor | None = None,
+):
     """x (1, 1, E); k_all, v_all (1, KVH, S, D) preallocated: the step's minimal torch ops
     (each KV head's query heads as the rows of one attention call: its fastest form on the
-    CPU, bench/decode_attention.py)."""
+    CPU, bench/decode_attention.py). freq (D,): RoPE's frequencies, each twice; q and k then
+    rotated at pos as transformers does (x cos + rotate_half(x) sin, angles in float32)."""
     c = module.config
     H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
     qkv = F.linear(x, module.wqkv.weight, module.wqkv.bias)
     q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
-    k_all[:, :, pos].copy_(k.view(1, KVH, D))
+    if freq is not None:
+        angles = pos * freq  # (D,)
+        qk = qkv[..., : (H + KVH) * D].view(1, H + KVH, D)
+        half = D // 2
+        qk = qk * angles.cos() + torch.cat([-qk[..., half:], qk[..., :half]], -1) * angles.sin()
+        q, k = qk[:, :H], qk[:, H:]
+    k_all[:, :, pos].copy_(k.reshape(1, KVH, D))
     v_all[:, :, pos].copy_(v.view(1, KVH, D))
     y = F.scaled_dot_product_attention(
-        q.view(1, KVH, H // KVH, D), k_all[:, :, : pos + 1], v_all[:, :, : pos + 1]
+        q.reshape(1, KVH, H // KVH, D), k_all[:, :, : pos + 1], v_all[:, :, : pos + 1]
     )  # (1, KVH, G, D): query head h = kv * G + g
     return F.linear(y.reshape(1, 1, H * D), module.wo.weight, module.wo.bias)
 
@@ -314,6 +329,12 @@ def main(argv: list[str] | None = None) -> None:
         help="plain decode steps through engine/graphs.py (a third side with --sessions)",
     )
     parser.add_argument(
+        "--rope",
+        action="store_true",
+        help="the model with rotary position embeddings (theta 10000), as Llama-family "
+        "layers have; the bare side rotates q and k too",
+    )
+    parser.add_argument(
         "--flash-decode",
         action="store_true",
         help="with --sessions, a side with flash decode (engine/attend.py; CUDA, bf16/fp16)",
@@ -332,9 +353,18 @@ def main(argv: list[str] | None = None) -> None:
             f"{max_len - args.steps}"
         )
     torch.set_num_threads(1)
-    engine = engine_on(args, default_models())
+    specs = default_models()
+    if args.rope:
+        specs = [
+            dataclasses.replace(s, attention=dataclasses.replace(s.attention, rope=RopeConfig()))
+            if s.name == args.model
+            else s
+            for s in specs
+        ]
+    engine = engine_on(args, specs)
     hosted = engine.get(args.model)
     module, device = hosted.module, hosted.device
+    freq = module.rope_freq  # (D,) or None
     E = module.config.embed_dim
     g = torch.Generator().manual_seed(0)
     prompt = torch.randn(1, args.context, E, generator=g)
@@ -364,7 +394,7 @@ def main(argv: list[str] | None = None) -> None:
             engine.close_session(sid)
             start = time.perf_counter()
             for t in range(args.steps):
-                bare_step(module, tokens[t], k_all, v_all, args.context + t)
+                bare_step(module, tokens[t], k_all, v_all, args.context + t, freq)
             sync(device)
             bare_us.append((time.perf_counter() - start) / args.steps * 1e6)
         if args.profile:
@@ -380,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
                     device,
                 ),
                 "bare ops": profile_side(
-                    lambda t: bare_step(module, tokens[t], k_all, v_all, args.context + t),
+                    lambda t: bare_step(module, tokens[t], k_all, v_all, args.context + t, freq),
                     n,
                     device,
                 ),
@@ -391,7 +421,8 @@ def main(argv: list[str] | None = None) -> None:
     # time, so the minimum is the steadiest estimate of what the code itself costs.
     e_min, b_min = min(engine_us), min(bare_us)
     print(
-        f"{args.model} context {args.context} on {device} ({hosted.dtype}), 1 torch thread, "
+        f"{args.model}{' with RoPE' if args.rope else ''} context {args.context} on {device} "
+        f"({hosted.dtype}), 1 torch thread, "
         f"{args.rounds} rounds x "
         f"{args.steps} steps: engine step {e:.0f} us, bare torch ops {b:.0f} us, overhead "
         f"{e - b:.0f} us ({e / b:.2f}x) median; fastest rounds {e_min:.0f} vs {b_min:.0f} us, "

@@ -257,15 +257,15 @@ def _decode_pair(config, num_kv_heads, dtype, kv_dtype, num_blocks):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("past", [0, 9, 1100])  # 1100: GQA's grouped kernel in float32
-def test_decode_one_is_the_plain_lone_step_exactly(variant, dtype, bias, past):
+@pytest.mark.parametrize("past", [0, 9, 1100])  # 1100: past a block table of 256 entries
+@pytest.mark.parametrize("rope", [None, {"theta": 100.0}], ids=["plain", "rope"])
+def test_decode_one_is_the_plain_lone_step_exactly(variant, dtype, bias, past, rope):
     """KVCache.step_views + MultiHeadAttention.decode_one (the engine's lone decode step in
     one call) against project -> append -> read -> attend_step: the same output and the
-    same cache, bit for bit."""
+    same cache, bit for bit; with RoPE, q and K rotated at the token's position."""
     num_blocks = 300
-    module, (fast, plain) = _decode_pair(
-        {"bias": bias}, VARIANTS[variant], dtype, dtype, num_blocks
-    )
+    config = {"bias": bias} if rope is None else {"bias": bias, "rope": rope}
+    module, (fast, plain) = _decode_pair(config, VARIANTS[variant], dtype, dtype, num_blocks)
     first_block = 3  # a session's blocks need not start at block 0
     table = list(range(first_block, first_block + past // BS + 1))
     slot = table[past // BS] * BS + past % BS
@@ -274,7 +274,7 @@ def test_decode_one_is_the_plain_lone_step_exactly(variant, dtype, bias, past):
         views = fast.step_views(table, slot, past + 1)
         assert views is not None
         got = module.decode_one(x, *views)
-        q, k, v = module.project(x)
+        q, k, v = module.project(x, torch.tensor([past]))
         plain.append(k, v, [(slot,)])
         keys, values = plain.read(table, past + 1)
         want = module.attend_step(q, keys, values, past, 0)
@@ -288,10 +288,10 @@ def test_decode_one_is_the_plain_lone_step_exactly(variant, dtype, bias, past):
     [
         {"sliding_window": 4},
         {"softcap": 5.0},
-        {"rope": {"theta": 100.0}},
+        {"rope": {"theta": 100.0}, "qk_norm": {"scope": "head"}},
         {"qk_norm": {"scope": "head"}},
     ],
-    ids=["window", "softcap", "rope", "qk_norm"],
+    ids=["window", "softcap", "rope_qk_norm", "qk_norm"],
 )
 def test_decode_one_declines_other_configs_and_a_narrower_cache_writing_nothing(config):
     """For any config it is not for, or a cache narrower than the model, decode_one is None

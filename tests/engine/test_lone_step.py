@@ -1,8 +1,8 @@
 """A lone session step (Sessions._run_alone: a step that finds its lane idle, without weights
 or a head mask, whose bounds clear it) answers as the batch's path does: the same outputs as
 the same steps batched with another session's, and as a recompute of the whole sequence, for
-every family the engine hosts (MHA, GQA, MQA, RoPE with a sliding window, soft-capped scores,
-q/k norm, a narrower cache); the same outcome (a batch of one, its session's stats); and it is
+every family the engine hosts (MHA, GQA, MQA, RoPE with and without a sliding window,
+soft-capped scores, q/k norm, a narrower cache); the same outcome (a batch of one, its session's stats); and it is
 the path such steps take, while any other lone step takes the batch's. The one-token views
 the lone step's projection takes (MultiHeadAttention.project, _merge_heads) equal the
 general transposes."""
@@ -24,6 +24,8 @@ from tests.helpers import suite_torch_device
 LONE_MODELS = [
     *MODELS,  # mha, gqa, mqa; RoPE with a sliding window and small blocks; soft-capped
     ModelSpec("norm", AttentionConfig(64, 4, 2, qk_norm={"scope": "head"}), seed=6),
+    # RoPE without a window: decode_one rotates the token itself
+    ModelSpec("rope", AttentionConfig(64, 4, 2, rope={"theta": 500.0}), seed=8),
     ModelSpec("narrow", AttentionConfig(64, 4, 1), seed=7, kv_cache_dtype="bfloat16"),
 ]
 NAMES = [m.name for m in LONE_MODELS]
@@ -225,3 +227,27 @@ def test_a_batch_whose_host_copy_fails_keeps_nothing_and_leaves_no_session_busy(
         assert engine.sessions.table.session_stats(sid).num_tokens == 2
         assert run(engine, hosted, req("mqa", x[:, 2:], session_id=sid)).session.num_tokens == 3
         engine.sessions.close(sid)
+
+
+@pytest.mark.parametrize("name", ["gqa", "rope"])
+def test_a_lone_decode_token_of_a_plain_or_rotary_model_runs_in_one_call(engine, name, monkeypatch):
+    """decode_one answers every lone one-token step of a model without q/k norm, soft-cap or
+    window, RoPE's included (it rotates q and K at the token's position itself; the test
+    above holds its outputs to the batch's and a recompute)."""
+    answered: list[bool] = []
+    real = MultiHeadAttention.decode_one
+
+    def spy(self, *args):
+        y = real(self, *args)
+        answered.append(y is not None)
+        return y
+
+    monkeypatch.setattr(MultiHeadAttention, "decode_one", spy)
+    hosted = engine.get(name)
+    x = tokens(engine, name, 12, seed=3)
+    sid = engine.sessions.create(name, None, None).session_id
+    run(engine, hosted, req(name, x[:, :8], session_id=sid))
+    for p in range(8, 12):
+        run(engine, hosted, req(name, x[:, p : p + 1], session_id=sid))
+    assert answered == [True] * 4
+    engine.sessions.close(sid)

@@ -13,7 +13,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from mha_serve.model.hf_config import read_hf_layer
-from mha_serve.model.rope import cos_sin, inv_freq, rotate
+from mha_serve.model.rope import cos_sin, doubled, inv_freq, rotate
 
 PARAMETERS = [
     {"rope_type": "default", "rope_theta": 10000.0},
@@ -77,7 +77,7 @@ def test_frequencies_cos_sin_and_rotation_equal_transformers(tmp_path, params):
     assert torch.equal(ours, theirs.float()), (ours - theirs).abs().max()
     assert scaling == pytest.approx(their_scaling, rel=1e-12)
     positions = torch.tensor([[0, 1, 7, 63, 200], [3, 4, 5, 6, 7]])
-    cos, sin = cos_sin(ours, scaling, positions, torch.float32)  # (B, 1, L, D)
+    cos, sin = cos_sin(doubled(ours), scaling, positions, torch.float32)  # (B, 1, L, D)
     x = torch.randn(2, 5, 128)
     their_cos, their_sin = LlamaRotaryEmbedding(config)(x, positions)  # (B, L, D)
     assert torch.equal(cos[:, 0], their_cos) and torch.equal(sin[:, 0], their_sin)

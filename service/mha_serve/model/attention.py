@@ -28,7 +28,7 @@ from .checks import (
 from .config import AttentionConfig
 from .overflow import NO_OVERFLOW, NoOverflow, OverflowCheck, score_limit
 from .padded import attend_padded, padded_mask
-from .rope import cos_sin, inv_freq, rotate
+from .rope import cos_sin, doubled, inv_freq, rotate
 
 
 @dataclass
@@ -52,20 +52,20 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         self.config = config
         self.scale = config.scale
-        # Whether decode_one can run a lone decode step: none of the options it leaves out.
+        # Whether decode_one can run a lone decode step: none of the options it leaves out
+        # (RoPE it applies itself).
         self.decodes_in_one = (
-            config.rope is None
-            and config.qk_norm is None
-            and config.softcap is None
-            and config.sliding_window is None
+            config.qk_norm is None and config.softcap is None and config.sliding_window is None
         )
         # RoPE frequencies: a plain float32 tensor, not a buffer, so that module.to(dtype)
         # never rounds them (transformers keeps them float32 too); kept on the weights'
         # device (here and in _apply), so that a step copies nothing from the host for them
         # (on CUDA such a copy from pageable memory would wait for the device).
+        # Each frequency twice (rope.doubled: the angles' layout), made once here.
         self.rope_freq, self.rope_scaling = (None, 1.0)
         if config.rope is not None:
             freq, self.rope_scaling = inv_freq(config.rope, config.head_dim)
+            freq = doubled(freq)  # (D,)
             self.rope_freq = freq if device is None else freq.to(device)
         # Fused projection whose rows are [Wq; Wk; Wv] (as gpt-fast): one matmul,
         # and exactly nn.MultiheadAttention's in_proj_weight layout when KVH == H.
@@ -331,9 +331,10 @@ class MultiHeadAttention(nn.Module):
         keys: torch.Tensor,
         values: torch.Tensor,
     ) -> torch.Tensor | None:
-        """A lone session step of one token x (1, 1, E) for a plain config (no RoPE, q/k
-        norm, soft-cap or sliding window) over a cache in x's dtype: project writes its K/V
-        into kv_slot (1, 2 KVH, 1, D: K's heads, then V's, as projected), then attend_step's
+        """A lone session step of one token x (1, 1, E) for a config without q/k norm,
+        soft-cap or sliding window, over a cache in x's dtype: project writes its K/V (K
+        rotated at position S - 1 with RoPE) into kv_slot (1, 2 KVH, 1, D: K's heads, then
+        V's, as projected), then attend_step's
         output (1, 1, E) over keys, values (1, KVH, S, D), positions 0..S-1 with the new
         token's last (KVCache.step_views): the same ops on the same tensors as project,
         KVCache.append, KVCache.read and attend_step, in one call without their checks,
@@ -350,9 +351,18 @@ class MultiHeadAttention(nn.Module):
         # q (1, H, 1, D) and K, V (1, 2 KVH, 1, D), each one as_strided over qkv's row (a
         # view and a split are four dispatches)
         strides = ((H + 2 * KVH) * D, D, D, 1)
-        q = qkv.as_strided((1, H, 1, D), strides)
-        kv = qkv.as_strided((1, 2 * KVH, 1, D), strides, qkv.storage_offset() + H * D)
-        kv_slot.copy_(kv)  # K and V at once
+        if self.rope_freq is None:
+            q = qkv.as_strided((1, H, 1, D), strides)
+            kv = qkv.as_strided((1, 2 * KVH, 1, D), strides, qkv.storage_offset() + H * D)
+            kv_slot.copy_(kv)  # K and V at once
+        else:  # q and K rotated at the new token's position, S - 1 (project's values)
+            cos, sin = cos_sin(self.rope_freq, self.rope_scaling, keys.shape[2] - 1, x.dtype)
+            qk = rotate(qkv.as_strided((1, H + KVH, 1, D), strides), cos, sin)
+            q = qk[:, :H]
+            kv_slot[:, :KVH].copy_(qk[:, H:])
+            kv_slot[:, KVH:].copy_(
+                qkv.as_strided((1, KVH, 1, D), strides, qkv.storage_offset() + (H + KVH) * D)
+            )
         y = attend_token(q, keys, values, self.scale)  # (attend_one's call for it)
         wo = linears["wo"]._parameters
         return F.linear(y.reshape(1, 1, H * D), wo["weight"], wo["bias"])  # (1, 1, E)
@@ -416,27 +426,37 @@ class MultiHeadAttention(nn.Module):
         q, k, v = qkv.split_with_sizes([H * D, KVH * D, KVH * D], dim=-1)  # (B, L, H*D | KVH*D)
         if norm is not None and norm.scope == "projection":  # OLMo-2: over all heads at once
             q, k = _rms_norm(q, self.q_norm, norm.eps), _rms_norm(k, self.k_norm, norm.eps)
+        v = v.view(B, L, KVH, D).transpose(1, 2)  # (B, KVH, L, D)
+        if norm is None and self.rope_freq is not None:  # q and k rotated in one call
+            qk = qkv[..., : (H + KVH) * D].view(B, L, H + KVH, D).transpose(1, 2)
+            qk = rotate(qk, *self._cos_sin(x, positions, B, L))  # (B, H + KVH, L, D)
+            return qk[:, :H], qk[:, H:], v
         q = q.view(B, L, H, D)  # (B, L, H, D)
         k = k.view(B, L, KVH, D)  # (B, L, KVH, D)
         if norm is not None and norm.scope == "head":  # Qwen3, Gemma 3: each head on its own
             q, k = _rms_norm(q, self.q_norm, norm.eps), _rms_norm(k, self.k_norm, norm.eps)
         q = q.transpose(1, 2)  # (B, H, L, D)
         k = k.transpose(1, 2)  # (B, KVH, L, D)
-        v = v.view(B, L, KVH, D).transpose(1, 2)  # (B, KVH, L, D)
         if self.rope_freq is not None:
-            if positions is None:
-                positions = torch.arange(L, device=x.device)
-            positions = torch.as_tensor(positions, device=x.device)
-            if positions.dim() == 1:
-                positions = positions[None]  # (1, L)
-            if positions.shape not in ((1, L), (B, L)):
-                raise ValueError(
-                    f"positions must be (seq_len,) = ({L},) or (batch, seq_len) = ({B}, {L}), "
-                    f"got {tuple(positions.shape)}"
-                )
-            cos, sin = cos_sin(self.rope_freq, self.rope_scaling, positions, x.dtype)
+            cos, sin = self._cos_sin(x, positions, B, L)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # (B, H|KVH, L, D)
         return q, k, v
+
+    def _cos_sin(
+        self, x: torch.Tensor, positions: torch.Tensor | None, B: int, L: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """project's cos and sin (B|1, 1, L, D) at positions (B, L), (L,) or None (0..L-1)."""
+        if positions is None:
+            positions = torch.arange(L, device=x.device)
+        positions = torch.as_tensor(positions, device=x.device)
+        if positions.dim() == 1:
+            positions = positions[None]  # (1, L)
+        if positions.shape not in ((1, L), (B, L)):
+            raise ValueError(
+                f"positions must be (seq_len,) = ({L},) or (batch, seq_len) = ({B}, {L}), "
+                f"got {tuple(positions.shape)}"
+            )
+        return cos_sin(self.rope_freq, self.rope_scaling, positions, x.dtype)
 
     def merge_heads(self, y: torch.Tensor) -> torch.Tensor:
         """Attention's per-head output y (B, H, L, D) as the module's output (B, L, E): heads

@@ -68,14 +68,30 @@ def _yarn(base: torch.Tensor, rope: RopeConfig, dim: int) -> tuple[torch.Tensor,
     return freq, float(attention_factor)
 
 
+def doubled(freq: torch.Tensor) -> torch.Tensor:
+    """(D,): each of the (D/2,) frequencies twice, [f_0 .. f_{D/2-1}, f_0 .. f_{D/2-1}], the
+    layout of transformers' cat((freqs, freqs)) over the angles, made once (cos_sin)."""
+    return torch.cat([freq, freq])
+
+
 def cos_sin(
-    freq: torch.Tensor, scaling: float, positions: torch.Tensor, dtype: torch.dtype
+    freq: torch.Tensor, scaling: float, positions: torch.Tensor | int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (B, 1, L, D) in dtype for positions (B, L): angles in float32, as
-    transformers computes them, then rounded to the activations' dtype."""
-    angles = positions[..., None].float() * freq.to(positions.device)  # (B, L, D/2)
-    emb = torch.cat([angles, angles], dim=-1)[:, None]  # (B, 1, L, D)
-    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+    """cos and sin (B, 1, L, D) in dtype for positions (B, L), or (D,) for one position
+    given as an int (a lone decode step's); freq (D,) doubled(inv_freq): angles in float32,
+    as transformers computes them (each position times each frequency, the halves alike),
+    then rounded to the activations' dtype. The same values as transformers' in fewer ops:
+    a step's rotation is a few small kernels."""
+    if isinstance(positions, int):  # (exact in float32 below 2**24, as positions are)
+        angles = positions * freq  # (D,)
+    else:
+        angles = (positions[..., None].float() * freq)[:, None]  # (B, 1, L, D)
+    cos, sin = angles.cos(), angles.sin()
+    if scaling != 1.0:  # (x * 1.0 is x: skipped)
+        cos, sin = cos * scaling, sin * scaling
+    if dtype != cos.dtype:  # (float32 angles: a float32 model's are kept as they are)
+        cos, sin = cos.to(dtype), sin.to(dtype)
+    return cos, sin
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
