@@ -258,14 +258,25 @@ def _decode_pair(config, num_kv_heads, dtype, kv_dtype, num_blocks):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("past", [0, 9, 1100])  # 1100: past a block table of 256 entries
-@pytest.mark.parametrize("rope", [None, {"theta": 100.0}], ids=["plain", "rope"])
-def test_decode_one_is_the_plain_lone_step_exactly(variant, dtype, bias, past, rope):
+@pytest.mark.parametrize(
+    "family",
+    [{}, {"rope": {"theta": 100.0}}, {"rope": {"theta": 100.0}, "qk_norm": {"scope": "head"}}],
+    ids=["plain", "rope", "rope_qk_norm"],
+)
+def test_decode_one_is_the_plain_lone_step_exactly(variant, dtype, bias, past, family):
     """KVCache.step_views + MultiHeadAttention.decode_one (the engine's lone decode step in
     one call) against project -> append -> read -> attend_step: the same output and the
-    same cache, bit for bit; with RoPE, q and K rotated at the token's position."""
+    same cache, bit for bit; with RoPE, q and K rotated at the token's position; with a
+    q/k norm per head (Qwen3's), q's and K's heads normed by their own gains first."""
     num_blocks = 300
-    config = {"bias": bias} if rope is None else {"bias": bias, "rope": rope}
-    module, (fast, plain) = _decode_pair(config, VARIANTS[variant], dtype, dtype, num_blocks)
+    module, (fast, plain) = _decode_pair(
+        {"bias": bias, **family}, VARIANTS[variant], dtype, dtype, num_blocks
+    )
+    if module.q_norm is not None:  # gains of their own, q's unlike K's
+        g = torch.Generator().manual_seed(11)
+        with torch.no_grad():
+            module.q_norm.copy_(torch.rand(module.q_norm.shape, generator=g) + 0.5)
+            module.k_norm.copy_(torch.rand(module.k_norm.shape, generator=g) * 3)
     first_block = 3  # a session's blocks need not start at block 0
     table = list(range(first_block, first_block + past // BS + 1))
     slot = table[past // BS] * BS + past % BS
@@ -288,10 +299,9 @@ def test_decode_one_is_the_plain_lone_step_exactly(variant, dtype, bias, past, r
     [
         {"sliding_window": 4},
         {"softcap": 5.0},
-        {"rope": {"theta": 100.0}, "qk_norm": {"scope": "head"}},
-        {"qk_norm": {"scope": "head"}},
+        {"rope": {"theta": 100.0}, "qk_norm": {"scope": "projection"}},
     ],
-    ids=["window", "softcap", "rope_qk_norm", "qk_norm"],
+    ids=["window", "softcap", "qk_norm_projection"],
 )
 def test_decode_one_declines_other_configs_and_a_narrower_cache_writing_nothing(config):
     """For any config it is not for, or a cache narrower than the model, decode_one is None

@@ -53,9 +53,11 @@ class MultiHeadAttention(nn.Module):
         self.config = config
         self.scale = config.scale
         # Whether decode_one can run a lone decode step: none of the options it leaves out
-        # (RoPE it applies itself).
+        # (RoPE and a q/k norm per head it applies itself).
         self.decodes_in_one = (
-            config.qk_norm is None and config.softcap is None and config.sliding_window is None
+            (config.qk_norm is None or config.qk_norm.scope == "head")
+            and config.softcap is None
+            and config.sliding_window is None
         )
         # RoPE frequencies: a plain float32 tensor, not a buffer, so that module.to(dtype)
         # never rounds them (transformers keeps them float32 too); kept on the weights'
@@ -331,10 +333,11 @@ class MultiHeadAttention(nn.Module):
         keys: torch.Tensor,
         values: torch.Tensor,
     ) -> torch.Tensor | None:
-        """A lone session step of one token x (1, 1, E) for a config without q/k norm,
-        soft-cap or sliding window, over a cache in x's dtype: project writes its K/V (K
-        rotated at position S - 1 with RoPE) into kv_slot (1, 2 KVH, 1, D: K's heads, then
-        V's, as projected), then attend_step's
+        """A lone session step of one token x (1, 1, E) for a config without soft-cap,
+        sliding window or a q/k norm over the whole projection, over a cache in x's dtype:
+        project writes its K/V (K normed per head and rotated at position S - 1 as the
+        config has them) into kv_slot (1, 2 KVH, 1, D: K's heads, then V's), then
+        attend_step's
         output (1, 1, E) over keys, values (1, KVH, S, D), positions 0..S-1 with the new
         token's last (KVCache.step_views): the same ops on the same tensors as project,
         KVCache.append, KVCache.read and attend_step, in one call without their checks,
@@ -351,13 +354,20 @@ class MultiHeadAttention(nn.Module):
         # q (1, H, 1, D) and K, V (1, 2 KVH, 1, D), each one as_strided over qkv's row (a
         # view and a split are four dispatches)
         strides = ((H + 2 * KVH) * D, D, D, 1)
-        if self.rope_freq is None:
+        norm = c.qk_norm
+        if self.rope_freq is None and norm is None:
             q = qkv.as_strided((1, H, 1, D), strides)
             kv = qkv.as_strided((1, 2 * KVH, 1, D), strides, qkv.storage_offset() + H * D)
             kv_slot.copy_(kv)  # K and V at once
-        else:  # q and K rotated at the new token's position, S - 1 (project's values)
-            cos, sin = cos_sin(self.rope_freq, self.rope_scaling, keys.shape[2] - 1, x.dtype)
-            qk = rotate(qkv.as_strided((1, H + KVH, 1, D), strides), cos, sin)
+        else:  # q and K normed per head, then rotated at the token's position, S - 1
+            qk = qkv.as_strided((1, H + KVH, 1, D), strides)
+            if norm is not None:  # project's two _rms_norm calls, in one: q's and K's gains
+                params = self._parameters
+                gains = (params["q_norm"].expand(H, D), params["k_norm"].expand(KVH, D))
+                qk = _rms_norm(qk, torch.cat(gains)[:, None], norm.eps)  # (H + KVH, 1, D)
+            if self.rope_freq is not None:
+                position = keys.shape[2] - 1
+                qk = rotate(qk, *cos_sin(self.rope_freq, self.rope_scaling, position, x.dtype))
             q = qk[:, :H]
             kv_slot[:, :KVH].copy_(qk[:, H:])
             kv_slot[:, KVH:].copy_(
