@@ -195,7 +195,8 @@ def bare_step(
         angles = pos * freq  # (D,)
         qk = qkv[..., : (H + KVH) * D].view(1, H + KVH, D)
         half = D // 2
-        qk = qk * angles.cos() + torch.cat([-qk[..., half:], qk[..., :half]], -1) * angles.sin()
+        cos, sin = angles.cos().to(qk.dtype), angles.sin().to(qk.dtype)  # (as project)
+        qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], -1) * sin
         q, k = qk[:, :H], qk[:, H:]
     k_all[:, :, pos].copy_(k.reshape(1, KVH, D))
     v_all[:, :, pos].copy_(v.view(1, KVH, D))

@@ -134,6 +134,10 @@ def test_output_larger_than_response_limit_is_too_large(engine):
     message = str(refused.value)
     assert "(5 x 1024 x 512 float32)" in message and "64.0 KiB is kept" in message
     assert "at most 7.9 MiB of output" in message and "fewer or shorter sequences" in message
+    assert "ask for output_dtype float16 or bfloat16" in message
+    with pytest.raises(TooLarge, match="the output alone is 9.0 MiB") as narrow:  # float16
+        engine.prepare(req("mha", torch.zeros(9, 1024, 512), output_dtype=torch.float16))
+    assert "output_dtype" not in str(narrow.value)  # already narrow: not offered again
     sid = engine.create_session("mha").session_id
     with pytest.raises(TooLarge, match="the output alone is 8.0 MiB") as step:
         engine.prepare(req("mha", torch.zeros(1, 4096, 512), session_id=sid))

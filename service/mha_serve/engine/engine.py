@@ -277,6 +277,9 @@ class Engine:
         out_bytes = batch * seq_len * embed_dim * out_dtype.itemsize
         if out_bytes + RESPONSE_OVERHEAD_BYTES > self.max_response_bytes:
             room = self.max_response_bytes - RESPONSE_OVERHEAD_BYTES
+            narrower = (
+                "ask for output_dtype float16 or bfloat16, " if out_dtype.itemsize > 2 else ""
+            )
             fewer = (
                 "send fewer tokens per step"
                 if call.session_id
@@ -287,8 +290,7 @@ class Engine:
                 f"{str(out_dtype).removeprefix('torch.')}) but responses are limited to "
                 f"{_mib(self.max_response_bytes)}, of which {_mib(RESPONSE_OVERHEAD_BYTES)} is "
                 f"kept for the reply's other fields: at most {_mib(max(room, 0))} of output; "
-                f"{fewer}, ask for a narrower output_dtype, or raise the server's "
-                "--max-send-message-bytes"
+                f"{fewer}, {narrower}or raise the server's --max-send-message-bytes"
             )
         if not call.need_weights:
             return

@@ -184,7 +184,7 @@ class GrpcServer:
         self._stopped.set()
         metrics.READY.set(0)
         await self.health.enter_graceful_shutdown()
-        if self.cfg.drain_delay_s > 0:  # still answering, health NOT_SERVING
+        if self.cfg.drain_delay_s > 0 and not self._hurried.is_set():  # health NOT_SERVING
             log.info(
                 "draining: NOT_SERVING for %.1f s before refusing new calls (a second "
                 "SIGTERM/SIGINT stops at once)",
@@ -193,13 +193,14 @@ class GrpcServer:
             await self._unless_hurried(asyncio.sleep(self.cfg.drain_delay_s))
         grace_s, started = self.cfg.grace_period_s, time.monotonic()
         self.drain.close()
-        log.info(
-            "draining: new calls refused UNAVAILABLE; up to %.1f s for %d in flight and "
-            "for new calls to stop coming",
-            grace_s,
-            self.drain.in_flight,
-        )
-        await self._unless_hurried(self.drain.wait(grace_s))
+        if not self._hurried.is_set():
+            log.info(
+                "draining: new calls refused UNAVAILABLE; up to %.1f s for %d in flight and "
+                "for new calls to stop coming",
+                grace_s,
+                self.drain.in_flight,
+            )
+            await self._unless_hurried(self.drain.wait(grace_s))
         if self._hurried.is_set():
             grace_s = 0.0
         if self.drain.in_flight:

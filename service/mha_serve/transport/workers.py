@@ -91,6 +91,7 @@ class EngineProcess:
         self.listening: dict[int, int] = {}  # index -> pid, as each frontend reports
         self.all_listening = asyncio.Event()
         self.stopping = asyncio.Event()
+        self._signals = 0  # SIGTERM/SIGINT received (stopping is set without one too)
         self.failed: str | None = None
         self.host = EngineHost(self.engine_path, on_message=self._on_message)
         self.compute = ComputeThreads(cfg.torch_threads, cfg.weights_torch_threads)
@@ -229,10 +230,13 @@ class EngineProcess:
         """The first SIGTERM/SIGINT stops (frontends drain, then the engine); a second is
         passed on to the frontends, whose drain then ends at once (as a second Ctrl-C does
         in a terminal, where every process of the group gets it)."""
-        if not self.stopping.is_set():
-            self.stopping.set()
+        self._signals += 1
+        if self._signals == 1:  # (counted, not stopping.is_set(): a crash loop or a failed
+            self.stopping.set()  # load stops too, and the first signal after that is a first)
             return
         log.warning("second stop signal: the frontends stop their drain now")
+        # (A frontend still starting has its signals blocked: two SIGTERMs sent to it then
+        # arrive as one, and it drains as for one. Every other frontend hurries.)
         for frontend in self.frontends.values():
             if frontend.process.is_alive():
                 frontend.process.terminate()
