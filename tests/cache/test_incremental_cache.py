@@ -260,8 +260,13 @@ def _decode_pair(config, num_kv_heads, dtype, kv_dtype, num_blocks):
 @pytest.mark.parametrize("past", [0, 9, 1100])  # 1100: past a block table of 256 entries
 @pytest.mark.parametrize(
     "family",
-    [{}, {"rope": {"theta": 100.0}}, {"rope": {"theta": 100.0}, "qk_norm": {"scope": "head"}}],
-    ids=["plain", "rope", "rope_qk_norm"],
+    [
+        {},
+        {"rope": {"theta": 100.0}},
+        {"rope": {"theta": 100.0}, "qk_norm": {"scope": "head"}},
+        {"rope": {"theta": 100.0}, "sliding_window": 1101},  # every key still in view
+    ],
+    ids=["plain", "rope", "rope_qk_norm", "rope_window"],
 )
 def test_decode_one_is_the_plain_lone_step_exactly(variant, dtype, bias, past, family):
     """KVCache.step_views + MultiHeadAttention.decode_one (the engine's lone decode step in
@@ -304,8 +309,9 @@ def test_decode_one_is_the_plain_lone_step_exactly(variant, dtype, bias, past, f
     ids=["window", "softcap", "qk_norm_projection"],
 )
 def test_decode_one_declines_other_configs_and_a_narrower_cache_writing_nothing(config):
-    """For any config it is not for, or a cache narrower than the model, decode_one is None
-    and has written nothing: the engine then takes the plain calls."""
+    """For any config it is not for (a window: once the session is longer than it), or a
+    cache narrower than the model, decode_one is None and has written nothing: the engine
+    then takes the plain calls."""
     cases = [(config, torch.float32), ({}, torch.bfloat16)]  # (the model float32)
     for cfg, kv_dtype in cases:
         module, (kv, _) = _decode_pair(cfg, 2, torch.float32, kv_dtype, 8)

@@ -26,6 +26,9 @@ LONE_MODELS = [
     ModelSpec("norm", AttentionConfig(64, 4, 2, qk_norm={"scope": "head"}), seed=6),
     # RoPE without a window: decode_one rotates the token itself
     ModelSpec("rope", AttentionConfig(64, 4, 2, rope={"theta": 500.0}), seed=8),
+    ModelSpec(  # Mistral's: RoPE and a window, in decode_one while the session fits it
+        "mistral", AttentionConfig(64, 4, 2, rope={"theta": 500.0}, sliding_window=64), seed=10
+    ),
     ModelSpec(  # Qwen3's: RoPE and a q/k norm per head, both in decode_one
         "qwen3", AttentionConfig(64, 4, 2, rope={"theta": 500.0}, qk_norm={"scope": "head"}), seed=9
     ),
@@ -232,12 +235,12 @@ def test_a_batch_whose_host_copy_fails_keeps_nothing_and_leaves_no_session_busy(
         engine.sessions.close(sid)
 
 
-@pytest.mark.parametrize("name", ["gqa", "rope", "norm", "qwen3"])
+@pytest.mark.parametrize("name", ["gqa", "rope", "norm", "qwen3", "mistral"])
 def test_a_lone_decode_token_of_a_plain_or_rotary_model_runs_in_one_call(engine, name, monkeypatch):
-    """decode_one answers every lone one-token step of a model without soft-cap, window or a
-    q/k norm over the whole projection, RoPE's and a per-head norm's included (it norms and
-    rotates q and K itself; the test above holds its outputs to the batch's and a
-    recompute)."""
+    """decode_one answers every lone one-token step of a model without soft-cap or a q/k
+    norm over the whole projection, RoPE's, a per-head norm's and a window's (while the
+    session fits it) included (it norms and rotates q and K itself; the test above holds
+    its outputs to the batch's and a recompute)."""
     answered: list[bool] = []
     real = MultiHeadAttention.decode_one
 

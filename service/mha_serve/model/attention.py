@@ -53,12 +53,11 @@ class MultiHeadAttention(nn.Module):
         self.config = config
         self.scale = config.scale
         # Whether decode_one can run a lone decode step: none of the options it leaves out
-        # (RoPE and a q/k norm per head it applies itself).
+        # (RoPE and a q/k norm per head it applies itself; a sliding window while the
+        # session is no longer than it, every key then in view).
         self.decodes_in_one = (
-            (config.qk_norm is None or config.qk_norm.scope == "head")
-            and config.softcap is None
-            and config.sliding_window is None
-        )
+            config.qk_norm is None or config.qk_norm.scope == "head"
+        ) and config.softcap is None
         # RoPE frequencies: a plain float32 tensor, not a buffer, so that module.to(dtype)
         # never rounds them (transformers keeps them float32 too); kept on the weights'
         # device (here and in _apply), so that a step copies nothing from the host for them
@@ -333,18 +332,21 @@ class MultiHeadAttention(nn.Module):
         keys: torch.Tensor,
         values: torch.Tensor,
     ) -> torch.Tensor | None:
-        """A lone session step of one token x (1, 1, E) for a config without soft-cap,
-        sliding window or a q/k norm over the whole projection, over a cache in x's dtype:
-        project writes its K/V (K normed per head and rotated at position S - 1 as the
-        config has them) into kv_slot (1, 2 KVH, 1, D: K's heads, then V's), then
-        attend_step's
-        output (1, 1, E) over keys, values (1, KVH, S, D), positions 0..S-1 with the new
-        token's last (KVCache.step_views): the same ops on the same tensors as project,
-        KVCache.append, KVCache.read and attend_step, in one call without their checks,
-        which such views pass by construction (tests/cache/test_incremental_cache.py).
-        None, nothing written, for any other config (not decodes_in_one) or dtype: the
-        caller then takes those calls."""
+        """A lone session step of one token x (1, 1, E) for a config without soft-cap or a
+        q/k norm over the whole projection, over a cache in x's dtype: project writes its
+        K/V (K normed per head and rotated at position S - 1 as the config has them) into
+        kv_slot (1, 2 KVH, 1, D: K's heads, then V's), then attend_step's output (1, 1, E)
+        over keys, values (1, KVH, S, D), positions 0..S-1 with the new token's last
+        (KVCache.step_views): the same ops on the same tensors as project, KVCache.append,
+        KVCache.read and attend_step, in one call without their checks, which such views
+        pass by construction (tests/cache/test_incremental_cache.py). None, nothing
+        written, for any other config (not decodes_in_one), dtype, or a sliding window
+        shorter than S (the token would not see every key): the caller then takes those
+        calls."""
+        window = self.config.sliding_window
         if not self.decodes_in_one or keys.dtype != x.dtype:
+            return None
+        if window is not None and keys.shape[2] > window:
             return None
         c = self.config
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
