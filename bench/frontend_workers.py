@@ -245,12 +245,12 @@ def together(
     k = args.client_processes
     shares = [args.sessions // k + (i < args.sessions % k) for i in range(k)]
     channels = max(1, args.channels // k)
-    point = (served.target, args.context, args.together_steps)
+    steps = (args.context, args.together_steps)
     if pool is None:
-        parts = [_together(served.target, shares[0], channels, *point[1:], seed, None)]
+        parts = [_together(served.target, shares[0], channels, *steps, seed, None)]
     else:
         futures = [
-            pool.submit(_together, served.target, n, channels, *point[1:], seed + i, barrier)
+            pool.submit(_together, served.target, n, channels, *steps, seed + i, barrier)
             for i, n in enumerate(shares)
         ]
         parts = [f.result() for f in futures]

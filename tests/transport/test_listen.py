@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mha_serve import metrics
-from mha_serve.transport.grpc_server import host_port
+from mha_serve.net import host_port
 from tests.helpers import ServerProcess
 
 

@@ -30,6 +30,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from mha_serve.net import host_port
+
 # No `*_created` series beside every counter and histogram: in the text format they are
 # gauges of start timestamps that double the series count and that no query here reads.
 disable_created_metrics()
@@ -545,9 +547,8 @@ def serve_metrics(
     try:
         start_http_server(port, addr=addr, registry=registry)
     except OSError as e:
-        where = f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
         raise OSError(
-            f"could not serve /metrics on {where} (--metrics-port, --metrics-host): "
+            f"could not serve /metrics on {host_port(addr, port)} (--metrics-port, --metrics-host): "
             f"{e.strerror or e}"
         ) from e
 

@@ -343,12 +343,11 @@ class MultiHeadAttention(nn.Module):
         written, for any other config (not decodes_in_one), dtype, or a sliding window
         shorter than S (the token would not see every key): the caller then takes those
         calls."""
-        window = self.config.sliding_window
+        c = self.config
         if not self.decodes_in_one or keys.dtype != x.dtype:
             return None
-        if window is not None and keys.shape[2] > window:
+        if c.sliding_window is not None and keys.shape[2] > c.sliding_window:
             return None
-        c = self.config
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
         linears = self._modules  # (as in project)
         wqkv = linears["wqkv"]._parameters

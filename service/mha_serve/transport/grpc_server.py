@@ -19,6 +19,7 @@ from mha_client.api import attention_pb2 as pb
 from mha_client.api.inference import grpc_service_pb2 as inference_pb
 from mha_serve import metrics
 from mha_serve.config import ServerConfig
+from mha_serve.net import host_port
 from mha_serve.serving import EngineClient
 from mha_serve.transport.auth import TokenInterceptor, load_tokens, server_credentials
 from mha_serve.transport.drain import Drain
@@ -37,13 +38,6 @@ def stop_signal(stop: asyncio.Event, server: GrpcServer) -> None:
         server.hurry()
     else:
         stop.set()
-
-
-def host_port(host: str, port: int) -> str:
-    """host:port as gRPC and URLs write it: an IPv6 address in brackets ("[::1]:50051"),
-    whether --host gave it with them or without."""
-    bare = host.strip("[]")
-    return f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
 
 
 SERVICE = pb.DESCRIPTOR.services_by_name["AttentionService"]

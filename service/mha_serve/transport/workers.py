@@ -40,10 +40,10 @@ from pathlib import Path
 from mha_serve import metrics
 from mha_serve.config import ServerConfig
 from mha_serve.engine.threads import ComputeThreads
+from mha_serve.net import host_port
 from mha_serve.serving import AsyncEngine
 from mha_serve.serving.host import EngineHost, clean_shared_memory
 from mha_serve.transport.frontend import STOP_SIGNALS, frontend_main
-from mha_serve.transport.grpc_server import host_port
 from mha_serve.transport.server import load_engine, spill_on_stop
 
 log = logging.getLogger(__name__)
