@@ -15,7 +15,10 @@ measured in alternating rounds (the order reversed every other round; round 0 wa
   step `--together-steps` tokens on every session at once (a stream each); tokens/s over
   all processes, from the first step sent to the last answer;
 - the CPU each side used during the 16-token loads (engine process, frontends, the load
-  generator, the hypervisor's steal), in cores, from /proc.
+  generator, the hypervisor's steal), in cores, from /proc; the engine process's also split
+  by thread: its main thread (the event loop) and its busiest other (the compute thread, or
+  on CUDA a host thread spinning in a device sync), so a saturated engine process says which
+  of the two is the bound.
 Each N's ratio to N = 1 is of medians over the same rounds. Nothing here is a CI gate.
 """
 
@@ -123,6 +126,36 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
 
 
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """User + system CPU seconds of each thread of a process, by thread id."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return out
+
+
+def engine_threads(pid: int, before: dict[int, float], wall: float) -> dict[str, float]:
+    """The engine process's cores split by thread since `before` (thread_cpu_s): its main
+    thread (the event loop: the link's frames, validation, the batcher) and its busiest other
+    thread (the compute thread, or on CUDA whatever waits for the device: a host that spins
+    in a device sync burns a core doing nothing)."""
+    after = thread_cpu_s(pid)
+    delta = {tid: t - before.get(tid, 0.0) for tid, t in after.items()}
+    loop = delta.pop(pid, 0.0)
+    return {
+        "engine_loop": loop / wall,
+        "engine_busiest_other": max(delta.values(), default=0.0) / wall,
+    }
+
+
 def steal_s() -> float:
     with open("/proc/stat") as f:
         fields = f.readline().split()  # cpu user nice system idle iowait irq softirq steal
@@ -155,6 +188,7 @@ def throughput(
 ) -> dict:
     """seq/s of one load point, summed over the client processes, and the CPU each side used."""
     engine, frontends = served.pids()
+    threads = thread_cpu_s(engine)
     before = (cpu_s(engine), [cpu_s(p) for p in frontends], steal_s(), time.perf_counter())
     k = args.client_processes
     shares = [args.concurrency // k + (i < args.concurrency % k) for i in range(k)]
@@ -181,6 +215,7 @@ def throughput(
         "frontends": sum(cpu_s(p) - c for p, c in zip(frontends, before[1], strict=True)) / wall,
         "client": sum(p["client_cpu_s"] for p in parts) / wall,
         "steal": (steal_s() - before[2]) / wall,
+        **engine_threads(engine, threads, wall),
     }
     # The server's CPU per sequence, engine and frontends: what the hop costs, whatever
     # share of the cores the machine's other work left the server.
@@ -393,7 +428,8 @@ def table(results: dict[str, Any]) -> str:
     if sessions:
         head += [f"{sessions} sessions together tok/s", "vs N=1"]
     head += [f"step p50 ms (ctx {s['context']})", "vs N=1"]
-    head += [f"cores at {lens[0]} tok: engine", "frontends", "client", "steal"]
+    head += [f"cores at {lens[0]} tok: engine", "its loop thread", "its busiest other thread"]
+    head += ["frontends", "client", "steal"]
     head += ["server CPU ms/seq"]
     lines = [
         f"machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}; load average "
@@ -413,7 +449,9 @@ def table(results: dict[str, Any]) -> str:
         if sessions:
             cells += [f"{row['together_tok_per_s']:.0f}", f"{row['together_ratio']:.2f}"]
         cells += [f"{row['decode_p50_ms']:.3f}", f"{row['decode_ratio']:.2f}"]
-        cells += [f"{c['engine']:.2f}", f"{c['frontends']:.2f}", f"{c['client']:.2f}"]
+        split = [c.get("engine_loop"), c.get("engine_busiest_other")]  # (older JSON: none)
+        cells += [f"{c['engine']:.2f}", *("-" if v is None else f"{v:.2f}" for v in split)]
+        cells += [f"{c['frontends']:.2f}", f"{c['client']:.2f}"]
         cells += [f"{c['steal']:.2f}", f"{c['server_ms_per_seq']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append(
