@@ -39,6 +39,19 @@ class InvalidArgumentError(MhaServeError, ValueError):
         super().__init__(grpc.StatusCode.INVALID_ARGUMENT, details)
 
 
+class ReplyError(MhaServeError, ValueError):
+    """A reply the client cannot read: not an AttendResponse, or one whose tensors do not
+    match their own dtype and shape (a server or proxy speaking another version of the API, or
+    bytes damaged on the way): code INTERNAL, as gRPC names a reply it cannot deserialize;
+    details say what was wrong, and `target` who sent it. The call itself did run on the
+    server (a session step was kept). Also a ValueError, which these raised before."""
+
+    def __init__(self, details: str, target: str = "") -> None:
+        super().__init__(
+            grpc.StatusCode.INTERNAL, f"the server's reply cannot be read: {details}", target
+        )
+
+
 class ClosedError(MhaServeError, ValueError, RuntimeError):
     """A call on a Client or AsyncClient after close() (the end of its `with` block), or a
     step on a session stream after its close: code FAILED_PRECONDITION, nothing sent. Also a

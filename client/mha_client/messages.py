@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from mha_client.api import attention_pb2 as pb
-from mha_client.errors import InvalidArgumentError
+from mha_client.errors import InvalidArgumentError, ReplyError
 from mha_client.tensors import (
     array_field,
     dtype_enum,
@@ -253,10 +254,14 @@ def attend_request_bytes(model: str, x: np.ndarray, **options: Any) -> bytes:
 
 def read_attend_reply(data: bytes, squeeze: bool, round_trip_ms: float) -> AttendResult:
     """An AttendResponse as the SDK receives it (bytes: no response_deserializer): a large
-    one's arrays are views of data, a small one is parsed by protobuf whole."""
-    if len(data) >= FRAME_BYTES:
-        return parse_attend_response(data, squeeze, round_trip_ms)
-    return parse_attend_response(pb.AttendResponse.FromString(data), squeeze, round_trip_ms)
+    one's arrays are views of data, a small one is parsed by protobuf whole. ReplyError when
+    it cannot be read (the caller sets its target)."""
+    try:
+        if len(data) >= FRAME_BYTES:
+            return parse_attend_response(data, squeeze, round_trip_ms)
+        return parse_attend_response(pb.AttendResponse.FromString(data), squeeze, round_trip_ms)
+    except (ValueError, DecodeError) as e:  # protobuf's parse, framing, a tensor's dtype/shape
+        raise ReplyError(f"{type(e).__name__}: {e}") from e
 
 
 def parse_attend_response(

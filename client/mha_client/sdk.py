@@ -19,7 +19,7 @@ import numpy as np
 from mha_client import ops
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_client.channel import ChannelSecurity, open_channel
-from mha_client.errors import ClosedError, MhaServeError
+from mha_client.errors import ClosedError, MhaServeError, ReplyError
 from mha_client.messages import (  # re-exported: the SDK's public values
     AttendOptions,
     AttendResult,
@@ -101,6 +101,15 @@ class _ReadyWait:
         return min(WAIT_READY_POLL_S, max(0.0, self.deadline - time.monotonic()))
 
 
+def _read(rpc: ops.Rpc[T], reply: Any, target: str) -> T:
+    """The call's result from its reply; a reply it cannot read is a ReplyError from target."""
+    try:
+        return rpc.done(reply)
+    except ReplyError as e:
+        e.target = target
+        raise
+
+
 def _ready_check(service: str) -> ops.Rpc:
     """Health with wait_for_ready; a still-starting server's error is an answer, not raised."""
     rpc = ops.health(service, wait_for_ready=True)
@@ -178,9 +187,10 @@ class Client(_Channel):
     def _run(self, rpc: ops.Rpc[T], timeout: float | None = None) -> T:
         method, kw = self._method(rpc, timeout)
         try:
-            return rpc.done(method(rpc.request, **kw))
+            reply = method(rpc.request, **kw)
         except grpc.RpcError as err:
             return rpc.failed(MhaServeError.from_rpc_error(err, self.target))
+        return _read(rpc, reply, self.target)
 
     def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         return self._run(ops.list_models(), timeout)
@@ -245,9 +255,10 @@ class AsyncClient(_Channel):
     async def _run(self, rpc: ops.Rpc[T], timeout: float | None = None) -> T:
         method, kw = self._method(rpc, timeout)
         try:
-            return rpc.done(await method(rpc.request, **kw))
+            reply = await method(rpc.request, **kw)
         except grpc.RpcError as err:
             return rpc.failed(MhaServeError.from_rpc_error(err, self.target))
+        return _read(rpc, reply, self.target)
 
     async def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         return await self._run(ops.list_models(), timeout)

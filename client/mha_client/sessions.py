@@ -30,7 +30,7 @@ import grpc
 import numpy as np
 
 from mha_client import ops
-from mha_client.errors import ClosedError, MhaServeError
+from mha_client.errors import ClosedError, MhaServeError, ReplyError
 from mha_client.messages import AttendOptions, AttendResult, SessionInfo, step_request_bytes
 
 if TYPE_CHECKING:
@@ -63,7 +63,11 @@ def _task_cancelling() -> bool:
 
 def _read_step(session: Session | AsyncSession, resp: bytes, x, start: float):
     """A streamed step's reply, read as a unary one is (ops.step), into session.info."""
-    return ops.step_reader(session, x)(resp, (time.perf_counter() - start) * 1e3)
+    try:
+        return ops.step_reader(session, x)(resp, (time.perf_counter() - start) * 1e3)
+    except ReplyError as e:
+        e.target = session._client.target
+        raise
 
 
 class _Handle:

@@ -19,7 +19,7 @@ import pytest
 from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_client.cli import main
-from mha_client.errors import ClosedError, InvalidArgumentError, MhaServeError
+from mha_client.errors import ClosedError, InvalidArgumentError, MhaServeError, ReplyError
 from mha_client.sdk import AsyncClient, Client, KVCacheInfo, ModelInfo, SessionInfo
 from mha_client.tensors import dtype_name, from_proto, to_proto
 
@@ -78,6 +78,9 @@ class EchoServicer(pb_grpc.AttentionServiceServicer):
 
     def Attend(self, request, context):
         self.requests.append(request)
+        if request.model == "garbled":  # a reply whose tensor does not match its own shape
+            bad = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[2, 8], data=b"\0" * 12)
+            return pb.AttendResponse(model="garbled", output=bad)
         if request.model != MODEL.name:
             context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not hosted")
         x = from_proto(request.input)
@@ -107,6 +110,10 @@ class EchoServicer(pb_grpc.AttentionServiceServicer):
             resp.weight_heads.extend(heads)
             resp.weight_query_start = start
         return resp
+
+    def StreamSession(self, request_iterator, context):
+        for _ in request_iterator:  # every step's reply garbled, as Attend's for "garbled"
+            yield self.Attend(pb.AttendRequest(model="garbled"), context)
 
 
 @pytest.fixture(scope="module")
@@ -301,6 +308,44 @@ def test_big_endian_input_is_answered_as_its_native_dtype(target, servicer, kind
     )
     assert r.output.dtype == dtype
     np.testing.assert_array_equal(r.output, x.astype(dtype))
+
+
+def test_a_reply_the_client_cannot_read_is_a_reply_error(target):
+    """An Attend reply whose tensor's bytes do not fit its shape (another API version, a
+    broken proxy) is an MhaServeError, INTERNAL, naming the server and what was wrong."""
+    with Client(target) as c:
+        with pytest.raises(ReplyError) as err:
+            c.attend("garbled", _x(2, 8))
+        c.attend("echo", _x(2, 8))  # the client keeps working
+    e = err.value
+    assert isinstance(e, MhaServeError) and isinstance(e, ValueError)
+    assert e.code == grpc.StatusCode.INTERNAL and e.target == target
+    assert str(e).startswith("INTERNAL: the server's reply cannot be read: ValueError: ")
+    assert "tensor data has 12 bytes but shape [2, 8]" in e.details
+
+
+async def test_an_async_reply_the_client_cannot_read_is_a_reply_error(target):
+    async with AsyncClient(target) as c:
+        with pytest.raises(ReplyError, match="12 bytes but shape") as err:
+            await c.attend("garbled", _x(2, 8))
+    assert err.value.code == grpc.StatusCode.INTERNAL and err.value.target == target
+
+
+def test_a_streamed_step_the_client_cannot_read_is_a_reply_error(target):
+    with (
+        Client(target) as c,
+        c.session("s").stream() as stream,
+        pytest.raises(ReplyError, match="12 bytes but shape") as err,
+    ):
+        stream.step(_x(1, 8))
+    assert err.value.target == target
+
+
+async def test_an_async_streamed_step_the_client_cannot_read_is_a_reply_error(target):
+    async with AsyncClient(target) as c, c.session("s").stream() as stream:
+        with pytest.raises(ReplyError, match="12 bytes but shape") as err:
+            await stream.step(_x(1, 8))
+    assert err.value.target == target
 
 
 def test_a_call_on_a_closed_client_says_so(target):
