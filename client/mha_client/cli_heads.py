@@ -24,7 +24,12 @@ def add_heads_command(sub: argparse._SubParsersAction, common: argparse.Argument
     source = heads.add_mutually_exclusive_group(required=True)
     source.add_argument("--input", type=Path, metavar="FILE.npy", help="(L, E) or (B, L, E) floats")
     source.add_argument(
-        "--random", type=positive_int, metavar="L", help="one random normal sequence of L tokens"
+        "--random",
+        "--random-shape",  # attend's name for it (there B,L or L: here one sequence, L)
+        dest="random",
+        type=positive_int,
+        metavar="L",
+        help="one random normal sequence of L tokens (--random-shape L, as attend says, too)",
     )
     heads.add_argument("--seed", type=int, default=0, help="seed for --random")
     heads.add_argument(

@@ -141,3 +141,11 @@ def test_importing_the_client_does_not_import_torch():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, f"client imported {done.stdout}{done.stderr}"
+
+
+def test_heads_takes_random_shape_as_attend_names_it():
+    """`heads --random-shape L` is `heads --random L` (attend's flag name, one sequence)."""
+    parser = build_parser()
+    a = parser.parse_args(["heads", "gqa", "--random-shape", "12"])
+    b = parser.parse_args(["heads", "gqa", "--random", "12"])
+    assert a.random == b.random == 12
