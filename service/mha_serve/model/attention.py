@@ -261,11 +261,12 @@ class MultiHeadAttention(nn.Module):
                 "entries"
             )
         ys, weights = [], []
+        rows = q.split(1)  # q[b : b + 1] of every b, in one call: (1, H, T, D) each
         for b, ((keys, values), past, new, first) in enumerate(
             zip(kv, past_lengths, new_lengths, first_keys, strict=True)
         ):
             check_cached(c, b, keys, values, past, new, first, T, q)
-            q_b = q[b : b + 1, :, :new]  # (1, H, n, D)
+            q_b = rows[b] if new == T else rows[b][:, :, :new]  # (1, H, n, D)
             y_b = attend_one(
                 q_b,
                 keys,
