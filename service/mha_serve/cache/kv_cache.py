@@ -67,8 +67,8 @@ class KVCache:
         # decode step are then one copy, and the session's K/V one view (step_views).
         kv = torch.empty((2, *shape), dtype=dtype, device=device)
         self.k, self.v = kv[0], kv[1]  # (each contiguous)
-        # The same memory by slot, batch axis first: a session read is one slice of each
-        # (read() runs once per session per step, so its few torch calls add up).
+        # The same memory by slot, batch axis first: a session read is one view of each, one
+        # as_strided (read() runs once per session per step, so its few torch calls add up).
         slots = self.num_blocks * block_size
         self._k_slots = self.k.view(1, num_kv_heads, slots, head_dim)
         self._v_slots = self.v.view(1, num_kv_heads, slots, head_dim)
