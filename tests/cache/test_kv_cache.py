@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mha_serve.cache import PAD_SLOT, KVCache, slot_mapping
+from mha_serve.cache.kv_cache import _consecutive
 from mha_serve.model import AttentionConfig
 
 KVH, D, BS = 2, 4, 4
@@ -79,6 +80,8 @@ def test_write_then_read_roundtrip_with_padding():
         [[9]],  # a decode token
         [[3, 4, 8]],  # one sequence across non-adjacent blocks: the index path
         [[9, 10], [20]],  # a batch, the second sequence padded
+        [[9], [20], [3]],  # a batch of decode tokens: every row written, no rows listed
+        [[9, 10], [21, 22]],  # a batch of equal steps
     ],
 )
 def test_append_stores_what_write_stores(slots):
@@ -136,6 +139,30 @@ def test_read_returns_a_sessions_positions_in_place_when_its_blocks_are_consecut
     assert torch.equal(k[0], want)
     in_place = k.untyped_storage().data_ptr() == kv.k.untyped_storage().data_ptr()
     assert in_place == (table == [2, 3, 4]), "views for consecutive blocks, a copy otherwise"
+
+
+@pytest.mark.parametrize(("start", "length"), [(0, 1), (1, 3), (3, 2 * BS + 1), (BS, 3 * BS)])
+def test_read_in_place_is_the_narrow_of_the_slots(start, length):
+    """read() of consecutive blocks makes its views in one as_strided each: the very views
+    narrow() makes of the cache's slots (shape, strides, offset, values)."""
+    kv = make()
+    kv.k.normal_()
+    kv.v.normal_()
+    table = [2, 3, 4]
+    k, v = kv.read(table, length, start=start)
+    first, n = table[0] * BS + start, length - start
+    slots = kv.num_blocks * BS
+    for got, cache in ((k, kv.k), (v, kv.v)):
+        want = cache.view(1, KVH, slots, D).narrow(2, first, n)
+        assert got.shape == want.shape and got.stride() == want.stride()
+        assert got.storage_offset() == want.storage_offset() and torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "ids", [[], [4], [4, 5], [4, 6], [5, 4], [1, 2, 3], [1, 2, 4], [1, 3, 3], (7, 8, 9, 10)]
+)
+def test_consecutive_is_its_plain_definition(ids):
+    assert _consecutive(ids) == all(b == ids[0] + i for i, b in enumerate(ids))
 
 
 @pytest.mark.parametrize("table", [[], [3]])

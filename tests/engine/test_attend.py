@@ -12,7 +12,11 @@ import torch
 
 from mha_serve.config import default_models
 from mha_serve.engine import Engine, ModelSpec
-from mha_serve.engine.attend import BATCHED_MIN_FILL, batched_by_default, plan_groups
+from mha_serve.engine.attend import (
+    BATCHED_MIN_FILL,
+    batched_by_default,
+    plan_groups,
+)
 from mha_serve.model import AttentionConfig, MultiHeadAttention
 from tests.engine_calls import req, run, run_batch
 from tests.helpers import suite_torch_device
@@ -158,3 +162,24 @@ def test_groups_keep_padding_under_half_and_within_the_byte_cap():
     # 16 keys of 1 byte a row, at most 32 bytes a group: pairs, the odd one alone.
     assert plan_groups([16] * 5, bytes_per_token=1, max_bytes=32) == ([[0, 1], [2, 3]], [4])
     assert plan_groups([5], bytes_per_token=1) == ([], [0])
+
+
+def test_one_group_at_once_equals_the_loops_groups():
+    """plan_groups answers a batch whose rows all join the longest's group without its loop:
+    the loop's groups for any lengths, fills and byte caps. The loop's own answer: with a
+    last row of no keys, which joins no group (a group of its own) and defeats the shortcut."""
+    g = torch.Generator().manual_seed(0)
+    at_once = 0
+    for _ in range(400):
+        B = int(torch.randint(0, 9, (), generator=g))
+        top = int(torch.randint(1, 200, (), generator=g))
+        low = int(torch.randint(1, top + 1, (), generator=g))
+        lengths = torch.randint(low, top + 1, (B,), generator=g).tolist()
+        fill = 0.05 + 0.95 * float(torch.rand((), generator=g))
+        cap = int(torch.randint(16, 4096, (), generator=g))
+        groups, alone = plan_groups(lengths + [0], 2, min_fill=fill, max_bytes=cap)
+        alone.remove(B)
+        got = plan_groups(lengths, 2, min_fill=fill, max_bytes=cap)
+        assert got == (groups, alone), (lengths, fill, cap)
+        at_once += B > 1 and got == ([list(range(B))], [])
+    assert at_once > 50  # the shortcut's case, often

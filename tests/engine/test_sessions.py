@@ -443,7 +443,10 @@ def test_a_failure_while_settling_rolls_back_only_the_steps_not_kept(engine, mon
     def fail(*_):
         raise RuntimeError("device error")
 
-    monkeypatch.setattr(engine_sessions, "_step_outputs", fail)  # before any step is kept
+    # Before any step is kept: where rows' outputs are made (per row, or per batch where
+    # every row takes its view of the batch's host copy).
+    monkeypatch.setattr(engine_sessions, "_step_outputs", fail)
+    monkeypatch.setattr(engine_sessions, "_row_views", fail)
     results = run_batch(engine, hosted, [req("mqa", x[:, 2:3], session_id=s) for s in ids])
     assert [str(r) for r in results] == ["device error"] * 2
     monkeypatch.undo()
@@ -475,16 +478,18 @@ def test_a_deadline_passing_while_the_reply_is_built_still_rolls_the_step_back(
     for a lone step (Sessions._run_alone), whose reply is its output's array_of."""
     hosted = engine.get("gqa")
     sid, other = (engine.sessions.create("gqa", None, None).session_id for _ in range(2))
-    where = "array_of" if alone else "_step_outputs"
-    real = getattr(engine_sessions, where)
+    # Where the reply's arrays are made: per row, or per batch (_row_views: every row's view
+    # of the batch's host copy).
     state = State()
+    for where in ["array_of"] if alone else ["_step_outputs", "_row_views"]:
+        real = getattr(engine_sessions, where)
 
-    def slow(*args):  # the reply's tensors are made: the deadline passes meanwhile
-        state.deadline = time.monotonic() + 0.01
-        time.sleep(0.05)
-        return real(*args)
+        def slow(*args, real=real):  # the reply's tensors are made: the deadline passes
+            state.deadline = time.monotonic() + 0.01
+            time.sleep(0.05)
+            return real(*args)
 
-    monkeypatch.setattr(engine_sessions, where, slow)
+        monkeypatch.setattr(engine_sessions, where, slow)
     calls = [req("gqa", seq(2, seed=12), session_id=sid)]
     if not alone:
         calls.append(req("gqa", seq(2, seed=13), session_id=other))
@@ -555,3 +560,17 @@ def test_a_session_claimed_for_a_step_refuses_another_step_and_a_truncate_until_
         pass
     assert sessions.truncate(sid, 0).num_tokens == 0
     sessions.table.close(sid)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B", [1, 3])
+def test_row_views_are_rows_of_each_whole_row(dtype, B):
+    """_settle's rows of a batch's host copy, made in one pass (_row_views), are what
+    _rows_of makes of each whole row: the same values, shape, dtype, C-contiguous views."""
+    host = torch.randn(B, 2, 8).to(dtype)
+    rows = engine_sessions.array_of(host)
+    for b, view in enumerate(engine_sessions._row_views(rows)):
+        want = engine_sessions._rows_of(rows, b, 2)
+        assert view.dtype == want.dtype and view.data.shape == want.data.shape == (1, 2, 8)
+        assert view.data.flags.c_contiguous and (view.data == want.data).all()
+        assert view.data.base is not None  # a view of the batch's memory, no copy

@@ -313,3 +313,37 @@ def test_attend_step_equals_attend_cached_exactly(variant, config, n, kv_dtype):
     assert torch.equal(plain, got)
     with pytest.raises(ValueError, match="keys must be"):
         module.attend_step(q, keys[:, :, 1:], values[:, :, 1:], past, first)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    ("config", "pasts", "firsts"),
+    [
+        ({}, [9, 0, 30], [0, 0, 0]),
+        # Rows whose token sees every key read (the first two), and one whose window cuts
+        # its read (the last): each row on its own path, the batch still exact.
+        ({"sliding_window": 4}, [2, 9, 9], [0, 6, 0]),
+        ({"sliding_window": 4}, [9, 2, 0], [0, 0, 0]),
+        ({"softcap": 5.0}, [9, 0, 30], [0, 0, 0]),
+    ],
+    ids=["plain", "window-cut-last", "window-cut-first", "softcap"],
+)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_batch_attends_as_each_row_does_exactly(variant, config, pasts, firsts, kv_dtype):
+    """attend_cached of a batch of decode rows (one token each, no weights) runs
+    attend_token's kernel on the batch's queries grouped once: exactly the output of its
+    loop row by row through attend_one, which it takes when asked for weights."""
+    module = make(VARIANTS[variant], seed=5, **config)
+    c = module.config
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        q = torch.randn(len(pasts), 8, 1, c.head_dim, generator=g)
+        kv = []
+        for past, first in zip(pasts, firsts, strict=True):
+            keys = torch.randn(1, c.num_kv_heads, past + 1 - first, c.head_dim, generator=g)
+            kv.append((keys.to(kv_dtype), torch.randn(keys.shape, generator=g).to(kv_dtype)))
+        args = {"past_lengths": pasts, "new_lengths": [1] * len(pasts), "first_keys": firsts}
+        got = module.attend_cached(q, kv, **args).output
+        want = module.attend_cached(q, kv, need_weights=True, weight_heads=[0], **args).output
+    assert got.shape == (len(pasts), 1, E)
+    assert torch.equal(got, want), (got - want).abs().max()

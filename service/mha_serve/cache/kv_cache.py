@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from itertools import chain
 
 import torch
 
@@ -66,14 +67,15 @@ class KVCache:
         # decode step are then one copy, and the session's K/V one view (step_views).
         kv = torch.empty((2, *shape), dtype=dtype, device=device)
         self.k, self.v = kv[0], kv[1]  # (each contiguous)
-        # The same memory by slot, batch axis first: a session read is one slice of each
-        # (read() runs once per session per step, so its few torch calls add up).
+        # The same memory by slot, batch axis first: a session read is one view of each, one
+        # as_strided (read() runs once per session per step, so its few torch calls add up).
         slots = self.num_blocks * block_size
         self._k_slots = self.k.view(1, num_kv_heads, slots, head_dim)
         self._v_slots = self.v.view(1, num_kv_heads, slots, head_dim)
         self._kv_slots = kv.view(1, 2 * num_kv_heads, slots, head_dim)  # K's heads, V's
         # step_views' views of it, each one as_strided (a narrow is three dispatches)
         self._strides = self._kv_slots.stride()
+        self._slot_strides = self._k_slots.stride()  # read()'s views (a narrow's strides)
         self._k_at = self._kv_slots.storage_offset()  # position 0 of K's first head
         self._v_at = self._k_at + num_kv_heads * slots * head_dim  # and of V's
         # gather()'s output buffers, one pair per thread that gathers (the compute thread and
@@ -165,17 +167,21 @@ class KVCache:
         KVH, D, T = self.num_kv_heads, self.head_dim, k.shape[2]
         B = len(slots)
         self._check_new(k, v, B, T, f"{B} slot list(s) of at most {T}")
-        flat: list[int] = []  # the real tokens' cache slots, and their rows b * T + t in k
-        rows: list[int] = []
-        for b, s in enumerate(slots):
-            if len(s) > T:
-                raise ValueError(f"session {b} has {len(s)} slots but width is {T}")
-            flat.extend(s)
-            rows.extend(range(b * T, b * T + len(s)))
+        counts = list(map(len, slots))
+        # No padded token (decode steps, equal steps): every row of k is written, in order.
+        every = bool(counts) and min(counts) == T == max(counts)
+        if every:
+            flat = list(chain.from_iterable(slots))  # the real tokens' cache slots
+        else:
+            flat, rows = [], []  # and their rows b * T + t in k
+            for b, s in enumerate(slots):
+                if len(s) > T:
+                    raise ValueError(f"session {b} has {len(s)} slots but width is {T}")
+                flat.extend(s)
+                rows.extend(range(b * T, b * T + len(s)))
         if not flat:
             return
         self._check_slots(min(flat), max(flat))
-        every = len(flat) == B * T  # no padded token: every row of k is written
         index = list_tensor(flat if every else [flat, rows], self.device)  # (N,) | (2, N)
         slot_index = index if every else index[0]
         k_rows = k.transpose(0, 1).reshape(KVH, B * T, D)  # (KVH, B*T, D)
@@ -228,9 +234,11 @@ class KVCache:
         ids = block_table[lo:hi] if start < length else []
         offset, n = start % bs, length - start
         if _consecutive(ids):
-            first = ids[0] * bs + offset if ids else 0
-            k = self._k_slots.narrow(2, first, n)  # (1, KVH, n, D)
-            v = self._v_slots.narrow(2, first, n)
+            # narrow(2, first, n) of _k_slots and _v_slots, each as one as_strided
+            at = (ids[0] * bs + offset) * D if ids else 0
+            shape, strides = (1, KVH, n, D), self._slot_strides
+            k = self._k_slots.as_strided(shape, strides, self._k_at + at)  # (1, KVH, n, D)
+            v = self._v_slots.as_strided(shape, strides, self._v_at + at)
             return k, v
         table = torch.tensor(list(ids), dtype=torch.int64, device=self.device)
         k = self.k.index_select(1, table).view(KVH, len(ids) * bs, D)[:, offset : offset + n]
@@ -324,7 +332,11 @@ class KVCache:
         B = len(reads)
         bases, counts, scattered = [], [], []  # scattered: rows whose blocks are not consecutive
         for b, (table, start, length, first_block) in enumerate(reads):
-            ids = self._read_blocks(b, table, start, length, first_block, width)
+            # _read_blocks' blocks, its checks passed here (once per row per step)
+            lo, hi = start // bs - first_block, -(-length // bs) - first_block
+            if not (0 <= start < length and lo >= 0 and hi <= len(table)) or length - start > width:
+                self._read_blocks(b, table, start, length, first_block, width)  # raises: why
+            ids = table[lo:hi]
             bases.append(ids[0] * bs + start % bs)
             counts.append(length - start)
             if not _consecutive(ids):
@@ -403,8 +415,12 @@ class KVCache:
 
 
 def _consecutive(ids: Sequence[int]) -> bool:
-    """ids[i] == ids[0] + i throughout (one list comparison, in C)."""
-    return not ids or list(ids) == list(range(ids[0], ids[0] + len(ids)))
+    """ids[i] == ids[0] + i throughout (one list comparison, in C; none for the one or two
+    blocks of most decode steps' reads)."""
+    n = len(ids)
+    if n < 3:
+        return n < 2 or ids[1] == ids[0] + 1
+    return list(ids) == list(range(ids[0], ids[0] + n))
 
 
 def slot_mapping(slots: Sequence[Sequence[int]], width: int | None = None) -> torch.Tensor:

@@ -314,57 +314,61 @@ class SessionTable(RoomMaking, Moving):
         if allowed), copies a shared partial last block first. Pins the session until
         commit() or rollback(); num_tokens is unchanged until commit(). claimed: the caller
         holds the session's claim (claim()); unclaimed, a claimed session is busy."""
-        with self._lock:  # (every step: the common case reads each value once)
+        with self._lock:
             now = self._clock()
-            s = self._lookup(session_id, now)
-            n = num_new_tokens
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise InvalidSessionArgument(f"num_new_tokens must be an int >= 1, got {n!r}")
-            holds = s.holds
-            if holds.pending is not None or (holds.claimed and not claimed):
-                raise SessionBusy(_BUSY.format(session_id=session_id))
-            m = self._models[s.model]
-            bs, pool = m.storage.block_size, m.pool
-            past, first = s.num_tokens, s.first_block
-            total = past + n
-            if s.max_len is not None and total > s.max_len:  # never above the model's
-                whose = " (the model's)" if s.max_len == m.max_len else ""
-                raise SessionFull(f"{_past(s, n)} its max_len {s.max_len}{whose}")
-            needed = -(-total // bs) - first  # blocks the session holds with the step
-            if needed > pool.num_blocks:  # no eviction ever makes room
-                raise SessionFull(
-                    f"{_past(s, n)} all that the KV cache of model {s.model!r} holds: "
-                    f"{pool.num_blocks} blocks of {bs} tokens ({m.storage.budget_bytes} bytes, "
-                    "kv_cache_bytes)"
-                )
+            return self._reserve(self._lookup(session_id, now), num_new_tokens, claimed, now)
+
+    def _reserve(self, s: Session, num_new_tokens: int, claimed: bool, now: float) -> Reservation:
+        """reserve() of the live session s (looked up at `now`), under the lock."""
+        session_id = s.id  # (every step: the common case reads each value once)
+        n = num_new_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidSessionArgument(f"num_new_tokens must be an int >= 1, got {n!r}")
+        holds = s.holds
+        if holds.pending is not None or (holds.claimed and not claimed):
+            raise SessionBusy(_BUSY.format(session_id=session_id))
+        m = self._models[s.model]
+        bs, pool = m.storage.block_size, m.pool
+        past, first = s.num_tokens, s.first_block
+        total = past + n
+        if s.max_len is not None and total > s.max_len:  # never above the model's
+            whose = " (the model's)" if s.max_len == m.max_len else ""
+            raise SessionFull(f"{_past(s, n)} its max_len {s.max_len}{whose}")
+        needed = -(-total // bs) - first  # blocks the session holds with the step
+        if needed > pool.num_blocks:  # no eviction ever makes room
+            raise SessionFull(
+                f"{_past(s, n)} all that the KV cache of model {s.model!r} holds: "
+                f"{pool.num_blocks} blocks of {bs} tokens ({m.storage.budget_bytes} bytes, "
+                "kv_cache_bytes)"
+            )
+        table = s.block_table
+        num_new_blocks = needed - len(table)
+        shared_last = (  # a partial last block that a fork shares: copied before writing
+            table[-1] if past % bs and table and pool.refcount(table[-1]) > 1 else None
+        )
+        if num_new_blocks or shared_last is not None:  # (most decode steps: neither)
+            self._grow(s, m, num_new_blocks, shared_last, now)
             table = s.block_table
-            num_new_blocks = needed - len(table)
-            shared_last = (  # a partial last block that a fork shares: copied before writing
-                table[-1] if past % bs and table and pool.refcount(table[-1]) > 1 else None
-            )
-            if num_new_blocks or shared_last is not None:  # (most decode steps: neither)
-                self._grow(s, m, num_new_blocks, shared_last, now)
-                table = s.block_table
-            if n == 1:  # (a decode step)
-                slots = (table[past // bs - first] * bs + past % bs,)
-            else:
-                slots = tuple(table[p // bs - first] * bs + p % bs for p in range(past, total))
-            window = m.window
-            res = Reservation(
-                session_id,
-                s.model,
-                past,
-                n,
-                tuple(table),
-                slots,
-                num_new_blocks,
-                first,
-                0 if window is None else read_start(past, window),
-                s.engine_state,
-            )
-            holds.pending = res
-            s.last_used_s = now
-            return res
+        if n == 1:  # (a decode step)
+            slots = (table[past // bs - first] * bs + past % bs,)
+        else:
+            slots = tuple(table[p // bs - first] * bs + p % bs for p in range(past, total))
+        window = m.window
+        res = Reservation(
+            session_id,
+            s.model,
+            past,
+            n,
+            tuple(table),
+            slots,
+            num_new_blocks,
+            first,
+            0 if window is None else read_start(past, window),
+            s.engine_state,
+        )
+        holds.pending = res
+        s.last_used_s = now
+        return res
 
     def _grow(
         self,
@@ -415,17 +419,26 @@ class SessionTable(RoomMaking, Moving):
                     return [e]
             pinned = []
             results: list[Reservation | CacheError] = []
+            clock, lookup, sessions = self._clock, self._lookup, self._sessions
             try:
+                held: list[Session | None] = []  # each request's session as pinned here
                 for session_id, _, *claimed in requests:
-                    if claimed and claimed[0]:  # its claim holds it (served steps: every one);
-                        continue  # released early only when its caller is gone
-                    with contextlib.suppress(CacheError):  # reserve() raises it again, in place
-                        pinned.append(self.pin(session_id))
-                for session_id, n, *claimed in requests:
+                    s = None
+                    # Its claim holds it (served steps: every one); released early only when
+                    # its caller is gone. A failed lookup is raised again below, in place.
+                    if not (claimed and claimed[0]):
+                        with contextlib.suppress(CacheError):
+                            s = self.pin(session_id)
+                            pinned.append(s)
+                    held.append(s)
+                for (session_id, n, *claimed), s in zip(requests, held, strict=True):
                     try:
-                        results.append(
-                            self.reserve(session_id, n, claimed=bool(claimed and claimed[0]))
-                        )
+                        now = clock()
+                        # A session pinned here is still the live one (held: never dropped
+                        # meanwhile), and unexpired: its lookup (reserve()'s) is skipped.
+                        if s is None or sessions.get(session_id) is not s:
+                            s = lookup(session_id, now)
+                        results.append(self._reserve(s, n, bool(claimed and claimed[0]), now))
                     except CacheError as e:
                         results.append(e)
             except BaseException:

@@ -114,7 +114,13 @@ def plan_groups(
     the rows that attend alone: longest first, a row joins the current group while it reads
     at least min_fill of the group's longest and the group's padded K/V stay within
     max_bytes."""
-    order = sorted(range(len(key_lengths)), key=lambda i: -key_lengths[i])
+    B = len(key_lengths)
+    if B > 1:  # (most batches) every row joins the longest's group: its loop's answer at once
+        longest = max(key_lengths)
+        width = -(-longest // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+        if min(key_lengths) >= min_fill * longest and B * width * bytes_per_token <= max_bytes:
+            return [list(range(B))], []
+    order = sorted(range(B), key=lambda i: -key_lengths[i])
     groups: list[list[int]] = []
     current: list[int] = []
     for i in order:

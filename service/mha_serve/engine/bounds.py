@@ -63,12 +63,25 @@ def cleared(
     constants kept per version of the weights and cache dtype (_constants): the same
     floating-point operations in the same order, without their calls (this runs on every
     step)."""
+    return clears(clearance(hosted, cache_dtype, wb), input_absmax, cached_absmax, gate)
+
+
+def clearance(
+    hosted: HostedModel, cache_dtype: torch.dtype, wb: WeightBounds | None = None
+) -> tuple:
+    """cleared()'s constants for the module's current weights (wb: its weight_bounds, when
+    the caller read them) and cache_dtype: read once for a batch, then clears() per row."""
     module = hosted.module
     wb = weight_bounds(module) if wb is None else wb
     held = module.__dict__.get("_clearance")
     c = None if held is None else held.get(cache_dtype)
     if c is None or c[0] is not wb or c[1] is not hosted.dtype:
         c = _constants(hosted, cache_dtype, wb)
+    return c
+
+
+def clears(c: tuple, input_absmax: float, cached_absmax: float, gate: float) -> float | None:
+    """cleared() with its constants c (clearance)."""
     _, _, sqrt_e, turn, q_fixed, q_row, q_bias, k_fixed, k_row, k_bias, v_row, v_bias = c[:12]
     limit, crossed_at, out_limit, head_dim, o_row, o_bias = c[12:]
     x_norm = sqrt_e * input_absmax

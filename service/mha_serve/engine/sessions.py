@@ -37,7 +37,14 @@ from mha_serve.engine.attend import (
     flash_decode_unsupported,
     flash_varlen,
 )
-from mha_serve.engine.bounds import KeyBound, cleared, gate_absmax, key_absmax
+from mha_serve.engine.bounds import (
+    KeyBound,
+    clearance,
+    cleared,
+    clears,
+    gate_absmax,
+    key_absmax,
+)
 from mha_serve.engine.checks import require_finite, scores_overflow_error
 from mha_serve.engine.durable import Expectations, open_spill_tier, restore
 from mha_serve.engine.errors import Abandoned, DeadlinePassed, InvalidRequest, RequestError
@@ -651,6 +658,8 @@ class Sessions:
         that error (a pending step left behind would keep its session busy for good); those
         already kept keep their answers."""
         out, heads = forward.out, forward.heads
+        overflowed, too_large, finite = forward.overflowed, forward.too_large, forward.finite
+        key_bounds, commit = forward.key_bounds, self.table.commit
         settled = 0
         try:  # (the batch's host copy too: a device error there rolls every step back)
             dtypes = [output_dtype(calls[i].request) for i, _ in live]
@@ -658,21 +667,40 @@ class Sessions:
             # Its numpy memory, read once: steps in its dtype take a numpy view of their rows
             # (no torch op per step).
             rows = array_of(host) if host.dtype in dtypes else None
+            # Per batch, what _step_outputs finds per row: a row in the host copy's dtype that
+            # is finite and cannot overflow on the way to it, with no weights, all its tokens
+            # real, takes its row's numpy view as it is (_row_views: no slice per row).
+            views = None
+            if (
+                rows is not None
+                and out.weights is None
+                and not _may_overflow(out.output.dtype, host.dtype)
+            ):
+                views = _row_views(rows)
+            width = host.shape[1]
             for b, (i, r) in enumerate(live):
                 p = calls[i]
                 try:
-                    if b in forward.overflowed:
+                    if overflowed and b in overflowed:
                         cache_dtype = self.caches[p.hosted.spec.name].dtype
                         raise InvalidRequest(_overflow_message(cache_dtype))
-                    if b in forward.too_large:
+                    if too_large and b in too_large:
                         cache_dtype = self.caches[p.hosted.spec.name].dtype
                         narrower = min(
                             out.output.dtype, cache_dtype, key=lambda d: torch.finfo(d).max
                         )
                         raise scores_overflow_error(narrower)
-                    output, weights = _step_outputs(
-                        out, host, rows, dtypes[b], b, r, p.request, heads, forward.finite[b]
-                    )
+                    if (
+                        views is not None
+                        and r.num_tokens == width
+                        and dtypes[b] is host.dtype
+                        and finite[b]
+                    ):
+                        output, weights = views[b], None
+                    else:
+                        output, weights = _step_outputs(
+                            out, host, rows, dtypes[b], b, r, p.request, heads, finite[b]
+                        )
                     _raise_if_abandoned(p.state)  # last, right before commit: the smallest gap
                 except Exception as e:  # refused, caller gone, or a bug: not kept
                     settled = b + 1
@@ -680,18 +708,19 @@ class Sessions:
                     results[i] = e
                     continue
                 try:  # one transaction: count the tokens, unpin, read the session's stats
-                    bound = KeyBound(forward.key_bounds[b])
-                    stats = self.table.commit(r, engine_state=bound)
+                    stats = commit(r, engine_state=KeyBound(key_bounds[b]))
                 except CacheError as e:  # closed while the step ran: its cache went with it
                     results[i] = e
                     continue
                 finally:
                     settled = b + 1
+                request = p.request
+                need = request.need_weights
                 results[i] = AttendOutcome(
                     output=output,
                     weights=weights,
-                    weight_heads=tuple(heads) if p.request.need_weights else (),
-                    weight_query_start=p.request.query_start if p.request.need_weights else 0,
+                    weight_heads=tuple(heads) if need else (),
+                    weight_query_start=request.query_start if need else 0,
                     compute_ms=compute_ms,
                     batch_size=len(live),
                     session=stats,
@@ -832,6 +861,13 @@ def _rows_of(rows: Array, b: int, n: int) -> Array:
     return Array(data, rows.dtype)
 
 
+def _row_views(rows: Array) -> list[Array]:
+    """Each row b of a batch's output (B, T, E) held as an Array: (1, T, E) numpy views, what
+    _rows_of gives for a row of all T tokens, made in one pass (no slice per row)."""
+    name = rows.dtype
+    return [Array(v, name) for v in rows.data[:, None]]
+
+
 @functools.cache
 def _may_overflow(source: torch.dtype, target: torch.dtype) -> bool:
     """Whether a finite tensor in `source` may hold inf or NaN once converted to `target`:
@@ -875,10 +911,11 @@ def _bounded_rows(
     (KeyBound), covers its cached keys and values. None when any step's cannot: the
     batch's tensors are then measured."""
     gate = gate_absmax(steps[0].request.head_mask)
-    wb = weight_bounds(hosted.module)  # once for the batch: every step's weights are these
+    # Once for the batch: every step's weights and cache dtype are these.
+    c = clearance(hosted, cache.dtype, weight_bounds(hosted.module))
     kv_bounds = []
     for p, cached_absmax in zip(steps, cached, strict=True):
-        bound = cleared(hosted, cache.dtype, p.input_absmax, cached_absmax, gate, wb)
+        bound = clears(c, p.input_absmax, cached_absmax, gate)
         if bound is None:
             return None
         kv_bounds.append(bound)

@@ -261,11 +261,28 @@ class MultiHeadAttention(nn.Module):
                 "entries"
             )
         ys, weights = [], []
+        rows = q.split(1)  # q[b : b + 1] of every b, in one call: (1, H, T, D) each
+        # Decode rows (one token, no weights, no soft-cap) whose token sees every key it
+        # reads, from a cache in q's dtype: attend_token's kernel, on its grouped queries
+        # (1, KVH, G, D) made by one reshape for the batch rather than two per row.
+        KVH = c.num_kv_heads
+        grouped = None
+        if T == 1 and not need_weights and c.softcap is None:
+            grouped = q.reshape(B, KVH, H // KVH, D).split(1)  # (1, KVH, G, D) each
+        W = c.sliding_window
+        every_grouped = True  # (then one reshape of the batch's output too)
         for b, ((keys, values), past, new, first) in enumerate(
             zip(kv, past_lengths, new_lengths, first_keys, strict=True)
         ):
             check_cached(c, b, keys, values, past, new, first, T, q)
-            q_b = q[b : b + 1, :, :new]  # (1, H, n, D)
+            if grouped is not None and keys.dtype == q.dtype and (W is None or past - first < W):
+                y_b = F.scaled_dot_product_attention(grouped[b], keys, values, scale=self.scale)
+                ys.append(y_b if every_grouped else y_b.reshape(1, H, 1, D))  # (as attend_one's)
+                continue
+            if every_grouped and grouped is not None:  # the rows so far, as attend_one's
+                ys = [y_b.reshape(1, H, 1, D) for y_b in ys]
+            every_grouped = False
+            q_b = rows[b] if new == T else rows[b][:, :, :new]  # (1, H, n, D)
             y_b = attend_one(
                 q_b,
                 keys,
@@ -284,7 +301,9 @@ class MultiHeadAttention(nn.Module):
                     (first, self._softmax(q_b, keys, heads, allowed))
                 )  # (1, n_h, n, S_b)
         new_valid = None
-        if B == 1 and new_lengths[0] == T:
+        if grouped is not None and every_grouped:
+            y = torch.cat(ys).reshape(B, H, T, D)  # (B, KVH, G, D) -> (B, H, 1, D)
+        elif B == 1 and new_lengths[0] == T:
             y = ys[0]
         elif all(n == T for n in new_lengths):
             y = torch.cat(ys)  # (B, H, T, D)
