@@ -159,25 +159,30 @@ class EngineHost:
 
 
 class _Outbox:
-    """A connection's replies, written together once per turn of the event loop: the calls
-    one batch answered leave in one send, not one each. (No drain: a reply waiting for room
-    in the socket held nothing back but its own task.)"""
+    """A connection's replies: the first of a turn of the event loop written at once, those
+    that follow it in that turn (the rest of a batch's answers) together when it ends: two
+    sends a batch, not one each, and no reply waits for another call's compute (a lone call
+    computed on the loop's thread, batcher.py) but the one after it. (No drain: a reply
+    waiting for room in the socket held nothing back but its own task.)"""
 
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
-        self.parts: list = []
+        self.parts: list | None = None  # None: no reply written this turn
 
     def put(self, parts: list) -> bool:
         """False when the connection is closing (the parts are dropped)."""
         if self.writer.is_closing():
             return False
-        if not self.parts:
+        if self.parts is None:
+            self.writer.writelines(parts)
+            self.parts = []
             asyncio.get_running_loop().call_soon(self.flush)
-        self.parts += parts
+        else:
+            self.parts += parts
         return True
 
     def flush(self) -> None:
-        parts, self.parts = self.parts, []
+        parts, self.parts = self.parts, None
         if parts and not self.writer.is_closing():
             self.writer.writelines(parts)
 
