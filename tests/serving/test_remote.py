@@ -92,6 +92,19 @@ def test_remote_attend_equals_local(engine, tmp_path, shape, dtype, weights):
     assert _leftovers() == []  # every shared-memory tensor was taken and unlinked
 
 
+def test_calls_answered_together_each_get_their_own_answer(engine, tmp_path):
+    """A batch's answers leave the engine process in one write; each reaches its caller."""
+
+    async def body(local: AsyncEngine, remote: RemoteEngine, host) -> None:
+        xs = [_x(1, 16, 512, seed=10 + i) for i in range(16)]
+        got = await asyncio.gather(*(_attend(remote, req("mha", x.clone())) for x in xs))
+        for x, (reply, _) in zip(xs, got, strict=True):
+            want, _ = await _attend(local, req("mha", x.clone()))
+            assert torch.allclose(reply.output, want.output, atol=1e-5)  # batched vs alone
+
+    _run(engine, tmp_path, body)
+
+
 def test_remote_session_steps_equal_a_causal_recompute(engine, tmp_path):
     async def body(local: AsyncEngine, remote: RemoteEngine, host) -> None:
         full = _x(1, 24, 512, seed=2)

@@ -42,6 +42,19 @@ class Computed:
     restore_ms: float = 0.0  # its session brought back from the spill tier first
 
 
+def computed_reply(computed: Computed) -> tuple:
+    """What the engine process sends back of a Computed: all but the request, which the
+    frontend that asked holds (its inputs would cross the link twice); Computed(request,
+    *reply) there."""
+    return (
+        computed.model,
+        computed.outcome,
+        computed.queue_ms,
+        computed.compute_ms,
+        computed.restore_ms,
+    )
+
+
 async def finish(
     computed: Computed, encode: Callable[[AttendOutcome], T], received: float
 ) -> Served[T]:

@@ -4,8 +4,9 @@ frontend, each over a Unix socket of its own.
 
 - a call is (op, args, kwargs); the reply the engine's answer, or its error rebuilt in the
   frontend;
-- a compute answers the Computed call (its outcome's arrays beside the pickle, or in shared
-  memory when large); the frontend encodes it and counts the request metrics itself;
+- a compute answers the Computed call but its request, which the frontend holds (its
+  outcome's arrays beside the pickle, or in shared memory when large); the frontend
+  encodes it and counts the request metrics itself;
 - cancellation: a frontend whose caller went away sends ("cancel", id) and the engine
   cancels that call's task, as if the caller were local (a session step is rolled back);
 - a frontend that disconnects has all its calls cancelled.
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mha_serve.serving.async_engine import AsyncEngine
-from mha_serve.serving.finish import offload
+from mha_serve.serving.finish import computed_reply, offload
 from mha_serve.serving.link import Hello, Shm, error_state, pack, read_frame
 from mha_serve.serving.protocol import EXPECTED
 
@@ -80,6 +81,7 @@ class EngineHost:
         me = asyncio.current_task()
         self._connections.add(me)
         calls: dict[int, asyncio.Task] = {}
+        outbox = _Outbox(writer)
         frontend = _peer_pid(writer)
         try:
             await self._ready.wait()
@@ -91,7 +93,7 @@ class EngineHost:
                 kind, rid = message[0], message[1]
                 if kind == "call":
                     task = asyncio.create_task(
-                        self._call(rid, message[2], message[3], message[4], writer, frontend)
+                        self._call(rid, message[2], message[3], message[4], outbox, frontend)
                     )
                     calls[rid] = task
                     task.add_done_callback(lambda _, r=rid: calls.pop(r, None))
@@ -109,6 +111,7 @@ class EngineHost:
             for task in list(calls.values()):
                 task.cancel()
             await asyncio.gather(*calls.values(), return_exceptions=True)
+            outbox.flush()  # (answers given before the end still leave)
             writer.close()
             Shm.clean(os.getpid(), frontend)  # replies it never took
             self._connections.discard(me)
@@ -119,7 +122,7 @@ class EngineHost:
         op: str,
         args: tuple,
         kwargs: dict[str, Any],
-        writer: asyncio.StreamWriter,
+        outbox: _Outbox,
         frontend: int,
     ) -> None:
         serving = self.serving
@@ -128,11 +131,12 @@ class EngineHost:
             if op not in ENGINE_OPS:
                 raise ValueError(f"no engine operation {op!r}")
             if op == "compute":
-                value: Any = await serving.compute(*args, **kwargs)
-                outcome = value.outcome
+                computed = await serving.compute(*args, **kwargs)
+                outcome = computed.outcome
                 nbytes = outcome.output.nbytes
                 if outcome.weights is not None:
                     nbytes += outcome.weights.nbytes
+                value: Any = computed_reply(computed)
             else:
                 value = await getattr(serving, op)(*args, **kwargs)
             reply = ("ok", rid, value)
@@ -150,13 +154,37 @@ class EngineHost:
             if not isinstance(e, EXPECTED):
                 log.exception("engine operation %s: its answer could not be sent", op)
             parts = pack(("error", rid, error_state(e)), me, frontend)
-        try:
-            if writer.is_closing():
-                raise ConnectionResetError
-            writer.writelines(parts)
-            await writer.drain()
-        except ConnectionError:  # the frontend left meanwhile: nobody takes its files
+        if not outbox.put(parts):  # the frontend left meanwhile: nobody takes its files
             Shm.clean(me, frontend)
+
+
+class _Outbox:
+    """A connection's replies: the first of a turn of the event loop written at once, those
+    that follow it in that turn (the rest of a batch's answers) together when it ends: two
+    sends a batch, not one each, and no reply waits for another call's compute (a lone call
+    computed on the loop's thread, batcher.py) but the one after it. (No drain: a reply
+    waiting for room in the socket held nothing back but its own task.)"""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.parts: list | None = None  # None: no reply written this turn
+
+    def put(self, parts: list) -> bool:
+        """False when the connection is closing (the parts are dropped)."""
+        if self.writer.is_closing():
+            return False
+        if self.parts is None:
+            self.writer.writelines(parts)
+            self.parts = []
+            asyncio.get_running_loop().call_soon(self.flush)
+        else:
+            self.parts += parts
+        return True
+
+    def flush(self) -> None:
+        parts, self.parts = self.parts, None
+        if parts and not self.writer.is_closing():
+            self.writer.writelines(parts)
 
 
 def _peer_pid(writer: asyncio.StreamWriter) -> int:

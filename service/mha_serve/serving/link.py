@@ -6,8 +6,13 @@ than SHM_BYTES: one copy into the socket, one out) or through a file in shared m
 (/dev/shm) that the sender writes once and the receiver maps, unlinks and wraps as an
 array without copying (numpy over the mapping).
 
-Frame: u32 pickle length, u32 buffer count, u64 length per buffer, the pickle, then each
-buffer at a 16-byte aligned offset.
+The records a call carries (requests, outcomes, session stats) pickle as their class and a
+tuple of their fields (_by_fields), not through dataclasses' own __getstate__/__setstate__,
+whose Python loops cost more than the rest of a small message's pickling.
+
+Frame: u32 pickle length, u32 buffer count, u64 body length; the body: u64 length per
+buffer, the pickle, then each buffer at a 16-byte aligned offset (from the body's start).
+A frame is thus two reads: its head, then its body.
 """
 
 from __future__ import annotations
@@ -15,22 +20,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copyreg
+import dataclasses
 import io
 import mmap
+import operator
 import os
 import pickle
 import secrets
 import struct
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from mha_serve.cache.types import SessionStats
 from mha_serve.engine.errors import TooLarge
-from mha_serve.engine.requests import ModelView
+from mha_serve.engine.requests import (
+    Array,
+    AttendOutcome,
+    AttendRequest,
+    CacheInfo,
+    HeadReport,
+    ModelView,
+    PruningLevel,
+)
 
 # Arrays this large go through shared memory; below it a mapping costs more than a copy
 # through the socket (a fresh mapping faults in every page it touches).
@@ -38,7 +55,7 @@ SHM_BYTES = 1 << 20
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 SHM_PREFIX = "mha-serve-"
 ALIGN = 16
-_HEAD = struct.Struct("<II")
+_HEAD = struct.Struct("<IIQ")  # pickle length, buffer count, body length
 
 
 @dataclass(frozen=True)
@@ -121,8 +138,8 @@ def _no_room(nbytes: int, e: OSError) -> TooLarge:
 
 
 # The link the message being packed crosses (engine pid, frontend pid), and the shared-memory
-# files written for it so far (removed again if the message fails to pack). Set by pack;
-# pickling runs on one thread at a time per process (see pack).
+# files written for it so far (removed again if the message fails to pack). Set by pack,
+# which keeps each thread's pickler here too (a large message is packed on a worker thread).
 _link = threading.local()
 
 
@@ -138,18 +155,53 @@ def _reduce_array(a: np.ndarray) -> tuple:
 
 
 def _from_bytes(buffer: Any, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-    if len(memoryview(buffer)) == 0:
-        return np.empty(shape, dtype=dtype)
-    return np.frombuffer(buffer, dtype=dtype).reshape(shape)
+    # (one call over the buffer; an empty array's buffer is empty too)
+    return np.ndarray(shape, dtype, buffer)
 
 
 def _from_shm(name: str, nbytes: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     return np.frombuffer(Shm.take(name, nbytes), dtype=dtype).reshape(shape)
 
 
+def _reduce_host_array(a: Array) -> tuple:
+    """An Array whose bytes ride beside the pickle: rebuilt by one call (_array_from_bytes)
+    instead of an ndarray's reduce inside the Array's. Large or strided: as any array."""
+    data = a.data
+    if data.nbytes >= SHM_BYTES or not data.flags.c_contiguous:
+        return Array, (data, a.dtype)
+    return _array_from_bytes, (pickle.PickleBuffer(data), data.dtype.str, data.shape, a.dtype)
+
+
+def _array_from_bytes(buffer: Any, np_dtype: str, shape: tuple[int, ...], dtype: str) -> Array:
+    return Array(np.ndarray(shape, np_dtype, buffer), dtype)
+
+
+def _by_fields(cls: type) -> Callable[[Any], tuple]:
+    """How a record of the link pickles: its class and its fields' values (attrgetter: read
+    in C), rebuilt by its __init__. Its dataclass must take every field in __init__ and do
+    nothing else there."""
+    fields = dataclasses.fields(cls)
+    if hasattr(cls, "__post_init__") or not all(f.init for f in fields):
+        raise TypeError(f"{cls.__name__} is not rebuilt by its fields alone; leave it out here")
+    get = operator.attrgetter(*(f.name for f in fields))
+    if len(fields) == 1:
+        return lambda obj: (cls, (get(obj),))
+    return lambda obj: (cls, get(obj))
+
+
+# The records of the calls and answers that cross the link often (the rest, rare: as pickle
+# does by default).
+RECORDS = (AttendRequest, AttendOutcome, SessionStats, CacheInfo, HeadReport, PruningLevel)
+
+
 class _Pickler(pickle.Pickler):
     # Looked up by exact type in C: no Python call for the other objects of a message.
-    dispatch_table = {**copyreg.dispatch_table, np.ndarray: _reduce_array}
+    dispatch_table = {
+        **copyreg.dispatch_table,
+        np.ndarray: _reduce_array,
+        Array: _reduce_host_array,
+        **{cls: _by_fields(cls) for cls in RECORDS},
+    }
 
 
 def _pad(n: int) -> int:
@@ -160,45 +212,60 @@ def pack(message: Any, engine: int, frontend: int) -> list[Any]:
     """A message's frame as parts to write (arrays' bytes are referenced, not copied), for
     the link between engine and frontend (pids: its shared-memory files' names). Thread-safe:
     a large message is packed on a worker thread."""
-    out_of_band: list[pickle.PickleBuffer] = []
-    meta = io.BytesIO()
+    try:
+        pickler, meta, out_of_band = _link.pickler
+    except AttributeError:  # this thread's first message: its pickler, kept (~1 us a message)
+        meta, out_of_band = io.BytesIO(), []
+        pickler = _Pickler(meta, protocol=5, buffer_callback=out_of_band.append)
+        _link.pickler = pickler, meta, out_of_band
     _link.ends, _link.written = (engine, frontend), []
     try:
-        _Pickler(meta, protocol=5, buffer_callback=out_of_band.append).dump(message)
+        pickler.dump(message)
+        pickled = meta.getvalue()
+        buffers = [b.raw() for b in out_of_band]
     except BaseException:
         for name in _link.written:  # a later tensor found no room: the earlier ones go
             Shm.unlink(name)
         raise
-    finally:
+    finally:  # nothing of this message stays referenced here
         _link.written = []
-    pickled = meta.getvalue()
-    buffers = [b.raw() for b in out_of_band]
-    lengths = [b.nbytes for b in buffers]
-    head = _HEAD.pack(len(pickled), len(buffers)) + struct.pack(f"<{len(lengths)}Q", *lengths)
-    parts = [head, pickled]
-    offset = len(pickled)
+        pickler.clear_memo()
+        meta.seek(0)
+        meta.truncate()
+        out_of_band.clear()
+    count = len(buffers)
+    table = struct.pack(f"<{count}Q", *(b.nbytes for b in buffers)) if count else b""
+    parts = [b"", table, pickled]
+    offset = len(table) + len(pickled)
     for b in buffers:
-        parts.append(bytes(_pad(offset)))
-        offset += _pad(offset)
+        pad = _pad(offset)
+        if pad:
+            parts.append(bytes(pad))
         parts.append(b)
-        offset += b.nbytes
+        offset += pad + b.nbytes
+    parts[0] = _HEAD.pack(len(pickled), count, offset)
     return parts
 
 
 async def read_frame(reader: asyncio.StreamReader) -> Any:
-    """The next message, its arrays restored; IncompleteReadError when the peer is gone."""
-    size, count = _HEAD.unpack(await reader.readexactly(_HEAD.size))
-    lengths = struct.unpack(f"<{count}Q", await reader.readexactly(8 * count)) if count else ()
-    total = size
-    for n in lengths:
-        total += _pad(total) + n
+    """The next message, its arrays restored; IncompleteReadError when the peer is gone,
+    ValueError for a frame that is not one of pack's."""
+    size, count, total = _HEAD.unpack(await reader.readexactly(_HEAD.size))
     body = memoryview(await reader.readexactly(total))
-    buffers, offset = [], size
-    for n in lengths:
-        offset += _pad(offset)
-        buffers.append(body[offset : offset + n])
-        offset += n
-    return pickle.loads(body[:size], buffers=buffers)
+    offset = 8 * count
+    end = offset + size
+    buffers = []
+    if count and end <= total:
+        for n in struct.unpack_from(f"<{count}Q", body):
+            end += _pad(end)
+            buffers.append(body[end : end + n])
+            end += n
+    if end != total:
+        raise ValueError(
+            f"malformed frame on the engine link: its head says {total} bytes, its parts "
+            f"{end} (a peer of another version, or a corrupt stream)"
+        )
+    return pickle.loads(body[offset : offset + size], buffers=buffers)
 
 
 def error_state(e: BaseException) -> tuple[type, tuple, dict]:

@@ -149,7 +149,7 @@ class RemoteEngine:
         deadline: float | None,
         caller: str | None = None,
     ) -> Served[T]:
-        computed: Computed = await self._call(
+        reply = await self._call(
             "compute",
             request,
             received=received,
@@ -157,7 +157,7 @@ class RemoteEngine:
             caller=caller,
             nbytes=request.inputs.nbytes,
         )
-        return await finish(computed, encode, received)
+        return await finish(Computed(request, *reply), encode, received)  # (computed_reply)
 
     async def analyze_heads(self, request: AttendRequest, include_weights: bool) -> HeadReport:
         return await self._call("analyze_heads", request, include_weights)
