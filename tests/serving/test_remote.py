@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 
 import pytest
 import torch
@@ -183,6 +184,53 @@ def test_a_cancelled_remote_call_is_cancelled_in_the_engine(engine, tmp_path):
         step = req("mha", _x(1, 2, 512, seed=5), session_id=sid)
         await _attend(remote, step)  # not left busy
         assert (await remote.get_session(sid)).num_tokens == 2  # the cancelled step not kept
+
+    _run(engine, tmp_path, body)
+
+
+def _held_shm_write(monkeypatch):
+    """Shm.write held on a worker thread until released: (entered, release) threading.Events."""
+    real, entered, release = remote_mod.Shm.write, threading.Event(), threading.Event()
+
+    def held(data, engine_pid, frontend_pid):
+        if threading.current_thread() is not threading.main_thread():
+            entered.set()
+            release.wait(BODY_TIMEOUT_S)
+        return real(data, engine_pid, frontend_pid)
+
+    monkeypatch.setattr(remote_mod.Shm, "write", staticmethod(held))
+    return entered, release
+
+
+@pytest.mark.parametrize("end", ["frontend", "engine"])
+def test_a_caller_gone_while_its_large_message_is_packed_leaves_no_file(
+    engine, tmp_path, monkeypatch, end
+):
+    """The request (frontend) or the reply (engine) is being copied into shared memory on a
+    worker thread when its caller goes: the file that thread writes goes too, not at the
+    end of the link (a frontend's lasts as long as the frontend)."""
+    entered, release = _held_shm_write(monkeypatch)
+
+    async def body(local: AsyncEngine, remote: RemoteEngine, host) -> None:
+        if end == "frontend":  # 1.4 MB: the request needs shared memory
+            call = req("mha", _x(1, 700, 512, seed=20))
+        else:  # the input inline, the reply's weights (5 MB) in shared memory
+            call = req("mha", _x(1, 400, 512, seed=21), need_weights=True)
+        task = asyncio.create_task(_attend(remote, call))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.2)  # (the engine's end: the cancel reaches its task)
+        release.set()
+        for _ in range(100):  # the thread's copy ends, then its file goes
+            await asyncio.sleep(0.05)
+            if not _leftovers():
+                break
+        assert _leftovers() == []  # while the link lives on
+        small, _ = await _attend(remote, req("mha", _x(1, 4, 512, seed=22)))  # still serves
+        assert small.output.shape == (1, 4, 512)
 
     _run(engine, tmp_path, body)
 

@@ -208,10 +208,11 @@ def _pad(n: int) -> int:
     return -n % ALIGN
 
 
-def pack(message: Any, engine: int, frontend: int) -> list[Any]:
+def pack(message: Any, engine: int, frontend: int, files: list[str] | None = None) -> list[Any]:
     """A message's frame as parts to write (arrays' bytes are referenced, not copied), for
     the link between engine and frontend (pids: its shared-memory files' names). Thread-safe:
-    a large message is packed on a worker thread."""
+    a large message is packed on a worker thread (pack_off_loop). files: where to note the
+    shared-memory files the frame names."""
     try:
         pickler, meta, out_of_band = _link.pickler
     except AttributeError:  # this thread's first message: its pickler, kept (~1 us a message)
@@ -223,6 +224,8 @@ def pack(message: Any, engine: int, frontend: int) -> list[Any]:
         pickler.dump(message)
         pickled = meta.getvalue()
         buffers = [b.raw() for b in out_of_band]
+        if files is not None:
+            files += _link.written
     except BaseException:
         for name in _link.written:  # a later tensor found no room: the earlier ones go
             Shm.unlink(name)
@@ -245,6 +248,28 @@ def pack(message: Any, engine: int, frontend: int) -> list[Any]:
         offset += pad + b.nbytes
     parts[0] = _HEAD.pack(len(pickled), count, offset)
     return parts
+
+
+async def pack_off_loop(message: Any, engine: int, frontend: int) -> list[Any]:
+    """pack on a worker thread (a large message). A caller cancelled meanwhile leaves no
+    shared-memory file behind: the thread packs on, and the files it wrote, which no frame
+    will carry, are removed when it ends."""
+    files: list[str] = []
+    packing = asyncio.ensure_future(asyncio.to_thread(pack, message, engine, frontend, files))
+    try:
+        return await asyncio.shield(packing)
+    except asyncio.CancelledError:
+        packing.add_done_callback(lambda done: _unsent(done, files))
+        raise
+
+
+def _unsent(packing: asyncio.Future, files: list[str]) -> None:
+    """A frame packed for a caller gone meanwhile: its files go (a failed pack left none;
+    its error is nobody's to raise)."""
+    if not packing.cancelled():
+        packing.exception()
+    for name in files:
+        Shm.unlink(name)
 
 
 async def read_frame(reader: asyncio.StreamReader) -> Any:

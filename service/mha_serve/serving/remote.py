@@ -28,8 +28,8 @@ from mha_serve.engine.requests import (
     HeadReport,
     ModelView,
 )
-from mha_serve.serving.finish import Computed, finish, offload
-from mha_serve.serving.link import Hello, pack, read_frame, rebuild_error
+from mha_serve.serving.finish import OFFLOAD_BYTES, Computed, finish
+from mha_serve.serving.link import Hello, pack, pack_off_loop, read_frame, rebuild_error
 from mha_serve.serving.protocol import Served, Unavailable
 from mha_serve.serving.sequences import SequenceKey
 
@@ -115,7 +115,11 @@ class RemoteEngine:
         if self.lost.is_set():
             raise Unavailable("the engine process is gone; retry")
         rid = next(self._ids)
-        parts = await offload(self._pack, ("call", rid, op, args, kwargs), nbytes=nbytes)
+        message = ("call", rid, op, args, kwargs)
+        if nbytes < OFFLOAD_BYTES:
+            parts = self._pack(message)
+        else:  # (a caller gone meanwhile leaves no file in shared memory)
+            parts = await pack_off_loop(message, self._engine_pid, os.getpid())
         future = asyncio.get_running_loop().create_future()
         self._pending[rid] = future
         try:
