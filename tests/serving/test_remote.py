@@ -8,16 +8,19 @@ import asyncio
 import os
 import threading
 
+import numpy as np
 import pytest
 import torch
 
 from mha_serve.cache import SessionNotFound
 from mha_serve.config import default_models
 from mha_serve.engine import Engine, InvalidRequest, ModelNotFound, TooLarge
+from mha_serve.engine.requests import Array
 from mha_serve.engine.threads import ComputeThreads
 from mha_serve.serving import AsyncEngine, Unavailable
 from mha_serve.serving import link as remote_mod
 from mha_serve.serving.host import EngineHost
+from mha_serve.serving.link import Hello
 from mha_serve.serving.remote import RemoteEngine
 from tests.engine_calls import req, torched
 from tests.helpers import suite_torch_device
@@ -254,6 +257,39 @@ def test_a_lost_engine_fails_pending_and_later_calls_unavailable(engine, tmp_pat
             await remote.cache_info("mha")
 
     _run(engine, tmp_path, body)
+
+
+@pytest.mark.parametrize("frame", ["malformed", "file gone"])
+def test_a_frame_the_frontend_cannot_read_ends_the_link_as_a_lost_engine(tmp_path, frame):
+    """Its calls fail UNAVAILABLE, `lost` is set and close() ends quietly (the frontend's
+    stop runs to its end): never the frame's error out of close()."""
+
+    async def main() -> None:
+        me = os.getpid()
+
+        async def engine_end(reader, writer) -> None:
+            writer.writelines(remote_mod.pack(("hello", 0, Hello([], 1 << 20)), me, me))
+            rid = (await remote_mod.read_frame(reader))[1]
+            if frame == "malformed":
+                parts = [remote_mod._HEAD.pack(1, 0, 5), b"xxxxx"]
+            else:  # a reply in shared memory whose file went before the frontend took it
+                big = Array(np.zeros((1, 600, 512), np.float32), "float32")
+                parts = remote_mod.pack(("ok", rid, big), me, me)
+                remote_mod.Shm.clean(me, me)
+            writer.writelines(parts)
+            await reader.read()  # until the frontend closes
+
+        path = str(tmp_path / "engine.sock")
+        server = await asyncio.start_unix_server(engine_end, path=path)
+        remote = await RemoteEngine.connect(path, engine_pid=me)
+        with pytest.raises(Unavailable, match="engine process is gone"):
+            await asyncio.wait_for(remote.get_session("any"), BODY_TIMEOUT_S)
+        assert remote.lost.is_set()
+        await remote.close()
+        server.close()
+
+    asyncio.run(main())
+    assert _leftovers() == []
 
 
 def test_a_full_shared_memory_is_resource_exhausted_both_ways(engine, tmp_path, monkeypatch):

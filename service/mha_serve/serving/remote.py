@@ -96,6 +96,9 @@ class RemoteEngine:
         except (asyncio.IncompleteReadError, ConnectionError):
             if not self._closing:
                 log.error("the engine process closed its link")
+        except Exception:  # a frame it cannot read (corrupt; a reply's file removed as the
+            # engine's end closed): whose answer it was is unknown, so the link ends
+            log.exception("a frame from the engine process could not be read; the link ends")
         finally:
             self.lost.set()
             self._fail_pending("the engine process is gone; retry")
