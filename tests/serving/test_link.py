@@ -211,6 +211,16 @@ def test_a_record_that_its_fields_do_not_rebuild_is_refused():
         n: int
         twice: int = dataclasses.field(init=False, default=0)
 
-    for cls in (Checked, Derived):
+    @dataclass
+    class KeywordOnly:
+        n: int
+        m: int = dataclasses.field(kw_only=True, default=0)
+
+    @dataclass
+    class WithInitVar:
+        n: int
+        scale: dataclasses.InitVar[int] = 1
+
+    for cls in (Checked, Derived, KeywordOnly, WithInitVar):
         with pytest.raises(TypeError, match="not rebuilt by its fields alone"):
             link._by_fields(cls)

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import copyreg
 import dataclasses
+import inspect
 import io
 import mmap
 import operator
@@ -181,7 +182,12 @@ def _by_fields(cls: type) -> Callable[[Any], tuple]:
     in C), rebuilt by its __init__. Its dataclass must take every field in __init__ and do
     nothing else there."""
     fields = dataclasses.fields(cls)
-    if hasattr(cls, "__post_init__") or not all(f.init for f in fields):
+    # __init__ must take exactly the fields, in order, positionally (not an InitVar more, a
+    # keyword-only field, or a field it leaves out), and do nothing else
+    params = list(inspect.signature(cls).parameters.values())
+    positional = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
+    same = [p.name for p in params] == [f.name for f in fields]
+    if hasattr(cls, "__post_init__") or not (positional and same):
         raise TypeError(f"{cls.__name__} is not rebuilt by its fields alone; leave it out here")
     get = operator.attrgetter(*(f.name for f in fields))
     if len(fields) == 1:
