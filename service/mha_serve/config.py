@@ -13,6 +13,8 @@ from mha_serve.model.hf_config import is_hf_directory, read_hf_layer
 from mha_serve.model.metadata import read_config
 from mha_serve.spec import DTYPE_NAMES, MiB, ModelSpec
 
+MAX_BUSY_POLL_US = 10_000  # ServerConfig.busy_poll_us at most: 10 ms of spinning a wake-up
+
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9095
 # gRPC's own default receive limit is 4 MiB: too small for one 2048 x 512 fp32 sequence.
@@ -84,6 +86,11 @@ class ServerConfig:
     # decides; "auto": the highest-numbered CPU the process may run on (a Kubernetes pod's
     # exclusive cpuset, known only at start); or a CPU's number.
     event_loop_cpu: str = "none"
+    # Microseconds a server process's event loop polls without blocking before it sleeps
+    # when it runs out of work (transport/busy_poll.py): the next message is taken by a
+    # thread that never slept, on a core still warm. Costs up to that much of a core each
+    # time the loop idles. For a machine the server has to itself; 0: off.
+    busy_poll_us: int = 0
     # On CUDA, let attention run cuDNN's kernel. It builds a plan for every new shape
     # (35-50 ms of host time each on an H200), and sessions grow by a token a step, so it is
     # off: flash and memory-efficient kernels need no plan (engine.choose_attention_kernels).
@@ -288,6 +295,10 @@ def build_config(file_path: str | None, overrides: dict[str, Any]) -> ServerConf
             "event_loop_cpu pins one process's event loop; with frontend_workers > 1 the "
             "gRPC event loops run in several processes: pin the processes instead (taskset, "
             "or the orchestrator's CPU sets)"
+        )
+    if not 0 <= cfg.busy_poll_us <= MAX_BUSY_POLL_US:
+        raise ValueError(
+            f"busy_poll_us {cfg.busy_poll_us} must be 0 (off) to {MAX_BUSY_POLL_US} (10 ms)"
         )
     if cfg.max_concurrent_rpcs < 1:
         raise ValueError(f"max_concurrent_rpcs {cfg.max_concurrent_rpcs} must be at least 1")

@@ -16,11 +16,18 @@ def test_the_app_refuses_a_pinned_event_loop_in_its_overrides(value):
         build({"overrides": {"event_loop_cpu": value}})
 
 
-def test_none_is_the_default_and_passes():
+@pytest.mark.parametrize("value", [300, "1"])
+def test_the_app_refuses_busy_polling_in_its_overrides(value):
+    with pytest.raises(ValueError, match="overrides.busy_poll_us .* does not apply on Ray"):
+        build({"overrides": {"busy_poll_us": value}})
+
+
+def test_off_is_the_default_and_passes():
     check_not_on_ray({"event_loop_cpu": "none", "torch_threads": 1}, "overrides.")
-    check_not_on_ray({"event_loop_cpu": " None "}, "")
+    check_not_on_ray({"event_loop_cpu": " None ", "busy_poll_us": 0}, "")
+    check_not_on_ray({"busy_poll_us": "0"}, "")
     check_not_on_ray({}, "")
-    assert set(NOT_ON_RAY) == {"event_loop_cpu"}
+    assert set(NOT_ON_RAY) == {"event_loop_cpu", "busy_poll_us"}
 
 
 def test_a_config_files_value_is_refused_as_the_replica_reads_it():

@@ -37,6 +37,17 @@ _MAX_TRACKED_KEYS = 64  # batch keys whose overlap is remembered (head masks can
 # Measured here (2 cores): one decode stream saw 0 or 1 at 99% of its steps; 32 clients
 # sending 16-token requests saw 2 or more at 96% of theirs (other calls' reads and writes).
 LOOP_READY_MAX = 1
+# Batches on the batchers' threads now, in this process (computing()).
+_computing = 0
+
+
+def computing() -> int:
+    """How many batches this process's batchers have on their threads now. An event loop
+    that busy-polls (transport/busy_poll.py) sleeps instead while one does: it would spin
+    a core (and take the interpreter lock) that its own compute thread needs."""
+    return _computing
+
+
 # The ready queue of a loop without one (another implementation): busy, so items cross.
 _BUSY = range(LOOP_READY_MAX + 1)
 
@@ -319,12 +330,17 @@ class Batcher:
                 self._finish, batch, outcome, started, self._clock() - started, done
             )
 
+        global _computing
         self._running_key = batch[0].key
+        _computing += 1
         try:
-            self._executor.submit(run)
-        except RuntimeError as e:  # the executor was shut down
-            self._finish(batch, e, self._clock(), 0.0, done)
-        await done
+            try:
+                self._executor.submit(run)
+            except RuntimeError as e:  # the executor was shut down
+                self._finish(batch, e, self._clock(), 0.0, done)
+            await done
+        finally:
+            _computing -= 1
 
     def _finish(
         self,

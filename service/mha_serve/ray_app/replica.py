@@ -70,14 +70,17 @@ DEFAULT_SHUTDOWN_S = 20.0  # Ray's graceful_shutdown_timeout_s, when the config 
 NOT_ON_RAY = {
     "event_loop_cpu": "a replica's event loop is Ray's, and replicas share their node's "
     "CPUs: pinning would put every replica's loop on the same CPU; leave it none",
+    "busy_poll_us": "a replica's event loop is Ray's, which does not busy-poll; leave it 0",
 }
+# Each NOT_ON_RAY field's value when off (as a string, lowercased).
+_OFF = {"event_loop_cpu": "none", "busy_poll_us": "0"}
 
 
 def check_not_on_ray(settings: dict[str, Any], where: str) -> None:
     """ValueError for a NOT_ON_RAY field of `settings` set to anything but none."""
     for key, why in NOT_ON_RAY.items():
         value = settings.get(key)
-        if value is not None and str(value).strip().lower() != "none":
+        if value is not None and str(value).strip().lower() != _OFF[key]:
             raise ValueError(f"{where}{key} = {value!r} does not apply on Ray: {why}")
 
 

@@ -17,6 +17,7 @@ import sys
 
 from mha_serve.config import ServerConfig
 from mha_serve.serving.remote import RemoteEngine
+from mha_serve.transport import busy_poll
 from mha_serve.transport.grpc_server import GrpcServer, stop_signal
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ def frontend_main(cfg: ServerConfig, engine_path: str, engine_pid: int, index: i
         level=cfg.log_level,
         format=f"%(asctime)s %(levelname)s frontend-{index} %(name)s: %(message)s",
     )
-    sys.exit(asyncio.run(_frontend(cfg, engine_path, engine_pid, index)))
+    sys.exit(busy_poll.run(_frontend(cfg, engine_path, engine_pid, index), cfg.busy_poll_us))
 
 
 async def _frontend(cfg: ServerConfig, engine_path: str, engine_pid: int, index: int) -> int:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
 
 from mha_serve.config import SERVER_KEYS, ServerConfig, build_config
+from mha_serve.transport import busy_poll
 
 ENV_PREFIX = "MHA_SERVE_"
 HELP = {
@@ -41,6 +41,7 @@ HELP = {
     "decode_graphs": "on CUDA, decode steps run in fixed shapes replayed from CUDA graphs (one per batch bucket and key width); off: as any step",
     "flash_decode": "on CUDA, batched decode steps of a float16/bfloat16 model read each session's K/V in place in one flash attention kernel; off: copied into a padded batch first",
     "event_loop_cpu": "none | auto | N: the CPU the event loop's thread (and gRPC's) runs on, for a machine the server has to itself (auto: the last CPU the process may use); the compute threads keep every CPU (docs/operations.md)",
+    "busy_poll_us": "microseconds the event loop polls without sleeping when it runs out of work, so the next message (a decode step) is taken by a warm thread; costs up to that much of a core per idle moment, for a machine the server has to itself; 0: off (docs/operations.md)",
     "inline_lone_requests": "a lone small request (a decode step) that finds its lane idle runs on the event loop's thread, no thread crossing; false: every request crosses to the compute thread",
 }
 
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.frontend_workers > 1:
         return _run_frontend_workers(cfg)
     try:
-        asyncio.run(serve(cfg))
+        busy_poll.run(serve(cfg), cfg.busy_poll_us)
     except (ValueError, OSError) as e:
         logging.getLogger("mha-serve").error("cannot start: %s", e)
         return 1

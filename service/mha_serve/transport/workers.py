@@ -43,6 +43,7 @@ from mha_serve.engine.threads import ComputeThreads
 from mha_serve.net import host_port
 from mha_serve.serving import AsyncEngine
 from mha_serve.serving.host import EngineHost, clean_shared_memory
+from mha_serve.transport import busy_poll
 from mha_serve.transport.frontend import STOP_SIGNALS, frontend_main
 from mha_serve.transport.server import load_engine, spill_on_stop
 
@@ -276,4 +277,4 @@ class EngineProcess:
 def run(cfg: ServerConfig) -> int:
     """The process's exit code: 0 after a signal, 1 when it could not start or a frontend
     kept dying."""
-    return asyncio.run(EngineProcess(cfg).run())
+    return busy_poll.run(EngineProcess(cfg).run(), cfg.busy_poll_us)
