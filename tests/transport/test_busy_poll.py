@@ -105,9 +105,11 @@ def test_run_uses_the_busy_poll_loop_only_when_asked():
     assert busy_poll.run(selector(), 0) is not busy_poll.BusyPollSelector
 
 
-def test_a_busy_polling_server_answers_as_the_engine_computes(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_busy_polling_server_answers_as_the_engine_computes(tmp_path, workers):
     """A session's prompt and its lone decode steps (run on the polling loop's thread) equal
-    the same steps through the engine in this process."""
+    the same steps through the engine in this process; with frontend workers every process
+    polls (the frontends' and the engine's loops)."""
     import torch
 
     from mha_serve.config import default_models
@@ -123,7 +125,8 @@ def test_a_busy_polling_server_answers_as_the_engine_computes(tmp_path):
         engine.attend(AttendRequest("gqa", Array(part[None], "float32"), session_id=sid))
         for part in (x[:3], x[3:4], x[4:5], x[5:6])
     ]
-    proc = ServerProcess("--busy-poll-us", "300", log_path=tmp_path / "mha-serve.log")
+    flags = ["--busy-poll-us", "300", "--frontend-workers", str(workers)]
+    proc = ServerProcess(*flags, log_path=tmp_path / "mha-serve.log")
     try:
         proc.wait_serving()
         with Client(proc.target) as client:
