@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mha_serve.serving.async_engine import AsyncEngine
-from mha_serve.serving.finish import OFFLOAD_BYTES, computed_reply
+from mha_serve.serving.finish import computed_reply
 from mha_serve.serving.link import Hello, Shm, error_state, pack, pack_off_loop, read_frame
 from mha_serve.serving.protocol import EXPECTED
 
@@ -149,10 +149,7 @@ class EngineHost:
             reply = ("error", rid, error_state(e))
         me = os.getpid()
         try:  # a large answer is copied into shared memory off this loop (every frontend's)
-            if nbytes < OFFLOAD_BYTES:
-                parts = pack(reply, me, frontend)
-            else:
-                parts = await pack_off_loop(reply, me, frontend)
+            parts = await pack_off_loop(reply, me, frontend, nbytes)
         except Exception as e:  # no room for its tensors, or worse: the caller gets why
             if not isinstance(e, EXPECTED):
                 log.exception("engine operation %s: its answer could not be sent", op)

@@ -49,6 +49,7 @@ from mha_serve.engine.requests import (
     ModelView,
     PruningLevel,
 )
+from mha_serve.serving.finish import OFFLOAD_BYTES
 
 # Arrays this large go through shared memory; below it a mapping costs more than a copy
 # through the socket (a fresh mapping faults in every page it touches).
@@ -256,10 +257,13 @@ def pack(message: Any, engine: int, frontend: int, files: list[str] | None = Non
     return parts
 
 
-async def pack_off_loop(message: Any, engine: int, frontend: int) -> list[Any]:
-    """pack on a worker thread (a large message). A caller cancelled meanwhile leaves no
+async def pack_off_loop(message: Any, engine: int, frontend: int, nbytes: int) -> list[Any]:
+    """pack, here for a message whose arrays hold fewer than OFFLOAD_BYTES (nbytes), on a
+    worker thread for a larger one (as finish.offload). A caller cancelled meanwhile leaves no
     shared-memory file behind: the thread packs on, and the files it wrote, which no frame
     will carry, are removed when it ends."""
+    if nbytes < OFFLOAD_BYTES:
+        return pack(message, engine, frontend)
     files: list[str] = []
     packing = asyncio.ensure_future(asyncio.to_thread(pack, message, engine, frontend, files))
     try:

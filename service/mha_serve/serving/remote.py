@@ -28,7 +28,7 @@ from mha_serve.engine.requests import (
     HeadReport,
     ModelView,
 )
-from mha_serve.serving.finish import OFFLOAD_BYTES, Computed, finish
+from mha_serve.serving.finish import Computed, finish
 from mha_serve.serving.link import Hello, pack, pack_off_loop, read_frame, rebuild_error
 from mha_serve.serving.protocol import Served, Unavailable
 from mha_serve.serving.sequences import SequenceKey
@@ -119,10 +119,7 @@ class RemoteEngine:
             raise Unavailable("the engine process is gone; retry")
         rid = next(self._ids)
         message = ("call", rid, op, args, kwargs)
-        if nbytes < OFFLOAD_BYTES:
-            parts = self._pack(message)
-        else:  # (a caller gone meanwhile leaves no file in shared memory)
-            parts = await pack_off_loop(message, self._engine_pid, os.getpid())
+        parts = await pack_off_loop(message, self._engine_pid, os.getpid(), nbytes)
         future = asyncio.get_running_loop().create_future()
         self._pending[rid] = future
         try:
