@@ -193,7 +193,9 @@ def bare_us(model: str, context: int, steps: int, gap_s: float = 0.0) -> float:
     return statistics.median(times) * 1e6
 
 
-def measure(name: str, tree: Path | None, args: argparse.Namespace, tmp: Path) -> dict:
+def measure(
+    name: str, tree: Path | None, args: argparse.Namespace, tmp: Path, flags: tuple[str, ...] = ()
+) -> dict:
     from overhead import free_port
 
     from mha_client.sdk import Client
@@ -205,7 +207,7 @@ def measure(name: str, tree: Path | None, args: argparse.Namespace, tmp: Path) -
     proc = subprocess.Popen(
         [sys.executable, __file__, "--serve-timed", str(out), "--"]
         + ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"]
-        + ["--log-level", "WARNING"],
+        + ["--log-level", "WARNING", *flags],
         stdout=(tmp / f"{name}.log").open("wb"),
         stderr=subprocess.STDOUT,
         env=env,
@@ -272,13 +274,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--baseline-tree", type=Path, help="a checkout of the code before")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAG[,FLAG]",
+        help="this code once more, started with these server flags (e.g. busy=--busy-poll-us=300)",
+    )
     p.add_argument("--json-out", type=Path)
     args = p.parse_args(argv)
     runs = {}
     with tempfile.TemporaryDirectory(prefix="mha-layers-") as d:
-        sides = [("now", None)] + ([("before", args.baseline_tree)] if args.baseline_tree else [])
-        for name, tree in sides:
-            runs[name] = measure(name, tree, args, Path(d))
+        sides = [("now", None, ())]
+        if args.baseline_tree:
+            sides.append(("before", args.baseline_tree, ()))
+        for v in args.variant:
+            name, _, flags = v.partition("=")
+            sides.append((name, None, tuple(f for f in flags.split(",") if f)))
+        for name, tree, flags in sides:
+            runs[name] = measure(name, tree, args, Path(d), flags)
     bare = bare_us(args.model, args.context, args.steps)
     bare_gap = bare_us(args.model, args.context, args.steps, GAP_S)
     print(

@@ -8,7 +8,8 @@ that holds it. Servers alternate in rounds, one run.
 
 Parts: the forward (the module's code and torch's ops under it), validation, engine
 bookkeeping (the engine and the cache around the forward), serving (lanes, batcher,
-tickets), metrics, transport (servicer, codec), gRPC and asyncio. Only samples of threads on
+tickets), metrics, transport (servicer, codec), gRPC and asyncio; a --busy-poll-us server's
+polling is counted apart, as waiting. Only samples of threads on
 a CPU count (py-spy without --idle): per step, samples x interval / steps, microseconds of
 one core. Wall time per step is measured by the client beside it; its excess over the
 server's busy time is what the step waits: the thread crossings (to the compute thread and
@@ -61,9 +62,14 @@ PARTS = [
 IDLE = ("EpollSelector.select", "select (selectors", "_worker (concurrent", "wait (threading")
 
 
+POLLING = "mha_serve/transport/busy_poll.py"  # --busy-poll-us: the loop's poll for its next event
+
+
 def classify(stack: list[str]) -> str:
     if any(key in stack[-1] for key in IDLE):
         return "idle (waiting)"
+    if POLLING in stack[-1]:
+        return "polling (waiting)"
     for frame in reversed(stack):  # the innermost frame that names a part
         for part, keys in PARTS:
             if any(k in frame for k in keys):
@@ -71,7 +77,9 @@ def classify(stack: list[str]) -> str:
     return "other"
 
 
-async def steps(target: str, context: int, seconds: float) -> tuple[int, list[float]]:
+async def steps(
+    target: str, context: int, seconds: float, model: str = "mha"
+) -> tuple[int, list[float]]:
     import grpc
 
     from mha_client.messages import step_request
@@ -79,7 +87,7 @@ async def steps(target: str, context: int, seconds: float) -> tuple[int, list[fl
 
     rng = np.random.default_rng(0)
     async with AsyncClient(target) as client:
-        session = await client.create_session("mha")
+        session = await client.create_session(model)
         await session.step(rng.standard_normal((context, 512), dtype=np.float32))
         tokens = [
             step_request(
@@ -139,7 +147,13 @@ def small_requests(target: str, seconds: float, concurrency: int = 32) -> tuple[
 
 
 def profile(
-    pid: int, target: str, context: int, seconds: float, out: Path, load: str = "decode"
+    pid: int,
+    target: str,
+    context: int,
+    seconds: float,
+    out: Path,
+    load: str = "decode",
+    model: str = "mha",
 ) -> dict:
     spy = subprocess.Popen(
         [str(Path(sys.executable).parent / "py-spy"), "record", "-r", str(RATE_HZ), "-f", "raw", "-o", str(out), "--pid", str(pid),
@@ -148,7 +162,7 @@ def profile(
     )  # fmt: skip
     time.sleep(0.5)
     if load == "decode":
-        n, times = asyncio.run(steps(target, context, seconds))
+        n, times = asyncio.run(steps(target, context, seconds, model))
     elif load == "sessions64":
         n, times = asyncio.run(sessions_together(target, seconds))
     else:
@@ -173,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAG[,FLAG]")
     p.add_argument("--context", type=int, default=256)
     p.add_argument(
+        "--model",
+        choices=("mha", "gqa", "mqa"),
+        default="mha",
+        help="the built-in model the decode load steps",
+    )
+    p.add_argument(
         "--load",
         choices=("decode", "small16", "sessions64"),
         default="decode",
@@ -188,11 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.load == "decode":  # the steps append STEPS tokens to a session of --context
         from mha_serve.config import default_models
 
-        max_len = next(m.max_seq_len for m in default_models() if m.name == "mha")
+        max_len = next(m.max_seq_len for m in default_models() if m.name == args.model)
         if args.context + STEPS > max_len:
             p.error(
                 f"--context {args.context}: the steps append {STEPS} tokens, past the built-in "
-                f"mha's max_seq_len {max_len}; use at most {max_len - STEPS}"
+                f"{args.model}'s max_seq_len {max_len}; use at most {max_len - STEPS}"
             )
     servers = [("now", None, [])]
     if args.baseline_tree:
@@ -218,14 +238,22 @@ def main(argv: list[str] | None = None) -> int:
                     proc, target = procs[name]
                     out = tmp / f"{name}-{r}.txt"
                     results[name].append(
-                        profile(proc.pid, target, args.context, args.seconds, out, args.load)
+                        profile(
+                            proc.pid,
+                            target,
+                            args.context,
+                            args.seconds,
+                            out,
+                            args.load,
+                            args.model,
+                        )
                     )
         finally:
             for proc, _ in procs.values():
                 proc.terminate()
             for proc, _ in procs.values():
                 proc.wait(30)
-    parts = [p for p, _ in PARTS] + ["idle (waiting)", "other"]
+    parts = [p for p, _ in PARTS] + ["polling (waiting)", "idle (waiting)", "other"]
     summary = {}
     for name, runs in results.items():
         summary[name] = {
@@ -236,12 +264,14 @@ def main(argv: list[str] | None = None) -> int:
             },
         }
         busy = sum(
-            v for k, v in summary[name].items() if k not in ("wall_us_p50", "idle (waiting)")
+            v
+            for k, v in summary[name].items()
+            if k not in ("wall_us_p50", "idle (waiting)", "polling (waiting)")
         )
         summary[name]["busy_us"] = busy
     header = "part".ljust(30) + "".join(n.rjust(12) for n in summary)
     what = {
-        "decode": f"mha decode step at context {args.context}",
+        "decode": f"{args.model} decode step at context {args.context}",
         "small16": "16-token Attend from 32 clients",
         "sessions64": "64 gqa sessions at context 256 decoding together, per token",
     }[args.load]
@@ -253,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "bench/step_profile.py", *(argv or sys.argv[1:])]),
         "loadavg": os.getloadavg(),
         "context": args.context,
+        "model": args.model,
         "load": args.load,
         "rate_hz": RATE_HZ,
         "summary": summary,

@@ -527,10 +527,12 @@ def test_the_step_profile_refuses_a_context_its_steps_would_overrun_and_make_gpu
 
     from mha_serve.config import default_models
 
+    for model in ("mha", "mqa"):  # (--model: the model whose steps are profiled)
+        max_len = next(m.max_seq_len for m in default_models() if m.name == model)
+        with pytest.raises(SystemExit) as e:
+            step_profile.main(["--model", model, "--context", str(max_len), "--seconds", "0"])
+        assert e.value.code == 2
     max_len = next(m.max_seq_len for m in default_models() if m.name == "mha")
-    with pytest.raises(SystemExit) as e:
-        step_profile.main(["--context", str(max_len), "--seconds", "0"])
-    assert e.value.code == 2
     passed = re.findall(r"step_profile\.py --context (\d+)", (BENCH / "gpu_target.sh").read_text())
     assert passed and all(int(c) + step_profile.STEPS <= max_len for c in passed)
 
