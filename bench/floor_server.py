@@ -4,7 +4,8 @@ bench/overhead.py serves through mha-serve (issue 25's targets), measured beside
     python bench/floor_server.py --port PORT [--attend inline|batched]   # prints "floor ready"
 
 Nothing of mha-serve is in its path but the generated messages (mha_client.api) and the
-models' weights (bench/inprocess.load):
+models' weights (bench/inprocess.load); with --busy-poll-us, its event loop's selector
+(mha_serve.transport.busy_poll), which only decides how the loop waits:
 
 - StreamSession (bidi, bytes): each message is parsed with AttendRequest.FromString, its
   input's bytes taken as a numpy view into torch, overhead.BareStep run on it (fused qkv, the
@@ -332,8 +333,22 @@ def main(argv: list[str] | None = None) -> int:
         help="inline: each Attend's forward on the event loop, one torch thread; batched: "
         "one worker thread runs one forward for all queued, on every core",
     )
+    p.add_argument(
+        "--busy-poll-us",
+        type=int,
+        default=0,
+        metavar="US",
+        help="its event loop polls this long for the next event before it blocks, as "
+        "mha-serve's --busy-poll-us (the same selector: mha_serve.transport.busy_poll)",
+    )
     args = p.parse_args(argv)
-    asyncio.run(serve_floor(args.port, args.attend == "batched"))
+    main = serve_floor(args.port, args.attend == "batched")
+    if args.busy_poll_us:
+        from mha_serve.transport import busy_poll
+
+        busy_poll.run(main, args.busy_poll_us)
+    else:
+        asyncio.run(main)
     return 0
 
 

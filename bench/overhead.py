@@ -63,6 +63,8 @@ TARGETS = {"decode_step_ratio_max": 1.3, "small_16_min": 0.85, "small_128_min": 
 # The floor servers (bench/floor_server.py) by target name: their Attend mode. "floor" also
 # answers the decode step.
 FLOORS = {"floor": "inline", "floor_batched": "batched"}
+# The floor again with its loop busy polling (--floor-busy-poll-us): decode steps only.
+FLOOR_BUSY = "floor_busy"
 
 
 # ----- the echo server: the wire's own cost, nothing else -------------------------------
@@ -147,11 +149,13 @@ def start_servers(
     variants: dict[str, list[str]] | None = None,
     floor: bool = False,
     pin: int | None = None,
+    floor_busy_poll_us: int = 0,
 ) -> tuple[list[subprocess.Popen], dict]:
     """{"served", "echo"[, "baseline"][, each variant][, each of FLOORS]}: address of each,
     all ready. A variant is this checkout's server with more flags (e.g. a feature turned
     off); floor: the floor servers too; pin: every server's event loop on this CPU
-    (mha-serve's --event-loop-cpu, PIN_ENV for the echo and the floor)."""
+    (mha-serve's --event-loop-cpu, PIN_ENV for the echo and the floor); floor_busy_poll_us:
+    FLOOR_BUSY too, the floor polling that long (floor_server.py --busy-poll-us)."""
     if pin is not None:
         extra = [*(extra or []), f"--event-loop-cpu={pin}"]
     from mha_client.sdk import Client
@@ -167,6 +171,12 @@ def start_servers(
     bare = {"echo": [__file__, "--serve-echo"]}  # each prints "<name's first word> ready"
     for name, mode in FLOORS.items() if floor else ():
         bare[name] = [str(ROOT / "bench" / "floor_server.py"), "--attend", mode, "--port"]
+    if floor and floor_busy_poll_us:
+        bare[FLOOR_BUSY] = [
+            str(ROOT / "bench" / "floor_server.py"),
+            f"--busy-poll-us={floor_busy_poll_us}",
+            "--port",
+        ]
     logs = {}
     for name, cmd in bare.items():
         port = free_port()
@@ -274,8 +284,8 @@ async def _decode_steps(targets: dict[str, str], rounds: int, steps: int) -> lis
     from mha_client.sdk import AsyncClient
 
     torch.set_num_threads(1)  # a 1-token step is fastest on one thread here (engine does too)
-    servers = [n for n in targets if n != "echo" and n not in FLOORS]  # "served" first
-    floors = ["floor"] if "floor" in targets else []
+    servers = [n for n in targets if n not in ("echo", FLOOR_BUSY) and n not in FLOORS]
+    floors = [n for n in ("floor", FLOOR_BUSY) if n in targets]  # (servers: "served" first)
     rows = []
     rng = np.random.default_rng(0)
     clients = {n: AsyncClient(targets[n]) for n in servers}
@@ -297,7 +307,8 @@ async def _decode_steps(targets: dict[str, str], rounds: int, steps: int) -> lis
                         step_request(sessions[n].id, tokens[t], {}).SerializeToString()
                         for t in range(steps)
                     ]
-                payloads["echo"] = payloads["floor"] = payloads["served"]
+                for n in ("echo", *floors):
+                    payloads[n] = payloads["served"]
                 # The floor's stream: the model, its K/V's length and the first position.
                 floor_meta = (
                     ("floor-model", model),
@@ -327,7 +338,9 @@ async def _decode_steps(targets: dict[str, str], rounds: int, steps: int) -> lis
                     for n in order if r % 2 else order[::-1]:  # round: no side always
                         if n in sessions:  # follows the same one
                             await sessions[n].truncate(start_len)
-                        meta = {"floor": floor_meta, "spin": spin_meta}.get(n)
+                        meta = {"floor": floor_meta, FLOOR_BUSY: floor_meta, "spin": spin_meta}.get(
+                            n
+                        )
                         stream = BytesStream(channels["floor" if n == "spin" else n], meta)
                         for p in payloads[n]:
                             t = time.perf_counter()
@@ -384,6 +397,10 @@ async def _decode_steps(targets: dict[str, str], rounds: int, steps: int) -> lis
                         f"{ms['floor']:.3f} ms: floor/limit {row['floor_ratio']:.2f}, "
                         f"served/floor {row['served_over_floor']:.2f}"
                     )
+                if FLOOR_BUSY in ms:  # the floor polling: what a polling variant is over
+                    row["floor_busy_ms"] = ms[FLOOR_BUSY]
+                    row["floor_busy_ratio"] = ms[FLOOR_BUSY] / limit
+                    line += f" | floor busy {ms[FLOOR_BUSY]:.3f} ms ({row['floor_busy_ratio']:.2f})"
                 for other in servers[1:]:  # the baseline, the variants
                     row[f"{other}_ms"] = ms[other]
                     row[f"{other}_ratio"] = ms[other] / limit
@@ -481,7 +498,7 @@ def small_requests(
                 f"served/floor {row['served_over_floor']:.2f}"
             )
         for other in targets:
-            if other in ("served", "echo") or other in FLOORS:
+            if other in ("served", "echo", FLOOR_BUSY) or other in FLOORS:
                 continue
             row[f"{other}_seq_per_s"] = med[other]
             row[f"{other}_ratio"] = med[other] / ceiling
@@ -569,6 +586,14 @@ def main(argv: list[str] | None = None) -> int:
         "and the floor's alike), the decode steps' client and in-process step on the others; "
         "not with --baseline-tree (a tree before the flag), no frontend-workers curve",
     )
+    p.add_argument(
+        "--floor-busy-poll-us",
+        type=int,
+        default=0,
+        metavar="US",
+        help="the decode steps' floor once more, its event loop busy polling this long (as "
+        "a --variant with --busy-poll-us does: what that variant is over)",
+    )
     p.add_argument("--serve-echo", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     client_cpus = None
@@ -602,13 +627,20 @@ def main(argv: list[str] | None = None) -> int:
         "variants": variants,
         "server_args": args.server_arg,
         "pin": args.pin,
+        "floor_busy_poll_us": args.floor_busy_poll_us,
         "targets": TARGETS,
     }
     with tempfile.TemporaryDirectory(prefix="mha-overhead-") as d:
         tmp = Path(d)
         results["wire"] = wire_copies(tmp)
         procs, targets = start_servers(
-            tmp, args.baseline_tree, args.server_arg, variants, floor=True, pin=args.pin
+            tmp,
+            args.baseline_tree,
+            args.server_arg,
+            variants,
+            floor=True,
+            pin=args.pin,
+            floor_busy_poll_us=args.floor_busy_poll_us,
         )
         try:
             results["decode"] = asyncio.run(decode_steps(targets, rounds, args.steps, client_cpus))

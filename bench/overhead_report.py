@@ -134,6 +134,17 @@ def render(results: dict[str, Any], targets: dict[str, Any], notes: bool = True)
         ),
         *(
             [
+                f"Floor busy: the floor server (below) once more, its event loop polling "
+                f"{results['floor_busy_poll_us']} us for its next event before it blocks "
+                "(`bench/floor_server.py --busy-poll-us`, mha-serve's selector), decode steps "
+                "only: what a `--busy-poll-us` variant's step is over (variant/floor busy).",
+                "",
+            ]
+            if results.get("floor_busy_poll_us")
+            else []
+        ),
+        *(
+            [
                 "Variant columns: this checkout's server with "
                 + "; ".join(f"`{' '.join(f)}` ({n})" for n, f in results["variants"].items())
                 + ", in the same rounds.",
@@ -166,6 +177,14 @@ def render(results: dict[str, Any], targets: dict[str, Any], notes: bool = True)
     for other in others:
         out[-2] += f" {label.get(other, other)}: served | {label.get(other, other)}: ratio |"
         out[-1] += " ---: | ---: |"
+    busy = results.get("floor_busy_poll_us") and any(
+        "floor_busy_ms" in r for r in results["decode"]
+    )
+    if busy:  # the floor polling, and each variant over it (a polling variant's own part)
+        out[-2] += " floor busy | floor busy/limit |" + "".join(
+            f" {label.get(o, o)}/floor busy |" for o in others
+        )
+        out[-1] += " ---: | ---: |" + " ---: |" * len(others)
     worst = 0.0
     for r in results["decode"]:
         worst = max(worst, r["ratio"])
@@ -177,6 +196,14 @@ def render(results: dict[str, Any], targets: dict[str, Any], notes: bool = True)
         )
         for other in others:
             out[-1] += f" {r[other + '_ms']:.3f} | {r[other + '_ratio']:.2f} |"
+        if busy:
+            out[-1] += (
+                f" {_fmt(r, 'floor_busy_ms', '.3f')} | {_fmt(r, 'floor_busy_ratio', '.2f')} |"
+            )
+            out[-1] += "".join(
+                f" {r[o + '_ms'] / r['floor_busy_ms']:.2f} |" if "floor_busy_ms" in r else " - |"
+                for o in others
+            )
     out += [
         "",
         f"Worst ratio {worst:.2f}: {_mark(worst <= targets['decode_step_ratio_max'])} the "

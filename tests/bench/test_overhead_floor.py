@@ -37,12 +37,12 @@ EMBED = 512
 TOL = {"rtol": 1e-6, "atol": 1e-6}
 
 
-def start_floor(tmp_path: Path, mode: str) -> Iterator[str]:
+def start_floor(tmp_path: Path, mode: str, *flags: str) -> Iterator[str]:
     port = free_port()
     log = tmp_path / f"floor-{mode}.log"
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "bench" / "floor_server.py"), "--port", str(port)]
-        + ["--attend", mode],
+        + ["--attend", mode, *flags],
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
     )
@@ -63,6 +63,12 @@ def floor(tmp_path_factory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
+def floor_busy(tmp_path_factory) -> Iterator[str]:
+    """The floor with its loop busy polling (overhead.py --floor-busy-poll-us)."""
+    yield from start_floor(tmp_path_factory.mktemp("floor"), "inline", "--busy-poll-us=300")
+
+
+@pytest.fixture(scope="module")
 def floor_batched(tmp_path_factory) -> Iterator[str]:
     yield from start_floor(tmp_path_factory.mktemp("floor"), "batched")
 
@@ -74,7 +80,9 @@ def output(reply: bytes) -> tuple[pb.AttendResponse, np.ndarray]:
     return message, np.frombuffer(t.data, np.float32).reshape(tuple(t.shape))
 
 
-def test_stream_steps_equal_the_bare_step(floor):
+@pytest.mark.parametrize("server", ["floor", "floor_busy"])
+def test_stream_steps_equal_the_bare_step(server, request):
+    floor = request.getfixturevalue(server)
     model, start, ctx, steps = "gqa", 48, 64, 6
     tokens = np.random.default_rng(1).standard_normal((steps, 1, EMBED), dtype=np.float32)
     meta = (("floor-model", model), ("floor-start", str(start)), ("floor-context", str(ctx)))
@@ -236,6 +244,30 @@ def test_report_renders_the_floor_and_dashes_without_it():
     assert "| 1234 (1000, 1234) | 0.87 | 0.66 |" in page
     assert "did not measure it" not in page
     assert "| waiting | the step in a server |" not in page  # no spin side: no split
+
+
+def test_report_renders_the_busy_floor_and_each_variant_over_it():
+    results = json.loads((ROOT / "bench" / "results" / "overhead.json").read_text())
+    assert "| floor busy |" not in render(results, TARGETS, notes=False)  # not measured
+    results.update(variants={"busy300": ["--busy-poll-us=300"]}, floor_busy_poll_us=300)
+    results["baseline_tree"] = None  # (its columns: the variant's only)
+    for row in results["decode"]:
+        row.update(busy300_ms=0.6, busy300_ratio=0.6 / row["limit_ms"])
+        row.update(floor_busy_ms=0.5, floor_busy_ratio=0.5 / row["limit_ms"])
+    for row in results["small"]:
+        row.update(busy300_seq_per_s=1000.0, busy300_ratio=0.5)
+    del results["decode"][-1]["floor_busy_ms"]  # a row without it: dashes
+    page = render(results, TARGETS, notes=False)
+    assert "| floor busy | floor busy/limit | busy300/floor busy |" in page
+    assert "polling 300 us for its next event" in page
+    first, last = results["decode"][0], results["decode"][-1]
+    assert (
+        f"| 0.600 | {first['busy300_ratio']:.2f} | 0.500 | {first['floor_busy_ratio']:.2f} | 1.20 |"
+        in page
+    )
+    assert (
+        f"| 0.600 | {last['busy300_ratio']:.2f} | - | {last['floor_busy_ratio']:.2f} | - |" in page
+    )
 
 
 def test_report_splits_the_served_step_by_the_spin_side():
