@@ -215,6 +215,18 @@ def test_config_map_is_the_built_in_models(manifests, tmp_path):
     assert cfg.models == default_models(), "the ConfigMap's models drifted from default_models()"
 
 
+def test_config_map_leaves_busy_polling_off_and_its_commented_line_loads(manifests, tmp_path):
+    """A Burstable pod spends its CPU quota polling: off, with the line to turn it on for a
+    pod of its own; that line, uncommented, is a valid setting."""
+    text = manifests["ConfigMap"]["data"]["config.toml"]
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    assert build_config(str(path), {}).busy_poll_us == 0
+    assert text.count("# busy_poll_us = 300\n") == 1
+    path.write_text(text.replace("# busy_poll_us = 300\n", "busy_poll_us = 300\n"))
+    assert build_config(str(path), {}).busy_poll_us == 300
+
+
 def test_config_file_is_mounted_where_the_args_point(manifests, workload, container):
     pod = workload["spec"]["template"]["spec"]
     args = container["args"]
