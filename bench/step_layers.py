@@ -57,13 +57,18 @@ LAYERS: list[tuple[str, str, str, str | None, tuple[str, ...]]] = [
     # a step it leaves to a batch's path shows in engine.run_batch's own time)
     ("lone step", "mha_serve.engine.sessions", "Sessions._run_alone", "engine.run_batch", ()),
     ("reserve", "mha_serve.cache.sessions", "SessionTable.reserve", "lone step", ()),
-    ("overflow bounds", "mha_serve.engine.sessions", "cleared", "lone step", ()),
+    ("overflow bounds", "mha_serve.engine.lone_step", "cleared", "lone step", ()),
+    ("overflow bounds", "mha_serve.engine.sessions", "cleared", "lone step", ()),  # (before the split)
     # A decode step of a plain config: the cache's views and the module's one call (before
     # them, project, append, read and attend_step, which now run for a prompt's tokens)
     ("cache.step_views", "mha_serve.cache.kv_cache", "KVCache.step_views", "lone step", ()),
     ("module.decode_one", "mha_serve.model.attention", "MultiHeadAttention.decode_one", "lone step", ()),
     ("commit", "mha_serve.cache.sessions", "SessionTable.commit", "lone step", ()),
-    ("output's numpy view", "mha_serve.engine.types", "array_of", "lone step", ("mha_serve.engine.sessions",)),
+    # where the lone step looks array_of up: its own module, and settle's _step_outputs (an
+    # output to convert first); engine/sessions.py in a --baseline-tree from before the split
+    ("output's numpy view", "mha_serve.engine.lone_step", "array_of", "lone step", ()),
+    ("output's numpy view", "mha_serve.engine.settle", "array_of", "lone step", ()),
+    ("output's numpy view", "mha_serve.engine.sessions", "array_of", "lone step", ()),
     # prepare's parts: the input's one scan (NaN/Inf, and the bounds' max |x|), its tensor
     # view, the session's checks and the response's size
     ("max |input| scan", "mha_serve.engine.checks", "array_absmax", "engine.prepare", ("mha_serve.engine.engine",)),

@@ -163,7 +163,7 @@ def test_a_kernel_that_fails_turns_flash_decode_off_and_the_step_still_answers(c
     engine.sessions.flash_kernels["gqa"] = refuses
     per_session = flash_engine(False)
     per_session.sessions.batched_attention = dict.fromkeys(per_session.models, False)
-    with caplog.at_level(logging.ERROR, logger="mha_serve.engine.sessions"):
+    with caplog.at_level(logging.ERROR, logger="mha_serve.engine.forward"):
         got, _ = decode_together(engine, "gqa", rounds=2)
     want, _ = decode_together(per_session, "gqa", rounds=2)
     assert calls == [6] and "gqa" not in engine.sessions.flash_kernels

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from mha_serve.cache import Reservation, SessionBusy
 from mha_serve.engine import Abandoned, Engine, ModelSpec
 from mha_serve.engine import sessions as engine_sessions
+from mha_serve.engine import settle as engine_settle
 from mha_serve.model import AttentionConfig, MultiHeadAttention
 from tests.engine.test_attend import MODELS, close
 from tests.engine_calls import State, req, run, run_batch
@@ -225,7 +226,7 @@ def test_a_batch_whose_host_copy_fails_keeps_nothing_and_leaves_no_session_busy(
     def lost(*_):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine_sessions, "on_host", lost)
+    monkeypatch.setattr(engine_settle, "on_host", lost)
     results = run_batch(engine, hosted, [req("mqa", x[:, 2:], session_id=s) for s in ids])
     assert [str(r) for r in results] == ["device lost"] * 2
     monkeypatch.undo()

@@ -175,16 +175,16 @@ def test_refused_under_every_cpu_kernel(capability):
 def test_a_validated_step_far_from_overflow_measures_nothing(engine, monkeypatch):
     """Bounds from max |input| clear an ordinary step: its tensors are never read for the
     check (the spy would raise); a step they cannot clear is measured and refused."""
-    from mha_serve.engine import sessions as engine_sessions
+    from mha_serve.engine import forward as engine_forward
 
-    real = engine_sessions.row_absmax_tensor
+    real = engine_forward.row_absmax_tensor
     measured = []
 
     def spy(*tensors):
         measured.append(len(tensors))
         return real(*tensors)
 
-    monkeypatch.setattr(engine_sessions, "row_absmax_tensor", spy)
+    monkeypatch.setattr(engine_forward, "row_absmax_tensor", spy)
     sid = engine.sessions.create("tiny", None, None).session_id
     assert step(engine, sid, token(q0=1.0, k0=2.0)).session.num_tokens == 1
     assert measured == []

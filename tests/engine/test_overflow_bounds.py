@@ -1,4 +1,4 @@
-"""A session step that the input bounds clear (engine/sessions.py _bounded_rows) reads none
+"""A session step that the input bounds clear (engine/forward.py _bounded_rows) reads none
 of its tensors, so each bound must hold for every tensor on the way: a step they clear
 wrongly would answer NaN as OK, or keep an inf key that poisons its session."""
 

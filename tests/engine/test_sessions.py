@@ -19,7 +19,10 @@ from mha_serve.engine import (
     ModelSpec,
     TooLarge,
 )
+from mha_serve.engine import forward as engine_forward
+from mha_serve.engine import lone_step as engine_lone_step
 from mha_serve.engine import sessions as engine_sessions
+from mha_serve.engine import settle as engine_settle
 from mha_serve.model import AttentionConfig, cached
 from tests.engine_calls import State, req, run, run_batch, torched
 from tests.helpers import suite_torch_device
@@ -290,13 +293,13 @@ def test_a_session_closed_while_its_step_runs_answers_alone(engine, monkeypatch)
         run(engine, hosted, req("gqa", x[:, :5], session_id=sid))
     pool = engine.sessions.table.pool("gqa")
     blocks_of_gone = list(engine.sessions.table.get(gone).block_table)
-    real = engine_sessions.attend_steps  # batched or per session
+    real = engine_forward.attend_steps  # batched or per session
 
     def close_meanwhile(*args, **kwargs):
         engine.sessions.table.close(gone)  # as a CloseSession RPC would, mid-forward
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine_sessions, "attend_steps", close_meanwhile)
+    monkeypatch.setattr(engine_forward, "attend_steps", close_meanwhile)
     ok, closed = run_batch(
         engine, hosted, [req("gqa", x[:, 5:], session_id=s) for s in (keep, gone)]
     )
@@ -309,8 +312,14 @@ def test_a_session_closed_while_its_step_runs_answers_alone(engine, monkeypatch)
     engine.sessions.table.close(keep)
 
 
-@pytest.mark.parametrize("where", ["attend_steps", "_one_thread_is_enough"])
-def test_a_failing_forward_keeps_nothing_and_restores_the_thread_count(engine, monkeypatch, where):
+@pytest.mark.parametrize(
+    ("module", "where"),
+    [(engine_forward, "attend_steps"), (engine_sessions, "_one_thread_is_enough")],
+    ids=["attend_steps", "_one_thread_is_enough"],
+)
+def test_a_failing_forward_keeps_nothing_and_restores_the_thread_count(
+    engine, monkeypatch, module, where
+):
     """A failure anywhere between reserving and settling (in the forward, or before it)."""
     hosted = engine.get("gqa")
     ids = [engine.sessions.create("gqa", None, None).session_id for _ in range(4)]
@@ -322,7 +331,7 @@ def test_a_failing_forward_keeps_nothing_and_restores_the_thread_count(engine, m
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine_sessions, where, broken)
+    monkeypatch.setattr(module, where, broken)
     calls = [req("gqa", seq(14, seed=9), session_id=sid) for sid in ids]  # new blocks
     with pytest.raises(RuntimeError, match="device lost"):
         run_batch(engine, hosted, calls)
@@ -445,8 +454,8 @@ def test_a_failure_while_settling_rolls_back_only_the_steps_not_kept(engine, mon
 
     # Before any step is kept: where rows' outputs are made (per row, or per batch where
     # every row takes its view of the batch's host copy).
-    monkeypatch.setattr(engine_sessions, "_step_outputs", fail)
-    monkeypatch.setattr(engine_sessions, "_row_views", fail)
+    monkeypatch.setattr(engine_settle, "_step_outputs", fail)
+    monkeypatch.setattr(engine_settle, "_row_views", fail)
     results = run_batch(engine, hosted, [req("mqa", x[:, 2:3], session_id=s) for s in ids])
     assert [str(r) for r in results] == ["device error"] * 2
     monkeypatch.undo()
@@ -481,15 +490,19 @@ def test_a_deadline_passing_while_the_reply_is_built_still_rolls_the_step_back(
     # Where the reply's arrays are made: per row, or per batch (_row_views: every row's view
     # of the batch's host copy).
     state = State()
-    for where in ["array_of"] if alone else ["_step_outputs", "_row_views"]:
-        real = getattr(engine_sessions, where)
+    if alone:  # its own array_of, or _step_outputs' (an output to convert first)
+        places = [(engine_lone_step, "array_of"), (engine_settle, "array_of")]
+    else:
+        places = [(engine_settle, "_step_outputs"), (engine_settle, "_row_views")]
+    for module, where in places:
+        real = getattr(module, where)
 
         def slow(*args, real=real):  # the reply's tensors are made: the deadline passes
             state.deadline = time.monotonic() + 0.01
             time.sleep(0.05)
             return real(*args)
 
-        monkeypatch.setattr(engine_sessions, where, slow)
+        monkeypatch.setattr(module, where, slow)
     calls = [req("gqa", seq(2, seed=12), session_id=sid)]
     if not alone:
         calls.append(req("gqa", seq(2, seed=13), session_id=other))
@@ -568,9 +581,9 @@ def test_row_views_are_rows_of_each_whole_row(dtype, B):
     """_settle's rows of a batch's host copy, made in one pass (_row_views), are what
     _rows_of makes of each whole row: the same values, shape, dtype, C-contiguous views."""
     host = torch.randn(B, 2, 8).to(dtype)
-    rows = engine_sessions.array_of(host)
-    for b, view in enumerate(engine_sessions._row_views(rows)):
-        want = engine_sessions._rows_of(rows, b, 2)
+    rows = engine_settle.array_of(host)
+    for b, view in enumerate(engine_settle._row_views(rows)):
+        want = engine_settle._rows_of(rows, b, 2)
         assert view.dtype == want.dtype and view.data.shape == want.data.shape == (1, 2, 8)
         assert view.data.flags.c_contiguous and (view.data == want.data).all()
         assert view.data.base is not None  # a view of the batch's memory, no copy
