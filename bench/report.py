@@ -513,7 +513,10 @@ def plot_latency(results: dict[str, Any], path: Path, concurrency: int = 32) -> 
 
 # Where a sample's time goes: the category of the frame nearest the leaf that matches one.
 PROFILE_CATEGORIES = (
-    ("torch forward", ("torch/nn/", "model/attention.py", "torch/functional")),
+    (
+        "torch forward",
+        ("torch/nn/", "model/attention.py", "model/steps.py", "model/norm.py", "torch/functional"),
+    ),
     ("output checks (require_finite)", ("require_finite",)),
     ("batch assembly and split (Engine.run_batch)", ("Engine.run_batch", "Engine.run ")),
     ("request validation (Engine.validate)", ("Engine.validate", "validate")),

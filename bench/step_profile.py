@@ -49,6 +49,8 @@ PARTS = [
             "built-in method torch",
             "cached.py",
             "attention.py",
+            "mha_serve/model/steps.py",
+            "mha_serve/model/norm.py",
             "checks.py (mha_serve/model",
         ),
     ),

@@ -17,6 +17,7 @@ from prometheus_client import (
 )
 
 from mha_serve import metrics
+from mha_serve.metrics.requests import _histogram, _inc
 
 MODEL = "requests-test"  # a model name no other test counts under
 
@@ -92,10 +93,10 @@ def _twin_registries():
 
 
 def test_the_per_request_increments_expose_what_inc_exposes():
-    """metrics._inc skips prometheus-client's checks, not its work: the same amounts give
+    """_inc skips prometheus-client's checks, not its work: the same amounts give
     the same exposition as its public methods (a counter's, and a gauge's either way)."""
     (public, _, c1, g1), (direct, _, c2, g2) = _twin_registries()
-    inc, add = metrics._inc(c2.labels("x")), metrics._inc(g2)
+    inc, add = _inc(c2.labels("x")), _inc(g2)
     for amount in [0.0, *metrics.LATENCY_BUCKETS_S, 1e-9, 99.0, 1e6, 3, 0.0004]:
         c1.labels("x").inc(amount)
         inc(amount)
@@ -192,8 +193,8 @@ def test_the_per_request_updates_fall_back_to_the_public_methods():
         def inc(self, amount: float = 1) -> None: ...
 
     other = Other()
-    assert metrics._inc(other) == other.inc
-    add_to_sum, bounds, add_to_bucket = metrics._histogram(other)
+    assert _inc(other) == other.inc
+    add_to_sum, bounds, add_to_bucket = _histogram(other)
     assert add_to_sum == other.observe and len(add_to_bucket) == len(bounds) == 1
     add_to_sum(0.5)
     add_to_bucket[bisect.bisect_left(bounds, 0.5)](1)

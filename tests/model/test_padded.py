@@ -6,7 +6,7 @@ models, soft-capping, head_mask, low precision, no padding and much padding."""
 import pytest
 import torch
 
-from mha_serve.model import attention, padded
+from mha_serve.model import padded, steps
 from tests.model.test_incremental import VARIANTS, E, assert_close, make
 
 # Padding columns hold this: finite (as KVCache.gather guarantees) and large, so a padded key
@@ -83,7 +83,7 @@ def test_no_padding_needs_no_mask(variant, monkeypatch):
     module = make(VARIANTS[variant])
     masks = []
     real = padded.padded_mask
-    monkeypatch.setattr(attention, "padded_mask", lambda *a: masks.append(real(*a)) or masks[-1])
+    monkeypatch.setattr(steps, "padded_mask", lambda *a: masks.append(real(*a)) or masks[-1])
     check(module, [9, 9, 9], [1, 1, 1])
     assert masks == [None]
     check(module, [9, 8, 9], [1, 1, 1])  # one row one key short: masked

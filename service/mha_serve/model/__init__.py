@@ -13,7 +13,7 @@ from .config import AttentionConfig
 
 # name -> submodule that defines it
 _LAZY = {
-    "AttentionOutput": "attention",
+    "AttentionOutput": "output",
     "MultiHeadAttention": "attention",
     "from_torch_mha": "weights",
     "init_weights": "weights",
@@ -23,7 +23,8 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from .attention import AttentionOutput, MultiHeadAttention
+    from .attention import MultiHeadAttention
+    from .output import AttentionOutput
     from .weights import (
         from_torch_mha,
         init_weights,

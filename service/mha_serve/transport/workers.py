@@ -17,7 +17,7 @@ engine process (the reference design is vLLM v1's API-server / engine-core split
   NOT_SERVING, new calls UNAVAILABLE, in-flight calls get the grace period), then the
   engine stops. A frontend that dies otherwise is started again; its calls in flight fail
   UNAVAILABLE on their clients, and its session steps are rolled back in the engine.
-- Metrics: prometheus-client's multiprocess mode (metrics/__init__.py); the engine
+- Metrics: prometheus-client's multiprocess mode (metrics/exposition.py); the engine
   process's /metrics sums every process.
 """
 

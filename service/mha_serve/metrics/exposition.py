@@ -1,0 +1,85 @@
+"""The HTTP /metrics endpoint: this process's registry, or in prometheus-client's multiprocess
+mode (frontend workers) every process's files, the LIVE gauges and the process tree's figures."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    ProcessCollector,
+    multiprocess,
+    start_http_server,
+)
+
+from mha_serve.net import host_port
+
+from .live import LIVE
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def multiprocess_mode() -> bool:
+    """Whether this process writes its metrics to PROMETHEUS_MULTIPROC_DIR's files."""
+    return bool(os.environ.get(MULTIPROC_ENV))
+
+
+class ProcessTree:
+    """process_* (CPU seconds, memory, open files) summed over this process and `others()`
+    (the frontend workers), so that one server's CPU and memory are what the dashboard
+    shows whether it runs in one process or several; the start time is this process's."""
+
+    SUMMED = (
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_virtual_memory_bytes",
+        "process_open_fds",
+    )
+
+    def __init__(self, others: Callable[[], list[int]]) -> None:
+        self.others = others
+
+    def collect(self) -> Iterator:
+        families = {}
+        for pid in [os.getpid(), *self.others()]:
+            collector = ProcessCollector(pid=lambda p=pid: p, registry=None)
+            for family in collector.collect():  # nothing for a process gone meanwhile
+                name = family.name + ("_total" if family.type == "counter" else "")
+                if name not in families:
+                    families[name] = family
+                elif name in self.SUMMED:
+                    kept = families[name].samples[0]
+                    value = kept.value + family.samples[0].value
+                    families[name].samples[0] = kept._replace(value=value)
+        return iter(families.values())
+
+
+def serve_metrics(
+    port: int, host: str = "0.0.0.0", *, others: Callable[[], list[int]] | None = None
+) -> None:
+    """Starts the HTTP /metrics endpoint in a background thread: this process's metrics,
+    or in multiprocess mode every process's files, this process's LIVE gauges and the
+    process_* figures of this process and `others()`. host: an address or name, an IPv6
+    address with or without brackets. OSError saying which port when it cannot listen."""
+    addr = host.strip("[]")
+    registry = REGISTRY
+    if multiprocess_mode():
+        registry = CollectorRegistry(auto_describe=True)
+        multiprocess.MultiProcessCollector(registry)
+        registry.register(LIVE)
+        registry.register(ProcessTree(others or list))
+    try:
+        start_http_server(port, addr=addr, registry=registry)
+    except OSError as e:
+        raise OSError(
+            f"could not serve /metrics on {host_port(addr, port)} (--metrics-port, --metrics-host): "
+            f"{e.strerror or e}"
+        ) from e
+
+
+def process_gone(pid: int) -> None:
+    """Multiprocess mode: a process exited; its live* gauges stop counting."""
+    if multiprocess_mode():
+        multiprocess.mark_process_dead(pid)
