@@ -51,7 +51,7 @@ PARTS = [
             "attention.py",
             "mha_serve/model/steps.py",
             "mha_serve/model/norm.py",
-            "checks.py (mha_serve/model",
+            "mha_serve/model/checks.py",
         ),
     ),
     ("validation", ("Engine.validate", "Engine.prepare", "absmax", "validate_step", "tensor_of")),
