@@ -70,8 +70,11 @@ LAYERS: list[tuple[str, str, str, str | None, tuple[str, ...]]] = [
     ("output's numpy view", "mha_serve.engine.settle", "array_of", "lone step", ()),
     ("output's numpy view", "mha_serve.engine.sessions", "array_of", "lone step", ()),
     # prepare's parts: the input's one scan (NaN/Inf, and the bounds' max |x|), its tensor
-    # view, the session's checks and the response's size
+    # view, the session's checks and the response's size; where prepare looks the scan and
+    # the view up: engine/prepare.py, engine/engine.py in a --baseline-tree from before its split
+    ("max |input| scan", "mha_serve.engine.prepare", "array_absmax", "engine.prepare", ()),
     ("max |input| scan", "mha_serve.engine.checks", "array_absmax", "engine.prepare", ("mha_serve.engine.engine",)),
+    ("input tensor view", "mha_serve.engine.prepare", "tensor_of", "engine.prepare", ()),
     ("input tensor view", "mha_serve.engine.types", "tensor_of", "engine.prepare", ("mha_serve.engine.engine",)),
     ("session checks", "mha_serve.engine.sessions", "Sessions.validate_step", "engine.prepare", ()),
     ("response size", "mha_serve.engine.engine", "Engine._check_response_size", "engine.prepare", ()),

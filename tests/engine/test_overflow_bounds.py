@@ -156,7 +156,7 @@ def test_stateless_requests_the_bounds_clear_take_no_maxima_and_others_are_measu
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0)).to(dtype)
     cleared = attend(engine, req("m", x, lengths=[5, 3]))
     assert built == []
-    monkeypatch.setattr("mha_serve.engine.engine._proven", lambda *_: False)  # measure
+    monkeypatch.setattr("mha_serve.engine.compute._proven", lambda *_: False)  # measure
     measured = attend(engine, req("m", x, lengths=[5, 3]))
     assert built == [1] and torch.equal(cleared.output, measured.output)
     monkeypatch.undo()

@@ -30,9 +30,9 @@ from mha_serve.engine import (
     ModelView,
     RequestError,
 )
-from mha_serve.engine.engine import RESTORE_TRIES
 from mha_serve.engine.faults import isolate_failures, out_of_memory_is_exhausted
 from mha_serve.engine.heads import analyze as analyze_heads
+from mha_serve.engine.session_api import RESTORE_TRIES
 from mha_serve.engine.threads import ComputeThreads
 from mha_serve.serving.finish import OFFLOAD_BYTES, Computed, finish, finish_here
 from mha_serve.serving.protocol import Served

@@ -1,0 +1,191 @@
+"""Computing prepared requests (Engine.run_batch): stateless requests of one batch key as
+one padded forward, or one alone with its weights; session steps handed to Sessions; and
+whether a request is small enough to run on the event loop's thread. Part of Engine
+(engine.py), kept in a file of its own."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mha_serve.engine.bounds import cleared, gate_absmax
+from mha_serve.engine.checks import require_finite, scores_overflow_error
+from mha_serve.engine.errors import InvalidRequest
+from mha_serve.engine.requests import UNATTENDED, AttendOutcome, AttendRequest, CallState
+from mha_serve.engine.types import (
+    DTYPES,
+    HostedModel,
+    Prepared,
+    array_of,
+    on_host,
+    output_dtype,
+    repeat_heads,
+)
+from mha_serve.model.overflow import weight_bounds
+
+# A request this small runs on the event loop's thread when its lane is idle (Engine.
+# runs_inline, batching/batcher.py): at most this many tokens, attending (on the CPU) to at
+# most INLINE_MAX_KV_BYTES of keys' K/V. Larger work keeps the compute thread and its torch
+# threads.
+INLINE_MAX_TOKENS = 16
+INLINE_MAX_KV_BYTES = 4 << 20
+
+
+class Computing:
+    """Engine's compute (mixed into it; its state is Engine's: sessions, prepare)."""
+
+    def attend(self, request: AttendRequest, state: CallState = UNATTENDED) -> AttendOutcome:
+        """Prepares, then computes one request; raises RequestError subclasses for bad calls.
+        A spilled session is brought back first."""
+        if request.session_id:
+            sid = request.session_id
+            return self.live(sid, None, lambda: self.run(self.prepare(request, state)))
+        return self.run(self.prepare(request, state))
+
+    def run(self, p: Prepared) -> AttendOutcome:
+        """The forward pass of one prepared request."""
+        (outcome,) = self.run_batch(p.hosted, [p])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def _run_one(self, p: Prepared) -> AttendOutcome:
+        """A stateless request alone: its forward, its weights when asked."""
+        hosted, call = p.hosted, p.request
+        start = time.perf_counter()
+        batch, seq_len, _ = call.inputs.shape
+        x = p.inputs.to(hosted.device, hosted.dtype, non_blocking=True)
+        lengths = None  # a list: the module checks it on the host (a device tensor would sync)
+        if call.lengths is not None and any(n != seq_len for n in call.lengths):
+            lengths = list(call.lengths)
+        head_mask = None
+        if call.head_mask is not None:
+            head_mask = torch.tensor(call.head_mask, dtype=hosted.dtype, device=hosted.device)
+        heads = call.heads(hosted.spec.attention.num_heads)
+        query_end = call.query_end or seq_len
+        with torch.inference_mode():
+            out = hosted.module(
+                x,
+                lengths=lengths,
+                causal=call.causal,
+                need_weights=call.need_weights,
+                weight_heads=sorted(set(heads)) if call.need_weights else None,
+                query_range=(call.query_start, query_end) if call.need_weights else None,
+                head_mask=head_mask,
+                check_overflow=not _proven(hosted, [p]),
+            )
+            output = out.output.to(DTYPES[call.output_dtype or call.inputs.dtype])
+            # Contiguous on the compute thread: encoding then runs no torch copy elsewhere.
+            output = output.cpu().contiguous()
+            weights = None
+            if out.weights is not None:
+                weights = repeat_heads(out.weights, heads).to(DTYPES[call.weights_dtype])
+                weights = weights.cpu().contiguous()
+            if out.overflow.rows():  # read with the output, never before the forward ends
+                raise scores_overflow_error(hosted.dtype)
+            require_finite(output, "output")
+            if weights is not None:
+                require_finite(weights, "attention weights")
+        return AttendOutcome(
+            output=array_of(output),
+            weights=None if weights is None else array_of(weights),
+            weight_heads=tuple(heads) if call.need_weights else (),
+            weight_query_start=call.query_start if call.need_weights else 0,
+            compute_ms=(time.perf_counter() - start) * 1e3,
+            batch_size=batch,
+        )
+
+    @staticmethod
+    def runs_inline(p: Prepared) -> bool:
+        """Whether a prepared request is small enough to run on the event loop's thread,
+        single-threaded, when its lane is idle: no weights, few tokens, a short context."""
+        batch, seq_len, _ = p.inputs.shape
+        if p.request.need_weights or batch * seq_len > INLINE_MAX_TOKENS:
+            return False
+        hosted = p.hosted
+        if not hosted.on_cpu:
+            # The kernels run on the device: the loop's thread only launches them and waits
+            # for the output (tens of microseconds at any context), which costs less than
+            # the two thread crossings it saves.
+            return True
+        return batch * p.num_keys * hosted.kv_bytes_per_key <= INLINE_MAX_KV_BYTES
+
+    def run_batch(
+        self, hosted: HostedModel, batch: list[Prepared]
+    ) -> list[AttendOutcome | Exception]:
+        """Prepared requests of one model with equal `key` as one padded forward (requests
+        for weights come one at a time). Sequences are padded to the longest; the model
+        masks padding, so each outcome equals the request run alone
+        (tests/engine/test_batching.py)."""
+        if batch[0].request.session_id is not None:
+            return self.sessions.run_steps(hosted, batch, self._check_response_size)
+        if len(batch) == 1:
+            try:
+                return [self._run_one(batch[0])]
+            except InvalidRequest as e:
+                return [e]
+        assert not any(p.request.need_weights for p in batch), "weights calls run one by one"
+        start = time.perf_counter()
+        longest = max(p.inputs.shape[1] for p in batch)
+        total = sum(p.inputs.shape[0] for p in batch)
+        embed_dim = hosted.spec.attention.embed_dim
+        # Uninitialised padding is fine: the model zeroes padded positions before projecting.
+        x = torch.empty(total, longest, embed_dim, device=hosted.device, dtype=hosted.dtype)
+        lengths: list[int] = []
+        row = 0
+        for p in batch:
+            n, seq_len, _ = p.inputs.shape
+            x[row : row + n, :seq_len].copy_(p.inputs, non_blocking=True)
+            lengths += p.request.lengths if p.request.lengths is not None else [seq_len] * n
+            row += n
+        padded = any(n != longest for n in lengths)
+        lengths_t = lengths if padded else None  # checked on the host by the module
+        first = batch[0].request
+        head_mask = None
+        if first.head_mask is not None:
+            head_mask = torch.tensor(first.head_mask, dtype=hosted.dtype, device=hosted.device)
+        with torch.inference_mode():
+            forward = hosted.module(
+                x,
+                lengths=lengths_t,
+                causal=first.causal,
+                head_mask=head_mask,
+                check_overflow=not _proven(hosted, batch),
+            )
+            dtypes = [output_dtype(p.request) for p in batch]
+            host = on_host(forward.output, dtypes)  # one copy for the batch
+            outputs = []
+            row = 0
+            for p, dtype in zip(batch, dtypes, strict=True):
+                n, seq_len, _ = p.inputs.shape
+                out = host[row : row + n, :seq_len]
+                outputs.append(out.to(dtype).contiguous())  # the copies we send
+                row += n
+            overflow = set(forward.overflow.rows())  # read with the outputs
+        results: list[AttendOutcome | Exception] = []
+        compute_ms = (time.perf_counter() - start) * 1e3
+        row = 0
+        for p, output in zip(batch, outputs, strict=True):
+            n = p.inputs.shape[0]
+            try:
+                if overflow.intersection(range(row, row + n)):
+                    raise scores_overflow_error(hosted.dtype)
+                require_finite(output, "output")
+                results.append(
+                    AttendOutcome(array_of(output), None, compute_ms=compute_ms, batch_size=total)
+                )
+            except InvalidRequest as e:  # only this call's caller hears of it
+                results.append(e)
+            row += n
+        return results
+
+
+def _proven(hosted: HostedModel, batch: list[Prepared]) -> bool:
+    """Whether every request's max |input| proves its forward cannot overflow (so the model
+    takes no maxima to check it): engine/bounds.py."""
+    gate = gate_absmax(batch[0].request.head_mask)
+    wb = weight_bounds(hosted.module)  # once for the batch
+    return all(
+        cleared(hosted, hosted.dtype, p.input_absmax, 0.0, gate, wb) is not None for p in batch
+    )
