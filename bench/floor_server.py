@@ -342,13 +342,13 @@ def main(argv: list[str] | None = None) -> int:
         "mha-serve's --busy-poll-us (the same selector: mha_serve.transport.busy_poll)",
     )
     args = p.parse_args(argv)
-    main = serve_floor(args.port, args.attend == "batched")
+    serving = serve_floor(args.port, args.attend == "batched")
     if args.busy_poll_us:
         from mha_serve.transport import busy_poll
 
-        busy_poll.run(main, args.busy_poll_us)
+        busy_poll.run(serving, args.busy_poll_us)
     else:
-        asyncio.run(main)
+        asyncio.run(serving)
     return 0
 
 

@@ -449,9 +449,10 @@ def small_requests(
         picked: list[tuple[int, int]] = []  # (threads, batch) of each round's best
         workload = Workload("mha", parse_seq_lens(str(seq_len)), EMBED)
         spec = LoadSpec(concurrency=concurrency, duration_s=duration_s, warmup=2 * concurrency)
-        samples: dict[str, list[float]] = {n: [] for n in (*targets, "inprocess")}
+        loaded = {n: t for n, t in targets.items() if n != FLOOR_BUSY}  # (decode steps only)
+        samples: dict[str, list[float]] = {n: [] for n in (*loaded, "inprocess")}
         for r in range(rounds + 1):  # round 0 warms up (a server's first seconds are slow)
-            order = list(targets.items())  # reversed every other round, as for steps
+            order = list(loaded.items())  # reversed every other round, as for steps
             for name, target in order if r % 2 else order[::-1]:
                 result = run_load_sync(lambda t=target: GrpcTarget(t), workload, spec)
                 if result.errors:

@@ -10,6 +10,7 @@ children). Layers the code does not have (an older checkout) are left out.
 
     python bench/step_layers.py [--model gqa] [--context 256] [--steps 200] [--rounds 5]
     python bench/step_layers.py --baseline-tree ../wt-before   # the code before, same run
+    python bench/step_layers.py --variant busy=--busy-poll-us=300  # this code with flags too
 
 The in-process bare step (bench/overhead.py BareStep) is measured beside it: what the
 engine's forward cannot do without, in a tight loop (as overhead.py's limit takes it) and
@@ -298,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             sides.append(("before", args.baseline_tree, ()))
         for v in args.variant:
             name, _, flags = v.partition("=")
+            if not name or name in {s[0] for s in sides}:
+                p.error(f"--variant {v!r}: name it, other than now, before or another variant")
             sides.append((name, None, tuple(f for f in flags.split(",") if f)))
         for name, tree, flags in sides:
             runs[name] = measure(name, tree, args, Path(d), flags)

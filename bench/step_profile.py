@@ -54,7 +54,17 @@ PARTS = [
             "mha_serve/model/checks.py",
         ),
     ),
-    ("validation", ("Engine.validate", "Engine.prepare", "absmax", "validate_step", "tensor_of")),
+    (
+        "validation",
+        (
+            "mha_serve/engine/prepare.py",
+            "Engine.validate",
+            "Engine.prepare",
+            "absmax",
+            "validate_step",
+            "tensor_of",
+        ),
+    ),
     ("metrics", ("prometheus_client", "mha_serve/metrics")),
     ("engine bookkeeping", ("mha_serve/engine", "mha_serve/cache")),
     ("serving (lanes, batcher)", ("mha_serve/serving", "mha_serve/batching")),
@@ -68,10 +78,11 @@ POLLING = "mha_serve/transport/busy_poll.py"  # --busy-poll-us: the loop's poll 
 
 
 def classify(stack: list[str]) -> str:
+    # (before IDLE: the selector polls through selectors' own select, the innermost frame)
+    if any(POLLING in frame for frame in stack[-2:]):
+        return "polling (waiting)"
     if any(key in stack[-1] for key in IDLE):
         return "idle (waiting)"
-    if POLLING in stack[-1]:
-        return "polling (waiting)"
     for frame in reversed(stack):  # the innermost frame that names a part
         for part, keys in PARTS:
             if any(k in frame for k in keys):
@@ -285,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "bench/step_profile.py", *(argv or sys.argv[1:])]),
         "loadavg": os.getloadavg(),
         "context": args.context,
-        "model": args.model,
+        "model": args.model if args.load == "decode" else None,
         "load": args.load,
         "rate_hz": RATE_HZ,
         "summary": summary,

@@ -537,6 +537,25 @@ def test_the_step_profile_refuses_a_context_its_steps_would_overrun_and_make_gpu
     assert passed and all(int(c) + step_profile.STEPS <= max_len for c in passed)
 
 
+def test_the_step_profile_counts_a_busy_polling_loop_apart_from_its_idle_wait_and_its_work():
+    """py-spy's frames read 'func (path:line)': the busy-poll selector polls through
+    selectors' own select (the innermost frame), counted as polling, not idle nor transport;
+    a plain loop's wait is idle; the engine's prepare is validation."""
+    import step_profile
+
+    loop = "run_forever (asyncio/base_events.py:608);_run_once (asyncio/base_events.py:1884)"
+    poll = f"{loop};select (mha_serve/transport/busy_poll.py:46)"
+    assert step_profile.classify(f"{poll};select (selectors.py:468)".split(";")) == (
+        "polling (waiting)"
+    )
+    assert step_profile.classify(poll.split(";")) == "polling (waiting)"
+    assert step_profile.classify(f"{loop};select (selectors.py:468)".split(";")) == (
+        "idle (waiting)"
+    )
+    prepare = f"{loop};prepare (mha_serve/engine/prepare.py:80)"
+    assert step_profile.classify(prepare.split(";")) == "validation"
+
+
 @pytest.mark.parametrize(("kernel", "mask", "bucket"), [("engine", False, 1), ("math", True, 4)])
 def test_the_new_length_row_runs_on_the_cpu_and_times_every_call(kernel, mask, bucket):
     row = gpu_kernels.new_length_row(
