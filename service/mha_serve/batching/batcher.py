@@ -218,18 +218,7 @@ class Batcher:
                 f"(limit {p.max_queue_tokens}); retry with backoff or send smaller requests"
             )
         now = self._clock()
-        # Inline when the lane is idle (nothing queued, forming or running, and no reason to
-        # wait for company: the item would start alone at once anyway), the loop too (at
-        # most LOOP_READY_MAX other callbacks ready in asyncio's queue), and the item small.
-        if (
-            self._inline is not None
-            and not self._pending
-            and self._forming_key is _IDLE
-            and self._running_key is _IDLE
-            and self.arrivals.company_wait(key, p.max_queue_delay_s) == 0.0
-            and len(getattr(asyncio.get_running_loop(), "_ready", _BUSY)) <= LOOP_READY_MAX
-            and self._inline(payload)
-        ):
+        if self._idle_for(key) and self._inline(payload):  # (small: inline)
             return self._run_alone(payload, sequences, key, deadline, now)
         future = asyncio.get_running_loop().create_future()
         item = Item(payload, sequences, length, key, deadline, future, now)
@@ -243,6 +232,48 @@ class Batcher:
         except asyncio.CancelledError:
             self._withdraw(item)
             raise
+
+    def _idle_for(self, key: Hashable) -> bool:
+        """Whether an item of `key` would start alone at once, so may run inline: the lane
+        is idle (nothing queued, forming or running, and no reason to wait for company), the
+        loop too (at most LOOP_READY_MAX other callbacks ready in asyncio's queue), and the
+        lane runs items inline at all. (Whether the item is small enough is its own test.)"""
+        return (
+            self._inline is not None
+            and not self._pending
+            and self._forming_key is _IDLE
+            and self._running_key is _IDLE
+            and self.arrivals.company_wait(key, self.policy.max_queue_delay_s) == 0.0
+            and len(getattr(asyncio.get_running_loop(), "_ready", _BUSY)) <= LOOP_READY_MAX
+        )
+
+    def alone_now(self, key: Hashable, deadline: float | None) -> float | None:
+        """For a caller that runs a lone small item of `key` itself, in one call with its
+        preparation (serving's plain decode step, Engine.decode_now): the clock's time now
+        when the item may run here and now as submit would run it inline; None when it must
+        be submitted instead (the lane busy or closed, inline off, or its deadline passed:
+        submit refuses it). Then ran_alone(key, now, ...) counts it as submit would have."""
+        if self._closed or not self._idle_for(key):
+            return None
+        now = self._clock()
+        if deadline is not None and now >= deadline:
+            return None
+        return now
+
+    def ran_alone(self, key: Hashable, now: float, sequences: int) -> BatchInfo:
+        """An item a caller ran itself after alone_now gave it `now`: counted as a batch of
+        one run inline (its arrival, num_inline, the batch observer); its BatchInfo."""
+        self.arrivals.note(key, now, False)
+        return self._ran_inline(BatchInfo(0.0, self._clock() - now, sequences, 1))
+
+    def _ran_inline(self, info: BatchInfo) -> BatchInfo:
+        self.num_inline += 1
+        if self._on_batch is not None:
+            try:
+                self._on_batch(info)
+            except Exception:
+                log.exception("%s: delivering a batch's results failed", self.name)
+        return info
 
     def _run_alone(
         self, payload: Any, sequences: int, key: Hashable, deadline: float | None, now: float
@@ -262,13 +293,7 @@ class Batcher:
         except Exception as e:  # the whole batch failed, as _finish reports it
             log.error("%s: batch of 1 requests failed", self.name, exc_info=e)
             raise
-        info = BatchInfo(0.0, self._clock() - now, sequences, 1)
-        self.num_inline += 1
-        if self._on_batch is not None:
-            try:
-                self._on_batch(info)
-            except Exception:
-                log.exception("%s: delivering a batch's results failed", self.name)
+        info = self._ran_inline(BatchInfo(0.0, self._clock() - now, sequences, 1))
         (result,) = outcome
         if isinstance(result, BaseException):
             raise result

@@ -5,13 +5,15 @@ whether a request is small enough to run on the event loop's thread. Part of Eng
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 
 from mha_serve.engine.bounds import cleared, gate_absmax
-from mha_serve.engine.checks import require_finite, scores_overflow_error
+from mha_serve.engine.checks import array_absmax, require_finite, scores_overflow_error
 from mha_serve.engine.errors import InvalidRequest
+from mha_serve.engine.prepare import RESPONSE_OVERHEAD_BYTES
 from mha_serve.engine.requests import UNATTENDED, AttendOutcome, AttendRequest, CallState
 from mha_serve.engine.types import (
     DTYPES,
@@ -21,6 +23,7 @@ from mha_serve.engine.types import (
     on_host,
     output_dtype,
     repeat_heads,
+    tensor_of,
 )
 from mha_serve.model.overflow import weight_bounds
 
@@ -95,6 +98,42 @@ class Computing:
             compute_ms=(time.perf_counter() - start) * 1e3,
             batch_size=batch,
         )
+
+    def decode_now(
+        self, request: AttendRequest, model: str, state: CallState
+    ) -> AttendOutcome | None:
+        """A plain decode step, prepared and run in one call on the caller's thread (serving
+        calls it for a step that finds its lane idle, on the event loop's thread): one token
+        of a session of `model`, in the model's dtype, without weights, head mask or
+        lengths. The same checks, outcome and errors as run(prepare(request, state)) (tests/
+        engine/test_decode_now.py), without the Prepared record, the batch's lists and the
+        calls between: prepare's checks such a step can fail, then the lone step
+        (Sessions.decode_now). None, nothing done or kept, for any other request, a step too
+        large to run inline (runs_inline), or one that only the batch's path takes or
+        refuses: prepare and the lanes then take it, with their errors."""
+        hosted = self.models.get(model)
+        if hosted is None:
+            return None
+        inputs = request.inputs
+        if (
+            inputs.data.shape != hosted.one_token
+            or inputs.dtype != hosted.dtype_name
+            or (request.output_dtype is not None and request.output_dtype != inputs.dtype)
+            or request.need_weights
+            or request.head_mask is not None
+            or request.lengths is not None
+            or request.causal is False
+            or request.weights_dtype not in DTYPES
+            or hosted.one_token[2] * hosted.dtype.itemsize + RESPONSE_OVERHEAD_BYTES
+            > self.max_response_bytes
+        ):
+            return None
+        tensor = tensor_of(inputs)
+        input_absmax = array_absmax(inputs, tensor)  # (prepare's one scan)
+        if not input_absmax < math.inf:
+            return None
+        max_keys = INLINE_MAX_KV_BYTES // hosted.kv_bytes_per_key if hosted.on_cpu else None
+        return self.sessions.decode_now(hosted, request, tensor, input_absmax, state, max_keys)
 
     @staticmethod
     def runs_inline(p: Prepared) -> bool:

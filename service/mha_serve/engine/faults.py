@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from mha_serve.engine.errors import TooLarge
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class DeviceOutOfMemory(TooLarge):
@@ -56,12 +57,12 @@ def isolate_failures(
     return run
 
 
-def out_of_memory_is_exhausted(run_one: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """run_one(call) whose device out-of-memory is the request's RESOURCE_EXHAUSTED."""
+def out_of_memory_is_exhausted(run_one: Callable[..., T]) -> Callable[..., T]:
+    """run_one(*call) whose device out-of-memory is the request's RESOURCE_EXHAUSTED."""
 
-    def run(call: Any) -> Any:
+    def run(*call: Any) -> T:
         try:
-            return run_one(call)
+            return run_one(*call)
         except torch.OutOfMemoryError as e:
             _free_device_memory(e)
             raise _answer(e) from e

@@ -13,7 +13,7 @@ import torch
 from mha_serve.cache import CacheError, Reservation
 from mha_serve.engine.bounds import KeyBound, cleared, key_absmax
 from mha_serve.engine.forward import _project_and_append
-from mha_serve.engine.requests import AttendOutcome
+from mha_serve.engine.requests import AttendOutcome, AttendRequest, CallState
 from mha_serve.engine.settle import _raise_if_abandoned, _step_outputs
 from mha_serve.engine.types import HostedModel, Prepared, array_of, on_host, output_dtype
 from mha_serve.model import AttentionOutput
@@ -44,19 +44,69 @@ class LoneStep:
         if request.need_weights or request.head_mask is not None:
             return None
         start = time.perf_counter()
-        cache = self.cache(hosted.spec.name)
         try:
             r = self.table.reserve(request.session_id, p.inputs.shape[1], claimed=p.state.claimed)
         except CacheError as e:
             return e
+        return self._step_reserved(hosted, request, p.inputs, p.input_absmax, p.state, r, start)
+
+    def decode_now(
+        self,
+        hosted: HostedModel,
+        request: AttendRequest,
+        x: torch.Tensor,
+        input_absmax: float,
+        state: CallState,
+        max_keys: int | None,
+    ) -> AttendOutcome | None:
+        """Engine.decode_now's step: a plain one-token step of a session of hosted's model,
+        its input x (1, 1, E) in the model's dtype and finite (input_absmax), accepted and run
+        as _run_alone runs it; None, nothing kept, when the batch's path is to take it
+        instead (the static decode on, another model's session, more than max_keys keys
+        (None: any), no room at once, bounds that cannot clear it): prepare and run_steps
+        then take it, with their errors and waits. Its other errors are raised."""
+        if self.static_decode != "off":
+            return None
+        start = time.perf_counter()
+        table = self.table
+        try:
+            session = table.get(request.session_id)
+            if session.model != hosted.spec.name or (
+                max_keys is not None and session.num_tokens >= max_keys
+            ):
+                return None
+            r = table.reserve(request.session_id, 1, claimed=state.claimed)
+        except CacheError:
+            return None
+        outcome = self._step_reserved(hosted, request, x, input_absmax, state, r, start)
+        if isinstance(outcome, Reservation):  # (its bounds cannot clear it)
+            table.rollback(outcome)
+            return None
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def _step_reserved(
+        self,
+        hosted: HostedModel,
+        request: AttendRequest,
+        inputs: torch.Tensor,
+        input_absmax: float,
+        state: CallState,
+        r: Reservation,
+        start: float,
+    ) -> AttendOutcome | Exception | Reservation:
+        """A lone step on its reservation r: its outcome, its error (nothing kept), or r
+        itself, still open, when its bounds cannot clear it (see _run_alone)."""
+        cache = self.cache(hosted.spec.name)
         kept = False  # until then (kept, or handed on), any error rolls the reservation back
         try:
             cached = key_absmax(r.engine_state)
-            bound = cleared(hosted, cache.dtype, p.input_absmax, cached, 1.0)
+            bound = cleared(hosted, cache.dtype, input_absmax, cached, 1.0)
             if bound is None:  # measured instead, as a batch of one, on this reservation
                 kept = True
                 return r
-            x = to_device(p.inputs, hosted.device, hosted.dtype)  # (1, T, E)
+            x = to_device(inputs, hosted.device, hosted.dtype)  # (1, T, E)
             end = r.start + r.num_tokens
             with torch.inference_mode() if _INFERENCE_MODE is None else _INFERENCE_MODE(True):
                 y = None
@@ -87,7 +137,7 @@ class LoneStep:
                     host = on_host(y, [dtype])
                     out = AttentionOutput(y, None)
                     output, _ = _step_outputs(out, host, None, dtype, 0, r, request, [], True)
-                _raise_if_abandoned(p.state)  # last, right before commit: the smallest gap
+                _raise_if_abandoned(state)  # last, right before commit: the smallest gap
             except Exception as e:  # refused, or its caller gone: not kept
                 return e
             kept = True  # (commit takes the reservation, even when it raises)

@@ -14,6 +14,8 @@ from mha_serve.engine.types import DTYPES, HostedModel, Prepared, tensor_of
 
 # Room left in a response for everything that is not tensor data.
 RESPONSE_OVERHEAD_BYTES = 64 * 1024
+# The batch key of a session step without a head mask (batch_key): most steps'.
+PLAIN_STEP_KEY = ("session", None)
 
 
 class Preparing:
@@ -157,7 +159,7 @@ class Preparing:
     def batch_key(hosted: HostedModel, call: AttendRequest) -> tuple:
         """Calls with equal keys can share one forward pass (same masking and head gates)."""
         if call.session_id is not None:  # session steps batch with each other (always causal)
-            return ("session", call.head_mask)
+            return PLAIN_STEP_KEY if call.head_mask is None else ("session", call.head_mask)
         causal = hosted.spec.attention.causal if call.causal is None else call.causal
         return (causal, call.head_mask)
 

@@ -32,6 +32,7 @@ from mha_serve.engine import (
 )
 from mha_serve.engine.faults import isolate_failures, out_of_memory_is_exhausted
 from mha_serve.engine.heads import analyze as analyze_heads
+from mha_serve.engine.prepare import PLAIN_STEP_KEY
 from mha_serve.engine.session_api import RESTORE_TRIES
 from mha_serve.engine.threads import ComputeThreads
 from mha_serve.serving.finish import OFFLOAD_BYTES, Computed, finish, finish_here
@@ -80,6 +81,9 @@ class AsyncEngine:
             for name, hosted in engine.models.items()
         }
         self._views = {name: hosted.view() for name, hosted in engine.models.items()}
+        # A plain decode step on the event loop's thread (_step_now): as the lanes run a lone
+        # step inline (lanes_for), single-threaded, a device out-of-memory RESOURCE_EXHAUSTED.
+        self._decode_now = compute.on_caller(out_of_memory_is_exhausted(engine.decode_now))
         for name in engine.models:
             if engine.cache_info(name) is not None:
                 metrics.watch_kv_cache(name, functools.partial(engine.cache_info, name))
@@ -164,6 +168,11 @@ class AsyncEngine:
         deadline: float | None,
         caller: str | None = None,
     ) -> Served[T]:
+        if request.session_id:  # a plain decode step that finds its lane idle: here, now
+            computed = self._step_now(request, received, deadline, caller)
+            if computed is not None:
+                served = finish_here(computed, encode, received)
+                return await finish(computed, encode, received) if served is None else served
         ticket = Ticket(received, deadline)
         if not request.session_id:
             computed = await self._compute(request, ticket)
@@ -195,7 +204,55 @@ class AsyncEngine:
         ticket = Ticket(received, deadline)
         if not request.session_id:
             return self._compute(request, ticket)
+        computed = self._step_now(request, received, deadline, caller)
+        if computed is not None:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(computed)
+            return done
         return self._session_call(request, ticket, caller)
+
+    def _step_now(
+        self, request: AttendRequest, received: float, deadline: float | None, caller: str | None
+    ) -> Computed | None:
+        """A session step as one call here and now, when it is a plain decode step (one
+        token, no weights: Engine.decode_now) of a live session and its lane is idle, as the
+        lane would run it inline (Batcher.alone_now): the same claim, outcome, errors and
+        metrics as _compute's path, without its records and calls between (that path is
+        for batches, queues and waits). None, nothing done, for any other step: _compute
+        takes it. A claim refused (the session unknown, another's, or stepping) raises as
+        _compute's would."""
+        session_id = request.session_id
+        engine = self.engine
+        try:
+            model = request.model or engine.session_model(session_id)
+        except (CacheError, RequestError):  # _compute answers why
+            return None
+        lanes = self.lanes.get(model)
+        if lanes is None:
+            return None
+        fast = lanes.fast
+        now = fast.alone_now(PLAIN_STEP_KEY, deadline)
+        if now is None:
+            return None
+        try:
+            engine.claim(session_id, caller)
+        except SessionSpilled:  # brought back by _compute's path
+            return None
+        ticket = Ticket(received, deadline, claimed=True)
+        started = time.perf_counter()
+        answered = True  # (an error raised is its answer)
+        try:
+            outcome = self._decode_now(request, model, ticket)
+            answered = outcome is not None
+        finally:
+            engine.release(session_id)
+            if answered:  # counted as the lane counts a batch of one run inline
+                self._session_answered()
+                info = fast.ran_alone(PLAIN_STEP_KEY, now, 1)
+        if outcome is None:
+            return None
+        queue_ms = (started - received) * 1e3
+        return Computed(request, model, outcome, queue_ms, info.compute_s * 1e3)
 
     async def _session_call(
         self, request: AttendRequest, ticket: Ticket, caller: str | None

@@ -1,0 +1,200 @@
+"""A plain decode step that finds its lane idle runs in one call on the event loop's thread
+(AsyncEngine._step_now: the claim, Engine.decode_now, the lane's count): the same replies, bit
+for bit, as the same steps through the lanes' thread (inline off), counted as the lanes count
+a step run inline; a busy lane queues the step as before; a step that fails keeps nothing and
+leaves its session free; a frontend worker's engine (AsyncEngine.compute) takes it alike."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from mha_serve.cache import SessionBusy
+from mha_serve.engine import Engine, ModelSpec
+from mha_serve.engine.threads import ComputeThreads
+from mha_serve.model import AttentionConfig, MultiHeadAttention
+from mha_serve.serving import AsyncEngine
+from tests.engine_calls import req, torched
+
+E = 32
+SPEC = ModelSpec("m", AttentionConfig(E, 4, 2), seed=3)
+
+
+def engine() -> Engine:
+    return Engine(
+        [SPEC], device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=1 << 24
+    )
+
+
+def token(i: int, n: int = 1) -> torch.Tensor:
+    return torch.randn(1, n, E, generator=torch.Generator().manual_seed(i))
+
+
+class Spy:
+    """Engine.decode_now's answers: True an outcome, False None (left to the lanes)."""
+
+    def __init__(self, eng: Engine) -> None:
+        self.answers: list[bool] = []
+        real = eng.decode_now
+
+        def decode_now(*args):
+            outcome = real(*args)
+            self.answers.append(outcome is not None)
+            return outcome
+
+        eng.decode_now = decode_now
+
+
+async def steps(serving: AsyncEngine, sid: str, n: int) -> list:
+    out = []
+    for i in range(n):
+        served = await serving.attend(
+            req("", token(10 + i), session_id=sid),
+            torched,
+            received=time.perf_counter(),
+            deadline=None,
+        )
+        out.append(served)
+    return out
+
+
+async def test_steps_run_now_equal_the_lanes_steps_bit_for_bit_and_count_alike():
+    now_engine, lane_engine = engine(), engine()
+    spy = Spy(now_engine)
+    compute = ComputeThreads(1, 1)
+    fast = AsyncEngine(now_engine, compute)  # inline: plain steps run now
+    lanes = AsyncEngine(lane_engine, compute, inline=False)  # every step on the lane's thread
+    try:
+        sids = []
+        for serving in (fast, lanes):
+            sid = (await serving.create_session("m", None, None, "me")).session_id
+            await serving.attend(
+                req("m", token(1, 5), session_id=sid), torched, received=0.0, deadline=None
+            )
+            sids.append(sid)
+        spy.answers.clear()
+        mine, theirs = await steps(fast, sids[0], 6), await steps(lanes, sids[1], 6)
+        assert spy.answers == [True] * 6
+        for a, b in zip(mine, theirs, strict=True):
+            assert torch.equal(a.reply.output, b.reply.output)
+            assert a.reply.session.num_tokens == b.reply.session.num_tokens
+            assert a.model == b.model == "m"
+            assert a.timing.batch_size == 1 and a.timing.queue_ms >= 0 and a.timing.compute_ms > 0
+            assert a.timing.total_ms >= a.timing.compute_ms
+        assert [s.reply.session.num_tokens for s in mine] == list(range(6, 12))
+        # counted as a step run inline: 1 (the prompt, through the lane's inline path) + 6
+        assert fast.lanes["m"].fast.num_inline == 7 and lanes.lanes["m"].fast.num_inline == 0
+        assert fast._answered == 7  # each let go of its session: room waiters would hear it
+    finally:
+        await fast.close()
+        await lanes.close()
+        compute.shutdown()
+
+
+async def test_a_step_meeting_a_busy_lane_queues_and_a_claimed_session_refuses_as_before():
+    """A stateless call holds the lane's thread: a plain step meanwhile is not run now, it
+    queues and is answered after it; a session another call is stepping answers SessionBusy
+    (the claim), whichever path."""
+    eng = engine()
+    spy = Spy(eng)
+    held, gate = threading.Event(), threading.Event()
+    real = eng.run_batch
+
+    def run_batch(hosted, batch):
+        if not batch[0].request.session_id:
+            held.set()
+            gate.wait(60)
+        return real(hosted, batch)
+
+    eng.run_batch = run_batch
+    compute = ComputeThreads(1, 1)
+    serving = AsyncEngine(eng, compute)
+    loop = asyncio.get_running_loop()
+    try:
+        sid = (await serving.create_session("m", None, None, "me")).session_id
+        big = token(2, 40)  # more than run inline: the lane's thread
+        holder = asyncio.ensure_future(
+            serving.attend(
+                req("m", big.expand(3, -1, -1).contiguous()), torched, received=0.0, deadline=None
+            )
+        )
+        assert await loop.run_in_executor(None, held.wait, 60)
+        step = asyncio.ensure_future(
+            serving.attend(req("m", token(3), session_id=sid), torched, received=0.0, deadline=None)
+        )
+        for _ in range(6000):  # bounded: until it is queued behind the held call
+            if serving.lanes["m"].fast.queued_requests == 1:
+                break
+            await asyncio.sleep(0.005)
+        assert serving.lanes["m"].fast.queued_requests == 1 and spy.answers == []
+        gate.set()
+        await holder
+        assert (await step).reply.session.num_tokens == 1
+        eng.sessions.claim(sid)  # another call's step holds it
+        try:
+            with pytest.raises(SessionBusy):
+                await serving.attend(
+                    req("", token(4), session_id=sid), torched, received=0.0, deadline=None
+                )
+        finally:
+            eng.sessions.release(sid)
+        assert (await steps(serving, sid, 1))[0].reply.session.num_tokens == 2
+        assert spy.answers == [True]
+    finally:
+        gate.set()
+        await serving.close()
+        compute.shutdown()
+
+
+async def test_a_failing_step_keeps_nothing_frees_its_session_and_is_counted(monkeypatch):
+    eng = engine()
+    compute = ComputeThreads(1, 1)
+    serving = AsyncEngine(eng, compute)
+    try:
+        sid = (await serving.create_session("m", None, None, "me")).session_id
+        await steps(serving, sid, 2)
+        lane = serving.lanes["m"].fast
+        inline, answered = lane.num_inline, serving._answered
+
+        def lost(self, *args):
+            raise RuntimeError("device lost")
+
+        monkeypatch.setattr(MultiHeadAttention, "decode_one", lost)
+        with pytest.raises(RuntimeError, match="device lost"):
+            await steps(serving, sid, 1)
+        assert (lane.num_inline, serving._answered) == (inline + 1, answered + 1)
+        monkeypatch.undo()
+        assert (await serving.get_session(sid, "me")).num_tokens == 2
+        assert (await steps(serving, sid, 1))[0].reply.session.num_tokens == 3
+    finally:
+        await serving.close()
+        compute.shutdown()
+
+
+async def test_a_frontend_workers_engine_runs_the_step_now_alike():
+    """AsyncEngine.compute (what the engine process answers a frontend worker with) takes a
+    plain step now too: the same Computed as attend's."""
+    eng, other = engine(), engine()
+    spy = Spy(eng)
+    compute = ComputeThreads(1, 1)
+    serving, ref = AsyncEngine(eng, compute), AsyncEngine(other, compute, inline=False)
+    try:
+        sids = [(await s.create_session("m", None, None, "me")).session_id for s in (serving, ref)]
+        computed = await serving.compute(
+            req("", token(5), session_id=sids[0]), received=0.0, deadline=None, caller="me"
+        )
+        want = await ref.compute(
+            req("", token(5), session_id=sids[1]), received=0.0, deadline=None, caller="me"
+        )
+        assert spy.answers == [True]
+        assert computed.model == want.model == "m"
+        assert torch.equal(torched(computed.outcome).output, torched(want.outcome).output)
+        assert computed.outcome.session.num_tokens == want.outcome.session.num_tokens == 1
+    finally:
+        await serving.close()
+        await ref.close()
+        compute.shutdown()
