@@ -158,6 +158,19 @@ def test_bad_engine_configs_fail_with_the_fix():
         ModelSpec("has space", AttentionConfig(16, 2))
 
 
+def test_device_and_dtype_may_be_named_as_the_config_names_them():
+    """Names as the config has them ("cpu", "auto", "float16"): the same engine as torch's
+    objects; a name that is none, the config's error."""
+    spec = [ModelSpec("a", AttentionConfig(16, 2), seed=1)]
+    named = Engine(spec, device="cpu", dtype="float16", max_response_bytes=MiB)
+    hosted = named.get("a")
+    assert (hosted.device, hosted.dtype) == (torch.device("cpu"), torch.float16)
+    auto = Engine(spec, device="cpu", dtype="auto", max_response_bytes=MiB).get("a")
+    assert auto.dtype == torch.float32  # auto on the CPU
+    with pytest.raises(ValueError, match="dtype 'float64' is not one of auto"):
+        Engine(spec, device="cpu", dtype="float64", max_response_bytes=MiB)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_all_finite_matches_torch_on_every_dtype(dtype):
     from mha_serve.engine.checks import all_finite

@@ -67,8 +67,8 @@ class Engine(Preparing, Computing, SessionAPI):
         self,
         specs: list[ModelSpec],
         *,
-        device: torch.device,
-        dtype: torch.dtype,
+        device: torch.device | str,
+        dtype: torch.dtype | str,
         max_response_bytes: int,
         evict_idle_sessions: bool = False,
         session_ttl_s: float | None = None,
@@ -83,7 +83,9 @@ class Engine(Preparing, Computing, SessionAPI):
         static_decode: str = "off",
         flash_decode: bool = False,
     ) -> None:
-        """batched_attention: Sessions' (None: batched on CUDA, per session on the CPU);
+        """device and dtype: torch's, or their names as the config has them ("auto", "cpu",
+        "cuda:1"; "auto", "float32", ...: resolve_device, resolve_dtype);
+        batched_attention: Sessions' (None: batched on CUDA, per session on the CPU);
         flash_decode: Sessions' (batched decode steps read K/V in place, CUDA);
         cudnn_attention: let attention on CUDA run cuDNN's kernel (choose_attention_kernels);
         static_decode: how plain decode steps run, Sessions' ("graphs": CUDA graphs, for
@@ -96,6 +98,10 @@ class Engine(Preparing, Computing, SessionAPI):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"model names must be unique; repeated: {', '.join(duplicates)}")
+        if isinstance(device, str):
+            device = resolve_device(device)
+        if isinstance(dtype, str):
+            dtype = resolve_dtype(dtype, device)
         self.max_response_bytes = max_response_bytes
         choose_attention_kernels(device, cudnn=cudnn_attention)
         self.models: dict[str, HostedModel] = {}
