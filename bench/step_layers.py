@@ -40,49 +40,79 @@ ROOT = Path(__file__).resolve().parent.parent
 GAP_S = 0.0003  # the bare step once more, each after this wait (about an echo's round trip)
 sys.path.insert(0, str(ROOT / "bench"))
 
-# (label, module, attribute path, parent label, users): the call's path, outermost first.
+# (label, module, attribute path, parent label(s), users): the call's path, outermost first.
 # A module-level function is also replaced where `users` import it by name. Two functions
-# under one label are one layer.
-LAYERS: list[tuple[str, str, str, str | None, tuple[str, ...]]] = [
+# under one label are one layer. A layer under two parents (a tuple, the lanes' path's
+# first) is the same code called from either: it counts under the last of them that ran
+# (the streamed steps of one run take one path), and the table shows it under the last. A
+# parent the code does not have (an older checkout) gives its timed children to its own.
+LAYERS: list[tuple[str, str, str, str | tuple[str, ...] | None, tuple[str, ...]]] = [
     ("parse request", "mha_serve.transport.convert", "parse_attend_request", None, ()),
     ("settle (status, metrics)", "mha_serve.transport.answer", "settle", None, ("mha_serve.transport.door",)),
     ("door.attend", "mha_serve.transport.door", "AttentionDoor.attend", "settle (status, metrics)", ()),
     ("to_call", "mha_serve.transport.convert", "to_call", "door.attend", ("mha_serve.transport.door",)),
     ("serving.attend", "mha_serve.serving.async_engine", "AsyncEngine.attend", "door.attend", ()),
-    ("session claim", "mha_serve.cache.sessions", "SessionTable.claim", "serving.attend", ()),
-    ("session release", "mha_serve.cache.sessions", "SessionTable.release", "serving.attend", ()),
+    # A plain decode step that finds its lane idle, in one call (AsyncEngine._step_now; an
+    # older checkout takes the lanes' path below for it)
+    ("step now", "mha_serve.serving.async_engine", "AsyncEngine._step_now", "serving.attend", ()),
+    ("lane idle? (alone_now)", "mha_serve.batching.batcher", "Batcher.alone_now", "step now", ()),
+    ("session claim", "mha_serve.cache.sessions", "SessionTable.claim", ("serving.attend", "step now"), ()),
+    ("session release", "mha_serve.cache.sessions", "SessionTable.release", ("serving.attend", "step now"), ()),
+    ("engine.decode_now", "mha_serve.engine.engine", "Engine.decode_now", "step now", ()),
+    ("sessions.decode_now", "mha_serve.engine.sessions", "Sessions.decode_now", "engine.decode_now", ()),
+    ("lane counts it (ran_alone)", "mha_serve.batching.batcher", "Batcher.ran_alone", "step now", ()),
+    # The lanes' path: any other step, and a decode step before (a --baseline-tree)
     ("engine.prepare", "mha_serve.engine.engine", "Engine.prepare", "serving.attend", ()),
     ("lanes.submit", "mha_serve.batching.batcher", "Batcher.submit", "serving.attend", ()),
     ("engine.run_batch", "mha_serve.engine.engine", "Engine.run_batch", "lanes.submit", ()),
     # A lone step (Sessions._run_alone: the streamed steps here each find their lane idle;
     # a step it leaves to a batch's path shows in engine.run_batch's own time)
     ("lone step", "mha_serve.engine.sessions", "Sessions._run_alone", "engine.run_batch", ()),
-    ("reserve", "mha_serve.cache.sessions", "SessionTable.reserve", "lone step", ()),
-    ("overflow bounds", "mha_serve.engine.lone_step", "cleared", "lone step", ()),
-    ("overflow bounds", "mha_serve.engine.sessions", "cleared", "lone step", ()),  # (before the split)
+    ("reserve", "mha_serve.cache.sessions", "SessionTable.reserve", ("lone step", "sessions.decode_now"), ()),
+    # the step on its reservation, either path's (Sessions._step_reserved)
+    ("step on its reservation", "mha_serve.engine.sessions", "Sessions._step_reserved", ("lone step", "sessions.decode_now"), ()),
+    ("overflow bounds", "mha_serve.engine.lone_step", "cleared", "step on its reservation", ()),
+    ("overflow bounds", "mha_serve.engine.sessions", "cleared", "step on its reservation", ()),  # (before the split)
     # A decode step of a plain config: the cache's views and the module's one call (before
     # them, project, append, read and attend_step, which now run for a prompt's tokens)
-    ("cache.step_views", "mha_serve.cache.kv_cache", "KVCache.step_views", "lone step", ()),
-    ("module.decode_one", "mha_serve.model.attention", "MultiHeadAttention.decode_one", "lone step", ()),
-    ("commit", "mha_serve.cache.sessions", "SessionTable.commit", "lone step", ()),
+    ("cache.step_views", "mha_serve.cache.kv_cache", "KVCache.step_views", "step on its reservation", ()),
+    ("module.decode_one", "mha_serve.model.attention", "MultiHeadAttention.decode_one", "step on its reservation", ()),
+    ("commit", "mha_serve.cache.sessions", "SessionTable.commit", "step on its reservation", ()),
     # where the lone step looks array_of up: its own module, and settle's _step_outputs (an
     # output to convert first); engine/sessions.py in a --baseline-tree from before the split
-    ("output's numpy view", "mha_serve.engine.lone_step", "array_of", "lone step", ()),
-    ("output's numpy view", "mha_serve.engine.settle", "array_of", "lone step", ()),
-    ("output's numpy view", "mha_serve.engine.sessions", "array_of", "lone step", ()),
+    ("output's numpy view", "mha_serve.engine.lone_step", "array_of", "step on its reservation", ()),
+    ("output's numpy view", "mha_serve.engine.settle", "array_of", "step on its reservation", ()),
+    ("output's numpy view", "mha_serve.engine.sessions", "array_of", "step on its reservation", ()),
     # prepare's parts: the input's one scan (NaN/Inf, and the bounds' max |x|), its tensor
     # view, the session's checks and the response's size; where prepare looks the scan and
-    # the view up: engine/prepare.py, engine/engine.py in a --baseline-tree from before its split
-    ("max |input| scan", "mha_serve.engine.prepare", "array_absmax", "engine.prepare", ()),
-    ("max |input| scan", "mha_serve.engine.checks", "array_absmax", "engine.prepare", ("mha_serve.engine.engine",)),
-    ("input tensor view", "mha_serve.engine.prepare", "tensor_of", "engine.prepare", ()),
-    ("input tensor view", "mha_serve.engine.types", "tensor_of", "engine.prepare", ("mha_serve.engine.engine",)),
+    # the view up: engine/prepare.py, engine/engine.py in a --baseline-tree from before its
+    # split; engine/compute.py for Engine.decode_now's
+    ("max |input| scan", "mha_serve.engine.prepare", "array_absmax", ("engine.prepare", "engine.decode_now"), ()),
+    ("max |input| scan", "mha_serve.engine.compute", "array_absmax", ("engine.prepare", "engine.decode_now"), ()),
+    ("max |input| scan", "mha_serve.engine.checks", "array_absmax", ("engine.prepare", "engine.decode_now"), ("mha_serve.engine.engine",)),
+    ("input tensor view", "mha_serve.engine.prepare", "tensor_of", ("engine.prepare", "engine.decode_now"), ()),
+    ("input tensor view", "mha_serve.engine.compute", "tensor_of", ("engine.prepare", "engine.decode_now"), ()),
+    ("input tensor view", "mha_serve.engine.types", "tensor_of", ("engine.prepare", "engine.decode_now"), ("mha_serve.engine.engine",)),
     ("session checks", "mha_serve.engine.sessions", "Sessions.validate_step", "engine.prepare", ()),
     ("response size", "mha_serve.engine.engine", "Engine._check_response_size", "engine.prepare", ()),
     ("finish", "mha_serve.serving.finish", "finish", "serving.attend", ("mha_serve.serving.async_engine",)),
     ("finish", "mha_serve.serving.finish", "finish_here", "serving.attend", ("mha_serve.serving.async_engine",)),
     ("encode reply", "mha_serve.transport.convert", "encode_result", "finish", ("mha_serve.transport.door",)),
 ]  # fmt: skip
+# What a plain streamed decode step of this checkout passes through (the table's layers
+# that its path has: tests/bench/test_step_layers_bench.py).
+STEP_PATH = [
+    "parse request", "settle (status, metrics)", "door.attend", "to_call", "serving.attend",
+    "step now", "lane idle? (alone_now)", "session claim", "session release",
+    "engine.decode_now", "max |input| scan", "input tensor view", "sessions.decode_now",
+    "reserve", "step on its reservation", "overflow bounds", "cache.step_views",
+    "module.decode_one", "commit", "output's numpy view", "lane counts it (ran_alone)",
+    "finish", "encode reply",
+]  # fmt: skip
+
+
+def parents_of(parent: str | tuple[str, ...] | None) -> tuple[str | None, ...]:
+    return parent if isinstance(parent, tuple) else (parent,)
 
 
 def _install(times: dict[str, list[float]]) -> list[str]:
@@ -238,9 +268,12 @@ def measure(
     finally:
         proc.terminate()
         proc.wait(30)
+    # The layers the decode steps took: at least one call for every other step (a round's
+    # prompt, which takes the lanes' path, is one call per round)
+    least = max(1, args.steps * args.rounds // 2)
     return {
         "round_trip_us": p50,
-        "layers": {k: statistics.median(v) for k, v in layers.items() if v},
+        "layers": {k: statistics.median(v) for k, v in layers.items() if len(v) >= least},
     }
 
 
@@ -250,13 +283,22 @@ def report(runs: dict[str, dict], bare: float, bare_gap: float, gap_s: float) ->
     print(f"{'round trip (client, p50)':<34}" + "".join(
         f" | {runs[n]['round_trip_us']:17.0f}" for n in names
     ))  # fmt: skip
-    children: dict[str | None, list[str]] = defaultdict(list)
-    for label, _, _, parent, _ in LAYERS:
-        if label not in children[parent]:
-            children[parent].append(label)
-    depth = {}
-    for label, _, _, parent, _ in LAYERS:
-        depth[label] = 0 if parent is None else depth[parent] + 1
+    parents = {label: parents_of(parent) for label, _, _, parent, _ in LAYERS}
+    depth: dict[str, int] = {}
+    for label, (*_, last) in parents.items():
+        depth[label] = 0 if last is None else depth[last] + 1
+
+    def timed_below(label: str, layers: dict[str, float]) -> float:
+        """The time of label's timed children (each under the last of its parents that ran);
+        a child the code does not have gives its own."""
+        total = 0.0
+        for child, of in parents.items():
+            ran = [p for p in of if p in layers] or list(of)
+            if ran[-1] != label:
+                continue
+            total += layers[child] if child in layers else timed_below(child, layers)
+        return total
+
     for label in depth:  # (in order, once each)
         cells = []
         for n in names:
@@ -264,7 +306,7 @@ def report(runs: dict[str, dict], bare: float, bare_gap: float, gap_s: float) ->
             if label not in layers:
                 cells.append(f" | {'-':>17}")
                 continue
-            own = layers[label] - sum(layers.get(c, 0.0) for c in children[label])
+            own = layers[label] - timed_below(label, layers)
             cells.append(f" | {layers[label]:8.1f} / {own:6.1f}")
         print(f"{'  ' * depth[label] + label:<34}" + "".join(cells))
     print(
