@@ -78,7 +78,7 @@ LAYERS: list[tuple[str, str, str, str | tuple[str, ...] | None, tuple[str, ...]]
     ("cache.step_views", "mha_serve.cache.kv_cache", "KVCache.step_views", "step on its reservation", ()),
     ("module.decode_one", "mha_serve.model.attention", "MultiHeadAttention.decode_one", "step on its reservation", ()),
     ("commit", "mha_serve.cache.sessions", "SessionTable.commit", "step on its reservation", ()),
-    # where the lone step looks array_of up: its own module, and settle's _step_outputs (an
+    # where the lone step looks array_of up: its own module, and settle's step_outputs (an
     # output to convert first); engine/sessions.py in a --baseline-tree from before the split
     ("output's numpy view", "mha_serve.engine.lone_step", "array_of", "step on its reservation", ()),
     ("output's numpy view", "mha_serve.engine.settle", "array_of", "step on its reservation", ()),

@@ -88,7 +88,7 @@ def reference(hosted, cache, x, reservations):
         positions = torch.tensor([[r.start] for r in reservations], device=x.device)
     with torch.inference_mode():
         q, k, v = hosted.module.project(x, positions)
-        k, v = k.to(cache.dtype), v.to(cache.dtype)  # as _project_and_append stores them
+        k, v = k.to(cache.dtype), v.to(cache.dtype)  # as project_and_append stores them
         cache.append(k, v, [r.slots for r in reservations])
         maxima = row_absmax_tensor(q, k, v)
         B = len(reservations)

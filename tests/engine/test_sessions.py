@@ -314,8 +314,8 @@ def test_a_session_closed_while_its_step_runs_answers_alone(engine, monkeypatch)
 
 @pytest.mark.parametrize(
     ("module", "where"),
-    [(engine_forward, "attend_steps"), (engine_sessions, "_one_thread_is_enough")],
-    ids=["attend_steps", "_one_thread_is_enough"],
+    [(engine_forward, "attend_steps"), (engine_sessions, "one_thread_is_enough")],
+    ids=["attend_steps", "one_thread_is_enough"],
 )
 def test_a_failing_forward_keeps_nothing_and_restores_the_thread_count(
     engine, monkeypatch, module, where
@@ -454,7 +454,7 @@ def test_a_failure_while_settling_rolls_back_only_the_steps_not_kept(engine, mon
 
     # Before any step is kept: where rows' outputs are made (per row, or per batch where
     # every row takes its view of the batch's host copy).
-    monkeypatch.setattr(engine_settle, "_step_outputs", fail)
+    monkeypatch.setattr(engine_settle, "step_outputs", fail)
     monkeypatch.setattr(engine_settle, "_row_views", fail)
     results = run_batch(engine, hosted, [req("mqa", x[:, 2:3], session_id=s) for s in ids])
     assert [str(r) for r in results] == ["device error"] * 2
@@ -490,10 +490,10 @@ def test_a_deadline_passing_while_the_reply_is_built_still_rolls_the_step_back(
     # Where the reply's arrays are made: per row, or per batch (_row_views: every row's view
     # of the batch's host copy).
     state = State()
-    if alone:  # its own array_of, or _step_outputs' (an output to convert first)
+    if alone:  # its own array_of, or step_outputs' (an output to convert first)
         places = [(engine_lone_step, "array_of"), (engine_settle, "array_of")]
     else:
-        places = [(engine_settle, "_step_outputs"), (engine_settle, "_row_views")]
+        places = [(engine_settle, "step_outputs"), (engine_settle, "_row_views")]
     for module, where in places:
         real = getattr(module, where)
 

@@ -32,7 +32,7 @@ from mha_serve.transfer import host_buffer, list_tensor, to_device
 log = logging.getLogger(__name__)
 
 # Batches of at least this many sessions, each reading at most this much K/V, run with one
-# torch thread (_one_thread_is_enough).
+# torch thread (one_thread_is_enough).
 SMALL_STEP_MIN_SESSIONS = 4
 SMALL_STEP_MAX_KV_BYTES = 1 << 20
 
@@ -155,7 +155,7 @@ class BatchForward:
             # Write first, then attend over each session's positions in order, from its
             # step's window on (read_start): batched (padded groups, one kernel each) or one
             # kernel per session over its blocks in place (engine/attend.py).
-            q, k_new, v_new = _project_and_append(hosted, cache, x, reservations)
+            q, k_new, v_new = project_and_append(hosted, cache, x, reservations)
             # An inf key need not show in this step's output (a -inf score is just a zero
             # weight) but would poison every later step of its session, so the K/V
             # themselves are checked: those rows' steps are refused, not kept. float16 (a
@@ -273,7 +273,7 @@ def _checked(
     return StepForward(out, heads, overflowed, too_large, key_bounds, finite)
 
 
-def _project_and_append(
+def project_and_append(
     hosted: HostedModel, cache: KVCache, x: torch.Tensor, reservations: Sequence[Reservation]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v (B, H|KVH, T, D) of the steps' new tokens x (B, T, E), their K/V written into
@@ -339,7 +339,7 @@ def _batch_inputs(
     return x.to(device, non_blocking=True)
 
 
-def _one_thread_is_enough(cache, reservations: list[Reservation]) -> bool:
+def one_thread_is_enough(cache, reservations: list[Reservation]) -> bool:
     """Many sessions each stepping a few tokens over a short context: each op is too small
     to split, and waking the OpenMP team for it costs more than it saves. After its last
     parallel op the team spins for milliseconds, and with 64 sessions decoding that spin

@@ -12,9 +12,9 @@ import torch
 
 from mha_serve.cache import CacheError, Reservation
 from mha_serve.engine.bounds import KeyBound, cleared, key_absmax
-from mha_serve.engine.forward import _project_and_append
+from mha_serve.engine.forward import project_and_append
 from mha_serve.engine.requests import AttendOutcome, AttendRequest, CallState
-from mha_serve.engine.settle import _raise_if_abandoned, _step_outputs
+from mha_serve.engine.settle import raise_if_abandoned, step_outputs
 from mha_serve.engine.types import HostedModel, Prepared, array_of, on_host, output_dtype
 from mha_serve.model import AttentionOutput
 from mha_serve.transfer import to_device
@@ -122,7 +122,7 @@ class LoneStep:
                     if views is not None:  # (its blocks consecutive, as a session's usually are)
                         y = module.decode_one(x, *views)
                 if y is None:
-                    q, _, _ = _project_and_append(hosted, cache, x, (r,))
+                    q, _, _ = project_and_append(hosted, cache, x, (r,))
                     keys, values = cache.read(
                         r.block_table, end, start=r.read_start, first_block=r.first_block
                     )
@@ -136,8 +136,8 @@ class LoneStep:
                 else:
                     host = on_host(y, [dtype])
                     out = AttentionOutput(y, None)
-                    output, _ = _step_outputs(out, host, None, dtype, 0, r, request, [], True)
-                _raise_if_abandoned(state)  # last, right before commit: the smallest gap
+                    output, _ = step_outputs(out, host, None, dtype, 0, r, request, [], True)
+                raise_if_abandoned(state)  # last, right before commit: the smallest gap
             except Exception as e:  # refused, or its caller gone: not kept
                 return e
             kept = True  # (commit takes the reservation, even when it raises)

@@ -9,7 +9,7 @@ import math
 from mha_serve.engine.checks import array_absmax
 from mha_serve.engine.errors import InvalidRequest, TooLarge
 from mha_serve.engine.requests import UNATTENDED, AttendRequest, CallState
-from mha_serve.engine.session_api import _session_id
+from mha_serve.engine.session_api import checked_session_id
 from mha_serve.engine.types import DTYPES, HostedModel, Prepared, tensor_of
 
 # Room left in a response for everything that is not tensor data.
@@ -29,7 +29,7 @@ class Preparing:
         session step that leaves the model empty computes on its session's (Prepared.hosted)."""
         model = request.model
         if not model and request.session_id is not None:
-            model = self.sessions.model_of(_session_id(request.session_id))
+            model = self.sessions.model_of(checked_session_id(request.session_id))
         hosted = self.get(model)
         spec, cfg = hosted.spec, hosted.spec.attention
         inputs = request.inputs

@@ -44,28 +44,28 @@ class SessionAPI:
     # is brought back first (live()).
 
     def get_session(self, session_id: str, owner: str | None = None) -> SessionStats:
-        sid = _session_id(session_id)
+        sid = checked_session_id(session_id)
         return self.live(sid, owner, lambda: self.sessions.stats(sid, owner))
 
     def session_model(self, session_id: str) -> str:
         """The model of a session, live or spilled (SessionNotFound says why there is none)."""
-        return self.sessions.model_of(_session_id(session_id))
+        return self.sessions.model_of(checked_session_id(session_id))
 
     def fork_session(
         self, session_id: str, ttl_s: float | None = None, owner: str | None = None
     ) -> SessionStats:
         """A new session sharing the parent's tokens (copy-on-write); ttl_s None: the parent's."""
-        sid = _session_id(session_id)
+        sid = checked_session_id(session_id)
         return self.live(sid, owner, lambda: self.sessions.fork(sid, ttl_s, owner))
 
     def truncate_session(
         self, session_id: str, num_tokens: int, owner: str | None = None
     ) -> SessionStats:
-        sid = _session_id(session_id)
+        sid = checked_session_id(session_id)
         return self.live(sid, owner, lambda: self.sessions.truncate(sid, num_tokens, owner))
 
     def close_session(self, session_id: str, owner: str | None = None) -> None:
-        self.sessions.close(_session_id(session_id), owner)  # a spilled one's file just goes
+        self.sessions.close(checked_session_id(session_id), owner)  # a spilled one's file just goes
 
     def live(self, session_id: str, owner: str | None, call: Callable[[], T]) -> T:
         """call(), bringing the session back from the spill tier first when it is there
@@ -83,7 +83,7 @@ class SessionAPI:
 
     def restore_session(self, session_id: str, owner: str | None = None) -> float:
         """Brings a spilled session back; seconds it took (0: it was not spilled)."""
-        return self.sessions.restore(_session_id(session_id), owner)
+        return self.sessions.restore(checked_session_id(session_id), owner)
 
     def spill_idle(self) -> list[str]:
         """Every idle session written to the spill tier (at shutdown, once drained)."""
@@ -116,12 +116,12 @@ class SessionAPI:
         """The session as one record's bytes (a spill file's form) for receive_session on
         another engine with the same model; it stays here until session_moved. SessionBusy
         while a call holds it."""
-        return self.sessions.table.pack(_session_id(session_id))
+        return self.sessions.table.pack(checked_session_id(session_id))
 
     def session_moved(self, session_id: str, where: str) -> None:
         """The session was received elsewhere: freed here; its later calls here are told
         NOT_FOUND saying it moved to `where`."""
-        self.sessions.table.moved_out(_session_id(session_id), where)
+        self.sessions.table.moved_out(checked_session_id(session_id), where)
 
     def receive_session(self, data: bytes, source: str = "a moved session") -> SessionStats:
         """Adopts a session packed by another engine, under its id, owner, limits and idle
@@ -146,7 +146,7 @@ class SessionAPI:
         """Claims a session for one step from its receipt to its answer (release it then:
         Sessions.claim); SessionSpilled when it is in the spill tier (restore_session it
         first). Plain calls, not a context manager: a few microseconds less on every step."""
-        self.sessions.claim(_session_id(session_id), owner)
+        self.sessions.claim(checked_session_id(session_id), owner)
 
     def release(self, session_id: str) -> None:
         """The step claim() claimed is answered, or failed."""
@@ -154,7 +154,7 @@ class SessionAPI:
 
     def stepping(self, session_id: str, owner: str | None = None):
         """claim, as a context manager (Sessions.stepping)."""
-        return self.sessions.stepping(_session_id(session_id), owner)
+        return self.sessions.stepping(checked_session_id(session_id), owner)
 
     def cache_info(self, model: str) -> CacheInfo | None:
         """The model's KV cache, None when it serves no sessions."""
@@ -175,7 +175,7 @@ class SessionAPI:
         )
 
 
-def _session_id(session_id: str) -> str:
+def checked_session_id(session_id: str) -> str:
     if not session_id:
         raise InvalidRequest("session_id is empty; CreateSession returns one")
     return session_id

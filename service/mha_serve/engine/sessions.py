@@ -35,7 +35,7 @@ from mha_serve.engine.attend import (
 from mha_serve.engine.bounds import KeyBound, key_absmax
 from mha_serve.engine.durable import Expectations, open_spill_tier, restore
 from mha_serve.engine.errors import InvalidRequest, RequestError
-from mha_serve.engine.forward import BatchForward, _one_thread_is_enough
+from mha_serve.engine.forward import BatchForward, one_thread_is_enough
 from mha_serve.engine.graphs import StaticDecode
 from mha_serve.engine.lone_step import LoneStep
 from mha_serve.engine.requests import AttendOutcome, AttendRequest
@@ -332,7 +332,7 @@ class Sessions(LoneStep, BatchForward, Settling):
             if static is not None:  # plain decode steps in fixed shapes (engine/graphs.py)
                 forward = self._forward_fixed(hosted, cache, steps, live, *static)
             if forward is None and len(live) > 1:
-                small = _one_thread_is_enough(cache, [r for _, r in live])
+                small = one_thread_is_enough(cache, [r for _, r in live])
                 threads = torch.get_num_threads()
                 if small and threads > 1:
                     torch.set_num_threads(1)

@@ -50,7 +50,7 @@ class Settling:
             # Its numpy memory, read once: steps in its dtype take a numpy view of their rows
             # (no torch op per step).
             rows = array_of(host) if host.dtype in dtypes else None
-            # Per batch, what _step_outputs finds per row: a row in the host copy's dtype that
+            # Per batch, what step_outputs finds per row: a row in the host copy's dtype that
             # is finite and cannot overflow on the way to it, with no weights, all its tokens
             # real, takes its row's numpy view as it is (_row_views: no slice per row).
             views = None
@@ -81,10 +81,10 @@ class Settling:
                     ):
                         output, weights = views[b], None
                     else:
-                        output, weights = _step_outputs(
+                        output, weights = step_outputs(
                             out, host, rows, dtypes[b], b, r, p.request, heads, finite[b]
                         )
-                    _raise_if_abandoned(p.state)  # last, right before commit: the smallest gap
+                    raise_if_abandoned(p.state)  # last, right before commit: the smallest gap
                 except Exception as e:  # refused, caller gone, or a bug: not kept
                     settled = b + 1
                     self.table.rollback(r)
@@ -122,7 +122,7 @@ class Settling:
             log.exception("settling a batch of %d session steps failed", len(live))
 
 
-def _step_outputs(
+def step_outputs(
     out: AttentionOutput,
     host: torch.Tensor,
     rows: Array | None,
@@ -184,7 +184,7 @@ def _may_overflow(source: torch.dtype, target: torch.dtype) -> bool:
     return target != source and torch.finfo(target).max <= torch.finfo(source).max
 
 
-def _raise_if_abandoned(state: CallState) -> None:
+def raise_if_abandoned(state: CallState) -> None:
     """Its caller stopped waiting (cancelled, or past its deadline): the step is not kept,
     so that a retry does not find it appended already."""
     if state.cancelled:
