@@ -76,7 +76,7 @@ class ServerConfig:
     frontend_workers: int = 1
     # A lone small request (a decode step, a few tokens) that finds its model's lane idle
     # runs on the event loop's thread, single-threaded, instead of crossing to the compute
-    # thread and back (batching/batcher.py); concurrent requests still queue and batch.
+    # thread and back (batching/inline.py); concurrent requests still queue and batch.
     inline_lone_requests: bool = True
     # The CPU that the event loop's thread runs on, and gRPC's threads with it (they start
     # from it); the compute threads keep every CPU the process may use. A lone decode step

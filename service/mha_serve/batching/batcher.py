@@ -4,12 +4,8 @@ Knows nothing of torch or gRPC: items are opaque payloads with a cost in tokens,
 synchronous `run_batch(payloads) -> results` runs each batch on the batcher's executor (a
 thread of its own unless one is given; the server shares one between lanes).
 
-A lone small item pays no thread crossing: when the lane is idle (nothing queued, forming
-or running), waiting for company would not pay, and the event loop itself is idle (at most
-LOOP_READY_MAX other callbacks ready: more mean other calls in progress, which could join a
-batch and which the loop must keep serving while the lane's thread computes), an item that
-`inline(payload)` calls small runs as a batch of one on the caller's thread, the event
-loop's (`run_inline`). Calls that come together queue and batch as before.
+A lone small item runs on the caller's thread instead (inline.py); whether a batch waits for
+company is ArrivalStats' to say (arrivals.py); the items, BatchInfo and errors are in items.py.
 """
 
 from __future__ import annotations
@@ -19,24 +15,27 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
+from mha_serve.batching.arrivals import ArrivalStats
+from mha_serve.batching.inline import RunningInline
+from mha_serve.batching.items import (
+    IDLE,
+    BatchInfo,
+    Closed,
+    DeadlineExceeded,
+    Idle,
+    Item,
+    Observer,
+    QueueFull,
+    RunBatch,
+)
 from mha_serve.spec import BatchPolicy
 
 log = logging.getLogger(__name__)
 
-# A batch waits for company only when at least about one arrival in ten of its key lately
-# found the lane busy with that key (ArrivalStats): other clients are sending
-# concurrently requests that could share its batch.
-OVERLAP_TO_WAIT = 0.1
-_MAX_TRACKED_KEYS = 64  # batch keys whose overlap is remembered (head masks can vary freely)
-# An item runs inline only while the event loop has at most this many other callbacks ready.
-# Measured here (2 cores): one decode stream saw 0 or 1 at 99% of its steps; 32 clients
-# sending 16-token requests saw 2 or more at 96% of theirs (other calls' reads and writes).
-LOOP_READY_MAX = 1
 # Batches on the batchers' threads now, in this process (computing()).
 _computing = 0
 
@@ -48,92 +47,7 @@ def computing() -> int:
     return _computing
 
 
-# The ready queue of a loop without one (another implementation): busy, so items cross.
-_BUSY = range(LOOP_READY_MAX + 1)
-
-
-class ArrivalStats:
-    """What the batcher remembers of arrivals to decide whether a batch waits for company:
-    the smoothed gap between arrivals, and per batch key the smoothed share of its arrivals
-    that found the lane busy with that key (such items queued, or a batch of that key being
-    formed or running). A closed-loop client (a decode stream: each step waits for its
-    answer) never does, however close together its requests come and whatever other
-    traffic shares the lane: nobody can join its batch. Pure: times come from the caller."""
-
-    def __init__(self) -> None:
-        self.last_arrival: float | None = None
-        self.gap_ewma: float | None = None  # seconds
-        self.overlap: dict[Hashable, float] = {}
-
-    def note(self, key: Hashable, now: float, busy: bool) -> None:
-        """An arrival of `key` at `now`; busy: it found the lane busy with its key."""
-        if self.last_arrival is not None:
-            gap = now - self.last_arrival
-            self.gap_ewma = gap if self.gap_ewma is None else 0.8 * self.gap_ewma + 0.2 * gap
-        self.last_arrival = now
-        share = 0.8 * self.overlap.pop(key, 0.0) + 0.2 * busy
-        self.overlap[key] = share  # re-inserted: the dict runs from least to most recent
-        if len(self.overlap) > _MAX_TRACKED_KEYS:
-            del self.overlap[next(iter(self.overlap))]
-
-    def keeps_company(self, key: Hashable) -> bool:
-        """Whether requests of `key` lately came while others of it were in the lane."""
-        return self.overlap.get(key, 0.0) >= OVERLAP_TO_WAIT
-
-    def company_wait(self, key: Hashable, max_queue_delay_s: float) -> float:
-        """How long a batch of `key` waits for company: the delay while requests arrive
-        closer together than it and its key keeps company, else not at all."""
-        close = self.gap_ewma is not None and self.gap_ewma < max_queue_delay_s
-        return max_queue_delay_s if close and self.keeps_company(key) else 0.0
-
-
-class QueueFull(Exception):
-    """The queue is at its bound; the caller should answer RESOURCE_EXHAUSTED at once."""
-
-
-class DeadlineExceeded(Exception):
-    """The request's deadline passed before its batch started; it was never computed."""
-
-
-class Closed(Exception):
-    """The batcher is closed (the server is shutting down): answer UNAVAILABLE."""
-
-
-@dataclass(eq=False)  # identity: the queue removes items by identity, never compares payloads
-class Item:
-    payload: Any
-    sequences: int  # rows this item adds to a batch
-    length: int  # its padded length: a batch costs sequences x longest length
-    key: Hashable  # only items with equal keys share a batch
-    deadline: float | None  # the batcher's clock (time.monotonic()) after which it is dropped
-    future: asyncio.Future
-    enqueued: float  # the batcher's clock at submit
-
-    @property
-    def tokens(self) -> int:
-        return self.sequences * self.length
-
-
-@dataclass(slots=True)  # (never written; not frozen: a frozen __init__ costs ~3x, every call)
-class BatchInfo:
-    """What a result's caller learns about the batch that computed it."""
-
-    queue_s: float  # enqueue -> batch start
-    compute_s: float  # the batch's run_batch call
-    batch_size: int  # sequences in the batch
-    num_requests: int
-
-
-class _Idle:
-    """No batch (neither being formed nor running); never equal to a key, None included."""
-
-
-_IDLE = _Idle()
-RunBatch = Callable[[list[Any]], Sequence[Any]]
-Observer = Callable[[BatchInfo], None]
-
-
-class Batcher:
+class Batcher(RunningInline):
     """One lane: a bounded queue and one compute thread. `submit` returns (result, BatchInfo).
 
     A result that is an Exception instance is raised to that item's caller only.
@@ -171,8 +85,8 @@ class Batcher:
         self._closed = False
         # Smoothed gap between arrivals: waiting for company only pays when others come soon.
         self.arrivals = ArrivalStats()  # decides whether a batch waits for company
-        self._forming_key: Hashable | _Idle = _IDLE
-        self._running_key: Hashable | _Idle = _IDLE
+        self._forming_key: Hashable | Idle = IDLE
+        self._running_key: Hashable | Idle = IDLE
         self._inline = inline if run_inline is not None else None
         self._run_inline = run_inline
         self.num_inline = 0  # items run on the caller's thread (a lone small item, idle lane)
@@ -233,72 +147,6 @@ class Batcher:
             self._withdraw(item)
             raise
 
-    def _idle_for(self, key: Hashable) -> bool:
-        """Whether an item of `key` would start alone at once, so may run inline: the lane
-        is idle (nothing queued, forming or running, and no reason to wait for company), the
-        loop too (at most LOOP_READY_MAX other callbacks ready in asyncio's queue), and the
-        lane runs items inline at all. (Whether the item is small enough is its own test.)"""
-        return (
-            self._inline is not None
-            and not self._pending
-            and self._forming_key is _IDLE
-            and self._running_key is _IDLE
-            and self.arrivals.company_wait(key, self.policy.max_queue_delay_s) == 0.0
-            and len(getattr(asyncio.get_running_loop(), "_ready", _BUSY)) <= LOOP_READY_MAX
-        )
-
-    def alone_now(self, key: Hashable, deadline: float | None) -> float | None:
-        """For a caller that runs a lone small item of `key` itself, in one call with its
-        preparation (serving's plain decode step, Engine.decode_now): the clock's time now
-        when the item may run here and now as submit would run it inline; None when it must
-        be submitted instead (the lane busy or closed, inline off, or its deadline passed:
-        submit refuses it). Then ran_alone(key, now, ...) counts it as submit would have."""
-        if self._closed or not self._idle_for(key):
-            return None
-        now = self._clock()
-        if deadline is not None and now >= deadline:
-            return None
-        return now
-
-    def ran_alone(self, key: Hashable, now: float, sequences: int) -> BatchInfo:
-        """An item a caller ran itself after alone_now gave it `now`: counted as a batch of
-        one run inline (its arrival, num_inline, the batch observer); its BatchInfo."""
-        self.arrivals.note(key, now, False)
-        return self._ran_inline(BatchInfo(0.0, self._clock() - now, sequences, 1))
-
-    def _ran_inline(self, info: BatchInfo) -> BatchInfo:
-        self.num_inline += 1
-        if self._on_batch is not None:
-            try:
-                self._on_batch(info)
-            except Exception:
-                log.exception("%s: delivering a batch's results failed", self.name)
-        return info
-
-    def _run_alone(
-        self, payload: Any, sequences: int, key: Hashable, deadline: float | None, now: float
-    ) -> tuple[Any, BatchInfo]:
-        """One item as a batch of one, here and now (the lane is idle): no thread crossing.
-        The same outcome, errors and metrics as through the lane's thread."""
-        self.arrivals.note(key, now, False)
-        if deadline is not None and now >= deadline:
-            raise DeadlineExceeded(
-                f"{self.name}: the deadline passed before compute started; raise the client "
-                "timeout or reduce load"
-            )
-        try:
-            outcome = self._run_inline([payload])
-            if len(outcome) != 1:
-                raise RuntimeError(f"run_batch returned {len(outcome)} results for 1 item")
-        except Exception as e:  # the whole batch failed, as _finish reports it
-            log.error("%s: batch of 1 requests failed", self.name, exc_info=e)
-            raise
-        info = self._ran_inline(BatchInfo(0.0, self._clock() - now, sequences, 1))
-        (result,) = outcome
-        if isinstance(result, BaseException):
-            raise result
-        return result, info
-
     def _busy_with(self, key: Hashable) -> bool:
         """Whether the lane holds requests of `key`: queued, or a batch forming or running."""
         return (
@@ -335,7 +183,7 @@ class Batcher:
         try:
             batch = await self._form_batch()
         finally:
-            self._forming_key = _IDLE
+            self._forming_key = IDLE
         if not batch:
             return
         payloads = [item.payload for item in batch]
@@ -376,7 +224,7 @@ class Batcher:
         done: asyncio.Future,
     ) -> None:
         """On the loop: each caller gets its result at once (no extra hop through _round)."""
-        self._running_key = _IDLE
+        self._running_key = IDLE
         if isinstance(outcome, BaseException):
             log.error(
                 "%s: batch of %d requests failed",

@@ -28,7 +28,7 @@ from mha_serve.engine.types import (
 from mha_serve.model.overflow import weight_bounds
 
 # A request this small runs on the event loop's thread when its lane is idle (Engine.
-# runs_inline, batching/batcher.py): at most this many tokens, attending (on the CPU) to at
+# runs_inline, batching/inline.py): at most this many tokens, attending (on the CPU) to at
 # most INLINE_MAX_KV_BYTES of keys' K/V. Larger work keeps the compute thread and its torch
 # threads.
 INLINE_MAX_TOKENS = 16

@@ -14,7 +14,7 @@ of their own so that they never hold up the fast lanes; by default it runs torch
 single-threaded, which starts no second team. On a machine with cores to spare, give it
 more (`weights_torch_threads`), keeping both counts together within the cores.
 
-A lone small request runs on the event loop's own thread instead (batching/batcher.py:
+A lone small request runs on the event loop's own thread instead (batching/inline.py:
 no thread crossing): `on_caller` makes that thread's torch single-threaded, so it never
 starts a team of its own either.
 

@@ -4,6 +4,10 @@ the engine process of frontend workers and a Ray Serve replica serve from.
 One ModelLanes per model, the one-step-at-a-time claim of a session, deadlines and
 cancellation (the call's Ticket), timing and the request metrics. No gRPC here, and no
 torch of its own: the engine's errors and the batcher's pass through.
+
+A session call tried again (room in a full KV cache, a spilled session brought back) is in
+retries.py; the calls on sessions other than their steps (Triton's sequences, sessions,
+moves) in session_calls.py; the Ticket in ticket.py.
 """
 
 from __future__ import annotations
@@ -14,12 +18,11 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 from mha_serve import metrics
 from mha_serve.batching import ModelLanes
-from mha_serve.cache import CacheError, CacheExhausted, SessionSpilled, SessionStats
+from mha_serve.cache import CacheError, CacheExhausted, SessionSpilled
 from mha_serve.engine import (
     AttendOutcome,
     AttendRequest,
@@ -33,34 +36,21 @@ from mha_serve.engine import (
 from mha_serve.engine.faults import isolate_failures, out_of_memory_is_exhausted
 from mha_serve.engine.heads import analyze as analyze_heads
 from mha_serve.engine.prepare import PLAIN_STEP_KEY
-from mha_serve.engine.session_api import RESTORE_TRIES
 from mha_serve.engine.threads import ComputeThreads
 from mha_serve.serving.finish import OFFLOAD_BYTES, Computed, finish, finish_here
 from mha_serve.serving.protocol import Served
-from mha_serve.serving.sequences import SequenceKey, SequenceMap
+from mha_serve.serving.retries import Retrying
+from mha_serve.serving.sequences import SequenceMap
+from mha_serve.serving.session_calls import SessionCalls
+from mha_serve.serving.ticket import Ticket
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SESSION_SWEEP_S = 1.0  # how often idle sessions are checked against their TTL
-# A session call refused for KV-cache room that other calls in flight hold waits for them at
-# most this long (or to its deadline), then answers RESOURCE_EXHAUSTED.
-ROOM_WAIT_S = 30.0
 
 
-@dataclass(slots=True)
-class Ticket:
-    """What serving tracks about one call while it runs; the engine reads it (CallState),
-    never writes it. Written on the event loop only."""
-
-    received: float  # time.perf_counter() at receipt
-    deadline: float | None  # time.monotonic() past which the caller no longer waits
-    cancelled: bool = False  # the caller is gone: a step still computing is not kept
-    claimed: bool = False  # the call holds its session's claim (Engine.claim)
-    restore_s: float = 0.0  # bringing its session back from the spill tier first
-
-
-class AsyncEngine:
+class AsyncEngine(Retrying, SessionCalls):
     """The warm engine, its lanes and its session sweeper (EngineClient, in process)."""
 
     def __init__(
@@ -122,13 +112,6 @@ class AsyncEngine:
             expired = self.engine.expire_sessions()  # counted by the on_session_end hook
             if expired:
                 log.info("expired %d idle session(s)", len(expired))
-
-    def _alive(self, session_id: str) -> bool:
-        try:
-            self.engine.get_session(session_id)
-        except (CacheError, RequestError):
-            return False
-        return True
 
     # --- models and labels -------------------------------------------------------------
 
@@ -254,112 +237,6 @@ class AsyncEngine:
         queue_ms = (started - received) * 1e3
         return Computed(request, model, outcome, queue_ms, info.compute_s * 1e3)
 
-    async def _session_call(
-        self, request: AttendRequest, ticket: Ticket, caller: str | None
-    ) -> Computed:
-        """A session step, tried again while room for it in a full KV cache may come."""
-        seen, started = self._answered, time.monotonic()
-        try:  # most steps: answered (or refused) at the first try
-            return await self._compute(request, ticket, caller)
-        except CacheExhausted as e:
-            refused = e
-        return await self._room_retries(request, ticket, caller, refused, seen, started)
-
-    async def _room_retries(
-        self,
-        request: AttendRequest,
-        ticket: Ticket,
-        caller: str | None,
-        refused: CacheExhausted,
-        seen: int,
-        started: float,
-    ) -> Computed:
-        """A session step refused for room at its first try (`refused`; `seen`: calls
-        answered before it, `started`: time.monotonic() then), tried again while room may
-        come."""
-        give_up = started + ROOM_WAIT_S
-        if ticket.deadline is not None:
-            give_up = min(give_up, ticket.deadline)
-        while True:
-            # Others answered since: not this try's own release (refused bringing its
-            # session back, it never held the claim).
-            others = self._answered - seen - ticket.claimed
-            if not await self._room_may_come(refused, others, give_up):
-                raise refused
-            seen = self._answered
-            ticket.claimed = False  # (until this try holds the session's claim)
-            try:
-                # Tries again one at a time: calls refused together (one batch whose
-                # sessions held the room each needed) would otherwise batch together again.
-                async with self._room_turn:
-                    return await self._compute(request, ticket, caller)
-            except CacheExhausted as e:
-                refused = e
-
-    def _session_answered(self) -> None:
-        """A session call let go of its session: calls waiting for room try again."""
-        self._answered += 1
-        if not self._room_waiters:  # (most steps: none waits, no list made)
-            return
-        waiters, self._room_waiters = self._room_waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-
-    async def _room_may_come(self, refused: CacheExhausted, others: int, give_up: float) -> bool:
-        """A session call refused for room (bringing its session back, or its step) while
-        other calls in flight held sessions that could not be spilled or evicted: True once
-        another session call has let go since (`others` already had, or one does now: try
-        again), False when none held any or
-        none lets go before give_up (the refusal stands). A full cache thus queues such
-        calls instead of refusing them; the call waits without its claim, so that its own
-        session may be spilled to make room for the others meanwhile."""
-        if not refused.in_flight:
-            return False
-        if others > 0:
-            return True
-        left = give_up - time.monotonic()
-        if left <= 0:
-            return False
-        waiter = asyncio.get_running_loop().create_future()
-        self._room_waiters.append(waiter)
-        try:
-            await asyncio.wait_for(waiter, left)
-        except TimeoutError:
-            return False
-        finally:
-            with contextlib.suppress(ValueError):
-                self._room_waiters.remove(waiter)
-        return True
-
-    async def _live(
-        self, session_id: str, caller: str | None, call: Callable[[], T]
-    ) -> tuple[T, float]:
-        """(call(), seconds spent bringing the session back from the spill tier): a spilled
-        session's file is read and adopted off the event loop, then call() runs here. (The
-        engine's own session calls restore too, should it be spilled again in between:
-        rare, and then on this thread.)"""
-        restore_s = 0.0
-        if self.engine.is_spilled(session_id):
-            restore_s = await self._restore(session_id, caller)
-        for attempt in range(RESTORE_TRIES + 1):
-            try:
-                value = call()
-            except SessionSpilled:  # (spilled again meanwhile, to make room: once more)
-                if attempt == RESTORE_TRIES:
-                    raise
-            else:
-                if restore_s:
-                    metrics.observe_restore(self.engine.session_model(session_id), restore_s)
-                return value, restore_s
-            restore_s += await self._restore(session_id, caller)
-        raise AssertionError("unreachable")
-
-    async def _restore(self, session_id: str, caller: str | None) -> float:
-        """On the compute thread: torch ops on another thread would start a team of their
-        own (engine/threads.py); a restore is rare and short."""
-        return await self._on_compute(self.engine.restore_session, session_id, caller)
-
     async def _compute(
         self, request: AttendRequest, ticket: Ticket, caller: str | None = None
     ) -> Computed:
@@ -415,81 +292,6 @@ class AsyncEngine:
             analyze_heads, self.engine, request, include_weights=include_weights
         )
 
-    # --- Triton's sequences (the Open Inference Protocol door) -----------------------------
-    # Each change is one call with no await inside: a caller cancelled between two round
-    # trips (a frontend worker's) can never leave a session made and not mapped, or unmapped
-    # and not closed.
-
-    async def sequence_session(self, key: SequenceKey) -> str | None:
-        return self.sequences.get(key)
-
-    async def start_sequence(self, key: SequenceKey, model: str, owner: str) -> str:
-        session_id = self.engine.create_session(model, None, None, owner).session_id
-        previous = self.sequences.start(key, session_id, live=self._alive)
-        if previous is not None:
-            with contextlib.suppress(CacheError, RequestError):  # gone already: fine
-                self.engine.close_session(previous)
-        return session_id
-
-    async def end_sequence(self, key: SequenceKey, session_id: str, *, close: bool) -> None:
-        self.sequences.end(key, session_id)
-        if close:
-            with contextlib.suppress(CacheError, RequestError):
-                self.engine.close_session(session_id)
-
-    # --- sessions ------------------------------------------------------------------------
-    # Coroutines, so that a front door awaits them alike here and in a frontend worker,
-    # where they are a round trip to the engine process (serving/remote.py).
-
-    async def create_session(
-        self, model: str, max_len: int | None, ttl_s: float | None, owner: str = ""
-    ) -> SessionStats:
-        return self.engine.create_session(model, max_len, ttl_s, owner)
-
-    async def get_session(self, session_id: str, caller: str | None = None) -> SessionStats:
-        get = self.engine.get_session
-        return (await self._live(session_id, caller, lambda: get(session_id, caller)))[0]
-
-    async def fork_session(
-        self, session_id: str, ttl_s: float | None, caller: str | None = None
-    ) -> SessionStats:
-        fork = self.engine.fork_session
-        return (await self._live(session_id, caller, lambda: fork(session_id, ttl_s, caller)))[0]
-
-    async def truncate_session(
-        self, session_id: str, num_tokens: int, caller: str | None = None
-    ) -> SessionStats:
-        truncate = self.engine.truncate_session
-        live = await self._live(
-            session_id, caller, lambda: truncate(session_id, num_tokens, caller)
-        )
-        return live[0]
-
-    async def close_session(self, session_id: str, caller: str | None = None) -> None:
-        self.engine.close_session(session_id, caller)
-
-    # --- moves (a Ray replica that Ray stops sends its sessions to another) -------------
-    # On the compute thread: they read or write the KV cache (engine/threads.py).
-
-    async def session_ids(self) -> list[str]:
-        """Every session held here, live or spilled, the least recently used first."""
-        return self.engine.session_ids()
-
-    async def pack_session(self, session_id: str) -> bytes:
-        """The session as one record's bytes; it stays here until session_moved."""
-        return await self._on_compute(self.engine.pack_session, session_id)
-
-    async def session_moved(self, session_id: str, where: str) -> None:
-        """Received elsewhere: freed here, its later calls told where it went."""
-        self.engine.session_moved(session_id, where)
-
-    async def receive_session(self, data: bytes, source: str) -> SessionStats:
-        """Adopts a session another engine packed, under its id (Engine.receive_session)."""
-        return await self._on_compute(self.engine.receive_session, data, source)
-
-    async def _on_compute(self, fn: Callable[..., T], *args) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.threads.main, fn, *args)
-
 
 def lanes_for(
     engine: Engine, hosted: HostedModel, compute: ComputeThreads, *, inline: bool = True
@@ -507,7 +309,7 @@ def lanes_for(
         on_batch=functools.partial(metrics.batch_observer, spec.name),
         fast_executor=compute.main,
         weights_executor=compute.weights,
-        # A lone small request on the event loop's thread: no crossing (batcher.py).
+        # A lone small request on the event loop's thread: no crossing (batching/inline.py).
         inline=engine.runs_inline if inline else None,
         run_inline=compute.on_caller(run_batch),
     )

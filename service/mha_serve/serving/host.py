@@ -162,7 +162,7 @@ class _Outbox:
     """A connection's replies: the first of a turn of the event loop written at once, those
     that follow it in that turn (the rest of a batch's answers) together when it ends: two
     sends a batch, not one each, and no reply waits for another call's compute (a lone call
-    computed on the loop's thread, batcher.py) but the one after it. (No drain: a reply
+    computed on the loop's thread, batching/inline.py) but the one after it. (No drain: a reply
     waiting for room in the socket held nothing back but its own task.)"""
 
     def __init__(self, writer: asyncio.StreamWriter) -> None:

@@ -1,0 +1,103 @@
+"""AsyncEngine's calls on sessions other than their steps: Triton's sequences (the Open
+Inference Protocol door), sessions made, read, forked, truncated and closed, and moves between
+engines. Part of AsyncEngine (async_engine.py), kept in a file of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import TypeVar
+
+from mha_serve.cache import CacheError, SessionStats
+from mha_serve.engine import RequestError
+from mha_serve.serving.sequences import SequenceKey
+
+T = TypeVar("T")
+
+
+class SessionCalls:
+    """AsyncEngine's session calls (mixed into it; its state is AsyncEngine's: engine,
+    sequences, threads, _live)."""
+
+    def _alive(self, session_id: str) -> bool:
+        try:
+            self.engine.get_session(session_id)
+        except (CacheError, RequestError):
+            return False
+        return True
+
+    # --- Triton's sequences (the Open Inference Protocol door) -----------------------------
+    # Each change is one call with no await inside: a caller cancelled between two round
+    # trips (a frontend worker's) can never leave a session made and not mapped, or unmapped
+    # and not closed.
+
+    async def sequence_session(self, key: SequenceKey) -> str | None:
+        return self.sequences.get(key)
+
+    async def start_sequence(self, key: SequenceKey, model: str, owner: str) -> str:
+        session_id = self.engine.create_session(model, None, None, owner).session_id
+        previous = self.sequences.start(key, session_id, live=self._alive)
+        if previous is not None:
+            with contextlib.suppress(CacheError, RequestError):  # gone already: fine
+                self.engine.close_session(previous)
+        return session_id
+
+    async def end_sequence(self, key: SequenceKey, session_id: str, *, close: bool) -> None:
+        self.sequences.end(key, session_id)
+        if close:
+            with contextlib.suppress(CacheError, RequestError):
+                self.engine.close_session(session_id)
+
+    # --- sessions ------------------------------------------------------------------------
+    # Coroutines, so that a front door awaits them alike here and in a frontend worker,
+    # where they are a round trip to the engine process (serving/remote.py).
+
+    async def create_session(
+        self, model: str, max_len: int | None, ttl_s: float | None, owner: str = ""
+    ) -> SessionStats:
+        return self.engine.create_session(model, max_len, ttl_s, owner)
+
+    async def get_session(self, session_id: str, caller: str | None = None) -> SessionStats:
+        get = self.engine.get_session
+        return (await self._live(session_id, caller, lambda: get(session_id, caller)))[0]
+
+    async def fork_session(
+        self, session_id: str, ttl_s: float | None, caller: str | None = None
+    ) -> SessionStats:
+        fork = self.engine.fork_session
+        return (await self._live(session_id, caller, lambda: fork(session_id, ttl_s, caller)))[0]
+
+    async def truncate_session(
+        self, session_id: str, num_tokens: int, caller: str | None = None
+    ) -> SessionStats:
+        truncate = self.engine.truncate_session
+        live = await self._live(
+            session_id, caller, lambda: truncate(session_id, num_tokens, caller)
+        )
+        return live[0]
+
+    async def close_session(self, session_id: str, caller: str | None = None) -> None:
+        self.engine.close_session(session_id, caller)
+
+    # --- moves (a Ray replica that Ray stops sends its sessions to another) -------------
+    # On the compute thread: they read or write the KV cache (engine/threads.py).
+
+    async def session_ids(self) -> list[str]:
+        """Every session held here, live or spilled, the least recently used first."""
+        return self.engine.session_ids()
+
+    async def pack_session(self, session_id: str) -> bytes:
+        """The session as one record's bytes; it stays here until session_moved."""
+        return await self._on_compute(self.engine.pack_session, session_id)
+
+    async def session_moved(self, session_id: str, where: str) -> None:
+        """Received elsewhere: freed here, its later calls told where it went."""
+        self.engine.session_moved(session_id, where)
+
+    async def receive_session(self, data: bytes, source: str) -> SessionStats:
+        """Adopts a session another engine packed, under its id (Engine.receive_session)."""
+        return await self._on_compute(self.engine.receive_session, data, source)
+
+    async def _on_compute(self, fn: Callable[..., T], *args) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.threads.main, fn, *args)
