@@ -120,8 +120,9 @@ def test_a_step_over_the_inline_size_bounds_that_cannot_clear_or_a_busy_session_
     x = tokens(engine, "gqa", 4, seed=13)
     run(engine, engine.get("gqa"), req("gqa", x[:, :3], session_id=sid))
     per_key = engine.get("gqa").kv_bytes_per_key
-    monkeypatch.setattr(engine_compute, "INLINE_MAX_KV_BYTES", 3 * per_key)  # 3 keys
-    assert now(engine, "gqa", x[:, 3:], sid) is None and held(engine, sid) == 3
+    if engine.get("gqa").on_cpu:  # (on a GPU any step runs inline: runs_inline)
+        monkeypatch.setattr(engine_compute, "INLINE_MAX_KV_BYTES", 3 * per_key)  # 3 keys
+        assert now(engine, "gqa", x[:, 3:], sid) is None and held(engine, sid) == 3
     monkeypatch.setattr(engine_compute, "INLINE_MAX_KV_BYTES", 4 * per_key)  # 4: room
     assert now(engine, "gqa", x[:, 3:] * 1e17, sid) is None and held(engine, sid) == 3
     engine.sessions.claim(sid)  # another call's step holds it
@@ -140,7 +141,7 @@ def test_a_step_over_the_inline_size_bounds_that_cannot_clear_or_a_busy_session_
 
 def test_the_static_decode_takes_every_plain_step_itself():
     """With static_decode on, plain decode steps are the static path's (engine/graphs.py):
-    decode_now leaves them."""
+    decode_now leaves them, and the engine says so (decodes_now)."""
     engine = Engine(
         LONE_MODELS[:1],
         device=suite_torch_device(),
@@ -153,6 +154,7 @@ def test_the_static_decode_takes_every_plain_step_itself():
     x = tokens(engine, name, 2, seed=14)
     run(engine, engine.get(name), req(name, x[:, :1], session_id=sid))
     assert now(engine, name, x[:, 1:], sid) is None and held(engine, sid) == 1
+    assert not engine.decodes_now  # (serving does not even ask: AsyncEngine._steps_now)
 
 
 @pytest.mark.parametrize(

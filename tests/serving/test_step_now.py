@@ -12,7 +12,9 @@ import time
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
+from mha_serve.batching import Closed
 from mha_serve.cache import SessionBusy
 from mha_serve.engine import Engine, ModelSpec
 from mha_serve.engine.threads import ComputeThreads
@@ -170,6 +172,91 @@ async def test_a_failing_step_keeps_nothing_frees_its_session_and_is_counted(mon
         monkeypatch.undo()
         assert (await serving.get_session(sid, "me")).num_tokens == 2
         assert (await steps(serving, sid, 1))[0].reply.session.num_tokens == 3
+    finally:
+        await serving.close()
+        compute.shutdown()
+
+
+def _bad_steps(sid: str) -> dict:
+    """Plain steps the lanes refuse, each by what it is: (request, deadline, engine kwargs)."""
+    x = token(20)
+    return {
+        "weights dtype": (req("", x, session_id=sid, weights_dtype="int8"), None, {}),
+        "response too large": (req("", x, session_id=sid), None, {"max_response_bytes": 1024}),
+        "deadline passed": (req("", x, session_id=sid), 0.0, {}),
+        "a NaN": (req("", torch.full_like(x, float("nan")), session_id=sid), None, {}),
+    }
+
+
+@pytest.mark.parametrize("what", list(_bad_steps("")))
+async def test_a_plain_step_the_lanes_refuse_gets_their_error_whichever_path(what):
+    """The same error (type and message) with steps run now as through the lanes' path
+    (run inline by the lane: the same engine without the one-call step), nothing kept, the
+    session free and counted once as answered."""
+    errors, kept = [], []
+    for now in (True, False):
+        _, _, kw = _bad_steps("")[what]
+        eng = Engine(
+            [SPEC], device=torch.device("cpu"), dtype=torch.float32,
+            max_response_bytes=kw.get("max_response_bytes", 1 << 24),
+        )  # fmt: skip
+        compute = ComputeThreads(1, 1)
+        serving = AsyncEngine(eng, compute)
+        serving._steps_now = now
+        try:
+            sid = (await serving.create_session("m", None, None, "me")).session_id
+            request, deadline, _ = _bad_steps(sid)[what]
+            answered = serving._answered
+            with pytest.raises(Exception) as refused:
+                await serving.attend(request, torched, received=0.0, deadline=deadline)
+            errors.append((type(refused.value), str(refused.value)))
+            assert serving._answered - answered <= 1
+            eng.sessions.claim(sid)  # not left busy
+            eng.sessions.release(sid)
+            kept.append((await serving.get_session(sid, "me")).num_tokens)
+        finally:
+            await serving.close()
+            compute.shutdown()
+    assert errors[0] == errors[1] and kept == [0, 0], (errors, kept)
+
+
+async def test_a_step_after_close_is_refused_as_the_lanes_refuse_it():
+    """Lanes closed (the server stopping): Closed (UNAVAILABLE), not run now."""
+    eng = engine()
+    spy = Spy(eng)
+    compute = ComputeThreads(1, 1)
+    serving = AsyncEngine(eng, compute)
+    sid = (await serving.create_session("m", None, None, "me")).session_id
+    await serving.close()
+    try:
+        with pytest.raises(Closed):
+            await steps(serving, sid, 1)
+        assert spy.answers == [] and eng.sessions.table.session_stats(sid).num_tokens == 0
+    finally:
+        compute.shutdown()
+
+
+async def test_a_step_run_now_counts_its_arrival_and_its_batch_of_one():
+    """The lane's arrival statistics (its wait for company) and the batch metrics see a
+    step run now as they see one run inline by the lane."""
+    eng = engine()
+    compute = ComputeThreads(1, 1)
+    serving = AsyncEngine(eng, compute)
+    labels = {"model": "m", "lane": "fast"}
+
+    def batches() -> float:
+        return REGISTRY.get_sample_value("mha_serve_batch_requests_count", labels) or 0.0
+
+    try:
+        sid = (await serving.create_session("m", None, None, "me")).session_id
+        await steps(serving, sid, 1)
+        arrivals = serving.lanes["m"].fast.arrivals
+        first, counted = arrivals.last_arrival, batches()
+        assert first is not None
+        await steps(serving, sid, 2)
+        assert arrivals.last_arrival > first and arrivals.gap_ewma is not None
+        assert batches() == counted + 2
+        assert REGISTRY.get_sample_value("mha_serve_batch_size_bucket", {**labels, "le": "1.0"})
     finally:
         await serving.close()
         compute.shutdown()

@@ -121,6 +121,9 @@ class Engine(Preparing, Computing, SessionAPI):
             static_decode=static_decode,
             flash_decode=flash_decode,
         )
+        # Whether decode_now may take plain decode steps: not while the static decode
+        # (decode_graphs) takes them all.
+        self.decodes_now = static_decode == "off"
         if static_decode == "graphs" and device.type != "cuda":
             log.warning(
                 "decode_graphs is on but the models are on %s: CUDA graphs need CUDA, so "

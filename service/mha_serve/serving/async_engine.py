@@ -74,6 +74,7 @@ class AsyncEngine(Retrying, SessionCalls):
         # A plain decode step on the event loop's thread (_step_now): as the lanes run a lone
         # step inline (lanes_for), single-threaded, a device out-of-memory RESOURCE_EXHAUSTED.
         self._decode_now = compute.on_caller(out_of_memory_is_exhausted(engine.decode_now))
+        self._steps_now = inline and engine.decodes_now  # (else every plain step is the lanes')
         for name in engine.models:
             if engine.cache_info(name) is not None:
                 metrics.watch_kv_cache(name, functools.partial(engine.cache_info, name))
@@ -151,7 +152,7 @@ class AsyncEngine(Retrying, SessionCalls):
         deadline: float | None,
         caller: str | None = None,
     ) -> Served[T]:
-        if request.session_id:  # a plain decode step that finds its lane idle: here, now
+        if request.session_id and self._steps_now:  # a plain decode step, its lane idle: now
             computed = self._step_now(request, received, deadline, caller)
             if computed is not None:
                 served = finish_here(computed, encode, received)
@@ -187,7 +188,7 @@ class AsyncEngine(Retrying, SessionCalls):
         ticket = Ticket(received, deadline)
         if not request.session_id:
             return self._compute(request, ticket)
-        computed = self._step_now(request, received, deadline, caller)
+        computed = self._step_now(request, received, deadline, caller) if self._steps_now else None
         if computed is not None:
             done = asyncio.get_running_loop().create_future()
             done.set_result(computed)
@@ -201,9 +202,15 @@ class AsyncEngine(Retrying, SessionCalls):
         token, no weights: Engine.decode_now) of a live session and its lane is idle, as the
         lane would run it inline (Batcher.alone_now): the same claim, outcome, errors and
         metrics as _compute's path, without its records and calls between (that path is
-        for batches, queues and waits). None, nothing done, for any other step: _compute
-        takes it. A claim refused (the session unknown, another's, or stepping) raises as
-        _compute's would."""
+        for batches, queues and waits). None, nothing kept, for any other step (it may have
+        claimed and released the session, or reserved and rolled back, as _compute's path
+        then does again): _compute takes it. A claim refused (the session another's, or
+        stepping) raises as _compute's would. Its timing: queue_ms from receipt to the lane's
+        answer, compute_ms the rest (its validation too, which _compute's path counts in
+        queue_ms: microseconds)."""
+        inputs = request.inputs
+        if request.need_weights or request.head_mask is not None or inputs.shape[1] != 1:
+            return None  # (a prompt, or a step with weights: no claim made for nothing)
         session_id = request.session_id
         engine = self.engine
         try:
@@ -217,12 +224,12 @@ class AsyncEngine(Retrying, SessionCalls):
         now = fast.alone_now(PLAIN_STEP_KEY, deadline)
         if now is None:
             return None
+        started = time.perf_counter()
         try:
             engine.claim(session_id, caller)
         except SessionSpilled:  # brought back by _compute's path
             return None
         ticket = Ticket(received, deadline, claimed=True)
-        started = time.perf_counter()
         answered = True  # (an error raised is its answer)
         try:
             outcome = self._decode_now(request, model, ticket)

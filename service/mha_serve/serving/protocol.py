@@ -38,7 +38,9 @@ EXPECTED = (RequestError, CacheError, QueueFull, Closed, DeadlineExceeded)
 @dataclass(slots=True)  # never written; not frozen: a frozen __init__ costs ~3x
 class Timing:
     queue_ms: float  # receipt to start of compute: decoding, validation, waiting
-    compute_ms: float  # the batch's forward (and weights, when asked)
+    # the batch's forward (and weights, when asked); a decode step run at once in one call
+    # (AsyncEngine._step_now) counts its validation here
+    compute_ms: float
     total_ms: float  # receipt to encoded reply
     batch_size: int  # sequences computed in that forward
     restore_ms: float = 0.0  # its session brought back from the spill tier (in queue_ms too)
