@@ -102,7 +102,7 @@ async def lone_steps(targets: dict[str, str], context: int, steps: int, rounds: 
     """Per model: a streamed step through the server (SDK) and an echo round trip of the same
     request bytes, alternating in rounds; medians over the steps, round 0 not counted."""
     import grpc
-    from overhead import OPTIONS, BytesStream
+    from served_bench import OPTIONS, BytesStream
 
     from mha_client.messages import step_request_bytes
     from mha_client.sdk import AsyncClient

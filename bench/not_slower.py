@@ -37,7 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from overhead import machine, start_served  # noqa: E402
+from served_bench import machine, start_served  # noqa: E402
 
 EMBED = 512
 SIDES = ("after", "before")

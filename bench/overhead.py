@@ -32,7 +32,6 @@ import asyncio
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -48,17 +47,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 from overhead_report import render, write_report  # noqa: E402
+from served_bench import (  # noqa: E402
+    OPTIONS,
+    BytesStream,
+    free_port,
+    machine,
+    start,
+    start_served,
+)
 
 EMBED = 512
 MODELS = ("mha", "gqa", "mqa")
 CONTEXTS = (256, 1024, 4096)
-STEP_METHOD = "/mha.v1.AttentionService/StreamSession"
-ATTEND_METHOD = "/mha.v1.AttentionService/Attend"
-MAX_MESSAGE = 64 << 20
-OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE),
-    ("grpc.max_send_message_length", MAX_MESSAGE),
-]
 TARGETS = {"decode_step_ratio_max": 1.3, "small_16_min": 0.85, "small_128_min": 0.95, "copies": 2}
 # The floor servers (bench/floor_server.py) by target name: their Attend mode. "floor" also
 # answers the decode step.
@@ -106,40 +106,6 @@ async def serve_methods(port: int, attend: Any, stream: Any, name: str) -> None:
     await server.start()
     print(f"{name} ready", flush=True)
     await server.wait_for_termination()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-    )
-
-
-def start_served(
-    tmp: Path, name: str, tree: Path | None = None, extra: list[str] | None = None
-) -> tuple[subprocess.Popen, str]:
-    """mha-serve on its built-in models; tree: run that checkout's code instead (a baseline);
-    extra: more flags for both."""
-    port = free_port()
-    env = dict(os.environ)
-    if tree is not None:
-        env["PYTHONPATH"] = os.pathsep.join(str(tree / d) for d in ("service", "client"))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mha_serve.transport.main", "--host", "127.0.0.1"]
-        + ["--port", str(port), "--metrics-port", "0", "--log-level", "WARNING"]
-        + (extra or []),
-        stdout=(tmp / f"{name}.log").open("wb"),
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    return proc, f"127.0.0.1:{port}"
 
 
 def start_servers(
@@ -231,33 +197,6 @@ class BareStep:
                 q.view(1, KVH, H // KVH, D), self.k[:, :, : pos + 1], self.v[:, :, : pos + 1]
             )
             return F.linear(y.reshape(1, 1, H * D), m.wo.weight, m.wo.bias)
-
-
-class BytesStream:
-    """A bidi stream of bytes (no serializers): write one message, read one."""
-
-    def __init__(self, channel: grpc.aio.Channel, metadata: Any = None) -> None:
-        self.call = channel.stream_stream(STEP_METHOD)(metadata=metadata)
-
-    async def round_trip(self, payload: bytes) -> bytes:
-        await self.call.write(payload)
-        return await self.call.read()
-
-    async def close(self) -> None:
-        await self.call.done_writing()
-        await self.call.read()  # the end of the stream
-
-
-async def timed_stream(channel: grpc.aio.Channel, payloads: list[bytes]) -> list[float]:
-    """The payloads as one stream's messages, each awaiting its reply; each round trip's
-    seconds."""
-    stream, times = BytesStream(channel), []
-    for p in payloads:
-        t = time.perf_counter()
-        await stream.round_trip(p)
-        times.append(time.perf_counter() - t)
-    await stream.close()
-    return times
 
 
 async def decode_steps(
@@ -527,21 +466,6 @@ def wire_copies(tmp: Path) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
-def machine() -> dict[str, Any]:
-    model = ""
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {
-        "cpu": model,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "loadavg_at_start": os.getloadavg(),
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer rounds and shorter loads")
@@ -661,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     print(render(results, TARGETS, notes=False))  # every ratio with the limit it measured
     print(f"wrote {args.json_out} and {args.docs / 'benchmarks-overhead.md'}")
     if args.frontend_workers != "none":  # the many-cores part, in the same command
-        import frontend_workers  # (it imports this module: not at the top)
+        import frontend_workers  # (the many-cores part: imported only when it runs)
 
         workers = args.frontend_workers or ",".join(map(str, frontend_workers.default_workers()))
         fw_args = ["--workers", workers, "--rounds", str(rounds), "--duration", str(duration)]

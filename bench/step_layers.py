@@ -184,7 +184,8 @@ async def stream_steps(target: str, model: str, context: int, steps: int, rounds
     round trip, microseconds."""
     import grpc
     import numpy as np
-    from overhead import EMBED, OPTIONS, timed_stream
+    from overhead import EMBED
+    from served_bench import OPTIONS, timed_stream
 
     from mha_client.messages import step_request
     from mha_client.sdk import AsyncClient
@@ -235,7 +236,7 @@ def bare_us(model: str, context: int, steps: int, gap_s: float = 0.0) -> float:
 def measure(
     name: str, tree: Path | None, args: argparse.Namespace, tmp: Path, flags: tuple[str, ...] = ()
 ) -> dict:
-    from overhead import free_port
+    from served_bench import free_port
 
     from mha_client.sdk import Client
 

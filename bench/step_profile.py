@@ -36,7 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from overhead import OPTIONS, start_served, timed_stream  # noqa: E402
+from served_bench import OPTIONS, start_served, timed_stream  # noqa: E402
 
 RATE_HZ = 1000
 STEPS = 64  # streamed steps per round trip loop; then the session is truncated back

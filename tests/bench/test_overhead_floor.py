@@ -25,8 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from inprocess import load  # noqa: E402
-from overhead import ATTEND_METHOD, OPTIONS, STEP_METHOD, TARGETS, BareStep, free_port  # noqa: E402
+from overhead import TARGETS, BareStep  # noqa: E402
 from overhead_report import render  # noqa: E402
+from served_bench import ATTEND_METHOD, OPTIONS, STEP_METHOD, free_port  # noqa: E402
 
 from mha_client.api import attention_pb2 as pb  # noqa: E402
 from mha_client.messages import build_attend_request, step_request  # noqa: E402
@@ -292,7 +293,8 @@ def test_pin_puts_the_floor_servers_event_loop_on_its_cpu(tmp_path):
     """overhead.py --pin: the echo's and the floor's event loop (serve_methods, PIN_ENV) on
     the CPU given, as mha-serve's --event-loop-cpu; the floor's batch worker, started before
     it, keeps every CPU."""
-    from overhead import PIN_ENV, start
+    from overhead import PIN_ENV
+    from served_bench import start
 
     cpu = max(os.sched_getaffinity(0))
     log = tmp_path / "floor.log"
