@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -66,23 +67,14 @@ OPS = [
 ]  # fmt: skip
 
 
-class Context:
-    """What the door reads of a call: no deadline, a peer."""
-
-    def time_remaining(self) -> None:
-        return None
-
-    def peer(self) -> str:
-        return "ipv4:127.0.0.1:1"
-
-    def auth_context(self) -> dict:
-        return {}
-
-    def invocation_metadata(self) -> tuple:
-        return ()
-
-    def done(self) -> bool:
-        return False
+# What the door reads of a call (transport/door.py ReadOnlyContext): no deadline, a peer.
+CONTEXT = SimpleNamespace(
+    time_remaining=lambda: None,
+    peer=lambda: "ipv4:127.0.0.1:1",
+    auth_context=dict,
+    invocation_metadata=tuple,
+    done=lambda: False,
+)
 
 
 async def measure(model: str, context: int, rounds: int) -> dict:
@@ -108,13 +100,12 @@ async def measure(model: str, context: int, rounds: int) -> dict:
         tensor = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=x.shape, data=x.tobytes())
         return pb.AttendRequest(session_id=sid, input=tensor)
 
-    await door.attend(message(prompt), Context())
+    await door.attend(message(prompt), CONTEXT)
     xs = [rng.standard_normal((1, E), dtype=np.float32) * 0.5 for _ in range(STEPS)]
     datas = [message(x).SerializeToString() for x in xs]
     count = metrics.request_counts("StreamSession", model, metrics.PROTOCOL_MHA_V1)
     observe = metrics.attend_observer(model)
     observe_batch = metrics.batch_observer(model, "fast")
-    context_ = Context()
     bare = BareStep(model, context)
     bare_x = [torch.from_numpy(x).view(1, 1, E) for x in xs]
     table, cache, module = engine.sessions.table, engine.sessions.cache(model), hosted.module
@@ -172,7 +163,7 @@ async def measure(model: str, context: int, rounds: int) -> dict:
             model,
             door.attend,
             parse_attend_request(data),
-            context_,
+            CONTEXT,
             "peer",
             None,
             protocol=metrics.PROTOCOL_MHA_V1,
