@@ -67,6 +67,37 @@ def test_decode_now_equals_the_prepared_step_bit_for_bit(engine, name):
         engine.sessions.close(sid)
 
 
+@pytest.mark.parametrize(
+    ("given", "asked"),
+    [
+        (torch.float16, None),
+        (torch.bfloat16, None),
+        (torch.float32, torch.float16),
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+    ],
+)
+def test_an_input_or_output_in_another_dtype_equals_the_prepared_step(engine, given, asked):
+    """A step whose input is not in the model's dtype (a GPU's bfloat16 model, float32
+    steps), or that asks its output in another: converted as the lanes' lone step converts
+    them, the same output bit for bit, in the dtype asked."""
+    hosted = engine.get("gqa")
+    x = tokens(engine, "gqa", 6, seed=17)
+    a, b = (engine.sessions.create("gqa", None, None).session_id for _ in range(2))
+    for sid in (a, b):
+        run(engine, hosted, req("gqa", x[:, :4], session_id=sid))
+    for p in (4, 5):
+        token = x[:, p : p + 1].to(given)
+        mine = now(engine, "gqa", token, a, output_dtype=asked)
+        theirs = run(engine, hosted, req("gqa", token, session_id=b, output_dtype=asked))
+        assert mine is not None, (given, asked)
+        assert mine.output.dtype == theirs.output.dtype == (asked or given)
+        assert torch.equal(mine.output, theirs.output), (given, asked, p)
+        assert mine.session.num_tokens == theirs.session.num_tokens == p + 1
+    for sid in (a, b):
+        engine.sessions.close(sid)
+
+
 def _others(x: torch.Tensor, other: str) -> dict:
     """Steps decode_now leaves to the lanes: (request fields, model) by what they are; other:
     a session of another model."""
@@ -76,8 +107,6 @@ def _others(x: torch.Tensor, other: str) -> dict:
         "a head mask": (dict(head_mask=(1.0,) * 8), "gqa"),
         "lengths": (dict(lengths=(1,)), "gqa"),
         "not causal": (dict(causal=False), "gqa"),
-        "another input dtype": (dict(inputs=x[:, :1].half()), "gqa"),
-        "another output dtype": (dict(output_dtype=torch.float16), "gqa"),
         "a model not hosted": ({}, "nope"),
         "another model's session": ({}, "mha"),
         "a NaN": (dict(inputs=torch.full_like(x[:, :1], math.nan)), "gqa"),

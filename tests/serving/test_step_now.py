@@ -26,10 +26,8 @@ E = 32
 SPEC = ModelSpec("m", AttentionConfig(E, 4, 2), seed=3)
 
 
-def engine() -> Engine:
-    return Engine(
-        [SPEC], device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=1 << 24
-    )
+def engine(dtype: torch.dtype = torch.float32) -> Engine:
+    return Engine([SPEC], device=torch.device("cpu"), dtype=dtype, max_response_bytes=1 << 24)
 
 
 def token(i: int, n: int = 1) -> torch.Tensor:
@@ -64,8 +62,11 @@ async def steps(serving: AsyncEngine, sid: str, n: int) -> list:
     return out
 
 
-async def test_steps_run_now_equal_the_lanes_steps_bit_for_bit_and_count_alike():
-    now_engine, lane_engine = engine(), engine()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+async def test_steps_run_now_equal_the_lanes_steps_bit_for_bit_and_count_alike(dtype):
+    """float32 steps, on a float32 model and on a bfloat16 one (a GPU's default: each step's
+    input and output converted)."""
+    now_engine, lane_engine = engine(dtype), engine(dtype)
     spy = Spy(now_engine)
     compute = ComputeThreads(1, 1)
     fast = AsyncEngine(now_engine, compute)  # inline: plain steps run now

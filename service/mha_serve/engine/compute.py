@@ -104,8 +104,8 @@ class Computing:
     ) -> AttendOutcome | None:
         """A plain decode step, prepared and run in one call on the caller's thread (serving
         calls it for a step that finds its lane idle, on the event loop's thread): one token
-        of a session of `model`, in the model's dtype, without weights, head mask or
-        lengths. The same checks, outcome and errors as run(prepare(request, state)) (tests/
+        of a session of `model`, without weights, head mask or lengths (in any dtype, its
+        output in any: the lone step converts them as the lanes' does). The same checks, outcome and errors as run(prepare(request, state)) (tests/
         engine/test_decode_now.py), without the Prepared record, the batch's lists and the
         calls between: prepare's checks such a step can fail, then the lone step
         (Sessions.decode_now). None, nothing done or kept, for any other request, a step too
@@ -115,17 +115,18 @@ class Computing:
         if hosted is None:
             return None
         inputs = request.inputs
+        output_dtype = request.output_dtype or inputs.dtype
         if (
             inputs.data.shape != hosted.one_token
-            or inputs.dtype != hosted.dtype_name
-            or (request.output_dtype is not None and request.output_dtype != inputs.dtype)
             or request.need_weights
             or request.head_mask is not None
             or request.lengths is not None
             or request.causal is False
+            or inputs.dtype not in DTYPES
+            or output_dtype not in DTYPES
             or request.weights_dtype not in DTYPES
-            or hosted.one_token[2] * hosted.dtype.itemsize + RESPONSE_OVERHEAD_BYTES
-            > self.max_response_bytes
+            or hosted.one_token[2] * DTYPES[output_dtype].itemsize + RESPONSE_OVERHEAD_BYTES
+            > self.max_response_bytes  # (prepare's _check_response_size for one token)
         ):
             return None
         tensor = tensor_of(inputs)

@@ -62,17 +62,14 @@ class HostedModel:
     # CPU, and the bytes of K and V one key holds in its dtype.
     on_cpu: bool = field(init=False)
     kv_bytes_per_key: int = field(init=False)
-    # Read on every decode step (Engine.decode_now): the shape of one token's input, and
-    # the name of the dtype it computes in.
+    # Read on every decode step (Engine.decode_now): the shape of one token's input.
     one_token: tuple[int, int, int] = field(init=False)
-    dtype_name: str = field(init=False)
 
     def __post_init__(self) -> None:
         cfg = self.spec.attention
         self.on_cpu = self.device.type == "cpu"
         self.kv_bytes_per_key = 2 * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         self.one_token = (1, 1, cfg.embed_dim)
-        self.dtype_name = DTYPE_NAME[self.dtype]
 
     @property
     def num_parameters(self) -> int:
