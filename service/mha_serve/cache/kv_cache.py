@@ -7,6 +7,8 @@ A token's slot is block_id * block_size + offset; viewed flat, k is (KVH, num_sl
 Head-major so that a run of consecutive slots is, per head, one contiguous (P, D) matrix:
 attention reads a session with consecutive blocks in place, at full speed.
 Which blocks belong to which session is the session table's business, not this one's.
+Writes, export, load and block copies are here; the reads (read, step_views, gather) in
+reads.py.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import torch
 
 from mha_serve.transfer import list_tensor
 
+from .reads import Reading, _consecutive
+
 DEFAULT_BLOCK_SIZE = 16  # tokens per block: 1/16 worst-case waste per session, few table entries
 PAD_SLOT = -1  # slot mapping entry for a padded token: nothing is written
 
 
-class KVCache:
+class KVCache(Reading):
     def __init__(
         self,
         *,
@@ -209,173 +213,6 @@ class KVCache:
                 f"outside 0..{self.num_slots - 1} (or {PAD_SLOT} for padding)"
             )
 
-    def read(
-        self,
-        block_table: Sequence[int],
-        length: int,
-        *,
-        start: int = 0,
-        first_block: int = 0,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One session's K and V at positions start..length-1, (1, KVH, length - start, D)
-        each, where block_table[i] holds positions (first_block + i) * block_size onwards
-        (a sliding-window session's earlier blocks are gone): views into the cache (read
-        them, never write) when those blocks are consecutive, as a session's usually are;
-        else one copy of them."""
-        KVH, D, bs = self.num_kv_heads, self.head_dim, self.block_size
-        lo = start // bs - first_block  # block_table index of the block holding `start`
-        hi = -(-length // bs) - first_block  # one past the block holding length - 1
-        if not 0 <= start <= length or lo < 0 or len(block_table) < hi:
-            raise ValueError(
-                f"the session has {len(block_table)} block(s) from position "
-                f"{first_block * bs}; positions {start}..{length - 1}: {length - start} tokens "
-                f"need {hi - lo} block(s) of {bs}, from its block {first_block + lo}"
-            )
-        ids = block_table[lo:hi] if start < length else []
-        offset, n = start % bs, length - start
-        if _consecutive(ids):
-            # narrow(2, first, n) of _k_slots and _v_slots, each as one as_strided
-            at = (ids[0] * bs + offset) * D if ids else 0
-            shape, strides = (1, KVH, n, D), self._slot_strides
-            k = self._k_slots.as_strided(shape, strides, self._k_at + at)  # (1, KVH, n, D)
-            v = self._v_slots.as_strided(shape, strides, self._v_at + at)
-            return k, v
-        table = torch.tensor(list(ids), dtype=torch.int64, device=self.device)
-        k = self.k.index_select(1, table).view(KVH, len(ids) * bs, D)[:, offset : offset + n]
-        v = self.v.index_select(1, table).view(KVH, len(ids) * bs, D)[:, offset : offset + n]
-        return k.unsqueeze(0), v.unsqueeze(0)
-
-    def step_views(
-        self, block_table: Sequence[int], slot: int, length: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """A lone one-token step's views of the cache, no copy: the new token's K and V
-        slot (1, 2 KVH, 1, D), K's heads then V's, to write in one copy, and the session's K
-        and V at positions 0..length-1 (1, KVH, length, D) each, to read once written (as
-        read() returns them), where block_table holds positions 0.. in consecutive blocks
-        and `slot` is position length - 1's (what append() and read() do for such a step,
-        in three view ops). None otherwise, nothing done: append() and read() then."""
-        bs = self.block_size
-        needed = -(-length // bs)
-        ids = block_table[:needed]
-        first = ids[0] * bs if ids else -1
-        if length < 1 or len(ids) != needed or slot != first + length - 1:
-            return None
-        if first < 0 or slot >= self.num_slots or not _consecutive(ids):
-            return None
-        kvs, strides, D = self._kv_slots, self._strides, self.head_dim
-        shape = (1, self.num_kv_heads, length, D)
-        k = kvs.as_strided(shape, strides, self._k_at + first * D)
-        v = kvs.as_strided(shape, strides, self._v_at + first * D)
-        return (
-            kvs.as_strided((1, 2 * self.num_kv_heads, 1, D), strides, self._k_at + slot * D),
-            k,
-            v,
-        )
-
-    def by_token(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V token-major, (num_slots, KVH, D) each: views of the same memory (strides
-        D, num_slots * D, 1), for kernels that take a sequence as rows of (KVH, D) (flash
-        attention's varlen forward, engine/attend.py)."""
-        KVH, D = self.num_kv_heads, self.head_dim
-        return (
-            self.k.view(KVH, self.num_slots, D).transpose(0, 1),
-            self.v.view(KVH, self.num_slots, D).transpose(0, 1),
-        )
-
-    def runs(self, reads: Sequence[tuple[Sequence[int], int, int, int]]) -> list[int | None]:
-        """Where each read lies in one run of slots: reads[b] = (block_table, start, length,
-        first_block) as read() takes them; the slot of position start when positions
-        start..length-1 sit in consecutive blocks (they are then slots first..first +
-        length - start - 1 of every head), None when they do not (read() would copy)."""
-        bs = self.block_size
-        out: list[int | None] = []
-        for b, read in enumerate(reads):
-            ids = self._read_blocks(b, *read)
-            out.append(ids[0] * bs + read[1] % bs if _consecutive(ids) else None)
-        return out
-
-    def _read_blocks(
-        self,
-        b: int,
-        table: Sequence[int],
-        start: int,
-        length: int,
-        first_block: int,
-        width: int | None = None,
-    ) -> Sequence[int]:
-        """The block ids that hold read b's positions start..length-1 (runs' and gather's
-        reads; at most width of them when given), or ValueError saying why they cannot."""
-        bs = self.block_size
-        lo = start // bs - first_block
-        hi = -(-length // bs) - first_block
-        wide = width is not None and length - start > width
-        if not 0 <= start < length or lo < 0 or len(table) < hi or wide:
-            raise ValueError(
-                f"read {b}: positions {start}..{length - 1} of a session with "
-                f"{len(table)} block(s) from position {first_block * bs} do not fit "
-                f"{hi - lo} block(s) of {bs} from its block {first_block + lo}"
-                + ("" if width is None else f" and width {width}")
-            )
-        return table[lo:hi]
-
-    def gather(
-        self, reads: Sequence[tuple[Sequence[int], int, int, int]], width: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Several sessions' K and V padded into one batch, one index_select each:
-        reads[b] = (block_table, start, length, first_block) as read() takes them. Returns k,
-        v (B, KVH, width, D), contiguous: row b's positions start..length-1 in columns
-        0..length-start-1, its later columns a copy of its last key and value (finite: never
-        an unwritten slot nor another session's), so masked padding cannot turn an output
-        into NaN. width >= every length - start. The tensors live in this thread's scratch
-        buffers: read them before this thread's next gather, never write them."""
-        KVH, D, bs = self.num_kv_heads, self.head_dim, self.block_size
-        B = len(reads)
-        bases, counts, scattered = [], [], []  # scattered: rows whose blocks are not consecutive
-        for b, (table, start, length, first_block) in enumerate(reads):
-            # _read_blocks' blocks, its checks passed here (once per row per step)
-            lo, hi = start // bs - first_block, -(-length // bs) - first_block
-            if not (0 <= start < length and lo >= 0 and hi <= len(table)) or length - start > width:
-                self._read_blocks(b, table, start, length, first_block, width)  # raises: why
-            ids = table[lo:hi]
-            bases.append(ids[0] * bs + start % bs)
-            counts.append(length - start)
-            if not _consecutive(ids):
-                scattered.append((b, ids, start % bs))
-        # One host tensor, one copy: each row's first slot and count, then for the
-        # scattered rows their row, offset and block ids (padded with their last).
-        data = bases + counts
-        S = len(scattered)
-        M = max((len(ids) for _, ids, _ in scattered), default=0)
-        if S:
-            data += [b for b, _, _ in scattered] + [offset for _, _, offset in scattered]
-            for _, ids, _ in scattered:
-                data += list(ids) + [ids[-1]] * (M - len(ids))
-        host = list_tensor(data, self.device)  # (2B + S (2 + M),)
-        j = torch.arange(width, device=self.device)[None]  # (1, width)
-        last = host[B : 2 * B, None] - 1  # (B, 1): each row's last column
-        slots = host[:B, None] + torch.minimum(j, last)  # (B, width)
-        if S:  # fragmented sessions: through their block ids
-            rows, offsets = host[2 * B : 2 * B + S], host[2 * B + S : 2 * B + 2 * S]
-            blocks = host[2 * B + 2 * S :].view(S, M)  # (S, M)
-            # (S, width): positions from each one's first block's start
-            pos = offsets[:, None] + torch.minimum(j, last.index_select(0, rows))
-            slots.index_copy_(0, rows, blocks.gather(1, pos // bs) * bs + pos % bs)
-        heads = torch.arange(KVH, device=self.device) * self.num_slots  # (KVH,)
-        index = (heads[None, :, None] + slots[:, None, :]).view(-1)  # (B * KVH * width,)
-        k_out, v_out = self._buffers(B * KVH * width)
-        torch.index_select(self.k.view(KVH * self.num_slots, D), 0, index, out=k_out)
-        torch.index_select(self.v.view(KVH * self.num_slots, D), 0, index, out=v_out)
-        return k_out.view(B, KVH, width, D), v_out.view(B, KVH, width, D)
-
-    def _buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This thread's gather buffers, (rows, D) each, grown when too small."""
-        held = getattr(self._scratch, "kv", None)
-        if held is None or held[0].shape[0] < rows:
-            D = self.head_dim
-            held = tuple(torch.empty(rows, D, dtype=self.dtype, device=self.device) for _ in "kv")
-            self._scratch.kv = held
-        return held[0][:rows], held[1][:rows]
-
     def export(
         self, block_table: Sequence[int], num_tokens: int, first_block: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -412,15 +249,6 @@ class KVCache:
                 raise ValueError(f"block id {i} is out of range 0..{self.num_blocks - 1}")
         self.k[:, dst].copy_(self.k[:, src])
         self.v[:, dst].copy_(self.v[:, src])
-
-
-def _consecutive(ids: Sequence[int]) -> bool:
-    """ids[i] == ids[0] + i throughout (one list comparison, in C; none for the one or two
-    blocks of most decode steps' reads)."""
-    n = len(ids)
-    if n < 3:
-        return n < 2 or ids[1] == ids[0] + 1
-    return list(ids) == list(range(ids[0], ids[0] + n))
 
 
 def slot_mapping(slots: Sequence[Sequence[int]], width: int | None = None) -> torch.Tensor:
