@@ -13,7 +13,6 @@ import torch
 from mha_serve.engine.bounds import cleared, gate_absmax
 from mha_serve.engine.checks import array_absmax, require_finite, scores_overflow_error
 from mha_serve.engine.errors import InvalidRequest
-from mha_serve.engine.prepare import RESPONSE_OVERHEAD_BYTES
 from mha_serve.engine.requests import UNATTENDED, AttendOutcome, AttendRequest, CallState
 from mha_serve.engine.types import (
     DTYPES,
@@ -105,10 +104,10 @@ class Computing:
         """A plain decode step, prepared and run in one call on the caller's thread (serving
         calls it for a step that finds its lane idle, on the event loop's thread): one token
         of a session of `model`, without weights, head mask or lengths (in any dtype, its
-        output in any: the lone step converts them as the lanes' does). The same checks, outcome and errors as run(prepare(request, state)) (tests/
-        engine/test_decode_now.py), without the Prepared record, the batch's lists and the
-        calls between: prepare's checks such a step can fail, then the lone step
-        (Sessions.decode_now). None, nothing done or kept, for any other request, a step too
+        output in any: the lone step converts them as the lanes' does). The same checks,
+        outcome and errors as run(prepare(request, state)) (tests/engine/test_decode_now.py),
+        without the Prepared record, the batch's lists and the calls between: prepare's
+        checks such a step can fail, then the lone step (Sessions.decode_now). None, nothing done or kept, for any other request, a step too
         large to run inline (runs_inline), or one that only the batch's path takes or
         refuses: prepare and the lanes then take it, with their errors."""
         hosted = self.models.get(model)
@@ -125,8 +124,7 @@ class Computing:
             or inputs.dtype not in DTYPES
             or output_dtype not in DTYPES
             or request.weights_dtype not in DTYPES
-            or hosted.one_token[2] * DTYPES[output_dtype].itemsize + RESPONSE_OVERHEAD_BYTES
-            > self.max_response_bytes  # (prepare's _check_response_size for one token)
+            or not self.output_fits(hosted.one_token[2] * DTYPES[output_dtype].itemsize)
         ):
             return None
         tensor = tensor_of(inputs)

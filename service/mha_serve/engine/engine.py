@@ -121,9 +121,6 @@ class Engine(Preparing, Computing, SessionAPI):
             static_decode=static_decode,
             flash_decode=flash_decode,
         )
-        # Whether decode_now may take plain decode steps: not while the static decode
-        # (decode_graphs) takes them all.
-        self.decodes_now = static_decode == "off"
         if static_decode == "graphs" and device.type != "cuda":
             log.warning(
                 "decode_graphs is on but the models are on %s: CUDA graphs need CUDA, so "
@@ -161,6 +158,12 @@ class Engine(Preparing, Computing, SessionAPI):
             str(dtype).removeprefix("torch."),
         )
         return HostedModel(spec, module, device, dtype)
+
+    @property
+    def decodes_now(self) -> bool:
+        """Whether decode_now may take plain decode steps: not while the static decode
+        (decode_graphs) takes them all."""
+        return self.sessions.static_decode == "off"
 
     def get(self, name: str) -> HostedModel:
         hosted = self.models.get(name)

@@ -101,11 +101,16 @@ class Preparing:
             num_keys,
         )
 
+    def output_fits(self, out_bytes: int) -> bool:
+        """Whether a response with out_bytes of output fits the response limit, with the room
+        kept for its other fields."""
+        return out_bytes + RESPONSE_OVERHEAD_BYTES <= self.max_response_bytes
+
     def _check_response_size(self, hosted: HostedModel, call: AttendRequest, num_keys: int) -> None:
         batch, seq_len, embed_dim = call.inputs.shape
         out_dtype = DTYPES[call.output_dtype or call.inputs.dtype]
         out_bytes = batch * seq_len * embed_dim * out_dtype.itemsize
-        if out_bytes + RESPONSE_OVERHEAD_BYTES > self.max_response_bytes:
+        if not self.output_fits(out_bytes):
             room = self.max_response_bytes - RESPONSE_OVERHEAD_BYTES
             narrower = (
                 "ask for output_dtype float16 or bfloat16, " if out_dtype.itemsize > 2 else ""

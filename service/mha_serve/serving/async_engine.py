@@ -152,7 +152,7 @@ class AsyncEngine(Retrying, SessionCalls):
         deadline: float | None,
         caller: str | None = None,
     ) -> Served[T]:
-        if request.session_id and self._steps_now:  # a plain decode step, its lane idle: now
+        if request.session_id:  # a plain decode step that finds its lane idle: here, now
             computed = self._step_now(request, received, deadline, caller)
             if computed is not None:
                 served = finish_here(computed, encode, received)
@@ -188,7 +188,7 @@ class AsyncEngine(Retrying, SessionCalls):
         ticket = Ticket(received, deadline)
         if not request.session_id:
             return self._compute(request, ticket)
-        computed = self._step_now(request, received, deadline, caller) if self._steps_now else None
+        computed = self._step_now(request, received, deadline, caller)
         if computed is not None:
             done = asyncio.get_running_loop().create_future()
             done.set_result(computed)
@@ -208,8 +208,12 @@ class AsyncEngine(Retrying, SessionCalls):
         stepping) raises as _compute's would. Its timing: queue_ms from receipt to the lane's
         answer, compute_ms the rest (its validation too, which _compute's path counts in
         queue_ms: microseconds)."""
-        inputs = request.inputs
-        if request.need_weights or request.head_mask is not None or inputs.shape[1] != 1:
+        if (
+            not self._steps_now
+            or request.need_weights
+            or request.head_mask is not None
+            or request.inputs.shape[1] != 1
+        ):
             return None  # (a prompt, or a step with weights: no claim made for nothing)
         session_id = request.session_id
         engine = self.engine
