@@ -6,6 +6,7 @@ bfloat16 has no numpy dtype, so it is carried as uint16 bit patterns and decoded
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -28,6 +29,8 @@ _WIRE_NUMPY: dict[int, np.dtype] = {
     pb.DTYPE_FLOAT16: np.dtype("<f2"),
     pb.DTYPE_BFLOAT16: np.dtype("<u2"),
 }
+# The wire's little-endian is this machine's order: its arrays are native as they are.
+_WIRE_ORDER_IS_NATIVE = sys.byteorder == "little"
 
 
 # The smallest magnitude that rounding to nearest takes to inf in each wire dtype: half-way
@@ -189,27 +192,33 @@ def from_proto(t: pb.Tensor, data: Any = None) -> np.ndarray:
     None reads t.data (protobuf's copy). float32/float16 results are read-only views of those
     bytes; `.copy()` to modify.
     """
-    np_dtype = _WIRE_NUMPY.get(t.dtype)
+    # (Each step's reply passes here, after a wait for the wire that leaves numpy's and
+    # protobuf's code cold: as few of their calls as it takes, e.g. one np.ndarray over the
+    # bytes, not frombuffer, reshape and astype.)
+    dtype = t.dtype
+    np_dtype = _WIRE_NUMPY.get(dtype)
     if np_dtype is None:
-        label = pb.DType.Name(t.dtype) if t.dtype in pb.DType.values() else str(t.dtype)
+        label = pb.DType.Name(dtype) if dtype in pb.DType.values() else str(dtype)
         raise ValueError(
             f"tensor dtype {label} cannot be decoded; expected one of {', '.join(DTYPE_NAMES)}"
         )
-    shape = tuple(int(d) for d in t.shape)
-    if any(d < 0 for d in shape):
+    shape = tuple(t.shape)  # (int64: Python ints)
+    if shape and min(shape) < 0:
         raise ValueError(f"tensor shape {list(shape)} has a negative dimension")
     if data is None:
         data = t.data  # once: each read of a bytes field copies it
     expected = math.prod(shape) * np_dtype.itemsize
-    nbytes = memoryview(data).nbytes
+    nbytes = len(data) if type(data) is bytes else memoryview(data).nbytes
     if nbytes != expected:
         raise ValueError(
             f"tensor data has {nbytes} bytes but shape {list(shape)} of "
-            f"{dtype_name(t.dtype)} ({np_dtype.itemsize} bytes each) needs {expected}"
+            f"{dtype_name(dtype)} ({np_dtype.itemsize} bytes each) needs {expected}"
         )
-    arr = np.frombuffer(data, dtype=np_dtype).reshape(shape)
-    if t.dtype == pb.DTYPE_BFLOAT16:
+    arr = np.ndarray(shape, np_dtype, data)  # read-only: bytes are immutable
+    if dtype == pb.DTYPE_BFLOAT16:
         return bfloat16_bits_to_float32(arr)
+    if _WIRE_ORDER_IS_NATIVE:
+        return arr
     # Native byte order so downstream numpy code never sees a '<f4' vs '=f4' surprise.
     return arr.astype(np_dtype.newbyteorder("="), copy=False)
 
@@ -264,10 +273,14 @@ def tensor_field(field: int, dtype: int, shape: Sequence[int], payload: Any) -> 
     """Field `field` of a message, holding a Tensor of `payload`'s bytes, as parts whose
     b"".join is its encoding. payload (any C-contiguous buffer: bytes, a numpy array) is
     referenced, not copied."""
-    nbytes = memoryview(payload).nbytes
+    return [tensor_field_head(field, dtype, shape, memoryview(payload).nbytes), payload]
+
+
+def tensor_field_head(field: int, dtype: int, shape: Sequence[int], nbytes: int) -> bytes:
+    """tensor_field's encoding up to its payload: what nbytes of data follow."""
     head = pb.Tensor(dtype=dtype, shape=shape).SerializeToString()
     head += _varint(_TENSOR_DATA << 3 | _LEN) + _varint(nbytes)
-    return [_varint(field << 3 | _LEN) + _varint(len(head) + nbytes) + head, payload]
+    return _varint(field << 3 | _LEN) + _varint(len(head) + nbytes) + head
 
 
 def array_field(field: int, array: np.ndarray, dtype: str | None = None) -> list[Any]:

@@ -244,3 +244,15 @@ def test_client_side_refusals_are_mha_serve_errors_and_value_errors():
             bad()
         assert isinstance(err.value, MhaServeError) and isinstance(err.value, ValueError)
         assert str(err.value).startswith("INVALID_ARGUMENT: ") and err.value.target == ""
+
+
+@pytest.mark.parametrize("order_is_native", [True, False])
+def test_decoded_arrays_are_read_only_native_views(monkeypatch, order_is_native):
+    """A reply's float32/float16 arrays: views of the received bytes (never written), in this
+    machine's byte order; on a big-endian machine (the wire's order not native) converted."""
+    monkeypatch.setattr(tensors, "_WIRE_ORDER_IS_NATIVE", order_is_native)
+    for dtype in (np.float32, np.float16):
+        x = np.arange(6, dtype=dtype).reshape(2, 3)
+        y = from_proto(to_proto(x))
+        np.testing.assert_array_equal(y, x)
+        assert y.dtype.isnative and y.dtype == dtype and not y.flags.writeable

@@ -1,0 +1,80 @@
+"""step_request_bytes (what the SDK sends for a session step) against step_request
+(protobuf's message): a plain step's cached head joined to its array's bytes parses to the
+same message, whatever the array, session id and options; anything else takes protobuf's
+way (or its framing) and raises what it raises."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mha_client.api import attention_pb2 as pb
+from mha_client.messages import FRAME_BYTES, _step_head, step_request, step_request_bytes
+from mha_client.tensors import parse_with_tensors
+
+
+@settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    shape=st.lists(st.integers(0, 4), min_size=1, max_size=4),
+    dtype=st.sampled_from(["<f2", "<f4", "<f8", ">f4", ">f2", "<i4"]),
+    transpose=st.booleans(),
+    seed=st.integers(0, 99),
+    # long ids (a length past one varint byte) and any text
+    session_id=st.text(max_size=3) | st.text(min_size=130, max_size=200),
+    options=st.sampled_from(
+        [{}, {"causal": True}, {"lengths": [1]}, {"output_dtype": "float16"}, {"weights": True}]
+    ),
+)
+def test_a_step_sends_the_message_protobuf_would(
+    shape, dtype, transpose, seed, session_id, options
+):
+    x = (np.random.default_rng(seed).standard_normal(shape) * 1e3).astype(dtype)
+    if transpose and x.ndim > 1:  # not C-contiguous
+        x = x.swapaxes(-1, -2)
+    try:
+        built = step_request(session_id, x, options)
+    except ValueError as e:
+        with pytest.raises(ValueError) as sent:
+            step_request_bytes(session_id, x, options)
+        assert str(sent.value) == str(e)
+        return
+    assert pb.AttendRequest.FromString(step_request_bytes(session_id, x, options)) == built
+
+
+def test_a_plain_decode_step_takes_the_cached_head():
+    """One head per session and shape, made once; a float64 array (converted) or a step with
+    options does not take it."""
+    _step_head.cache_clear()
+    x = np.arange(8, dtype=np.float32).reshape(1, 8)
+    for sid in ("a", "b", "a"):
+        data = step_request_bytes(sid, x, {})
+        assert pb.AttendRequest.FromString(data) == step_request(sid, x, {})
+        assert data.endswith(x.tobytes())
+    info = _step_head.cache_info()
+    assert (info.misses, info.hits) == (2, 1)
+    step_request_bytes("a", x.astype(np.float64), {})
+    step_request_bytes("a", x, {"causal": True})
+    step_request_bytes("a", x.reshape(2, 4)[:, ::2], {})  # not contiguous
+    assert _step_head.cache_info().misses == 2 and _step_head.cache_info().hits == 1
+
+
+def test_a_step_at_the_framing_size_parses_alike_both_ways():
+    """A request whose array is just under FRAME_BYTES is itself larger: the server then cuts
+    its tensor out by hand (parse_with_tensors), which must find the same message and bytes
+    whatever the fields' order."""
+    E = FRAME_BYTES // 4 - 1
+    x = np.random.default_rng(0).standard_normal((1, E)).astype(np.float32)
+    data = step_request_bytes("session-1", x, {})
+    assert len(data) >= FRAME_BYTES > x.nbytes
+    message, payloads = parse_with_tensors(data, pb.AttendRequest, {2: "input"})
+    assert bytes(payloads["input"]) == x.tobytes()
+    message.input.data = bytes(payloads["input"])
+    assert message == step_request("session-1", x, {})
