@@ -276,9 +276,10 @@ def parse_attend_response(
     if isinstance(resp, bytes | bytearray | memoryview):
         resp, payloads = parse_with_tensors(resp, pb.AttendResponse, _RESPONSE_TENSORS)
     output = from_proto(resp.output, payloads.get("output"))
-    weights = None
-    if resp.HasField("attention_weights"):
+    weights, heads, query_start = None, [], 0
+    if resp.HasField("attention_weights"):  # (most replies: none, nor their heads and rows)
         weights = from_proto(resp.attention_weights, payloads.get("attention_weights"))
+        heads, query_start = list(resp.weight_heads), resp.weight_query_start
     if squeeze:
         # The server keeps the input's rank for output; weights may still carry a batch of 1.
         if output.ndim == 3:
@@ -289,8 +290,8 @@ def parse_attend_response(
     return AttendResult(
         output=output,
         weights=weights,
-        weight_heads=list(resp.weight_heads),
-        weight_query_start=resp.weight_query_start,
+        weight_heads=heads,
+        weight_query_start=query_start,
         timing=Timing(
             t.queue_ms, t.compute_ms, t.total_ms, t.batch_size, round_trip_ms, t.restore_ms
         ),

@@ -96,14 +96,17 @@ def step(session: Any, x: np.ndarray, options: dict[str, Any]) -> Rpc[AttendResu
 
 
 def step_reader(session: Any, x: np.ndarray) -> Callable[[bytes, float], AttendResult]:
-    """Reads a step's reply (unary or streamed, as bytes) into its result and session.info."""
+    """Reads a step's reply (as bytes) into its result and session.info."""
+    squeeze = np.ndim(x) == 2
+    return lambda reply, round_trip_ms: read_step(session, reply, squeeze, round_trip_ms)
 
-    def read(reply: bytes, round_trip_ms: float) -> AttendResult:
-        result = read_attend_reply(reply, np.ndim(x) == 2, round_trip_ms)
-        session.info = result.session or session.info
-        return result
 
-    return read
+def read_step(session: Any, reply: bytes, squeeze: bool, round_trip_ms: float) -> AttendResult:
+    """A step's reply (unary or streamed, as bytes) read into its result and session.info;
+    squeeze: the step's input was 2-D."""
+    result = read_attend_reply(reply, squeeze, round_trip_ms)
+    session.info = result.session or session.info
+    return result
 
 
 def refresh(session: Any) -> Rpc[SessionInfo]:

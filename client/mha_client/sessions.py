@@ -64,7 +64,7 @@ def _task_cancelling() -> bool:
 def _read_step(session: Session | AsyncSession, resp: bytes, x, start: float):
     """A streamed step's reply, read as a unary one is (ops.step), into session.info."""
     try:
-        return ops.step_reader(session, x)(resp, (time.perf_counter() - start) * 1e3)
+        return ops.read_step(session, resp, np.ndim(x) == 2, (time.perf_counter() - start) * 1e3)
     except ReplyError as e:
         e.target = session._client.target
         raise
