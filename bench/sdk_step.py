@@ -5,7 +5,9 @@ against this one's, alternating in rounds against one server (this checkout's).
 Each side is a client process of its own (its tree's mha_client first on its path) that
 opens a session on the server, sends its prompt, then streams --steps one-token steps and
 reports each step's round trip: *sdk* through `AsyncSession.stream().step` (the request
-built from the array, the reply read into an AttendResult), *raw* through a bare bidi
+built from the array, the reply read into an AttendResult), *sync* through the sync SDK's
+`Session.stream().step` (gRPC's sync streams hand each request to a thread of their own),
+*raw* through a bare bidi
 stream of the same requests serialized before the clock starts, the reply left as bytes
 (bench/overhead.py's *served* column). sdk - raw is the SDK's own work per step, paid cold
 after each wait for the wire.
@@ -33,6 +35,30 @@ from served_bench import OPTIONS, BytesStream, machine, start_served  # noqa: E4
 EMBED = 512  # the built-in models'
 ROWS = [("gqa", 256), ("mqa", 1024), ("mha", 256)]
 WARMUP = 8  # steps of each run left out (the stream's and the process's first)
+
+
+def _sync_client(target: str, model: str, context: int, steps: int) -> list[float]:
+    """The sync SDK's run (Session.stream().step): step times, seconds."""
+    import time
+
+    import numpy as np
+
+    from mha_client.sdk import Client
+
+    rng = np.random.default_rng(0)
+    prompt = rng.standard_normal((context - steps, EMBED), dtype=np.float32)
+    tokens = rng.standard_normal((steps, 1, EMBED), dtype=np.float32)
+    times: list[float] = []
+    with Client(target) as client:
+        session = client.create_session(model)
+        session.step(prompt)
+        with session.stream() as stream:
+            for t in tokens:
+                start = time.perf_counter()
+                stream.step(t)
+                times.append(time.perf_counter() - start)
+        session.close()
+    return times
 
 
 async def _client(target: str, model: str, context: int, steps: int, raw: bool) -> list[float]:
@@ -71,12 +97,13 @@ async def _client(target: str, model: str, context: int, steps: int, raw: bool) 
     return times
 
 
-def side_run(tree: Path, target: str, model: str, context: int, steps: int, raw: bool) -> list:
-    """A side's run in a client process with `tree`'s client code first on its path."""
+def side_run(tree: Path, target: str, model: str, context: int, steps: int, kind: str) -> list:
+    """A side's run in a client process with `tree`'s client code first on its path; kind:
+    raw, sdk (async) or sync."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree / "client"), str(ROOT)])}
     argv = [sys.executable, __file__, "--client", target, model, str(context), str(steps)]
     run = subprocess.run(
-        argv + (["--raw"] if raw else []), env=env, capture_output=True, text=True, timeout=300
+        [*argv, "--kind", kind], env=env, capture_output=True, text=True, timeout=300
     )
     if run.returncode != 0:
         raise RuntimeError(f"the client of {tree} failed:\n{run.stdout}{run.stderr}")
@@ -93,11 +120,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--client", nargs=4, help=argparse.SUPPRESS)
-    ap.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--kind", default="sdk", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.client:  # a side's process
         target, model, context, steps = args.client
-        times = asyncio.run(_client(target, model, int(context), int(steps), args.raw))
+        if args.kind == "sync":
+            times = _sync_client(target, model, int(context), int(steps))
+        else:
+            times = asyncio.run(
+                _client(target, model, int(context), int(steps), args.kind == "raw")
+            )
         print(json.dumps(times))
         return 0
     rows = [(m, int(c)) for m, c in (r.split(":") for r in args.rows.split(","))]
@@ -107,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         if context <= args.steps:
             raise SystemExit(f"context {context} must exceed --steps {args.steps}")
     here = ROOT.parent
-    sides = {"raw": (here, True), "sdk": (here, False)}
+    sides = {"raw": (here, "raw"), "sdk": (here, "sdk"), "sync": (here, "sync")}
     if args.baseline_tree is not None:
-        sides["sdk before"] = (args.baseline_tree.resolve(), False)
+        sides["sdk before"] = (args.baseline_tree.resolve(), "sdk")
     from mha_client.sdk import Client
 
     results = []
@@ -123,13 +155,14 @@ def main(argv: list[str] | None = None) -> int:
                 for r in range(args.rounds):
                     order = list(sides) if r % 2 == 0 else list(reversed(sides))
                     for name in order:
-                        tree, raw = sides[name]
-                        samples[name] += side_run(tree, target, model, context, args.steps, raw)
+                        tree, kind = sides[name]
+                        samples[name] += side_run(tree, target, model, context, args.steps, kind)
                 us = {name: statistics.median(t) * 1e6 for name, t in samples.items()}
                 row = {"model": model, "context": context, "median_us": us}
                 line = (
                     f"{model} context {context}: raw {us['raw']:.0f} us, sdk {us['sdk']:.0f} "
-                    f"(the SDK's own: {us['sdk'] - us['raw']:+.0f} us a step)"
+                    f"(the SDK's own: {us['sdk'] - us['raw']:+.0f} us a step); sync SDK "
+                    f"{us['sync']:.0f} ({us['sync'] - us['raw']:+.0f})"
                 )
                 if "sdk before" in us:
                     row["sdk_over_before"] = us["sdk"] / us["sdk before"]
