@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from served_bench import OPTIONS, BytesStream, machine, start_served  # noqa: E402
+from served_bench import OPTIONS, machine, start_served, timed_stream  # noqa: E402
 
 EMBED = 512  # the built-in models'
 ROWS = [("gqa", 256), ("mqa", 1024), ("mha", 256)]
@@ -81,12 +81,7 @@ async def _client(target: str, model: str, context: int, steps: int, raw: bool) 
         if raw:
             payloads = [step_request(session.id, t, {}).SerializeToString() for t in tokens]
             async with grpc.aio.insecure_channel(target, options=OPTIONS) as channel:
-                stream = BytesStream(channel)
-                for p in payloads:
-                    start = time.perf_counter()
-                    await stream.round_trip(p)
-                    times.append(time.perf_counter() - start)
-                await stream.close()
+                times = await timed_stream(channel, payloads)
         else:
             async with session.stream() as stream:
                 for t in tokens:
