@@ -247,7 +247,12 @@ def encode_attend_request(model: str, x: np.ndarray, **options: Any) -> bytes:
 
 def attend_request_bytes(model: str, x: np.ndarray, **options: Any) -> bytes:
     """build_attend_request's request serialized, as the SDK sends it (its Attend and
-    StreamSession methods have no request_serializer): framed when x is large."""
+    StreamSession methods have no request_serializer): framed when x is large; a plain one
+    (plain_request) as its cached head and x's bytes."""
+    if not options:
+        plain = plain_request(model, "", x)
+        if plain is not None:
+            return plain
     arr = np.asarray(x)
     if arr.nbytes >= FRAME_BYTES:
         return encode_attend_request(model, arr, **options)
@@ -316,26 +321,37 @@ def step_request(session_id: str, x: np.ndarray, options: dict[str, Any]) -> pb.
 
 
 def step_request_bytes(session_id: str, x: np.ndarray, options: dict[str, Any]) -> bytes:
-    """step_request serialized as the SDK sends it (attend_request_bytes). A plain step (no
-    options) of a C-contiguous (L, E) or (1, L, E) float32 or float16 array in the wire's
-    byte order, below FRAME_BYTES (a decode step, most often), is its session's field and
-    its input's head (made once per session and shape) joined to the array's bytes: the
-    same message, parsed (tests/client/test_step_bytes.py), in two calls where protobuf's
-    way takes some twenty, each cold after the wait for the last reply."""
-    if not options and type(x) is np.ndarray and x.flags.c_contiguous:
-        enum = _PLAIN_STEP_DTYPES.get(x.dtype)
-        if enum is not None and x.ndim in (2, 3) and 0 < x.nbytes < FRAME_BYTES:
-            return _step_head(session_id, enum, x.shape, x.nbytes) + x.tobytes()
+    """step_request serialized as the SDK sends it (attend_request_bytes)."""
+    if not options:
+        plain = plain_request("", session_id, x)
+        if plain is not None:
+            return plain
     return attend_request_bytes("", x, session_id=session_id, **options)
 
 
-# The arrays a plain step sends as they are (wire dtype, little-endian): _WIRE_NUMPY's.
-_PLAIN_STEP_DTYPES = {np.dtype("<f4"): pb.DTYPE_FLOAT32, np.dtype("<f2"): pb.DTYPE_FLOAT16}
+def plain_request(model: str, session_id: str, x: Any) -> bytes | None:
+    """The serialized request of an Attend or a session step without options, when x is a
+    C-contiguous (L, E) or (B, L, E) float32 or float16 array in the wire's byte order below
+    FRAME_BYTES (a decode step, most often): its model's and session's fields and its
+    input's head (made once per model, session and shape) joined to x's bytes. The same
+    message, parsed (tests/client/test_step_bytes.py), in two calls where protobuf's way
+    takes some twenty, each cold after the wait for the last reply. None for any other x."""
+    if type(x) is np.ndarray and x.flags.c_contiguous:
+        enum = _PLAIN_DTYPES.get(x.dtype)
+        if enum is not None and x.ndim in (2, 3) and 0 < x.nbytes < FRAME_BYTES:
+            return _plain_head(model, session_id, enum, x.shape, x.nbytes) + x.tobytes()
+    return None
+
+
+# The arrays a plain request sends as they are (wire dtype, little-endian): _WIRE_NUMPY's.
+_PLAIN_DTYPES = {np.dtype("<f4"): pb.DTYPE_FLOAT32, np.dtype("<f2"): pb.DTYPE_FLOAT16}
 
 
 @functools.lru_cache(maxsize=1024)
-def _step_head(session_id: str, enum: int, shape: tuple[int, ...], nbytes: int) -> bytes:
-    """A plain step's request up to its input's bytes: session_id's field, then input's
-    (fields in any order make the same message)."""
-    session = pb.AttendRequest(session_id=session_id).SerializeToString()
-    return session + tensor_field_head(2, enum, shape, nbytes)
+def _plain_head(
+    model: str, session_id: str, enum: int, shape: tuple[int, ...], nbytes: int
+) -> bytes:
+    """A plain request up to its input's bytes: the model's and session_id's fields, then
+    input's (fields in any order make the same message)."""
+    fields = pb.AttendRequest(model=model, session_id=session_id).SerializeToString()
+    return fields + tensor_field_head(2, enum, shape, nbytes)

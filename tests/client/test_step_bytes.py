@@ -1,7 +1,7 @@
-"""step_request_bytes (what the SDK sends for a session step) against step_request
-(protobuf's message): a plain step's cached head joined to its array's bytes parses to the
-same message, whatever the array, session id and options; anything else takes protobuf's
-way (or its framing) and raises what it raises."""
+"""step_request_bytes and attend_request_bytes (what the SDK sends for a session step and an
+Attend) against protobuf's messages: a plain request's cached head joined to its array's
+bytes parses to the same message, whatever the array, session id, model and options;
+anything else takes protobuf's way (or its framing) and raises what it raises."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mha_client.api import attention_pb2 as pb
-from mha_client.messages import FRAME_BYTES, _step_head, step_request, step_request_bytes
+from mha_client.messages import (
+    FRAME_BYTES,
+    _plain_head,
+    attend_request_bytes,
+    build_attend_request,
+    step_request,
+    step_request_bytes,
+)
 from mha_client.tensors import parse_with_tensors
 
 
@@ -47,23 +54,27 @@ def test_a_step_sends_the_message_protobuf_would(
         assert str(sent.value) == str(e)
         return
     assert pb.AttendRequest.FromString(step_request_bytes(session_id, x, options)) == built
+    # an Attend alike (a model, no session)
+    built = build_attend_request(session_id or "m", x, **options)
+    sent = attend_request_bytes(session_id or "m", x, **options)
+    assert pb.AttendRequest.FromString(sent) == built
 
 
 def test_a_plain_decode_step_takes_the_cached_head():
     """One head per session and shape, made once; a float64 array (converted) or a step with
     options does not take it."""
-    _step_head.cache_clear()
+    _plain_head.cache_clear()
     x = np.arange(8, dtype=np.float32).reshape(1, 8)
     for sid in ("a", "b", "a"):
         data = step_request_bytes(sid, x, {})
         assert pb.AttendRequest.FromString(data) == step_request(sid, x, {})
         assert data.endswith(x.tobytes())
-    info = _step_head.cache_info()
+    info = _plain_head.cache_info()
     assert (info.misses, info.hits) == (2, 1)
     step_request_bytes("a", x.astype(np.float64), {})
     step_request_bytes("a", x, {"causal": True})
     step_request_bytes("a", x.reshape(2, 4)[:, ::2], {})  # not contiguous
-    assert _step_head.cache_info().misses == 2 and _step_head.cache_info().hits == 1
+    assert _plain_head.cache_info().misses == 2 and _plain_head.cache_info().hits == 1
 
 
 def test_a_step_at_the_framing_size_parses_alike_both_ways():
