@@ -20,7 +20,7 @@ from mha_client.channel import ChannelSecurity
 from mha_client.cli_heads import add_heads_command
 from mha_client.cli_save import SAVE_HELP, save_path, save_result
 from mha_client.cli_sessions import add_session_commands
-from mha_client.cli_types import positive_float
+from mha_client.cli_types import UsageError, positive_float, read_input
 from mha_client.errors import InvalidArgumentError, MhaServeError
 from mha_client.heatmap import require_matplotlib, save_heatmap
 from mha_client.loadgen import add_load_arguments, cmd_load
@@ -37,10 +37,6 @@ ENV_TARGET = "MHA_CLIENT_TARGET"
 ENV_TOKEN = "MHA_CLIENT_TOKEN"  # a bearer token, when no --token-file is given
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_TIMEOUT_S = 60.0
-
-
-class UsageError(Exception):
-    """A command line that parsed but cannot work (exit status 2)."""
 
 
 # ----- argument types: each raises ArgumentTypeError, so argparse exits 2 with the reason
@@ -339,19 +335,7 @@ def _load_input(client: Client, args: argparse.Namespace) -> np.ndarray:
         embed_dim = client.model_info(args.model).embed_dim
         rng = np.random.default_rng(args.seed)
         return rng.standard_normal((*args.random_shape, embed_dim), dtype=np.float32)
-    try:
-        x = np.load(args.input, allow_pickle=False)
-    except (OSError, ValueError) as err:
-        raise UsageError(f"cannot read --input {args.input}: {err}") from None
-    if not isinstance(x, np.ndarray) or x.ndim not in (2, 3):
-        shape = getattr(x, "shape", "an .npz archive")
-        raise UsageError(
-            f"--input {args.input} holds {shape}; expected a 2-D (seq_len, "
-            f"embed_dim) or 3-D (batch, seq_len, embed_dim) .npy array"
-        )
-    if not np.issubdtype(x.dtype, np.floating):
-        raise UsageError(f"--input {args.input} holds {x.dtype}; save it as float32 or float16")
-    return x
+    return read_input(args.input)
 
 
 def _real_lengths(x: np.ndarray, lengths: list[int] | None) -> np.ndarray:

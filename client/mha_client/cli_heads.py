@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mha_client.cli_types import positive_int
+from mha_client.cli_types import positive_int, read_input
 from mha_client.heads import HeadReport, analyze_heads, save_pruning_curve
 from mha_client.heatmap import require_matplotlib, save_heatmap
 from mha_client.sdk import Client
@@ -54,7 +54,7 @@ def cmd_heads(client: Client, args: argparse.Namespace) -> int:
         embed_dim = client.model_info(args.model).embed_dim
         x = np.random.default_rng(args.seed).standard_normal((args.random, embed_dim), np.float32)
     else:
-        x = np.load(args.input, allow_pickle=False)
+        x = read_input(args.input)
     lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else None
     report = analyze_heads(
         client, args.model, x, lengths=lengths, causal=args.causal, include_weights=bool(args.png)

@@ -12,7 +12,13 @@ from pathlib import Path
 import numpy as np
 
 from mha_client.cli_save import SAVE_HELP, save_path, save_result
-from mha_client.cli_types import non_negative_int, positive_float, positive_int
+from mha_client.cli_types import (
+    STEP_SHAPES,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    read_input,
+)
 from mha_client.sdk import Client, SessionInfo
 
 EXIT_OK = 0
@@ -149,7 +155,7 @@ def cmd_close(client: Client, args: argparse.Namespace) -> int:
 def cmd_step(client: Client, args: argparse.Namespace) -> int:
     s = client.session(args.session_id)
     if args.input is not None:
-        x = np.load(args.input)
+        x = read_input(args.input, STEP_SHAPES)
     else:
         embed_dim = client.model_info(s.refresh().model).embed_dim
         x = np.random.default_rng(args.seed).standard_normal(

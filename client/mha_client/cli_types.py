@@ -1,9 +1,36 @@
-"""argparse types shared by the CLI's commands: the message says what was expected."""
+"""argparse types and the --input reader shared by the CLI's commands: the message says what
+was expected."""
 
 from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
+
+import numpy as np
+
+# What --input holds for an Attend (and `heads`); a session step's says "1" for the batch.
+ATTEND_SHAPES = "a 2-D (seq_len, embed_dim) or 3-D (batch, seq_len, embed_dim)"
+STEP_SHAPES = "a 2-D (tokens, embed_dim) or 3-D (1, tokens, embed_dim)"
+
+
+class UsageError(Exception):
+    """A command line that parsed but cannot work (exit status 2)."""
+
+
+def read_input(path: Path, shapes: str = ATTEND_SHAPES) -> np.ndarray:
+    """The floats of an --input .npy file; UsageError naming the file and what it should hold
+    (shapes: its dimensions, in words) when it cannot be read or is not that."""
+    try:
+        x = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"cannot read --input {path}: {err}") from None
+    if not isinstance(x, np.ndarray) or x.ndim not in (2, 3):
+        shape = getattr(x, "shape", "an .npz archive")
+        raise UsageError(f"--input {path} holds {shape}; expected {shapes} .npy array")
+    if not np.issubdtype(x.dtype, np.floating):
+        raise UsageError(f"--input {path} holds {x.dtype}; save it as float32 or float16")
+    return x
 
 
 def positive_float(text: str) -> float:

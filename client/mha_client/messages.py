@@ -38,6 +38,21 @@ class AttendOptions(TypedDict, total=False):
     input_dtype: str | None
 
 
+# AttendOptions' names: what an Attend or a step takes besides its array.
+OPTION_NAMES = frozenset(AttendOptions.__optional_keys__)
+
+
+def check_options(options: dict[str, Any], what: str) -> None:
+    """InvalidArgumentError for an option that is not one of AttendOptions' (it would reach
+    build_attend_request as a TypeError naming that function): what, the call's name."""
+    unknown = sorted(k for k in options if k not in OPTION_NAMES)
+    if unknown:
+        raise InvalidArgumentError(
+            f"unknown option{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))} for "
+            f"{what}; the options are {', '.join(sorted(OPTION_NAMES))}"
+        )
+
+
 _VARIANTS = {pb.VARIANT_MHA: "mha", pb.VARIANT_GQA: "gqa", pb.VARIANT_MQA: "mqa"}
 
 
@@ -186,6 +201,7 @@ def build_attend_request(
     session_id: a session step (model may then be ""): x's tokens are appended to it.
     """
     arr = np.asarray(x)
+    _check_step_shape(arr, session_id)
     if arr.ndim not in (2, 3):
         raise InvalidArgumentError(
             f"x has shape {arr.shape}; expected (seq_len, embed_dim) or (batch, seq_len, embed_dim)"
@@ -232,10 +248,21 @@ _RESPONSE_TENSORS = {2: "output", 3: "attention_weights"}
 FRAME_BYTES = 1 << 16
 
 
+def _check_step_shape(arr: np.ndarray, session_id: str | None) -> None:
+    """A session step's x holds one sequence (the server refuses other shapes, and its
+    refusal ends a stream's call)."""
+    if session_id and (arr.ndim not in (2, 3) or (arr.ndim == 3 and arr.shape[0] != 1)):
+        raise InvalidArgumentError(
+            f"x has shape {arr.shape}; a session step takes one sequence, (tokens, "
+            "embed_dim) or (1, tokens, embed_dim)"
+        )
+
+
 def encode_attend_request(model: str, x: np.ndarray, **options: Any) -> bytes:
     """build_attend_request's request, serialized with one copy of x's bytes (protobuf's
     way costs five): for a channel method sending bytes as they are (no request_serializer)."""
     arr = np.asarray(x)
+    _check_step_shape(arr, options.get("session_id"))  # (naming x's shape, not the probe's)
     # Checks all but x's bytes on an empty slice; a wrong rank whole, for build's error to
     # name x's shape (and a 0-d x to raise InvalidArgumentError, not IndexError).
     probe = arr[..., :0] if arr.ndim in (2, 3) else arr
@@ -326,19 +353,27 @@ def step_request_bytes(session_id: str, x: np.ndarray, options: dict[str, Any]) 
         plain = plain_request("", session_id, x)
         if plain is not None:
             return plain
+    else:
+        check_options(options, "a session step")
     return attend_request_bytes("", x, session_id=session_id, **options)
 
 
 def plain_request(model: str, session_id: str, x: Any) -> bytes | None:
     """The serialized request of an Attend or a session step without options, when x is a
-    C-contiguous (L, E) or (B, L, E) float32 or float16 array in the wire's byte order below
+    C-contiguous (L, E) or (B, L, E) (a step's: (1, L, E)) float32 or float16 array in the
+    wire's byte order below
     FRAME_BYTES (a decode step, most often): its model's and session's fields and its
     input's head (made once per model, session and shape) joined to x's bytes. The same
     message, parsed (tests/client/test_step_bytes.py), in two calls where protobuf's way
     takes some twenty, each cold after the wait for the last reply. None for any other x."""
     if type(x) is np.ndarray and x.flags.c_contiguous:
         enum = _PLAIN_DTYPES.get(x.dtype)
-        if enum is not None and x.ndim in (2, 3) and 0 < x.nbytes < FRAME_BYTES:
+        ndim = x.ndim
+        if (
+            enum is not None
+            and (ndim == 2 or (ndim == 3 and (x.shape[0] == 1 or not session_id)))
+            and 0 < x.nbytes < FRAME_BYTES
+        ):
             return _plain_head(model, session_id, enum, x.shape, x.nbytes) + x.tobytes()
     return None
 

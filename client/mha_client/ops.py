@@ -19,6 +19,7 @@ from mha_client.messages import (
     SessionInfo,
     attend_request_bytes,
     check_keep,
+    check_options,
     read_attend_reply,
     step_request_bytes,
 )
@@ -79,6 +80,8 @@ class BytesStub:
 
 
 def attend(model: str, x: np.ndarray, options: dict[str, Any]) -> Rpc[AttendResult]:
+    if options:
+        check_options(options, "attend")
     request = attend_request_bytes(model, x, **options)
     squeeze = np.ndim(x) == 2
     return Rpc("Attend", request, lambda r, ms: read_attend_reply(r, squeeze, ms), raw=True)

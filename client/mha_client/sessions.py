@@ -13,6 +13,13 @@ got no reply is sent again: the server answered every message it read before tha
 so the step was not kept and is kept once. At most MAX_REOPENS times a step, within the
 stream's timeout; `stream(reopen=False)` raises that status instead.
 
+A step the server refuses (INVALID_ARGUMENT, OUT_OF_RANGE, ...: REFUSALS, nothing of it
+kept) ends its stream's call with that status, raised as the step's answer; the stream
+object goes on: the next step opens another call. An ending that leaves open whether its
+step was kept (the step cancelled, a deadline, a lost connection, an internal error) ends
+the stream object too: later steps raise that status again, saying so (whether the step
+was kept, session.refresh() tells), and another session.stream() goes on.
+
 Step options are those of build_attend_request (weights, heads, query_range, head_mask, ...).
 """
 
@@ -42,12 +49,43 @@ _CLOSED = "this stream is closed; open another with session.stream()"
 # (mha_serve.ray_app.moves.REOPEN; tests/e2e/test_stream_reopen.py holds the two together).
 REOPEN_HINT = "reopen the stream and send the messages that got no reply again"
 MAX_REOPENS = 3  # streams reopened for one step before its status is raised
+# A step's status that says the server refused it, keeping nothing: after it the stream
+# goes on, on another call (module doc). Other endings (CANCELLED, DEADLINE_EXCEEDED,
+# UNAVAILABLE, INTERNAL, UNKNOWN, DATA_LOSS) may come after the step was kept.
+REFUSALS = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
 
 
 def says_reopen(err: MhaServeError) -> bool:
     """A stream ended because its server is going and its sessions moved: reopen it, and
     send again what got no reply (none of it was kept)."""
     return err.code == grpc.StatusCode.UNAVAILABLE and REOPEN_HINT in (err.details or "")
+
+
+def _ended_by(err: MhaServeError) -> MhaServeError | None:
+    """What the steps after `err` (a step's status that ended its stream's call) raise: None
+    for a refusal (the stream goes on, on another call), else that status again, saying that
+    an earlier step ended the stream."""
+    if err.code in REFUSALS:
+        return None
+    return MhaServeError(
+        err.code,
+        f"this stream ended at an earlier step, with {err.code.name}: {err.details} (whether "
+        "that step was kept, session.refresh() tells); open another with session.stream()",
+        err.target,
+    )
 
 
 def _remaining(deadline: float | None) -> float | None:
@@ -134,6 +172,9 @@ class SessionStream:
     def _open(self) -> None:
         client = self._session._client
         client._check_open()
+        # The last step's status, when it ended this call (None: the call goes on): a
+        # refusal, or what later steps raise (_ended_by).
+        self._ended: MhaServeError | None = None
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._replies: Iterator[bytes] = client._bytes_stub.StreamSession(
             iter(self._requests.get, _END),
@@ -155,6 +196,11 @@ class SessionStream:
             raise ClosedError(_CLOSED, self._session._client.target)
         start = time.perf_counter()
         request = step_request_bytes(self._session.id, x, options)
+        if self._ended is not None:  # an earlier step's status ended the call
+            if self._ended.code not in REFUSALS:
+                raise self._ended
+            self._end()  # a refusal (nothing kept): this step on another call
+            self._open()
         for reopened in range(MAX_REOPENS + 1):
             try:
                 return _read_step(self._session, self._round_trip(request), x, start)
@@ -170,13 +216,17 @@ class SessionStream:
         try:
             return next(self._replies)
         except grpc.RpcError as err:
-            raise MhaServeError.from_rpc_error(err, self._session._client.target) from err
+            e = MhaServeError.from_rpc_error(err, self._session._client.target)
+            self._ended = _ended_by(e) or e
+            raise e from err
         except StopIteration:  # the server ended the stream without a status: not expected
-            raise MhaServeError(
+            e = MhaServeError(
                 grpc.StatusCode.UNKNOWN,
                 "the stream ended before this step's reply",
                 self._session._client.target,
-            ) from None
+            )
+            self._ended = _ended_by(e)
+            raise e from None
 
     def close(self) -> None:
         """Ends the stream and waits for the server to finish it; closing twice is a no-op."""
@@ -229,7 +279,8 @@ class AsyncSessionStream:
 
     Cancelling a step ends the stream: the server may have kept the step or not
     (`session.refresh()` tells), and its reply can no longer be told from the next one's.
-    Later steps raise MhaServeError CANCELLED; open another stream to go on."""
+    Later steps raise MhaServeError CANCELLED; open another stream to go on. A step the
+    server refuses leaves the stream usable (module doc)."""
 
     def __init__(self, session: AsyncSession, timeout: float | None, reopen: bool = True) -> None:
         self._session = session
@@ -242,6 +293,7 @@ class AsyncSessionStream:
     def _open(self) -> None:
         client = self._session._client
         client._check_open()
+        self._ended: MhaServeError | None = None  # as SessionStream's
         self._call = client._bytes_stub.StreamSession(
             timeout=_remaining(self._deadline), metadata=getattr(client, "metadata", None)
         )
@@ -257,6 +309,10 @@ class AsyncSessionStream:
             raise ClosedError(_CLOSED, self._session._client.target)
         start = time.perf_counter()
         request = step_request_bytes(self._session.id, x, options)
+        if self._ended is not None:  # an earlier step's status ended the call
+            if self._ended.code not in REFUSALS:
+                raise self._ended
+            self._open()  # a refusal (nothing kept): this step on another call
         for reopened in range(MAX_REOPENS + 1):
             try:
                 return _read_step(self._session, await self._round_trip(request), x, start)
@@ -268,28 +324,40 @@ class AsyncSessionStream:
 
     async def _round_trip(self, request: bytes) -> bytes:
         try:
-            if self._call.done():  # an earlier step failed or was cancelled: say how it ended
-                raise await self._ended()
+            if self._call.done():  # ended while no step was in flight: say how
+                raise await self._ended_status()
             await self._call.write(request)
             resp = await self._call.read()
         except grpc.RpcError as err:
             e = MhaServeError.from_rpc_error(err, self._session._client.target)
-            raise self._as_deadline(e) from err
+            raise self._ending(self._as_deadline(e)) from err
         except asyncio.InvalidStateError:  # the call ended between done() and write()
-            raise await self._ended() from None
+            raise await self._ended_status() from None
         except asyncio.CancelledError:
             if _task_cancelling():  # whether the server got the step is unknown: end the call,
                 self._call.cancel()  # or the next step could read this one's reply
+                self._ended = MhaServeError(
+                    grpc.StatusCode.CANCELLED,
+                    "a step of this stream was cancelled, which ended it (whether that step "
+                    "was kept, session.refresh() tells); open another with session.stream()",
+                    self._session._client.target,
+                )
                 raise
-            raise await self._ended() from None  # the call was cancelled, not this task
+            raise await self._ended_status() from None  # the call was cancelled, not this task
         if resp is grpc.aio.EOF:
-            raise await self._ended()
+            raise await self._ended_status()
         return resp
 
-    async def _ended(self) -> MhaServeError:
-        """The ended call's status as the error to raise."""
+    def _ending(self, e: MhaServeError) -> MhaServeError:
+        """e, a step's status that ended the call, kept for the steps after it (_ended_by)."""
+        self._ended = _ended_by(e) or e
+        return e
+
+    async def _ended_status(self) -> MhaServeError:
+        """The ended call's status as the error to raise (and kept, _ending)."""
         code, details = await self._call.code(), await self._call.details()
-        return self._as_deadline(MhaServeError(code, details, self._session._client.target))
+        e = MhaServeError(code, details, self._session._client.target)
+        return self._ending(self._as_deadline(e))
 
     def _as_deadline(self, e: MhaServeError) -> MhaServeError:
         """grpcio ends a stream whose deadline passes as a step is written with INTERNAL

@@ -6,6 +6,7 @@ import argparse
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from mha_client.cli import (
@@ -102,6 +103,28 @@ def test_bad_input_file_is_a_usage_error(tmp_path, capsys):
     missing = tmp_path / "missing.npy"
     assert main(["--target", "127.0.0.1:1", "attend", "m", "--input", str(missing)]) == 2
     assert "cannot read --input" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["attend", "m"], ["session", "step", "s1"], ["heads", "m"]])
+@pytest.mark.parametrize(
+    ("array", "says"),
+    [
+        (np.zeros(512, np.float32), "holds (512,); expected a 2-D"),
+        (np.zeros((2, 512), np.int64), "holds int64; save it as float32 or float16"),
+    ],
+)
+def test_an_input_file_that_cannot_work_is_a_usage_error_naming_it(
+    tmp_path, capsys, command, array, says
+):
+    """Every command reading --input names the file and what it should hold (a session
+    step: one sequence), before anything is sent (no server at the target)."""
+    path = tmp_path / "x.npy"
+    np.save(path, array)
+    assert main(["--target", "127.0.0.1:1", *command, "--input", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--input {path} {says}" in err
+    if command[0] == "session" and array.ndim == 1:
+        assert "(1, tokens, embed_dim)" in err
 
 
 def test_help_exits_0(capsys):

@@ -10,7 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mha_client import ops
 from mha_client.api import attention_pb2 as pb
+from mha_client.errors import InvalidArgumentError
 from mha_client.messages import (
     FRAME_BYTES,
     _plain_head,
@@ -89,3 +91,33 @@ def test_a_step_at_the_framing_size_parses_alike_both_ways():
     assert bytes(payloads["input"]) == x.tobytes()
     message.input.data = bytes(payloads["input"])
     assert message == step_request("session-1", x, {})
+
+
+@pytest.mark.parametrize(
+    "send",
+    [
+        lambda x, **o: step_request_bytes("s", x, o),
+        lambda x, **o: attend_request_bytes("m", x, **o) if not o else ops.attend("m", x, o),
+    ],
+)
+def test_an_unknown_option_is_an_invalid_argument_naming_it(send):
+    """Not a TypeError naming build_attend_request: what the option is, and the choices."""
+    x = np.ones((1, 8), np.float32)
+    with pytest.raises(InvalidArgumentError, match=r"unknown option 'bogus' for .*causal"):
+        send(x, bogus=1)
+    with pytest.raises(InvalidArgumentError, match=r"unknown options 'a', 'b'"):
+        send(x, b=1, a=2)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 8), (0, 1, 8), (8,), (1, 1, 1, 8)])
+def test_a_step_of_other_than_one_sequence_is_refused_before_sending(shape):
+    """The server refuses it too, which would end a stream's call: the SDK says so first,
+    whichever way the request is made (plain, protobuf's, framed)."""
+    x = np.ones(shape, np.float32)
+    for options in ({}, {"causal": True}):
+        with pytest.raises(InvalidArgumentError, match=r"a session step takes one sequence"):
+            step_request_bytes("s", x, options)
+    big = np.ones((2, 1, FRAME_BYTES // 4), np.float32)  # framed
+    with pytest.raises(InvalidArgumentError, match=r"x has shape \(2, 1, 16384\); a session"):
+        step_request_bytes("s", big, {})
+    assert attend_request_bytes("m", np.ones((2, 1, 8), np.float32))  # an Attend's batch: fine

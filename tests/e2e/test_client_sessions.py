@@ -72,6 +72,41 @@ def test_stream_error_carries_the_status(client):
         assert err.value.code.name == "OUT_OF_RANGE" and "max_len 2" in err.value.details
 
 
+def test_a_refused_step_leaves_the_stream_usable(client):
+    """A step the server refuses ends the stream's call with its status, raised as that
+    step's answer; the next steps go on (on another call), each answered for itself, and
+    the session holds exactly the steps kept (a step refused on the client alike)."""
+    x = np.ones((1, 512), np.float32)
+    with client.create_session("gqa") as s:
+        stream = s.stream()
+        stream.step(x)
+        with pytest.raises(MhaServeError) as err:
+            stream.step(x, causal=False)
+        assert err.value.code.name == "INVALID_ARGUMENT" and "causal" in err.value.details
+        assert stream.step(x, weights=True).weights is not None  # not the earlier error
+        with pytest.raises(MhaServeError) as err:
+            stream.step(np.ones((1, 256), np.float32))  # the server's: wrong embed_dim
+        assert err.value.code.name == "INVALID_ARGUMENT" and "embed_dim" in err.value.details
+        assert stream.step(x, output_dtype="float16").output.dtype == np.float16
+        with pytest.raises(MhaServeError):
+            stream.step(np.ones(512, np.float32))  # the client's: 1-D
+        assert stream.step(x).session.num_tokens == 4
+        stream.close()
+        assert s.refresh().num_tokens == 4
+
+
+async def test_a_refused_step_leaves_the_async_stream_usable(server):
+    x = np.ones((1, 512), np.float32)
+    async with AsyncClient(server.target) as c, await c.create_session("mqa") as s:
+        async with s.stream() as stream:
+            for kept in range(1, 4):
+                with pytest.raises(MhaServeError) as err:
+                    await stream.step(x, causal=False)
+                assert err.value.code.name == "INVALID_ARGUMENT"
+                assert (await stream.step(x)).session.num_tokens == kept
+        assert (await s.refresh()).num_tokens == 3
+
+
 def test_a_closed_stream_says_so(client):
     with client.create_session("mqa") as s:
         stream = s.stream()
@@ -86,8 +121,9 @@ def test_a_closed_stream_says_so(client):
 
 
 async def test_async_stream_after_an_error_raises_that_error(server):
-    """Sync and async streams agree: after the server ended the stream with an error, the
-    next step raises MhaServeError with that status, and a closed stream says it is closed."""
+    """Sync and async streams agree: after the server refused a step, the next step is
+    answered for itself (here refused again: the session is full), and a closed stream says
+    it is closed."""
     async with AsyncClient(server.target) as c, await c.create_session("mha", max_len=2) as s:
         stream = s.stream()
         await stream.step(np.zeros((2, 512), np.float32))

@@ -137,6 +137,39 @@ def test_other_statuses_and_reopen_false_are_raised_as_they_came(front):
         assert s.refresh().num_tokens == 0  # nothing cut was ever kept
 
 
+@pytest.mark.parametrize("use_async", [False, True])
+async def test_after_an_uncertain_ending_later_steps_say_so(front, use_async):
+    """A stream that ended UNAVAILABLE without the words to reopen (the step got no reply:
+    kept or not, the client cannot tell) stays ended: every later step raises that status,
+    saying that an earlier step ended it, and opens nothing; another stream goes on. A
+    refused step's stream goes on (tests/e2e/test_client_sessions.py)."""
+    x = np.zeros((1, 512), np.float32)
+    async with AsyncClient(front.target) as ac:
+        with Client(front.target) as client, client.create_session("mha") as s:
+            cut(front, 1, words="the server is shutting down")
+            stream = ac.session(s.id).stream() if use_async else s.stream()
+
+            async def step():
+                return await stream.step(x) if use_async else stream.step(x)
+
+            with pytest.raises(MhaServeError) as first:
+                await step()
+            assert first.value.code == grpc.StatusCode.UNAVAILABLE
+            for _ in range(2):
+                with pytest.raises(MhaServeError) as err:
+                    await step()
+                assert err.value.code == grpc.StatusCode.UNAVAILABLE
+                assert "ended at an earlier step" in err.value.details
+                assert (
+                    "shutting down" in err.value.details
+                    and "session.refresh()" in err.value.details
+                )
+            assert front.streams == 1  # nothing reopened
+            await stream.close() if use_async else stream.close()
+            with s.stream() as again:
+                assert again.step(x).session.num_tokens == 1
+
+
 def test_the_ray_replicas_words_are_the_ones_the_sdk_reopens_on():
     pytest.importorskip("ray", reason="the Ray Serve app's message (mha_serve.ray_app)")
     from mha_serve.ray_app.moves import REOPEN

@@ -127,9 +127,14 @@ async def test_after_a_cancelled_step_the_sdk_stream_says_it_was_cancelled(gated
         with pytest.raises(asyncio.CancelledError):
             await step
         gate.open()
-        with pytest.raises(MhaServeError) as err:
-            await stream.step(x)
-        assert err.value.code.name == "CANCELLED"
+        for _ in range(2):  # every later step, saying why (whether the step was kept: refresh)
+            with pytest.raises(MhaServeError) as err:
+                await stream.step(x)
+            assert err.value.code.name == "CANCELLED"
+            assert "a step of this stream was cancelled" in err.value.details
+            assert "session.refresh()" in err.value.details
+        async with s.stream() as again:  # another stream goes on
+            assert (await again.step(x)).session.num_tokens == (await s.refresh()).num_tokens
 
 
 async def test_cancelling_an_sdk_stream_close_cancels_the_task(gated):
