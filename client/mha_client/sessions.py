@@ -16,8 +16,8 @@ stream's timeout; `stream(reopen=False)` raises that status instead.
 A step the server refuses (INVALID_ARGUMENT, OUT_OF_RANGE, ...: REFUSALS, nothing of it
 kept) ends its stream's call with that status, raised as the step's answer; the stream
 object goes on: the next step opens another call. An ending that leaves open whether its
-step was kept (the step cancelled, a deadline, a lost connection, an internal error) ends
-the stream object too: later steps raise that status again, saying so (whether the step
+step was kept (the step cancelled or interrupted, a deadline, a lost connection, an
+internal error, a reply past max_message_bytes) ends the stream object too: later steps raise that status again, saying so (whether the step
 was kept, session.refresh() tells), and another session.stream() goes on.
 
 Step options are those of build_attend_request (weights, heads, query_range, head_mask, ...).
@@ -51,7 +51,9 @@ REOPEN_HINT = "reopen the stream and send the messages that got no reply again"
 MAX_REOPENS = 3  # streams reopened for one step before its status is raised
 # A step's status that says the server refused it, keeping nothing: after it the stream
 # goes on, on another call (module doc). Other endings (CANCELLED, DEADLINE_EXCEEDED,
-# UNAVAILABLE, INTERNAL, UNKNOWN, DATA_LOSS) may come after the step was kept.
+# UNAVAILABLE, INTERNAL, UNKNOWN, DATA_LOSS) may come after the step was kept, and so may
+# RESOURCE_EXHAUSTED: gRPC's own when a reply is past the client's max_message_bytes (the
+# step was kept), or a frontend worker's with no room to hand over a large reply.
 REFUSALS = frozenset(
     {
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -59,7 +61,6 @@ REFUSALS = frozenset(
         grpc.StatusCode.ALREADY_EXISTS,
         grpc.StatusCode.PERMISSION_DENIED,
         grpc.StatusCode.UNAUTHENTICATED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
         grpc.StatusCode.FAILED_PRECONDITION,
         grpc.StatusCode.ABORTED,
         grpc.StatusCode.OUT_OF_RANGE,
@@ -80,10 +81,14 @@ def _ended_by(err: MhaServeError) -> MhaServeError | None:
     an earlier step ended the stream."""
     if err.code in REFUSALS:
         return None
+    if says_reopen(err):  # (reopen=False, or MAX_REOPENS spent): its words say it was not kept
+        kept = "nothing of that step was kept"
+    else:
+        kept = "whether that step was kept, session.refresh() tells"
     return MhaServeError(
         err.code,
-        f"this stream ended at an earlier step, with {err.code.name}: {err.details} (whether "
-        "that step was kept, session.refresh() tells); open another with session.stream()",
+        f"this stream ended at an earlier step, with {err.code.name}: {err.details} ({kept}); "
+        "open another with session.stream()",
         err.target,
     )
 
@@ -212,8 +217,8 @@ class SessionStream:
         raise AssertionError("unreachable")
 
     def _round_trip(self, request: bytes) -> bytes:
-        self._requests.put(request)
         try:
+            self._requests.put(request)
             return next(self._replies)
         except grpc.RpcError as err:
             e = MhaServeError.from_rpc_error(err, self._session._client.target)
@@ -227,6 +232,15 @@ class SessionStream:
             )
             self._ended = _ended_by(e)
             raise e from None
+        except BaseException:  # a KeyboardInterrupt (Ctrl-C) while waiting, say: this step's
+            self._replies.cancel()  # reply would be read as the next one's, so the call ends
+            self._ended = MhaServeError(
+                grpc.StatusCode.CANCELLED,
+                "a step of this stream was interrupted, which ended it (whether that step was "
+                "kept, session.refresh() tells); open another with session.stream()",
+                self._session._client.target,
+            )
+            raise
 
     def close(self) -> None:
         """Ends the stream and waits for the server to finish it; closing twice is a no-op."""

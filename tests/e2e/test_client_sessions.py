@@ -107,6 +107,24 @@ async def test_a_refused_step_leaves_the_async_stream_usable(server):
         assert (await s.refresh()).num_tokens == 3
 
 
+def test_a_reply_past_the_clients_limit_ends_the_stream(server):
+    """gRPC refuses a reply larger than the client's max_message_bytes after the server kept
+    its step: RESOURCE_EXHAUSTED there is no refusal of the step, so the stream does not go
+    on as if nothing was kept; later steps say an earlier step ended it."""
+    x = np.ones((256, 512), np.float32)
+    with Client(server.target, max_message_bytes=1 << 20) as c, c.create_session("mha") as s:
+        stream = s.stream()
+        with pytest.raises(MhaServeError) as err:
+            stream.step(x, weights=True)  # 256 x 8 x 256 float32 weights: 2 MiB
+        assert err.value.code.name == "RESOURCE_EXHAUSTED"
+        with pytest.raises(MhaServeError) as err:
+            stream.step(x[:1])
+        assert err.value.code.name == "RESOURCE_EXHAUSTED"
+        assert "ended at an earlier step" in err.value.details
+        stream.close()
+        assert s.refresh().num_tokens == 256  # (it was kept)
+
+
 def test_a_closed_stream_says_so(client):
     with client.create_session("mqa") as s:
         stream = s.stream()
@@ -120,7 +138,7 @@ def test_a_closed_stream_says_so(client):
         assert s.refresh().num_tokens == 1
 
 
-async def test_async_stream_after_an_error_raises_that_error(server):
+async def test_async_stream_after_a_refusal_answers_the_next_step(server):
     """Sync and async streams agree: after the server refused a step, the next step is
     answered for itself (here refused again: the session is full), and a closed stream says
     it is closed."""

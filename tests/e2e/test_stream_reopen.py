@@ -10,6 +10,7 @@ stream; here the SDK's side of it is held to every answer being kept exactly onc
 
 from __future__ import annotations
 
+import _thread
 import queue
 import threading
 from concurrent import futures
@@ -40,6 +41,13 @@ class Front(grpc.GenericRpcHandler):
         self.cuts, self.status, self.words = 0, grpc.StatusCode.UNAVAILABLE, STOPPING
         self.streams = 0  # StreamSession calls seen
         self.lock = threading.Lock()
+        # hold(): the next message a stream reads waits (entered set) until released
+        self.holding, self.entered, self.released = False, threading.Event(), threading.Event()
+
+    def hold(self) -> None:
+        self.entered.clear()
+        self.released.clear()
+        self.holding = True
 
     def service(self, details):
         method = details.method
@@ -64,6 +72,10 @@ class Front(grpc.GenericRpcHandler):
                     self.cuts -= cut
                 if cut:  # read, not passed on: as a stopping replica, never kept
                     context.abort(self.status, self.words)
+                if self.holding:
+                    self.holding = False
+                    self.entered.set()
+                    assert self.released.wait(10)
                 outbound.put(request)
                 yield next(replies)
         finally:
@@ -168,6 +180,38 @@ async def test_after_an_uncertain_ending_later_steps_say_so(front, use_async):
             await stream.close() if use_async else stream.close()
             with s.stream() as again:
                 assert again.step(x).session.num_tokens == 1
+
+
+def test_an_interrupted_sync_step_ends_the_stream(front):
+    """A KeyboardInterrupt (Ctrl-C) while a sync step waits for its reply: the step's reply
+    must never be read as the next step's. The call ends, later steps say the stream was
+    interrupted, close() works, and another stream goes on from what the server kept."""
+    x = np.zeros((1, 512), np.float32)
+    with Client(front.target) as client, client.create_session("mha") as s:
+        cut(front, 0)
+        stream = s.stream()
+        stream.step(x)
+        front.hold()  # the next step waits in the front: its reply cannot have come
+        interrupter = threading.Thread(
+            target=lambda: front.entered.wait(10) and _thread.interrupt_main()
+        )
+        interrupter.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                stream.step(np.ones((3, 512), np.float32))
+        finally:
+            interrupter.join()
+            front.released.set()
+        for _ in range(2):
+            with pytest.raises(MhaServeError) as err:
+                stream.step(x)
+            assert err.value.code == grpc.StatusCode.CANCELLED
+            assert "interrupted" in err.value.details
+        stream.close()
+        kept = s.refresh().num_tokens
+        assert kept in (1, 4)  # the held step may have reached the server after the cancel
+        with s.stream() as again:
+            assert again.step(x).session.num_tokens == kept + 1
 
 
 def test_the_ray_replicas_words_are_the_ones_the_sdk_reopens_on():
