@@ -292,7 +292,13 @@ def test_a_frame_the_frontend_cannot_read_ends_the_link_as_a_lost_engine(tmp_pat
     assert _leftovers() == []
 
 
-def test_a_full_shared_memory_is_resource_exhausted_both_ways(engine, tmp_path, monkeypatch):
+def test_a_full_shared_memory_refuses_requests_and_answers_through_the_socket(
+    engine, tmp_path, monkeypatch, caplog
+):
+    """No room in shared memory: a large request is refused (RESOURCE_EXHAUSTED, before
+    anything ran); a large answer (computed, a session step kept by then) comes in the frame
+    itself, the same as through shared memory, with a warning."""
+
     def no_room(fd, offset, length):
         raise OSError(28, "No space left on device")
 
@@ -304,18 +310,25 @@ def test_a_full_shared_memory_is_resource_exhausted_both_ways(engine, tmp_path, 
             await _attend(remote, req("mha", big))
         small = _x(1, 400, 512, seed=7)  # inline, but its weights (5 MB) need shared memory
         call = req("mha", small, need_weights=True)
-        with pytest.raises(TooLarge, match="no room"):
-            await _attend(remote, call)
-        result, _ = await _attend(remote, req("mha", small))  # the link still serves
-        assert result.output.shape == (1, 400, 512)
+        result, _ = await _attend(remote, call)
+        expected, _ = await _attend(local, call)
+        assert torch.equal(result.weights, expected.weights)
+        assert torch.equal(result.output, expected.output)
+        sid = (await remote.create_session("mha", None, None, "")).session_id
+        step = req("mha", small, session_id=sid, need_weights=True)
+        result, _ = await _attend(remote, step)  # kept: its answer must arrive
+        assert result.session.num_tokens == 400 and result.weights is not None
+        assert (await remote.get_session(sid)).num_tokens == 400
 
-    _run(engine, tmp_path, body)
+    with caplog.at_level("WARNING", logger="mha_serve.serving.host"):
+        _run(engine, tmp_path, body)
     assert _leftovers() == []
+    assert any("goes through the socket" in r.getMessage() for r in caplog.records)
 
 
 def test_a_half_packed_message_leaves_no_file_and_no_waiter(engine, tmp_path, monkeypatch):
     """The reply's output finds room, its weights do not: the output's file goes too, the
-    caller gets why, and nothing is left waiting in the frontend."""
+    answer comes through the socket, and nothing is left waiting in the frontend."""
     real, calls = remote_mod.os.posix_fallocate, []
 
     def third_has_no_room(fd, offset, length):
@@ -328,8 +341,8 @@ def test_a_half_packed_message_leaves_no_file_and_no_waiter(engine, tmp_path, mo
 
     async def body(local: AsyncEngine, remote: RemoteEngine, host) -> None:
         call = req("mha", _x(1, 700, 512, seed=8), need_weights=True)
-        with pytest.raises(TooLarge, match="no room"):
-            await _attend(remote, call)
+        result, _ = await _attend(remote, call)  # through the socket (above)
+        assert result.weights is not None
         assert len(calls) == 3 and _leftovers() == []
         assert remote._pending == {}
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mha_serve.engine import TooLarge
 from mha_serve.serving.async_engine import AsyncEngine
 from mha_serve.serving.finish import computed_reply
 from mha_serve.serving.link import Hello, Shm, error_state, pack, pack_off_loop, read_frame
@@ -150,7 +151,11 @@ class EngineHost:
         me = os.getpid()
         try:  # a large answer is copied into shared memory off this loop (every frontend's)
             parts = await pack_off_loop(reply, me, frontend, nbytes)
-        except Exception as e:  # no room for its tensors, or worse: the caller gets why
+        except TooLarge as e:  # no room in shared memory for its tensors: in the frame
+            # itself (a session step is kept by now: an error would tell its caller it was not)
+            log.warning("engine operation %s: its answer goes through the socket: %s", op, e)
+            parts = pack(reply, me, frontend, shm=False)
+        except Exception as e:  # worse: the caller gets why
             if not isinstance(e, EXPECTED):
                 log.exception("engine operation %s: its answer could not be sent", op)
             parts = pack(("error", rid, error_state(e)), me, frontend)

@@ -149,7 +149,7 @@ def _reduce_array(a: np.ndarray) -> tuple:
     """How an array pickles here: its bytes out of band (protocol 5: no copy into the
     pickle), or through shared memory when large."""
     data = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    if data.nbytes >= SHM_BYTES:
+    if data.nbytes >= SHM_BYTES and _link.shm:
         name = Shm.write(data, *_link.ends)
         _link.written.append(name)
         return _from_shm, (name, data.nbytes, a.dtype.str, a.shape)
@@ -215,18 +215,26 @@ def _pad(n: int) -> int:
     return -n % ALIGN
 
 
-def pack(message: Any, engine: int, frontend: int, files: list[str] | None = None) -> list[Any]:
+def pack(
+    message: Any,
+    engine: int,
+    frontend: int,
+    files: list[str] | None = None,
+    *,
+    shm: bool = True,
+) -> list[Any]:
     """A message's frame as parts to write (arrays' bytes are referenced, not copied), for
     the link between engine and frontend (pids: its shared-memory files' names). Thread-safe:
     a large message is packed on a worker thread (pack_off_loop). files: where to note the
-    shared-memory files the frame names."""
+    shared-memory files the frame names. shm False: every array's bytes in the frame itself
+    (an answer that found no room in SHM_DIR: slower, but it arrives)."""
     try:
         pickler, meta, out_of_band = _link.pickler
     except AttributeError:  # this thread's first message: its pickler, kept (~1 us a message)
         meta, out_of_band = io.BytesIO(), []
         pickler = _Pickler(meta, protocol=5, buffer_callback=out_of_band.append)
         _link.pickler = pickler, meta, out_of_band
-    _link.ends, _link.written = (engine, frontend), []
+    _link.ends, _link.written, _link.shm = (engine, frontend), [], shm
     try:
         pickler.dump(message)
         pickled = meta.getvalue()
