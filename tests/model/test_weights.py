@@ -245,3 +245,18 @@ def test_unsupported_torch_options_in_files(tmp_path, kwargs, piece):
 def test_from_torch_mha_rejects_unsupported_options(kwargs, piece):
     with pytest.raises(ValueError, match=piece):
         from_torch_mha(torch_mha(bias=False, **kwargs))
+
+
+def test_a_missing_checkpoint_names_its_model_and_where_it_was_looked_for(tmp_path, monkeypatch):
+    """A [[models]] table that gives its attention may name a checkpoint written later: its
+    absence shows only when the server loads it, which says which model and which path."""
+    from mha_serve.engine import Engine
+    from mha_serve.spec import ModelSpec
+
+    monkeypatch.chdir(tmp_path)
+    spec = ModelSpec(name="late", attention=GQA, checkpoint="nope.safetensors")
+    with pytest.raises(FileNotFoundError) as err:
+        Engine([spec], device="cpu", dtype="float32", max_response_bytes=1 << 20)
+    assert str(err.value) == (
+        f"model 'late': checkpoint {tmp_path / 'nope.safetensors'} does not exist"
+    )

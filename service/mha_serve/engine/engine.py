@@ -139,9 +139,12 @@ class Engine(Preparing, Computing, SessionAPI):
                     "keys out of a Hugging Face model's [[models]] table"
                 )
         elif spec.checkpoint:
-            module = load_checkpoint(
-                spec.checkpoint, config=spec.attention, device=device, dtype=dtype
-            )
+            try:
+                module = load_checkpoint(
+                    spec.checkpoint, config=spec.attention, device=device, dtype=dtype
+                )
+            except (FileNotFoundError, ValueError) as e:  # which model's, when several load
+                raise type(e)(f"model {spec.name!r}: {e}") from e
         else:
             module = MultiHeadAttention(spec.attention, device=device, dtype=dtype)
             init_weights(module, spec.seed)

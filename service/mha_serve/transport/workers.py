@@ -59,10 +59,13 @@ STOP_MARGIN_S = 10.0  # beyond drain + grace before a frontend that does not exi
 
 def reserve_port(host: str, port: int) -> socket.socket:
     """Binds (not listens) host:port with SO_REUSEPORT: the frontends' listeners join it, a
-    process without the option cannot take the port meanwhile, and port 0 gets its number."""
+    process without the option cannot take the port meanwhile, and port 0 gets its number.
+    And SO_REUSEADDR, as gRPC's own listeners have it: a server restarted at once binds its
+    port while the connections of the one before linger in TIME_WAIT."""
     host = host.strip("[]")  # "[::]" as gRPC writes it
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
