@@ -17,6 +17,15 @@ import grpc
 from mha_serve import metrics
 
 SHUTTING_DOWN = "the server is shutting down; retry on another replica"
+AT_LIMIT = (
+    "this server is handling {limit} calls at once, its max_concurrent_rpcs (open streams "
+    "count for as long as they are open); retry later, or raise the limit"
+)
+# gRPC's own limit of concurrent RPCs is set this much above the guarded calls' limit
+# (max_concurrent_rpcs): health checks, reflection and calls whose request is still
+# arriving get through (gRPC's refusal is uncounted and does not say which limit), while
+# the bytes held stay bounded.
+GRPC_HEADROOM = 32
 # The port closes once no call arrived or ended for this long: a client answered or refused
 # has moved on (or backs off), so no call of its reaches the closing server (CANCELLED).
 QUIET_S = 0.25
@@ -27,10 +36,13 @@ class Draining(Exception):
 
 
 class Drain:
-    """Counts the calls inside the handlers it guards; once `close`d, refuses new ones."""
+    """Counts the calls inside the handlers it guards; once `close`d, refuses new ones; past
+    `max_calls` of them at once, refuses new ones RESOURCE_EXHAUSTED (counted, saying which
+    limit: gRPC's own refusal is neither)."""
 
-    def __init__(self, quiet_s: float = QUIET_S) -> None:
+    def __init__(self, quiet_s: float = QUIET_S, max_calls: int | None = None) -> None:
         self.quiet_s = quiet_s
+        self.max_calls = max_calls  # None: no limit of its own
         self.in_flight = 0  # calls inside a guarded handler
         self.closed = False
         self.refused = 0  # calls and stream messages answered UNAVAILABLE once closed
@@ -79,6 +91,8 @@ class Drain:
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if self.closed:
                 await self._refuse(method, protocol, context)
+            if self.max_calls is not None and self.in_flight >= self.max_calls:
+                await self._at_limit(method, protocol, context)
             self._enter()
             try:
                 return await handler(requests(request), context)
@@ -90,6 +104,8 @@ class Drain:
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             if self.closed:
                 await self._refuse(method, protocol, context)
+            if self.max_calls is not None and self.in_flight >= self.max_calls:
+                await self._at_limit(method, protocol, context)
             self._enter()
             try:
                 async with contextlib.aclosing(handler(requests(request), context)) as out:
@@ -144,3 +160,12 @@ class Drain:
         self._last_activity = time.monotonic()
         metrics.count_request(method, "unknown", grpc.StatusCode.UNAVAILABLE.name, protocol)
         await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+
+    async def _at_limit(
+        self, method: str, protocol: str, context: grpc.aio.ServicerContext
+    ) -> None:
+        """RESOURCE_EXHAUSTED (retryable later), counted like every answered call."""
+        self._last_activity = time.monotonic()
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED
+        metrics.count_request(method, "unknown", code.name, protocol)
+        await context.abort(code, AT_LIMIT.format(limit=self.max_calls))

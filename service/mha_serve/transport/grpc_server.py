@@ -22,7 +22,7 @@ from mha_serve.config import ServerConfig
 from mha_serve.net import host_port
 from mha_serve.serving import EngineClient
 from mha_serve.transport.auth import TokenInterceptor, load_tokens, server_credentials
-from mha_serve.transport.drain import Drain
+from mha_serve.transport.drain import GRPC_HEADROOM, Drain
 from mha_serve.transport.handlers import add_service
 from mha_serve.transport.oip import SERVICE as INFERENCE_SERVICE
 from mha_serve.transport.oip import SERVICE_NAME as INFERENCE_SERVICE_NAME
@@ -73,7 +73,9 @@ class GrpcServer:
         self.requires_token = bool(tokens)
         self.server = grpc.aio.server(
             interceptors=[TokenInterceptor(tokens)] if tokens else None,
-            maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
+            # (the guarded calls' limit is the Drain's, below, counted and named; gRPC's own
+            # is a bound above it that health checks and arriving requests fit under)
+            maximum_concurrent_rpcs=cfg.max_concurrent_rpcs + GRPC_HEADROOM,
             options=[
                 ("grpc.max_receive_message_length", cfg.max_receive_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_send_message_bytes),
@@ -86,7 +88,8 @@ class GrpcServer:
         self.port: int | None = None
         self._stopped = asyncio.Event()
         self._hurried = asyncio.Event()  # a second stop signal: end the drain now
-        self.drain = Drain()  # both doors' calls: refused once draining, waited for on stop
+        # Both doors' calls: refused once draining (waited for on stop), or past the limit.
+        self.drain = Drain(max_calls=cfg.max_concurrent_rpcs)
 
     async def start(self) -> None:
         """Listens at once (health NOT_SERVING), then loads and warms the models off the loop."""

@@ -23,7 +23,7 @@ HELP = {
     "torch_threads": "torch threads of the compute thread (loading and every batched lane); 0 keeps torch's default",
     "weights_torch_threads": "torch threads of the attention-weights lane; torch_threads plus this should not exceed the cores",
     "drain_delay_s": "on SIGTERM, seconds to keep serving with health NOT_SERVING before closing",
-    "max_concurrent_rpcs": "RPCs handled at once; beyond it RESOURCE_EXHAUSTED",
+    "max_concurrent_rpcs": "calls handled at once (an open stream counts while open, health checks do not); beyond it RESOURCE_EXHAUSTED",
     "session_ttl_s": "idle KV-cache sessions expire after this many seconds; 0: never",
     "evict_idle_sessions": "when a KV cache is full, evict least-recently-used idle sessions (true) or refuse (false)",
     "log_level": "DEBUG | INFO | WARNING | ERROR",
