@@ -93,6 +93,17 @@ def _ended_by(err: MhaServeError) -> MhaServeError | None:
     )
 
 
+def _step_ended_it(how: str, target: str) -> MhaServeError:
+    """What later steps raise once the caller broke off a step (`how`: cancelled,
+    interrupted), which ended the stream's call: its reply could be read as the next one's."""
+    return MhaServeError(
+        grpc.StatusCode.CANCELLED,
+        f"a step of this stream was {how}, which ended it (whether that step was kept, "
+        "session.refresh() tells); open another with session.stream()",
+        target,
+    )
+
+
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
@@ -234,12 +245,7 @@ class SessionStream:
             raise e from None
         except BaseException:  # a KeyboardInterrupt (Ctrl-C) while waiting, say: this step's
             self._replies.cancel()  # reply would be read as the next one's, so the call ends
-            self._ended = MhaServeError(
-                grpc.StatusCode.CANCELLED,
-                "a step of this stream was interrupted, which ended it (whether that step was "
-                "kept, session.refresh() tells); open another with session.stream()",
-                self._session._client.target,
-            )
+            self._ended = _step_ended_it("interrupted", self._session._client.target)
             raise
 
     def close(self) -> None:
@@ -350,12 +356,7 @@ class AsyncSessionStream:
         except asyncio.CancelledError:
             if _task_cancelling():  # whether the server got the step is unknown: end the call,
                 self._call.cancel()  # or the next step could read this one's reply
-                self._ended = MhaServeError(
-                    grpc.StatusCode.CANCELLED,
-                    "a step of this stream was cancelled, which ended it (whether that step "
-                    "was kept, session.refresh() tells); open another with session.stream()",
-                    self._session._client.target,
-                )
+                self._ended = _step_ended_it("cancelled", self._session._client.target)
                 raise
             raise await self._ended_status() from None  # the call was cancelled, not this task
         if resp is grpc.aio.EOF:
