@@ -52,8 +52,8 @@ MAX_REOPENS = 3  # streams reopened for one step before its status is raised
 # A step's status that says the server refused it, keeping nothing: after it the stream
 # goes on, on another call (module doc). Other endings (CANCELLED, DEADLINE_EXCEEDED,
 # UNAVAILABLE, INTERNAL, UNKNOWN, DATA_LOSS) may come after the step was kept, and so may
-# RESOURCE_EXHAUSTED: gRPC's own when a reply is past the client's max_message_bytes (the
-# step was kept), or a frontend worker's with no room to hand over a large reply.
+# RESOURCE_EXHAUSTED: gRPC's own when a reply is past the client's max_message_bytes, or a
+# frontend worker's with no room to hand over an answer past 16 MiB (it says it was kept).
 REFUSALS = frozenset(
     {
         grpc.StatusCode.INVALID_ARGUMENT,

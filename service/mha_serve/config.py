@@ -41,8 +41,9 @@ class ServerConfig:
     # On SIGTERM, keep serving this long with health NOT_SERVING so that load balancers
     # stop routing here before the port closes (0: close at once).
     drain_delay_s: float = 0.0
-    # RPCs handled at once; beyond it gRPC answers RESOURCE_EXHAUSTED (bounds the memory
-    # held by decoded requests waiting for a batch).
+    # Calls handled at once (an open stream counts while open, health checks do not);
+    # beyond it RESOURCE_EXHAUSTED, counted (transport/drain.py), and gRPC's own limit a
+    # little above it bounds the memory held by requests waiting for a batch.
     max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS
     torch_threads: int = 0  # intra-op threads for the forward; 0 keeps torch's default
     # Threads of the lane that computes attention weights. Keep torch_threads plus this at

@@ -326,9 +326,37 @@ def test_a_full_shared_memory_refuses_requests_and_answers_through_the_socket(
     assert any("goes through the socket" in r.getMessage() for r in caplog.records)
 
 
+def test_an_answer_too_large_for_the_socket_says_its_step_was_kept(engine, tmp_path, monkeypatch):
+    """Past SOCKET_FALLBACK_BYTES an answer with no room in shared memory is not sent through
+    the socket (its copies would hold the engine's loop): its error says that the session
+    step was kept, so that its caller does not send it again."""
+    from mha_serve.serving import host as host_mod
+
+    def no_room(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(remote_mod.os, "posix_fallocate", no_room)
+    monkeypatch.setattr(host_mod, "SOCKET_FALLBACK_BYTES", 1 << 20)
+
+    async def body(local: AsyncEngine, remote: RemoteEngine, host) -> None:
+        small = _x(1, 400, 512, seed=7)  # its weights: 5 MB
+        sid = (await remote.create_session("mha", None, None, "")).session_id
+        with pytest.raises(TooLarge, match="this session step was kept") as err:
+            await _attend(remote, req("mha", small, session_id=sid, need_weights=True))
+        assert "do not send it again" in str(err.value)
+        assert (await remote.get_session(sid)).num_tokens == 400
+        with pytest.raises(TooLarge) as err:  # an Attend: nothing to keep, nothing said
+            await _attend(remote, req("mha", small, need_weights=True))
+        assert "kept" not in str(err.value)
+
+    _run(engine, tmp_path, body)
+    assert _leftovers() == []
+
+
 def test_a_half_packed_message_leaves_no_file_and_no_waiter(engine, tmp_path, monkeypatch):
     """The reply's output finds room, its weights do not: the output's file goes too, the
-    answer comes through the socket, and nothing is left waiting in the frontend."""
+    caller gets why (an answer past SOCKET_FALLBACK_BYTES), and nothing is left waiting in
+    the frontend."""
     real, calls = remote_mod.os.posix_fallocate, []
 
     def third_has_no_room(fd, offset, length):
@@ -341,8 +369,8 @@ def test_a_half_packed_message_leaves_no_file_and_no_waiter(engine, tmp_path, mo
 
     async def body(local: AsyncEngine, remote: RemoteEngine, host) -> None:
         call = req("mha", _x(1, 700, 512, seed=8), need_weights=True)
-        result, _ = await _attend(remote, call)  # through the socket (above)
-        assert result.weights is not None
+        with pytest.raises(TooLarge, match="no room"):  # (17 MB: past the socket's share)
+            await _attend(remote, call)
         assert len(calls) == 3 and _leftovers() == []
         assert remote._pending == {}
 

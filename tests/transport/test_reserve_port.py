@@ -51,3 +51,17 @@ def test_a_port_another_process_listens_on_is_not_reserved():
             reserve_port("127.0.0.1", listener.getsockname()[1])
     finally:
         listener.close()
+
+
+def test_a_reserved_port_keeps_a_server_that_reuses_addresses_out():
+    """Reserved with no TIME_WAIT in the way (without SO_REUSEADDR): another server binding
+    as gRPC's listeners do (SO_REUSEADDR) is refused until the frontends listen."""
+    sock = reserve_port("127.0.0.1", 0)
+    other = socket.socket()
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        with pytest.raises(OSError):
+            other.bind(("127.0.0.1", sock.getsockname()[1]))
+    finally:
+        other.close()
+        sock.close()

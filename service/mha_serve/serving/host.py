@@ -31,6 +31,10 @@ from mha_serve.serving.protocol import EXPECTED
 
 log = logging.getLogger(__name__)
 
+# An answer whose tensors find no room in shared memory crosses in the frame itself up to
+# this size (its copies then run on the engine's event loop, which every frontend shares).
+SOCKET_FALLBACK_BYTES = 16 << 20
+
 # What a frontend may ask of the engine: the EngineClient's coroutines (compute is attend
 # without the encoding, which the frontend does).
 ENGINE_OPS = (
@@ -151,16 +155,38 @@ class EngineHost:
         me = os.getpid()
         try:  # a large answer is copied into shared memory off this loop (every frontend's)
             parts = await pack_off_loop(reply, me, frontend, nbytes)
-        except TooLarge as e:  # no room in shared memory for its tensors: in the frame
-            # itself (a session step is kept by now: an error would tell its caller it was not)
-            log.warning("engine operation %s: its answer goes through the socket: %s", op, e)
-            parts = pack(reply, me, frontend, shm=False)
+        except TooLarge as e:  # no room in shared memory for its tensors
+            parts = self._without_shm(op, rid, reply, me, frontend, nbytes, e, args)
         except Exception as e:  # worse: the caller gets why
             if not isinstance(e, EXPECTED):
                 log.exception("engine operation %s: its answer could not be sent", op)
             parts = pack(("error", rid, error_state(e)), me, frontend)
         if not outbox.put(parts):  # the frontend left meanwhile: nobody takes its files
             Shm.clean(me, frontend)
+
+    @staticmethod
+    def _without_shm(
+        op: str, rid: int, reply: tuple, me: int, frontend: int, nbytes: int, e: TooLarge, args
+    ) -> list[Any]:
+        """An answer whose tensors found no room in shared memory: in the frame itself up
+        to SOCKET_FALLBACK_BYTES (a session step is kept by now: an error would tell its
+        caller it was not; its copies run on this loop, so larger ones are not sent so),
+        else the error, saying that a session step was kept."""
+        if nbytes <= SOCKET_FALLBACK_BYTES:
+            log.warning("engine operation %s: its answer goes through the socket: %s", op, e)
+            try:
+                return pack(reply, me, frontend, shm=False)
+            except Exception as failed:  # (never leave the caller waiting)
+                log.exception("engine operation %s: its answer could not be sent", op)
+                return pack(("error", rid, error_state(failed)), me, frontend)
+        request = args[0] if op == "compute" and args else None
+        if getattr(request, "session_id", None):
+            e = TooLarge(
+                f"{e}; this session step was kept (its session holds its tokens), but its "
+                f"{nbytes}-byte answer could not reach the frontend: do not send it again "
+                "(GetSession shows the session)"
+            )
+        return pack(("error", rid, error_state(e)), me, frontend)
 
 
 class _Outbox:

@@ -95,7 +95,8 @@ def add_service(
     lenient parsing; `messages` is the generated _pb2 module holding the message classes.
     The servicer's methods must answer a Malformed request themselves (`reject`). With a
     `drain`, each method but those `always_answered` (a protocol's own health checks) refuses
-    new calls once the server drains (drain.py; the servicer names its metrics' `PROTOCOL`).
+    new calls once the server drains, and past the drain's max_calls at once (drain.py; the
+    servicer names its metrics' `PROTOCOL`).
 
     A servicer's `request_parsers` (method name -> parse(bytes)) replace FromString for those
     methods; any method may answer bytes, which are sent as they are (already serialized)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import gc
 import logging
 import multiprocessing
@@ -60,19 +61,27 @@ STOP_MARGIN_S = 10.0  # beyond drain + grace before a frontend that does not exi
 def reserve_port(host: str, port: int) -> socket.socket:
     """Binds (not listens) host:port with SO_REUSEPORT: the frontends' listeners join it, a
     process without the option cannot take the port meanwhile, and port 0 gets its number.
-    And SO_REUSEADDR, as gRPC's own listeners have it: a server restarted at once binds its
-    port while the connections of the one before linger in TIME_WAIT."""
+    When the port is taken, once more with SO_REUSEADDR too, as gRPC's own listeners bind:
+    a server restarted at once then binds its port while the connections of the one before
+    linger in TIME_WAIT (a port another process listens on stays refused). Only then, as
+    the kernel has it, could another server that sets SO_REUSEADDR bind the port before the
+    frontends listen (their bind then fails, and says so)."""
     host = host.strip("[]")  # "[::]" as gRPC writes it
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"could not listen on {host_port(host, port)}: {e.strerror}") from e
-    return sock
+    for reuse_addr in (False, True):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        if reuse_addr:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            sock.close()
+            if e.errno == errno.EADDRINUSE and not reuse_addr:
+                continue
+            raise OSError(f"could not listen on {host_port(host, port)}: {e.strerror}") from e
+        return sock
+    raise AssertionError("unreachable")
 
 
 @dataclasses.dataclass
