@@ -411,6 +411,39 @@ async def test_sequences_are_per_model_and_a_start_replaces_a_live_one():
         assert await num_sessions(stubs) == 0
 
 
+@pytest.mark.parametrize(
+    "refused",
+    [
+        dict(params={"causal": "maybe"}),  # a parameter the request's conversion refuses
+        dict(x=embeddings(1, 2, EMBED // 2)),  # the wrong embed_dim
+        dict(outputs=("Y",)),  # an unknown output
+        dict(params={"causal": False}),  # refused by the engine, at the step
+    ],
+)
+async def test_an_end_refused_still_ends_its_sequence(refused):
+    """docs/api.md: end closes the sequence's session after its step, whatever that step's
+    outcome: a step refused before it reached the session too (it stayed open, counting
+    against its client's limits until its TTL)."""
+    x = embeddings(1, 2, EMBED)
+    async with serving() as stubs:
+        await stubs.oip.ModelInfer(step_request(x, 77, start=True))
+        assert await num_sessions(stubs) == 1
+        last = infer_request(
+            refused.get("x", x),
+            outputs=refused.get("outputs", ()),
+            sequence_id=77,
+            sequence_end=True,
+            **refused.get("params", {}),
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stubs.oip.ModelInfer(last)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert await num_sessions(stubs) == 0
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # ended: a step is refused
+            await stubs.oip.ModelInfer(step_request(x, 77))
+        assert "must specify the START flag" in err.value.details()
+
+
 async def test_a_sequence_whose_session_is_gone_is_named():
     x = embeddings(1, 2, EMBED)
     async with serving() as stubs:

@@ -193,11 +193,21 @@ class InferenceDoor(Door):
         hosted = self.hosted(request.model_name, request.model_version)
         model = hosted.spec.name
         sequence = sequence_of(request.parameters)
-        call, outputs = to_call(request, hosted)
+        try:
+            call, outputs = to_call(request, hosted)
+            deadline = _deadline(context, read_parameter(request.parameters, "timeout", model))
+        except RequestError:
+            if sequence is not None and sequence.end and not sequence.start:
+                # end closes the sequence whatever its step's outcome: a step refused before
+                # it reached the sequence's session too
+                key = sequence_key_of(model, client_identity(context), sequence)
+                session_id = await serving.sequence_session(key)
+                if session_id is not None:
+                    await asyncio.shield(serving.end_sequence(key, session_id, close=True))
+            raise
         encode = functools.partial(
             encode_response, outputs=outputs, model=model, request_id=request.id
         )
-        deadline = _deadline(context, read_parameter(request.parameters, "timeout", model))
         if sequence is None:
             served = await serving.attend(call, encode, received=received, deadline=deadline)
         else:
