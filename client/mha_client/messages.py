@@ -361,11 +361,11 @@ def step_request_bytes(session_id: str, x: np.ndarray, options: dict[str, Any]) 
 def plain_request(model: str, session_id: str, x: Any) -> bytes | None:
     """The serialized request of an Attend or a session step without options, when x is a
     C-contiguous (L, E) or (B, L, E) (a step's: (1, L, E)) float32 or float16 array in the
-    wire's byte order below
-    FRAME_BYTES (a decode step, most often): its model's and session's fields and its
-    input's head (made once per model, session and shape) joined to x's bytes. The same
-    message, parsed (tests/client/test_step_bytes.py), in two calls where protobuf's way
-    takes some twenty, each cold after the wait for the last reply. None for any other x."""
+    wire's byte order below FRAME_BYTES (a decode step, most often): its model's and
+    session's fields and its input's head (made once per model, session and shape) joined
+    to x's bytes. The same message, parsed (tests/client/test_step_bytes.py), in two calls
+    where protobuf's way takes some twenty, each cold after the wait for the last reply.
+    None for any other x."""
     if type(x) is np.ndarray and x.flags.c_contiguous:
         enum = _PLAIN_DTYPES.get(x.dtype)
         ndim = x.ndim

@@ -17,8 +17,9 @@ A step the server refuses (INVALID_ARGUMENT, OUT_OF_RANGE, ...: REFUSALS, nothin
 kept) ends its stream's call with that status, raised as the step's answer; the stream
 object goes on: the next step opens another call. An ending that leaves open whether its
 step was kept (the step cancelled or interrupted, a deadline, a lost connection, an
-internal error, a reply past max_message_bytes) ends the stream object too: later steps raise that status again, saying so (whether the step
-was kept, session.refresh() tells), and another session.stream() goes on.
+internal error, a reply past max_message_bytes) ends the stream object too: later steps
+raise that status again, saying so (whether the step was kept, session.refresh() tells),
+and another session.stream() goes on.
 
 Step options are those of build_attend_request (weights, heads, query_range, head_mask, ...).
 """
@@ -75,12 +76,12 @@ def says_reopen(err: MhaServeError) -> bool:
     return err.code == grpc.StatusCode.UNAVAILABLE and REOPEN_HINT in (err.details or "")
 
 
-def _ended_by(err: MhaServeError) -> MhaServeError | None:
-    """What the steps after `err` (a step's status that ended its stream's call) raise: None
-    for a refusal (the stream goes on, on another call), else that status again, saying that
-    an earlier step ended the stream."""
+def _ended_by(err: MhaServeError) -> MhaServeError:
+    """What a stream keeps of `err`, a step's status that ended its call, for the steps after
+    it: err itself for a refusal (the next step goes on, on another call), else what they
+    raise: that status again, saying that an earlier step ended the stream."""
     if err.code in REFUSALS:
-        return None
+        return err
     if says_reopen(err):  # (reopen=False, or MAX_REOPENS spent): its words say it was not kept
         kept = "nothing of that step was kept"
     else:
@@ -188,8 +189,8 @@ class SessionStream:
     def _open(self) -> None:
         client = self._session._client
         client._check_open()
-        # The last step's status, when it ended this call (None: the call goes on): a
-        # refusal, or what later steps raise (_ended_by).
+        # The last step's status, when it ended this call (None: the call goes on), as
+        # _ended_by keeps it: a refusal, or what later steps raise.
         self._ended: MhaServeError | None = None
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._replies: Iterator[bytes] = client._bytes_stub.StreamSession(
@@ -233,7 +234,7 @@ class SessionStream:
             return next(self._replies)
         except grpc.RpcError as err:
             e = MhaServeError.from_rpc_error(err, self._session._client.target)
-            self._ended = _ended_by(e) or e
+            self._ended = _ended_by(e)
             raise e from err
         except StopIteration:  # the server ended the stream without a status: not expected
             e = MhaServeError(
@@ -365,7 +366,7 @@ class AsyncSessionStream:
 
     def _ending(self, e: MhaServeError) -> MhaServeError:
         """e, a step's status that ended the call, kept for the steps after it (_ended_by)."""
-        self._ended = _ended_by(e) or e
+        self._ended = _ended_by(e)
         return e
 
     async def _ended_status(self) -> MhaServeError:

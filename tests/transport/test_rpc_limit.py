@@ -12,7 +12,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_serve import metrics
-from mha_serve.transport.drain import GRPC_HEADROOM
 from tests.transport.test_sessions_server import serving, tokens
 
 
@@ -25,7 +24,6 @@ def _refused_count() -> float:
 async def test_past_the_limit_a_call_is_refused_counted_and_health_answers():
     server = await serving(max_concurrent_rpcs=2)
     try:
-        assert server.server is not None and GRPC_HEADROOM > 0
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = pb_grpc.AttentionServiceStub(channel)
             sid = (await stub.CreateSession(pb.CreateSessionRequest(model="tiny"))).session_id

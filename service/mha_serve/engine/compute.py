@@ -107,9 +107,10 @@ class Computing:
         output in any: the lone step converts them as the lanes' does). The same checks,
         outcome and errors as run(prepare(request, state)) (tests/engine/test_decode_now.py),
         without the Prepared record, the batch's lists and the calls between: prepare's
-        checks such a step can fail, then the lone step (Sessions.decode_now). None, nothing done or kept, for any other request, a step too
-        large to run inline (runs_inline), or one that only the batch's path takes or
-        refuses: prepare and the lanes then take it, with their errors."""
+        checks such a step can fail, then the lone step (Sessions.decode_now). None, nothing
+        done or kept, for any other request, a step too large to run inline (runs_inline),
+        or one that only the batch's path takes or refuses: prepare and the lanes then take
+        it, with their errors."""
         hosted = self.models.get(model)
         if hosted is None:
             return None

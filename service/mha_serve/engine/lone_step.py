@@ -61,10 +61,10 @@ class LoneStep:
     ) -> AttendOutcome | None:
         """Engine.decode_now's step: a plain one-token step of a session of hosted's model,
         its input x (1, 1, E) finite (input_absmax; converted to the model's dtype here),
-        accepted and run as _run_alone runs it; None, nothing kept, when the batch's path is to take it
-        instead (the static decode on, another model's session, more than max_keys keys
-        (None: any), no room at once, bounds that cannot clear it): prepare and run_steps
-        then take it, with their errors and waits. Its other errors are raised."""
+        accepted and run as _run_alone runs it; None, nothing kept, when the batch's path is
+        to take it instead (the static decode on, another model's session, more than
+        max_keys keys (None: any), no room at once, bounds that cannot clear it): prepare and
+        run_steps then take it, with their errors and waits. Its other errors are raised."""
         if self.static_decode != "off":
             return None
         start = time.perf_counter()
