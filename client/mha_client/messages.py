@@ -14,6 +14,7 @@ from google.protobuf.message import DecodeError
 from mha_client.api import attention_pb2 as pb
 from mha_client.errors import InvalidArgumentError, ReplyError
 from mha_client.tensors import (
+    WIRE_NUMPY,
     array_field,
     dtype_enum,
     dtype_name,
@@ -378,8 +379,9 @@ def plain_request(model: str, session_id: str, x: Any) -> bytes | None:
     return None
 
 
-# The arrays a plain request sends as they are (wire dtype, little-endian): _WIRE_NUMPY's.
-_PLAIN_DTYPES = {np.dtype("<f4"): pb.DTYPE_FLOAT32, np.dtype("<f2"): pb.DTYPE_FLOAT16}
+# The arrays a plain request sends as they are: the wire's float dtypes in its byte order
+# (bfloat16 has no numpy dtype of its own: it travels as bits, which a caller never hands in).
+_PLAIN_DTYPES = {dt: enum for enum, dt in WIRE_NUMPY.items() if dt.kind == "f"}
 
 
 @functools.lru_cache(maxsize=1024)

@@ -24,7 +24,7 @@ DTYPE_NAMES: dict[str, int] = {
 DTYPE_ENUMS: dict[int, str] = {enum: name for name, enum in DTYPE_NAMES.items()}
 
 # How each wire dtype is laid out in memory; bfloat16 travels as its raw bits.
-_WIRE_NUMPY: dict[int, np.dtype] = {
+WIRE_NUMPY: dict[int, np.dtype] = {
     pb.DTYPE_FLOAT32: np.dtype("<f4"),
     pb.DTYPE_FLOAT16: np.dtype("<f2"),
     pb.DTYPE_BFLOAT16: np.dtype("<u2"),
@@ -161,7 +161,7 @@ def _wire_array(array: np.ndarray, dtype: str | None) -> tuple[int, np.ndarray]:
         return enum, float32_to_bfloat16_bits(arr.astype(np.float32, copy=False))
     # copy=False: a no-op for arrays already in the wire dtype and byte order; a big-endian
     # array is swapped to the wire's little-endian here.
-    return enum, arr.astype(_WIRE_NUMPY[enum], copy=False)
+    return enum, arr.astype(WIRE_NUMPY[enum], copy=False)
 
 
 def to_proto(array: np.ndarray, dtype: str | None = None) -> pb.Tensor:
@@ -196,7 +196,7 @@ def from_proto(t: pb.Tensor, data: Any = None) -> np.ndarray:
     # protobuf's code cold: as few of their calls as it takes, e.g. one np.ndarray over the
     # bytes, not frombuffer, reshape and astype.)
     dtype = t.dtype
-    np_dtype = _WIRE_NUMPY.get(dtype)
+    np_dtype = WIRE_NUMPY.get(dtype)
     if np_dtype is None:
         label = pb.DType.Name(dtype) if dtype in pb.DType.values() else str(dtype)
         raise ValueError(
