@@ -36,6 +36,11 @@ PROGRESS_WINDOW = 2048  # latencies behind the live p50
 DEFAULT_MAX_IN_FLIGHT = 4096
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_CLI_DURATION_S = 10.0  # `mha-client load` with neither --requests nor --duration
+# Lengths drawn before the run (cycled), each one's request encoded before the clock starts.
+NUM_LENGTH_DRAWS = 4096
+# ...as many of those draws as their distinct requests fit in: "1..4096" drew ~2,600 lengths,
+# 10 GiB of requests at embed_dim 512, all kept once sent.
+PAYLOAD_BUDGET_BYTES = 1 << 30
 
 
 class TargetError(Exception):
@@ -301,6 +306,18 @@ class LoadResult:
         )
 
 
+def draw_lengths(workload: Workload, rng: np.random.Generator) -> np.ndarray:
+    """The lengths a run cycles through: NUM_LENGTH_DRAWS draws of workload.seq_lens, cut
+    where their distinct requests would pass PAYLOAD_BUDGET_BYTES (at least one draw), so
+    that every request can be encoded, and kept, before the clock starts."""
+    draws = workload.seq_lens.sample(rng, NUM_LENGTH_DRAWS)
+    _, first = np.unique(draws, return_index=True)  # where each length is first drawn
+    new_bytes = np.zeros(len(draws), dtype=np.int64)
+    new_bytes[first] = draws[first] * workload.batch * workload.embed_dim * 4  # float32
+    fits = int(np.searchsorted(np.cumsum(new_bytes), PAYLOAD_BUDGET_BYTES, side="right"))
+    return draws[: max(1, fits)]
+
+
 class _Run:
     """Shared state of one run: tickets, measured samples, and the stop rule."""
 
@@ -458,8 +475,8 @@ async def run_load(
     """
     rng = np.random.default_rng(spec.seed)
     payloads = Payloads(workload)
-    run = _Run(spec, workload.seq_lens.sample(rng, 4096), workload.batch)
-    for length in np.unique(run.lengths)[:256]:  # encode before the clock starts
+    run = _Run(spec, draw_lengths(workload, rng), workload.batch)
+    for length in np.unique(run.lengths):  # every request it sends, before the clock starts
         payloads.get(int(length))
     cpu_start, started = time.process_time(), time.perf_counter()
     reporter = None

@@ -16,11 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mha_client import cli
+from mha_client import cli, loadgen
 from mha_client.loadgen import (
     GrpcTarget,
     LoadResult,
     LoadSpec,
+    Payloads,
     TargetError,
     Workload,
     latency_stats,
@@ -130,6 +131,32 @@ def test_open_loop_sends_at_the_rate_without_waiting(arrivals):
     assert (
         result.elapsed_s >= 0.1
     )  # paced at the rate (seeded gaps sum to 0.15-0.17 s), not sent at once
+
+
+def test_every_request_is_encoded_before_the_clock_and_kept_within_its_budget(monkeypatch):
+    """--seq-len 1..4096 encoded only its 256 shortest lengths before the clock: the others
+    were encoded as they were first sent, inside their measured latency (p99 23 ms against a
+    target that answers at once), and kept, ~10 GiB of requests at embed_dim 512."""
+    monkeypatch.setattr(loadgen, "PAYLOAD_BUDGET_BYTES", 8 << 20, raising=False)
+    sending, late, kept = [False], [], {}
+    encode = Payloads.get
+
+    def get(self: Payloads, length: int) -> bytes:
+        if sending[0] and length not in self._cache:
+            late.append(length)
+        kept.update(self._cache)
+        return encode(self, length)
+
+    class Sending(FakeTarget):
+        async def send(self, payload: bytes, timeout: float | None) -> bytes:
+            sending[0] = True
+            return await super().send(payload, timeout)
+
+    monkeypatch.setattr(Payloads, "get", get)
+    wide = Workload("mha", parse_seq_lens("1..4096"), embed_dim=64)  # 256 bytes a token
+    result = asyncio.run(run_load(Sending(0.0), wide, LoadSpec(concurrency=1, requests=300)))
+    assert result.ok == 300 and late == []  # none encoded once the clock ran
+    assert 8 << 19 < sum(map(len, kept.values())) <= (8 << 20) * 1.01  # requests' headers
 
 
 @pytest.fixture(scope="module")
