@@ -257,6 +257,7 @@ class LoadResult:
     warmup: int
     ok: int  # measured requests that succeeded
     errors: dict[str, int]  # measured failures by status code
+    error_messages: dict[str, str]  # the first measured failure's message of each code
     skipped: int  # open loop: arrivals dropped at max_in_flight
     elapsed_s: float  # first measured request sent -> last measured reply
     requests_per_s: float  # successful requests only
@@ -290,6 +291,10 @@ class LoadResult:
         errors = ", ".join(f"{k} {v}" for k, v in sorted(self.errors.items())) or "none"
         if self.skipped:
             errors += f"; {self.skipped} arrivals skipped (over max_in_flight)"
+        # What a refusal says (a limit, what to change): the counts alone do not tell it.
+        errors += "".join(
+            f"\n             first {k}: {m}" for k, m in sorted(self.error_messages.items()) if m
+        )
         return "\n".join(
             [
                 head,
@@ -332,6 +337,7 @@ class _Run:
         self.latencies: list[float] = []  # ms, successful measured requests
         self.tokens = 0
         self.errors: collections.Counter[str] = collections.Counter()
+        self.error_messages: dict[str, str] = {}
         self.skipped = 0
         self.stopped = False
 
@@ -356,7 +362,9 @@ class _Run:
     def length(self, ticket: int) -> int:
         return int(self.lengths[ticket % len(self.lengths)])
 
-    def record(self, ticket: int, started: float, code: str | None, length: int) -> None:
+    def record(
+        self, ticket: int, started: float, code: str | None, length: int, message: str = ""
+    ) -> None:
         now = time.perf_counter()
         self.done += 1
         if ticket < self.spec.warmup:
@@ -367,6 +375,7 @@ class _Run:
             self.tokens += self.batch * length
         else:
             self.errors[code] += 1
+            self.error_messages.setdefault(code, message)
 
 
 async def _send_one(
@@ -375,15 +384,16 @@ async def _send_one(
     length = run.length(ticket)
     payload = payloads.get(length)
     code: str | None = None
+    message = ""
     try:
         await target.send(payload, run.spec.timeout_s)
     except TargetError as err:
-        code = err.code
+        code, message = err.code, err.details
     except TimeoutError:
         code = "CLIENT_TIMEOUT"
     except Exception as err:  # a broken target is reported, not fatal to the whole run
-        code = type(err).__name__
-    run.record(ticket, started, code, length)
+        code, message = type(err).__name__, str(err)
+    run.record(ticket, started, code, length, message)
 
 
 async def _closed_loop(target: Target, run: _Run, payloads: Payloads) -> None:
@@ -506,6 +516,7 @@ async def run_load(
         warmup=spec.warmup,
         ok=ok,
         errors=dict(run.errors),
+        error_messages=run.error_messages,
         skipped=run.skipped,
         elapsed_s=elapsed,
         requests_per_s=per_s(ok),

@@ -40,9 +40,9 @@ class MetadataEcho(EchoServicer):
 
 
 @contextlib.contextmanager
-def echo_server():
-    """A MetadataEcho on 127.0.0.1: (servicer, port), stopped at the end."""
-    servicer = MetadataEcho()
+def echo_server(servicer: MetadataEcho | None = None):
+    """A MetadataEcho (or servicer) on 127.0.0.1: (servicer, port), stopped at the end."""
+    servicer = servicer or MetadataEcho()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     pb_grpc.add_AttentionServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -97,3 +97,26 @@ def test_load_cores_are_its_cpu_seconds_over_the_wall_seconds_they_took(tmp_path
     assert shown_wall == pytest.approx(wall_s, abs=5e-4)
     assert shown_cores == pytest.approx(cpu_s / wall_s, abs=5e-3)
     assert shown_cores <= (os.cpu_count() or 1) + 0.05  # a process cannot use more cores
+
+
+class Refusing(MetadataEcho):
+    """Refuses every Attend, saying why, as mha-serve does for a request over a limit."""
+
+    def Attend(self, request, context):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "seq_len 2 exceeds max_seq_len 1")
+
+
+def test_load_says_what_its_refusals_said(tmp_path, capsys):
+    """Every request refused printed "errors INVALID_ARGUMENT 3" and nothing of the reason
+    (a --seq-len over the model's max_seq_len, weights over their limit), which the server
+    had sent with each refusal."""
+    out = tmp_path / "load.json"
+    with echo_server(Refusing()) as (_, port):
+        argv = ["load", "echo", "--target", f"127.0.0.1:{port}", "--requests", "3"]
+        argv += ["--warmup", "0", "--seq-len", "2", "--json-out", str(out)]
+        assert main(argv) == 1  # nothing answered OK
+    text = capsys.readouterr().out
+    assert "INVALID_ARGUMENT 3" in text
+    assert "first INVALID_ARGUMENT: seq_len 2 exceeds max_seq_len 1" in text
+    data = json.loads(out.read_text())
+    assert data["error_messages"] == {"INVALID_ARGUMENT": "seq_len 2 exceeds max_seq_len 1"}
