@@ -272,7 +272,10 @@ class LoadResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields, JSON-ready: JSON has no NaN, so the latency of no answer is null."""
+        d = asdict(self)
+        d["latency"] = {k: v if math.isfinite(v) else None for k, v in d["latency"].items()}
+        return d
 
     @property
     def client_cores(self) -> float:

@@ -120,3 +120,22 @@ def test_load_says_what_its_refusals_said(tmp_path, capsys):
     assert "first INVALID_ARGUMENT: seq_len 2 exceeds max_seq_len 1" in text
     data = json.loads(out.read_text())
     assert data["error_messages"] == {"INVALID_ARGUMENT": "seq_len 2 exceeds max_seq_len 1"}
+
+
+def test_load_json_of_a_run_with_no_answer_is_strict_json(tmp_path, capsys):
+    """--json-out wrote "p50_ms": NaN when no request answered OK: Python reads it, but it is
+    not JSON (jq, JavaScript's JSON.parse and Go refuse the file). No answer: null."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    out = tmp_path / "load.json"
+    with echo_server(Refusing()) as (_, port):
+        argv = ["load", "echo", "--target", f"127.0.0.1:{port}", "--requests", "2"]
+        argv += ["--warmup", "0", "--seq-len", "2", "--json-out", str(out)]
+        assert main(argv) == 1
+    data = json.loads(out.read_text(), parse_constant=refuse)
+    assert data["latency"] == dict.fromkeys(
+        ("mean_ms", "p50_ms", "p95_ms", "p99_ms", "max_ms"), None
+    ) | {"count": 0}
+    assert "p50 nan" in capsys.readouterr().out  # the text report is unchanged
