@@ -1,6 +1,7 @@
 """mha-client: list models, check health and run attention against any mha-serve server.
 
-Exit status: 0 on success, 1 when the server (or a file) fails, 2 for usage errors.
+Exit status: 0 on success, 1 when the server (or a file) fails, 2 for usage errors, 130 when
+Ctrl-C stops it (`load` prints what it measured until then).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from mha_client.cli_sessions import add_session_commands
 from mha_client.cli_types import UsageError, positive_float, read_input
 from mha_client.errors import InvalidArgumentError, MhaServeError
 from mha_client.heatmap import require_matplotlib, save_heatmap
-from mha_client.loadgen import add_load_arguments, cmd_load
+from mha_client.loadgen import EXIT_INTERRUPTED, add_load_arguments, cmd_load
 from mha_client.report import (
     attend_summary,
     format_attend_summary,
@@ -440,6 +441,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ImportError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"{parser.prog} {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import collections
 import itertools
 import json
 import math
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +37,7 @@ PROGRESS_WINDOW = 2048  # latencies behind the live p50
 DEFAULT_MAX_IN_FLIGHT = 4096
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_CLI_DURATION_S = 10.0  # `mha-client load` with neither --requests nor --duration
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
 # Lengths drawn before the run (cycled), each one's request encoded before the clock starts.
 NUM_LENGTH_DRAWS = 4096
 # ...as many of those draws as their distinct requests fit in: "1..4096" drew ~2,600 lengths,
@@ -269,6 +271,7 @@ class LoadResult:
     # in, so client_cpu_s / client_wall_s is the cores the generator kept busy. elapsed_s,
     # the measured window alone, is shorter: CPU divided by it could exceed the machine.
     client_wall_s: float
+    interrupted: bool = False  # stopped by Ctrl-C: the figures are of what answered by then
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -294,6 +297,7 @@ class LoadResult:
         errors = ", ".join(f"{k} {v}" for k, v in sorted(self.errors.items())) or "none"
         if self.skipped:
             errors += f"; {self.skipped} arrivals skipped (over max_in_flight)"
+        stopped = "; stopped by Ctrl-C" if self.interrupted else ""
         # What a refusal says (a limit, what to change): the counts alone do not tell it.
         errors += "".join(
             f"\n             first {k}: {m}" for k, m in sorted(self.error_messages.items()) if m
@@ -302,7 +306,7 @@ class LoadResult:
             [
                 head,
                 f"requests     {self.ok} ok in {self.elapsed_s:.2f} s "
-                f"(warm-up {self.warmup} excluded)",
+                f"(warm-up {self.warmup} excluded{stopped})",
                 f"throughput   {self.requests_per_s:.1f} req/s  {self.sequences_per_s:.1f} seq/s  "
                 f"{self.tokens_per_s:.0f} tokens/s",
                 f"latency ms   p50 {lat.p50_ms:.2f}  p95 {lat.p95_ms:.2f}  p99 {lat.p99_ms:.2f}  "
@@ -422,24 +426,28 @@ async def _open_loop(target: Target, run: _Run, payloads: Payloads) -> None:
     gap = _arrival_gaps(run.spec)
     tasks: set[asyncio.Task] = set()
     scheduled = time.perf_counter()
-    while True:
-        delay = scheduled - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        ticket = run.next_ticket(scheduled)
-        if ticket is None:
-            break
-        if len(tasks) >= run.spec.max_in_flight:
-            run.done += 1
-            if ticket >= run.spec.warmup:
-                run.skipped += 1
-        else:
-            task = asyncio.create_task(_send_one(target, run, payloads, ticket, scheduled))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        scheduled += gap()
-    if tasks:
-        await asyncio.gather(*tasks)
+    try:
+        while True:
+            delay = scheduled - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            ticket = run.next_ticket(scheduled)
+            if ticket is None:
+                break
+            if len(tasks) >= run.spec.max_in_flight:
+                run.done += 1
+                if ticket >= run.spec.warmup:
+                    run.skipped += 1
+            else:
+                task = asyncio.create_task(_send_one(target, run, payloads, ticket, scheduled))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            scheduled += gap()
+        if tasks:
+            await asyncio.gather(*tasks)
+    finally:  # cancelled (Ctrl-C): no request outlives the run
+        for task in list(tasks):
+            task.cancel()
 
 
 def _progress_line(run: _Run, started: float) -> str:
@@ -480,11 +488,14 @@ async def run_load(
     *,
     label: str = "",
     progress: Any | None = None,
+    stop_on_interrupt: bool = False,
 ) -> LoadResult:
     """Runs the load described by spec and returns its statistics.
 
     progress: a stream (e.g. sys.stderr) for live progress, redrawn in place on a terminal
-    and a line every PROGRESS_LOG_S seconds otherwise; None keeps quiet.
+    and a line every PROGRESS_LOG_S seconds otherwise; None keeps quiet. stop_on_interrupt
+    (the main thread only): SIGINT (Ctrl-C) ends the run, the requests in flight cancelled,
+    and returns the statistics of those answered by then (interrupted=True).
     """
     rng = np.random.default_rng(spec.seed)
     payloads = Payloads(workload)
@@ -495,10 +506,25 @@ async def run_load(
     reporter = None
     if progress is not None:
         reporter = asyncio.create_task(_report_progress(run, started, progress))
+    loop = _closed_loop if spec.mode == "closed" else _open_loop
+    work = asyncio.ensure_future(loop(target, run, payloads))
+    interrupted = False
+
+    def interrupt() -> None:
+        nonlocal interrupted
+        interrupted = True
+        work.cancel()
+
+    if stop_on_interrupt:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGINT, interrupt)
     try:
-        loop = _closed_loop if spec.mode == "closed" else _open_loop
-        await loop(target, run, payloads)
+        await work
+    except asyncio.CancelledError:
+        if not interrupted:
+            raise
     finally:
+        if stop_on_interrupt:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
         if reporter is not None:
             reporter.cancel()
             await asyncio.gather(reporter, return_exceptions=True)
@@ -528,6 +554,7 @@ async def run_load(
         latency=latency_stats(run.latencies),
         client_cpu_s=cpu_s,
         client_wall_s=wall_s,
+        interrupted=interrupted,
     )
 
 
@@ -622,8 +649,11 @@ def cmd_load(client: Any, args: argparse.Namespace) -> int:
         spec,
         label=target,
         progress=sys.stderr,
+        stop_on_interrupt=True,
     )
     print(result.format())
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    if result.interrupted:
+        return EXIT_INTERRUPTED
     return 0 if result.ok else 1

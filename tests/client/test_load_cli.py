@@ -7,6 +7,10 @@ import contextlib
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from concurrent import futures
 
 import grpc
@@ -139,3 +143,41 @@ def test_load_json_of_a_run_with_no_answer_is_strict_json(tmp_path, capsys):
         ("mean_ms", "p50_ms", "p95_ms", "p99_ms", "max_ms"), None
     ) | {"count": 0}
     assert "p50 nan" in capsys.readouterr().out  # the text report is unchanged
+
+
+class Slow(MetadataEcho):
+    """Answers each Attend after 20 ms: a load that runs until it is stopped."""
+
+    def Attend(self, request, context):
+        time.sleep(0.02)
+        return super().Attend(request, context)
+
+
+def test_ctrl_c_stops_the_load_and_prints_what_it_measured(tmp_path):
+    """Ctrl-C in a --duration run printed a KeyboardInterrupt traceback and nothing it had
+    measured. Now it cancels what is in flight, prints the report of what answered by then
+    (and writes --json-out) and exits 130."""
+    out = tmp_path / "load.json"
+    with echo_server(Slow()) as (servicer, port):
+        argv = ["load", "echo", "--target", f"127.0.0.1:{port}", "--duration", "60"]
+        argv += ["--warmup", "0", "--seq-len", "2", "--concurrency", "2", "--json-out", str(out)]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mha_client.cli", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while len(servicer.peers) < 10 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+            stdout, stderr = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert "stopped by Ctrl-C" in stdout and "latency ms" in stdout
+    data = json.loads(out.read_text())
+    assert data["interrupted"] is True and data["ok"] >= 8 and data["errors"] == {}
+    assert 0 < data["elapsed_s"] < 30
