@@ -24,7 +24,7 @@ import grpc
 import numpy as np
 
 from mha_client.channel import ChannelSecurity, open_channel
-from mha_client.cli_types import non_negative_int, positive_int
+from mha_client.cli_types import non_negative_int, positive_float, positive_int
 from mha_client.sdk import DEFAULT_MAX_MESSAGE_BYTES, build_attend_request, channel_options
 
 GRPC_ATTEND_METHOD = "/mha.v1.AttentionService/Attend"
@@ -583,11 +583,21 @@ def _seq_lens_arg(text: str) -> SeqLens:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _rate_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of requests/s")
+    return value
+
+
 def add_load_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="model name, as `mha-client models` lists")
     loop = p.add_mutually_exclusive_group()
     loop.add_argument("--concurrency", type=positive_int, help="closed loop: N clients (default 1)")
-    loop.add_argument("--rate", type=float, help="open loop: requests per second")
+    loop.add_argument("--rate", type=_rate_arg, help="open loop: requests per second")
     p.add_argument(
         "--arrivals",
         choices=["poisson", "uniform"],
@@ -597,7 +607,7 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=positive_int, help="measured requests (after warm-up)")
     p.add_argument(
         "--duration",
-        type=float,
+        type=positive_float,
         metavar="SECONDS",
         help=f"measured seconds (default {DEFAULT_CLI_DURATION_S:g} without --requests)",
     )
@@ -607,7 +617,9 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
         default=parse_seq_lens("16"),
         help="16 (fixed), 8..64 (uniform) or 16,32,128 (a list); default 16",
     )
-    p.add_argument("--batch", type=int, default=1, help="sequences per request (default 1)")
+    p.add_argument(
+        "--batch", type=positive_int, default=1, help="sequences per request (default 1)"
+    )
     p.add_argument("--weights", action="store_true", help="ask for attention weights too")
     p.add_argument(
         "--channels",

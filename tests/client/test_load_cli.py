@@ -181,3 +181,23 @@ def test_ctrl_c_stops_the_load_and_prints_what_it_measured(tmp_path):
     data = json.loads(out.read_text())
     assert data["interrupted"] is True and data["ok"] >= 8 and data["errors"] == {}
     assert 0 < data["elapsed_s"] < 30
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--batch", "0", "'0' is not a positive integer"),
+        ("--batch", "-1", "'-1' is not a positive integer"),
+        ("--duration", "0", "'0' is not a positive number of seconds"),
+        ("--rate", "0", "'0' is not a positive number of requests/s"),
+        ("--rate", "inf", "'inf' is not a positive number of requests/s"),
+    ],
+)
+def test_load_refuses_a_number_that_cannot_work_as_a_usage_error(flag, value, message, capsys):
+    """--batch 0 sent empty requests (every one INVALID_ARGUMENT), --batch -1 failed with
+    "error: negative dimensions are not allowed" and --duration 0 or --rate 0 with
+    "error: duration_s must be > 0": exit 1, as if the server had failed, naming no flag."""
+    with echo_server() as (servicer, port):
+        argv = ["load", "echo", "--target", f"127.0.0.1:{port}", "--requests", "2", flag, value]
+        assert main(argv) == 2
+    assert message in capsys.readouterr().err and servicer.applications == []  # nothing sent
