@@ -326,7 +326,18 @@ def cmd_health(client: Client, args: argparse.Namespace) -> int:
             print("NOT_SERVING")
             print(f"error: {err}", file=sys.stderr)
             return EXIT_FAILED
-    status = client.health(args.service)
+    try:
+        status = client.health(args.service)
+    except MhaServeError as err:
+        if err.code != grpc.StatusCode.NOT_FOUND:
+            raise
+        # grpc.health.v1 says NOT_FOUND, with no message, for a service it does not know.
+        print(
+            f"error: the server has no health service {args.service!r} "
+            f"(--service; leave it out for the whole server)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
     print(status)
     return EXIT_OK if status == "SERVING" else EXIT_FAILED
 

@@ -535,6 +535,17 @@ def test_cli_health(fake, capsys):
         health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
 
 
+@needs_health
+def test_cli_health_of_an_unknown_service_says_so(fake, capsys):
+    """health --service nosuch printed "error: NOT_FOUND: <_InactiveRpcError of RPC that
+    terminated with: ...>", the repr of gRPC's exception (the health service sends no
+    message with its NOT_FOUND)."""
+    target, _, _ = fake
+    assert main(["--target", target, "health", "--service", "nosuch"]) == 1
+    err = capsys.readouterr().err
+    assert "no health service 'nosuch'" in err and "_InactiveRpcError" not in err
+
+
 def test_cli_server_errors_exit_1(target, tmp_path, capsys):
     np.save(tmp_path / "bad.npy", _x(5, 3))
     assert main(["--target", target, "attend", "echo", "--input", str(tmp_path / "bad.npy")]) == 1
