@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mha_client.cli_types import positive_int, read_input
+from mha_client.cli_types import int_list, positive_int, read_input
 from mha_client.heads import HeadReport, analyze_heads, save_pruning_curve
 from mha_client.heatmap import require_matplotlib, save_heatmap
 from mha_client.sdk import Client
@@ -33,7 +33,10 @@ def add_heads_command(sub: argparse._SubParsersAction, common: argparse.Argument
     )
     heads.add_argument("--seed", type=int, default=0, help="seed for --random")
     heads.add_argument(
-        "--lengths", metavar="N,N,...", help="real length of each sequence; the rest is padding"
+        "--lengths",
+        type=int_list,
+        metavar="N,N,...",
+        help="real length of each sequence; the rest is padding",
     )
     mode = heads.add_mutually_exclusive_group()
     mode.add_argument("--causal", dest="causal", action="store_const", const=True)
@@ -55,7 +58,7 @@ def cmd_heads(client: Client, args: argparse.Namespace) -> int:
         x = np.random.default_rng(args.seed).standard_normal((args.random, embed_dim), np.float32)
     else:
         x = read_input(args.input)
-    lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else None
+    lengths = args.lengths or None
     report = analyze_heads(
         client, args.model, x, lengths=lengths, causal=args.causal, include_weights=bool(args.png)
     )

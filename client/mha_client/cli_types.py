@@ -33,6 +33,16 @@ def read_input(path: Path, shapes: str = ATTEND_SHAPES) -> np.ndarray:
     return x
 
 
+def int_list(text: str) -> list[int]:
+    """Parse "0,3" into [0, 3]."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers, e.g. 0,3"
+        ) from None
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)

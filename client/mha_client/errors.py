@@ -21,12 +21,16 @@ class MhaServeError(Exception):
 
     @classmethod
     def from_rpc_error(cls, err: grpc.RpcError, target: str = "") -> MhaServeError:
-        """Wrap a grpc.RpcError (sync or aio); errors without a status read as UNKNOWN."""
+        """Wrap a grpc.RpcError (sync or aio); errors without a status read as UNKNOWN. A
+        status without a message (grpc.health.v1's NOT_FOUND, a proxy's) says so, not the
+        RpcError's repr."""
         code_fn = getattr(err, "code", None)
         details_fn = getattr(err, "details", None)
         code = code_fn() if callable(code_fn) else None
         details = details_fn() if callable(details_fn) else None
-        return cls(code or grpc.StatusCode.UNKNOWN, details or str(err), target)
+        if not details:
+            details = f"{code.name}, with no message" if code is not None else str(err)
+        return cls(code or grpc.StatusCode.UNKNOWN, details, target)
 
 
 class InvalidArgumentError(MhaServeError, ValueError):

@@ -24,7 +24,7 @@ import grpc
 import numpy as np
 
 from mha_client.channel import ChannelSecurity, open_channel
-from mha_client.cli_types import non_negative_int, positive_float, positive_int
+from mha_client.cli_types import UsageError, non_negative_int, positive_float, positive_int
 from mha_client.sdk import DEFAULT_MAX_MESSAGE_BYTES, build_attend_request, channel_options
 
 GRPC_ATTEND_METHOD = "/mha.v1.AttentionService/Attend"
@@ -452,12 +452,11 @@ async def _open_loop(target: Target, run: _Run, payloads: Payloads) -> None:
 
 def _progress_line(run: _Run, started: float) -> str:
     elapsed = time.perf_counter() - started
-    measured = len(run.latencies) + sum(run.errors.values())
     window = run.latencies[-PROGRESS_WINDOW:]
     p50 = f"{np.percentile(window, 50):.1f} ms" if window else "-"
     rate = 0.0
     if run.measure_start is not None and run.last_done > run.measure_start:
-        rate = measured / (run.last_done - run.measure_start)
+        rate = len(run.latencies) / (run.last_done - run.measure_start)  # ok, as the report
     phase = "warm-up" if run.measure_start is None else "measuring"
     errors = sum(run.errors.values())
     return (
@@ -601,8 +600,7 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--arrivals",
         choices=["poisson", "uniform"],
-        default="poisson",
-        help="open-loop arrival process (default poisson)",
+        help="open-loop (--rate) arrival process (default poisson)",
     )
     p.add_argument("--requests", type=positive_int, help="measured requests (after warm-up)")
     p.add_argument(
@@ -629,7 +627,10 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
         "--frontend-workers N spreads connections, not calls, over its frontends: give N or more",
     )
     p.add_argument(
-        "--warmup", type=non_negative_int, default=20, help="requests left out of the stats"
+        "--warmup",
+        type=non_negative_int,
+        default=20,
+        help="requests sent first and left out of the stats (default 20)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", type=Path, metavar="FILE.json", help="write the results here")
@@ -639,6 +640,8 @@ def cmd_load(client: Any, args: argparse.Namespace) -> int:
     """Runs the load against args.target with the model's embed_dim; prints the summary.
     Its channels are secured as the CLI's client is (the same --tls, --ca-file, --cert-file,
     --key-file, --token-file and --application)."""
+    if args.arrivals is not None and args.rate is None:
+        raise UsageError("--arrivals shapes the open loop's arrivals: give --rate with it")
     embed_dim = client.model_info(args.model).embed_dim
     workload = Workload(args.model, args.seq_len, embed_dim, args.batch, args.weights, args.seed)
     duration = args.duration
@@ -647,7 +650,7 @@ def cmd_load(client: Any, args: argparse.Namespace) -> int:
     spec = LoadSpec(
         concurrency=None if args.rate is not None else (args.concurrency or 1),
         rate=args.rate,
-        arrivals=args.arrivals,
+        arrivals=args.arrivals or "poisson",
         requests=args.requests,
         duration_s=duration,
         warmup=args.warmup,

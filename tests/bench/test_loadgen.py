@@ -243,3 +243,17 @@ def test_naive_server_answers_as_mha_serve(server):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_the_progress_line_counts_what_the_report_counts():
+    """The live req/s counted failures too, the report successful requests only: a run whose
+    every request failed showed hundreds of req/s live, then 0.0."""
+    run = loadgen._Run(LoadSpec(concurrency=1, requests=10, warmup=0), np.array([16]), 1)
+    run.next_ticket(0.0)  # the first measured ticket starts the window
+    run.measure_start = time.perf_counter() - 1.0
+    for ticket in range(4):
+        run.record(ticket, run.measure_start, None if ticket == 0 else "INVALID_ARGUMENT", 16)
+    line = loadgen._progress_line(run, run.measure_start)
+    assert "ok 1" in line and "errors 3" in line
+    (rate,) = re.findall(r"([\d.]+) req/s", line)
+    assert 0.5 < float(rate) < 1.5  # one ok in about a second, not four

@@ -91,6 +91,10 @@ def test_usage_errors_exit_2_with_a_message(argv, message, capsys):
         (["load", "m", "--concurrency", "-3", "--requests", "3"], "'-3' is not a positive"),
         (["load", "m", "--requests", "0"], "'0' is not a positive integer"),
         (["load", "m", "--requests", "3", "--warmup", "-1"], "'-1' is not an integer >= 0"),
+        # --arrivals shapes the open loop only: a closed loop ignored it
+        (["load", "m", "--requests", "3", "--arrivals", "uniform"], "give --rate with it"),
+        # heads --lengths failed with "invalid literal for int()", exit 1; attend's said why
+        (["heads", "m", "--random", "3", "--lengths", "a,b"], "argument --lengths"),
     ],
 )
 def test_checks_after_parsing_exit_2_before_any_call(argv, message, capsys):

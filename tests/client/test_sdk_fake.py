@@ -558,3 +558,19 @@ def test_cli_prune_heads_out_of_range_exits_2(target, capsys):
     argv = ["--target", target, "attend", "echo", "--random-shape", "3", "--prune-heads", "4"]
     assert main(argv) == 2
     assert "4 heads (0..3)" in capsys.readouterr().err
+
+
+def test_a_status_without_a_message_says_its_code_not_a_repr():
+    """grpc.health.v1 answers NOT_FOUND with no message: the error read as the RpcError's
+    repr (`<_InactiveRpcError of RPC that terminated with: ...>`)."""
+
+    class Bare(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.NOT_FOUND
+
+        def details(self):
+            return ""
+
+    e = MhaServeError.from_rpc_error(Bare(), "host:1")
+    assert e.code == grpc.StatusCode.NOT_FOUND and e.details == "NOT_FOUND, with no message"
+    assert "Inactive" not in str(e)
