@@ -6,6 +6,18 @@ from __future__ import annotations
 
 from dashboard_queries import MODEL, RATE, TARGET, Panel, Query, quantiles, rate
 
+# The spill tier's gauges: one tier serves every model, so its series carry model="" (named
+# "every model" in the legend), kept whichever models are picked above the dashboard.
+SPILL_TIER = f'model=~"$model|", {TARGET}'
+
+
+def spill_gauge(metric: str) -> str:
+    return (
+        f'sum by (model) (label_replace({metric}{{{SPILL_TIER}}}, "model", "every model", '
+        '"model", ""))'
+    )
+
+
 # Why a spill-tier panel is empty in tests/deploy/test_real_prometheus.py.
 NO_SPILL_DIR = (
     "the spill tier's gauges exist only with a spill directory (session_spill_dir); the test's "
@@ -55,8 +67,8 @@ DURABLE = (
         "are lost (MhaServeSessionsLost, reason spill_full).",
         "bytes",
         (
-            Query(f"sum by (model) (mha_serve_spill_bytes_used{{{MODEL}}})", "used {{model}}"),
-            Query(f"sum by (model) (mha_serve_spill_budget_bytes{{{MODEL}}})", "budget {{model}}"),
+            Query(spill_gauge("mha_serve_spill_bytes_used"), "used {{model}}"),
+            Query(spill_gauge("mha_serve_spill_budget_bytes"), "budget {{model}}"),
         ),
         may_be_empty=NO_SPILL_DIR,
     ),
@@ -65,7 +77,7 @@ DURABLE = (
         "Sessions held in the spill directory: spilled to make room, or written out at "
         "shutdown and not yet adopted and called again.",
         "short",
-        (Query(f"sum by (model) (mha_serve_spill_sessions{{{MODEL}}})", "{{model}}"),),
+        (Query(spill_gauge("mha_serve_spill_sessions"), "{{model}}"),),
         may_be_empty=NO_SPILL_DIR,
     ),
     Panel(
