@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import grpc
@@ -43,6 +44,7 @@ from mha_serve.ray_app.moves import REOPEN, Stopping, UntilStopping
 from mha_serve.ray_app.oip import InferenceMethods
 from mha_serve.serving import AsyncEngine
 from mha_serve.transport.answer import Refused
+from mha_serve.transport.auth import ENV_TOKEN
 from mha_serve.transport.door import AttentionDoor
 from mha_serve.transport.oip.door import InferenceDoor
 from mha_serve.transport.server import load_engine
@@ -56,17 +58,41 @@ NOT_ON_RAY = {
     "event_loop_cpu": "a replica's event loop is Ray's, and replicas share their node's "
     "CPUs: pinning would put every replica's loop on the same CPU; leave it none",
     "busy_poll_us": "a replica's event loop is Ray's, which does not busy-poll; leave it 0",
+    # The standalone server's security is its own port's; on Ray the port is the proxy's,
+    # which checks no token and has no TLS option (Ray 2.60): left set, the app would answer
+    # every caller while its config said otherwise.
+    "auth_token_file": "calls arrive through Ray's gRPC proxy, and no replica checks bearer "
+    "tokens: every caller would be answered; leave it empty",
+    "tls_cert_file": "the gRPC port is Ray's proxy's, which has no TLS option; leave it empty",
+    "tls_key_file": "the gRPC port is Ray's proxy's, which has no TLS option; leave it empty",
+    "tls_client_ca_file": "the gRPC port is Ray's proxy's, which checks no client "
+    "certificates; leave it empty",
 }
 # Each NOT_ON_RAY field's value when off (as a string, lowercased).
-_OFF = {"event_loop_cpu": "none", "busy_poll_us": "0"}
+_OFF = {
+    "event_loop_cpu": "none",
+    "busy_poll_us": "0",
+    "auth_token_file": "",
+    "tls_cert_file": "",
+    "tls_key_file": "",
+    "tls_client_ca_file": "",
+}
 
 
-def check_not_on_ray(settings: dict[str, Any], where: str) -> None:
-    """ValueError for a NOT_ON_RAY field of `settings` set to anything but none."""
+def check_not_on_ray(
+    settings: dict[str, Any], where: str, environ: Mapping[str, str] | None = None
+) -> None:
+    """ValueError for a NOT_ON_RAY field of `settings` set to anything but none, or (where
+    `environ` is given) a bearer token in it, which the standalone server would ask for."""
     for key, why in NOT_ON_RAY.items():
         value = settings.get(key)
         if value is not None and str(value).strip().lower() != _OFF[key]:
             raise ValueError(f"{where}{key} = {value!r} does not apply on Ray: {why}")
+    if environ is not None and environ.get(ENV_TOKEN, "").strip():  # (never its value)
+        raise ValueError(
+            f"{ENV_TOKEN} is set, which does not apply on Ray: unset it, as "
+            f"auth_token_file: {NOT_ON_RAY['auth_token_file']}"
+        )
 
 
 class AttentionReplica(InferenceMethods, Handover):
@@ -94,7 +120,7 @@ class AttentionReplica(InferenceMethods, Handover):
             getattr(config, "graceful_shutdown_timeout_s", None) or DEFAULT_SHUTDOWN_S
         )
         cfg = build_config(config_file, dict(overrides or {}))
-        check_not_on_ray({key: getattr(cfg, key) for key in NOT_ON_RAY}, "")
+        check_not_on_ray({key: getattr(cfg, key) for key in NOT_ON_RAY}, "", os.environ)
         self.compute = ComputeThreads(cfg.torch_threads, cfg.weights_torch_threads)
         loop = asyncio.get_running_loop()
         # Loaded and warmed on the compute thread, as the standalone server does (threads.py).
