@@ -67,5 +67,18 @@ def build(args: dict[str, Any] | None = None) -> Any:
         args.get("overrides") or {},
         int(args.get("metrics_port", 0)),
         directory,
-        bool(args.get("direct_streams", True)),
+        _flag("direct_streams", args.get("direct_streams", True)),
     )
+
+
+def _flag(key: str, value: Any) -> bool:
+    """A true/false app argument: YAML's bool, or the string `serve run IMPORT_PATH key=false`
+    passes (bool() of which is True)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"args.{key} must be true or false, got {value!r}")
