@@ -240,3 +240,22 @@ def test_messages_past_grpc_default_4_mib_go_both_ways(client, models):
     x = rng.standard_normal((2, 1100, 512), dtype=np.float32)  # 4.5 MB each way
     want, _ = models.forward("mqa", x)
     np.testing.assert_allclose(client.attend("mqa", x).output, want, atol=ATOL)
+
+
+def test_a_request_past_max_receive_message_bytes_is_refused_as_standalone(client):
+    """Ray's proxy takes messages up to 2 GiB; the replica refuses one past the server's
+    max_receive_message_bytes (64 MiB) as the standalone server's gRPC does, its stream
+    messages too. (Found by a walk through docs/ray.md: a 100 MiB Attend answered OK
+    through Ray, RESOURCE_EXHAUSTED on the standalone server.)"""
+    x = np.ones((33, 1024, 512), dtype=np.float32)  # 69 MB
+    code, details = code_of(lambda: client.attend("mha", x))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    assert "Received message larger than max (" in details and "vs. 67108864)" in details
+    session = client.create_session("mha")
+    with session.stream(reopen=False) as stream:
+        stream.step(tokens(1))
+        code, details = code_of(lambda: stream.step(np.ones((33000, 512), np.float32)))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    assert "Received message larger than max (" in details
+    assert session.refresh().num_tokens == 1
+    session.close()

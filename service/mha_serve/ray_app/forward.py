@@ -158,5 +158,41 @@ async def _chain(head: tuple[Any, ...], rest: AsyncIterator[Any]) -> AsyncIterat
 CARRIER = Serialized(b"")  # end_stream's message
 
 
+def too_large(request: Any, limit: int) -> Reply | None:
+    """RESOURCE_EXHAUSTED for a request larger than the server's max_receive_message_bytes,
+    in gRPC's words, as the standalone server's gRPC refuses it. Ray's proxy takes messages
+    up to 2 GiB (RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, its sends alike), so the replica checks."""
+    size_of = getattr(request, "ByteSize", None)  # (a Malformed has none: the door answers)
+    size = size_of() if size_of is not None else 0
+    if not limit or size <= limit:
+        return None
+    return Reply(
+        code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+        details=f"Received message larger than max ({size} vs. {limit})",
+    )
+
+
+class UpToLimit:
+    """A stream's requests up to the first too_large one, which ends it (`refused`: why),
+    as gRPC ends a standalone server's stream."""
+
+    def __init__(self, requests: AsyncIterator[Any], limit: int) -> None:
+        self._requests = requests.__aiter__()
+        self._limit = limit
+        self.refused: Reply | None = None
+
+    def __aiter__(self) -> UpToLimit:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self.refused is not None:
+            raise StopAsyncIteration
+        request = await self._requests.__anext__()
+        self.refused = too_large(request, self._limit)
+        if self.refused is not None:
+            raise StopAsyncIteration
+        return request
+
+
 def message(response: Any) -> Any:
     return Serialized(response) if isinstance(response, bytes | bytearray) else response

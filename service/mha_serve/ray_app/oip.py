@@ -21,11 +21,13 @@ from mha_client.api import attention_pb2 as mha_pb
 from mha_serve.ray_app.context import CallContext, Caller, Reply
 from mha_serve.ray_app.direct import wants_direct
 from mha_serve.ray_app.forward import (
+    UpToLimit,
     calls,
     end_stream,
     forward,
     message,
     own_request_id,
+    too_large,
     unary_answer,
 )
 from mha_serve.ray_app.ids import replica_of
@@ -48,6 +50,7 @@ class InferenceMethods:
         self._deployment = (deployment, app)
         self._peers: Any = None  # this deployment's handle: made on first use (in a call)
         self.direct: Any = None  # the replica's DirectServer (direct.py), when on
+        self.max_request_bytes = 0  # the replica's max_receive_message_bytes (0: no check)
 
     async def ServerLive(self, request: Any, grpc_context: Any) -> Any:
         return await self._oip_unary("ServerLive", request, grpc_context)
@@ -93,14 +96,15 @@ class InferenceMethods:
         """The stream's replies; once Ray is stopping this replica, it ends after the
         messages in flight, UNAVAILABLE (reopened, its sequences go on where they moved)."""
         answer = functools.partial(self._stream_one, caller=caller)
-        until = UntilStopping(requests, self.stopping)
+        limited = UpToLimit(requests, self.max_request_bytes)
+        until = UntilStopping(limited, self.stopping)
         async for reply in pipelined(until, answer, key=sequence_key):
             yield reply
-        if until.cut:
-            reopen = self.reopen()
+        ended = limited.refused or (self.reopen() if until.cut else None)
+        if ended is not None:
             if context is not None:
-                await context.abort(reopen.code, reopen.details)
-            yield reopen
+                await context.abort(ended.code, ended.details)
+            yield ended
 
     async def _stream_one(self, request: Any, caller: Caller) -> Any:
         own_request_id()  # this message's handle calls run beside the others' (pipelined)
@@ -113,7 +117,9 @@ class InferenceMethods:
         caller = Caller.of(grpc_context)
         # The session the proxy looked the step's sequence up in and routed it by (proxy.py)
         session_id = next((v for k, v in caller.metadata if k == SESSION_KEY), "")
-        reply = await self._routed(method, request, caller, routed_by=session_id)
+        reply = too_large(request, self.max_request_bytes)
+        if reply is None:
+            reply = await self._routed(method, request, caller, routed_by=session_id)
         return unary_answer(grpc_context, reply)
 
     # --- through a handle --------------------------------------------------------------

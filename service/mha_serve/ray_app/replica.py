@@ -31,10 +31,12 @@ from mha_serve.engine.threads import ComputeThreads
 from mha_serve.ray_app.context import CallContext, Caller, Reply
 from mha_serve.ray_app.direct import DirectServer, wants_direct
 from mha_serve.ray_app.forward import (
+    UpToLimit,
     calls,
     end_stream,
     message,
     peek,
+    too_large,
     unary_answer,
 )
 from mha_serve.ray_app.handover import Handover, _value
@@ -136,6 +138,8 @@ class AttentionReplica(InferenceMethods, Handover):
             lambda: self.serving, ready=lambda: True, session_ttl_s=cfg.session_ttl_s
         )
         super().__init__(oip, directory, context.deployment, context.app_name)
+        # What the standalone server's gRPC takes (Ray's proxy takes up to 2 GiB): forward.py
+        self.max_request_bytes = cfg.max_receive_message_bytes
         self.direct: DirectServer | None = None
         if direct_streams:
             import ray
@@ -201,7 +205,9 @@ class AttentionReplica(InferenceMethods, Handover):
         return await self._unary("AnalyzeHeads", request, grpc_context)
 
     async def _unary(self, method: str, request: Any, grpc_context: Any) -> Any:
-        reply = await self.call(method, request, Caller.of(grpc_context))
+        reply = too_large(request, self.max_request_bytes)
+        if reply is None:
+            reply = await self.call(method, request, Caller.of(grpc_context))
         return unary_answer(grpc_context, reply)
 
     async def StreamSession(self, requests: Any, grpc_context: Any) -> AsyncIterator[Any]:
@@ -238,13 +244,16 @@ class AttentionReplica(InferenceMethods, Handover):
         if gone is not None:
             yield await gone
             return
-        until = UntilStopping(requests, self.stopping)
+        limited = UpToLimit(requests, self.max_request_bytes)
+        until = UntilStopping(limited, self.stopping)
         async for result in self.door.stream(until, CallContext(caller)):
             if isinstance(result, Refused):
                 yield Reply(code=result.code, details=result.details)
                 return
             yield result
-        if until.cut:
+        if limited.refused is not None:
+            yield limited.refused
+        elif until.cut:
             yield self.reopen()
 
     def reopen(self) -> Reply:
