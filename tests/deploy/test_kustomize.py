@@ -162,5 +162,9 @@ def test_ray_pod_monitor_scrapes_every_replicas_port():
             for p in c.get("ports", [])
         }
         assert ports.get(endpoint["port"]) == metrics_port, (group["groupName"], ports)
+        # Ray's own metrics alike on every group (the gpu group had neither the flag nor the
+        # port): the head's, and each worker's, on the port its rayStartParams give
+        export = group["rayStartParams"].get("metrics-export-port")
+        assert export is not None and ports.get("ray-metrics") == int(export), group["groupName"]
     # The job ("<namespace>/<name>") is what the alert rules match.
     assert "mha-serve" in one(build("ray"), "PodMonitor")["metadata"]["name"]
