@@ -176,7 +176,9 @@ class Session(_Handle):
 
 
 class SessionStream:
-    """Steps over one StreamSession call; each step waits for its reply (in order)."""
+    """Steps over one StreamSession call; each step waits for its reply (in order). A stream
+    is used by one thread at a time; close() from another thread ends it for good: a step
+    under way ends with its call, and no later step reopens it."""
 
     def __init__(self, session: Session, timeout: float | None, reopen: bool = True) -> None:
         self._session = session
@@ -184,9 +186,12 @@ class SessionStream:
         timeout = client.timeout if timeout is None else timeout
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._reopen = reopen
+        self._closed = False
         self._open()
 
     def _open(self) -> None:
+        if self._closed:  # by another thread, while a step was reopening it
+            raise ClosedError(_CLOSED, self._session._client.target)
         client = self._session._client
         client._check_open()
         # The last step's status, when it ended this call (None: the call goes on), as
@@ -209,7 +214,7 @@ class SessionStream:
         self.close()
 
     def step(self, x: np.ndarray, **options: Any) -> AttendResult:
-        if not self._end.alive:
+        if self._closed:
             raise ClosedError(_CLOSED, self._session._client.target)
         start = time.perf_counter()
         request = step_request_bytes(self._session.id, x, options)
@@ -251,8 +256,9 @@ class SessionStream:
 
     def close(self) -> None:
         """Ends the stream and waits for the server to finish it; closing twice is a no-op."""
-        if not self._end.alive:
+        if self._closed:
             return
+        self._closed = True
         self._end()
         with contextlib.suppress(grpc.RpcError):  # an error was already raised by step()
             for _ in self._replies:  # drain: the server ends the stream after the last request

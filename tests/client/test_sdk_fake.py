@@ -574,3 +574,17 @@ def test_a_status_without_a_message_says_its_code_not_a_repr():
     e = MhaServeError.from_rpc_error(Bare(), "host:1")
     assert e.code == grpc.StatusCode.NOT_FOUND and e.details == "NOT_FOUND, with no message"
     assert "Inactive" not in str(e)
+
+
+def test_a_stream_closed_while_a_step_reopens_it_stays_closed(target):
+    """close() from another thread between a step ending its call and opening the next
+    (after a refusal) returned at once, seeing the call ended, and the step then opened a
+    new call on the closed stream. The step's two moves, with the close between them:"""
+    with Client(target) as c:
+        stream = c.session("s").stream()
+        stream._end()  # the step ended the refused call...
+        stream.close()  # ...another thread closes the stream...
+        with pytest.raises(ClosedError, match="this stream is closed"):
+            stream._open()  # ...and the step's reopening finds it closed
+        with pytest.raises(ClosedError, match="this stream is closed"):
+            stream.step(_x(1, 8))
