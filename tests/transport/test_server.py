@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import grpc
 import numpy as np
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
@@ -15,10 +17,12 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
+from mha_serve.cache import SessionNotFound
 from mha_serve.config import ServerConfig
 from mha_serve.engine import ModelSpec
 from mha_serve.model import AttentionConfig
-from mha_serve.transport.server import SERVICE_NAME, Server
+from mha_serve.transport.server import SERVICE_NAME, Server, load_engine, spill_on_stop
+from tests.engine_calls import attend, req
 from tests.helpers import free_port
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -26,8 +30,10 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def config(**kw) -> ServerConfig:
-    models = [ModelSpec("small", AttentionConfig(64, 4, 1), seed=5, max_seq_len=2048)]
-    return ServerConfig(host="127.0.0.1", port=free_port(), metrics_port=0, models=models, **kw)
+    kw.setdefault(
+        "models", [ModelSpec("small", AttentionConfig(64, 4, 1), seed=5, max_seq_len=2048)]
+    )
+    return ServerConfig(host="127.0.0.1", port=free_port(), metrics_port=0, **kw)
 
 
 def request(batch: int, seq_len: int) -> pb.AttendRequest:
@@ -173,3 +179,23 @@ async def test_an_error_for_a_call_already_over_is_counted_not_sent():
         await AttentionServicer(max_request_bytes=1)._answer("Attend", "m", context, late)  # noqa: SLF001
     assert context.aborted == []
     assert counter._value.get() == before + 1  # noqa: SLF001
+
+
+def test_a_restart_starts_when_a_spilled_session_s_ttl_ran_out_meanwhile(tmp_path):
+    """A session whose TTL passes while the server is down (a restart that takes a while) is
+    expired at start, saying so to its next call; the server starts and adopts the rest
+    (it failed to start: counting the adopted sessions by model looked the expired one up)."""
+    cache = ModelSpec("kv", AttentionConfig(64, 4, 1), seed=5, kv_cache_bytes=1 << 16)
+    spill = {"session_spill_dir": str(tmp_path / "spill"), "session_spill_bytes": 1 << 20}
+    first = load_engine(config(**spill, models=[cache]))
+    short = first.create_session("kv", ttl_s=0.1).session_id
+    kept = first.create_session("kv", ttl_s=300.0).session_id
+    for sid in (short, kept):
+        attend(first, req("kv", torch.ones(1, 3, 64), session_id=sid))
+    spill_on_stop(first)
+    time.sleep(0.3)  # the server is down longer than the short session's TTL
+    second = load_engine(config(**spill, models=[cache]))
+    with pytest.raises(SessionNotFound, match="expired"):
+        second.get_session(short)
+    assert second.get_session(kept).num_tokens == 3
+    assert not list((tmp_path / "spill").glob("*.session"))  # (short's file went too)

@@ -43,8 +43,9 @@ class RoomMaking:
 
     def adopt_spilled(self) -> tuple[list[str], list[tuple[str, str]]]:
         """At start: takes over the sessions the spill directory holds (their tensors stay
-        on disk until each comes back), TTLs continuing. (adopted ids, refused (file,
-        reason))."""
+        on disk until each comes back), TTLs continuing: one whose TTL ran out while no
+        server held it expires now (its file goes; its next call says so). (adopted ids,
+        refused (file, reason))."""
         with self._lock:
             if self.spill is None:
                 return [], []
@@ -57,7 +58,9 @@ class RoomMaking:
                 ghost.num_tokens, ghost.owner = r.num_tokens, r.owner
                 self._spilled[r.session_id] = ghost
                 self.quota.add(ghost)
-            return [e.session_id for e in found], [(str(p), why) for p, why in refused]
+            self.expire(now)
+            adopted = [e.session_id for e in found if e.session_id in self._spilled]
+            return adopted, [(str(p), why) for p, why in refused]
 
     def adopt(self, record: SessionRecord, k: Any, v: Any) -> SessionStats:
         """Brings a spilled session back under its id: blocks for the K/V it held (making

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import signal
 import time
@@ -13,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from mha_serve import metrics
+from mha_serve.cache import CacheError
 from mha_serve.config import ServerConfig
 from mha_serve.engine import Engine, resolve_device, resolve_dtype
 from mha_serve.engine.threads import ComputeThreads, pin_event_loop, unpin
@@ -98,7 +100,11 @@ def adopt_spilled(engine: Engine) -> None:
         log.error("spill directory: refused %s: %s", path, why)
     if refused:
         metrics.count_lost("bad_file", len(refused))
-    for model, n in collections.Counter(engine.session_model(s) for s in adopted).items():
+    models: collections.Counter[str] = collections.Counter()
+    for session_id in adopted:
+        with contextlib.suppress(CacheError):  # its TTL ran out since: expired, not adopted
+            models[engine.session_model(session_id)] += 1
+    for model, n in models.items():
         metrics.count_adopted(model, n)
     if adopted or refused:
         log.info("adopted %d spilled session(s); refused %d file(s)", len(adopted), len(refused))
