@@ -21,11 +21,13 @@ BLOCK = 16
 ATOL = 1e-5
 
 
-def spec(name: str = "m", blocks: int = 8, window: int | None = None) -> ModelSpec:
+def spec(
+    name: str = "m", blocks: int = 8, window: int | None = None, block: int = BLOCK
+) -> ModelSpec:
     cfg = AttentionConfig(E, 4, 2, sliding_window=window, causal=True)
-    bytes_per_block = 2 * cfg.num_kv_heads * cfg.head_dim * BLOCK * 4
+    bytes_per_block = 2 * cfg.num_kv_heads * cfg.head_dim * block * 4
     return ModelSpec(
-        name, cfg, seed=3, kv_cache_bytes=blocks * bytes_per_block, kv_block_size=BLOCK
+        name, cfg, seed=3, kv_cache_bytes=blocks * bytes_per_block, kv_block_size=block
     )
 
 
@@ -131,6 +133,26 @@ def test_a_sliding_window_session_spills_what_it_holds_and_comes_back_right(tmp_
     assert out.session.first_position >= held.first_position
     whole = attend(e, req("m", seq, causal=True)).output
     assert (out.output - whole[:, 50:]).abs().max() < ATOL
+
+
+def test_a_window_session_written_with_another_block_size_ends_saying_so(tmp_path):
+    """kv_block_size changed across a restart: a sliding-window session whose first held
+    position does not start a block here cannot come back whole. It ends NOT_FOUND saying
+    why; adopted, the slots before that position in its first block held whatever was
+    there (another session's K/V), and a truncate let its next step attend to them."""
+    first = engine(tmp_path, spec(window=8))
+    sid = first.create_session("m").session_id
+    attend(first, req("m", tokens(50, seed=4), session_id=sid))
+    assert first.get_session(sid).first_position == 2 * BLOCK
+    first.spill_idle()
+    first.close_spill()
+    second = engine(tmp_path, spec(window=8, block=4 * BLOCK))
+    other = second.create_session("m").session_id  # leaves its K/V in the blocks
+    attend(second, req("m", 5 * tokens(60, seed=5), session_id=other))
+    second.close_session(other)
+    second.adopt_spilled()
+    with pytest.raises(SessionNotFound, match="not a multiple of kv_block_size 64"):
+        second.truncate_session(sid, 20)
 
 
 def test_a_shutdown_writes_the_sessions_and_a_new_engine_adopts_them_ttl_and_owner_kept(

@@ -68,6 +68,9 @@ class Expected:
     head_dim: int
     max_len: int  # the model's max_seq_len: no session of it is longer
     max_bytes: int  # K + V bytes the model's whole cache holds
+    # tokens per block of that cache: a session comes back into whole blocks, so the first
+    # position it holds (a sliding window freed those before) must start one
+    block_size: int = 1
 
 
 def record_of(
@@ -144,6 +147,13 @@ def decode(
                 f"{source}: {name} is {str(t.dtype).removeprefix('torch.')} "
                 f"{list(t.shape)}; the session needs {record.dtype} {list(want)}"
             )
+    if record.first_position % expected.block_size:
+        raise BadRecord(
+            f"{source}: a sliding-window session holding positions from "
+            f"{record.first_position} on, not a multiple of kv_block_size "
+            f"{expected.block_size} here (it was written with another kv_block_size): its "
+            "first block cannot be rebuilt"
+        )
     if _checksum(k, v) != record.checksum:
         raise BadRecord(f"{source}: its K/V do not match their checksum (a damaged file)")
     if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):

@@ -40,6 +40,7 @@ class Expectations(Mapping[str, Expected]):
                     head_dim=cache.head_dim,
                     max_len=hosted.spec.max_seq_len,
                     max_bytes=cache.budget_bytes,
+                    block_size=cache.block_size,
                 )
             return known
 
