@@ -13,6 +13,7 @@ from mha_serve.engine import Engine, ModelSpec
 from mha_serve.engine.threads import ComputeThreads
 from mha_serve.model import AttentionConfig
 from mha_serve.serving import AsyncEngine
+from mha_serve.serving.sequences import SequenceMap
 from tests.engine_calls import req, torched
 
 
@@ -51,6 +52,42 @@ def test_a_spilled_session_is_restored_on_the_compute_thread(tmp_path):
             assert engine.spill_idle() == [sid]
             assert (await serving.get_session(sid)).num_tokens == 6
             assert len(threads) == 2 and loop_thread not in threads
+        finally:
+            await serving.close()
+            compute.shutdown()
+
+    asyncio.run(main())
+
+
+def test_pruning_the_sequence_map_leaves_spilled_sessions_on_disk(tmp_path):
+    """Triton's sequence map, pruning the ids whose session is gone, asks whether each
+    session lives without bringing a spilled one back: it did, one by one on the event loop
+    (each restore spilling another in a full cache), and made each count as used."""
+    spec = ModelSpec("m", AttentionConfig(32, 4, 2), seed=1, kv_cache_bytes=1 << 20)
+    engine = Engine(
+        [spec],
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        max_response_bytes=1 << 24,
+        spill_dir=str(tmp_path),
+        spill_bytes=1 << 24,
+    )
+
+    async def main() -> None:
+        compute = ComputeThreads(1, 1)
+        serving = AsyncEngine(engine, compute)
+        serving.sequences = SequenceMap(prune_at=2)
+        try:
+            kept = await serving.start_sequence(("m", "me", 0), "m", "me")
+            gone = await serving.start_sequence(("m", "me", 1), "m", "me")
+            await serving.close_session(gone)
+            x = torch.randn(1, 3, 32)
+            await serving.attend(req("m", x, session_id=kept), torched, received=0.0, deadline=None)
+            assert engine.spill_idle() == [kept]
+            await serving.start_sequence(("m", "me", 2), "m", "me")  # prunes: gone goes
+            assert serving.sequences.get(("m", "me", 1)) is None
+            assert serving.sequences.get(("m", "me", 0)) == kept
+            assert engine.is_spilled(kept)  # still on disk
         finally:
             await serving.close()
             compute.shutdown()

@@ -21,8 +21,10 @@ class SessionCalls:
     sequences, threads, _live)."""
 
     def _alive(self, session_id: str) -> bool:
+        """Whether the session lives, here or spilled: never brought back (get_session
+        would read a spilled one's file, on the event loop, and count it as used)."""
         try:
-            self.engine.get_session(session_id)
+            self.engine.session_model(session_id)
         except (CacheError, RequestError):
             return False
         return True
