@@ -31,7 +31,9 @@ def spec(
     )
 
 
-def engine(tmp_path, *specs: ModelSpec, spill_bytes: int = 1 << 22, spill: bool = True) -> Engine:
+def engine(
+    tmp_path, *specs: ModelSpec, spill_bytes: int = 1 << 22, spill: bool = True, **kw
+) -> Engine:
     return Engine(
         list(specs) or [spec()],
         device=torch.device("cpu"),
@@ -39,6 +41,7 @@ def engine(tmp_path, *specs: ModelSpec, spill_bytes: int = 1 << 22, spill: bool 
         max_response_bytes=2**24,
         spill_dir=str(tmp_path / "spill") if spill else "",
         spill_bytes=spill_bytes if spill else 0,
+        **kw,
     )
 
 
@@ -133,6 +136,30 @@ def test_a_sliding_window_session_spills_what_it_holds_and_comes_back_right(tmp_
     assert out.session.first_position >= held.first_position
     whole = attend(e, req("m", seq, causal=True)).output
     assert (out.output - whole[:, 50:]).abs().max() < ATOL
+
+
+def test_reading_a_spilled_session_does_not_count_as_use_its_ttl_runs_on(tmp_path):
+    """GetSession of a spilled session brings it back, and its TTL runs on from its last
+    use, as for a session never spilled (a restore counted as use: a client polling its
+    sessions kept the spilled ones alive past their TTL). Making room still spares a
+    session just brought back, so that its call runs first."""
+    now = [0.0]
+    e = engine(tmp_path, spec(blocks=2), clock=lambda: now[0])
+    polled = e.create_session("m", ttl_s=10.0).session_id
+    attend(e, req("m", tokens(BLOCK, seed=1), session_id=polled))
+    assert e.spill_idle() == [polled]
+    now[0] = 5.0
+    other = e.create_session("m", ttl_s=100.0).session_id
+    attend(e, req("m", tokens(BLOCK, seed=2), session_id=other))
+    now[0] = 8.0
+    assert e.get_session(polled).num_tokens == BLOCK  # brought back (not a use): both held
+    now[0] = 9.0
+    big = e.create_session("m", ttl_s=100.0).session_id
+    attend(e, req("m", tokens(BLOCK, seed=3), session_id=big))  # room: other goes, polled stays
+    assert e.is_spilled(other) and not e.is_spilled(polled)
+    now[0] = 11.0
+    with pytest.raises(SessionNotFound, match="expired: idle 11.0 s"):
+        e.get_session(polled)
 
 
 def test_a_window_session_written_with_another_block_size_ends_saying_so(tmp_path):

@@ -79,9 +79,10 @@ class RoomMaking:
             m = self._model(record.model)
             bs = m.storage.block_size
             s = Session(record.session_id, record.model, record.max_len, record.ttl_s, now, now)
-            # Brought back for a call: the most recently used now, so that making room for
-            # another never sends it straight back before its call runs.
-            s.last_used_s, s.owner = now, record.owner
+            # Brought back for a call: spared by making room as if used now, so that it is
+            # never sent straight back before its call runs; its TTL runs on (GetSession
+            # reads it, and reading a session is no use).
+            s.last_used_s, s.restored_s, s.owner = ghost.last_used_s, now, record.owner
             s.first_block = record.first_position // bs
             s.engine_state = engine_state
             num_blocks = -(-record.num_tokens // bs) - s.first_block
@@ -274,7 +275,7 @@ class RoomMaking:
                 for s in self._sessions.values()
                 if s.model == requester.model and s.in_use == 0 and s is not requester
             ),
-            key=lambda s: s.last_used_s,
+            key=lambda s: max(s.last_used_s, s.restored_s),
         )
         holders: dict[int, int] = {}  # block -> chosen sessions holding it
         freed = sharing = 0  # blocks every holder of which is chosen; chosen holders of shared_last

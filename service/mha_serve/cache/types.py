@@ -3,6 +3,7 @@ and the one thing the session table needs from a model's K/V storage."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -107,6 +108,10 @@ class Session:
     # arrive whole (adopt, receive): recomputed from them, never read from a file.
     engine_state: object = None
     owner: str = ""  # the client whose per-client limits it counts against ("": none)
+    # When it last came back from the spill tier (the table's clock): making room spares it
+    # as if used then, so that the call that brought it back runs before it can be sent back;
+    # its TTL runs on from last_used_s (a restore is not a use).
+    restored_s: float = -math.inf
 
     @property
     def num_blocks(self) -> int:
