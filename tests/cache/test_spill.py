@@ -138,6 +138,21 @@ def test_the_store_expires_its_oldest_to_keep_the_budget(tmp_path):
     store.close()
 
 
+def test_a_session_whose_restore_failed_is_not_the_next_to_expire(tmp_path):
+    """A restore that finds no room in the cache (its call then waits for some) puts the
+    session back in the store: the sessions spilled before it still expire first (it was
+    put back as the oldest, and lost to the next spill of a full store)."""
+    k, v = kv(20)
+    size = len(encode(record(), k, v))
+    store = SpillStore(tmp_path, budget_bytes=int(2.5 * size))
+    store.put(record("a"), k, v)
+    store.put(record("b"), k, v)
+    store.attach(store.detach("b"))  # b's restore found no room
+    expired = store.put(record("c"), k, v)
+    assert [e.session_id for e in expired] == ["a"] and list(store.entries) == ["b", "c"]
+    store.close()
+
+
 def test_a_rewrite_replaces_the_file_whole_and_a_failed_write_leaves_the_old_copy(
     tmp_path, monkeypatch
 ):

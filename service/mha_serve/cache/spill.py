@@ -164,8 +164,9 @@ class SpillStore:
         return spilled
 
     def attach(self, spilled: Spilled) -> None:
+        """Puts a detached session back, as the newest: a call waits to bring it back
+        (its restore found no room), so the sessions spilled before it expire first."""
         self.entries[spilled.session_id] = spilled
-        self.entries.move_to_end(spilled.session_id, last=False)  # it was among the oldest
         self.nbytes += spilled.nbytes
 
     def delete(self, spilled: Spilled) -> None:
