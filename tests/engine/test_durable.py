@@ -244,3 +244,15 @@ def test_owners_hold_for_live_and_spilled_sessions_anonymous_ones_stay_open(tmp_
                 e.live(mine, "cert:bob", call)
         assert e.get_session(mine, owner="cert:alice").num_tokens == 4
         assert e.get_session(open_, owner="token:anyone").num_tokens == 0  # no identity
+
+
+def test_a_session_still_stepping_at_shutdown_is_said_lost(tmp_path, caplog):
+    """A session whose step was still running when the grace period ended is not written
+    (its K/V are mid-step): it was lost with the process without a word."""
+    e = engine(tmp_path)
+    busy, idle = (e.create_session("m").session_id for _ in range(2))
+    attend(e, req("m", tokens(3, seed=1), session_id=idle))
+    e.sessions.claim(busy)  # its step under way
+    with caplog.at_level("WARNING", logger="mha_serve.engine.sessions"):
+        assert e.spill_idle() == [idle]
+    assert "1 session(s) not written to the spill directory" in caplog.text

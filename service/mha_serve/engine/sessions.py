@@ -213,8 +213,20 @@ class Sessions(LoneStep, BatchForward, Settling):
         return restore(self.table, session_id, owner)
 
     def spill_idle(self) -> list[str]:
-        """Every idle session written to the spill tier (at shutdown); the ids written."""
-        return self.table.spill_idle() if self.table.spill is not None else []
+        """Every idle session written to the spill tier (at shutdown); the ids written. Those
+        left (a step of theirs still running when the grace period ended, or a write that
+        failed) are lost with the process: a warning says how many."""
+        if self.table.spill is None:
+            return []
+        written = self.table.spill_idle()
+        if left := len(self.table):
+            log.warning(
+                "%d session(s) not written to the spill directory (a step of theirs was still "
+                "running when the grace period ended, or its write failed): they are lost with "
+                "this process",
+                left,
+            )
+        return written
 
     def adopt_spilled(self) -> tuple[list[str], list[tuple[str, str]]]:
         """At start: the sessions the spill directory holds, taken over (adopted ids, refused
