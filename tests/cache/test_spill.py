@@ -109,6 +109,8 @@ def bad_files() -> list[tuple[str, bytes, str]]:
             b"\x10\x00\x00\x00\x00\x00\x00\x00" + b"{}" + b" " * 14,
             "not a session file",
         ),
+        ("a sequence id of nothing", encode(record(sequence_id=""), k, v), "not a sequence's"),
+        ("a sequence id of truth", encode(record(sequence_id=True), k, v), "not a sequence's"),
     ]
 
 
@@ -224,3 +226,15 @@ def test_one_live_server_per_directory(tmp_path):
         holder.stdin.close()
         holder.wait(30)
     SpillStore(tmp_path, budget_bytes=1 << 20).close()  # free again
+
+
+@pytest.mark.parametrize("sequence_id", [42, "chat-7", None])
+def test_the_sequence_a_session_steps_travels_with_it(sequence_id):
+    """A Triton sequence's id (int or string) reads back as written; a file written before
+    records had one reads as stepping none."""
+    k, v = kv(20)
+    got, _, _ = decode(encode(record(sequence_id=sequence_id), k, v), "f", EXPECTED)
+    assert got.sequence_id == sequence_id
+    fields = dataclasses.asdict(record())
+    del fields["sequence_id"]  # (a file of the format before it)
+    assert SessionRecord(**fields).sequence_id is None

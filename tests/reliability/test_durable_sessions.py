@@ -170,3 +170,55 @@ def test_sessions_survive_sigterm_and_a_restart_bit_for_bit(tmp_path):
         assert metric_sum(second.metrics_port, "mha_serve_sessions_adopted_total") == len(sessions)
     finally:
         assert second.stop() == 0, second.log()
+
+
+def test_a_triton_sequence_goes_on_after_a_restart(tmp_path):
+    """A Triton sequence (Open Inference Protocol) started on one server steps on after
+    SIGTERM and a new server on the same directory, without a new START: the link from its
+    sequence id to its session is written with the session (it lived in memory only, and
+    the sequence's next request was refused with the START-flag message). Its next step
+    equals, bit for bit, what a fork of its session answered for the same token before."""
+    from mha_client.api.inference import grpc_service_pb2_grpc as ip_grpc
+    from tests.transport.test_inference import infer_request, output
+
+    spill = ["--session-spill-dir", str(tmp_path / "spill"), "--session-spill-bytes", str(1 << 26)]
+    first = ServerProcess(*spill, log_path=tmp_path / "first.log")
+    first.wait_serving()
+    token = rows(1, seed=7, embed=512)[None]
+    sequences = {42: None, "chat-7": None}  # id -> (session id, expected next output)
+    try:
+        with grpc.insecure_channel(first.target) as channel:
+            oip = ip_grpc.GRPCInferenceServiceStub(channel)
+            for n, seq_id in enumerate(sequences):
+                for t in range(3):
+                    x = rows(4 if t == 0 else 1, seed=10 * n + t, embed=512)[None]
+                    reply = oip.ModelInfer(
+                        infer_request(x, model="gqa", sequence_id=seq_id, sequence_start=t == 0)
+                    )
+                session_id = reply.parameters["session_id"].string_param
+                with Client(first.target) as c:
+                    probe = c.session(session_id).fork()
+                    sequences[seq_id] = (session_id, probe.step(token[0]).output)
+                    probe.close()
+        first.proc.send_signal(signal.SIGTERM)
+        assert first.proc.wait(60) == 0, first.log()
+    finally:
+        first.stop()
+
+    second = ServerProcess(*spill, log_path=tmp_path / "second.log")
+    try:
+        second.wait_serving()
+        with grpc.insecure_channel(second.target) as channel:
+            oip = ip_grpc.GRPCInferenceServiceStub(channel)
+            for seq_id, (session_id, expected) in sequences.items():
+                reply = oip.ModelInfer(
+                    infer_request(token, model="gqa", sequence_id=seq_id, sequence_end=True)
+                )
+                assert reply.parameters["session_id"].string_param == session_id
+                assert np.array_equal(output(reply, "OUTPUT")[0], expected), seq_id
+            # ended: the next request of either is refused, as any sequence's after its end
+            with pytest.raises(grpc.RpcError) as err:
+                oip.ModelInfer(infer_request(token, model="gqa", sequence_id=42))
+            assert "START flag" in err.value.details()
+    finally:
+        assert second.stop() == 0, second.log()

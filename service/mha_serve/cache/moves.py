@@ -106,6 +106,7 @@ class Moving:
             bs = m.storage.block_size
             s = Session(record.session_id, record.model, record.max_len, record.ttl_s, now, now)
             s.last_used_s, s.owner = now - idle_s, record.owner
+            s.sequence_id = record.sequence_id
             s.first_block = record.first_position // bs
             s.engine_state = engine_state
             num_blocks = -(-record.num_tokens // bs) - s.first_block

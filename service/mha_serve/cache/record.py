@@ -50,6 +50,7 @@ class SessionRecord:
     num_kv_heads: int
     head_dim: int
     checksum: str = ""  # sha256 of the K and V bytes (set by encode)
+    sequence_id: int | str | None = None  # the sequence it steps (Session.sequence_id)
 
     @property
     def held(self) -> int:
@@ -89,6 +90,7 @@ def record_of(
         idle_s=max(0.0, idle_s),
         written_at=written_at,
         owner=s.owner,
+        sequence_id=s.sequence_id,
         dtype=str(expected.dtype).removeprefix("torch."),
         num_kv_heads=expected.num_kv_heads,
         head_dim=expected.head_dim,
@@ -213,6 +215,9 @@ def _check_fields(r: SessionRecord, source: str) -> None:
         raise BadRecord(f"{source}: ttl_s {r.ttl_s!r} is not a duration")
     if r.dtype not in DTYPES:
         raise BadRecord(f"{source}: dtype {r.dtype!r} is not one of {', '.join(DTYPES)}")
+    seq = r.sequence_id
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int | str) or not seq):
+        raise BadRecord(f"{source}: sequence_id {seq!r} is not a sequence's id")
     if not isinstance(r.session_id, str) or not r.session_id or not isinstance(r.owner, str):
         raise BadRecord(f"{source}: no session id")
 

@@ -56,6 +56,7 @@ class RoomMaking:
                 ghost = Session(r.session_id, r.model, r.max_len, r.ttl_s, now, now)
                 ghost.last_used_s = now - self.spill.idle_s(entry)
                 ghost.num_tokens, ghost.owner = r.num_tokens, r.owner
+                ghost.sequence_id = r.sequence_id
                 self._spilled[r.session_id] = ghost
                 self.quota.add(ghost)
             self.expire(now)
@@ -83,6 +84,7 @@ class RoomMaking:
             # never sent straight back before its call runs; its TTL runs on (GetSession
             # reads it, and reading a session is no use).
             s.last_used_s, s.restored_s, s.owner = ghost.last_used_s, now, record.owner
+            s.sequence_id = record.sequence_id
             s.first_block = record.first_position // bs
             s.engine_state = engine_state
             num_blocks = -(-record.num_tokens // bs) - s.first_block

@@ -155,6 +155,22 @@ class SessionTable(RoomMaking, Moving, Stepping, Reporting):
             self.quota.add(s)
             return s
 
+    def link_sequence(self, session_id: str, sequence_id: int | str | None) -> None:
+        """Names the client's sequence the session steps (None: none), kept with it through
+        spills and restarts (Session.sequence_id). A spilled session's file keeps the name it
+        was written with."""
+        with self._lock:
+            s = self._sessions.get(session_id) or self._spilled.get(session_id)
+            if s is not None:
+                s.sequence_id = sequence_id
+
+    def sequence_links(self) -> list[tuple[str, str, str, int | str]]:
+        """(session id, model, owner, sequence id) of every session, live or spilled, that
+        steps a sequence: what a server that adopted them links again."""
+        with self._lock:
+            held = list(self._sessions.values()) + list(self._spilled.values())
+            return [(s.id, s.model, s.owner, s.sequence_id) for s in held if s.sequence_id]
+
     def get(self, session_id: str, owner: str | None = None) -> Session:
         """The live session, or SessionNotFound saying why not (does not count as use).
         owner: the caller; a session made by another identified client is NOT_FOUND to it

@@ -112,6 +112,10 @@ class Session:
     # as if used then, so that the call that brought it back runs before it can be sent back;
     # its TTL runs on from last_used_s (a restore is not a use).
     restored_s: float = -math.inf
+    # The client's sequence id it steps (a Triton sequence of the Open Inference Protocol,
+    # serving/sequences.py), None for none: kept with it through spills and restarts, so
+    # that the server that adopts it links the sequence to it again.
+    sequence_id: int | str | None = None
 
     @property
     def num_blocks(self) -> int:

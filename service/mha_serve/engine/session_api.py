@@ -97,6 +97,16 @@ class SessionAPI:
     def close_spill(self) -> None:
         self.sessions.close_spill()
 
+    def link_sequence(self, session_id: str, sequence_id: int | str | None) -> None:
+        """Names the client's sequence (a Triton sequence id) the session steps, None for
+        none: it travels with the session's file, so that a restart can link it again."""
+        self.sessions.link_sequence(session_id, sequence_id)
+
+    def sequence_links(self) -> list[tuple[str, str, str, int | str]]:
+        """(session id, model, owner, sequence id) of every session held, live or spilled,
+        that steps a sequence (adopted at start: serving links them again)."""
+        return self.sessions.sequence_links()
+
     def spill_info(self) -> SpillInfo:
         """The spill tier's sessions, bytes and budget; zeros without one."""
         return self.sessions.table.spill_info()

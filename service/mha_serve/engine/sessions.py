@@ -205,6 +205,15 @@ class Sessions(LoneStep, BatchForward, Settling):
     def close(self, session_id: str, owner: str | None = None) -> None:
         self.table.close(session_id, owner)
 
+    def link_sequence(self, session_id: str, sequence_id: int | str | None) -> None:
+        """The client's sequence the session steps (None: none), kept through spills and
+        restarts (SessionTable.link_sequence)."""
+        self.table.link_sequence(session_id, sequence_id)
+
+    def sequence_links(self) -> list[tuple[str, str, str, int | str]]:
+        """(session id, model, owner, sequence id) of every session that steps a sequence."""
+        return self.table.sequence_links()
+
     # --- the spill tier (engine/durable.py) -------------------------------------------------
 
     def restore(self, session_id: str, owner: str | None = None) -> float:

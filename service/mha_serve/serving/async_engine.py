@@ -83,8 +83,10 @@ class AsyncEngine(Retrying, SessionCalls):
             engine.on_session_spill(metrics.count_spilled)
             metrics.watch_spill("", engine.spill_info)
         self._sweeper: asyncio.Task | None = None
-        # Triton's sequences (the Open Inference Protocol door) -> this engine's sessions.
+        # Triton's sequences (the Open Inference Protocol door) -> this engine's sessions,
+        # those of sessions adopted from the spill directory (a restart) among them.
         self.sequences = SequenceMap()
+        self.link_adopted_sequences()
         # Session calls answered so far, and the calls waiting for one (room in a full KV
         # cache may come with it): see _room_may_come.
         self._answered = 0

@@ -39,6 +39,7 @@ class SessionCalls:
 
     async def start_sequence(self, key: SequenceKey, model: str, owner: str) -> str:
         session_id = self.engine.create_session(model, None, None, owner).session_id
+        self.engine.link_sequence(session_id, key[2])  # (written with it: a restart links it)
         previous = self.sequences.start(key, session_id, live=self._alive)
         if previous is not None:
             with contextlib.suppress(CacheError, RequestError):  # gone already: fine
@@ -47,9 +48,19 @@ class SessionCalls:
 
     async def end_sequence(self, key: SequenceKey, session_id: str, *, close: bool) -> None:
         self.sequences.end(key, session_id)
-        if close:
-            with contextlib.suppress(CacheError, RequestError):
+        with contextlib.suppress(CacheError, RequestError):  # gone already: fine
+            if close:
                 self.engine.close_session(session_id)
+            else:  # it lives on (a step in flight owns it), stepping no sequence
+                self.engine.link_sequence(session_id, None)
+
+    def link_adopted_sequences(self) -> int:
+        """At start: the sequences of the sessions the engine adopted from its spill
+        directory, linked again (a restart keeps a Triton sequence going); how many."""
+        links = self.engine.sequence_links()
+        for session_id, model, owner, sequence_id in links:
+            self.sequences.start((model, owner, sequence_id), session_id, live=self._alive)
+        return len(links)
 
     # --- sessions ------------------------------------------------------------------------
     # Coroutines, so that a front door awaits them alike here and in a frontend worker,
