@@ -142,3 +142,35 @@ def test_with_eviction_the_waiting_step_evicts_the_other_and_it_says_so():
     assert len(kept) == 1 and len(evicted) == 1, outcomes
     assert evicted[0].reason == "evicted" and "was evicted" in str(evicted[0])
     assert kept[0].reply.session.num_tokens == BLOCK + 1
+
+
+def test_a_spilled_sessions_read_waits_for_room_as_a_step_does(tmp_path):
+    """GetSession (a fork, a truncate alike) of a spilled session whose room only sessions
+    in flight hold waits for them as a step of it would, then brings it back; it was refused
+    RESOURCE_EXHAUSTED at once."""
+    eng = engine(blocks=2, spill_dir=str(tmp_path / "spill"))
+    (spilled,) = prefill(eng, 1, tokens=BLOCK - 1)
+    assert eng.spill_idle() == [spilled]
+    busy = list(prefill(eng, 2, tokens=BLOCK - 1))  # the cache's two blocks
+    for sid in busy:
+        eng.sessions.claim(sid)  # a step of each in flight: neither can be spilled
+
+    async def read() -> int:
+        compute = ComputeThreads(1, 1)
+        serving = AsyncEngine(eng, compute, inline=False)
+        try:
+            task = asyncio.ensure_future(serving.get_session(spilled))
+            for _ in range(6000):  # bounded: until it waits for room (or is answered)
+                if serving._room_waiters or task.done():
+                    break
+                await asyncio.sleep(0.01)
+            assert not task.done(), task.exception()  # (refused at once before)
+            eng.sessions.release(busy[0])  # that step answered: its session may go to disk
+            serving._session_answered()
+            return (await asyncio.wait_for(task, 60)).num_tokens
+        finally:
+            await serving.close()
+            compute.shutdown()
+
+    assert asyncio.run(read()) == BLOCK - 1
+    assert not eng.is_spilled(spilled) and eng.is_spilled(busy[0])

@@ -115,7 +115,7 @@ class Retrying:
         rare, and then on this thread.)"""
         restore_s = 0.0
         if self.engine.is_spilled(session_id):
-            restore_s = await self._restore(session_id, caller)
+            restore_s = await self._restore_when_room(session_id, caller)
         for attempt in range(RESTORE_TRIES + 1):
             try:
                 value = call()
@@ -126,8 +126,21 @@ class Retrying:
                 if restore_s:
                     metrics.observe_restore(self.engine.session_model(session_id), restore_s)
                 return value, restore_s
-            restore_s += await self._restore(session_id, caller)
+            restore_s += await self._restore_when_room(session_id, caller)
         raise AssertionError("unreachable")
+
+    async def _restore_when_room(self, session_id: str, caller: str | None) -> float:
+        """_restore, waiting as a step does (_room_may_come, up to ROOM_WAIT_S) while the
+        room it needs is held by calls in flight: a GetSession, fork or truncate of a spilled
+        session was refused RESOURCE_EXHAUSTED at once where a step of it waited."""
+        seen, give_up = self._answered, time.monotonic() + ROOM_WAIT_S
+        while True:
+            try:
+                return await self._restore(session_id, caller)
+            except CacheExhausted as refused:
+                if not await self._room_may_come(refused, self._answered - seen, give_up):
+                    raise
+            seen = self._answered
 
     async def _restore(self, session_id: str, caller: str | None) -> float:
         """On the compute thread: torch ops on another thread would start a team of their
