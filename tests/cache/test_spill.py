@@ -188,7 +188,10 @@ def test_a_start_removes_temporaries_and_adopts_by_header_refusing_foreign_files
     again = SpillStore(tmp_path, budget_bytes=1 << 20)
     found, refused = again.scan(lambda r: EXPECTED if r.model == "m" else None)
     assert [s.session_id for s in found] == ["b", "a"]  # oldest written first
-    assert sorted(p.name for p, _ in refused) == sorted(["junk.session", again.path_for("z").name])
+    assert sorted(p.name for p, _, _ in refused) == sorted(
+        ["junk.session", again.path_for("z").name]
+    )
+    assert sorted(str(sid) for _, _, sid in refused) == ["None", "z"]  # z's header named it
     assert not list(tmp_path.glob(TEMP_PREFIX + "*"))
     assert len(list(tmp_path.glob("*.refused"))) == 2  # kept for inspection
     assert read_header(again.path_for("a").read_bytes(), "a").owner == "token:abc"

@@ -6,6 +6,7 @@ alone; owners hold through all of it."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -256,3 +257,21 @@ def test_a_session_still_stepping_at_shutdown_is_said_lost(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="mha_serve.engine.sessions"):
         assert e.spill_idle() == [idle]
     assert "1 session(s) not written to the spill directory" in caplog.text
+
+
+def test_a_session_whose_file_is_refused_at_start_says_why(tmp_path):
+    """A file refused when a server adopts its directory (here: written for other weights)
+    ends its session, whose next call said "does not exist here (never created on this
+    server...)": it now says the file was refused, and why."""
+    first = engine(tmp_path)
+    sid = first.create_session("m").session_id
+    attend(first, req("m", tokens(5, seed=1), session_id=sid))
+    assert first.spill_idle() == [sid]
+    first.close_spill()
+    other_weights = engine(tmp_path, dataclasses.replace(spec(), seed=4))
+    adopted, refused = other_weights.adopt_spilled()
+    assert adopted == [] and len(refused) == 1
+    with pytest.raises(
+        SessionNotFound, match="spill file was refused when this server started.*other weights"
+    ):
+        other_weights.get_session(sid)

@@ -59,9 +59,17 @@ class RoomMaking:
                 ghost.sequence_id = r.sequence_id
                 self._spilled[r.session_id] = ghost
                 self.quota.add(ghost)
+            for _, why, session_id in refused:  # its next call says why, not "never here"
+                if session_id is not None and session_id not in self._spilled:
+                    self._remember_gone(
+                        session_id,
+                        "lost",
+                        f"session {session_id!r} is lost: its spill file was refused when this "
+                        f"server started ({why})",
+                    )
             self.expire(now)
             adopted = [e.session_id for e in found if e.session_id in self._spilled]
-            return adopted, [(str(p), why) for p, why in refused]
+            return adopted, [(str(p), why) for p, why, _ in refused]
 
     def adopt(self, record: SessionRecord, k: Any, v: Any) -> SessionStats:
         """Brings a spilled session back under its id: blocks for the K/V it held (making
