@@ -275,3 +275,21 @@ def test_a_session_whose_file_is_refused_at_start_says_why(tmp_path):
         SessionNotFound, match="spill file was refused when this server started.*other weights"
     ):
         other_weights.get_session(sid)
+
+
+def test_a_restart_with_a_smaller_spill_budget_expires_the_oldest_to_fit(tmp_path):
+    """The directory held more than the new session_spill_bytes: the adopting server kept
+    it all, over its budget until the next spill; now the oldest expire at once, saying so."""
+    first = engine(tmp_path)
+    ids = [first.create_session("m").session_id for _ in range(3)]
+    for i, sid in enumerate(ids):  # written oldest first
+        attend(first, req("m", tokens(10, seed=i), session_id=sid))
+    assert first.spill_idle() == ids
+    each = first.spill_info().nbytes // 3
+    first.close_spill()
+    second = engine(tmp_path, spill_bytes=2 * each + each // 2)  # room for two
+    adopted, refused = second.adopt_spilled()
+    assert sorted(adopted) == sorted(ids[1:]) and refused == []
+    assert second.spill_info().nbytes <= 2 * each + each // 2
+    with pytest.raises(SessionNotFound, match="spilled to disk to make room"):
+        second.get_session(ids[0])

@@ -67,6 +67,7 @@ class RoomMaking:
                         f"session {session_id!r} is lost: its spill file was refused when this "
                         f"server started ({why})",
                     )
+            self._forget_expired(self.spill.trim())  # a smaller budget than it was written to
             self.expire(now)
             adopted = [e.session_id for e in found if e.session_id in self._spilled]
             return adopted, [(str(p), why) for p, why, _ in refused]

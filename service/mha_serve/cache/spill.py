@@ -174,6 +174,16 @@ class SpillStore:
         with contextlib.suppress(FileNotFoundError):
             spilled.path.unlink()
 
+    def trim(self) -> list[Spilled]:
+        """The oldest sessions removed until the rest fit the budget (a restart with a
+        smaller session_spill_bytes than the directory holds); those removed, oldest first."""
+        expired = []
+        while self.nbytes > self.budget_bytes and self.entries:
+            oldest = next(iter(self.entries))
+            expired.append(self.entries[oldest])
+            self.remove(oldest)
+        return expired
+
     def remove(self, session_id: str) -> Spilled | None:
         """Forgets a session and deletes its file (gone already: fine)."""
         spilled = self.entries.pop(session_id, None)
@@ -302,6 +312,9 @@ class SpillTier:
 
     def remove(self, session_id: str) -> None:
         self.store.remove(session_id)
+
+    def trim(self) -> list[Spilled]:
+        return self.store.trim()
 
     def detach(self, session_id: str) -> Spilled | None:
         return self.store.detach(session_id)
