@@ -14,6 +14,7 @@ import json
 import math
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -494,7 +495,8 @@ async def run_load(
     progress: a stream (e.g. sys.stderr) for live progress, redrawn in place on a terminal
     and a line every PROGRESS_LOG_S seconds otherwise; None keeps quiet. stop_on_interrupt
     (the main thread only): SIGINT (Ctrl-C) ends the run, the requests in flight cancelled,
-    and returns the statistics of those answered by then (interrupted=True).
+    and returns the statistics of those answered by then (interrupted=True); in another
+    thread it is ignored (no loop but the main thread's takes signals).
     """
     rng = np.random.default_rng(spec.seed)
     payloads = Payloads(workload)
@@ -514,6 +516,8 @@ async def run_load(
         interrupted = True
         work.cancel()
 
+    # Only the main thread's loop can take a signal (a CLI run in a thread: Ctrl-C as ever)
+    stop_on_interrupt = stop_on_interrupt and threading.current_thread() is threading.main_thread()
     if stop_on_interrupt:
         asyncio.get_running_loop().add_signal_handler(signal.SIGINT, interrupt)
     try:
