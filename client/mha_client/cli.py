@@ -21,7 +21,7 @@ from mha_client.channel import ChannelSecurity
 from mha_client.cli_heads import add_heads_command
 from mha_client.cli_save import SAVE_HELP, save_path, save_result
 from mha_client.cli_sessions import add_session_commands
-from mha_client.cli_types import UsageError, int_list, positive_float, read_input
+from mha_client.cli_types import UsageError, float_list, int_list, positive_float, read_input
 from mha_client.errors import InvalidArgumentError, MhaServeError
 from mha_client.heatmap import require_matplotlib, save_heatmap
 from mha_client.loadgen import EXIT_INTERRUPTED, add_load_arguments, cmd_load
@@ -41,16 +41,6 @@ DEFAULT_TIMEOUT_S = 60.0
 
 
 # ----- argument types: each raises ArgumentTypeError, so argparse exits 2 with the reason
-
-
-def float_list(text: str) -> list[float]:
-    """Parse "1,0,1" into [1.0, 0.0, 1.0]."""
-    try:
-        return [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of numbers, e.g. 1,0,1,1"
-        ) from None
 
 
 def row_range(text: str) -> tuple[int, int | None]:

@@ -43,6 +43,16 @@ def int_list(text: str) -> list[int]:
         ) from None
 
 
+def float_list(text: str) -> list[float]:
+    """Parse "1,0,1" into [1.0, 0.0, 1.0]."""
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of numbers, e.g. 1,0,1,1"
+        ) from None
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)

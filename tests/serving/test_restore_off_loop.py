@@ -17,9 +17,9 @@ from mha_serve.serving.sequences import SequenceMap
 from tests.engine_calls import req, torched
 
 
-def test_a_spilled_session_is_restored_on_the_compute_thread(tmp_path):
+def spilling_engine(tmp_path) -> Engine:
     spec = ModelSpec("m", AttentionConfig(32, 4, 2), seed=1, kv_cache_bytes=1 << 20)
-    engine = Engine(
+    return Engine(
         [spec],
         device=torch.device("cpu"),
         dtype=torch.float32,
@@ -27,6 +27,10 @@ def test_a_spilled_session_is_restored_on_the_compute_thread(tmp_path):
         spill_dir=str(tmp_path),
         spill_bytes=1 << 24,
     )
+
+
+def test_a_spilled_session_is_restored_on_the_compute_thread(tmp_path):
+    engine = spilling_engine(tmp_path)
     threads: list[int] = []
     real = engine.restore_session
 
@@ -63,15 +67,7 @@ def test_pruning_the_sequence_map_leaves_spilled_sessions_on_disk(tmp_path):
     """Triton's sequence map, pruning the ids whose session is gone, asks whether each
     session lives without bringing a spilled one back: it did, one by one on the event loop
     (each restore spilling another in a full cache), and made each count as used."""
-    spec = ModelSpec("m", AttentionConfig(32, 4, 2), seed=1, kv_cache_bytes=1 << 20)
-    engine = Engine(
-        [spec],
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        max_response_bytes=1 << 24,
-        spill_dir=str(tmp_path),
-        spill_bytes=1 << 24,
-    )
+    engine = spilling_engine(tmp_path)
 
     async def main() -> None:
         compute = ComputeThreads(1, 1)
