@@ -216,6 +216,22 @@ def test_qk_norm_is_applied_before_rope_with_its_own_weights(scope):
         assert_close(pairs(q), pairs(q0), what="rotation after the norm keeps pair lengths")
 
 
+@pytest.mark.parametrize("scope", ["head", "projection"])
+def test_qk_norm_of_huge_inputs_does_not_overflow_to_zero(scope):
+    """The norm is scale-free: x * 1e20 gives the q and k of x. Squared in float32, q^2
+    overflowed (from |q| ~ 1.8e19), 1 / sqrt(inf) made q and k all zeros and every row's
+    attention uniform, returned as a finite answer (found by a float64 reference over gRPC)."""
+    module = make("head_norm" if scope == "head" else "projection_norm")
+    x = torch.randn(1, 5, 48, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        module.wqkv.bias.zero_()  # q and k then scale with x
+        q, k, _ = module.project(x)
+        for factor in (1e20, 1e30):
+            q_big, k_big, _ = module.project(x * factor)
+            assert_close(q_big, q, what=f"q of x * {factor:g}")
+            assert_close(k_big, k, what=f"k of x * {factor:g}")
+
+
 def test_options_survive_a_checkpoint_round_trip(tmp_path):
     module = make("everything")
     path = tmp_path / "m.safetensors"
