@@ -102,6 +102,26 @@ def test_shared_head_mask_applies_to_every_call(engine):
         torch.testing.assert_close(got.output, run(engine, hosted, call).output, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("session", [False, True])
+def test_calls_of_several_keys_are_not_one_batch(engine, session):
+    """run_batch applies its first call's masking and head gates to every call: calls of
+    another key in the same batch (the batcher never makes one) would get them, a wrong
+    answer; they are refused instead."""
+    hosted = engine.get("mha")
+    sid = [engine.create_session("mha").session_id for _ in range(2)] if session else [None] * 2
+    masks = ([1.0, 0.0] * 4, None)
+    calls = [
+        req("mha", rand(1, 2, 512, seed=i), head_mask=m, session_id=s)
+        for i, (m, s) in enumerate(zip(masks, sid, strict=True))
+    ]
+    with pytest.raises(ValueError, match="one batch key"):
+        run_batch(engine, hosted, calls)
+    for s in sid:
+        if s is not None:  # nothing kept
+            assert engine.get_session(s).num_tokens == 0
+            engine.close_session(s)
+
+
 def test_what_runs_inline_on_the_cpu_and_on_a_device(engine):
     """A lone small request runs on the event loop's thread when its lane is idle: on the
     CPU only while the keys it reads are few (the forward is the loop's own work); on a

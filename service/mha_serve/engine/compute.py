@@ -156,7 +156,13 @@ class Computing:
         """Prepared requests of one model with equal `key` as one padded forward (requests
         for weights come one at a time). Sequences are padded to the longest; the model
         masks padding, so each outcome equals the request run alone
-        (tests/engine/test_batching.py)."""
+        (tests/engine/test_batching.py). Calls of several keys are refused (ValueError): the
+        first call's masking and head gates would be applied to every one."""
+        if len(batch) > 1 and any(p.key != batch[0].key for p in batch):
+            raise ValueError(
+                "run_batch takes calls of one batch key (masking and head gates); got "
+                f"{sorted({repr(p.key) for p in batch})}"
+            )
         if batch[0].request.session_id is not None:
             return self.sessions.run_steps(hosted, batch, self._check_response_size)
         if len(batch) == 1:
