@@ -174,3 +174,50 @@ def test_a_spilled_sessions_read_waits_for_room_as_a_step_does(tmp_path):
 
     assert asyncio.run(read()) == BLOCK - 1
     assert not eng.is_spilled(spilled) and eng.is_spilled(busy[0])
+
+
+def test_a_read_whose_session_is_spilled_again_before_it_runs_waits_for_room(tmp_path):
+    """GetSession brings its spilled session back on the compute thread, then reads it on the
+    event loop; a step of another session in between (its own restore) may send it back to
+    disk. The read then waits for room as at first, and brings it back off the loop: it was
+    brought back on the loop, and refused RESOURCE_EXHAUSTED at once when the room it needed
+    was held by calls in flight."""
+    eng = engine(blocks=2, spill_dir=str(tmp_path / "spill"))
+    spilled, other = prefill(eng, 2, tokens=BLOCK - 1)
+    assert sorted(eng.spill_idle()) == sorted([spilled, other])
+    (busy,) = prefill(eng, 1, tokens=BLOCK - 1)
+    eng.sessions.claim(busy)  # a step of it in flight: never spilled
+    real = eng.restore_session
+    threads: list[int] = []
+
+    def restore(session_id, owner=None):
+        threads.append(threading.get_ident())
+        took = real(session_id, owner)
+        if session_id == spilled and len(threads) == 1:  # then a step of `other` arrives:
+            real(other)  # its restore sends `spilled` (the only idle one) back to disk
+            eng.sessions.claim(other)  # and it computes
+        return took
+
+    eng.restore_session = restore
+
+    async def read() -> int:
+        compute = ComputeThreads(1, 1)
+        serving = AsyncEngine(eng, compute, inline=False)
+        try:
+            task = asyncio.ensure_future(serving.get_session(spilled))
+            for _ in range(6000):  # bounded: until it waits for room (or is answered)
+                if serving._room_waiters or task.done():
+                    break
+                await asyncio.sleep(0.01)
+            assert not task.done(), task.exception()  # (refused at once before)
+            eng.sessions.release(other)  # that step answered: its session may go to disk
+            serving._session_answered()
+            return (await asyncio.wait_for(task, 60)).num_tokens
+        finally:
+            await serving.close()
+            compute.shutdown()
+
+    loop_thread = threading.get_ident()
+    assert asyncio.run(read()) == BLOCK - 1
+    assert len(threads) == 3 and loop_thread not in threads  # refused once, then back: off the loop
+    assert not eng.is_spilled(spilled) and eng.is_spilled(other)

@@ -43,33 +43,47 @@ class SessionAPI:
     # for an id never made; None skips the check (the engine's own calls). A spilled session
     # is brought back first (live()).
 
-    def get_session(self, session_id: str, owner: str | None = None) -> SessionStats:
+    def get_session(
+        self, session_id: str, owner: str | None = None, *, restore: bool = True
+    ) -> SessionStats:
         sid = checked_session_id(session_id)
-        return self.live(sid, owner, lambda: self.sessions.stats(sid, owner))
+        return self.live(sid, owner, lambda: self.sessions.stats(sid, owner), restore)
 
     def session_model(self, session_id: str) -> str:
         """The model of a session, live or spilled (SessionNotFound says why there is none)."""
         return self.sessions.model_of(checked_session_id(session_id))
 
     def fork_session(
-        self, session_id: str, ttl_s: float | None = None, owner: str | None = None
+        self,
+        session_id: str,
+        ttl_s: float | None = None,
+        owner: str | None = None,
+        *,
+        restore: bool = True,
     ) -> SessionStats:
         """A new session sharing the parent's tokens (copy-on-write); ttl_s None: the parent's."""
         sid = checked_session_id(session_id)
-        return self.live(sid, owner, lambda: self.sessions.fork(sid, ttl_s, owner))
+        return self.live(sid, owner, lambda: self.sessions.fork(sid, ttl_s, owner), restore)
 
     def truncate_session(
-        self, session_id: str, num_tokens: int, owner: str | None = None
+        self, session_id: str, num_tokens: int, owner: str | None = None, *, restore: bool = True
     ) -> SessionStats:
         sid = checked_session_id(session_id)
-        return self.live(sid, owner, lambda: self.sessions.truncate(sid, num_tokens, owner))
+        truncate = self.sessions.truncate
+        return self.live(sid, owner, lambda: truncate(sid, num_tokens, owner), restore)
 
     def close_session(self, session_id: str, owner: str | None = None) -> None:
         self.sessions.close(checked_session_id(session_id), owner)  # a spilled one's file just goes
 
-    def live(self, session_id: str, owner: str | None, call: Callable[[], T]) -> T:
+    def live(
+        self, session_id: str, owner: str | None, call: Callable[[], T], restore: bool = True
+    ) -> T:
         """call(), bringing the session back from the spill tier first when it is there
-        (restore_session: the file read here; AsyncEngine does it off the event loop)."""
+        (restore_session: the file read here). restore False: SessionSpilled is raised
+        instead, for AsyncEngine to bring it back off the event loop, waiting for room held
+        by calls in flight (serving/retries.py)."""
+        if not restore:
+            return call()
         for _ in range(RESTORE_TRIES):
             try:
                 return call()

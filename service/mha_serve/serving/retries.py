@@ -110,9 +110,10 @@ class Retrying:
         self, session_id: str, caller: str | None, call: Callable[[], T]
     ) -> tuple[T, float]:
         """(call(), seconds spent bringing the session back from the spill tier): a spilled
-        session's file is read and adopted off the event loop, then call() runs here. (The
-        engine's own session calls restore too, should it be spilled again in between:
-        rare, and then on this thread.)"""
+        session's file is read and adopted off the event loop, then call() runs here. Sent
+        back to disk in between (a step of another session made room), call() raises
+        SessionSpilled (the engine's session calls with restore=False) and it is brought
+        back again the same way, waiting for room alike."""
         restore_s = 0.0
         if self.engine.is_spilled(session_id):
             restore_s = await self._restore_when_room(session_id, caller)

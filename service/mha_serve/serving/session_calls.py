@@ -73,20 +73,26 @@ class SessionCalls:
 
     async def get_session(self, session_id: str, caller: str | None = None) -> SessionStats:
         get = self.engine.get_session
-        return (await self._live(session_id, caller, lambda: get(session_id, caller)))[0]
+        return (
+            await self._live(session_id, caller, lambda: get(session_id, caller, restore=False))
+        )[0]
 
     async def fork_session(
         self, session_id: str, ttl_s: float | None, caller: str | None = None
     ) -> SessionStats:
         fork = self.engine.fork_session
-        return (await self._live(session_id, caller, lambda: fork(session_id, ttl_s, caller)))[0]
+        return (
+            await self._live(
+                session_id, caller, lambda: fork(session_id, ttl_s, caller, restore=False)
+            )
+        )[0]
 
     async def truncate_session(
         self, session_id: str, num_tokens: int, caller: str | None = None
     ) -> SessionStats:
         truncate = self.engine.truncate_session
         live = await self._live(
-            session_id, caller, lambda: truncate(session_id, num_tokens, caller)
+            session_id, caller, lambda: truncate(session_id, num_tokens, caller, restore=False)
         )
         return live[0]
 
