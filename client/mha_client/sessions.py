@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 
 _END = object()  # tells a stream's request iterator to finish
 _CLOSED = "this stream is closed; open another with session.stream()"
+_BUSY = (
+    "this stream already has a step in flight (another task's); nothing of this step was "
+    "sent: send a stream's steps one at a time, each after the last one's reply"
+)
 # What a server says when it ends a stream whose sessions live on elsewhere
 # (mha_serve.ray_app.moves.REOPEN; tests/e2e/test_stream_reopen.py holds the two together).
 REOPEN_HINT = "reopen the stream and send the messages that got no reply again"
@@ -307,7 +311,9 @@ class AsyncSessionStream:
     Cancelling a step ends the stream: the server may have kept the step or not
     (`session.refresh()` tells), and its reply can no longer be told from the next one's.
     Later steps raise MhaServeError CANCELLED; open another stream to go on. A step the
-    server refuses leaves the stream usable (module doc)."""
+    server refuses leaves the stream usable (module doc). A step while another task's step
+    of the stream is unanswered is refused ABORTED, nothing of it sent, as the server refuses
+    a second step of a session: its reply could not be told from the other's."""
 
     def __init__(self, session: AsyncSession, timeout: float | None, reopen: bool = True) -> None:
         self._session = session
@@ -316,6 +322,7 @@ class AsyncSessionStream:
         self._reopen = reopen
         self._open()
         self._closed = False
+        self._stepping = False  # a step is unanswered (another task's, meanwhile)
 
     def _open(self) -> None:
         client = self._session._client
@@ -334,20 +341,26 @@ class AsyncSessionStream:
     async def step(self, x: np.ndarray, **options: Any) -> AttendResult:
         if self._closed:
             raise ClosedError(_CLOSED, self._session._client.target)
+        if self._stepping:  # both would read the call's replies: either could get the other's
+            raise MhaServeError(grpc.StatusCode.ABORTED, _BUSY, self._session._client.target)
         start = time.perf_counter()
         request = step_request_bytes(self._session.id, x, options)
-        if self._ended is not None:  # an earlier step's status ended the call
-            if self._ended.code not in REFUSALS:
-                raise self._ended
-            self._open()  # a refusal (nothing kept): this step on another call
-        for reopened in range(MAX_REOPENS + 1):
-            try:
-                return _read_step(self._session, await self._round_trip(request), x, start)
-            except MhaServeError as e:
-                if not (self._reopen and says_reopen(e)) or reopened == MAX_REOPENS:
-                    raise
-            self._open()  # that call has ended: open another
-        raise AssertionError("unreachable")
+        self._stepping = True
+        try:
+            if self._ended is not None:  # an earlier step's status ended the call
+                if self._ended.code not in REFUSALS:
+                    raise self._ended
+                self._open()  # a refusal (nothing kept): this step on another call
+            for reopened in range(MAX_REOPENS + 1):
+                try:
+                    return _read_step(self._session, await self._round_trip(request), x, start)
+                except MhaServeError as e:
+                    if not (self._reopen and says_reopen(e)) or reopened == MAX_REOPENS:
+                        raise
+                self._open()  # that call has ended: open another
+            raise AssertionError("unreachable")
+        finally:
+            self._stepping = False
 
     async def _round_trip(self, request: bytes) -> bytes:
         try:

@@ -137,6 +137,36 @@ async def test_after_a_cancelled_step_the_sdk_stream_says_it_was_cancelled(gated
             assert (await again.step(x)).session.num_tokens == (await s.refresh()).num_tokens
 
 
+async def test_a_second_step_on_an_sdk_stream_with_one_unanswered_is_aborted(gated):
+    """Two tasks stepping one AsyncSessionStream at once: the second is refused ABORTED at
+    once, nothing of it sent, as the server refuses a second step of a session; the stream
+    goes on. Both were written to the call and both tasks read its replies: a reply could
+    reach the other task's step (a wrong output answered as OK), or the reads failed INTERNAL
+    or waited for the deadline, the second step kept all the same."""
+    server, gate = gated
+    first, second = np.full((1, EMBED), 0.5, np.float32), np.full((1, EMBED), -2.0, np.float32)
+    async with (
+        AsyncClient(f"127.0.0.1:{server.port}") as c,
+        await c.create_session("tiny") as s,
+        s.stream(timeout=30) as stream,
+    ):
+        step = asyncio.create_task(stream.step(first))
+        await gate.computing()
+        with pytest.raises(MhaServeError) as err:
+            await asyncio.wait_for(stream.step(second), 10)
+        assert err.value.code.name == "ABORTED"
+        assert "already has a step in flight" in err.value.details
+        gate.open()
+        reply = await asyncio.wait_for(step, 10)
+        assert reply.session.num_tokens == 1
+        again = await asyncio.wait_for(stream.step(second), 10)  # the stream goes on
+        assert again.session.num_tokens == 2 and (await s.refresh()).num_tokens == 2
+        async with await c.create_session("tiny") as fresh, fresh.stream() as check:
+            # each reply its own step's: the same steps on another session answer the same
+            assert np.array_equal((await check.step(first)).output, reply.output)
+            assert np.array_equal((await check.step(second)).output, again.output)
+
+
 async def test_cancelling_an_sdk_stream_close_cancels_the_task(gated):
     """close() waits for the server to end the stream (here, behind a step held at the
     gate); cancelling that wait cancels the task: it used to be swallowed."""
