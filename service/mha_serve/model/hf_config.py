@@ -238,6 +238,11 @@ def _rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
             "(dynamic and longrope change frequencies with the sequence length, which keys "
             "rotated once and cached cannot follow)"
         )
+    if cfg["model_type"] == "phi3" and kind != "default":
+        raise ValueError(
+            f"{where}: phi3 rope type {kind!r} is not supported: transformers' Phi-3 reads "
+            "'su' and 'yarn' as 'longrope' (not served) and accepts no other scaling"
+        )
     if params.get("partial_rotary_factor") not in (None, 1, 1.0):
         raise ValueError(f"{where}: partial_rotary_factor is not supported (full rotary only)")
     rope: dict[str, Any] = {"theta": float(params.get("rope_theta") or 10000.0), "type": kind}

@@ -1,0 +1,62 @@
+"""config.json as checkpoints on the Hub write it, read as transformers reads it: a tiny
+random checkpoint written by transformers, its config.json edited into a variant people
+ship (transformers 4 keys beside 5's, keys left out), then the layer we load against
+transformers' own attention module loaded from the same directory; what transformers would
+not serve as we do is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import Phi3Config, Phi3Model
+
+from mha_serve.model.hf import load_hf_layer
+from tests.models_hf.reference import reference_attention
+
+SMALL = {
+    "hidden_size": 64,
+    "num_attention_heads": 8,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "max_position_embeddings": 256,
+    "vocab_size": 64,
+    "initializer_range": 0.2,
+}
+
+
+def checkpoint(tmp_path, cls, config, **edits):
+    """cls(config) saved by transformers, then config.json's keys set (None: removed)."""
+    torch.manual_seed(0)
+    cls(config).save_pretrained(tmp_path, safe_serialization=True)
+    path = tmp_path / "config.json"
+    cfg = json.loads(path.read_text())
+    for key, value in edits.items():
+        cfg.pop(key, None) if value is None else cfg.__setitem__(key, value)
+    path.write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def assert_served_as_transformers(directory, cls, family, layer):
+    base = cls.from_pretrained(directory, attn_implementation="eager").eval()
+    base = getattr(base, "model", None) or base
+    module, _ = load_hf_layer(directory, layer)
+    x = torch.randn(1, 40, SMALL["hidden_size"], generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, _ = reference_attention(family, base, layer, x)
+        got = module(x).output
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["yarn", "linear"])
+def test_phi3_rope_scaling_other_than_longrope_is_refused(tmp_path, kind):
+    # transformers' Phi-3 reads an old "yarn" (as "su") as longrope, and refuses any other
+    # scaling: serving it as yarn or linear would be a layer transformers never runs.
+    scaling = {"type": kind, "factor": 4.0, "original_max_position_embeddings": 64}
+    if kind == "yarn":
+        scaling.update({"short_factor": [1.0] * 4, "long_factor": [2.0] * 4})
+    config = Phi3Config(num_key_value_heads=4, pad_token_id=0, **SMALL)
+    directory = checkpoint(tmp_path, Phi3Model, config, rope_parameters=None, rope_scaling=scaling)
+    with pytest.raises(ValueError, match=f"phi3 rope type '{kind}'"):
+        load_hf_layer(directory, 0)
