@@ -10,7 +10,14 @@ import json
 
 import pytest
 import torch
-from transformers import Phi3Config, Phi3Model
+from transformers import (
+    Gemma3TextConfig,
+    Gemma3TextModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Phi3Config,
+    Phi3Model,
+)
 
 from mha_serve.model.hf import load_hf_layer
 from tests.models_hf.reference import reference_attention
@@ -60,3 +67,41 @@ def test_phi3_rope_scaling_other_than_longrope_is_refused(tmp_path, kind):
     directory = checkpoint(tmp_path, Phi3Model, config, rope_parameters=None, rope_scaling=scaling)
     with pytest.raises(ValueError, match=f"phi3 rope type '{kind}'"):
         load_hf_layer(directory, 0)
+
+
+LINEAR = {"rope_type": "linear", "factor": 4.0}
+
+
+@pytest.mark.parametrize(
+    "edits",
+    [
+        # 5's table without rope_theta, 4's rope_theta beside it: transformers takes that
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0}, "rope_theta": 500000.0},
+        # both spellings: transformers takes 4's rope_scaling over 5's rope_parameters
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_scaling": LINEAR},
+    ],
+    ids=["rope_theta_beside_rope_parameters", "rope_scaling_and_rope_parameters"],
+)
+def test_llama_rope_keys_are_resolved_as_transformers_does(tmp_path, edits):
+    config = LlamaConfig(num_key_value_heads=2, **SMALL)
+    directory = checkpoint(tmp_path, LlamaForCausalLM, config, **edits)
+    assert_served_as_transformers(directory, LlamaForCausalLM, "llama", 0)
+
+
+@pytest.mark.parametrize("layer", [0, 1], ids=["local", "global"])
+def test_gemma3_rope_tables_without_rope_theta_take_the_layer_types_defaults(tmp_path, layer):
+    # Gemma3TextConfig fills a table's missing rope_theta with rope_local_base_freq (1e4)
+    # on local layers and rope_theta (1e6) on global ones
+    config = Gemma3TextConfig(
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"],
+        **SMALL,
+    )
+    tables = {"sliding_attention": {"rope_type": "default"}, "full_attention": LINEAR}
+    directory = checkpoint(
+        tmp_path, Gemma3TextModel, config, rope_parameters=tables, rope_local_base_freq=3000.0
+    )
+    assert_served_as_transformers(directory, Gemma3TextModel, "gemma3_text", layer)

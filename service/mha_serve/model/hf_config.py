@@ -211,25 +211,30 @@ def _layer_type(cfg: dict[str, Any], family: str, layer: int, where: Path) -> st
 
 
 def _rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
-    """RoPE parameters from transformers 5's rope_parameters (per layer type, as Gemma 3
-    has them, or one table), or 4's rope_theta + rope_scaling (Gemma 3: rope_local_base_freq
-    for its sliding layers)."""
+    """RoPE parameters as transformers 5 reads config.json (PreTrainedConfig's
+    convert_rope_params_to_dict): 4's rope_scaling over 5's rope_parameters, rope_theta
+    beside them where the table has none; Gemma 3 has a table per layer type, its 4.x
+    rope_scaling and rope_theta (default 1e6) the global layers', rope_local_base_freq
+    (default 1e4) the local ones'."""
     params = cfg.get("rope_parameters")
-    if params is None:
-        params = dict(cfg.get("rope_scaling") or {})
-        theta = 10000.0
-        if cfg["model_type"] == "gemma3_text":  # as Gemma3TextConfig reads a 4.x config
-            theta = 1_000_000.0
-            if layer_type == "sliding_attention":
-                params = {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
-        params.setdefault("rope_theta", cfg.get("rope_theta", theta))
+    gemma3 = cfg["model_type"] == "gemma3_text"
+    if gemma3 and params is None:  # as Gemma3TextConfig reads a 4.x config
+        params = {"sliding_attention": {}, "full_attention": {}}
     if params and all(isinstance(v, dict) for v in params.values()):
         if not isinstance(params.get(layer_type), dict):
             raise ValueError(
                 f"{where}: rope_parameters has no table for layer type {layer_type!r} "
                 f"(it has {sorted(params)})"
             )
-        params = params[layer_type]
+        params = dict(params[layer_type])
+        if gemma3 and layer_type == "sliding_attention":
+            params.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+        elif gemma3:
+            params.update(cfg.get("rope_scaling") or {})
+            params.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    else:
+        params = dict(cfg.get("rope_scaling") or params or {})
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10_000.0))
     params = dict(params)
     kind = params.pop("rope_type", params.pop("type", "default"))
     if kind not in ROPE_TYPES:
