@@ -105,3 +105,22 @@ def test_gemma3_rope_tables_without_rope_theta_take_the_layer_types_defaults(tmp
         tmp_path, Gemma3TextModel, config, rope_parameters=tables, rope_local_base_freq=3000.0
     )
     assert_served_as_transformers(directory, Gemma3TextModel, "gemma3_text", layer)
+
+
+@pytest.mark.parametrize("kind", ["yarn", "llama3"])
+def test_original_max_position_embeddings_beside_rope_scaling_wins(tmp_path, kind):
+    # transformers' standardize_rope_params: the top-level value over the table's own
+    scaling = {"rope_type": kind, "factor": 4.0, "original_max_position_embeddings": 32}
+    if kind == "llama3":
+        scaling.update({"low_freq_factor": 1.0, "high_freq_factor": 4.0})
+    config = LlamaConfig(num_key_value_heads=2, **SMALL)
+    directory = checkpoint(
+        tmp_path,
+        LlamaForCausalLM,
+        config,
+        rope_parameters=None,
+        rope_scaling=scaling,
+        rope_theta=10000.0,
+        original_max_position_embeddings=128,
+    )
+    assert_served_as_transformers(directory, LlamaForCausalLM, "llama", 0)

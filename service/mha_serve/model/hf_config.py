@@ -28,6 +28,8 @@ FAMILIES = (
 ROTARY = FAMILIES[2:]
 # The per-layer attention kinds of config.json's layer_types that we serve.
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# RoPE types with a pretraining context (original_max_position_embeddings).
+SCALED_CONTEXT = ("llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -234,6 +236,11 @@ def _rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
             params.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
     else:
         params = dict(cfg.get("rope_scaling") or params or {})
+        # as standardize_rope_params: llama3's and yarn's pretraining context beside the
+        # table wins over the table's own (Phi-3 keeps it there)
+        beside = cfg.get("original_max_position_embeddings")
+        if beside is not None and params.get("rope_type", params.get("type")) in SCALED_CONTEXT:
+            params["original_max_position_embeddings"] = beside
     params.setdefault("rope_theta", cfg.get("rope_theta", 10_000.0))
     params = dict(params)
     kind = params.pop("rope_type", params.pop("type", "default"))
