@@ -124,3 +124,21 @@ def test_original_max_position_embeddings_beside_rope_scaling_wins(tmp_path, kin
         original_max_position_embeddings=128,
     )
     assert_served_as_transformers(directory, LlamaForCausalLM, "llama", 0)
+
+
+def test_gemma3_attn_logit_softcapping_is_refused(tmp_path):
+    # Gemma3TextConfig keeps the key, but Gemma3Attention never passes it to the attention
+    # (Gemma 3 dropped soft-capping for its q/k norms): capping would serve another layer
+    config = Gemma3TextConfig(
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=6,
+        attn_logit_softcapping=4.0,
+        **SMALL,
+    )
+    directory = checkpoint(tmp_path, Gemma3TextModel, config)
+    with pytest.raises(ValueError, match="attn_logit_softcapping 4.0"):
+        load_hf_layer(directory, 0)
+    directory = checkpoint(tmp_path, Gemma3TextModel, config, attn_logit_softcapping=None)
+    assert_served_as_transformers(directory, Gemma3TextModel, "gemma3_text", 0)

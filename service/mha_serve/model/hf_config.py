@@ -165,6 +165,12 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
     if family in ("gemma2", "gemma3_text"):
         scale = float(_number(cfg, "query_pre_attn_scalar", where)) ** -0.5
         softcap = cfg.get("attn_logit_softcapping")
+        if family == "gemma3_text" and softcap is not None:
+            raise ValueError(
+                f"{where}: gemma3 attn_logit_softcapping {softcap!r} is not supported: "
+                "transformers' Gemma3Attention does not apply it (set it to null to serve "
+                "the layer as transformers runs it)"
+            )
     try:
         return AttentionConfig(
             E,
