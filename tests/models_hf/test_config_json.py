@@ -11,15 +11,23 @@ import json
 import pytest
 import torch
 from transformers import (
+    AutoConfig,
+    Gemma2Config,
+    Gemma2Model,
     Gemma3TextConfig,
     Gemma3TextModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    Olmo2Config,
     Phi3Config,
     Phi3Model,
+    Qwen2Config,
+    Qwen2Model,
 )
 
 from mha_serve.model.hf import load_hf_layer
+from mha_serve.model.hf_config import read_hf_layer
 from tests.models_hf.reference import reference_attention
 
 SMALL = {
@@ -142,3 +150,58 @@ def test_gemma3_attn_logit_softcapping_is_refused(tmp_path):
         load_hf_layer(directory, 0)
     directory = checkpoint(tmp_path, Gemma3TextModel, config, attn_logit_softcapping=None)
     assert_served_as_transformers(directory, Gemma3TextModel, "gemma3_text", 0)
+
+
+@pytest.mark.parametrize(
+    ("cls", "config", "family", "edits", "layer"),
+    [
+        # transformers' Gemma 2 caps at 50 when config.json has no attn_logit_softcapping
+        (
+            Gemma2Model,
+            Gemma2Config(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, **SMALL),
+            "gemma2",
+            {"attn_logit_softcapping": None},
+            1,
+        ),
+        # use_sliding_window without max_window_layers: transformers slides from layer 28 on
+        (
+            Qwen2Model,
+            Qwen2Config(num_key_value_heads=2, **SMALL),
+            "qwen2",
+            {
+                "use_sliding_window": True,
+                "sliding_window": 6,
+                "max_window_layers": None,
+                "layer_types": None,
+            },
+            1,
+        ),
+    ],
+    ids=["gemma2_softcap", "qwen2_max_window_layers"],
+)
+def test_keys_left_out_are_read_with_transformers_defaults(
+    tmp_path, cls, config, family, edits, layer
+):
+    directory = checkpoint(tmp_path, cls, config, **edits)
+    assert_served_as_transformers(directory, cls, family, layer)
+
+
+@pytest.mark.parametrize(
+    ("config", "key", "ours"),
+    [
+        (MistralConfig(num_key_value_heads=2, **SMALL), "sliding_window", "sliding_window"),
+        (Olmo2Config(num_key_value_heads=2, pad_token_id=1, **SMALL), "rms_norm_eps", "eps"),
+    ],
+    ids=["mistral_sliding_window", "olmo2_rms_norm_eps"],
+)
+def test_options_left_out_take_transformers_defaults(tmp_path, config, key, ours):
+    # (a window of 4096 and an eps of 1e-5 differ too little on a short input to test by
+    # outputs: the values themselves are compared)
+    path = tmp_path / "config.json"
+    config.save_pretrained(tmp_path)
+    cfg = json.loads(path.read_text())
+    del cfg[key]
+    path.write_text(json.dumps(cfg))
+    attention = read_hf_layer(tmp_path, 0).attention
+    got = attention.qk_norm.eps if ours == "eps" else attention.sliding_window
+    assert got == getattr(AutoConfig.from_pretrained(tmp_path), key)

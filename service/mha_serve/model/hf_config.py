@@ -28,6 +28,35 @@ FAMILIES = (
 ROTARY = FAMILIES[2:]
 # The per-layer attention kinds of config.json's layer_types that we serve.
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# transformers' defaults (its configuration_<family>.py) for the keys we read whose absence
+# from config.json means something else than our fallback: a key left out is read as
+# transformers reads it (a Gemma 3 text_config, for one, lists only what differs).
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "mistral": {"num_key_value_heads": 8, "sliding_window": 4096},
+    "qwen2": {"num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 28},
+    "qwen3": {
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
+    "olmo2": {"rms_norm_eps": 1e-5},
+    "gemma2": {
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0,
+    },
+    "gemma3_text": {
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+    },
+}
 # RoPE types with a pretraining context (original_max_position_embeddings).
 SCALED_CONTEXT = ("llama3", "yarn")
 
@@ -83,6 +112,7 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
             f"{config_path}: model_type {family!r} (architectures {arch}) is not supported; "
             f"supported: {', '.join(FAMILIES)}"
         )
+    cfg = {**DEFAULTS.get(cfg["model_type"], {}), **cfg}  # a null stays null
     num_layers = _int(cfg, "n_layer" if family == "gpt2" else "num_hidden_layers", config_path)
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
         raise ValueError(
