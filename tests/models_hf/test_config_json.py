@@ -205,3 +205,21 @@ def test_options_left_out_take_transformers_defaults(tmp_path, config, key, ours
     attention = read_hf_layer(tmp_path, 0).attention
     got = attention.qk_norm.eps if ours == "eps" else attention.sliding_window
     assert got == getattr(AutoConfig.from_pretrained(tmp_path), key)
+
+
+@pytest.mark.parametrize(
+    ("scaling", "missing"),
+    [
+        ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}, "low_freq_factor"),
+        ({"rope_type": "linear"}, "factor"),
+    ],
+)
+def test_a_rope_table_missing_a_parameter_names_it(tmp_path, scaling, missing):
+    # a bare KeyError ('low_freq_factor') or TypeError (float(None)) said neither where nor what
+    config = LlamaConfig(num_key_value_heads=2, **SMALL)
+    directory = checkpoint(tmp_path, LlamaForCausalLM, config, rope_parameters=None)
+    cfg = json.loads((directory / "config.json").read_text())
+    cfg["rope_scaling"] = scaling
+    (directory / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=f"config.json: rope type .* needs {missing}"):
+        read_hf_layer(directory, 0)

@@ -294,18 +294,26 @@ def _rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
     if params.get("partial_rotary_factor") not in (None, 1, 1.0):
         raise ValueError(f"{where}: partial_rotary_factor is not supported (full rotary only)")
     rope: dict[str, Any] = {"theta": float(params.get("rope_theta") or 10000.0), "type": kind}
-    if kind != "default":
-        factor = params.get("factor")
-        if factor is None and kind == "yarn":  # as transformers: the context ratio
-            factor = cfg["max_position_embeddings"] / params["original_max_position_embeddings"]
-        rope["factor"] = float(factor)
-    if kind in ("llama3", "yarn"):
-        rope["original_max_position_embeddings"] = int(
-            params.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
-        )
-    if kind == "llama3":
-        rope["low_freq_factor"] = float(params["low_freq_factor"])
-        rope["high_freq_factor"] = float(params["high_freq_factor"])
+    try:
+        if kind != "default":
+            factor = params.get("factor")
+            if factor is None and kind == "yarn":  # as transformers: the context ratio
+                factor = cfg["max_position_embeddings"] / params["original_max_position_embeddings"]
+            if factor is None:
+                raise KeyError("factor")
+            rope["factor"] = float(factor)
+        if kind in ("llama3", "yarn"):
+            rope["original_max_position_embeddings"] = int(
+                params.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
+            )
+        if kind == "llama3":
+            rope["low_freq_factor"] = float(params["low_freq_factor"])
+            rope["high_freq_factor"] = float(params["high_freq_factor"])
+    except KeyError as e:  # (a bare KeyError said nothing of where)
+        raise ValueError(
+            f"{where}: rope type {kind!r} needs {e.args[0]} (its rope_scaling or "
+            "rope_parameters table; max_position_embeddings beside it)"
+        ) from None
     if kind == "yarn":
         for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
             if params.get(key):
