@@ -137,3 +137,43 @@ async def test_peer_address_is_the_identity_without_credentials():
         assert "client peer:ipv4:127.0.0.1 holds 1 live sessions" in refused.value.details
     finally:
         await server.stop()
+
+
+async def test_a_spilled_session_comes_back_within_its_owners_byte_limit(tmp_path):
+    """A spilled session holds no blocks, so its owner may fill its share meanwhile; bringing
+    it back must not take the owner past max_cache_bytes_per_client."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("token-of-mallory\n")
+    models = [ModelSpec("small", AttentionConfig(64, 4, 1), seed=5, kv_cache_bytes=1 << 20)]
+    cfg = ServerConfig(
+        host="127.0.0.1",
+        port=free_port(),
+        metrics_port=0,
+        models=models,
+        auth_token_file=str(tokens),
+        max_cache_bytes_per_client=4 * BLOCK_BYTES,
+        session_spill_dir=str(tmp_path / "spill"),
+        session_spill_bytes=1 << 24,
+    )
+    server = Server(cfg)
+    await server.start()
+    mallory = AsyncClient(
+        f"127.0.0.1:{server.port}", security=ChannelSecurity(token="token-of-mallory")
+    )
+    try:
+        first = await mallory.create_session("small")
+        await first.step(step_input(64))  # 4 blocks: her whole share
+        assert server.serving.engine.spill_idle() == [first.id]  # (others' need of room)
+        second = await mallory.create_session("small")
+        await second.step(step_input(64))  # her share again, the first being on disk
+        for call in (first.refresh(), first.step(step_input(1))):
+            with pytest.raises(MhaServeError) as refused:
+                await call
+            assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_cache_bytes_per_client 8192" in refused.value.details
+        assert server.serving.engine.is_spilled(first.id)  # still on disk, as it was
+        await second.close()
+        assert (await first.refresh()).num_tokens == 64
+    finally:
+        await mallory.close()
+        await server.stop()

@@ -97,6 +97,9 @@ class RoomMaking:
             s.first_block = record.first_position // bs
             s.engine_state = engine_state
             num_blocks = -(-record.num_tokens // bs) - s.first_block
+            # Its blocks count against its owner's bytes again (a spilled session holds none
+            # meanwhile, so the owner may have filled its share since).
+            self.quota.check_growth(s, num_blocks)
             s.holds.pins = 1  # making room never picks it
             # Out of the tier's index while room is made: spilling others may expire the
             # oldest spilled, never this one. Its file stays until it is back.
