@@ -411,6 +411,28 @@ async def test_sequences_are_per_model_and_a_start_replaces_a_live_one():
         assert await num_sessions(stubs) == 0
 
 
+async def test_a_start_at_the_clients_session_limit_replaces_its_live_sequence():
+    """docs/api.md: a start for an id already active closes the old session first, so that
+    a client holding its max_sessions_per_client can start its sequence again."""
+    x = embeddings(1, 2, EMBED)
+    async with serving(max_sessions_per_client=1) as stubs:
+        first = await stubs.oip.ModelInfer(step_request(x, 5, start=True))
+        again = await stubs.oip.ModelInfer(step_request(x, 5, start=True))
+        assert again.parameters["sequence_num_tokens"].int64_param == 2
+        old = first.parameters["session_id"].string_param
+        assert again.parameters["session_id"].string_param != old
+        assert await num_sessions(stubs) == 1
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # the old session was closed
+            await stubs.v1.GetSession(pb.GetSessionRequest(session_id=old))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # another sequence: past the limit
+            await stubs.oip.ModelInfer(step_request(x, 6, start=True))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_sessions_per_client 1" in err.value.details()
+        step = await stubs.oip.ModelInfer(step_request(x, 5, end=True))  # 5 goes on
+        assert step.parameters["sequence_num_tokens"].int64_param == 4
+
+
 @pytest.mark.parametrize(
     "refused",
     [

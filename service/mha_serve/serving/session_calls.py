@@ -38,12 +38,16 @@ class SessionCalls:
         return self.sequences.get(key)
 
     async def start_sequence(self, key: SequenceKey, model: str, owner: str) -> str:
-        session_id = self.engine.create_session(model, None, None, owner).session_id
-        self.engine.link_sequence(session_id, key[2])  # (written with it: a restart links it)
-        previous = self.sequences.start(key, session_id, live=self._alive)
+        # A start for an id already active closes its old session first: a client at its
+        # max_sessions_per_client can start its sequence again.
+        previous = self.sequences.get(key)
         if previous is not None:
+            self.sequences.end(key, previous)
             with contextlib.suppress(CacheError, RequestError):  # gone already: fine
                 self.engine.close_session(previous)
+        session_id = self.engine.create_session(model, None, None, owner).session_id
+        self.engine.link_sequence(session_id, key[2])  # (written with it: a restart links it)
+        self.sequences.start(key, session_id, live=self._alive)
         return session_id
 
     async def end_sequence(self, key: SequenceKey, session_id: str, *, close: bool) -> None:
