@@ -122,3 +122,17 @@ async def test_a_sequences_session_answers_its_client_alone(tmp_path):
         assert session_id and reply.parameters["sequence_num_tokens"].int64_param == 3
         assert UNKNOWN in await refused(bob.session(session_id).step(x(1)))
         assert (await alice.session(session_id).refresh()).num_tokens == 3
+
+
+async def test_a_gone_session_is_told_gone_to_its_client_alone(tmp_path):
+    """Why a session ended (closed, expired, evicted) is its owner's to read: to another
+    client the id is one never made, as while it lived (docs/api.md, "Session owners")."""
+    async with serving(tmp_path) as (server, alice, bob):
+        mine = await alice.create_session("m")
+        await mine.step(x(5))
+        await mine.close()
+        stolen = bob.session(mine.id)
+        for call in (stolen.step(x(1)), stolen.refresh(), stolen.fork(), stolen.truncate(0)):
+            details = await refused(call)
+            assert UNKNOWN in details and "closed" not in details
+        assert "was closed" in await refused(alice.session(mine.id).refresh())

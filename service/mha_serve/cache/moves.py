@@ -66,15 +66,17 @@ class Moving:
         with self._lock:
             ghost = self._spilled.pop(session_id, None)
             if ghost is not None:
+                owner = ghost.owner
                 self.quota.remove(ghost)
                 self.spill.remove(session_id)
             else:
                 s = self._sessions.pop(session_id, None)
                 if s is None:
                     return
+                owner = s.owner
                 self.quota.remove(s)
                 self._free_when_let_go(s)  # (a hold taken since it was packed: freed with it)
-            self._remember_gone(session_id, "moved", message)
+            self._remember_gone(session_id, "moved", message, owner)
 
     def receive(self, data: bytes, source: str) -> SessionStats:
         """Adopts a session packed elsewhere, under its id, owner, limits and idle time (its

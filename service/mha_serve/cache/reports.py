@@ -19,7 +19,7 @@ class Reporting:
 
     def session_stats(self, session_id: str, owner: str | None = None) -> SessionStats:
         with self._lock:
-            s = self._lookup(session_id, self._clock())
+            s = self._lookup(session_id, self._clock(), owner)
             self._check_owner(s, owner)
             return self._session_stats(s)
 

@@ -195,7 +195,7 @@ class RoomMaking:
         self.quota.remove(ghost)
         if self.spill is not None:
             self.spill.remove(session_id)
-        self._remember_gone(session_id, reason, message)
+        self._remember_gone(session_id, reason, message, ghost.owner)
         if self.on_end is not None:
             try:
                 self.on_end("spill_full" if lost else reason)

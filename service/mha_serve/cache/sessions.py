@@ -62,7 +62,8 @@ class SessionTable(RoomMaking, Moving, Stepping, Reporting):
         self._sessions: dict[str, Session] = {}
         # Dropped while held (Holds.dropped), by id: a commit or release still finds them.
         self._zombies: dict[str, Session] = {}
-        self._gone: OrderedDict[str, tuple[str, str]] = OrderedDict()  # id -> (reason, msg)
+        # id -> (reason, message, owner): the message only to whom the session answered (owns)
+        self._gone: OrderedDict[str, tuple[str, str, str]] = OrderedDict()
         # The spill tier (spill.py; None: off): a full cache moves its least recently used
         # idle sessions there instead of refusing or evicting. A spilled session keeps its
         # Session here (no blocks): its limits, owner and quota count stay until it is
@@ -176,7 +177,7 @@ class SessionTable(RoomMaking, Moving, Stepping, Reporting):
         owner: the caller; a session made by another identified client is NOT_FOUND to it
         (owns), exactly as an id never made. None: unchecked (the engine's own calls)."""
         with self._lock:
-            s = self._lookup(session_id, self._clock())
+            s = self._lookup(session_id, self._clock(), owner)
             self._check_owner(s, owner)
             return s
 
@@ -188,7 +189,7 @@ class SessionTable(RoomMaking, Moving, Stepping, Reporting):
         owner."""
         with self._lock:
             now = self._clock()
-            parent = self._lookup(session_id, now)
+            parent = self._lookup(session_id, now, owner)
             self._check_owner(parent, owner)
             m = self._models[parent.model]
             ttl_s = parent.ttl_s if ttl_s is None else _check_ttl(ttl_s)
@@ -214,7 +215,7 @@ class SessionTable(RoomMaking, Moving, Stepping, Reporting):
         them at once; a fork sharing them keeps its own. A kept partial last block that a
         fork shares is copied before the next append writes into it, as after a fork."""
         with self._lock:
-            s = self._lookup(session_id, self._clock())
+            s = self._lookup(session_id, self._clock(), owner)
             self._check_owner(s, owner)
             n = num_tokens
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -259,7 +260,7 @@ class SessionTable(RoomMaking, Moving, Stepping, Reporting):
                     raise SessionNotFound(session_id, "unknown", unknown_message(session_id))
                 self._forget_spilled(session_id, "closed", f"session {session_id!r} was closed")
                 return
-            s = self._lookup(session_id, self._clock())
+            s = self._lookup(session_id, self._clock(), owner)
             self._check_owner(s, owner)
             self._drop(s, "closed", f"session {session_id!r} was closed")
 
@@ -290,7 +291,10 @@ class SessionTable(RoomMaking, Moving, Stepping, Reporting):
             )
         return m
 
-    def _lookup(self, session_id: str, now: float) -> Session:
+    def _lookup(self, session_id: str, now: float, owner: str | None = None) -> Session:
+        """The live session; SessionNotFound saying why there is none, to a caller that
+        owned it (owner: the caller, None: unchecked; others are told as for an id never
+        made). A live one's owner is the caller's to check (_check_owner)."""
         s = self._sessions.get(session_id)
         if s is not None and _is_expired(s, now):
             self._drop(s, "expired", _expired_message(s, now))
@@ -301,14 +305,16 @@ class SessionTable(RoomMaking, Moving, Stepping, Reporting):
                 raise SessionSpilled(session_id, ghost.owner)  # the engine brings it back
             self._forget_spilled(session_id, "expired", _expired_message(ghost, now))
         if s is None:
-            reason, message = self._gone.get(session_id, ("unknown", unknown_message(session_id)))
+            reason, message, was_owner = self._gone.get(session_id, ("unknown", "", ""))
+            if reason == "unknown" or not owns(owner, was_owner):  # nothing to tell
+                reason, message = "unknown", unknown_message(session_id)
             raise SessionNotFound(session_id, reason, message)
         return s
 
     def _drop(self, s: Session, reason: str, message: str) -> None:
         del self._sessions[s.id]
         self.quota.remove(s)
-        self._remember_gone(s.id, reason, message)
+        self._remember_gone(s.id, reason, message, s.owner)
         self._free_when_let_go(s)
         if self.on_end is not None:  # last: the table is whole whatever the hook does
             try:
@@ -316,9 +322,10 @@ class SessionTable(RoomMaking, Moving, Stepping, Reporting):
             except Exception:
                 log.exception("on_end(%r) failed; the session ended all the same", reason)
 
-    def _remember_gone(self, session_id: str, reason: str, message: str) -> None:
-        """Why a session is gone, told to its later calls (the most recent kept)."""
-        self._gone[session_id] = (reason, message)
+    def _remember_gone(self, session_id: str, reason: str, message: str, owner: str = "") -> None:
+        """Why a session is gone, told to its later calls by its owner's clients (the most
+        recent kept)."""
+        self._gone[session_id] = (reason, message, owner)
         while len(self._gone) > self._max_remembered:
             self._gone.popitem(last=False)
 

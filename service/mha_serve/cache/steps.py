@@ -36,7 +36,7 @@ class Stepping:
         whether the first still queues or computes, and so is a truncate. The claim pins the
         session: a step waiting in the queue never finds it expired or evicted."""
         with self._lock:
-            s = self._lookup(session_id, self._clock())
+            s = self._lookup(session_id, self._clock(), owner)
             self._check_owner(s, owner)
             if s.holds.busy(claiming=True):
                 raise SessionBusy(_BUSY.format(session_id=session_id))
@@ -212,7 +212,9 @@ class Stepping:
             s.last_used_s = self._clock()
             self._let_go(s)
             if s.id not in self._sessions:
-                reason, message = self._gone.get(s.id, ("closed", f"session {s.id!r} was closed"))
+                reason, message, _ = self._gone.get(
+                    s.id, ("closed", f"session {s.id!r} was closed", s.owner)
+                )
                 raise SessionNotFound(s.id, reason, message)
             return self._session_stats(s, m)
 
