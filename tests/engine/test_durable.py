@@ -264,17 +264,19 @@ def test_a_session_whose_file_is_refused_at_start_says_why(tmp_path):
     ends its session, whose next call said "does not exist here (never created on this
     server...)": it now says the file was refused, and why."""
     first = engine(tmp_path)
-    sid = first.create_session("m").session_id
+    sid = first.create_session("m", owner="token:alice").session_id
     attend(first, req("m", tokens(5, seed=1), session_id=sid))
     assert first.spill_idle() == [sid]
     first.close_spill()
     other_weights = engine(tmp_path, dataclasses.replace(spec(), seed=4))
     adopted, refused = other_weights.adopt_spilled()
     assert adopted == [] and len(refused) == 1
+    with pytest.raises(SessionNotFound, match="does not exist here"):  # told its owner alone
+        other_weights.get_session(sid, owner="token:mallory")
     with pytest.raises(
         SessionNotFound, match="spill file was refused when this server started.*other weights"
     ):
-        other_weights.get_session(sid)
+        other_weights.get_session(sid, owner="token:alice")
 
 
 def test_a_restart_with_a_smaller_spill_budget_expires_the_oldest_to_fit(tmp_path):

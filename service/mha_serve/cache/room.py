@@ -59,13 +59,14 @@ class RoomMaking:
                 ghost.sequence_id = r.sequence_id
                 self._spilled[r.session_id] = ghost
                 self.quota.add(ghost)
-            for _, why, session_id in refused:  # its next call says why, not "never here"
-                if session_id is not None and session_id not in self._spilled:
+            for _, why, r in refused:  # its owner's next call says why, not "never here"
+                if r is not None and r.session_id not in self._spilled:
                     self._remember_gone(
-                        session_id,
+                        r.session_id,
                         "lost",
-                        f"session {session_id!r} is lost: its spill file was refused when this "
-                        f"server started ({why})",
+                        f"session {r.session_id!r} is lost: its spill file was refused when "
+                        f"this server started ({why})",
+                        r.owner,
                     )
             self._forget_expired(self.spill.trim())  # a smaller budget than it was written to
             self.expire(now)

@@ -195,11 +195,11 @@ class SpillStore:
 
     def scan(
         self, expected: Callable[[SessionRecord], Expected | None]
-    ) -> tuple[list[Spilled], list[tuple[Path, str, str | None]]]:
+    ) -> tuple[list[Spilled], list[tuple[Path, str, SessionRecord | None]]]:
         """At start: the session files in the directory, by their headers alone (the
         tensors are read and checked when a session comes back). expected(record): what a
         record must match here, None for a model not served here. Returns (adopted,
-        refused: (path, why, the session's id where its header names one)); a refused file
+        refused: (path, why, its header's record where it could be read)); a refused file
         is renamed *.refused, kept for inspection."""
         found, refused = [], []
         for path in sorted(self.directory.glob("*" + SUFFIX)):
@@ -214,7 +214,7 @@ class SpillStore:
                     raise BadRecord(f"{path}: named for another session than {record.session_id!r}")
                 found.append(Spilled(record, path, path.stat().st_size))
             except (BadRecord, OSError) as e:
-                refused.append((path, str(e), None if record is None else record.session_id))
+                refused.append((path, str(e), record))
                 with contextlib.suppress(OSError):
                     path.rename(path.with_suffix(REFUSED_SUFFIX))
         found.sort(key=lambda s: s.record.written_at)
@@ -329,7 +329,7 @@ class SpillTier:
         """Its idle time now: when written, plus the time since (across a restart too)."""
         return spilled.record.idle_s + max(0.0, self.store.wall() - spilled.record.written_at)
 
-    def scan(self) -> tuple[list[Spilled], list[tuple[Path, str, str | None]]]:
+    def scan(self) -> tuple[list[Spilled], list[tuple[Path, str, SessionRecord | None]]]:
         return self.store.scan(lambda record: self.expected.get(record.model))
 
     def close(self) -> None:
