@@ -155,24 +155,7 @@ def test_a_spilled_sessions_read_waits_for_room_as_a_step_does(tmp_path):
     for sid in busy:
         eng.sessions.claim(sid)  # a step of each in flight: neither can be spilled
 
-    async def read() -> int:
-        compute = ComputeThreads(1, 1)
-        serving = AsyncEngine(eng, compute, inline=False)
-        try:
-            task = asyncio.ensure_future(serving.get_session(spilled))
-            for _ in range(6000):  # bounded: until it waits for room (or is answered)
-                if serving._room_waiters or task.done():
-                    break
-                await asyncio.sleep(0.01)
-            assert not task.done(), task.exception()  # (refused at once before)
-            eng.sessions.release(busy[0])  # that step answered: its session may go to disk
-            serving._session_answered()
-            return (await asyncio.wait_for(task, 60)).num_tokens
-        finally:
-            await serving.close()
-            compute.shutdown()
-
-    assert asyncio.run(read()) == BLOCK - 1
+    assert read_waiting_for_room(eng, spilled, busy[0]) == BLOCK - 1
     assert not eng.is_spilled(spilled) and eng.is_spilled(busy[0])
 
 
@@ -200,6 +183,16 @@ def test_a_read_whose_session_is_spilled_again_before_it_runs_waits_for_room(tmp
 
     eng.restore_session = restore
 
+    loop_thread = threading.get_ident()
+    assert read_waiting_for_room(eng, spilled, other) == BLOCK - 1
+    assert len(threads) == 3 and loop_thread not in threads  # refused once, then back: off the loop
+    assert not eng.is_spilled(spilled) and eng.is_spilled(other)
+
+
+def read_waiting_for_room(eng: Engine, spilled: str, busy: str) -> int:
+    """GetSession of `spilled` while `busy`'s step holds the room it needs: it must wait for
+    room (not be refused at once); once that step is answered, its tokens."""
+
     async def read() -> int:
         compute = ComputeThreads(1, 1)
         serving = AsyncEngine(eng, compute, inline=False)
@@ -210,14 +203,11 @@ def test_a_read_whose_session_is_spilled_again_before_it_runs_waits_for_room(tmp
                     break
                 await asyncio.sleep(0.01)
             assert not task.done(), task.exception()  # (refused at once before)
-            eng.sessions.release(other)  # that step answered: its session may go to disk
+            eng.sessions.release(busy)  # that step answered: its session may go to disk
             serving._session_answered()
             return (await asyncio.wait_for(task, 60)).num_tokens
         finally:
             await serving.close()
             compute.shutdown()
 
-    loop_thread = threading.get_ident()
-    assert asyncio.run(read()) == BLOCK - 1
-    assert len(threads) == 3 and loop_thread not in threads  # refused once, then back: off the loop
-    assert not eng.is_spilled(spilled) and eng.is_spilled(other)
+    return asyncio.run(read())
