@@ -84,7 +84,8 @@ def _compute_thread(n: int) -> None:
 
 
 class ComputeThreads:
-    """`main`: the one multi-threaded torch thread; `weights`: the weights lane's thread."""
+    """`main`: the one multi-threaded torch thread; `weights`: the weights lane's thread;
+    `analysis`: AnalyzeHeads' (one at a time, queued: a flood of them holds no other call)."""
 
     def __init__(self, torch_threads: int = 0, weights_torch_threads: int = 1) -> None:
         if weights_torch_threads < 1:
@@ -100,6 +101,12 @@ class ComputeThreads:
         self.weights = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="compute-weights",
+            initializer=_compute_thread,
+            initargs=(weights_torch_threads,),
+        )
+        self.analysis = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="compute-analysis",
             initializer=_compute_thread,
             initargs=(weights_torch_threads,),
         )
@@ -123,6 +130,7 @@ class ComputeThreads:
         return run
 
     def shutdown(self) -> None:
-        """Waits for work already running; both executors take nothing after this."""
+        """Waits for work already running; the executors take nothing after this."""
         self.main.shutdown(wait=True)
         self.weights.shutdown(wait=True)
+        self.analysis.shutdown(wait=True)

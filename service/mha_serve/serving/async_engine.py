@@ -300,10 +300,14 @@ class AsyncEngine(Retrying, SessionCalls):
         )
 
     async def analyze_heads(self, request: AttendRequest, include_weights: bool) -> HeadReport:
-        """2H + 1 forwards off the event loop, beside (not inside) the batched lanes."""
-        return await asyncio.to_thread(
+        """2H + 1 forwards off the event loop, beside (not inside) the batched lanes, on the
+        analysis thread: one at a time, the others queued there (on the default executor, a
+        flood of them took every thread that large calls' parsing and encoding use, each a
+        torch thread team of its own)."""
+        run = functools.partial(
             analyze_heads, self.engine, request, include_weights=include_weights
         )
+        return await asyncio.get_running_loop().run_in_executor(self.threads.analysis, run)
 
 
 def lanes_for(
