@@ -68,20 +68,31 @@ def step_input(n: int) -> np.ndarray:
     return np.random.default_rng(n).standard_normal((n, 64), dtype=np.float32)
 
 
-async def test_a_hostile_token_holder_cannot_take_the_cache(tmp_path):
-    tokens = tmp_path / "tokens"
-    tokens.write_text("token-of-mallory\ntoken-of-alice\n")
+def tokened_server(tmp_path, *tokens: str, **settings) -> Server:
+    """A server of the small model that takes these bearer tokens, with these settings."""
+    path = tmp_path / "tokens"
+    path.write_text("".join(t + "\n" for t in tokens))
     models = [ModelSpec("small", AttentionConfig(64, 4, 1), seed=5, kv_cache_bytes=1 << 20)]
-    cfg = ServerConfig(
-        host="127.0.0.1",
-        port=free_port(),
-        metrics_port=0,
-        models=models,
-        auth_token_file=str(tokens),
+    return Server(
+        ServerConfig(
+            host="127.0.0.1",
+            port=free_port(),
+            metrics_port=0,
+            models=models,
+            auth_token_file=str(path),
+            **settings,
+        )
+    )
+
+
+async def test_a_hostile_token_holder_cannot_take_the_cache(tmp_path):
+    server = tokened_server(
+        tmp_path,
+        "token-of-mallory",
+        "token-of-alice",
         max_sessions_per_client=3,
         max_cache_bytes_per_client=4 * BLOCK_BYTES,
     )
-    server = Server(cfg)
     await server.start()
     target = f"127.0.0.1:{server.port}"
     mallory = AsyncClient(target, security=ChannelSecurity(token="token-of-mallory"))
@@ -142,20 +153,13 @@ async def test_peer_address_is_the_identity_without_credentials():
 async def test_a_spilled_session_comes_back_within_its_owners_byte_limit(tmp_path):
     """A spilled session holds no blocks, so its owner may fill its share meanwhile; bringing
     it back must not take the owner past max_cache_bytes_per_client."""
-    tokens = tmp_path / "tokens"
-    tokens.write_text("token-of-mallory\n")
-    models = [ModelSpec("small", AttentionConfig(64, 4, 1), seed=5, kv_cache_bytes=1 << 20)]
-    cfg = ServerConfig(
-        host="127.0.0.1",
-        port=free_port(),
-        metrics_port=0,
-        models=models,
-        auth_token_file=str(tokens),
+    server = tokened_server(
+        tmp_path,
+        "token-of-mallory",
         max_cache_bytes_per_client=4 * BLOCK_BYTES,
         session_spill_dir=str(tmp_path / "spill"),
         session_spill_bytes=1 << 24,
     )
-    server = Server(cfg)
     await server.start()
     mallory = AsyncClient(
         f"127.0.0.1:{server.port}", security=ChannelSecurity(token="token-of-mallory")

@@ -26,7 +26,7 @@ class Moving:
         """Every session held, live or spilled, the least recently used first."""
         with self._lock:
             held = list(self._sessions.values()) + list(self._spilled.values())
-            return [s.id for s in sorted(held, key=lambda s: max(s.last_used_s, s.restored_s))]
+            return [s.id for s in sorted(held, key=lambda s: s.spared_since)]
 
     def pack(self, session_id: str) -> bytes:
         """The session as one record's bytes, to be received elsewhere; it stays here, as it

@@ -290,7 +290,7 @@ class RoomMaking:
                 for s in self._sessions.values()
                 if s.model == requester.model and s.in_use == 0 and s is not requester
             ),
-            key=lambda s: max(s.last_used_s, s.restored_s),
+            key=lambda s: s.spared_since,
         )
         holders: dict[int, int] = {}  # block -> chosen sessions holding it
         freed = sharing = 0  # blocks every holder of which is chosen; chosen holders of shared_last

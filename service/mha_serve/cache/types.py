@@ -118,6 +118,11 @@ class Session:
     sequence_id: int | str | None = None
 
     @property
+    def spared_since(self) -> float:
+        """When making room last had reason to spare it: its last use, or its restore."""
+        return max(self.last_used_s, self.restored_s)
+
+    @property
     def num_blocks(self) -> int:
         return len(self.block_table)
 

@@ -58,13 +58,11 @@ class SessionCalls:
             else:  # it lives on (a step in flight owns it), stepping no sequence
                 self.engine.link_sequence(session_id, None)
 
-    def link_adopted_sequences(self) -> int:
+    def link_adopted_sequences(self) -> None:
         """At start: the sequences of the sessions the engine adopted from its spill
-        directory, linked again (a restart keeps a Triton sequence going); how many."""
-        links = self.engine.sequence_links()
-        for session_id, model, owner, sequence_id in links:
+        directory, linked again (a restart keeps a Triton sequence going)."""
+        for session_id, model, owner, sequence_id in self.engine.sequence_links():
             self.sequences.start((model, owner, sequence_id), session_id, live=self._alive)
-        return len(links)
 
     # --- sessions ------------------------------------------------------------------------
     # Coroutines, so that a front door awaits them alike here and in a frontend worker,
