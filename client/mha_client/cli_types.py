@@ -63,6 +63,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    """A number from 0 to 1, e.g. 0.01."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction from 0 to 1, e.g. 0.01")
+    return value
+
+
 def positive_int(text: str) -> int:
     return _int_at_least(text, 1, "a positive integer")
 

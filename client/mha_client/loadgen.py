@@ -25,7 +25,13 @@ import grpc
 import numpy as np
 
 from mha_client.channel import ChannelSecurity, open_channel
-from mha_client.cli_types import UsageError, non_negative_int, positive_float, positive_int
+from mha_client.cli_types import (
+    UsageError,
+    fraction,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from mha_client.sdk import DEFAULT_MAX_MESSAGE_BYTES, build_attend_request, channel_options
 
 GRPC_ATTEND_METHOD = "/mha.v1.AttentionService/Attend"
@@ -280,6 +286,13 @@ class LoadResult:
         d = asdict(self)
         d["latency"] = {k: v if math.isfinite(v) else None for k, v in d["latency"].items()}
         return d
+
+    @property
+    def error_rate(self) -> float:
+        """The fraction of the measured requests that failed (arrivals skipped at
+        max_in_flight were never sent: not counted)."""
+        failed = sum(self.errors.values())
+        return failed / (failed + self.ok) if failed + self.ok else 0.0
 
     @property
     def client_cores(self) -> float:
@@ -636,6 +649,14 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
         default=20,
         help="requests sent first and left out of the stats (default 20)",
     )
+    p.add_argument(
+        "--max-error-rate",
+        type=fraction,
+        default=0.0,
+        metavar="FRACTION",
+        help="exit 1 when more than this fraction of the measured requests failed "
+        "(default 0: any failure; 1: never, e.g. when overload refusals are expected)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", type=Path, metavar="FILE.json", help="write the results here")
 
@@ -675,4 +696,14 @@ def cmd_load(client: Any, args: argparse.Namespace) -> int:
         args.json_out.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     if result.interrupted:
         return EXIT_INTERRUPTED
-    return 0 if result.ok else 1
+    if result.ok == 0:
+        return 1  # nothing answered: not a measurement
+    if result.error_rate > args.max_error_rate:
+        failed = sum(result.errors.values())
+        print(
+            f"mha-client load: {failed} of {failed + result.ok} measured requests failed "
+            f"({result.error_rate:.1%}), over --max-error-rate {args.max_error_rate:g}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0

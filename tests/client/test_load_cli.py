@@ -126,6 +126,38 @@ def test_load_says_what_its_refusals_said(tmp_path, capsys):
     assert data["error_messages"] == {"INVALID_ARGUMENT": "seq_len 2 exceeds max_seq_len 1"}
 
 
+class HalfRefusing(MetadataEcho):
+    """Refuses every other Attend (a server shedding load), answers the rest."""
+
+    def Attend(self, request, context):
+        super()._note("Attend", context)
+        if len(self.applications) % 2:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the server is over its limit")
+        return EchoServicer.Attend(self, request, context)
+
+
+@pytest.mark.parametrize(
+    ("flags", "code"), [([], 1), (["--max-error-rate", "0.4"], 1), (["--max-error-rate", "0.5"], 0)]
+)
+def test_load_exits_1_when_more_requests_failed_than_allowed(flags, code, capsys):
+    """A run where half the requests failed exited 0 (any answer counted as success): a CI
+    job or script running `load` saw nothing wrong. Now any failure is exit 1, unless
+    --max-error-rate allows that fraction (the failures are still reported either way)."""
+    with echo_server(HalfRefusing()) as (_, port):
+        argv = ["load", "echo", "--target", f"127.0.0.1:{port}", "--requests", "8"]
+        argv += ["--warmup", "0", "--seq-len", "2", *flags]
+        assert main(argv) == code
+    out, err = capsys.readouterr()
+    assert "RESOURCE_EXHAUSTED 4" in out
+    said = "4 of 8 measured requests failed (50.0%), over --max-error-rate"
+    assert (said in err) == (code == 1)
+
+
+def test_load_refuses_an_error_rate_that_is_not_a_fraction(capsys):
+    assert main(["load", "echo", "--max-error-rate", "1.5"]) == 2
+    assert "'1.5' is not a fraction from 0 to 1" in capsys.readouterr().err
+
+
 def test_load_json_of_a_run_with_no_answer_is_strict_json(tmp_path, capsys):
     """--json-out wrote "p50_ms": NaN when no request answered OK: Python reads it, but it is
     not JSON (jq, JavaScript's JSON.parse and Go refuse the file). No answer: null."""
