@@ -87,9 +87,16 @@ class Batcher(RunningInline):
         self.arrivals = ArrivalStats()  # decides whether a batch waits for company
         self._forming_key: Hashable | Idle = IDLE
         self._running_key: Hashable | Idle = IDLE
+        self._running_end: asyncio.Future | None = None  # done when the running batch ends
         self._inline = inline if run_inline is not None else None
         self._run_inline = run_inline
         self.num_inline = 0  # items run on the caller's thread (a lone small item, idle lane)
+
+    def running_end(self) -> asyncio.Future | None:
+        """The running batch's end (done once its callers have their results), or None
+        when none runs. A caller cancelled while its item computes learns here when that
+        work is over (its result dropped), which a cancelled submit does not wait for."""
+        return self._running_end
 
     @property
     def queued_requests(self) -> int:
@@ -205,6 +212,7 @@ class Batcher(RunningInline):
 
         global _computing
         self._running_key = batch[0].key
+        self._running_end = done
         _computing += 1
         try:
             try:
@@ -214,6 +222,7 @@ class Batcher(RunningInline):
             await done
         finally:
             _computing -= 1
+            self._running_end = None
 
     def _finish(
         self,

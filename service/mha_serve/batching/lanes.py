@@ -6,6 +6,7 @@ and thread means they never hold up, or share a forward with, the requests that 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable, Hashable
 from concurrent.futures import Executor
@@ -63,6 +64,10 @@ class ModelLanes:
             on_batch=observer("weights"),
             executor=weights_executor,
         )
+
+    def running_end(self, *, need_weights: bool) -> asyncio.Future | None:
+        """The end of the batch running in the lane a request goes to (Batcher.running_end)."""
+        return (self.weights if need_weights else self.fast).running_end()
 
     def submit(
         self,

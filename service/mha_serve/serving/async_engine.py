@@ -92,6 +92,10 @@ class AsyncEngine(Retrying, SessionCalls):
         self._answered = 0
         self._room_waiters: list[asyncio.Future] = []
         self._room_turn = asyncio.Lock()
+        # Sessions whose step was cancelled while its batch computed -> that batch's end:
+        # their next step waits for it (the cancelled step's rollback) rather than finding
+        # the session still stepping (SessionBusy) in the other lane.
+        self._abandoned: dict[str, asyncio.Future] = {}
 
     @property
     def max_response_bytes(self) -> int:
@@ -226,6 +230,8 @@ class AsyncEngine(Retrying, SessionCalls):
         lanes = self.lanes.get(model)
         if lanes is None:
             return None
+        if self._abandoned and session_id in self._abandoned:
+            return None  # (its last step, cancelled, still computes: _compute waits for it)
         fast = lanes.fast
         now = fast.alone_now(PLAIN_STEP_KEY, deadline)
         if now is None:
@@ -267,6 +273,8 @@ class AsyncEngine(Retrying, SessionCalls):
                 ticket.restore_s += restore_s
             ticket.claimed = True
         try:  # until answered
+            if self._abandoned and session_id:
+                await self._after_abandoned(session_id)
             # Validation scans the input (NaN/Inf): off the event loop when it is large
             # (offload's test written out: its coroutine would cost every small call a frame).
             inputs = request.inputs
@@ -288,6 +296,8 @@ class AsyncEngine(Retrying, SessionCalls):
                 )
             except asyncio.CancelledError:  # the client is gone: a session step still running
                 ticket.cancelled = True  # is then rolled back, not kept (Sessions._settle)
+                if session_id:
+                    self._abandon(session_id, self.lanes[model], request.need_weights)
                 raise
         finally:
             if session_id:
@@ -298,6 +308,27 @@ class AsyncEngine(Retrying, SessionCalls):
         return Computed(
             request, model, outcome, queue_ms, info.compute_s * 1e3, ticket.restore_s * 1e3
         )
+
+    def _abandon(self, session_id: str, lanes: ModelLanes, need_weights: bool) -> None:
+        """A step of session_id cancelled: if its lane runs a batch (it may hold the step),
+        the session's next step waits for that batch's end (_after_abandoned)."""
+        end = lanes.running_end(need_weights=need_weights)
+        if end is None or end.done():
+            return
+        self._abandoned[session_id] = end
+
+        def forget(_: asyncio.Future) -> None:
+            if self._abandoned.get(session_id) is end:
+                del self._abandoned[session_id]
+
+        end.add_done_callback(forget)
+
+    async def _after_abandoned(self, session_id: str) -> None:
+        """Waits (holding the session's claim) for the end of the batch that may still hold
+        the session's cancelled last step: its rollback, then this step."""
+        end = self._abandoned.get(session_id)
+        if end is not None:
+            await asyncio.shield(end)
 
     async def analyze_heads(self, request: AttendRequest, include_weights: bool) -> HeadReport:
         """2H + 1 forwards off the event loop, beside (not inside) the batched lanes, on the
