@@ -125,6 +125,35 @@ def test_example_config_in_docs_loads():
     assert [m.kv_cache_dtype for m in cfg.models] == ["auto", "bfloat16"]
 
 
+def test_example_config_shows_every_key_and_the_server_defaults():
+    """docs/config.example.toml sets every [server] key to its default, and names every
+    [[models]] key (in a table, or on a commented line); README's flag table lists every
+    flag. A key added to the code without its line in the docs fails here."""
+    import re
+    import tomllib
+    from dataclasses import fields
+    from pathlib import Path
+
+    from mha_serve.config import SERVER_KEYS
+    from mha_serve.model.config import AttentionConfig
+    from mha_serve.spec import ModelSpec
+
+    root = Path(__file__).parent.parent
+    text = (root / "docs/config.example.toml").read_text()
+    server = tomllib.loads(text)["server"]
+    defaults = ServerConfig()
+    assert sorted(server) == sorted(SERVER_KEYS)
+    assert {k: v for k, v in server.items() if getattr(defaults, k) != v} == {}
+    model_keys = {f.name for f in fields(ModelSpec) if f.name != "attention"}
+    model_keys |= {f.name for f in fields(AttentionConfig)}
+    shown = set(re.findall(r"^#? ?([a-z_]+) = ", text.split("[[models]]", 1)[1], flags=re.M))
+    assert model_keys - shown == set()
+    readme = (root / "README.md").read_text().split("## Serving", 1)[1]
+    rows = re.findall(r"^\| (`--.*?) \|", readme.split("\n\n| flag |", 1)[1].split("\n\n")[0], re.M)
+    flags = {f for row in rows for f in re.findall(r"`--([a-z-]+)", row)}
+    assert flags == {k.replace("_", "-") for k in SERVER_KEYS} | {"config"}
+
+
 def test_boolean_settings_from_environment(monkeypatch, capsys):
     monkeypatch.setenv("MHA_SERVE_EVICT_IDLE_SESSIONS", "true")
     assert config_of([]).evict_idle_sessions is True
