@@ -154,14 +154,23 @@ def test_every_exported_metric_is_documented_and_every_documented_one_exported(s
     _all_series_present(stub)
     url = f"http://127.0.0.1:{server.metrics_port}/metrics"
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    exported = {f.name for f in text_string_to_metric_families(text) if f.name.startswith("mha_")}
+    families = [f for f in text_string_to_metric_families(text) if f.name.startswith("mha_")]
     doc = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
-    # the names in the doc's tables; counters are exported as "name" (family) + "_total"
+    # the doc's table rows: name | type | labels; counters are exported as "name" (family)
+    # + "_total"
+    rows = re.findall(
+        r"^\| `(mha_serve_[a-z_]+)` \| (\w+) \| ?([a-z, ]*?) ?\|", doc, flags=re.MULTILINE
+    )
     documented = {
-        n.removesuffix("_total")
-        for n in re.findall(r"^\| `(mha_serve_[a-z_]+)` \|", doc, flags=re.MULTILINE)
+        name.removesuffix("_total"): (kind, {label for label in labels.split(", ") if label})
+        for name, kind, labels in rows
     }
-    assert exported == documented
+    assert {f.name for f in families} == set(documented)
+    for f in families:
+        labels = {k for s in f.samples for k in s.labels if k != "le"}
+        # a family with no series yet shows no labels; one with series shows them all
+        expected = documented[f.name]
+        assert (f.type, labels or expected[1]) == expected, f.name
 
 
 def test_the_metrics_endpoint_passes_promtool(server, stub):
