@@ -64,3 +64,30 @@ def test_readme_snippet_runs_against_the_server(server, index, tmp_path, monkeyp
         1: ["24", "24", "22"],  # tokens after the decode loop, in the fork, after truncate
     }[index]
     assert printed[: len(expected)] == expected
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_pages_lead_somewhere():
+    """Every relative link of README.md, docs/, bench/ and deploy/ names a file that exists,
+    and its #anchor a heading of that page (a renamed heading breaks links silently)."""
+    pages = [*DOCS, ROOT / "bench" / "README.md", *sorted((ROOT / "deploy").rglob("*.md"))]
+    headings = {}
+    for page in pages:
+        prose = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+        headings[page] = {_anchor(h) for h in re.findall(r"^#+ (.*)$", prose, flags=re.M)}
+    broken = []
+    for page in pages:
+        for link in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", link):
+                continue
+            path, _, anchor = link.partition("#")
+            target = (page.parent / path).resolve() if path else page
+            if not target.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {link} (no such file)")
+            elif anchor and target in headings and anchor not in headings[target]:
+                broken.append(f"{page.relative_to(ROOT)}: {link} (no such heading)")
+    assert not broken, broken
