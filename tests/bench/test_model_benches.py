@@ -108,3 +108,15 @@ def test_decode_attention_bench_rows_agree_between_the_two_calls(tmp_path):
     for r in rows:
         assert r["before_us"] > 0 and r["now_us"] > 0
         assert r["max_diff"] <= (1e-5 if r["dtype"] == "float32" else 1e-2), r
+
+
+def test_padding_bench_rewrites_only_its_section_of_the_page(tmp_path):
+    """bench/padding.py (README and docs/batching.md name it) runs, and replaces the measured
+    table at the top of the page it writes, keeping the sections written by hand below it."""
+    page = tmp_path / "batching.md"
+    hand = "\n## How a batch of session steps attends\n\nwritten by hand\n"
+    page.write_text("# Batching sequences of different lengths\n\nold table\n" + hand)
+    run("padding.py", "--min-s", "0", "--docs", str(page))
+    text = page.read_text()
+    assert "old table" not in text and text.endswith(hand)
+    assert text.count("| uniform 8..512 |") == 1 and "mha-serve policy" in text
