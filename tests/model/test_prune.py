@@ -175,13 +175,43 @@ def test_cli_drops_the_least_important_and_the_file_serves_them_masked(tmp_path,
         (["--drop-heads", "0,1,4"], "unequal size"),
         (["--drop-least-important", "3"], "k must be in 1..1 KV groups"),
         (["--drop-least-important", "3", "--unit", "head"], "multiple of 2"),
+        (["--drop-heads", "0,1", "--out", "{src}"], "is the source's own weights file"),
+        (["--drop-heads", "0,1", "--out", "{tmp}/none/o.safetensors"], "does not exist"),
+        (["--drop-heads", "0,1", "--out", "{tmp}"], "is a directory"),
+        (["--num-kv-heads", "1", "--inputs", "{src}"], "is not a .npy array of (L, 48)"),
+        (["--num-kv-heads", "1", "--layer", "2"], "--layer is for a Hugging Face model"),
     ],
 )
 def test_cli_refusals_say_what_to_change(tmp_path, capsys, argv, piece):
+    """Refused before anything is written: the source unchanged, no output file."""
     from mha_serve.model import save_checkpoint
 
     src = tmp_path / "gqa.safetensors"
     save_checkpoint(make(num_kv_heads=2), src)
-    code = main([str(src), *argv, "--out", str(tmp_path / "o.safetensors"), "--samples", "1"])
+    before = src.read_bytes()
+    argv = [a.format(src=src, tmp=tmp_path) for a in argv]
+    out = tmp_path / "o.safetensors"
+    code = main([str(src), "--out", str(out), *argv, "--samples", "1"])
     err = capsys.readouterr().err
     assert code == 2 and piece in err, err
+    assert src.read_bytes() == before and not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "piece"),
+    [
+        (["--samples", "0"], "--samples: must be 1 or more, got 0"),
+        (["--seq-len", "-3"], "--seq-len: must be 1 or more, got -3"),
+    ],
+)
+def test_cli_refuses_sample_counts_below_one(tmp_path, capsys, argv, piece):
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "none.safetensors"), "--num-kv-heads", "1", "--out", "o", *argv])
+    assert e.value.code == 2 and piece in capsys.readouterr().err
+
+
+def test_cli_names_a_missing_source(tmp_path, capsys):
+    missing = tmp_path / "none"
+    argv = [str(missing), "--layer", "3", "--num-kv-heads", "1"]
+    assert main([*argv, "--out", str(tmp_path / "o.safetensors")]) == 2
+    assert f"source {missing} does not exist" in capsys.readouterr().err

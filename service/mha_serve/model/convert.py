@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from .attention import MultiHeadAttention
 from .heads import analyze_heads, group_importance
@@ -165,6 +166,8 @@ def heads_to_drop(
 
 def load_source(path: str | Path, layer: int | None) -> MultiHeadAttention:
     """A Hugging Face directory's layer, or one of our checkpoints; float32 on the CPU."""
+    if not Path(path).exists():
+        raise ValueError(f"source {path} does not exist")
     if is_hf_directory(path):
         module, _ = load_hf_layer(path, layer, dtype=torch.float32)
         return module
@@ -180,13 +183,42 @@ def sample_inputs(
     if inputs:
         import numpy as np
 
-        x = torch.from_numpy(np.load(inputs)).float()
+        try:
+            x = torch.from_numpy(np.load(inputs, allow_pickle=False)).float()
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(
+                f"--inputs {inputs} is not a .npy array of (L, {embed_dim}) or "
+                f"(B, L, {embed_dim}) floats: {e}"
+            ) from None
         x = x[None] if x.dim() == 2 else x
         if x.dim() != 3 or x.shape[-1] != embed_dim:
             raise ValueError(f"{inputs} holds shape {tuple(x.shape)}; need (B, L, {embed_dim})")
         return x
     g = torch.Generator().manual_seed(seed)
     return torch.randn(samples, seq_len, embed_dim, generator=g)
+
+
+def check_out(out: str | Path, source: str | Path) -> None:
+    """Refuses, before any work, an --out that cannot be written or would overwrite what
+    the source is read from (the source file, a safetensors file of its directory)."""
+    out, source = Path(out), Path(source)
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; name a .safetensors file")
+    if not out.parent.is_dir():
+        raise ValueError(f"--out {out}: directory {out.parent} does not exist")
+    read = sorted(source.glob("*.safetensors")) if source.is_dir() else [source]
+    if out.exists() and any(f.exists() and out.samefile(f) for f in read):
+        raise ValueError(
+            f"--out {out} is the source's own weights file: writing it would destroy the "
+            "model converted from; name another file"
+        )
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,14 +244,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--report", default=None, help="a `mha-client heads --json` report to rank by")
     p.add_argument("--out", required=True, help="output .safetensors file (ours)")
-    p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="random sample inputs")
-    p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN)
+    p.add_argument(
+        "--samples", type=_positive, default=DEFAULT_SAMPLES, help="random sample inputs"
+    )
+    p.add_argument("--seq-len", type=_positive, default=DEFAULT_SEQ_LEN)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--inputs", default=None, help=".npy of sample inputs (L, E) or (B, L, E)")
     args = p.parse_args(argv)
     if (args.unit or args.report) and args.drop_least_important is None:
         p.error("--unit and --report go with --drop-least-important")
     try:
+        check_out(args.out, args.source)
         original = load_source(args.source, args.layer)
         x = sample_inputs(
             original.config.embed_dim, args.samples, args.seq_len, args.seed, args.inputs
@@ -239,7 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    save_checkpoint(converted, args.out)
+    try:  # safetensors writes a temporary file and renames it: nothing half-written
+        save_checkpoint(converted, args.out)
+    except (OSError, SafetensorError) as e:
+        print(f"error: cannot write {args.out}: {e}", file=sys.stderr)
+        return 1
     report["out"] = str(args.out)
     print(json.dumps(report, indent=2))
     return 0
