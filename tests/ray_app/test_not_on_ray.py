@@ -22,6 +22,15 @@ def test_the_app_refuses_busy_polling_in_its_overrides(value):
         build({"overrides": {"busy_poll_us": value}})
 
 
+# Found by a walk through docs/ray.md: frontend_workers = 4 in the app's overrides (or its
+# config file) was taken and did nothing: a replica runs no gRPC server of its own.
+@pytest.mark.parametrize("value", [4, "2"])
+def test_the_app_refuses_frontend_workers_in_its_overrides(value):
+    with pytest.raises(ValueError, match="overrides.frontend_workers .* does not apply on Ray"):
+        build({"overrides": {"frontend_workers": value}})
+    check_not_on_ray({"frontend_workers": 1}, "")
+
+
 def test_off_is_the_default_and_passes():
     check_not_on_ray({"event_loop_cpu": "none", "torch_threads": 1}, "overrides.")
     check_not_on_ray({"event_loop_cpu": " None ", "busy_poll_us": 0}, "")
@@ -31,6 +40,7 @@ def test_off_is_the_default_and_passes():
     assert set(NOT_ON_RAY) == {
         "event_loop_cpu",
         "busy_poll_us",
+        "frontend_workers",
         "auth_token_file",
         "tls_cert_file",
         "tls_key_file",

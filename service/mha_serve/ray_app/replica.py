@@ -60,6 +60,8 @@ NOT_ON_RAY = {
     "event_loop_cpu": "a replica's event loop is Ray's, and replicas share their node's "
     "CPUs: pinning would put every replica's loop on the same CPU; leave it none",
     "busy_poll_us": "a replica's event loop is Ray's, which does not busy-poll; leave it 0",
+    "frontend_workers": "a replica's gRPC is Ray's proxy's, in front of every replica: add "
+    "replicas (num_replicas, autoscaling_config) instead; leave it 1",
     # The standalone server's security is its own port's; on Ray the port is the proxy's,
     # which checks no token and has no TLS option (Ray 2.60): left set, the app would answer
     # every caller while its config said otherwise.
@@ -74,6 +76,7 @@ NOT_ON_RAY = {
 _OFF = {
     "event_loop_cpu": "none",
     "busy_poll_us": "0",
+    "frontend_workers": "1",
     "auth_token_file": "",
     "tls_cert_file": "",
     "tls_key_file": "",
