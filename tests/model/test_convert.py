@@ -115,3 +115,40 @@ def test_command_writes_a_servable_checkpoint_and_reports(tmp_path, capsys):
     assert_close(torch.cat(steps, 1), full, "served converted steps")
     assert main([str(src), "--num-kv-heads", "3", "--out", str(out)]) == 2
     assert "must divide" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_command_takes_a_torch_multihead_attention_file_given_its_heads(tmp_path, capsys, bias):
+    """A torch.nn.MultiheadAttention state_dict (the checkpoint README serves) converts with
+    --num-heads: kept at its K/V heads it equals torch's own module, pooled it equals
+    pool_kv_heads; without --num-heads the command asks for it."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(64, 4, bias=bias, batch_first=True).eval()
+    src = tmp_path / "torch.safetensors"
+    save_file(mha.state_dict(), str(src))
+    out = tmp_path / "out.safetensors"
+    assert main([str(src), "--num-kv-heads", "4", "--out", str(out)]) == 2
+    assert "give it with --num-heads N" in capsys.readouterr().err and not out.exists()
+    x = torch.randn(2, 9, 64)
+    with torch.no_grad():
+        want, _ = mha(x, x, x, need_weights=False)
+    for kvh in (4, 2):
+        argv = [str(src), "--num-heads", "4", "--num-kv-heads", str(kvh), "--out", str(out)]
+        assert main(argv) == 0
+        assert json.loads(capsys.readouterr().out)["num_kv_heads_after"] == kvh
+        converted = load_checkpoint(out)
+        assert converted.config.bias is bias and converted.config.num_kv_heads == kvh
+        with torch.no_grad():
+            got = converted(x).output
+        if kvh == 4:
+            assert_close(got, want, "kept at 4 K/V heads vs torch's module")
+        else:
+            original = load_checkpoint(
+                src, config=AttentionConfig(64, 4, bias=bias), dtype=torch.float32
+            )
+            with torch.no_grad():
+                assert_close(got, pool_kv_heads(original, 2)(x).output, "pooled")
+    assert main([str(out), "--num-heads", "4", "--num-kv-heads", "1", "--out", str(src)]) == 2
+    assert "leave --num-heads out" in capsys.readouterr().err

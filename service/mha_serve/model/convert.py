@@ -8,7 +8,8 @@ a report of what it costs and saves.
     python -m mha_serve.model.convert SRC --drop-least-important 3 [--unit head|group]
         [--report heads.json] --out pruned.safetensors
 
-SRC is a Hugging Face model directory (with --layer) or one of our safetensors files. The
+SRC is a Hugging Face model directory (with --layer), one of our safetensors files, or a
+torch.nn.MultiheadAttention state_dict saved with safetensors (with --num-heads). The
 least important heads come from the head analysis over the sample inputs (the one the
 server's AnalyzeHeads runs), or from a saved `mha-client heads --json` report. The report
 (JSON on stdout): output error of the new layer against the original on sample inputs
@@ -27,9 +28,10 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 
 from .attention import MultiHeadAttention
+from .config import AttentionConfig
 from .heads import analyze_heads, group_importance
 from .hf import load_hf_layer
 from .hf_config import is_hf_directory
@@ -164,16 +166,48 @@ def heads_to_drop(
     return least_important(c, k, unit=unit, importance=importance, group_importance=groups)
 
 
-def load_source(path: str | Path, layer: int | None) -> MultiHeadAttention:
-    """A Hugging Face directory's layer, or one of our checkpoints; float32 on the CPU."""
+def load_source(
+    path: str | Path, layer: int | None, num_heads: int | None = None
+) -> MultiHeadAttention:
+    """A Hugging Face directory's layer, one of our checkpoints, or a torch.nn.MultiheadAttention
+    state_dict file (which does not store num_heads: given); float32 on the CPU."""
     if not Path(path).exists():
         raise ValueError(f"source {path} does not exist")
     if is_hf_directory(path):
+        if num_heads is not None:
+            raise ValueError(
+                "--num-heads is for a torch.nn.MultiheadAttention file; the "
+                f"directory {path}'s config.json gives its heads"
+            )
         module, _ = load_hf_layer(path, layer, dtype=torch.float32)
         return module
     if layer is not None:
         raise ValueError(f"--layer is for a Hugging Face model directory; {path} is a file")
-    return load_checkpoint(path, dtype=torch.float32)
+    return load_checkpoint(path, config=torch_mha_config(path, num_heads), dtype=torch.float32)
+
+
+def torch_mha_config(path: str | Path, num_heads: int | None) -> AttentionConfig | None:
+    """The config of a torch.nn.MultiheadAttention state_dict file, which stores every shape
+    but num_heads (and so needs it); None for one of our files, which carry their own."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            keys = set(f.keys())
+            shape = f.get_slice("in_proj_weight").get_shape() if "in_proj_weight" in keys else None
+    except (OSError, SafetensorError):
+        return None  # load_checkpoint says what is wrong with the file
+    if shape is None:
+        if num_heads is not None:
+            raise ValueError(
+                f"--num-heads is for a torch.nn.MultiheadAttention state_dict file; {path} is "
+                "one of ours, whose metadata gives its heads: leave --num-heads out"
+            )
+        return None
+    if num_heads is None:
+        raise ValueError(
+            f"{path} holds a torch.nn.MultiheadAttention state_dict, which does not store its "
+            "number of heads: give it with --num-heads N"
+        )
+    return AttentionConfig(embed_dim=shape[1], num_heads=num_heads, bias="in_proj_bias" in keys)
 
 
 def sample_inputs(
@@ -229,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("source", help="Hugging Face model directory, or our .safetensors file")
     p.add_argument("--layer", type=int, default=None, help="layer of a Hugging Face directory")
+    p.add_argument(
+        "--num-heads",
+        type=_positive,
+        default=None,
+        help="heads of a torch.nn.MultiheadAttention state_dict file (it does not store them)",
+    )
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--num-kv-heads", type=int, help="1 = MQA; a divisor = GQA")
     what.add_argument("--drop-heads", help="query heads to remove, comma-separated: 5,8")
@@ -255,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--unit and --report go with --drop-least-important")
     try:
         check_out(args.out, args.source)
-        original = load_source(args.source, args.layer)
+        original = load_source(args.source, args.layer, args.num_heads)
         x = sample_inputs(
             original.config.embed_dim, args.samples, args.seq_len, args.seed, args.inputs
         )
