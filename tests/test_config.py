@@ -125,7 +125,7 @@ def test_example_config_in_docs_loads():
     assert [m.kv_cache_dtype for m in cfg.models] == ["auto", "bfloat16"]
 
 
-def test_example_config_shows_every_key_and_the_server_defaults():
+def test_example_config_shows_every_key_and_the_server_defaults(tmp_path):
     """docs/config.example.toml sets every [server] key to its default, and names every
     [[models]] key (in a table, or on a commented line); README's flag table lists every
     flag. A key added to the code without its line in the docs fails here."""
@@ -148,6 +148,20 @@ def test_example_config_shows_every_key_and_the_server_defaults():
     model_keys |= {f.name for f in fields(AttentionConfig)}
     shown = set(re.findall(r"^#? ?([a-z_]+) = ", text.split("[[models]]", 1)[1], flags=re.M))
     assert model_keys - shown == set()
+    # the commented family options are values the server takes
+    options = {f.name for f in fields(AttentionConfig)}
+    lines = [
+        re.sub(r"^# ", "", ln) if ln[2:].split(" ")[0] in options else ln for ln in text.split("\n")
+    ]
+    example = tmp_path / "options.toml"
+    example.write_text("\n".join(lines))
+    gqa = build_config(str(example), {}).models[1].attention
+    assert (gqa.sliding_window, gqa.softcap, gqa.qk_norm.scope, gqa.rope.theta) == (
+        512,
+        50.0,
+        "head",
+        10000.0,
+    )
     readme = (root / "README.md").read_text().split("## Serving", 1)[1]
     rows = re.findall(r"^\| (`--.*?) \|", readme.split("\n\n| flag |", 1)[1].split("\n\n")[0], re.M)
     flags = {f for row in rows for f in re.findall(r"`--([a-z-]+)", row)}
