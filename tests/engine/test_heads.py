@@ -37,3 +37,16 @@ def test_analysis_of_the_hosted_module(engine):
 def test_refused_like_an_attend(engine, call, error, piece):
     with pytest.raises(error, match=piece):
         analyze(engine, call, include_weights=False)
+
+
+def test_weights_over_the_limit_get_the_analysis_advice(engine):
+    """An Attend over max_weights_bytes is told to narrow weights.heads or its rows; the
+    analysis refuses weights options, so its refusal says what it can change instead."""
+    x = torch.randn(1, 17, 32)
+    with pytest.raises(TooLarge) as e:
+        analyze(engine, req("m", x), include_weights=False)
+    message = str(e.value)
+    assert "send fewer or shorter sequences, or raise the model's max_weights_bytes" in message
+    assert "weights.heads" not in message and "attention weights would be" in message
+    with pytest.raises(TooLarge, match=r"fewer heads \(weights.heads\)"):
+        engine.prepare(req("m", x, need_weights=True))

@@ -10,10 +10,17 @@ import torch
 
 from mha_serve.engine.checks import scores_overflow_error
 from mha_serve.engine.engine import Engine
-from mha_serve.engine.errors import InvalidRequest
+from mha_serve.engine.errors import InvalidRequest, TooLarge
+from mha_serve.engine.prepare import NARROW_WEIGHTS
 from mha_serve.engine.requests import AttendRequest, HeadReport, PruningLevel
 from mha_serve.engine.types import array_of
 from mha_serve.model.heads import analyze_heads
+
+# The analysis reads every head's weights over every query row of the whole batch.
+NARROW_ANALYSIS = (
+    "the head analysis reads every head's weights over every query row: send fewer or "
+    "shorter sequences, or raise the model's max_weights_bytes"
+)
 
 
 def analyze(engine: Engine, request: AttendRequest, *, include_weights: bool) -> HeadReport:
@@ -32,7 +39,10 @@ def analyze(engine: Engine, request: AttendRequest, *, include_weights: bool) ->
     request = dataclasses.replace(
         request, need_weights=True, weight_heads=None, query_start=0, query_end=0
     )
-    p = engine.prepare(request)
+    try:
+        p = engine.prepare(request)
+    except TooLarge as e:  # an Attend's advice (weights.heads, ...) does not apply here
+        raise TooLarge(str(e).replace(NARROW_WEIGHTS, NARROW_ANALYSIS)) from None
     hosted = p.hosted
     start = time.perf_counter()
     batch, seq_len, _ = request.inputs.shape

@@ -18,6 +18,14 @@ RESPONSE_OVERHEAD_BYTES = 64 * 1024
 PLAIN_STEP_KEY = ("session", None)
 
 
+# How an Attend narrows weights over the limit (AnalyzeHeads, which reads every head and
+# row, says otherwise: engine/heads.py).
+NARROW_WEIGHTS = (
+    "narrow the request: fewer heads (weights.heads), a range of query rows "
+    "(weights.query_start/query_end), or float16/bfloat16 weights (weights.dtype)"
+)
+
+
 class Preparing:
     """Engine's acceptance of a request (mixed into it; its state is Engine's: models,
     sessions, max_response_bytes)."""
@@ -156,8 +164,7 @@ class Preparing:
             raise TooLarge(
                 f"attention weights would be {_mib(size)} (batch {batch} x {len(heads)} heads x "
                 f"{rows} query rows x {num_keys} keys x {itemsize} bytes) but the limit "
-                f"is {_mib(limit)}; narrow the request: fewer heads (weights.heads), a range of query "
-                f"rows (weights.query_start/query_end), or float16/bfloat16 weights (weights.dtype)"
+                f"is {_mib(limit)}; {NARROW_WEIGHTS}"
             )
 
     @staticmethod
