@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from transformers import (
     BertModel,
+    Cohere2Config,
+    Cohere2Model,
     DynamicCache,
     Gemma2Config,
     Gemma2Model,
@@ -17,18 +19,40 @@ from transformers import (
     Gemma3TextModel,
     GPT2Config,
     GPT2LMHeadModel,
+    GraniteConfig,
+    GraniteModel,
+    GraniteMoeConfig,
+    GraniteMoeModel,
+    GraniteMoeSharedConfig,
+    GraniteMoeSharedModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MinistralConfig,
+    MinistralModel,
     MistralConfig,
     MistralModel,
+    MixtralConfig,
+    MixtralForCausalLM,
     Olmo2Config,
     Olmo2Model,
+    OlmoConfig,
+    OlmoeConfig,
+    OlmoeModel,
+    OlmoModel,
     Phi3Config,
     Phi3Model,
     Qwen2Config,
     Qwen2Model,
+    Qwen2MoeConfig,
+    Qwen2MoeModel,
     Qwen3Config,
     Qwen3Model,
+    Qwen3MoeConfig,
+    Qwen3MoeModel,
+    SmolLM3Config,
+    SmolLM3Model,
+    Starcoder2Config,
+    Starcoder2Model,
 )
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
@@ -48,6 +72,7 @@ ROTARY = {
     **COMMON,
 }
 
+MOE = {"num_local_experts": 2, "num_experts_per_tok": 1}
 WINDOW = 8  # Mistral's; the other windowed layers use other sizes (6, 10, 12)
 CHECKPOINTS = {
     # name: (model class, config, layer served by the test of that name; SERVED adds more)
@@ -166,10 +191,122 @@ CHECKPOINTS = {
         Phi3Config(num_key_value_heads=4, sliding_window=10, pad_token_id=0, **ROTARY),
         1,
     ),
+    # Families whose attention is one of the above with other keys; MoE: two tiny experts
+    # (only the attention tensors are read, beside the experts' in the same files).
+    "mixtral": (  # Mistral's: a window on every layer
+        MixtralForCausalLM,
+        MixtralConfig(num_key_value_heads=2, sliding_window=11, **MOE, **ROTARY),
+        1,
+    ),
+    "ministral": (  # Mistral's, the window on the layers layer_types names
+        MinistralModel,
+        MinistralConfig(
+            num_key_value_heads=4,
+            head_dim=8,  # (MinistralAttention needs it set)
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            **ROTARY,
+        ),
+        0,
+    ),
+    "starcoder2": (  # use_bias on all four projections, a window on every layer
+        Starcoder2Model,
+        Starcoder2Config(num_key_value_heads=2, use_bias=True, sliding_window=9, **ROTARY),
+        0,
+    ),
+    "qwen2_moe": (  # Qwen2's q/k/v biases; its own derivation of the sliding layers
+        Qwen2MoeModel,
+        Qwen2MoeConfig(
+            num_key_value_heads=4,
+            use_sliding_window=True,
+            sliding_window=6,
+            max_window_layers=2,
+            num_experts=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            **ROTARY,
+        ),
+        0,
+    ),
+    "qwen3_moe": (  # Qwen3's per-head q/k norm; use_sliding_window: every layer slides
+        Qwen3MoeModel,
+        Qwen3MoeConfig(
+            num_key_value_heads=2,
+            head_dim=16,
+            use_sliding_window=True,
+            sliding_window=10,
+            num_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=32,
+            **ROTARY,
+        ),
+        1,
+    ),
+    "olmoe": (  # OLMo-2's q/k norm over the projection
+        OlmoeModel,
+        OlmoeConfig(num_key_value_heads=4, num_experts=2, num_experts_per_tok=1, **ROTARY),
+        1,
+    ),
+    "olmo": (  # Llama's (clip_qkv off), biases
+        OlmoModel,
+        OlmoConfig(num_key_value_heads=2, attention_bias=True, pad_token_id=1, **ROTARY),
+        0,
+    ),
+    "granite": (  # scale attention_multiplier
+        GraniteModel,
+        GraniteConfig(
+            num_key_value_heads=2, attention_bias=True, attention_multiplier=0.03, **ROTARY
+        ),
+        0,
+    ),
+    "granitemoe": (
+        GraniteMoeModel,
+        GraniteMoeConfig(num_key_value_heads=4, attention_multiplier=0.05, **MOE, **ROTARY),
+        1,
+    ),
+    "granitemoeshared": (
+        GraniteMoeSharedModel,
+        GraniteMoeSharedConfig(
+            num_key_value_heads=1,
+            attention_multiplier=0.2,
+            shared_intermediate_size=32,
+            **MOE,
+            **ROTARY,
+        ),
+        0,
+    ),
+    "smollm3": (  # NoPE on every 2nd layer (a windowed one here); RoPE on the others
+        SmolLM3Model,
+        SmolLM3Config(
+            num_key_value_heads=2,
+            no_rope_layer_interval=2,
+            use_sliding_window=True,
+            sliding_window=6,
+            pad_token_id=None,
+            bos_token_id=None,
+            eos_token_id=None,
+            **ROTARY,
+        ),
+        0,
+    ),
+    "cohere2": (  # global layers: no RoPE (its local layers' interleaved RoPE is refused)
+        Cohere2Model,
+        Cohere2Config(
+            num_key_value_heads=2,
+            attention_bias=True,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=6,
+            pad_token_id=0,
+            **ROTARY,
+        ),
+        1,
+    ),
 }
-# Served model name: (checkpoint, layer). Gemma's both kinds of layer.
+# Served model name: (checkpoint, layer). Gemma's both kinds of layer, SmolLM3's NoPE one.
 SERVED = {name: (name, entry[2]) for name, entry in CHECKPOINTS.items()}
-SERVED.update({"gemma2_global": ("gemma2", 1), "gemma3_global": ("gemma3", 1)})
+SERVED.update(
+    {"gemma2_global": ("gemma2", 1), "gemma3_global": ("gemma3", 1), "smollm3_nope": ("smollm3", 1)}
+)
 
 
 def write_checkpoints(root: Path) -> dict[str, Path]:  # keyed by checkpoint name
@@ -192,11 +329,14 @@ def load_reference(name: str, directory: Path):
 
 def layer_window(base, layer: int) -> int | None:
     """The layer's sliding window as transformers applies it (None: full attention): Qwen
-    and Gemma keep it on the attention module of sliding layers only; Mistral and Phi-3 read
-    the config's for every layer."""
+    and Gemma keep it on the attention module of sliding layers only; Mistral, Phi-3,
+    Mixtral and Starcoder2 read the config's for every layer."""
     attention = base.layers[layer].self_attn
     if hasattr(attention, "sliding_window"):
         return attention.sliding_window
+    types = getattr(base.config, "layer_types", None)  # Qwen2-MoE: only its sliding layers
+    if types is not None:  # have the attribute; the model masks by layer_types
+        return base.config.sliding_window if types[layer] == "sliding_attention" else None
     return getattr(base.config, "sliding_window", None)
 
 

@@ -5,11 +5,13 @@ What is served, per family (transformers' module names):
   bert     BertSelfAttention (query/key/value) + BertSelfOutput.dense; the LayerNorm and
            residual after it are not attention and are not applied
   gpt2     GPT2Attention: c_attn (Conv1D, weight (E, 3E), transposed here) and c_proj
-  llama, mistral, qwen2, qwen3, olmo2, gemma2, gemma3(_text), phi3
+  llama, mistral, qwen2, qwen3, olmo2, gemma2, gemma3(_text), phi3 and the families whose
+  attention is one of theirs (hf_config.FAMILIES: Mixtral, Qwen-MoE, OLMoE, Granite, ...)
            q_proj/k_proj/v_proj/o_proj (Phi-3: one qkv_proj) with GQA (num_key_value_heads)
            and RoPE applied to q and k; Qwen2's q/k/v biases (its o_proj has none: served as
            a zero bias); q_norm/k_norm (Qwen3, OLMo-2, Gemma 3: Gemma's gain is 1 + weight,
-           folded in here); sliding windows, Gemma's scale and soft-capping are config only
+           folded in here); sliding windows, scales and soft-capping are config only. MoE
+           checkpoints: only the attention tensors are read
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .attention import MultiHeadAttention
-from .hf_config import HFLayer, read_hf_layer
+from .hf_config import QKV_BIAS_ONLY, HFLayer, read_hf_layer
 
 # Per family: the attention tensors of layer {i}, without the checkpoint's own prefix
 # ("bert.", "transformer.", "model." or none, found from the file).
@@ -80,7 +82,7 @@ def load_hf_layer(
         b = bo = None
         if c.bias:
             b = torch.cat([_get(tensors, names[p] + ".bias", shapes[p][:1]) for p in "qkv"])
-            if info.family == "qwen2":  # q/k/v biases only: o_proj's is zero
+            if info.family in QKV_BIAS_ONLY:  # o_proj's is zero
                 tensors.setdefault(names["o"] + ".bias", torch.zeros(E, dtype=wo.dtype))
             bo = _get(tensors, names["o"] + ".bias", (E,))
     state = {"wqkv.weight": w, "wo.weight": wo}

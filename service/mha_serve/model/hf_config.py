@@ -5,6 +5,7 @@ No torch here (config files are checked before torch loads); hf.py maps the weig
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,19 @@ FAMILIES = (
     "gemma2",
     "gemma3_text",
     "gemma3",
+    # attention as one of the above, with the options the tables below give them
+    "mixtral",
+    "ministral",
+    "starcoder2",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "olmo",
+    "granite",
+    "granitemoe",
+    "granitemoeshared",
+    "smollm3",
+    "cohere2",
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj) and GQA.
 ROTARY = FAMILIES[2:]
@@ -56,6 +70,77 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "query_pre_attn_scalar": 256,
         "sliding_window": 4096,
     },
+    "mixtral": {"num_key_value_heads": 8},
+    "ministral": {"num_key_value_heads": 8, "sliding_window": 4096},
+    "starcoder2": {"num_key_value_heads": 2, "use_bias": True},
+    "qwen2_moe": {
+        "num_key_value_heads": 16,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+        "qkv_bias": True,
+    },
+    "qwen3_moe": {"num_key_value_heads": 4, "sliding_window": 4096},
+    "olmoe": {"rms_norm_eps": 1e-5},
+    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared"), {"attention_multiplier": 1.0}),
+    "smollm3": {"num_key_value_heads": 4, "no_rope_layer_interval": 4},
+    "cohere2": {"sliding_window": 4096, "sliding_window_pattern": 4},
+}
+# Keys a family's config sets whatever config.json says (Cohere 2: head_dim = E // H).
+FORCED: dict[str, dict[str, Any]] = {"cohere2": {"head_dim": None}}
+# Where each rotary family's attention differs from Llama's (transformers 5's
+# modeling_<family>.py); a family a table leaves out has Llama's there.
+# The q/k/v/o biases: the config.json key that turns them on, or fixed.
+BIAS: dict[str, str | bool] = {
+    "qwen2": True,
+    "qwen2_moe": "qkv_bias",
+    "starcoder2": "use_bias",
+    **dict.fromkeys(("mistral", "mixtral", "ministral", "phi3"), False),
+}
+# Biases on q/k/v only: o_proj has none (served as a zero bias).
+QKV_BIAS_ONLY = ("qwen2", "qwen2_moe")
+# q/k RMSNorm: per head (over head_dim) or over the whole projection (all heads together).
+QK_NORM = {
+    **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text"), "head"),
+    **dict.fromkeys(("olmo2", "olmoe"), "projection"),
+}
+# The softmax scale: (config key, power) -> value ** power; default head_dim ** -0.5.
+SCALE = {
+    **dict.fromkeys(("gemma2", "gemma3_text"), ("query_pre_attn_scalar", -0.5)),
+    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared"), ("attention_multiplier", 1)),
+}
+# sliding_window on every layer where it is set (Qwen3-MoE: with use_sliding_window).
+WINDOW_EVERY_LAYER = ("mistral", "mixtral", "phi3", "starcoder2", "qwen3_moe")
+# Families whose sliding_window counts only with use_sliding_window (their configs drop it).
+WINDOW_SWITCH = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3")
+# Families that read layer_types, and how their configs derive them when config.json has
+# none: (cfg, layer) -> whether the layer slides.
+DERIVED_SLIDING: dict[str, Callable[[dict[str, Any], int], bool]] = {
+    **dict.fromkeys(
+        ("qwen2", "qwen3"),
+        lambda c, i: _window_on(c) and i >= c["max_window_layers"],
+    ),
+    "qwen2_moe": lambda c, i: bool(
+        c.get("use_sliding_window") and (i + 1) % 2 and i < c["max_window_layers"]
+    ),
+    "gemma2": lambda c, i: bool((i + 1) % 2),  # alternating, local first
+    "gemma3_text": lambda c, i: bool((i + 1) % c.get("sliding_window_pattern", 6)),
+    "cohere2": lambda c, i: bool((i + 1) % c["sliding_window_pattern"]),
+    "ministral": lambda c, i: c.get("sliding_window") is not None,
+    "smollm3": lambda c, i: _window_on(c) and not _smollm3_rope(c, i),
+}
+# Layers that apply no RoPE (NoPE): SmolLM3's no_rope_layers, Cohere 2's global layers.
+NO_ROPE: dict[str, Callable[[dict[str, Any], int, str], bool]] = {
+    "smollm3": lambda c, i, kind: not _smollm3_rope(c, i),
+    "cohere2": lambda c, i, kind: kind == "full_attention",
+}
+# Layers whose RoPE rotates interleaved pairs (x[0::2], x[1::2]), not the two halves.
+INTERLEAVED_ROPE = ("cohere2",)
+# Families refused whole, and why (the attention differs from every family above).
+UNSERVED = {
+    "cohere": "its RoPE rotates interleaved pairs (x[0::2], x[1::2]), not the two halves "
+    "of each head, and its q/k norm is a LayerNorm",
+    "glm": "its RoPE is partial (half of each head) and rotates interleaved pairs",
+    "glm4": "its RoPE is partial (half of each head) and rotates interleaved pairs",
 }
 # RoPE types with a pretraining context (original_max_position_embeddings).
 SCALED_CONTEXT = ("llama3", "yarn")
@@ -108,11 +193,13 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
         cfg, scope = {"model_type": "gemma3_text", **text}, "language_model"
     if family not in FAMILIES:
         arch = ", ".join(cfg.get("architectures") or []) or "?"
+        why = f" ({UNSERVED[family]})" if family in UNSERVED else ""
         raise ValueError(
-            f"{config_path}: model_type {family!r} (architectures {arch}) is not supported; "
-            f"supported: {', '.join(FAMILIES)}"
+            f"{config_path}: model_type {family!r} (architectures {arch}) is not supported"
+            f"{why}; supported: {', '.join(FAMILIES)}"
         )
-    cfg = {**DEFAULTS.get(cfg["model_type"], {}), **cfg}  # a null stays null
+    kind = cfg["model_type"]
+    cfg = {**DEFAULTS.get(kind, {}), **cfg, **FORCED.get(kind, {})}  # a null stays null
     num_layers = _int(cfg, "n_layer" if family == "gpt2" else "num_hidden_layers", config_path)
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
         raise ValueError(
@@ -164,36 +251,52 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
     E, H = _int(cfg, "hidden_size", where), _int(cfg, "num_attention_heads", where)
     KVH = cfg.get("num_key_value_heads") or H
     D = cfg.get("head_dim") or E // H
-    if family == "qwen2":
-        bias = True  # q/k/v carry biases, o_proj none (served as a zero bias)
-    elif family in ("mistral", "phi3"):
-        bias = False
-    else:
-        bias = bool(cfg.get("attention_bias", False))
+    bias = BIAS.get(family, "attention_bias")
+    bias = bool(cfg.get(bias, False)) if isinstance(bias, str) else bias
     if cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
         raise ValueError(
             f"{where}: partial_rotary_factor {cfg['partial_rotary_factor']} is not supported "
             "(full rotary only)"
         )
-    for key in ("use_bidirectional_attention", "attention_chunk_size"):
+    for key in ("use_bidirectional_attention", "attention_chunk_size", "clip_qkv"):
         if cfg.get(key):
             raise ValueError(f"{where}: {family} {key} {cfg[key]!r} is not supported")
+    if family == "smollm3":
+        _int(cfg, "no_rope_layer_interval", where)
+        flags = cfg.get("no_rope_layers")
+        if flags is not None and (
+            not isinstance(flags, list) or len(flags) != cfg["num_hidden_layers"]
+        ):
+            raise ValueError(f"{where}: no_rope_layers must list one 0 or 1 per layer")
     layer_type = _layer_type(cfg, family, layer, where)
     sliding = None
     if layer_type == "sliding_attention":
         sliding = cfg.get("sliding_window")
-        if sliding is None:
+        if family in WINDOW_SWITCH and not cfg.get("use_sliding_window"):
+            sliding = None  # as the family's config: no window without the switch
+        if not sliding:  # (Qwen2-MoE's config reads a window off as 0)
             raise ValueError(
-                f"{where}: layer {layer} is a sliding_attention layer but sliding_window is not set"
+                f"{where}: layer {layer} is a sliding_attention layer but sliding_window is not "
+                f"set{' (or use_sliding_window is off)' if family in WINDOW_SWITCH else ''}"
             )
+    rope = None
+    nope = NO_ROPE.get(family)
+    if nope is None or not nope(cfg, layer, layer_type):
+        if family in INTERLEAVED_ROPE:
+            raise ValueError(
+                f"{where}: layer {layer} ({layer_type}) is not supported: {family}'s RoPE "
+                "rotates interleaved pairs (x[0::2], x[1::2]), which mha-serve does not "
+                "implement; its layers without RoPE are served"
+            )
+        rope = _rope(cfg, layer_type, where)
     qk_norm = None
-    if family in ("qwen3", "gemma3_text"):  # each head's q and k, before RoPE
-        qk_norm = QKNormConfig("head", cfg.get("rms_norm_eps", 1e-6))
-    elif family == "olmo2":  # all of q and all of k, before the split into heads
-        qk_norm = QKNormConfig("projection", cfg.get("rms_norm_eps", 1e-6))
+    if family in QK_NORM:  # before RoPE; per head, or over the whole projection
+        qk_norm = QKNormConfig(QK_NORM[family], cfg.get("rms_norm_eps", 1e-6))
     scale = softcap = None
+    if family in SCALE:
+        key, power = SCALE[family]
+        scale = float(_number(cfg, key, where)) ** power
     if family in ("gemma2", "gemma3_text"):
-        scale = float(_number(cfg, "query_pre_attn_scalar", where)) ** -0.5
         softcap = cfg.get("attn_logit_softcapping")
         if family == "gemma3_text" and softcap is not None:
             raise ValueError(
@@ -209,7 +312,7 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
             D,
             bias=bias,
             causal=True,
-            rope=_rope(cfg, layer_type, where),
+            rope=rope,
             softmax_scale=scale,
             sliding_window=sliding,
             qk_norm=qk_norm,
@@ -222,10 +325,11 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
 def _layer_type(cfg: dict[str, Any], family: str, layer: int, where: Path) -> str:
     """full_attention or sliding_attention, as transformers decides it for the family: from
     layer_types where it reads them (its configuration_<family>.py derives them when
-    config.json has none); Mistral and Phi-3 apply sliding_window to every layer."""
-    if family in ("mistral", "phi3"):
-        return "sliding_attention" if cfg.get("sliding_window") is not None else "full_attention"
-    if family not in ("qwen2", "qwen3", "gemma2", "gemma3_text"):
+    config.json has none); Mistral, Phi-3 and others apply sliding_window to every layer."""
+    if family in WINDOW_EVERY_LAYER:
+        on = _window_on(cfg) if family in WINDOW_SWITCH else cfg.get("sliding_window") is not None
+        return "sliding_attention" if on else "full_attention"
+    if family not in DERIVED_SLIDING:
         return "full_attention"
     n = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
@@ -238,14 +342,20 @@ def _layer_type(cfg: dict[str, Any], family: str, layer: int, where: Path) -> st
                 f"supported; supported: {', '.join(LAYER_TYPES)}"
             )
         return types[layer]
-    if family == "gemma2":  # alternating, local first
-        return "sliding_attention" if (layer + 1) % 2 else "full_attention"
-    if family == "gemma3_text":  # five local layers, then a global one
-        pattern = cfg.get("sliding_window_pattern", 6)
-        return "sliding_attention" if (layer + 1) % pattern else "full_attention"
-    on = cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None
-    first = cfg.get("max_window_layers", 0)
-    return "sliding_attention" if on and layer >= first else "full_attention"
+    return "sliding_attention" if DERIVED_SLIDING[family](cfg, layer) else "full_attention"
+
+
+def _window_on(cfg: dict[str, Any]) -> bool:
+    return bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window") is not None
+
+
+def _smollm3_rope(cfg: dict[str, Any], layer: int) -> bool:
+    """Whether SmolLM3's layer applies RoPE: no_rope_layers (1: RoPE), else every
+    no_rope_layer_interval-th layer has none (SmolLM3Config; both checked in _rotary)."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        return (layer + 1) % cfg["no_rope_layer_interval"] != 0
+    return bool(flags[layer])
 
 
 def _rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:

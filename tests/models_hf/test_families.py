@@ -1,0 +1,253 @@
+"""The families whose attention is one we already serve with other config keys (Mixtral,
+Ministral, Starcoder2, Qwen2-MoE, Qwen3-MoE, OLMoE, OLMo, Granite and its MoEs, SmolLM3,
+Cohere 2's global layers): keys config.json leaves out read with the family's own defaults
+(not the family it resembles), checked against transformers' attention loaded from the same
+directory; and the variants we cannot serve exactly refused by name. (Parity over gRPC,
+sessions included, is test_parity_grpc's, on reference.CHECKPOINTS.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import (
+    AutoConfig,
+    Cohere2Config,
+    Cohere2Model,
+    GraniteConfig,
+    GraniteModel,
+    MinistralConfig,
+    MixtralConfig,
+    OlmoConfig,
+    OlmoeConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen2MoeModel,
+    Qwen3MoeConfig,
+    Qwen3MoeModel,
+    SmolLM3Config,
+    SmolLM3Model,
+    Starcoder2Config,
+    Starcoder2Model,
+)
+
+from mha_serve.model.hf_config import read_hf_layer
+from tests.models_hf.test_config_json import SMALL, assert_served_as_transformers, checkpoint
+
+MOE = {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 32}
+NO_TOKENS = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
+
+
+@pytest.mark.parametrize(
+    ("cls", "config", "family", "edits", "layer"),
+    [
+        # Qwen3-MoE's config has no head_dim: E // H (8), not Qwen3's default of 128
+        (Qwen3MoeModel, Qwen3MoeConfig(num_key_value_heads=2, **MOE, **SMALL), "qwen3_moe", {}, 0),
+        # Starcoder2's use_bias defaults to True, Qwen2-MoE's qkv_bias too
+        (
+            Starcoder2Model,
+            Starcoder2Config(num_key_value_heads=2, use_bias=True, **SMALL),
+            "starcoder2",
+            {"use_bias": None},
+            1,
+        ),
+        (
+            Qwen2MoeModel,
+            Qwen2MoeConfig(
+                num_key_value_heads=4, shared_expert_intermediate_size=32, **MOE, **SMALL
+            ),
+            "qwen2_moe",
+            {"qkv_bias": None},
+            0,
+        ),
+        # Qwen2-MoE derives its sliding layers otherwise than Qwen2: odd layers below
+        # max_window_layers (layer 0 slides, layer 1 not)
+        *[
+            (
+                Qwen2MoeModel,
+                Qwen2MoeConfig(
+                    num_key_value_heads=4,
+                    use_sliding_window=True,
+                    sliding_window=6,
+                    max_window_layers=2,
+                    shared_expert_intermediate_size=32,
+                    **MOE,
+                    **SMALL,
+                ),
+                "qwen2_moe",
+                {"layer_types": None},
+                layer,
+            )
+            for layer in (0, 1)
+        ],
+        # Granite without attention_multiplier: a scale of 1.0, not head_dim ** -0.5
+        (
+            GraniteModel,
+            GraniteConfig(num_key_value_heads=2, attention_multiplier=0.03, **SMALL),
+            "granite",
+            {"attention_multiplier": None},
+            0,
+        ),
+        # SmolLM3 without no_rope_layers nor its interval: every 4th layer is NoPE (here
+        # none of two), where the checkpoint was written with every 2nd
+        (
+            SmolLM3Model,
+            SmolLM3Config(num_key_value_heads=2, no_rope_layer_interval=2, **NO_TOKENS, **SMALL),
+            "smollm3",
+            {"no_rope_layers": None, "no_rope_layer_interval": None, "layer_types": None},
+            1,
+        ),
+        # SmolLM3 with a window: the NoPE layers slide (layer_types derived)
+        (
+            SmolLM3Model,
+            SmolLM3Config(
+                num_key_value_heads=2,
+                no_rope_layer_interval=2,
+                use_sliding_window=True,
+                sliding_window=6,
+                **NO_TOKENS,
+                **SMALL,
+            ),
+            "smollm3",
+            {"layer_types": None},
+            1,
+        ),
+        # Cohere 2 without layer_types: sliding_window_pattern (2 here) makes layer 1 global
+        (
+            Cohere2Model,
+            Cohere2Config(num_key_value_heads=2, sliding_window=6, pad_token_id=0, **SMALL),
+            "cohere2",
+            {"layer_types": None, "sliding_window_pattern": 2},
+            1,
+        ),
+    ],
+    ids=[
+        "qwen3_moe_head_dim",
+        "starcoder2_use_bias",
+        "qwen2_moe_qkv_bias",
+        "qwen2_moe_layer_types_0",
+        "qwen2_moe_layer_types_1",
+        "granite_attention_multiplier",
+        "smollm3_no_rope_layers",
+        "smollm3_window_layer_types",
+        "cohere2_sliding_window_pattern",
+    ],
+)
+def test_keys_left_out_are_read_with_the_familys_defaults(
+    tmp_path, cls, config, family, edits, layer
+):
+    directory = checkpoint(tmp_path, cls, config, **edits)
+    assert_served_as_transformers(directory, cls, family, layer)
+
+
+@pytest.mark.parametrize(
+    ("config", "key"),
+    [
+        # Mixtral has no window unless set (Mistral's default is 4096)
+        (MixtralConfig(num_key_value_heads=2, sliding_window=6, **SMALL), "sliding_window"),
+        # Ministral: 4096 on every layer
+        (MinistralConfig(num_key_value_heads=2, sliding_window=6, **SMALL), "sliding_window"),
+        # Qwen3-MoE: a window only with use_sliding_window (its config drops it otherwise)
+        (
+            Qwen3MoeConfig(num_key_value_heads=2, use_sliding_window=True, sliding_window=6),
+            "use_sliding_window",
+        ),
+    ],
+    ids=["mixtral", "ministral", "qwen3_moe"],
+)
+def test_windows_left_out_take_transformers_defaults(tmp_path, config, key):
+    # (a window of 4096 or none differ too little on a short input to test by outputs: the
+    # values themselves are compared, for both layers)
+    config.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    cfg = json.loads(path.read_text())
+    for gone in (key, "layer_types"):
+        cfg.pop(gone, None)
+    path.write_text(json.dumps(cfg))
+    theirs = AutoConfig.from_pretrained(tmp_path)
+    for layer in (0, 1):
+        got = read_hf_layer(tmp_path, layer).attention.sliding_window
+        assert got == theirs.sliding_window, f"layer {layer}: {got} != {theirs.sliding_window}"
+
+
+def _config_only(tmp_path, config, **edits):
+    config.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(edits)
+    path.write_text(json.dumps(cfg))
+    return tmp_path
+
+
+SLIDING_FIRST = ["sliding_attention", "full_attention"]
+
+
+@pytest.mark.parametrize(
+    ("config", "edits", "layer", "piece"),
+    [
+        # OLMo and OLMoE clamp q, k and v to +-clip_qkv: not served (their clip_qkv null is)
+        (OlmoConfig(pad_token_id=1, **SMALL), {"clip_qkv": 8.0}, 0, "olmo clip_qkv 8.0"),
+        (OlmoeConfig(**SMALL), {"clip_qkv": 4.0}, 1, "olmoe clip_qkv 4.0"),
+        # Cohere 2's local layers rotate interleaved pairs: refused; its global layers
+        # (no RoPE) are served
+        (
+            Cohere2Config(layer_types=SLIDING_FIRST, pad_token_id=0, **SMALL),
+            {},
+            0,
+            "rotates interleaved pairs",
+        ),
+        # whole families: the reason is given
+        (
+            Cohere2Config(pad_token_id=0, **SMALL),
+            {"model_type": "cohere"},
+            0,
+            "model_type 'cohere' (architectures ?) is not supported (its RoPE rotates",
+        ),
+        (Qwen2Config(**SMALL), {"model_type": "glm4"}, 0, "its RoPE is partial"),
+        # a sliding layer without use_sliding_window: transformers' Qwen2 fails on it
+        # (its config drops the window), SmolLM3's eager and SDPA masks slide where its
+        # flash attention does not: no exact answer to serve
+        (
+            Qwen2Config(sliding_window=6, layer_types=SLIDING_FIRST, **SMALL),
+            {},
+            0,
+            "use_sliding_window is off",
+        ),
+        (
+            SmolLM3Config(sliding_window=6, layer_types=SLIDING_FIRST, **NO_TOKENS, **SMALL),
+            {},
+            0,
+            "use_sliding_window is off",
+        ),
+        # Qwen2-MoE's config reads the window as 0 without use_sliding_window
+        (
+            Qwen2MoeConfig(layer_types=SLIDING_FIRST, **SMALL),
+            {},
+            0,
+            "use_sliding_window is off",
+        ),
+        (
+            SmolLM3Config(**NO_TOKENS, **SMALL),
+            {"no_rope_layers": [1]},
+            0,
+            "no_rope_layers must list one 0 or 1 per layer",
+        ),
+    ],
+    ids=[
+        "olmo_clip_qkv",
+        "olmoe_clip_qkv",
+        "cohere2_local_layer",
+        "cohere",
+        "glm4",
+        "qwen2_sliding_without_switch",
+        "smollm3_sliding_without_switch",
+        "qwen2_moe_sliding_without_switch",
+        "smollm3_no_rope_layers_short",
+    ],
+)
+def test_variants_we_cannot_serve_exactly_are_refused_by_name(
+    tmp_path, config, edits, layer, piece
+):
+    with pytest.raises(ValueError) as err:
+        read_hf_layer(_config_only(tmp_path, config, **edits), layer)
+    assert piece in str(err.value), str(err.value)
