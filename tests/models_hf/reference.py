@@ -9,14 +9,20 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    ArceeConfig,
+    ArceeModel,
     BertModel,
     Cohere2Config,
     Cohere2Model,
     DynamicCache,
+    Exaone4Config,
+    Exaone4Model,
     Gemma2Config,
     Gemma2Model,
     Gemma3TextConfig,
     Gemma3TextModel,
+    GemmaConfig,
+    GemmaModel,
     GPT2Config,
     GPT2LMHeadModel,
     GraniteConfig,
@@ -49,6 +55,8 @@ from transformers import (
     Qwen3Model,
     Qwen3MoeConfig,
     Qwen3MoeModel,
+    SeedOssConfig,
+    SeedOssModel,
     SmolLM3Config,
     SmolLM3Model,
     Starcoder2Config,
@@ -301,11 +309,37 @@ CHECKPOINTS = {
         ),
         1,
     ),
+    "exaone4": (  # Qwen3's per-head q/k norm; its global layers have no RoPE (NoPE)
+        Exaone4Model,
+        Exaone4Config(
+            num_key_value_heads=2,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            **ROTARY,
+        ),
+        0,
+    ),
+    "gemma": (  # Gemma 1: Llama's attention, head_dim 16 != 64 / 8
+        GemmaModel,
+        GemmaConfig(num_key_value_heads=2, head_dim=16, **ROTARY),
+        1,
+    ),
+    "arcee": (ArceeModel, ArceeConfig(num_key_value_heads=4, **ROTARY), 0),
+    "seed_oss": (  # q/k/v biases (attention_bias), o_proj's off (attention_out_bias)
+        SeedOssModel,
+        SeedOssConfig(num_key_value_heads=2, head_dim=16, **ROTARY),
+        1,
+    ),
 }
 # Served model name: (checkpoint, layer). Gemma's both kinds of layer, SmolLM3's NoPE one.
 SERVED = {name: (name, entry[2]) for name, entry in CHECKPOINTS.items()}
 SERVED.update(
-    {"gemma2_global": ("gemma2", 1), "gemma3_global": ("gemma3", 1), "smollm3_nope": ("smollm3", 1)}
+    {
+        "gemma2_global": ("gemma2", 1),
+        "gemma3_global": ("gemma3", 1),
+        "smollm3_nope": ("smollm3", 1),
+        "exaone4_global": ("exaone4", 1),
+    }
 )
 
 
@@ -331,12 +365,12 @@ def layer_window(base, layer: int) -> int | None:
     """The layer's sliding window as transformers applies it (None: full attention): Qwen
     and Gemma keep it on the attention module of sliding layers only; Mistral, Phi-3,
     Mixtral and Starcoder2 read the config's for every layer."""
+    types = getattr(base.config, "layer_types", None)  # what the models mask by, where
+    if types is not None:  # they have them (EXAONE 4's global layers keep the attribute)
+        return base.config.sliding_window if types[layer] == "sliding_attention" else None
     attention = base.layers[layer].self_attn
     if hasattr(attention, "sliding_window"):
         return attention.sliding_window
-    types = getattr(base.config, "layer_types", None)  # Qwen2-MoE: only its sliding layers
-    if types is not None:  # have the attribute; the model masks by layer_types
-        return base.config.sliding_window if types[layer] == "sliding_attention" else None
     return getattr(base.config, "sliding_window", None)
 
 

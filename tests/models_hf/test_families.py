@@ -10,13 +10,18 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from transformers import (
     AutoConfig,
     Cohere2Config,
     Cohere2Model,
+    Exaone4Config,
     GraniteConfig,
     GraniteModel,
     MinistralConfig,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
+    MistralConfig,
     MixtralConfig,
     OlmoConfig,
     OlmoeConfig,
@@ -25,13 +30,17 @@ from transformers import (
     Qwen2MoeModel,
     Qwen3MoeConfig,
     Qwen3MoeModel,
+    SeedOssConfig,
+    SeedOssModel,
     SmolLM3Config,
     SmolLM3Model,
     Starcoder2Config,
     Starcoder2Model,
 )
 
+from mha_serve.model.hf import load_hf_layer
 from mha_serve.model.hf_config import read_hf_layer
+from tests.models_hf.reference import reference_attention
 from tests.models_hf.test_config_json import SMALL, assert_served_as_transformers, checkpoint
 
 MOE = {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 32}
@@ -120,6 +129,24 @@ NO_TOKENS = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
             {"layer_types": None, "sliding_window_pattern": 2},
             1,
         ),
+        # Seed-OSS: attention_bias (q/k/v, default on) and attention_out_bias (o) apart;
+        # here o_proj's alone (q/k/v's served as zero)
+        (
+            SeedOssModel,
+            SeedOssConfig(
+                num_key_value_heads=2, attention_bias=False, attention_out_bias=True, **SMALL
+            ),
+            "seed_oss",
+            {},
+            0,
+        ),
+        (
+            SeedOssModel,
+            SeedOssConfig(num_key_value_heads=2, attention_bias=True, **SMALL),
+            "seed_oss",
+            {"attention_bias": None, "head_dim": None},
+            0,
+        ),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -131,6 +158,8 @@ NO_TOKENS = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
         "smollm3_no_rope_layers",
         "smollm3_window_layer_types",
         "cohere2_sliding_window_pattern",
+        "seed_oss_o_bias_only",
+        "seed_oss_defaults",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(
@@ -168,6 +197,34 @@ def test_windows_left_out_take_transformers_defaults(tmp_path, config, key):
     for layer in (0, 1):
         got = read_hf_layer(tmp_path, layer).attention.sliding_window
         assert got == theirs.sliding_window, f"layer {layer}: {got} != {theirs.sliding_window}"
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_mistral3_serves_its_language_model_not_the_vision_tower(tmp_path, layer):
+    # Mistral Small 3.x: a Pixtral vision tower whose layers hold q_proj/k_proj too
+    text = MistralConfig(num_key_value_heads=2, sliding_window=6, **SMALL)
+    vision = {
+        "model_type": "pixtral",
+        "hidden_size": 32,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "head_dim": 16,
+        "image_size": 28,
+        "patch_size": 14,
+    }
+    config = Mistral3Config(text_config=text.to_dict(), vision_config=vision)
+    torch.manual_seed(0)
+    Mistral3ForConditionalGeneration(config).save_pretrained(tmp_path)
+    model = Mistral3ForConditionalGeneration.from_pretrained(tmp_path, attn_implementation="eager")
+    base = model.eval().model.language_model
+    module, info = load_hf_layer(tmp_path, layer)
+    assert info.family == "mistral3" and info.attention.sliding_window == 6
+    x = torch.randn(1, 20, SMALL["hidden_size"], generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, _ = reference_attention("mistral", base, layer, x)
+        got = module(x).output
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def _config_only(tmp_path, config, **edits):
@@ -232,6 +289,20 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
             0,
             "no_rope_layers must list one 0 or 1 per layer",
         ),
+        # EXAONE 4 without layer_types nor a window: its config cannot derive them
+        (
+            Exaone4Config(sliding_window=None, layer_types=["full_attention"] * 2, **SMALL),
+            {"layer_types": None},  # (its config wrote sliding_window_pattern 0)
+            0,
+            "exaone4 without layer_types derives them",
+        ),
+        # Ministral 3 (the text model of newer Mistral3 checkpoints): scaled queries
+        (
+            Mistral3Config(text_config={"model_type": "ministral3", **SMALL}),
+            {},
+            0,
+            "model_type 'ministral3' (architectures ?) is not supported (its queries",
+        ),
     ],
     ids=[
         "olmo_clip_qkv",
@@ -243,6 +314,8 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
         "smollm3_sliding_without_switch",
         "qwen2_moe_sliding_without_switch",
         "smollm3_no_rope_layers_short",
+        "exaone4_layer_types_underivable",
+        "mistral3_ministral3",
     ],
 )
 def test_variants_we_cannot_serve_exactly_are_refused_by_name(

@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .attention import MultiHeadAttention
-from .hf_config import QKV_BIAS_ONLY, HFLayer, read_hf_layer
+from .hf_config import HFLayer, read_hf_layer
 
 # Per family: the attention tensors of layer {i}, without the checkpoint's own prefix
 # ("bert.", "transformer.", "model." or none, found from the file).
@@ -81,9 +81,9 @@ def load_hf_layer(
         wo = _get(tensors, names["o"] + ".weight", shapes["o"])
         b = bo = None
         if c.bias:
+            for p in info.zero_biases:  # Qwen2's o_proj has none
+                tensors.setdefault(names[p] + ".bias", torch.zeros(shapes[p][0], dtype=wo.dtype))
             b = torch.cat([_get(tensors, names[p] + ".bias", shapes[p][:1]) for p in "qkv"])
-            if info.family in QKV_BIAS_ONLY:  # o_proj's is zero
-                tensors.setdefault(names["o"] + ".bias", torch.zeros(E, dtype=wo.dtype))
             bo = _get(tensors, names["o"] + ".bias", (E,))
     state = {"wqkv.weight": w, "wo.weight": wo}
     if c.bias:

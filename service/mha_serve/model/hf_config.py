@@ -37,6 +37,11 @@ FAMILIES = (
     "granitemoeshared",
     "smollm3",
     "cohere2",
+    "exaone4",
+    "gemma",
+    "arcee",
+    "seed_oss",
+    "mistral3",
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj) and GQA.
 ROTARY = FAMILIES[2:]
@@ -84,6 +89,21 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     **dict.fromkeys(("granite", "granitemoe", "granitemoeshared"), {"attention_multiplier": 1.0}),
     "smollm3": {"num_key_value_heads": 4, "no_rope_layer_interval": 4},
     "cohere2": {"sliding_window": 4096, "sliding_window_pattern": 4},
+    "exaone4": {
+        "num_key_value_heads": 32,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 4,
+        "rms_norm_eps": 1e-5,
+    },
+    "gemma": {"num_key_value_heads": 16, "head_dim": 256},
+    "seed_oss": {"num_key_value_heads": 8, "head_dim": 128, "attention_bias": True},
+}
+# Multimodal families: their language model (text_config, whose model_type is the first
+# unless it names one) is served; its tensors are the ones under the scope (not the vision
+# tower's).
+MULTIMODAL = {
+    "gemma3": ("gemma3_text", "language_model"),
+    "mistral3": ("mistral", "language_model"),
 }
 # Keys a family's config sets whatever config.json says (Cohere 2: head_dim = E // H).
 FORCED: dict[str, dict[str, Any]] = {"cohere2": {"head_dim": None}}
@@ -96,11 +116,15 @@ BIAS: dict[str, str | bool] = {
     "starcoder2": "use_bias",
     **dict.fromkeys(("mistral", "mixtral", "ministral", "phi3"), False),
 }
-# Biases on q/k/v only: o_proj has none (served as a zero bias).
-QKV_BIAS_ONLY = ("qwen2", "qwen2_moe")
+# o_proj's bias where it is not q/k/v's: its key, or fixed (a missing one is served as 0).
+O_BIAS: dict[str, str | bool] = {
+    "qwen2": False,
+    "qwen2_moe": False,
+    "seed_oss": "attention_out_bias",
+}
 # q/k RMSNorm: per head (over head_dim) or over the whole projection (all heads together).
 QK_NORM = {
-    **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text"), "head"),
+    **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4"), "head"),
     **dict.fromkeys(("olmo2", "olmoe"), "projection"),
 }
 # The softmax scale: (config key, power) -> value ** power; default head_dim ** -0.5.
@@ -124,7 +148,9 @@ DERIVED_SLIDING: dict[str, Callable[[dict[str, Any], int], bool]] = {
     ),
     "gemma2": lambda c, i: bool((i + 1) % 2),  # alternating, local first
     "gemma3_text": lambda c, i: bool((i + 1) % c.get("sliding_window_pattern", 6)),
-    "cohere2": lambda c, i: bool((i + 1) % c["sliding_window_pattern"]),
+    **dict.fromkeys(
+        ("cohere2", "exaone4"), lambda c, i: bool((i + 1) % c["sliding_window_pattern"])
+    ),
     "ministral": lambda c, i: c.get("sliding_window") is not None,
     "smollm3": lambda c, i: _window_on(c) and not _smollm3_rope(c, i),
 }
@@ -132,6 +158,7 @@ DERIVED_SLIDING: dict[str, Callable[[dict[str, Any], int], bool]] = {
 NO_ROPE: dict[str, Callable[[dict[str, Any], int, str], bool]] = {
     "smollm3": lambda c, i, kind: not _smollm3_rope(c, i),
     "cohere2": lambda c, i, kind: kind == "full_attention",
+    "exaone4": lambda c, i, kind: kind == "full_attention" and c.get("sliding_window") is not None,
 }
 # Layers whose RoPE rotates interleaved pairs (x[0::2], x[1::2]), not the two halves.
 INTERLEAVED_ROPE = ("cohere2",)
@@ -141,6 +168,13 @@ UNSERVED = {
     "of each head, and its q/k norm is a LayerNorm",
     "glm": "its RoPE is partial (half of each head) and rotates interleaved pairs",
     "glm4": "its RoPE is partial (half of each head) and rotates interleaved pairs",
+    "helium": "its RoPE rotates interleaved pairs (x[0::2], x[1::2])",
+    "ernie4_5": "its RoPE rotates interleaved pairs (x[0::2], x[1::2])",
+    "hunyuan_v1_dense": "its q/k norm comes after RoPE",
+    "hunyuan_v1_moe": "its q/k norm comes after RoPE",
+    "ministral3": "its queries are scaled by position (llama_4_scaling_beta)",
+    "llama4": "chunked attention, L2 q/k norm and NoPE layers with temperature tuning",
+    "deepseek_v3": "multi-head latent attention (low-rank q and kv projections)",
 }
 # RoPE types with a pretraining context (original_max_position_embeddings).
 SCALED_CONTEXT = ("llama3", "yarn")
@@ -161,6 +195,9 @@ class HFLayer:
     # Where the layer's tensors are in a multimodal checkpoint ("language_model" for Gemma
     # 3's text model beside its vision tower); "" for any prefix.
     tensor_scope: str = ""
+    # Projections whose bias the checkpoint has none of while others have ("o": Qwen2's
+    # o_proj): served as a zero bias.
+    zero_biases: tuple[str, ...] = ()
 
     @property
     def sliding_window(self) -> int | None:
@@ -186,19 +223,22 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
         raise ValueError(f"{config_path} is not valid JSON: {e}") from None
     family = cfg.get("model_type")
     scope = ""
-    if family == "gemma3":  # the multimodal model: its text model's config, tensors
+    if family in MULTIMODAL:  # the multimodal model: its text model's config, tensors
         text = cfg.get("text_config")
         if not isinstance(text, dict):
-            raise ValueError(f"{config_path}: gemma3 has no text_config table")
-        cfg, scope = {"model_type": "gemma3_text", **text}, "language_model"
-    if family not in FAMILIES:
-        arch = ", ".join(cfg.get("architectures") or []) or "?"
-        why = f" ({UNSERVED[family]})" if family in UNSERVED else ""
-        raise ValueError(
-            f"{config_path}: model_type {family!r} (architectures {arch}) is not supported"
-            f"{why}; supported: {', '.join(FAMILIES)}"
-        )
-    kind = cfg["model_type"]
+            raise ValueError(f"{config_path}: {family} has no text_config table")
+        arch = cfg.get("architectures")
+        cfg, scope = {"model_type": MULTIMODAL[family][0], **text}, MULTIMODAL[family][1]
+        cfg.setdefault("architectures", arch)
+    kind = cfg.get("model_type")  # the family whose attention is served
+    for name in dict.fromkeys((family, kind)):
+        if name not in FAMILIES or (name != family and name in MULTIMODAL):
+            arch = ", ".join(cfg.get("architectures") or []) or "?"
+            why = f" ({UNSERVED[name]})" if name in UNSERVED else ""
+            raise ValueError(
+                f"{config_path}: model_type {name!r} (architectures {arch}) is not supported"
+                f"{why}; supported: {', '.join(FAMILIES)}"
+            )
     cfg = {**DEFAULTS.get(kind, {}), **cfg, **FORCED.get(kind, {})}  # a null stays null
     num_layers = _int(cfg, "n_layer" if family == "gpt2" else "num_hidden_layers", config_path)
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
@@ -212,10 +252,14 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
     elif family == "gpt2":
         attention = _gpt2(cfg, layer, config_path)
     else:
-        attention = _rotary(cfg, cfg["model_type"], layer, config_path)
+        attention = _rotary(cfg, kind, layer, config_path)
     context = cfg.get("n_positions" if family == "gpt2" else "max_position_embeddings")
     context = context if isinstance(context, int) and not isinstance(context, bool) else None
-    return HFLayer(directory, family, layer, num_layers, attention, context, scope)
+    zero = ()  # the projections whose bias the checkpoint has none of
+    if family in ROTARY and attention.bias:
+        qkv, o = _biases(cfg, kind)
+        zero = ("o",) if not o else ("q", "k", "v") if not qkv else ()
+    return HFLayer(directory, family, layer, num_layers, attention, context, scope, zero)
 
 
 def _bert(cfg: dict[str, Any], where: Path) -> AttentionConfig:
@@ -251,8 +295,7 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
     E, H = _int(cfg, "hidden_size", where), _int(cfg, "num_attention_heads", where)
     KVH = cfg.get("num_key_value_heads") or H
     D = cfg.get("head_dim") or E // H
-    bias = BIAS.get(family, "attention_bias")
-    bias = bool(cfg.get(bias, False)) if isinstance(bias, str) else bias
+    bias = any(_biases(cfg, family))
     if cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
         raise ValueError(
             f"{where}: partial_rotary_factor {cfg['partial_rotary_factor']} is not supported "
@@ -342,7 +385,25 @@ def _layer_type(cfg: dict[str, Any], family: str, layer: int, where: Path) -> st
                 f"supported; supported: {', '.join(LAYER_TYPES)}"
             )
         return types[layer]
-    return "sliding_attention" if DERIVED_SLIDING[family](cfg, layer) else "full_attention"
+    try:
+        sliding = DERIVED_SLIDING[family](cfg, layer)
+    except (KeyError, TypeError, ZeroDivisionError) as e:  # as the family's config fails
+        raise ValueError(
+            f"{where}: {family} without layer_types derives them from keys this config.json "
+            f"lacks or sets otherwise ({type(e).__name__}: {e}); give layer_types"
+        ) from None
+    return "sliding_attention" if sliding else "full_attention"
+
+
+def _biases(cfg: dict[str, Any], family: str) -> tuple[bool, bool]:
+    """Whether q/k/v and whether o_proj carry biases (BIAS, O_BIAS)."""
+    flags = []
+    for where, fallback in ((BIAS, "attention_bias"), (O_BIAS, None)):
+        flag = where.get(family, fallback)
+        flags.append(
+            flags[0] if flag is None else cfg.get(flag, False) if isinstance(flag, str) else flag
+        )
+    return bool(flags[0]), bool(flags[1])
 
 
 def _window_on(cfg: dict[str, Any]) -> bool:
