@@ -41,6 +41,8 @@ from transformers import (
     MixtralForCausalLM,
     Olmo2Config,
     Olmo2Model,
+    Olmo3Config,
+    Olmo3Model,
     OlmoConfig,
     OlmoeConfig,
     OlmoeModel,
@@ -319,6 +321,21 @@ CHECKPOINTS = {
         ),
         0,
     ),
+    "olmo3": (  # OLMo-2's q/k norm; local and global layers, RoPE per layer type
+        Olmo3Model,
+        Olmo3Config(
+            num_key_value_heads=4,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 500000.0, "factor": 2.0},
+            },
+            pad_token_id=1,
+            **ROTARY,
+        ),
+        0,
+    ),
     "gemma": (  # Gemma 1: Llama's attention, head_dim 16 != 64 / 8
         GemmaModel,
         GemmaConfig(num_key_value_heads=2, head_dim=16, **ROTARY),
@@ -339,6 +356,7 @@ SERVED.update(
         "gemma3_global": ("gemma3", 1),
         "smollm3_nope": ("smollm3", 1),
         "exaone4_global": ("exaone4", 1),
+        "olmo3_global": ("olmo3", 1),
     }
 )
 
@@ -375,9 +393,9 @@ def layer_window(base, layer: int) -> int | None:
 
 
 def rotary(base, layer: int, x: torch.Tensor, positions: torch.Tensor):
-    """cos, sin of the layer (Gemma 3: of its layer type) at positions (1, L)."""
+    """cos, sin of the layer (Gemma 3, OLMo 3: of its layer type) at positions (1, L)."""
     types = getattr(base.config, "layer_types", None)
-    if isinstance(base, Gemma3TextModel):
+    if isinstance(base, Gemma3TextModel | Olmo3Model):
         return base.rotary_emb(x, positions, types[layer])
     return base.rotary_emb(x, positions)
 

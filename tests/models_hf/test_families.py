@@ -23,6 +23,8 @@ from transformers import (
     Mistral3ForConditionalGeneration,
     MistralConfig,
     MixtralConfig,
+    Olmo3Config,
+    Olmo3Model,
     OlmoConfig,
     OlmoeConfig,
     Qwen2Config,
@@ -147,6 +149,24 @@ NO_TOKENS = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
             {"attention_bias": None, "head_dim": None},
             0,
         ),
+        # OLMo 3 as transformers 4 wrote it: rope_scaling for the global layers only, and
+        # rope_theta 500000 (the default) for both kinds
+        *[
+            (
+                Olmo3Model,
+                Olmo3Config(
+                    num_key_value_heads=4,
+                    sliding_window=6,
+                    layer_types=["sliding_attention", "full_attention"],
+                    pad_token_id=1,
+                    **SMALL,
+                ),
+                "olmo3",
+                {"rope_parameters": None, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+                layer,
+            )
+            for layer in (0, 1)
+        ],
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -160,6 +180,8 @@ NO_TOKENS = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
         "cohere2_sliding_window_pattern",
         "seed_oss_o_bias_only",
         "seed_oss_defaults",
+        "olmo3_rope_scaling_local",
+        "olmo3_rope_scaling_global",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(
@@ -303,6 +325,14 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
             0,
             "model_type 'ministral3' (architectures ?) is not supported (its queries",
         ),
+        # OLMo 3 with a rope_theta of its own and no tables: transformers 5 gives its local
+        # layers 500000 anyway (4.x gave them rope_theta)
+        (
+            Olmo3Config(layer_types=SLIDING_FIRST, pad_token_id=1, **SMALL),
+            {"rope_parameters": None, "rope_theta": 10000.0},
+            0,
+            "transformers 5 reads it for the global layers only",
+        ),
     ],
     ids=[
         "olmo_clip_qkv",
@@ -316,6 +346,7 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
         "smollm3_no_rope_layers_short",
         "exaone4_layer_types_underivable",
         "mistral3_ministral3",
+        "olmo3_rope_theta_untabled",
     ],
 )
 def test_variants_we_cannot_serve_exactly_are_refused_by_name(

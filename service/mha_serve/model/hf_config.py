@@ -42,6 +42,7 @@ FAMILIES = (
     "arcee",
     "seed_oss",
     "mistral3",
+    "olmo3",
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj) and GQA.
 ROTARY = FAMILIES[2:]
@@ -96,6 +97,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-5,
     },
     "gemma": {"num_key_value_heads": 16, "head_dim": 256},
+    "olmo3": {"rms_norm_eps": 1e-5, "sliding_window": 4096},
     "seed_oss": {"num_key_value_heads": 8, "head_dim": 128, "attention_bias": True},
 }
 # Multimodal families: their language model (text_config, whose model_type is the first
@@ -125,7 +127,7 @@ O_BIAS: dict[str, str | bool] = {
 # q/k RMSNorm: per head (over head_dim) or over the whole projection (all heads together).
 QK_NORM = {
     **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4"), "head"),
-    **dict.fromkeys(("olmo2", "olmoe"), "projection"),
+    **dict.fromkeys(("olmo2", "olmoe", "olmo3"), "projection"),
 }
 # The softmax scale: (config key, power) -> value ** power; default head_dim ** -0.5.
 SCALE = {
@@ -152,6 +154,7 @@ DERIVED_SLIDING: dict[str, Callable[[dict[str, Any], int], bool]] = {
         ("cohere2", "exaone4"), lambda c, i: bool((i + 1) % c["sliding_window_pattern"])
     ),
     "ministral": lambda c, i: c.get("sliding_window") is not None,
+    "olmo3": lambda c, i: bool((i + 1) % 4),  # three local layers, then a global one
     "smollm3": lambda c, i: _window_on(c) and not _smollm3_rope(c, i),
 }
 # Layers that apply no RoPE (NoPE): SmolLM3's no_rope_layers, Cohere 2's global layers.
@@ -175,6 +178,13 @@ UNSERVED = {
     "ministral3": "its queries are scaled by position (llama_4_scaling_beta)",
     "llama4": "chunked attention, L2 q/k norm and NoPE layers with temperature tuning",
     "deepseek_v3": "multi-head latent attention (low-rank q and kv projections)",
+}
+# Families with a RoPE table per layer type, and how their configs fill the tables of a
+# transformers 4 config.json (rope_theta + rope_scaling, the global layers' only): (global
+# theta default, the local layers' theta key (None: the default only), its default).
+PER_TYPE_ROPE = {
+    "gemma3_text": (1_000_000.0, "rope_local_base_freq", 10_000.0),
+    "olmo3": (500_000.0, None, 500_000.0),
 }
 # RoPE types with a pretraining context (original_max_position_embeddings).
 SCALED_CONTEXT = ("llama3", "yarn")
@@ -422,12 +432,12 @@ def _smollm3_rope(cfg: dict[str, Any], layer: int) -> bool:
 def _rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
     """RoPE parameters as transformers 5 reads config.json (PreTrainedConfig's
     convert_rope_params_to_dict): 4's rope_scaling over 5's rope_parameters, rope_theta
-    beside them where the table has none; Gemma 3 has a table per layer type, its 4.x
-    rope_scaling and rope_theta (default 1e6) the global layers', rope_local_base_freq
-    (default 1e4) the local ones'."""
+    beside them where the table has none; Gemma 3 and OLMo 3 have a table per layer type
+    (PER_TYPE_ROPE): 4.x's rope_scaling and rope_theta are the global layers', Gemma 3's
+    rope_local_base_freq the local ones'."""
     params = cfg.get("rope_parameters")
-    gemma3 = cfg["model_type"] == "gemma3_text"
-    if gemma3 and params is None:  # as Gemma3TextConfig reads a 4.x config
+    per_type = PER_TYPE_ROPE.get(cfg["model_type"])
+    if per_type and params is None:  # as Gemma3TextConfig, Olmo3Config read a 4.x config
         params = {"sliding_attention": {}, "full_attention": {}}
     if params and all(isinstance(v, dict) for v in params.values()):
         if not isinstance(params.get(layer_type), dict):
@@ -436,11 +446,20 @@ def _rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
                 f"(it has {sorted(params)})"
             )
         params = dict(params[layer_type])
-        if gemma3 and layer_type == "sliding_attention":
-            params.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
-        elif gemma3:
+        if per_type and layer_type == "sliding_attention" and "rope_theta" not in params:
+            theta, local_key, local_theta = per_type
+            if local_key is None and cfg.get("rope_theta", theta) != theta:
+                # transformers 5's Olmo3Config gives the local layers 500000 whatever
+                # rope_theta says (4.x: rope_theta everywhere): no one answer to serve
+                raise ValueError(
+                    f"{where}: rope_theta {cfg['rope_theta']} without a rope_parameters table "
+                    f"per layer type: transformers 5 reads it for the global layers only "
+                    f"({theta} for the local ones); give rope_parameters per layer type"
+                )
+            params["rope_theta"] = cfg.get(local_key, local_theta) if local_key else local_theta
+        elif per_type:
             params.update(cfg.get("rope_scaling") or {})
-            params.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+            params.setdefault("rope_theta", cfg.get("rope_theta", per_type[0]))
     else:
         params = dict(cfg.get("rope_scaling") or params or {})
         # as standardize_rope_params: llama3's and yarn's pretraining context beside the
