@@ -318,6 +318,12 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
             0,
             "exaone4 without layer_types derives them",
         ),
+        (  # (Exaone4Config sets any pattern to 0 without a window)
+            Exaone4Config(sliding_window=None, layer_types=["full_attention"] * 2, **SMALL),
+            {"layer_types": None, "sliding_window_pattern": 4},
+            1,
+            "exaone4 without layer_types derives them",
+        ),
         # Ministral 3 (the text model of newer Mistral3 checkpoints): scaled queries
         (
             Mistral3Config(text_config={"model_type": "ministral3", **SMALL}),
@@ -345,6 +351,7 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
         "qwen2_moe_sliding_without_switch",
         "smollm3_no_rope_layers_short",
         "exaone4_layer_types_underivable",
+        "exaone4_pattern_without_window",
         "mistral3_ministral3",
         "olmo3_rope_theta_untabled",
     ],

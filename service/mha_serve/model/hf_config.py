@@ -150,8 +150,10 @@ DERIVED_SLIDING: dict[str, Callable[[dict[str, Any], int], bool]] = {
     ),
     "gemma2": lambda c, i: bool((i + 1) % 2),  # alternating, local first
     "gemma3_text": lambda c, i: bool((i + 1) % c.get("sliding_window_pattern", 6)),
-    **dict.fromkeys(
-        ("cohere2", "exaone4"), lambda c, i: bool((i + 1) % c["sliding_window_pattern"])
+    "cohere2": lambda c, i: bool((i + 1) % c["sliding_window_pattern"]),
+    # (Exaone4Config sets the pattern to 0 without a window: no layer_types to derive)
+    "exaone4": lambda c, i: bool(
+        (i + 1) % (c["sliding_window_pattern"] if c.get("sliding_window") is not None else 0)
     ),
     "ministral": lambda c, i: c.get("sliding_window") is not None,
     "olmo3": lambda c, i: bool((i + 1) % 4),  # three local layers, then a global one
