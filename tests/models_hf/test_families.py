@@ -286,9 +286,9 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
         # a sliding layer without use_sliding_window: transformers' Qwen2 fails on it
         # (its config drops the window), SmolLM3's eager and SDPA masks slide where its
         # flash attention does not: no exact answer to serve
-        (
-            Qwen2Config(sliding_window=6, layer_types=SLIDING_FIRST, **SMALL),
-            {},
+        (  # (Qwen2Config writes the window as null: a config.json written otherwise)
+            Qwen2Config(layer_types=SLIDING_FIRST, **SMALL),
+            {"sliding_window": 6},
             0,
             "use_sliding_window is off",
         ),
