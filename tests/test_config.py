@@ -186,8 +186,9 @@ def test_our_checkpoint_brings_its_config(tmp_path):
     from mha_serve.model.config import QKNormConfig, RopeConfig
 
     config = AttentionConfig(
-        48, 5, 1, 12, rope=RopeConfig(), sliding_window=8, qk_norm=QKNormConfig(), softcap=9.0
-    )
+        48, 5, 1, 12, rope=RopeConfig(), sliding_window=8, qk_norm=QKNormConfig(), softcap=9.0,
+        sinks=True,
+    )  # fmt: skip
     save_checkpoint(MultiHeadAttention(config), tmp_path / "m.safetensors")
     toml = tmp_path / "models.toml"
     toml.write_text('[[models]]\nname = "m"\ncheckpoint = "m.safetensors"\n')
@@ -203,8 +204,8 @@ def test_our_checkpoint_brings_its_config(tmp_path):
 
 
 def test_a_model_of_our_own_takes_the_family_options(tmp_path):
-    """sliding_window, qk_norm, softcap (and rope) in a [[models]] table: a seeded model
-    with them serves a stateless call and a session past its window."""
+    """sliding_window, qk_norm, softcap, sinks (and rope) in a [[models]] table: a seeded
+    model with them serves a stateless call and a session past its window."""
     import torch
 
     from mha_serve.config import load_config_file
@@ -214,12 +215,13 @@ def test_a_model_of_our_own_takes_the_family_options(tmp_path):
     toml = tmp_path / "models.toml"
     toml.write_text(
         '[[models]]\nname = "m"\nembed_dim = 48\nnum_heads = 6\nnum_kv_heads = 2\n'
-        "causal = true\nsliding_window = 8\nsoftcap = 30.0\nkv_block_size = 4\n"
+        "causal = true\nsliding_window = 8\nsoftcap = 30.0\nkv_block_size = 4\nsinks = true\n"
         'qk_norm = { scope = "head", eps = 1e-5 }\nrope = { theta = 10000.0 }\n'
     )
     _, (spec,) = load_config_file(toml)
     c = spec.attention
     assert (c.sliding_window, c.softcap, c.qk_norm.eps, c.rope.theta) == (8, 30.0, 1e-5, 1e4)
+    assert c.sinks
     engine = Engine(
         [spec], device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**24
     )

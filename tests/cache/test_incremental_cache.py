@@ -305,8 +305,9 @@ def test_decode_one_is_the_plain_lone_step_exactly(variant, dtype, bias, past, f
         {"sliding_window": 4},
         {"softcap": 5.0},
         {"rope": {"theta": 100.0}, "qk_norm": {"scope": "projection"}},
+        {"sinks": True},
     ],
-    ids=["window", "softcap", "qk_norm_projection"],
+    ids=["window", "softcap", "qk_norm_projection", "sinks"],
 )
 def test_decode_one_declines_other_configs_and_a_narrower_cache_writing_nothing(config):
     """For any config it is not for (a window: once the session is longer than it), or a

@@ -32,6 +32,7 @@ MODELS = [
         kv_block_size=4,
     ),
     ModelSpec("cap", AttentionConfig(64, 4, 1, softcap=5.0), seed=5),
+    ModelSpec("sinks", AttentionConfig(64, 8, 2, sinks=True, sliding_window=6), seed=6),
 ]
 NAMES = [m.name for m in MODELS]
 # Pasts and first steps whose key counts (3, 6, 21, 35, 41, 301) make two padded groups

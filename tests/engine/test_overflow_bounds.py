@@ -227,3 +227,26 @@ def test_cleared_equals_the_bounds_written_plainly_and_follows_the_weights(cfg, 
     same_everywhere()
     module.to(torch.bfloat16 if dtype == torch.float32 else torch.float32)  # its dtype
     same_everywhere()
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_a_sink_that_is_not_finite_clears_nothing_and_no_nan_is_answered(bad):
+    """A sink is a logit in its head's softmax. Finite, the bounds need nothing of it (the
+    kernel subtracts each row's largest logit, the sink's included, and the weights sum to
+    less than 1). +inf or NaN makes the head's every row NaN whatever the input: the bounds
+    must then clear nothing, and a session step or a stateless call is refused, never
+    answered NaN as OK. (Loading refuses such a checkpoint; this is the engine's own guard
+    for weights changed after.)"""
+    spec = ModelSpec("m", AttentionConfig(32, 4, 2, sinks=True), seed=1)
+    engine = engine_of(spec, torch.float32)
+    hosted = engine.get("m")
+    x = torch.randn(1, 3, 32, generator=torch.Generator().manual_seed(0))
+    assert cleared(hosted, torch.float32, 2.5, 0.0, 1.0) is not None
+    with torch.no_grad():
+        hosted.module.sinks[1] = bad
+    for gate in (1.0, 0.0):
+        assert cleared(hosted, torch.float32, 2.5, 0.0, gate) is None
+    sid = engine.sessions.create("m", None, None).session_id
+    answer_is_finite_or_refused(engine, req("m", x, session_id=sid))
+    with pytest.raises(InvalidRequest):
+        attend(engine, req("m", x))

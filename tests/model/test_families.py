@@ -1,5 +1,5 @@
 """The families' options as data: sliding window, q/k RMSNorm (per head, over the whole
-projection), soft-capping and the softmax scale, against a plain float64 reference written
+projection), soft-capping, attention sinks and the softmax scale, against a plain float64 reference written
 here; cached against uncached with window reads; checkpoints keep the options."""
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ OPTIONS = {
     "head_norm": {"qk_norm": QKNormConfig("head", 1e-5), "rope": RopeConfig()},
     "projection_norm": {"qk_norm": QKNormConfig("projection", 1e-6)},
     "softcap_scale": {"softcap": 3.0, "softmax_scale": 0.2, "sliding_window": 6},
+    "sinks": {"sinks": True, "rope": RopeConfig(theta=500.0)},
+    "sinks_window": {"sinks": True, "sliding_window": 4, "softmax_scale": 0.2},
     "everything": {
+        "sinks": True,
         "sliding_window": 3,
         "qk_norm": QKNormConfig("head"),
         "softcap": 2.0,
@@ -98,7 +101,12 @@ def reference(module, x, *, lengths=None, causal=True):
                     seen = seen and abs(i - j) < c.sliding_window
                 allowed[b, 0, i, j] = seen
             allowed[b, 0, n[b] :, :] = True  # padded rows: anything, dropped below
-    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if c.sinks:  # as transformers' GPT-OSS: one more column, softmaxed, then dropped
+        sinks = p["sinks"].view(1, H, 1, 1).expand(B, H, L, 1)
+        weights = torch.cat([scores, sinks], dim=-1).softmax(-1)[..., :-1]
+    else:
+        weights = scores.softmax(-1)
     out = F.linear((weights @ v).transpose(1, 2).reshape(B, L, H * D), p["wo.weight"], p["wo.bias"])
     for b in range(B):
         out[b, n[b] :] = 0

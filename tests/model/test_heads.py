@@ -20,6 +20,33 @@ def make(**config):
     return module.eval()
 
 
+def test_with_attention_sinks_entropy_is_over_the_keys_share_and_peaks_as_returned():
+    """Rows of a sinks model sum to less than 1 (the sink takes the rest): the entropy is
+    that of the row renormalised over its keys (log(keys) still uniform, 0 one key), the
+    peak the largest weight as returned; a sink far above every score leaves the keys
+    uniform, whatever share it takes."""
+    module = make(causal=True, sinks=True)
+    x = torch.randn(2, 9, E, generator=torch.Generator().manual_seed(0))
+    a = analyze_heads(module, x)
+    w = module(x, need_weights=True).weights.double()  # (B, H, L, L)
+    total = w.sum(-1)  # (B, H, L)
+    assert (total < 1 - 1e-3).all() and (total > 0).all()
+    p = w / total[..., None]
+    entropy = -(p * p.clamp_min(1e-300).log()).sum(-1).mean((0, 2))
+    assert torch.allclose(torch.tensor(a.mean_entropy, dtype=torch.float64), entropy, atol=1e-6)
+    assert torch.allclose(
+        torch.tensor(a.mean_max_weight, dtype=torch.float64), w.amax(-1).mean((0, 2)), atol=1e-6
+    )
+    with torch.no_grad():
+        module.wqkv.weight.zero_()  # every score 0: uniform over the keys each row sees
+        module.wqkv.bias.zero_()
+        module.sinks.fill_(30.0)  # and nearly all of each row on the sink
+    a = analyze_heads(module, x)
+    uniform = sum(math.log(i + 1) for i in range(9)) / 9  # causal row i sees i + 1 keys
+    assert a.mean_entropy == pytest.approx([uniform] * H, rel=1e-9)
+    assert max(a.mean_max_weight) < 1e-12
+
+
 def test_stats_match_the_weights_and_a_silent_head_is_pruned_first():
     module = make()
     with torch.no_grad():

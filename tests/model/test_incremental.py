@@ -280,8 +280,8 @@ def test_rope_positions_matter_and_padding_keeps_real_positions():
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(
     "config",
-    [{}, {"sliding_window": 4}, {"softcap": 5.0}, {"rope": {"theta": 100.0}}],
-    ids=["plain", "window", "softcap", "rope"],
+    [{}, {"sliding_window": 4}, {"softcap": 5.0}, {"rope": {"theta": 100.0}}, {"sinks": True}],
+    ids=["plain", "window", "softcap", "rope", "sinks"],
 )
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
@@ -325,8 +325,9 @@ def test_attend_step_equals_attend_cached_exactly(variant, config, n, kv_dtype):
         ({"sliding_window": 4}, [2, 9, 9], [0, 6, 0]),
         ({"sliding_window": 4}, [9, 2, 0], [0, 0, 0]),
         ({"softcap": 5.0}, [9, 0, 30], [0, 0, 0]),
+        ({"sinks": True, "sliding_window": 4}, [2, 9, 9], [0, 6, 0]),
     ],
-    ids=["plain", "window-cut-last", "window-cut-first", "softcap"],
+    ids=["plain", "window-cut-last", "window-cut-first", "softcap", "sinks"],
 )
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_a_decode_batch_attends_as_each_row_does_exactly(variant, config, pasts, firsts, kv_dtype):

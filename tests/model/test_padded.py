@@ -64,6 +64,7 @@ FAMILIES = {
     "window": {"sliding_window": 4},
     "rope+window": {"rope": {"theta": 100.0}, "sliding_window": 6},
     "softcap": {"softcap": 5.0},
+    "sinks+window": {"sinks": True, "rope": {"theta": 100.0}, "sliding_window": 6},
 }
 
 

@@ -56,6 +56,7 @@ OPTIONS = {
     "rope_window": {"rope": RopeConfig(), "sliding_window": 4},
     "norm_softcap": {"qk_norm": QKNormConfig("head"), "softcap": 2.0, "softmax_scale": 0.4},
     "no_bias": {"bias": False},
+    "sinks": {"sinks": True, "rope": RopeConfig()},
 }
 
 

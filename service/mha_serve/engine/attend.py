@@ -91,6 +91,8 @@ def flash_decode_unsupported(
         return "the KV cache is narrower than the model (kv_cache_dtype)"
     if config.softcap is not None:
         return "the model soft-caps its scores (softcap), which this kernel call does not"
+    if config.sinks:
+        return "the model's softmax has attention sinks (sinks), which this kernel call has not"
     if config.head_dim % 8 or config.head_dim > 256:
         return f"flash attention needs head_dim a multiple of 8 up to 256 (it is {config.head_dim})"
     if device.type != "cuda":

@@ -133,10 +133,10 @@ class StaticDecode:
     @staticmethod
     def supports(config: AttentionConfig) -> bool:
         """MHA, GQA and MQA, with or without RoPE (any scaling), a sliding window (a decode
-        step's window is its reservation's read_start: it sees every key it reads) and
-        soft-capping (the explicit kernel has static shapes too). Not yet a q/k norm (the
-        module's project would run it, but no test here covers it in fixed shapes): those
-        models keep the engine's step."""
+        step's window is its reservation's read_start: it sees every key it reads),
+        soft-capping and attention sinks (the explicit kernel has static shapes too). Not
+        yet a q/k norm (the module's project would run it, but no test here covers it in
+        fixed shapes): those models keep the engine's step."""
         return config.qk_norm is None
 
     def width(self, num_keys: int) -> int:
@@ -250,7 +250,9 @@ class StaticDecode:
             )
         )
         allowed = (j < length[:, None])[:, None, None, :]  # (Bb, 1, 1, W)
-        y = attend_padded(q, keys, values, allowed, self.module.scale, softcap=c.softcap)
+        y = attend_padded(
+            q, keys, values, allowed, self.module.scale, softcap=c.softcap, sinks=self.module.sinks
+        )
         y = y.transpose(1, 2).reshape(Bb, 1, H * D)  # (Bb, 1, H*D)
         out = F.linear(y, self.module.wo.weight, self.module.wo.bias)  # (Bb, 1, E)
         return out, q, row_absmax_tensor(q, k, v, out)

@@ -1,7 +1,8 @@
 """The attention module: one class for MHA, GQA and MQA, and for the families' options
-(RoPE, q/k RMSNorm, sliding window, soft-capping: all read from the config). Embeddings
-come from fused SDPA (from the explicit float32 kernel where scores are soft-capped, which
-SDPA cannot do); attention weights come from a separate explicit path, only when asked."""
+(RoPE, q/k RMSNorm, sliding window, soft-capping, attention sinks: all read from the
+config). Embeddings come from fused SDPA (from the explicit float32 kernel where scores are
+soft-capped or sinks join the softmax, which SDPA cannot do); attention weights come from a
+separate explicit path, only when asked."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch import nn
 from mha_serve.transfer import list_tensor
 
 from . import steps
-from .cached import capped_scores, explicit_attention
+from .cached import capped_scores, explicit_attention, sink_softmax
 from .checks import check_head_mask, check_heads, check_input, check_query_range, valid_positions
 from .config import AttentionConfig
 from .norm import rms_norm
@@ -38,8 +39,10 @@ class MultiHeadAttention(nn.Module):
         # (RoPE and a q/k norm per head it applies itself; a sliding window while the
         # session is no longer than it, every key then in view).
         self.decodes_in_one = (
-            config.qk_norm is None or config.qk_norm.scope == "head"
-        ) and config.softcap is None
+            (config.qk_norm is None or config.qk_norm.scope == "head")
+            and config.softcap is None
+            and not config.sinks
+        )
         # RoPE frequencies: a plain float32 tensor, not a buffer, so that module.to(dtype)
         # never rounds them (transformers keeps them float32 too); kept on the weights'
         # device (here and in _apply), so that a step copies nothing from the host for them
@@ -73,6 +76,10 @@ class MultiHeadAttention(nn.Module):
                 ("k_norm", KVH * D if whole else D),
             ):
                 setattr(self, name, nn.Parameter(torch.ones(width, device=device, dtype=dtype)))
+        # Attention sinks (GPT-OSS): one logit per query head, in the state dict as sinks (H,).
+        self.sinks = None
+        if config.sinks:
+            self.sinks = nn.Parameter(torch.zeros(config.num_heads, device=device, dtype=dtype))
 
     def forward(
         self,
@@ -130,7 +137,7 @@ class MultiHeadAttention(nn.Module):
         mask = None
         if valid is not None or _cuts(c.sliding_window, L):
             mask = self._allowed(valid, causal, 0, L, L, x.device)  # (B|1, 1, L, L)
-        if c.softcap is None:
+        if c.softcap is None and self.sinks is None:
             y = F.scaled_dot_product_attention(
                 q,
                 k,
@@ -143,7 +150,7 @@ class MultiHeadAttention(nn.Module):
         else:
             if mask is None and causal:
                 mask = self._allowed(None, True, 0, L, L, x.device)  # (1, 1, L, L)
-            y = explicit_attention(q, k, v, mask, self.scale, c.softcap)  # (B, H, L, D)
+            y = explicit_attention(q, k, v, mask, self.scale, c.softcap, self.sinks)  # (B, H, L, D)
         out = self._merge_heads(y, gate, valid)  # (B, L, E)
 
         weights = None
@@ -161,8 +168,9 @@ class MultiHeadAttention(nn.Module):
         q_start: int,
         q_end: int,
     ) -> torch.Tensor:
-        """softmax(q k^T * scale + mask) in float32, only for the requested heads
-        and rows, so memory is B * len(heads) * R * S, never B * H * L * S."""
+        """softmax(q k^T * scale + mask) in float32 (with sinks: without the sink's column),
+        only for the requested heads and rows, so memory is B * len(heads) * R * S, never
+        B * H * L * S."""
         allowed = None
         if causal or valid is not None or _cuts(self.config.sliding_window, q.shape[2]):
             allowed = self._allowed(valid, causal, q_start, q_end, q.shape[2], q.device)
@@ -261,8 +269,9 @@ class MultiHeadAttention(nn.Module):
     def _softmax(
         self, q: torch.Tensor, k: torch.Tensor, heads: list[int], allowed: torch.Tensor | None
     ) -> torch.Tensor:
-        """softmax(q k^T * scale) in float32 over allowed keys (scores soft-capped when the
-        config says so), for query heads `heads`:
+        """softmax(q k^T * scale) in float32 over allowed keys (scores soft-capped, and each
+        head's sink in the softmax without a column of its own, when the config says so),
+        for query heads `heads`:
         q (B, H, R, D), k (B, KVH, S, D), allowed broadcastable to (B, 1, R, S)."""
         idx = list_tensor(heads, q.device)
         qh = q[:, idx]  # (B, n, R, D)
@@ -270,7 +279,10 @@ class MultiHeadAttention(nn.Module):
         scores = capped_scores(qh, kh, self.scale, self.config.softcap)  # (B, n, R, S) float32
         if allowed is not None:
             scores.masked_fill_(~allowed, float("-inf"))
-        return torch.softmax(scores, dim=-1)  # (B, n, R, S)
+        sinks = None
+        if self.sinks is not None:
+            sinks = self.sinks[idx].float().view(1, len(heads), 1, 1)  # (1, n, 1, 1)
+        return sink_softmax(scores, sinks)  # (B, n, R, S)
 
     def _allowed(
         self,

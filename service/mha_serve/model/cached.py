@@ -2,7 +2,7 @@
 position (a KV cache read); MultiHeadAttention.attend_cached runs it per sequence. With a
 sliding window the read starts where the window does (first_key), so a step costs the
 window, not the session's length. Also the explicit kernel for what SDPA cannot do
-(soft-capped scores), shared with the stateless forward.
+(soft-capped scores, attention sinks), shared with the stateless forward.
 
 The engine writes the new tokens' K/V into the cache first and then reads each session's
 positions 0..past+new-1 in order, so keys need one copy (or none, for a session whose
@@ -38,18 +38,20 @@ def attend_one(
     first_key: int = 0,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence: q (1, H, n, D) at positions past..past+n-1 over keys, values
     (1, KVH, S, D) at positions first_key..past+n-1, causally and within the sliding window
-    (query p sees key j when p - window < j <= p). Returns (1, H, n, D) in q's dtype."""
+    (query p sees key j when p - window < j <= p); sinks (H,): each head's sink logit
+    (sink_softmax). Returns (1, H, n, D) in q's dtype."""
     _, H, n, _ = q.shape
     S, KVH = keys.shape[2], keys.shape[1]
     # The last query (position past + n - 1) sees key first_key: then so does every query
     # after its own position, and only the causal mask is left.
     whole = window is None or past + n - 1 - first_key < window
-    if softcap is not None:  # float32 scores, never rounded to a narrower cache's dtype
+    if softcap is not None or sinks is not None:  # float32 scores, never rounded to the cache's
         allowed = None if n == 1 and whole else key_mask(past, n, first_key, S, window, q.device)
-        return explicit_attention(q, keys, values, allowed, scale, softcap)
+        return explicit_attention(q, keys, values, allowed, scale, softcap, sinks)
     narrow = keys.dtype != q.dtype  # a cache narrower than the model (kv_cache_dtype)
     qk = q.to(keys.dtype) if narrow else q
     if n == 1 and whole:
@@ -96,6 +98,20 @@ def capped_scores(
     return scores
 
 
+def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dimension of float32 scores (..., S), in place; with sinks
+    (broadcastable to (..., 1), float32), each row's sink joins the softmax as one more
+    logit whose column is then dropped (GPT-OSS, as transformers' eager attention: the
+    weights over the keys sum to 1 / (1 + exp(sink - logsumexp(scores))) < 1). A finite
+    sink keeps a row finite whatever its scores: the row's largest logit is subtracted
+    first, the sink's included."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    top = torch.maximum(scores.amax(dim=-1, keepdim=True), sinks)  # (..., 1)
+    p = scores.sub_(top).exp_()  # (..., S)
+    return p.div_(p.sum(dim=-1, keepdim=True) + (sinks - top).exp())
+
+
 def explicit_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -103,17 +119,20 @@ def explicit_attention(
     allowed: torch.Tensor | None,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention whose scores SDPA cannot make (soft-capped), in float32, query rows in
-    chunks of at most EXPLICIT_CHUNK_ELEMENTS scores: q (B, H, R, D), k and v (B, KVH, S, D)
-    (query head h reads KV head h // (H / KVH), no copy of K/V per query head), allowed
-    broadcastable to (B, 1, R, S) (None: every key). Every row must see a key. Returns
-    (B, H, R, D) in q's dtype."""
+    """Attention whose softmax SDPA cannot make (soft-capped scores, attention sinks), in
+    float32, query rows in chunks of at most EXPLICIT_CHUNK_ELEMENTS scores: q (B, H, R, D),
+    k and v (B, KVH, S, D) (query head h reads KV head h // (H / KVH), no copy of K/V per
+    query head), allowed broadcastable to (B, 1, R, S) (None: every key), sinks (H,) (None:
+    none). Every row must see a key. Returns (B, H, R, D) in q's dtype."""
     B, H, R, D = q.shape
     KVH, S = k.shape[1], k.shape[2]
     G = H // KVH
     kf = k.float()[:, :, None]  # (B, KVH, 1, S, D)
     vf = v.float()[:, :, None]  # (B, KVH, 1, S, D)
+    if sinks is not None:
+        sinks = sinks.float().view(1, KVH, G, 1, 1)  # query head h = kv * G + g
     out = q.new_empty(B, H, R, D)
     rows = max(1, EXPLICIT_CHUNK_ELEMENTS // max(1, B * H * S))
     for r0 in range(0, R, rows):
@@ -123,7 +142,7 @@ def explicit_attention(
         if allowed is not None:
             a = allowed if allowed.shape[2] == 1 else allowed[:, :, r0:r1]  # (B|1, 1, n|1, S)
             scores.masked_fill_(~a[:, :, None], float("-inf"))
-        y = torch.softmax(scores, dim=-1) @ vf  # (B, KVH, G, n, D)
+        y = sink_softmax(scores, sinks) @ vf  # (B, KVH, G, n, D)
         out[:, :, r0:r1] = y.reshape(B, H, r1 - r0, D).to(q.dtype)
     return out
 

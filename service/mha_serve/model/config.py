@@ -1,6 +1,7 @@
 """Shape of one attention module: MHA, GQA and MQA are the same config with a
 different num_kv_heads; the families' options (rotary position embeddings, q/k
-normalisation, a sliding window, logit soft-capping, the softmax scale) are data too.
+normalisation, a sliding window, logit soft-capping, attention sinks, the softmax scale) are
+data too.
 Checked once at construction so nothing downstream re-checks. No torch here."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any, Literal
 
 Variant = Literal["mha", "gqa", "mqa"]
 
-_BOOL_FIELDS = ("bias", "causal")
+_BOOL_FIELDS = ("bias", "causal", "sinks")
 # RoPE variants whose frequencies are fixed at load time, so that keys rotated once and
 # cached stay right. "dynamic" and "longrope" change frequencies with the sequence length.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -131,6 +132,10 @@ class AttentionConfig:
     # Attention-logit soft-capping (Gemma 2): scores become softcap * tanh(scores / softcap)
     # before the mask and softmax. None: none.
     softcap: float | None = None
+    # Attention sinks (GPT-OSS): a learned logit per query head (the `sinks` weight, (H,))
+    # joins each row's softmax as one more column that attends to nothing, so the weights
+    # over the keys sum to less than 1. False: none.
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         # Values often come from TOML or safetensors metadata, so check types
@@ -224,10 +229,10 @@ class AttentionConfig:
         return factor
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, resolved (no None: the options only when set; rope and qk_norm as
-        dicts of their fields), so the dict is the config on its own."""
+        """Every field, resolved (no None: the options only when set, sinks only when True;
+        rope and qk_norm as dicts of their fields), so the dict is the config on its own."""
         d = asdict(self)
-        return {k: v for k, v in d.items() if v is not None}
+        return {k: v for k, v in d.items() if v is not None and (k != "sinks" or v)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AttentionConfig:

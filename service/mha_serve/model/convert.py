@@ -78,6 +78,8 @@ def pool_kv_heads(module: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtt
         k_norm = module.k_norm.detach()
         state["q_norm"] = module.q_norm.detach()
         state["k_norm"] = pool(k_norm) if c.qk_norm.scope == "projection" else k_norm
+    if c.sinks:  # one per query head, and the query heads stay
+        state["sinks"] = module.sinks.detach()
     w0 = module.wqkv.weight
     out = MultiHeadAttention(config, device=w0.device, dtype=w0.dtype)
     out.load_state_dict(state)

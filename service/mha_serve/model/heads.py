@@ -23,8 +23,10 @@ class PruningStep:
 class HeadAnalysis:
     """Per query head h (index h of each list), over every real query row of the inputs."""
 
-    mean_entropy: list[float]  # nats; log(keys) is uniform attention, 0 one key
-    mean_max_weight: list[float]  # the largest weight of a row, averaged
+    # nats; log(keys) is uniform attention, 0 one key (with attention sinks: of the row's
+    # weights renormalised over its keys, whose sum is what the sink leaves)
+    mean_entropy: list[float]
+    mean_max_weight: list[float]  # the largest weight of a row (as returned), averaged
     # Relative output error ||y(h masked) - y|| / ||y|| when head h alone is masked.
     importance: list[float]
     pruning: list[PruningStep]  # levels 1..H, least important head first
@@ -57,8 +59,10 @@ def analyze_heads(
         real = torch.arange(L, device=x.device)[None] < lengths.to(x.device)[:, None]  # (B, L)
     rows = real[:, None, :].expand(B, H, L)  # (B, H, L): real query rows
     p = w.double()
+    if module.config.sinks:  # rows sum to less than 1: the entropy of where the keys' share goes
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-300)
     row_entropy = -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(-1)  # (B, H, L)
-    row_max = p.amax(-1)  # (B, H, L)
+    row_max = w.double().amax(-1)  # (B, H, L)
     n = rows.sum((0, 2)).double()  # (H,) real rows per head
     entropy = (row_entropy * rows).sum((0, 2)) / n  # (H,)
     max_weight = (row_max * rows).sum((0, 2)) / n  # (H,)

@@ -8,9 +8,14 @@ bounds every partial sum of the dot product in any order. Only a row whose bound
 the dtype's largest value gets the exact check, sum_i |q_i| |k_i| in float64 for every
 (query, key) pair it may attend to. A row that fails it is refused, never computed.
 
-V needs no bound of its own: attention weights sum to 1, so |p @ v| <= max|v|, which is
-finite whenever v is; the output projection after it is a plain GEMM, where an overflow
-can only end as inf or NaN, so the caller's finiteness check of the output holds there.
+V needs no bound of its own: attention weights sum to 1 (less with attention sinks, whose
+column is dropped), so |p @ v| <= max|v|, which is finite whenever v is; the output
+projection after it is a plain GEMM, where an overflow can only end as inf or NaN, so the
+caller's finiteness check of the output holds there. A sink is a logit in the softmax too,
+but never a product: the explicit float32 kernel subtracts each row's largest logit (the
+sink's included) first, so a finite sink keeps every row finite and scores need no bound
+for it; a sink that is not finite (refused at load) makes its head's rows NaN whatever the
+input, and weight_bounds then bounds no output.
 """
 
 from __future__ import annotations
@@ -203,7 +208,7 @@ def weight_bounds(module: torch.nn.Module) -> WeightBounds:
     qkv, o = linears["wqkv"]._parameters, linears["wo"]._parameters
     scaling = module.__dict__.get("rope_scaling", 1.0)
     key = [scaling]
-    # (q_norm and k_norm are registered only with q/k norm)
+    # (q_norm and k_norm are registered only with q/k norm, sinks only with sinks)
     for p in (
         qkv["weight"],
         qkv["bias"],
@@ -211,6 +216,7 @@ def weight_bounds(module: torch.nn.Module) -> WeightBounds:
         o["bias"],
         own.get("q_norm"),
         own.get("k_norm"),
+        own.get("sinks"),
     ):
         if p is not None:
             key += (id(p), p.data_ptr(), p.dtype, p._version)
@@ -225,6 +231,9 @@ def weight_bounds(module: torch.nn.Module) -> WeightBounds:
         bias = module.wqkv.bias
         biases = [0.0] * 3 if bias is None else [b.abs().max() for b in bias.double().split(sizes)]
         o_row = module.wo.weight.double().abs().sum(dim=1).max()
+        sinks = own.get("sinks")
+        if sinks is not None and not bool(sinks.isfinite().all()):
+            o_row = math.inf  # NaN softmax rows: no output is bounded, so nothing clears
         o_bias = 0.0 if module.wo.bias is None else module.wo.bias.double().abs().max()
         norms = [0.0, 0.0]
         if c.qk_norm is not None:

@@ -64,13 +64,15 @@ def attend_padded(
     scale: float,
     *,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (B, H, T, D) over keys, values (B, KVH, S, D) where allowed (B, 1, T, S) (None:
-    every key, padded_mask's). Returns (B, H, T, D) in q's dtype."""
+    every key, padded_mask's); sinks (H,): each head's sink logit (None: none). Returns
+    (B, H, T, D) in q's dtype."""
     B, H, T, D = q.shape
     KVH = keys.shape[1]
-    if softcap is not None:  # float32 scores from the unrounded queries, as attend_one
-        return explicit_attention(q, keys, values, allowed, scale, softcap)
+    if softcap is not None or sinks is not None:  # float32 scores from the unrounded queries
+        return explicit_attention(q, keys, values, allowed, scale, softcap, sinks)
     narrow = keys.dtype != q.dtype  # a cache narrower than the model (kv_cache_dtype)
     qk = q.to(keys.dtype) if narrow else q
     G = H // KVH

@@ -80,6 +80,8 @@ def prune_heads(module: MultiHeadAttention, heads: Sequence[int]) -> MultiHeadAt
         state["wo.bias"] = module.wo.bias.detach()
     if c.qk_norm is not None:  # per head: (D,) gains every head shares, kept as they are
         state["q_norm"], state["k_norm"] = module.q_norm.detach(), module.k_norm.detach()
+    if c.sinks:  # one per query head: the kept heads' (each head's softmax is its own)
+        state["sinks"] = module.sinks.detach()[q_kept]
     w = module.wqkv.weight
     out = MultiHeadAttention(config, device=w.device, dtype=w.dtype)
     out.load_state_dict({k: t.contiguous() for k, t in state.items()})

@@ -79,6 +79,7 @@ def attend_cached(
             first_key=first,
             window=c.sliding_window,
             softcap=c.softcap,
+            sinks=self.sinks,
         )
         if new != T:  # padded rows zero
             y = torch.cat([y, y.new_zeros(1, H, T - new, D)], dim=2)
@@ -93,12 +94,12 @@ def attend_cached(
         )
     ys, weights = [], []
     rows = q.split(1)  # q[b : b + 1] of every b, in one call: (1, H, T, D) each
-    # Decode rows (one token, no weights, no soft-cap) whose token sees every key it
+    # Decode rows (one token, no weights, no soft-cap or sinks) whose token sees every key it
     # reads, from a cache in q's dtype: attend_token's kernel, on its grouped queries
     # (1, KVH, G, D) made by one reshape for the batch rather than two per row.
     KVH = c.num_kv_heads
     grouped = None
-    if T == 1 and not need_weights and c.softcap is None:
+    if T == 1 and not need_weights and c.softcap is None and not c.sinks:
         grouped = q.reshape(B, KVH, H // KVH, D).split(1)  # (1, KVH, G, D) each
     W = c.sliding_window
     every_grouped = True  # (then one reshape of the batch's output too)
@@ -123,6 +124,7 @@ def attend_cached(
             first_key=first,
             window=c.sliding_window,
             softcap=c.softcap,
+            sinks=self.sinks,
         )  # (1, H, n, D)
         ys.append(y_b)
         if need_weights:
@@ -170,7 +172,7 @@ def attend_step(
     check_cached(c, 0, keys, values, past, T, first_key, T, q)
     y = attend_one(
         q, keys, values, past, self.scale,
-        first_key=first_key, window=c.sliding_window, softcap=c.softcap,
+        first_key=first_key, window=c.sliding_window, softcap=c.softcap, sinks=self.sinks,
     )  # fmt: skip
     return self._merge_heads(y, None, None)  # (1, T, E)
 
@@ -182,8 +184,8 @@ def decode_one(
     keys: torch.Tensor,
     values: torch.Tensor,
 ) -> torch.Tensor | None:
-    """A lone session step of one token x (1, 1, E) for a config without soft-cap or a
-    q/k norm over the whole projection, over a cache in x's dtype: project writes its
+    """A lone session step of one token x (1, 1, E) for a config without soft-cap, sinks or
+    a q/k norm over the whole projection, over a cache in x's dtype: project writes its
     K/V (K normed per head and rotated at position S - 1 as the config has them) into
     kv_slot (1, 2 KVH, 1, D: K's heads, then V's), then attend_step's output (1, 1, E)
     over keys, values (1, KVH, S, D), positions 0..S-1 with the new token's last
@@ -253,7 +255,7 @@ def attend_padded(
     allowed = padded_mask(
         past_lengths, new_lengths, first_keys, T, S, c.sliding_window, q.device
     )  # (B, 1, T, S) or None
-    y = padded_attention(q, keys, values, allowed, self.scale, softcap=c.softcap)
+    y = padded_attention(q, keys, values, allowed, self.scale, softcap=c.softcap, sinks=self.sinks)
     new_valid = None  # (B, T): padded tokens' rows are zero in the output
     if any(n != T for n in new_lengths):
         new_len = list_tensor(new_lengths, q.device)  # pinned, non_blocking on CUDA

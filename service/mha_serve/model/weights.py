@@ -20,6 +20,7 @@ from .metadata import config_from_metadata, to_metadata
 FORMAT = "mha-serve/1"  # safetensors metadata "format" of the files we write
 BIAS_INIT_BOUND = 0.02  # small but nonzero, so default weights exercise the bias paths
 NORM_INIT_BOUND = 0.5  # q/k norm gains in 1 +- this: unequal, so each one's place matters
+SINK_INIT_BOUND = 2.0  # sink logits in +- this: each head's sink takes a share of its rows
 
 # torch.nn.MultiheadAttention's names for our four tensors; rows of in_proj_weight
 # are [Wq; Wk; Wv], which is exactly our fused wqkv when KVH == H and D == E / H.
@@ -59,11 +60,13 @@ def init_weights(module: MultiHeadAttention, seed: int) -> None:
         for norm in (module.q_norm, module.k_norm):  # q/k RMSNorm gains: 1 +- NORM_INIT_BOUND
             if norm is not None:
                 norm.copy_(1.0 + _uniform(norm.shape, NORM_INIT_BOUND, g))
+        if module.sinks is not None:  # (drawn last: other models' draws stay as they were)
+            module.sinks.copy_(_uniform(module.sinks.shape, SINK_INIT_BOUND, g))
 
 
 def save_checkpoint(module: MultiHeadAttention, path: PathLike) -> None:
     """safetensors file: wqkv.weight, wqkv.bias, wo.weight, wo.bias (q_norm, k_norm with
-    q/k norm) + config in metadata."""
+    q/k norm; sinks with sinks) + config in metadata."""
     tensors = {k: t.detach().cpu().contiguous() for k, t in module.state_dict().items()}
     metadata = {"format": FORMAT, **to_metadata(module.config)}
     save_file(tensors, str(path), metadata=metadata)
@@ -189,6 +192,8 @@ def _expected_shapes(config: AttentionConfig) -> dict[str, tuple[int, ...]]:
         H, KVH, D = config.num_heads, config.num_kv_heads, config.head_dim
         shapes["q_norm"] = (H * D if whole else D,)
         shapes["k_norm"] = (KVH * D if whole else D,)
+    if config.sinks:
+        shapes["sinks"] = (config.num_heads,)
     return shapes
 
 
@@ -208,6 +213,11 @@ def _check_tensors(
             problems.append(f"key {key!r} has shape {tuple(tensors[key].shape)}, expected {shape}")
         elif not tensors[key].is_floating_point():
             problems.append(f"key {key!r} has dtype {tensors[key].dtype}, expected a float")
+        elif key == "sinks" and not bool(tensors[key].isfinite().all()):
+            problems.append(
+                "key 'sinks' holds NaN or Inf (each is a logit in its head's softmax: one "
+                "that is not finite makes the head's every output NaN)"
+            )
     for key in sorted(set(tensors) - set(expected)):
         problems.append(f"unexpected key {key!r} (shape {tuple(tensors[key].shape)})")
     if problems:

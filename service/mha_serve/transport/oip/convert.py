@@ -250,6 +250,8 @@ def model_config(hosted: ModelView, *, sessions: bool, session_ttl_s: float) -> 
         described["qk_norm"] = f"{cfg.qk_norm.scope}, eps {cfg.qk_norm.eps:g}"
     if cfg.softcap is not None:
         described["softcap"] = f"{cfg.softcap:g}"
+    if cfg.sinks:
+        described["sinks"] = "true"
     if cfg.rope is not None:
         described["rope"] = f"{cfg.rope.type}, theta {cfg.rope.theta:g}"
     for name, (kind, what) in PARAMETERS.items():
