@@ -21,6 +21,7 @@ PRUNED = {
     "minilm3_pruned": ("minilm3", [2, 5, 8]),  # MHA: the analysis' three least important
     "gemma2_pruned": ("gemma2", [4, 5, 6, 7]),  # GQA 8:2: the second KV group
     "qwen3_pruned": ("qwen3", [1, 6]),  # GQA 8:2: one query head of each group
+    "gpt_oss_pruned": ("gpt_oss", [1, 5]),  # attention sinks: the kept heads' sinks stay
 }
 
 

@@ -31,6 +31,8 @@ from transformers import (
     GraniteMoeModel,
     GraniteMoeSharedConfig,
     GraniteMoeSharedModel,
+    GptOssConfig,
+    GptOssModel,
     LlamaConfig,
     LlamaForCausalLM,
     MinistralConfig,
@@ -69,8 +71,8 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 # Small, but every feature on: GQA and MQA, biases, RoPE scaling of each supported kind,
 # GPT-2's per-layer scaling, head_dim != hidden_size / heads, sliding windows (shorter than
 # the tests' sequences), q/k norms (per head and over the projection), Gemma's scale and
-# soft-capping. initializer_range well above the default 0.02, so that heads attend sharply
-# and a wrong position or head would show far above the tolerances.
+# soft-capping, GPT-OSS's attention sinks. initializer_range well above the default 0.02, so
+# that heads attend sharply and a wrong position or head would show far above the tolerances.
 INIT = 0.2
 COMMON = {"vocab_size": 64, "initializer_range": INIT}
 ROTARY = {
@@ -336,6 +338,28 @@ CHECKPOINTS = {
         ),
         0,
     ),
+    "gpt_oss": (  # attention sinks, biases, GQA, yarn RoPE (GPT-OSS's truncate false),
+        # sliding layer 0, full layer 1; MoE MLP (never read) as small as it goes
+        GptOssModel,
+        GptOssConfig(
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=6,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+            **ROTARY,
+        ),
+        0,
+    ),
     "gemma": (  # Gemma 1: Llama's attention, head_dim 16 != 64 / 8
         GemmaModel,
         GemmaConfig(num_key_value_heads=2, head_dim=16, **ROTARY),
@@ -348,7 +372,8 @@ CHECKPOINTS = {
         1,
     ),
 }
-# Served model name: (checkpoint, layer). Gemma's both kinds of layer, SmolLM3's NoPE one.
+# Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,
+# SmolLM3's NoPE one.
 SERVED = {name: (name, entry[2]) for name, entry in CHECKPOINTS.items()}
 SERVED.update(
     {
@@ -357,6 +382,7 @@ SERVED.update(
         "smollm3_nope": ("smollm3", 1),
         "exaone4_global": ("exaone4", 1),
         "olmo3_global": ("olmo3", 1),
+        "gpt_oss_full": ("gpt_oss", 1),
     }
 )
 

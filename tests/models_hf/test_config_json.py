@@ -16,6 +16,8 @@ from transformers import (
     Gemma2Model,
     Gemma3TextConfig,
     Gemma3TextModel,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -191,8 +193,9 @@ def test_keys_left_out_are_read_with_transformers_defaults(
     [
         (MistralConfig(num_key_value_heads=2, **SMALL), "sliding_window", "sliding_window"),
         (Olmo2Config(num_key_value_heads=2, pad_token_id=1, **SMALL), "rms_norm_eps", "eps"),
+        (GptOssConfig(num_key_value_heads=2, **SMALL), "sliding_window", "sliding_window"),
     ],
-    ids=["mistral_sliding_window", "olmo2_rms_norm_eps"],
+    ids=["mistral_sliding_window", "olmo2_rms_norm_eps", "gpt_oss_sliding_window"],
 )
 def test_options_left_out_take_transformers_defaults(tmp_path, config, key, ours):
     # (a window of 4096 and an eps of 1e-5 differ too little on a short input to test by
@@ -223,3 +226,63 @@ def test_a_rope_table_missing_a_parameter_names_it(tmp_path, scaling, missing):
     (directory / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=f"config.json: rope type .* needs {missing}"):
         read_hf_layer(directory, 0)
+
+
+# GPT-OSS's config.json as openai/gpt-oss-20b ships it (transformers 4.55 keys): RoPE in
+# rope_scaling with rope_theta beside, every layer's type listed.
+GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+
+
+def gpt_oss_checkpoint(tmp_path, **edits):
+    config = GptOssConfig(
+        num_key_value_heads=2, head_dim=16, sliding_window=6, num_local_experts=2,
+        num_experts_per_tok=1, **SMALL,
+    )  # fmt: skip
+    return checkpoint(tmp_path, GptOssForCausalLM, config, **edits)
+
+
+@pytest.mark.parametrize(
+    "edits",
+    [
+        {"rope_parameters": None, "rope_scaling": GPT_OSS_ROPE, "rope_theta": 150000},
+        {"rope_parameters": None, "layer_types": None, "attention_bias": None},
+    ],
+    ids=["as_shipped", "keys_left_out"],
+)
+def test_gpt_oss_as_shipped_and_with_keys_left_out_is_served_as_transformers(tmp_path, edits):
+    """Both layer kinds (sliding 0, full 1: GptOssConfig's alternation when layer_types is
+    left out), biases (attention_bias defaults to true), attention sinks (the tensor
+    model.layers.N.self_attn.sinks of GptOssForCausalLM), YaRN RoPE with truncate false
+    (GptOssConfig's when config.json has no RoPE table)."""
+    directory = gpt_oss_checkpoint(tmp_path, **edits)
+    for layer, window in ((0, 6), (1, None)):
+        attention = read_hf_layer(directory, layer).attention
+        assert (attention.sliding_window, attention.sinks, attention.bias) == (window, True, True)
+        assert attention.rope.type == "yarn" and attention.rope.truncate is False
+        assert_served_as_transformers(directory, GptOssForCausalLM, "gpt_oss", layer)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_gpt_oss_sinks_missing_or_not_finite_are_refused(tmp_path, bad):
+    from safetensors.torch import load_file, save_file
+
+    directory = gpt_oss_checkpoint(tmp_path)
+    path = directory / "model.safetensors"
+    tensors = load_file(path)
+    name = "model.layers.1.self_attn.sinks"
+    tensors[name][3] = bad
+    save_file(tensors, path, metadata={"format": "pt"})
+    load_hf_layer(directory, 0)  # layer 0's sinks are finite
+    with pytest.raises(ValueError, match="layers.1.self_attn.sinks' holds NaN or Inf"):
+        load_hf_layer(directory, 1)
+    del tensors[name]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing tensor 'layers.1.self_attn.sinks' .*\(8,\)"):
+        load_hf_layer(directory, 1)

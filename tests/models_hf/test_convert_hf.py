@@ -52,7 +52,7 @@ def test_llama_gqa_to_mqa_keeps_rope(hf_dirs, tmp_path, capsys):
 @pytest.mark.parametrize("name", list(PRUNED))
 def test_pruned_model_served_equals_the_original_with_heads_masked(served, name):
     """Over gRPC: the pruned checkpoint (MiniLM MHA; Gemma 2 without a KV group; Qwen3
-    with one query head of each group gone) against the original model with those heads'
+    and GPT-OSS with one query head of each group gone) against the original model with those heads'
     head_mask at 0, stateless (padded) and in a session (prefill, decode past the window)."""
     client, models = served
     original, heads = PRUNED[name]
@@ -86,12 +86,15 @@ def test_gemma2_analysis_over_grpc_equals_the_layers_own(served, hf_dirs):
     assert report.least_important(3) == [p.head for p in want.pruning[:3]]
 
 
-@pytest.mark.parametrize(("name", "layer", "kvh"), [("qwen3", 1, 1), ("olmo2", 0, 2)])
+@pytest.mark.parametrize(
+    ("name", "layer", "kvh"), [("qwen3", 1, 1), ("olmo2", 0, 2), ("gpt_oss", 0, 1)]
+)
 def test_gqa_conversion_keeps_the_options_and_is_exact_for_agreeing_heads(
     hf_dirs, name, layer, kvh
 ):
     """Pooling K/V heads of q/k-normed layers (per head; over the projection, whose k gains
-    pool too): the options survive, and a layer whose grouped heads already agree (their
+    pool too) and of a layer with attention sinks (one per query head: kept): the options
+    survive, and a layer whose grouped heads already agree (their
     K/V rows and gains made equal here) converts exactly."""
     module, _ = load_hf_layer(hf_dirs[name], layer)
     c = module.config
@@ -105,12 +108,26 @@ def test_gqa_conversion_keeps_the_options_and_is_exact_for_agreeing_heads(
             if module.wqkv.bias is not None:
                 b = module.wqkv.bias[start : start + KVH * D].view(kvh, group, D)
                 b.copy_(b[:, :1].expand_as(b).clone())
-        if c.qk_norm.scope == "projection":
+        if c.qk_norm is not None and c.qk_norm.scope == "projection":
             g = module.k_norm.view(kvh, group, D)
             g.copy_(g[:, :1].expand_as(g).clone())
     pooled = pool_kv_heads(module, kvh)
     assert pooled.config.qk_norm == c.qk_norm and pooled.config.sliding_window == c.sliding_window
+    assert pooled.config.sinks == c.sinks
     x = torch.randn(2, 16, c.embed_dim, generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         diff = (pooled(x).output - module(x).output).abs().max()
     assert diff < 1e-5, f"{name}: max abs diff {diff:.3e}"
+
+
+def test_gpt_oss_analysis_over_grpc_equals_the_layers_own(served, hf_dirs):
+    """AnalyzeHeads on a layer with attention sinks (rows summing to less than 1): the
+    server's report is the module's own analysis of the same inputs."""
+    client, _ = served
+    x = np.random.default_rng(7).standard_normal((2, 14, 64)).astype(np.float32)
+    report = analyze_heads(client, "gpt_oss", x, lengths=[14, 9])
+    module, _ = load_hf_layer(hf_dirs["gpt_oss"], 0)
+    want = local_analysis(module, torch.from_numpy(x), lengths=torch.tensor([14, 9]))
+    np.testing.assert_allclose([h.importance for h in report.heads], want.importance, rtol=1e-5)
+    np.testing.assert_allclose([h.mean_entropy for h in report.heads], want.mean_entropy, rtol=1e-5)
+    assert report.least_important(3) == [p.head for p in want.pruning[:3]]

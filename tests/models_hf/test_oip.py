@@ -1,5 +1,6 @@
 """The Open Inference Protocol serves the new families as mha.v1 does: a Gemma 2 local
-layer (soft-capping, window 6) and a Gemma 3 one (q/k norm) equal transformers' attention
+layer (soft-capping, window 6), a Gemma 3 one (q/k norm) and a GPT-OSS sliding layer
+(attention sinks, window 6) equal transformers' attention
 in a stateless ModelInfer and in a Triton sequence stepped past the window; ModelConfig
 names the options."""
 
@@ -11,7 +12,7 @@ import torch
 
 from mha_client.api.inference import grpc_service_pb2 as ip
 from mha_client.api.inference import grpc_service_pb2_grpc as ip_grpc
-from tests.models_hf.reference import reference_attention
+from tests.models_hf.reference import layer_window, reference_attention
 from tests.models_hf.test_parity_grpc import assert_close, reference
 from tests.transport.test_inference import infer_request, output
 
@@ -23,7 +24,7 @@ def oip(served):
         yield ip_grpc.GRPCInferenceServiceStub(channel)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt_oss"])
 def test_infer_and_a_sequence_past_the_window(served, oip, name):
     _, models = served
     family, base, layer = reference(models, name)
@@ -41,6 +42,7 @@ def test_infer_and_a_sequence_past_the_window(served, oip, name):
         assert_close(got[0], want[0, a:b], what=f"{name} sequence step [{a}, {b})")
     config = oip.ModelConfig(ip.ModelConfigRequest(name=name)).config
     params = {k: v.string_value for k, v in config.parameters.items()}
-    assert params["sliding_window"] == "6"
+    assert params["sliding_window"] == str(layer_window(base, layer))
     assert ("softcap" in params) == (name == "gemma2")
+    assert ("sinks" in params) == (name == "gpt_oss")
     assert ("qk_norm" in params) == (name == "gemma3")

@@ -8,8 +8,9 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import AutoConfig, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.gpt_oss import modeling_gpt_oss as gpt_oss
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from mha_serve.model.hf_config import read_hf_layer
@@ -122,3 +123,55 @@ def test_transformers_4_keys_read_as_transformers_5(tmp_path):
         (tmp_path / name / "config.json").write_text(json.dumps(cfg))
         ropes.append(read_hf_layer(tmp_path / name, 0).attention.rope)
     assert ropes[0] == ropes[1] and ropes[0].type == "llama3" and ropes[0].theta == 500000.0
+
+
+GPT_OSS = {
+    "model_type": "gpt_oss",
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_hidden_layers": 2,
+}
+GPT_OSS_SHIPPED = {  # openai/gpt-oss-20b's config.json (transformers 4 keys)
+    "rope_theta": 150000,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        GPT_OSS_SHIPPED,
+        {},
+        {"rope_theta": 1000.0},
+        {"rope_scaling": {"type": "linear", "factor": 2.0}},
+    ],
+    ids=["shipped", "none", "theta_only", "linear"],
+)
+def test_gpt_oss_rope_equals_transformers(tmp_path, keys):
+    """GPT-OSS's RoPE as transformers 5 reads config.json (GptOssConfig: YaRN with factor 32
+    and truncate false when no table is given, rope_theta 150000 when none is) and rotates
+    (its own apply_rotary_pos_emb over half-width cos/sin): bit for bit."""
+    (tmp_path / "config.json").write_text(json.dumps({**GPT_OSS, **keys}))
+    rope = read_hf_layer(tmp_path, 1).attention.rope
+    theirs = gpt_oss.GptOssRotaryEmbedding(AutoConfig.from_pretrained(tmp_path))
+    ours, scaling = inv_freq(rope, 32)
+    assert torch.equal(ours, theirs.inv_freq.float()), (ours - theirs.inv_freq).abs().max()
+    assert scaling == pytest.approx(theirs.attention_scaling, rel=1e-12)
+    positions = torch.tensor([[0, 1, 7, 4095, 70000], [3, 4, 5, 6, 7]])
+    cos, sin = cos_sin(doubled(ours), scaling, positions, torch.float32)  # (B, 1, L, D)
+    their_cos, their_sin = theirs(torch.randn(2, 5, 128), positions)  # (B, L, D / 2)
+    for half in (slice(None, 16), slice(16, None)):
+        assert torch.equal(cos[:, 0, :, half], their_cos)
+        assert torch.equal(sin[:, 0, :, half], their_sin)
+    q, k = torch.randn(2, 4, 5, 32), torch.randn(2, 2, 5, 32)
+    want_q, want_k = gpt_oss.apply_rotary_pos_emb(q, k, their_cos, their_sin)
+    assert torch.equal(rotate(q, cos, sin), want_q) and torch.equal(rotate(k, cos, sin), want_k)

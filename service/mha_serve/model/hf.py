@@ -5,12 +5,13 @@ What is served, per family (transformers' module names):
   bert     BertSelfAttention (query/key/value) + BertSelfOutput.dense; the LayerNorm and
            residual after it are not attention and are not applied
   gpt2     GPT2Attention: c_attn (Conv1D, weight (E, 3E), transposed here) and c_proj
-  llama, mistral, qwen2, qwen3, olmo2, gemma2, gemma3(_text), phi3 and the families whose
+  llama, mistral, qwen2, qwen3, olmo2, gemma2, gemma3(_text), phi3, gpt_oss and the families whose
   attention is one of theirs (hf_config.FAMILIES: Mixtral, Qwen-MoE, OLMoE, Granite, ...)
            q_proj/k_proj/v_proj/o_proj (Phi-3: one qkv_proj) with GQA (num_key_value_heads)
            and RoPE applied to q and k; Qwen2's q/k/v biases (its o_proj has none: served as
            a zero bias); q_norm/k_norm (Qwen3, OLMo-2, Gemma 3: Gemma's gain is 1 + weight,
-           folded in here); sliding windows, scales and soft-capping are config only. MoE
+           folded in here); GPT-OSS's sinks (a logit per query head, a tensor without
+           .weight); sliding windows, scales and soft-capping are config only. MoE
            checkpoints: only the attention tensors are read
 """
 
@@ -45,6 +46,8 @@ _NAMES = {
 }
 # q/k RMSNorm weights, beside the projections of the rotary families that have them.
 _NORM_NAMES = {"q_norm": "layers.{i}.self_attn.q_norm", "k_norm": "layers.{i}.self_attn.k_norm"}
+# GPT-OSS's attention sinks (H,): a bare tensor, no .weight/.bias suffix.
+_SINKS_NAME = "layers.{i}.self_attn.sinks"
 # Families whose norm scales by 1 + weight (Gemma3RMSNorm), not by weight.
 _OFFSET_NORMS = ("gemma3", "gemma3_text")
 
@@ -64,7 +67,8 @@ def load_hf_layer(
     if c.qk_norm is not None:
         names = {**names, **_NORM_NAMES}
     names = {k: v.format(i=info.layer) for k, v in names.items()}
-    tensors = _read(info.directory, names, info)
+    sinks_name = _SINKS_NAME.format(i=info.layer) if c.sinks else None
+    tensors = _read(info.directory, names, info, [sinks_name] if sinks_name else [])
     E, H, KVH, D = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim
     if info.family == "gpt2":  # Conv1D stores (in, out): x @ W + b
         w = _get(tensors, names["qkv"] + ".weight", (E, 3 * E)).t()
@@ -95,6 +99,13 @@ def load_hf_layer(
             if info.family in _OFFSET_NORMS:  # in float32, as Gemma3RMSNorm: 1.0 + w.float()
                 gain = 1.0 + gain.float()
             state[key] = gain
+    if sinks_name is not None:
+        sinks = state["sinks"] = _get(tensors, sinks_name, (H,))
+        if not bool(sinks.isfinite().all()):
+            raise ValueError(
+                f"checkpoint tensor {sinks_name!r} holds NaN or Inf: each sink is a logit in "
+                "its head's softmax, and one that is not finite makes the head's every output NaN"
+            )
     if dtype is None:
         dtype = w.dtype
     module = MultiHeadAttention(c, device=device, dtype=dtype)
@@ -104,10 +115,13 @@ def load_hf_layer(
     return module.eval(), info
 
 
-def _read(directory: Path, names: dict[str, str], info: HFLayer) -> dict[str, torch.Tensor]:
-    """The tensors whose names end with one of names' values (+ .weight/.bias), unprefixed."""
+def _read(
+    directory: Path, names: dict[str, str], info: HFLayer, bare: list[str]
+) -> dict[str, torch.Tensor]:
+    """The tensors whose names end with one of names' values (+ .weight/.bias) or of bare's
+    (as they are), unprefixed."""
     files = _safetensors_files(directory)
-    wanted = {n + s for n in names.values() for s in (".weight", ".bias")}
+    wanted = {n + s for n in names.values() for s in (".weight", ".bias")} | set(bare)
     scope = info.tensor_scope and info.tensor_scope + "."
     found: dict[str, torch.Tensor] = {}
     for path in files:

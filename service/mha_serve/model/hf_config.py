@@ -43,6 +43,7 @@ FAMILIES = (
     "seed_oss",
     "mistral3",
     "olmo3",
+    "gpt_oss",
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj) and GQA.
 ROTARY = FAMILIES[2:]
@@ -99,6 +100,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma": {"num_key_value_heads": 16, "head_dim": 256},
     "olmo3": {"rms_norm_eps": 1e-5, "sliding_window": 4096},
     "seed_oss": {"num_key_value_heads": 8, "head_dim": 128, "attention_bias": True},
+    "gpt_oss": {
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "sliding_window": 128,
+        "attention_bias": True,
+        "rope_theta": 150000.0,
+    },
 }
 # Multimodal families: their language model (text_config, whose model_type is the first
 # unless it names one) is served; its tensors are the ones under the scope (not the vision
@@ -148,7 +157,7 @@ DERIVED_SLIDING: dict[str, Callable[[dict[str, Any], int], bool]] = {
     "qwen2_moe": lambda c, i: bool(
         c.get("use_sliding_window") and (i + 1) % 2 and i < c["max_window_layers"]
     ),
-    "gemma2": lambda c, i: bool((i + 1) % 2),  # alternating, local first
+    **dict.fromkeys(("gemma2", "gpt_oss"), lambda c, i: bool((i + 1) % 2)),  # local first
     "gemma3_text": lambda c, i: bool((i + 1) % c.get("sliding_window_pattern", 6)),
     "cohere2": lambda c, i: bool((i + 1) % c["sliding_window_pattern"]),
     # (Exaone4Config sets the pattern to 0 without a window: no layer_types to derive)
@@ -187,6 +196,15 @@ UNSERVED = {
 PER_TYPE_ROPE = {
     "gemma3_text": (1_000_000.0, "rope_local_base_freq", 10_000.0),
     "olmo3": (500_000.0, None, 500_000.0),
+}
+# GPT-OSS's RoPE when config.json sets neither rope_parameters nor rope_scaling (GptOssConfig).
+GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
 }
 # RoPE types with a pretraining context (original_max_position_embeddings).
 SCALED_CONTEXT = ("llama3", "yarn")
@@ -372,6 +390,7 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
             sliding_window=sliding,
             qk_norm=qk_norm,
             softcap=softcap,
+            sinks=family == "gpt_oss",  # GptOssAttention's sinks: a logit per query head
         )
     except ValueError as e:
         raise ValueError(f"{where}: layer {layer}: {e}") from None
@@ -438,6 +457,8 @@ def _rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
     (PER_TYPE_ROPE): 4.x's rope_scaling and rope_theta are the global layers', Gemma 3's
     rope_local_base_freq the local ones'."""
     params = cfg.get("rope_parameters")
+    if cfg["model_type"] == "gpt_oss" and not params and not cfg.get("rope_scaling"):
+        params = GPT_OSS_ROPE  # (GptOssConfig's, when config.json sets none)
     per_type = PER_TYPE_ROPE.get(cfg["model_type"])
     if per_type and params is None:  # as Gemma3TextConfig, Olmo3Config read a 4.x config
         params = {"sliding_attention": {}, "full_attention": {}}
