@@ -18,6 +18,10 @@ def model_fingerprint(hosted: HostedModel) -> str:
     shape, bytes), in a fixed order."""
     digest = hashlib.sha256()
     config = dataclasses.asdict(hosted.spec.attention)
+    # A field added since (sinks) is hashed only when set: a model without it keeps the
+    # fingerprint earlier releases gave it, so its durable sessions survive an upgrade.
+    if not config["sinks"]:
+        del config["sinks"]
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())
     digest.update(str(hosted.dtype).encode())
     for name, tensor in sorted(hosted.module.state_dict().items()):

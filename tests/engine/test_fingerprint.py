@@ -1,0 +1,46 @@
+"""A model's fingerprint (what a spilled or moved session's K/V are bound to) stays what
+earlier releases computed for a model without the options added since (durable sessions
+are adopted across a rolling update), and tells apart models that compute differently."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from mha_serve.engine import Engine, ModelSpec
+from mha_serve.engine.fingerprint import model_fingerprint
+from mha_serve.model import AttentionConfig
+
+# What the release before attention sinks (1d7be1c) computed for PINNED_CONFIG's model with
+# the weights of fixed_weights: AttentionConfig then had no `sinks` field.
+PINNED_CONFIG = AttentionConfig(64, 8, 2, rope={"theta": 100.0}, sliding_window=16)
+PINNED = "fb36ffaa8e22fd549f12d4b57f9b4f261eab6a765bba491171efafb0589d595d"
+
+
+def hosted_with_fixed_weights(config: AttentionConfig):
+    """The model of `config` with every parameter set by arithmetic alone (no RNG)."""
+    engine = Engine(
+        [ModelSpec("m", config, seed=0)],
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        max_response_bytes=2**20,
+    )
+    hosted = engine.get("m")
+    with torch.no_grad():
+        for _, p in sorted(hosted.module.named_parameters()):
+            p.copy_((torch.arange(p.numel()) % 7).reshape(p.shape) / 7.0 - 0.5)
+    return hosted
+
+
+def test_a_model_without_sinks_keeps_its_fingerprint_from_before_sinks():
+    """Adding AttentionConfig.sinks (default False) changed every model's fingerprint (the
+    config's fields are hashed), so a rolling update would have dropped every durable
+    session; a field at its default is left out of the hash."""
+    assert model_fingerprint(hosted_with_fixed_weights(PINNED_CONFIG)) == PINNED
+
+
+def test_sinks_change_the_fingerprint():
+    plain = hosted_with_fixed_weights(PINNED_CONFIG)
+    sinks = hosted_with_fixed_weights(dataclasses.replace(PINNED_CONFIG, sinks=True))
+    assert model_fingerprint(sinks) != model_fingerprint(plain)
