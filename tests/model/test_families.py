@@ -251,6 +251,26 @@ def test_options_survive_a_checkpoint_round_trip(tmp_path):
         assert torch.equal(loaded(x, causal=True).output, module(x, causal=True).output)
 
 
+def test_a_checkpoint_whose_sinks_are_not_finite_in_the_served_dtype_is_refused(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "m.safetensors"
+    save_checkpoint(make("sinks"), path)
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(path)
+    tensors["sinks"][2] = 1e5  # finite in float32, inf in float16
+    save_file(tensors, path, metadata=metadata)
+    assert load_checkpoint(path).sinks[2] == 1e5
+    with pytest.raises(ValueError, match="key 'sinks' holds NaN or Inf as float16"):
+        load_checkpoint(path, dtype=torch.float16)
+    tensors["sinks"][2] = math.nan
+    save_file(tensors, path, metadata=metadata)
+    with pytest.raises(ValueError, match="key 'sinks' holds NaN or Inf as float32"):
+        load_checkpoint(path)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "piece"),
     [

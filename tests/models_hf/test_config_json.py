@@ -282,6 +282,11 @@ def test_gpt_oss_sinks_missing_or_not_finite_are_refused(tmp_path, bad):
     load_hf_layer(directory, 0)  # layer 0's sinks are finite
     with pytest.raises(ValueError, match="layers.1.self_attn.sinks' holds NaN or Inf"):
         load_hf_layer(directory, 1)
+    tensors[name][3] = 1e5  # finite in the checkpoint, inf in a float16 model
+    save_file(tensors, path, metadata={"format": "pt"})
+    assert load_hf_layer(directory, 1)[0].sinks[3] == 1e5
+    with pytest.raises(ValueError, match="sinks' holds NaN or Inf as float16"):
+        load_hf_layer(directory, 1, dtype=torch.float16)
     del tensors[name]
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"missing tensor 'layers.1.self_attn.sinks' .*\(8,\)"):

@@ -11,6 +11,19 @@ import torch
 from .config import AttentionConfig
 
 
+def check_sinks(sinks: torch.Tensor | None, source: str) -> None:
+    """A model's attention sinks as loaded, in its dtype: each is a logit in its head's
+    softmax, and one that is not finite (NaN, Inf, or past a float16 model's range) would
+    make the head's every output NaN."""
+    if sinks is not None and not bool(sinks.isfinite().all()):
+        raise ValueError(
+            f"{source} holds NaN or Inf as {str(sinks.dtype).removeprefix('torch.')} "
+            f"({sinks.tolist()}): each sink is a logit in its head's softmax, and one that is "
+            "not finite makes the head's every output NaN; serve it in a wider dtype if it "
+            "is finite in the checkpoint"
+        )
+
+
 def check_queries(config: AttentionConfig, q: torch.Tensor) -> tuple[int, int, int, int]:
     H, D = config.num_heads, config.head_dim
     if isinstance(q, torch.Tensor):  # (every step: the shape read once, no tuple built)

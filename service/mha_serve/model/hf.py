@@ -24,6 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .attention import MultiHeadAttention
+from .checks import check_sinks
 from .hf_config import HFLayer, read_hf_layer
 
 # Per family: the attention tensors of layer {i}, without the checkpoint's own prefix
@@ -100,18 +101,14 @@ def load_hf_layer(
                 gain = 1.0 + gain.float()
             state[key] = gain
     if sinks_name is not None:
-        sinks = state["sinks"] = _get(tensors, sinks_name, (H,))
-        if not bool(sinks.isfinite().all()):
-            raise ValueError(
-                f"checkpoint tensor {sinks_name!r} holds NaN or Inf: each sink is a logit in "
-                "its head's softmax, and one that is not finite makes the head's every output NaN"
-            )
+        state["sinks"] = _get(tensors, sinks_name, (H,))
     if dtype is None:
         dtype = w.dtype
     module = MultiHeadAttention(c, device=device, dtype=dtype)
     # load_state_dict copies into the module's dtype: a float32 Gemma gain 1 + w is rounded
     # once, where transformers rounds the product instead (equal in float32).
     module.load_state_dict({k: t.contiguous() for k, t in state.items()})
+    check_sinks(module.sinks, f"checkpoint tensor {sinks_name!r}")
     return module.eval(), info
 
 
