@@ -182,7 +182,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 RAGGED = [2, 16, 299, 0, 40, 5]
 
 
-@pytest.mark.parametrize("name", ["mha", "gqa", "mqa", "rope", "win", "cap", "narrow"])
+@pytest.mark.parametrize("name", ["mha", "gqa", "mqa", "rope", "win", "cap", "sinks", "narrow"])
 def test_ragged_batch_matches_the_batched_step(engine, name):
     got = both_ways(engine, name, RAGGED)
     assert got["static"].output.shape == (len(RAGGED), 1, engine.get(name).spec.attention.embed_dim)
@@ -279,7 +279,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs nee
 
 
 @cuda
-@pytest.mark.parametrize("name", ["gqa", "rope"])
+@pytest.mark.parametrize("name", ["gqa", "rope", "sinks"])
 def test_graph_replay_equals_eager_on_cuda(name):
     engine = make_engine(torch.device("cuda"))
     hosted, cache = engine.get(name), engine.sessions.cache(name)
