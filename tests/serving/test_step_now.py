@@ -186,6 +186,11 @@ def _bad_steps(sid: str) -> dict:
         "response too large": (req("", x, session_id=sid), None, {"max_response_bytes": 1024}),
         "deadline passed": (req("", x, session_id=sid), 0.0, {}),
         "a NaN": (req("", torch.full_like(x, float("nan")), session_id=sid), None, {}),
+        # not (1, T, E): refused by prepare's shape check, never indexed first (a 0-d input
+        # was INTERNAL, IndexError, found by tests/reliability/test_fuzz.py)
+        "a scalar": (req("", x[0, 0, 0], session_id=sid), None, {}),
+        "one dimension": (req("", x[0, 0], session_id=sid), None, {}),
+        "two dimensions": (req("", x[0], session_id=sid), None, {}),
     }
 
 

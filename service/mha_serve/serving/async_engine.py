@@ -218,6 +218,7 @@ class AsyncEngine(Retrying, SessionCalls):
             not self._steps_now
             or request.need_weights
             or request.head_mask is not None
+            or request.inputs.ndim != 3  # (prepare refuses it, with its reason)
             or request.inputs.shape[1] != 1
         ):
             return None  # (a prompt, or a step with weights: no claim made for nothing)
