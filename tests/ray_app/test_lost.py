@@ -1,7 +1,8 @@
 """lost.py without a cluster: SequenceDirectory's record of the sessions a stopping replica
 could not move (bounded, newest kept), and the answering replica's decision: a session its
 replica reported counts move_failed and its NOT_FOUND says why, any other replica_killed
-(also when the directory does not answer), each counted once however often it is asked."""
+(also when the directory does not answer), each counted once however often it is asked;
+the NOT_FOUND names the replica that held the session last."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import asyncio
 
 from prometheus_client import REGISTRY
 
-from mha_serve.ray_app.lost import FailedMoves, LostSessions, gone_details
+from mha_serve.ray_app.lost import FailedMoves, Loss, LostSessions, gone_details
 
 
 def lost(reason: str) -> float:
@@ -35,14 +36,23 @@ def test_failed_moves_keep_the_newest_with_why():
     assert len(failed) == 3
 
 
+def test_failed_moves_keep_the_replica_that_reported_them():
+    failed = FailedMoves()
+    failed.record({"a-1": "no room"}, replica="b")  # a-1 moved to b, which then stopped
+    failed.record({"b-1": "no room"})  # (a report that names no replica)
+    assert failed.loss("a-1") == Loss("no room", "b")
+    assert failed.loss("b-1") == Loss("no room", None)
+    assert failed.loss("never-reported") == Loss(None, None)
+
+
 def test_a_reported_session_counts_move_failed_once_and_says_why():
     asked: list[str] = []
 
-    async def why_lost(session_id: str) -> str | None:
+    async def why_lost(session_id: str) -> Loss:
         asked.append(session_id)
-        return {"r1-a": "no replica took it: no room"}.get(session_id)
+        return {"r1-a": Loss("no replica took it: no room", "r2")}.get(session_id, Loss())
 
-    async def main() -> list[str | None]:
+    async def main() -> list[Loss]:
         lost_here = LostSessions(why_lost)
         # At once: the second and third arrive while the first one's question is pending.
         at_once = [lost_here.why("r1-a") for _ in range(3)]
@@ -52,31 +62,32 @@ def test_a_reported_session_counts_move_failed_once_and_says_why():
 
     failed, killed = lost("move_failed"), lost("replica_killed")
     answers = asyncio.run(main())
-    assert answers == [*(["no replica took it: no room"] * 3), None, "no replica took it: no room"]
+    reported = Loss("no replica took it: no room", "r2")
+    assert answers == [*([reported] * 3), Loss(), reported]
     assert sorted(asked) == ["r1-a", "r1-b"]  # one question per session
     assert (lost("move_failed"), lost("replica_killed")) == (failed + 1, killed + 1)
 
 
 def test_no_answer_from_the_directory_counts_replica_killed():
-    async def unreachable(session_id: str) -> str | None:
+    async def unreachable(session_id: str) -> Loss:
         raise RuntimeError("SequenceDirectory is restarting")
 
-    async def main() -> list[str | None]:
+    async def main() -> list[Loss]:
         no_directory = LostSessions(None)  # a replica made without one
         silent = LostSessions(unreachable)
         return [await no_directory.why("r1-a"), await silent.why("r1-b")]
 
     failed, killed = lost("move_failed"), lost("replica_killed")
-    assert asyncio.run(main()) == [None, None]
+    assert asyncio.run(main()) == [Loss(), Loss()]
     assert (lost("move_failed"), lost("replica_killed")) == (failed, killed + 2)
 
 
 def test_sessions_past_the_limit_are_asked_and_counted_again():
     asked: list[str] = []
 
-    async def why_lost(session_id: str) -> str | None:
+    async def why_lost(session_id: str) -> Loss:
         asked.append(session_id)
-        return "nowhere"
+        return Loss("nowhere", None)
 
     async def main() -> None:
         lost_here = LostSessions(why_lost, limit=2)

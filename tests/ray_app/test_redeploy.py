@@ -108,8 +108,9 @@ def test_a_redeploy_moves_every_session_and_keeps_their_owners(cluster, models):
 
 def test_a_killed_replica_loses_its_sessions_as_before(cluster, models):
     """Killed outright (no graceful stop: nothing moves): the sessions it held answer
-    NOT_FOUND saying their replica is gone, each counted lost (replica_killed, not
-    move_failed) by the replica that answers; the other replica's sessions step on."""
+    NOT_FOUND saying their replica (the one they lived on last) is gone, each counted lost
+    (replica_killed, not move_failed) by the replica that answers; the other replica's
+    sessions step on."""
     import ray
 
     steppers, channel, replicas = STATE["steppers"], STATE["channel"], STATE["replicas"]
@@ -149,6 +150,9 @@ def test_a_killed_replica_loses_its_sessions_as_before(cluster, models):
                 st.stub.GetSession(request, timeout=TIMEOUT_S, metadata=st.metadata)
             assert info.value.code() == grpc.StatusCode.NOT_FOUND, info.value
             assert "is gone" in info.value.details(), info.value.details()
+            # The replica that held it last, also for a session moved there (its id names
+            # the old replica it was made on)
+            assert f"lived on Ray Serve replica {victim!r}" in info.value.details()
             # Answered by a live replica (not Ray failing the call on the dead one): counted.
             counted_here += "no longer running" in info.value.details()
             del st.sessions[sid]

@@ -35,7 +35,7 @@ from typing import Any
 
 from mha_serve.ray_app.forward import calls
 from mha_serve.ray_app.ids import pinned_to, replica_of
-from mha_serve.ray_app.lost import FailedMoves
+from mha_serve.ray_app.lost import FailedMoves, Loss
 from mha_serve.transport.oip.sequences import SequenceKey, SequenceMap
 
 log = logging.getLogger(__name__)
@@ -109,13 +109,15 @@ class SequenceDirectory:
 
     def moves_failed(self, replica: str, failed: dict[str, str]) -> None:
         """The sessions that stopping replica could not move, each with why (one call)."""
-        self._failed.record(failed)
+        self._failed.record(failed, replica)
         log.warning("SequenceDirectory: %d sessions of %s not moved", len(failed), replica)
 
-    def why_lost(self, session_id: str) -> str | None:
-        """Why its stopping replica could not move the session; None when it did not say
-        (it died, or this directory restarted since)."""
-        return self._failed.why(session_id)
+    def why_lost(self, session_id: str) -> Loss:
+        """Why its stopping replica could not move the session (None when it did not say:
+        it died, or this directory restarted since), and the replica that held it last
+        (the one that reported it, else where it moved; None: where it was made)."""
+        loss = self._failed.loss(session_id)
+        return loss if loss.holder else Loss(loss.why, self._homes.get(session_id))
 
     async def _rebuild(self) -> None:
         """The map as the replicas hold it: each one's foreign sessions (a directory that

@@ -24,7 +24,7 @@ from mha_serve.ray_app import leaving
 from mha_serve.ray_app.context import Reply
 from mha_serve.ray_app.forward import calls, own_request_id
 from mha_serve.ray_app.ids import replica_of
-from mha_serve.ray_app.lost import RECORD_TIMEOUT_S, gone_details
+from mha_serve.ray_app.lost import RECORD_TIMEOUT_S, Loss, gone_details
 from mha_serve.ray_app.moves import MARGIN_S, NOWHERE_GRACE_S, Sent, move_all
 
 log = logging.getLogger(__name__)
@@ -111,9 +111,9 @@ class Handover:
                 e,
             )
 
-    async def _why_lost(self, session_id: str) -> str | None:
+    async def _why_lost(self, session_id: str) -> Loss:
         """What SequenceDirectory recorded when the session's stopping replica could not
-        move it (None: nothing, so it died)."""
+        move it (why None: nothing, so it died), and which replica held it last."""
         own_request_id()  # (its own call: the request that asked may have others in flight)
         return await calls(self._directory, "why_lost").remote(session_id)
 
@@ -144,10 +144,10 @@ class Handover:
         return self._answer_gone(method, session_id, what)
 
     async def _answer_gone(self, method: str, session_id: str, what: str) -> Reply:
-        why = await self._lost.why(session_id)
+        why, holder = await self._lost.why(session_id)
         protocol = metrics.PROTOCOL_KSERVE_V2 if what else metrics.PROTOCOL_MHA_V1
         metrics.count_request(method, "unknown", grpc.StatusCode.NOT_FOUND.name, protocol)
-        details = gone_details(session_id, replica_of(session_id), why, what)
+        details = gone_details(session_id, holder or replica_of(session_id), why, what)
         return Reply(code=grpc.StatusCode.NOT_FOUND, details=details)
 
 
