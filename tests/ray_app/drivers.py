@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
+import time
 import urllib.request
 from collections.abc import Iterator
 
@@ -94,10 +96,28 @@ class Driver:
 
 def replica_metrics(ports) -> Iterator[str]:
     """The /metrics text of each replica whose port answers (a replica's is the app's
-    metrics_port plus its rank on the node; ranks go on from replicas a redeploy replaced)."""
+    metrics_port plus its local rank on the node; a redeploy's new replicas start at the
+    ranks after the old ones', renumbered once those stopped)."""
     for port in ports:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
                 yield r.read().decode()
         except OSError:
             continue
+
+
+def wait_metrics_on_first_ports(ports: tuple[int, ...], replicas: set[str]) -> None:
+    """Until the replicas' /metrics answer on the first len(replicas) ports, one each, and
+    no other port answers (Ray renumbers a node's replicas once others there stopped)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        served = {}
+        for port in ports:
+            text = next(replica_metrics([port]), "")
+            found = re.search(r'replica="([^"]+)"', text)
+            served[port] = found.group(1) if found else None
+        first = [served[p] for p in ports[: len(replicas)]]
+        if set(first) == replicas and not any(served[p] for p in ports[len(replicas) :]):
+            return
+        assert time.monotonic() < deadline, f"{served} after {TIMEOUT_S} s ({replicas})"
+        time.sleep(0.2)

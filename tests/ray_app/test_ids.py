@@ -3,6 +3,9 @@ the pieces of mha_serve.ray_app that need no Ray running."""
 
 from __future__ import annotations
 
+import socket
+import urllib.error
+import urllib.request
 import uuid
 
 import grpc
@@ -11,7 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from mha_serve.ray_app.context import CallContext
 from mha_serve.ray_app.ids import replica_of, session_prefix
-from mha_serve.ray_app.scrape import Labelled
+from mha_serve.ray_app.scrape import Labelled, RankedMetrics
+from tests.ray_app.conftest import free_ports
 
 
 def test_a_session_id_names_its_replica():
@@ -51,6 +55,37 @@ def test_every_sample_gets_the_replica_labels():
     out.register(Labelled(registry, {"replica": "r1", "application": "mha"}))
     text = generate_latest(out).decode()
     assert 'mha_serve_demo_total{application="mha",model="mha",replica="r1"} 1.0' in text
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return reply.read().decode()
+
+
+def test_metrics_follow_the_replicas_local_rank():
+    """A replica's /metrics on base + local rank, moved when Ray gives it a new rank (a
+    node's replicas renumbered 0..K-1 after a redeploy or a scale-down), the old port
+    closed; a new port still taken leaves it where it was."""
+    base = free_ports(3)
+    endpoint = RankedMetrics(base, {"replica": "r1", "application": "mha"}, host="127.0.0.1")
+    try:
+        endpoint.serve_at(1)  # started beside an old replica at rank 0
+        assert endpoint.port == base + 1 and 'replica="r1"' in scrape(base + 1)
+        endpoint.serve_at(1)  # the same rank again (Ray's first reconfigure): unchanged
+        assert endpoint.port == base + 1
+        endpoint.serve_at(0)  # the old one stopped: renumbered
+        assert endpoint.port == base and 'replica="r1"' in scrape(base)
+        with pytest.raises(urllib.error.URLError):
+            scrape(base + 1)
+        with socket.socket() as taken:  # another process holds the next rank's port
+            taken.bind(("127.0.0.1", base + 2))
+            taken.listen()
+            endpoint.serve_at(2)
+            assert endpoint.port == base and 'replica="r1"' in scrape(base)
+    finally:
+        endpoint.close()
+    with pytest.raises(urllib.error.URLError):
+        scrape(base)
 
 
 def test_the_proxy_registration_parses_plain_messages():

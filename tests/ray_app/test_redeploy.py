@@ -20,14 +20,14 @@ from mha_client.tensors import to_proto
 from mha_serve.ray_app.ids import replica_of
 from tests.ray_app.cluster import APP, deploy
 from tests.ray_app.conftest import replica_handle, replica_ids
-from tests.ray_app.drivers import MODELS, TIMEOUT_S
+from tests.ray_app.drivers import MODELS, TIMEOUT_S, wait_metrics_on_first_ports
 from tests.ray_app.stepping import Stepper, metric_sum, spread_sessions, stepping_through
 from tests.ray_app.test_affinity import wait_dead
 
 pytestmark = pytest.mark.slow
 
 RAY_NUM_CPUS = 2  # one per replica: Ray stops an old replica before it starts a new one
-METRICS_PORTS = 8  # ranks go on from the replicas replaced
+METRICS_PORTS = 8  # new replicas start at the next ranks, beside the old
 NUM_THREADS = 8
 SESSIONS_PER_THREAD = 3
 STEPS_AFTER = 2
@@ -76,6 +76,9 @@ def test_a_redeploy_moves_every_session_and_keeps_their_owners(cluster, models):
     after = stepping_through(steppers, change, STEPS_AFTER)
     for st in steppers:
         st.held()  # none lost
+    # /metrics moved with the replicas' ranks to the app's first ports: what a scrape
+    # configuration lists (they started at the ports after the old replicas')
+    wait_metrics_on_first_ports(cluster.metrics_ports, after)
     moved = metric_sum(cluster.metrics_ports, "mha_serve_sessions_moved_total")
     assert moved >= NUM_THREADS * SESSIONS_PER_THREAD  # each moved at least once
     # Owners: alice's sessions answer alice, and bob exactly as for an unknown id.

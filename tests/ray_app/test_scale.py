@@ -20,7 +20,7 @@ from mha_client.sdk import Client
 from mha_serve.ray_app.ids import replica_of
 from tests.ray_app.cluster import deploy
 from tests.ray_app.conftest import ATOL, replica_handle, replica_ids
-from tests.ray_app.drivers import MODELS, TIMEOUT_S, Driver
+from tests.ray_app.drivers import MODELS, TIMEOUT_S, Driver, wait_metrics_on_first_ports
 from tests.ray_app.stepping import (
     OpenStream,
     Stepper,
@@ -32,7 +32,7 @@ from tests.ray_app.stepping import (
 pytestmark = pytest.mark.slow
 
 RAY_NUM_CPUS = 3  # one logical CPU per replica: room for the third
-METRICS_PORTS = 4  # the replicas' metrics: base + rank on the node (ranks 0..2, one spare)
+METRICS_PORTS = 4  # the replicas' metrics: base + local rank on the node (0..2, one spare)
 NUM_THREADS = 8
 SESSIONS_PER_THREAD = 3
 STEPS_AFTER = 2  # steps per thread once scaled down (on the sessions' new replicas too)
@@ -127,6 +127,9 @@ def test_a_replica_removed_moves_its_sessions_and_none_is_lost(cluster, models):
     moved_before = metric_sum(cluster.metrics_ports, "mha_serve_sessions_moved_total")
     after = stepping_through(steppers, functools.partial(scale_to, cluster.config, 2), STEPS_AFTER)
     (removed,) = before - after
+    # Ray renumbers the two left 0..1 (it stopped any of the three): /metrics moves with
+    # them to the app's first ports (the counts below read every port once it has)
+    wait_metrics_on_first_ports(cluster.metrics_ports, after)
     everyone = [*sessions, *idle.sessions, *sdk_side.sessions]
     on_removed = [sid for sid in everyone if replica_of(sid) == removed]
     assert len(on_removed) > 1, "the removed replica held none of the stepped sessions"

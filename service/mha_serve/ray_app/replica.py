@@ -44,6 +44,7 @@ from mha_serve.ray_app.ids import session_prefix
 from mha_serve.ray_app.lost import LostSessions
 from mha_serve.ray_app.moves import REOPEN, Stopping, UntilStopping
 from mha_serve.ray_app.oip import InferenceMethods
+from mha_serve.ray_app.scrape import RankedMetrics
 from mha_serve.serving import AsyncEngine
 from mha_serve.transport.answer import Refused
 from mha_serve.transport.auth import ENV_TOKEN
@@ -158,25 +159,21 @@ class AttentionReplica(InferenceMethods, Handover):
         self.stopping.watch(self.replica_id)
         self._receivers = calls(self._peer_handle(), "receive_session")
         metrics.READY.set(1)
+        self._metrics: RankedMetrics | None = None
         if metrics_port:
-            self._serve_metrics(metrics_port + context.rank.local_rank, context.app_name)
+            labels = {"replica": self.replica_id, "application": context.app_name}
+            self._metrics = RankedMetrics(metrics_port, labels)
+            self._metrics.serve_at(context.rank.local_rank)
         log.info("replica %s SERVING models: %s", self.replica_id, ", ".join(engine.models))
 
-    def _serve_metrics(self, port: int, app_name: str) -> None:
-        from mha_serve.ray_app.scrape import serve_replica_metrics
-
-        labels = {"replica": self.replica_id, "application": app_name}
-        try:
-            serve_replica_metrics(port, labels)
-            log.info("replica %s: metrics on port %d", self.replica_id, port)
-        except OSError as e:  # the port is taken: serve without metrics, say so loudly
-            log.error(
-                "replica %s: no /metrics, port %d is taken (%s); give the app a "
-                "metrics_port whose next ports (one per replica on a node) are free",
-                self.replica_id,
-                port,
-                e,
-            )
+    def reconfigure(self, user_config: Any, rank: Any = None) -> None:
+        """Ray's call after __init__ and whenever it gives this replica a new rank (it
+        renumbers a node's replicas 0..K-1 once others there stopped): /metrics follows
+        the local rank (scrape.RankedMetrics). A user_config is not used."""
+        if user_config is not None:
+            log.warning("replica %s: user_config is not used; ignored", self.replica_id)
+        if self._metrics is not None and rank is not None:
+            self._metrics.serve_at(rank.local_rank)
 
     # --- mha.v1, as Ray's proxy calls it ---------------------------------------------
 
