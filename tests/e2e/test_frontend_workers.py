@@ -237,12 +237,15 @@ def test_a_killed_frontend_is_started_again_and_no_session_is_lost(server):
     sid = stub.CreateSession(pb.CreateSessionRequest(model="mha"), timeout=10).session_id
     first = array(stub.Attend(pb.AttendRequest(session_id=sid, input=tensor(x[:5]))).output)
     before = frontend_pids(server)
+    cpu_before = metric(server, "process_cpu_seconds_total")
     os.kill(before[0], signal.SIGKILL)
     deadline = time.monotonic() + RESTART_TIMEOUT_S
     while frontend_pids(server)[0] == before[0]:  # bounded: the restart is logged
         assert time.monotonic() < deadline, f"frontend 0 not started again:\n{server.log()}"
         time.sleep(0.2)
     assert f"frontend worker 0 (pid {before[0]}) exited" in server.log()
+    # a counter: the dead frontend's CPU seconds stay in the sum (metrics/exposition.py)
+    assert metric(server, "process_cpu_seconds_total") >= cpu_before
     fresh = pb_grpc.AttentionServiceStub(own_channel(server.target))
     rest = array(fresh.Attend(pb.AttendRequest(session_id=sid, input=tensor(x[5:]))).output)
     ref = array(fresh.Attend(pb.AttendRequest(model="mha", input=tensor(x), causal=True)).output)

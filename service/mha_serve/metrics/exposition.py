@@ -4,6 +4,8 @@ mode (frontend workers) every process's files, the LIVE gauges and the process t
 from __future__ import annotations
 
 import os
+import resource
+import threading
 from collections.abc import Callable, Iterator
 
 from prometheus_client import (
@@ -29,7 +31,13 @@ def multiprocess_mode() -> bool:
 class ProcessTree:
     """process_* (CPU seconds, memory, open files) summed over this process and `others()`
     (the frontend workers), so that one server's CPU and memory are what the dashboard
-    shows whether it runs in one process or several; the start time is this process's."""
+    shows whether it runs in one process or several; the start time is this process's.
+
+    process_cpu_seconds_total is a counter, and a frontend that dies and is started again
+    must not take its CPU seconds with it (rate() would read the drop as a counter reset
+    and a spike): it adds the CPU of this process's children that have exited and been
+    reaped (RUSAGE_CHILDREN), and it never reports less than it reported before (a child
+    reaped while one scrape reads it is counted twice for that scrape, then held)."""
 
     SUMMED = (
         "process_cpu_seconds_total",
@@ -37,9 +45,12 @@ class ProcessTree:
         "process_virtual_memory_bytes",
         "process_open_fds",
     )
+    CPU = "process_cpu_seconds_total"
 
     def __init__(self, others: Callable[[], list[int]]) -> None:
         self.others = others
+        self._cpu_reported = 0.0  # the highest process_cpu_seconds_total given
+        self._lock = threading.Lock()  # (scrapes may run at once, one thread each)
 
     def collect(self) -> Iterator:
         families = {}
@@ -53,6 +64,14 @@ class ProcessTree:
                     kept = families[name].samples[0]
                     value = kept.value + family.samples[0].value
                     families[name].samples[0] = kept._replace(value=value)
+        cpu = families.get(self.CPU)
+        if cpu is not None:  # (read after the live ones: a child reaped meanwhile is kept)
+            exited = resource.getrusage(resource.RUSAGE_CHILDREN)
+            kept = cpu.samples[0]
+            with self._lock:
+                total = max(self._cpu_reported, kept.value + exited.ru_utime + exited.ru_stime)
+                self._cpu_reported = total
+            cpu.samples[0] = kept._replace(value=total)
         return iter(families.values())
 
 
