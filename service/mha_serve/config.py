@@ -315,7 +315,8 @@ def build_config(file_path: str | None, overrides: dict[str, Any]) -> ServerConf
 
 
 def check_security(cfg: ServerConfig) -> None:
-    """TLS files come in pairs and exist; per-client limits are not negative."""
+    """TLS files come in pairs, can be read and load (check_tls_files); the token file can
+    be read; per-client limits are not negative."""
     if bool(cfg.tls_cert_file) != bool(cfg.tls_key_file):
         raise ValueError(
             "tls_cert_file and tls_key_file go together: give both (TLS) or neither (plaintext)"
@@ -328,6 +329,50 @@ def check_security(cfg: ServerConfig) -> None:
         path = getattr(cfg, key)
         if path and not Path(path).is_file():
             raise ValueError(f"{key} {path!r} is not a readable file")
+        if path:
+            try:
+                Path(path).read_bytes()
+            except OSError as e:
+                raise ValueError(f"{key} {path!r} is not a readable file: {e.strerror}") from e
+    check_tls_files(cfg)
     for key in ("max_sessions_per_client", "max_cache_bytes_per_client"):
         if getattr(cfg, key) < 0:
             raise ValueError(f"{key} {getattr(cfg, key)} is negative; use 0 (no limit) or more")
+
+
+def check_tls_files(cfg: ServerConfig) -> None:
+    """Loads the TLS files as OpenSSL reads them, so that a file that is no PEM certificate
+    chain, a key that is not the chain's, or CA certificates that do not load are refused
+    at start, naming the file (the gRPC port loads them only when it opens: in a frontend
+    worker, after the models, as a frontend that dies and is started again)."""
+    if not cfg.tls_cert_file:
+        return
+    import ssl  # (only with TLS)
+
+    def encrypted() -> bytes:
+        raise ValueError(
+            f"tls_key_file {cfg.tls_key_file!r} is encrypted: gRPC needs an unencrypted "
+            "PEM private key (keep it readable by the server's user only)"
+        )
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:  # the chain alone first: then a failure of the pair is the key's
+        context.load_verify_locations(cafile=cfg.tls_cert_file)
+    except ssl.SSLError as e:
+        raise ValueError(
+            f"tls_cert_file {cfg.tls_cert_file!r} holds no PEM certificate chain: {e}"
+        ) from e
+    try:
+        context.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file, password=encrypted)
+    except ssl.SSLError as e:
+        raise ValueError(
+            f"tls_key_file {cfg.tls_key_file!r} is not the PEM private key of tls_cert_file "
+            f"{cfg.tls_cert_file!r}, or that file is no PEM certificate chain: {e}"
+        ) from e
+    if cfg.tls_client_ca_file:
+        try:
+            context.load_verify_locations(cafile=cfg.tls_client_ca_file)
+        except ssl.SSLError as e:
+            raise ValueError(
+                f"tls_client_ca_file {cfg.tls_client_ca_file!r} holds no PEM CA certificates: {e}"
+            ) from e

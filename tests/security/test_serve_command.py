@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
+from cryptography.hazmat.primitives import serialization
 
 from mha_client import cli
 from mha_client.channel import ChannelSecurity
@@ -109,3 +113,85 @@ def test_plaintext_client_is_refused_by_the_tls_port(served):
 def test_bad_security_settings_fail_at_start(overrides, message):
     with pytest.raises(ValueError, match=message):
         build_config(None, overrides)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA, the server's certificate and key, alice's, and a file that is no PEM."""
+    directory = tmp_path_factory.mktemp("bad-tls")
+    ca = Authority(directory)
+    server, alice = ca.issue("mha-serve", server=True), ca.issue("alice", server=False)
+    key = serialization.load_pem_private_key(Path(server.key).read_bytes(), None)
+    encrypted = directory / "encrypted.key"
+    encrypted.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"secret"),
+        )
+    )
+    junk = directory / "junk.pem"
+    junk.write_text("not a PEM file\n")
+    return {
+        "ca": ca.ca_file,
+        "cert": server.cert,
+        "key": server.key,
+        "alice_key": alice.key,
+        "encrypted": str(encrypted),
+        "junk": str(junk),
+    }
+
+
+# (settings as names of pki's files, the file the error must name, what it must say)
+BAD_TLS = {
+    "cert-no-pem": ({"tls_cert_file": "junk", "tls_key_file": "key"}, "junk", "no PEM certificate"),
+    "key-no-pem": (
+        {"tls_cert_file": "cert", "tls_key_file": "junk"},
+        "junk",
+        "not the PEM private key",
+    ),
+    "key-of-another": (
+        {"tls_cert_file": "cert", "tls_key_file": "alice_key"},
+        "alice_key",
+        "not the PEM private key",
+    ),
+    "key-encrypted": (
+        {"tls_cert_file": "cert", "tls_key_file": "encrypted"},
+        "encrypted",
+        "encrypted",
+    ),
+    "client-ca-no-pem": (
+        {"tls_cert_file": "cert", "tls_key_file": "key", "tls_client_ca_file": "junk"},
+        "junk",
+        "no PEM CA certificates",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TLS))
+def test_tls_files_that_do_not_load_fail_at_start_naming_the_file(pki, case):
+    settings, named, message = BAD_TLS[case]
+    with pytest.raises(ValueError, match=message) as err:
+        build_config(None, {key: pki[name] for key, name in settings.items()})
+    assert repr(pki[named]) in str(err.value)
+
+
+def test_good_tls_files_load(pki):
+    settings = {"tls_cert_file": pki["cert"], "tls_key_file": pki["key"]}
+    assert build_config(None, {**settings, "tls_client_ca_file": pki["ca"]}).tls_cert_file
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_mha_serve_with_a_key_that_is_not_the_certificates_exits_2_naming_it(pki, workers):
+    """Before anything starts (with frontend workers, a frontend found it only once the models
+    were warm, died and was started again until the crash loop stopped the server)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "mha_serve.transport.main", "--host", "127.0.0.1", "--port", "0"]
+        + ["--metrics-port", "0", "--frontend-workers", workers]
+        + ["--tls-cert-file", pki["cert"], "--tls-key-file", pki["alice_key"]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "configuration error" in done.stderr and pki["alice_key"] in done.stderr, done.stderr
