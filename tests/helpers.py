@@ -80,7 +80,16 @@ class ServerProcess:
     It runs on the suite's device in float32 (MHA_SERVE_DEVICE / MHA_SERVE_DTYPE), unless
     `env` or a flag (which wins over the environment) names its own."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, log_path: Path) -> None:
+    def __init__(
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        log_path: Path,
+        module: str = "mha_serve.transport.main",
+        process_group: bool = False,
+    ) -> None:
+        """module: run instead of mha-serve's (one that runs it, e.g. with a gate);
+        process_group: a process group of its own, which a test may signal whole (os.killpg)."""
         device = {"MHA_SERVE_DEVICE": suite_device(), "MHA_SERVE_DTYPE": "float32"}
         self.port = free_port()
         self.metrics_port = free_port()
@@ -89,7 +98,7 @@ class ServerProcess:
         cmd = [
             sys.executable,
             "-m",
-            "mha_serve.transport.main",
+            module,
             "--host",
             "127.0.0.1",
             "--port",
@@ -104,6 +113,7 @@ class ServerProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **device, **(env or {})},
+            process_group=0 if process_group else None,
         )
 
     def wait_serving(self, timeout: float = START_TIMEOUT_S) -> None:

@@ -21,6 +21,7 @@ from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_serve.transport.drain import SHUTTING_DOWN
 from tests.helpers import ServerProcess
+from tests.reliability.gated_serve import GATE_ENV, GATE_LEN
 from tests.reliability.load import ATTEND, Outcomes, attend_bytes, scrape
 
 pytestmark = pytest.mark.slow
@@ -311,3 +312,58 @@ def test_a_second_stop_signal_ends_the_drain_at_once(tmp_path, workers):
     log = proc.log()
     assert code == 0, log
     assert "second stop signal" in log, log
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_ctrl_c_to_the_process_group_drains_a_call_in_flight(tmp_path, workers):
+    """A terminal's Ctrl-C sends SIGINT to every process of the group: with frontend workers,
+    to the engine process and to each frontend. It drains once, as SIGTERM does: a call held
+    in flight (by a gate in the engine's compute thread) is answered OK, and the server exits
+    0. (The engine told its frontends to drain with SIGTERM, which a frontend that had the
+    terminal's SIGINT took for a second stop signal: it cancelled its calls in flight.)"""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    proc = ServerProcess(
+        "--frontend-workers",
+        workers,
+        "--drain-delay-s",
+        "0",
+        "--grace-period-s",
+        "120",
+        "--inline-lone-requests",
+        "false",
+        env={GATE_ENV: str(gate)},
+        log_path=tmp_path / "server.log",
+        module="tests.reliability.gated_serve",
+        process_group=True,
+    )
+    try:
+        proc.wait_serving()
+        with grpc.insecure_channel(proc.target) as channel:
+            x = np.ones((1, GATE_LEN, 512), np.float32)
+            request = pb.AttendRequest(
+                model="mha", input=pb.Tensor(dtype=1, shape=x.shape, data=x.tobytes())
+            )
+            call = pb_grpc.AttentionServiceStub(channel).Attend.future(request, timeout=WAIT_S)
+            until(lambda: (gate / "entered").exists(), "the call is held in the engine")
+            os.killpg(proc.proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C
+
+            def every_signal_handled() -> bool:
+                log = proc.log()
+                if workers == "1":
+                    return "draining: new calls refused" in log
+                # each frontend has had the engine's word: to drain, or (before) to hurry
+                told = log.count("asks this frontend to drain") + log.count("stopping now")
+                return told >= int(workers)
+
+            until(every_signal_handled, "every frontend handled the stop signals")
+            (gate / "open").touch()
+            reply = call.result(timeout=WAIT_S)
+        assert list(reply.output.shape) == [1, GATE_LEN, 512]
+        code = proc.proc.wait(WAIT_S)
+    finally:
+        (gate / "open").touch()
+        proc.stop()
+    log = proc.log()
+    assert code == 0, log
+    assert "stopping now" not in log and "cancelling" not in log, log

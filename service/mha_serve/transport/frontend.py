@@ -2,9 +2,16 @@
 the gRPC server of both protocols over the engine process's RemoteEngine. It never imports
 torch: requests and outcomes cross as Arrays (engine/requests.py).
 
-SIGTERM and SIGINT reach a frontend blocked until it has installed its handlers (the engine
-process starts it so): a signal that comes while it is still starting waits for them, and
-it stops as from any other moment, with exit 0.
+Stop signals: the engine process tells its frontends to drain with a signal of its own,
+DRAIN_SIGNAL, and to end the drain at once with HURRY_SIGNAL (an operator's second stop
+signal). SIGTERM and SIGINT sent to a frontend itself drain it too, a second one ends the
+drain; the engine's signals never count as one of them. So a Ctrl-C in a terminal, which
+reaches every process of the group (the frontend gets SIGINT from the terminal and
+DRAIN_SIGNAL from the engine), drains once, gracefully, as SIGTERM to the engine does.
+
+Every one of these reaches a frontend blocked until it has installed its handlers (the
+engine process starts it so): a signal that comes while it is still starting waits for
+them, and it stops as from any other moment, with exit 0.
 """
 
 from __future__ import annotations
@@ -18,11 +25,15 @@ import sys
 from mha_serve.config import ServerConfig
 from mha_serve.serving.remote import RemoteEngine
 from mha_serve.transport import busy_poll
-from mha_serve.transport.grpc_server import GrpcServer, stop_signal
+from mha_serve.transport.grpc_server import GrpcServer
 
 log = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # an operator's, or a terminal's (the group's)
+DRAIN_SIGNAL = signal.SIGUSR1  # the engine process's: drain
+HURRY_SIGNAL = signal.SIGUSR2  # the engine process's: end the drain now (a second stop signal)
+# What the engine process blocks while it starts a frontend (each waits for its handlers).
+FRONTEND_SIGNALS = (*STOP_SIGNALS, DRAIN_SIGNAL, HURRY_SIGNAL)
 
 
 class FrontendServer(GrpcServer):
@@ -44,6 +55,37 @@ class FrontendServer(GrpcServer):
         return self.remote
 
 
+class FrontendSignals:
+    """A frontend's stop signals: the first SIGTERM/SIGINT drains and a second ends the
+    drain (as for the standalone server); the engine process's DRAIN_SIGNAL drains and its
+    HURRY_SIGNAL ends the drain, neither counted as a SIGTERM/SIGINT."""
+
+    def __init__(self, stop: asyncio.Event, server: GrpcServer) -> None:
+        self.stop, self.server = stop, server
+        self.received = 0  # SIGTERM/SIGINT
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, self.stop_signal)
+        loop.add_signal_handler(DRAIN_SIGNAL, self.drain)
+        loop.add_signal_handler(HURRY_SIGNAL, self.hurry)
+
+    def stop_signal(self) -> None:
+        self.received += 1
+        if self.received == 1:
+            self.stop.set()
+        else:
+            self.server.hurry()
+
+    def drain(self) -> None:
+        log.info("the engine process asks this frontend to drain")
+        self.stop.set()
+
+    def hurry(self) -> None:
+        self.stop.set()
+        self.server.hurry()
+
+
 def frontend_main(cfg: ServerConfig, engine_path: str, engine_pid: int, index: int) -> None:
     """A frontend process's entry (multiprocessing, spawn): serves until SIGTERM/SIGINT or
     until the engine process goes away (then exits 1)."""
@@ -51,17 +93,29 @@ def frontend_main(cfg: ServerConfig, engine_path: str, engine_pid: int, index: i
         level=cfg.log_level,
         format=f"%(asctime)s %(levelname)s frontend-{index} %(name)s: %(message)s",
     )
-    sys.exit(busy_poll.run(_frontend(cfg, engine_path, engine_pid, index), cfg.busy_poll_us))
+    sys.exit(busy_poll.run(_stopped(cfg, engine_path, engine_pid, index), cfg.busy_poll_us))
+
+
+async def _stopped(cfg: ServerConfig, engine_path: str, engine_pid: int, index: int) -> int:
+    """_frontend, then its stop signals ignored: the event loop's end would give them their
+    default action back, and one coming late (the engine's DRAIN_SIGNAL to a frontend that
+    stopped on its own signal) would end the process with that signal, not its exit code."""
+    try:
+        return await _frontend(cfg, engine_path, engine_pid, index)
+    finally:
+        loop = asyncio.get_running_loop()
+        for sig in FRONTEND_SIGNALS:
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
 
 
 async def _frontend(cfg: ServerConfig, engine_path: str, engine_pid: int, index: int) -> int:
     server = FrontendServer(cfg, engine_path, engine_pid)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in STOP_SIGNALS:  # a second one ends the drain at once
-        loop.add_signal_handler(sig, stop_signal, stop, server)
+    FrontendSignals(stop, server).install(loop)
     # Blocked by the engine process until now (workers.py): one sent meanwhile arrives here.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FRONTEND_SIGNALS)
     stopping = asyncio.create_task(stop.wait())
     starting = asyncio.create_task(server.start())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)

@@ -13,9 +13,11 @@ engine process (the reference design is vLLM v1's API-server / engine-core split
   one-step-at-a-time claim holds across frontends. A stream stays on the frontend holding it.
 - Startup: the engine process reserves the port, starts the frontends, loads the models;
   a frontend listens only once the engine is warm, so every connection it accepts is served.
-- SIGTERM (or SIGINT): each frontend drains as the standalone server does (health
-  NOT_SERVING, new calls UNAVAILABLE, in-flight calls get the grace period), then the
-  engine stops. A frontend that dies otherwise is started again; its calls in flight fail
+- SIGTERM (or SIGINT): the engine tells each frontend to drain with a signal of its own
+  (frontend.DRAIN_SIGNAL, not SIGTERM: a Ctrl-C reaches every process of the group, and a
+  frontend would take the engine's SIGTERM for a second stop signal and cancel its calls);
+  each drains as the standalone server does (health NOT_SERVING, new calls UNAVAILABLE,
+  in-flight calls get the grace period), then the engine stops. A frontend that dies otherwise is started again; its calls in flight fail
   UNAVAILABLE on their clients, and its session steps are rolled back in the engine.
 - Metrics: prometheus-client's multiprocess mode (metrics/exposition.py); the engine
   process's /metrics sums every process.
@@ -24,6 +26,7 @@ engine process (the reference design is vLLM v1's API-server / engine-core split
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import gc
@@ -45,7 +48,12 @@ from mha_serve.net import host_port
 from mha_serve.serving import AsyncEngine
 from mha_serve.serving.host import EngineHost, clean_shared_memory
 from mha_serve.transport import busy_poll
-from mha_serve.transport.frontend import STOP_SIGNALS, frontend_main
+from mha_serve.transport.frontend import (
+    DRAIN_SIGNAL,
+    FRONTEND_SIGNALS,
+    HURRY_SIGNAL,
+    frontend_main,
+)
 from mha_serve.transport.server import load_engine, spill_on_stop
 
 log = logging.getLogger(__name__)
@@ -126,12 +134,12 @@ class EngineProcess:
             args=(frontend_cfg, self.engine_path, os.getpid(), index),
             name=f"mha-serve-frontend-{index}",
         )
-        # The child inherits the signal mask: it gets SIGTERM/SIGINT only once its handlers
+        # The child inherits the signal mask: it gets its stop signals only once its handlers
         # are in place (frontend.py), so a stop while it starts ends it as any other (exit 0).
-        # multiprocessing starts its resource tracker on the first start, with these two
-        # signals unblocked again after: started first, it leaves the mask alone.
+        # multiprocessing starts its resource tracker on the first start, with SIGTERM and
+        # SIGINT unblocked again after: started first, it leaves the mask alone.
         resource_tracker.ensure_running()
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, FRONTEND_SIGNALS)
         try:
             process.start()
         finally:
@@ -241,18 +249,17 @@ class EngineProcess:
 
     def _on_signal(self) -> None:
         """The first SIGTERM/SIGINT stops (frontends drain, then the engine); a second is
-        passed on to the frontends, whose drain then ends at once (as a second Ctrl-C does
-        in a terminal, where every process of the group gets it)."""
+        passed on to the frontends as HURRY_SIGNAL, and their drain ends at once (as a
+        second Ctrl-C does in a terminal, where every process of the group gets it)."""
         self._signals += 1
         if self._signals == 1:  # (counted, not stopping.is_set(): a crash loop or a failed
             self.stopping.set()  # load stops too, and the first signal after that is a first)
             return
         log.warning("second stop signal: the frontends stop their drain now")
-        # (A frontend still starting has its signals blocked: two SIGTERMs sent to it then
-        # arrive as one, and it drains as for one. Every other frontend hurries.)
+        # (A frontend still starting has its signals blocked: it gets this one once its
+        # handlers are in place, and stops at once.)
         for frontend in self.frontends.values():
-            if frontend.process.is_alive():
-                frontend.process.terminate()
+            _tell(frontend.process, HURRY_SIGNAL)
 
     async def _stop(self) -> None:
         """Frontends drain first (each as the standalone server does), then the engine."""
@@ -264,7 +271,7 @@ class EngineProcess:
             await self.host.close()  # get the link's end at once
         live = [f.process for f in self.frontends.values() if f.process.is_alive()]
         for process in live:
-            process.terminate()  # SIGTERM: the frontend drains
+            _tell(process, DRAIN_SIGNAL)  # (not SIGTERM: see the module's docstring)
         limit = self.cfg.drain_delay_s + self.cfg.grace_period_s + STOP_MARGIN_S
         deadline = time.monotonic() + limit
         for process in live:
@@ -284,6 +291,14 @@ class EngineProcess:
         clean_shared_memory(os.getpid())
         shutil.rmtree(self.run_dir, ignore_errors=True)
         log.info("stopped")
+
+
+def _tell(process: multiprocessing.process.BaseProcess, signum: int) -> None:
+    """Sends a frontend one of the engine's signals, unless it has exited (and been reaped:
+    a pid not yet reaped is still its own)."""
+    if process.exitcode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signum)
 
 
 def run(cfg: ServerConfig) -> int:
