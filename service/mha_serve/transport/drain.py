@@ -21,6 +21,13 @@ AT_LIMIT = (
     "this server is handling {limit} calls at once, its max_concurrent_rpcs (open streams "
     "count for as long as they are open); retry later, or raise the limit"
 )
+# With frontend workers the limit is each frontend's: the refusal says which one refused.
+FRONTEND_AT_LIMIT = (
+    "frontend worker {index} of {count} is handling {limit} calls at once, its "
+    "max_concurrent_rpcs: the limit is per frontend worker (open streams count for as long "
+    "as they are open); retry later (a new connection may reach another frontend), or raise "
+    "the limit"
+)
 # gRPC's own limit of concurrent RPCs is set this much above the guarded calls' limit
 # (max_concurrent_rpcs): health checks, reflection and calls whose request is still
 # arriving get through (gRPC's refusal is uncounted and does not say which limit), while
@@ -40,9 +47,13 @@ class Drain:
     `max_calls` of them at once, refuses new ones RESOURCE_EXHAUSTED (counted, saying which
     limit: gRPC's own refusal is neither)."""
 
-    def __init__(self, quiet_s: float = QUIET_S, max_calls: int | None = None) -> None:
+    def __init__(
+        self, quiet_s: float = QUIET_S, max_calls: int | None = None, at_limit: str = AT_LIMIT
+    ) -> None:
+        """at_limit: the refusal past max_calls, formatted with limit=max_calls."""
         self.quiet_s = quiet_s
         self.max_calls = max_calls  # None: no limit of its own
+        self.at_limit = at_limit
         self.in_flight = 0  # calls inside a guarded handler
         self.closed = False
         self.refused = 0  # calls and stream messages answered UNAVAILABLE once closed
@@ -168,4 +179,4 @@ class Drain:
         self._last_activity = time.monotonic()
         code = grpc.StatusCode.RESOURCE_EXHAUSTED
         metrics.count_request(method, "unknown", code.name, protocol)
-        await context.abort(code, AT_LIMIT.format(limit=self.max_calls))
+        await context.abort(code, self.at_limit.format(limit=self.max_calls))

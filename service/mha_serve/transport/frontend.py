@@ -25,6 +25,7 @@ import sys
 from mha_serve.config import ServerConfig
 from mha_serve.serving.remote import RemoteEngine
 from mha_serve.transport import busy_poll
+from mha_serve.transport.drain import FRONTEND_AT_LIMIT
 from mha_serve.transport.grpc_server import GrpcServer
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,12 @@ FRONTEND_SIGNALS = (*STOP_SIGNALS, DRAIN_SIGNAL, HURRY_SIGNAL)
 class FrontendServer(GrpcServer):
     """The standalone server's gRPC side over the engine process's RemoteEngine."""
 
-    def __init__(self, cfg: ServerConfig, engine_path: str, engine_pid: int) -> None:
-        super().__init__(cfg, reuse_port=True)
+    def __init__(self, cfg: ServerConfig, engine_path: str, engine_pid: int, index: int) -> None:
+        """index: this frontend's (0 to frontend_workers - 1), named in its refusals."""
+        at_limit = FRONTEND_AT_LIMIT.format(
+            index=index, count=cfg.frontend_workers, limit="{limit}"
+        )
+        super().__init__(cfg, reuse_port=True, at_limit=at_limit)
         self.engine_path, self.engine_pid = engine_path, engine_pid
         self.remote: RemoteEngine | None = None
 
@@ -110,7 +115,7 @@ async def _stopped(cfg: ServerConfig, engine_path: str, engine_pid: int, index: 
 
 
 async def _frontend(cfg: ServerConfig, engine_path: str, engine_pid: int, index: int) -> int:
-    server = FrontendServer(cfg, engine_path, engine_pid)
+    server = FrontendServer(cfg, engine_path, engine_pid, index)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     FrontendSignals(stop, server).install(loop)

@@ -22,7 +22,7 @@ from mha_serve.config import ServerConfig
 from mha_serve.net import host_port
 from mha_serve.serving import EngineClient
 from mha_serve.transport.auth import TokenInterceptor, load_tokens, server_credentials
-from mha_serve.transport.drain import GRPC_HEADROOM, Drain
+from mha_serve.transport.drain import AT_LIMIT, GRPC_HEADROOM, Drain
 from mha_serve.transport.handlers import add_service
 from mha_serve.transport.oip import SERVICE as INFERENCE_SERVICE
 from mha_serve.transport.oip import SERVICE_NAME as INFERENCE_SERVICE_NAME
@@ -61,9 +61,11 @@ class GrpcServer:
         *,
         clock: Callable[[], float] = time.monotonic,
         reuse_port: bool = False,
+        at_limit: str = AT_LIMIT,
     ) -> None:
         """clock: the sessions' idle time and TTL (tests give a fake one); reuse_port: share
-        the port with other processes (frontend workers, transport/workers.py)."""
+        the port with other processes (frontend workers, transport/workers.py); at_limit:
+        the refusal past max_concurrent_rpcs (drain.AT_LIMIT), formatted with limit."""
         self.cfg = cfg
         self.clock = clock
         self.health = health.aio.HealthServicer()
@@ -89,7 +91,7 @@ class GrpcServer:
         self._stopped = asyncio.Event()
         self._hurried = asyncio.Event()  # a second stop signal: end the drain now
         # Both doors' calls: refused once draining (waited for on stop), or past the limit.
-        self.drain = Drain(max_calls=cfg.max_concurrent_rpcs)
+        self.drain = Drain(max_calls=cfg.max_concurrent_rpcs, at_limit=at_limit)
 
     async def start(self) -> None:
         """Listens at once (health NOT_SERVING), then loads and warms the models off the loop."""
