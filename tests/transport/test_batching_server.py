@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
+from mha_serve import metrics
 from mha_serve.config import ServerConfig
 from mha_serve.engine import ModelSpec
 from mha_serve.model import AttentionConfig
@@ -23,6 +24,8 @@ from mha_serve.transport.server import Server
 from tests.helpers import free_port
 
 WAIT_S = 10.0
+# A call's deadline: long enough to reach the gate on a loaded machine (it is then held).
+DEADLINE_S = 2.0
 
 
 class Gate:
@@ -133,3 +136,34 @@ async def test_health_answers_during_a_long_batch(gated):
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
     gate.open.set()
     await first
+
+
+def attend_counted(code: str) -> float:
+    """mha_serve_requests_total of model small's Attend calls answered `code`."""
+    counter = metrics.REQUESTS.labels("Attend", "small", code, metrics.PROTOCOL_MHA_V1)
+    return counter._value.get()  # noqa: SLF001
+
+
+async def until_counted(before: dict[str, float]) -> None:
+    """Until a call is counted under one of before's codes (its handler ends as its client
+    is answered, not before it)."""
+    for _ in range(int(WAIT_S / 0.01)):
+        if sum(attend_counted(code) for code in before) > sum(before.values()):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the call was never counted")
+
+
+async def test_a_deadline_that_passes_while_the_call_computes_is_counted_deadline_exceeded(gated):
+    """gRPC cancels the handler at the deadline: the call was counted CANCELLED, though its
+    client was answered DEADLINE_EXCEEDED (with frontend workers too: test_frontend_server)."""
+    _, gate, stub, _ = gated
+    before = {code: attend_counted(code) for code in ("DEADLINE_EXCEEDED", "CANCELLED")}
+    call = asyncio.ensure_future(stub.Attend(request(1), timeout=DEADLINE_S))
+    assert await asyncio.to_thread(gate.entered.wait, WAIT_S)  # computing, held
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await until_counted(before)
+    assert attend_counted("DEADLINE_EXCEEDED") == before["DEADLINE_EXCEEDED"] + 1
+    assert attend_counted("CANCELLED") == before["CANCELLED"]

@@ -24,7 +24,14 @@ from mha_serve.serving.host import EngineHost
 from mha_serve.transport.frontend import FrontendServer
 from mha_serve.transport.server import load_engine
 from tests.helpers import free_port
-from tests.transport.test_batching_server import WAIT_S, Gate, request
+from tests.transport.test_batching_server import (
+    DEADLINE_S,
+    WAIT_S,
+    Gate,
+    attend_counted,
+    request,
+    until_counted,
+)
 
 INDEX = 1  # this frontend's, of WORKERS
 WORKERS = 2
@@ -76,3 +83,18 @@ async def test_past_max_concurrent_rpcs_the_refusal_names_the_frontend_worker(tm
         assert "per frontend worker" in details, details
         gate.open.set()
         assert list((await held).output.shape) == [1, 1, 32]
+
+
+async def test_a_deadline_that_passes_while_the_call_computes_is_counted_deadline_exceeded(
+    tmp_path,
+):
+    async with frontend(tmp_path) as (_, gate, stub):
+        before = {code: attend_counted(code) for code in ("DEADLINE_EXCEEDED", "CANCELLED")}
+        call = asyncio.ensure_future(stub.Attend(request(1), timeout=DEADLINE_S))
+        assert await asyncio.to_thread(gate.entered.wait, WAIT_S)  # computing, held
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await until_counted(before)
+        assert attend_counted("DEADLINE_EXCEEDED") == before["DEADLINE_EXCEEDED"] + 1
+        assert attend_counted("CANCELLED") == before["CANCELLED"]

@@ -23,7 +23,7 @@ from mha_serve import metrics
 from mha_serve.engine.requests import ModelView
 from mha_serve.serving import EngineClient, Unavailable
 from mha_serve.serving.finish import offload
-from mha_serve.transport.answer import Refused, note_malformed, settle
+from mha_serve.transport.answer import Refused, deadline_passed, note_malformed, settle
 from mha_serve.transport.auth import client_identity
 from mha_serve.transport.convert import (
     Frames,
@@ -101,6 +101,7 @@ class Door:
             protocol=self.PROTOCOL,
             over=over,
             in_flight=computes,
+            expired=lambda: deadline_passed(context),
         )
 
     def malformed(self, method: str, request: Malformed, context: ReadOnlyContext) -> Refused:
@@ -202,6 +203,7 @@ class AttentionDoor(Door):
                         over=over,
                         in_flight=True,
                         count=count,
+                        expired=lambda: deadline_passed(context),
                     )
                     if not isinstance(answer, Refused):
                         yield answer

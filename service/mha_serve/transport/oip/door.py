@@ -23,6 +23,7 @@ from mha_serve.cache.errors import SessionBusy, SessionNotFound
 from mha_serve.engine.errors import ModelNotFound, RequestError
 from mha_serve.engine.requests import AttendRequest, ModelView
 from mha_serve.serving import EXPECTED, EngineClient, Served, Unavailable
+from mha_serve.transport.answer import deadline_passed
 from mha_serve.transport.auth import client_identity
 from mha_serve.transport.door import Door, ReadOnlyContext
 from mha_serve.transport.handlers import Malformed
@@ -133,8 +134,9 @@ class InferenceDoor(Door):
         except EXPECTED as e:
             code = status_of(e)
             return stream_error(request, str(e))
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
+        except asyncio.CancelledError:  # (at the deadline: counted as its client hears it)
+            expired = deadline_passed(context)
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             raise
         except Exception as e:
             code = grpc.StatusCode.INTERNAL
