@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -367,3 +368,33 @@ def test_ctrl_c_to_the_process_group_drains_a_call_in_flight(tmp_path, workers):
     log = proc.log()
     assert code == 0, log
     assert "stopping now" not in log and "cancelling" not in log, log
+
+
+def _caught(pid: int) -> int:
+    """The signals a process has handlers for (SigCgt in /proc/PID/status), as a bit mask."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return int(line.split()[1], 16)
+    raise AssertionError(f"no SigCgt for pid {pid}")
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_sigterm_while_torch_imports_exits_zero(tmp_path, workers):
+    """SIGTERM while `mha-serve` is still importing torch (its first second or so, before
+    its event loop exists) is handled already (early_stop.py): the process stops with exit
+    0, nothing having served, instead of being killed (-15). The gate: libtorch mapped in
+    the process, which torch's import does early on."""
+    proc = ServerProcess("--frontend-workers", workers, log_path=tmp_path / "server.log")
+    pid = proc.proc.pid
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while "libtorch" not in Path(f"/proc/{pid}/maps").read_text():
+            assert time.monotonic() < deadline and proc.proc.poll() is None, proc.log()
+        assert _caught(pid) & (1 << (signal.SIGTERM - 1)), "SIGTERM not handled yet"
+        proc.proc.send_signal(signal.SIGTERM)
+        code = proc.proc.wait(WAIT_S)
+    finally:
+        proc.stop()
+    log = proc.log()
+    assert code == 0, log
+    assert "Traceback" not in log and "SERVING" not in log, log

@@ -7,8 +7,8 @@ import logging
 import os
 import sys
 
-from mha_serve.config import SERVER_KEYS, ServerConfig, build_config
-from mha_serve.transport import busy_poll
+# (Only the standard library before main() has its stop signals in place: early_stop.py.)
+from mha_serve.transport.early_stop import EarlyStop
 
 ENV_PREFIX = "MHA_SERVE_"
 HELP = {
@@ -47,6 +47,8 @@ HELP = {
 
 
 def parser() -> argparse.ArgumentParser:
+    from mha_serve.config import SERVER_KEYS, ServerConfig
+
     defaults = ServerConfig()
     p = argparse.ArgumentParser(
         prog="mha-serve",
@@ -73,6 +75,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # First of all: a SIGTERM/SIGINT while torch imports and the models load stops the
+    # server once it can, with exit 0, instead of killing it (early_stop.py).
+    with EarlyStop() as early:
+        return _main(argv, early)
+
+
+def _main(argv: list[str] | None, early: EarlyStop) -> int:
+    from mha_serve.config import SERVER_KEYS, build_config
+    from mha_serve.transport import busy_poll
+
     args = parser().parse_args(argv)
     overrides = {key: getattr(args, key) for key in SERVER_KEYS}
     try:
@@ -102,11 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if early.received:
+        logging.getLogger("mha-serve").info("stopped by a signal before serving")
+        return 0
 
     if cfg.frontend_workers > 1:
-        return _run_frontend_workers(cfg)
+        return _run_frontend_workers(cfg, early)
     try:
-        busy_poll.run(serve(cfg), cfg.busy_poll_us)
+        busy_poll.run(serve(cfg, early), cfg.busy_poll_us)
     except (ValueError, OSError) as e:
         logging.getLogger("mha-serve").error("cannot start: %s", e)
         return 1
@@ -132,14 +147,14 @@ def _multiprocess_metrics() -> str | None:
     return None
 
 
-def _run_frontend_workers(cfg) -> int:
+def _run_frontend_workers(cfg, early: EarlyStop) -> int:
     """The engine process and its frontends (transport/workers.py)."""
     import shutil
 
     from mha_serve.transport.workers import run
 
     try:
-        return run(cfg)
+        return run(cfg, early)
     except (ValueError, OSError) as e:
         logging.getLogger("mha-serve").error("cannot start: %s", e)
         return 1

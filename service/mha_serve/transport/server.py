@@ -20,6 +20,7 @@ from mha_serve.engine import Engine, resolve_device, resolve_dtype
 from mha_serve.engine.threads import ComputeThreads, pin_event_loop, unpin
 from mha_serve.serving import AsyncEngine
 from mha_serve.serving.async_engine import SESSION_SWEEP_S
+from mha_serve.transport.early_stop import EarlyStop
 from mha_serve.transport.grpc_server import SERVICE_NAME, GrpcServer, stop_signal
 
 log = logging.getLogger(__name__)
@@ -119,8 +120,9 @@ def spill_on_stop(engine: Engine) -> None:
     engine.close_spill()
 
 
-async def serve(cfg: ServerConfig) -> None:
-    """Runs until SIGTERM or SIGINT, then stops gracefully."""
+async def serve(cfg: ServerConfig, early: EarlyStop | None = None) -> None:
+    """Runs until SIGTERM or SIGINT, then stops gracefully. early: the stop signals
+    received before this loop's handlers (main.py): one then stops it as at once."""
     loop = asyncio.get_running_loop()
     if cfg.event_loop_cpu != "none":  # before gRPC starts its threads from this one
         cpu = pin_event_loop(cfg.event_loop_cpu)
@@ -130,6 +132,8 @@ async def serve(cfg: ServerConfig) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_signal, stop, server)
+    if early is not None and early.received:  # (checked once this loop's handlers are in)
+        stop_signal(stop, server)
     start = asyncio.create_task(server.start())
     stopping = asyncio.create_task(stop.wait())
     try:

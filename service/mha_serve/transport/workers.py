@@ -48,6 +48,7 @@ from mha_serve.net import host_port
 from mha_serve.serving import AsyncEngine
 from mha_serve.serving.host import EngineHost, clean_shared_memory
 from mha_serve.transport import busy_poll
+from mha_serve.transport.early_stop import EarlyStop
 from mha_serve.transport.frontend import (
     DRAIN_SIGNAL,
     FRONTEND_SIGNALS,
@@ -103,8 +104,10 @@ class _Frontend:
 class EngineProcess:
     """Loads the engine, starts and watches the frontends, stops them all on a signal."""
 
-    def __init__(self, cfg: ServerConfig) -> None:
+    def __init__(self, cfg: ServerConfig, early: EarlyStop | None = None) -> None:
+        """early: the stop signals received before this process's loop took them (main.py)."""
         self.cfg = cfg
+        self.early = early
         self.count = cfg.frontend_workers
         self.run_dir = Path(tempfile.mkdtemp(prefix="mha-serve-"))
         self.engine_path = str(self.run_dir / "engine.sock")
@@ -194,6 +197,8 @@ class EngineProcess:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal)
+        if self.early is not None and self.early.received:  # (once this loop's are in)
+            self._on_signal()
         placeholder = reserve_port(cfg.host, cfg.port)
         self.port = placeholder.getsockname()[1]
         try:
@@ -301,7 +306,7 @@ def _tell(process: multiprocessing.process.BaseProcess, signum: int) -> None:
             os.kill(process.pid, signum)
 
 
-def run(cfg: ServerConfig) -> int:
+def run(cfg: ServerConfig, early: EarlyStop | None = None) -> int:
     """The process's exit code: 0 after a signal, 1 when it could not start or a frontend
-    kept dying."""
-    return busy_poll.run(EngineProcess(cfg).run(), cfg.busy_poll_us)
+    kept dying. early: stop signals received before (main.py)."""
+    return busy_poll.run(EngineProcess(cfg, early).run(), cfg.busy_poll_us)
