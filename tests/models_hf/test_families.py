@@ -23,6 +23,7 @@ from transformers import (
     Mistral3ForConditionalGeneration,
     MistralConfig,
     MixtralConfig,
+    MixtralForCausalLM,
     Olmo3Config,
     Olmo3Model,
     OlmoConfig,
@@ -189,6 +190,42 @@ def test_keys_left_out_are_read_with_the_familys_defaults(
 ):
     directory = checkpoint(tmp_path, cls, config, **edits)
     assert_served_as_transformers(directory, cls, family, layer)
+
+
+ROPE_THETA_DEFAULTS = [
+    # (model class, config, layer with RoPE, transformers' default_theta for the family)
+    (
+        MixtralForCausalLM,
+        MixtralConfig(num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1, **SMALL),
+        0,
+        1e6,
+    ),
+    (  # (layers 0 to 2 of every 4 have RoPE)
+        SmolLM3Model,
+        SmolLM3Config(num_key_value_heads=2, **NO_TOKENS, **SMALL),
+        0,
+        2e6,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("cls", "config", "layer", "theta"), ROPE_THETA_DEFAULTS, ids=["mixtral", "smollm3"]
+)
+@pytest.mark.parametrize(
+    "rope",
+    [None, {"rope_type": "linear", "factor": 2.0}],
+    ids=["no_rope_parameters", "table_without_rope_theta"],
+)
+def test_rope_theta_left_out_takes_the_familys_default_theta(
+    tmp_path, cls, config, layer, theta, rope
+):
+    # MixtralConfig's default_theta is 1e6 and SmolLM3Config's 2e6, not 1e4: served with
+    # 1e4 (the generic default), the layer's output was off by ~4 and answered OK
+    directory = checkpoint(tmp_path, cls, config, rope_parameters=rope, rope_theta=None)
+    assert AutoConfig.from_pretrained(directory).rope_parameters["rope_theta"] == theta
+    assert read_hf_layer(directory, layer).attention.rope.theta == theta
+    assert_served_as_transformers(directory, cls, config.model_type, layer)
 
 
 @pytest.mark.parametrize(

@@ -51,7 +51,9 @@ ROTARY = FAMILIES[2:]
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # transformers' defaults (its configuration_<family>.py) for the keys we read whose absence
 # from config.json means something else than our fallback: a key left out is read as
-# transformers reads it (a Gemma 3 text_config, for one, lists only what differs).
+# transformers reads it (a Gemma 3 text_config, for one, lists only what differs). rope_theta:
+# the config class's default_theta where it is not the 10000 of RotaryEmbeddingConfigMixin
+# (Gemma 3's and OLMo 3's per layer type are PER_TYPE_ROPE's).
 DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"num_key_value_heads": 8, "sliding_window": 4096},
     "qwen2": {"num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 28},
@@ -77,7 +79,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "query_pre_attn_scalar": 256,
         "sliding_window": 4096,
     },
-    "mixtral": {"num_key_value_heads": 8},
+    "mixtral": {"num_key_value_heads": 8, "rope_theta": 1_000_000.0},
     "ministral": {"num_key_value_heads": 8, "sliding_window": 4096},
     "starcoder2": {"num_key_value_heads": 2, "use_bias": True},
     "qwen2_moe": {
@@ -89,7 +91,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"num_key_value_heads": 4, "sliding_window": 4096},
     "olmoe": {"rms_norm_eps": 1e-5},
     **dict.fromkeys(("granite", "granitemoe", "granitemoeshared"), {"attention_multiplier": 1.0}),
-    "smollm3": {"num_key_value_heads": 4, "no_rope_layer_interval": 4},
+    "smollm3": {"num_key_value_heads": 4, "no_rope_layer_interval": 4, "rope_theta": 2_000_000.0},
     "cohere2": {"sliding_window": 4096, "sliding_window_pattern": 4},
     "exaone4": {
         "num_key_value_heads": 32,
