@@ -132,6 +132,22 @@ NO_TOKENS = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
             {"layer_types": None, "sliding_window_pattern": 2},
             1,
         ),
+        # Cohere 2 with head_dim 16 != 64 / 8: Cohere2Attention reads config.head_dim (E // H
+        # only without one), where we served E // H whatever config.json said
+        (
+            Cohere2Model,
+            Cohere2Config(
+                num_key_value_heads=2,
+                head_dim=16,
+                layer_types=["sliding_attention", "full_attention"],
+                sliding_window=6,
+                pad_token_id=0,
+                **SMALL,
+            ),
+            "cohere2",
+            {},
+            1,
+        ),
         # Seed-OSS: attention_bias (q/k/v, default on) and attention_out_bias (o) apart;
         # here o_proj's alone (q/k/v's served as zero)
         (
@@ -179,6 +195,7 @@ NO_TOKENS = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
         "smollm3_no_rope_layers",
         "smollm3_window_layer_types",
         "cohere2_sliding_window_pattern",
+        "cohere2_head_dim",
         "seed_oss_o_bias_only",
         "seed_oss_defaults",
         "olmo3_rope_scaling_local",

@@ -118,8 +118,6 @@ MULTIMODAL = {
     "gemma3": ("gemma3_text", "language_model"),
     "mistral3": ("mistral", "language_model"),
 }
-# Keys a family's config sets whatever config.json says (Cohere 2: head_dim = E // H).
-FORCED: dict[str, dict[str, Any]] = {"cohere2": {"head_dim": None}}
 # Where each rotary family's attention differs from Llama's (transformers 5's
 # modeling_<family>.py); a family a table leaves out has Llama's there.
 # The q/k/v/o biases: the config.json key that turns them on, or fixed.
@@ -271,7 +269,7 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
                 f"{config_path}: model_type {name!r} (architectures {arch}) is not supported"
                 f"{why}; supported: {', '.join(FAMILIES)}"
             )
-    cfg = {**DEFAULTS.get(kind, {}), **cfg, **FORCED.get(kind, {})}  # a null stays null
+    cfg = {**DEFAULTS.get(kind, {}), **cfg}  # a null stays null
     num_layers = _int(cfg, "n_layer" if family == "gpt2" else "num_hidden_layers", config_path)
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
         raise ValueError(
