@@ -249,7 +249,11 @@ def test_phi3_fused_qkv_and_window(tmp_path):
             0,
             "layer type 'chunked_attention'",
         ),
-        ({**GEMMA3, "rope_parameters": {"full_attention": {}}}, 0, "no table for layer type"),
+        (  # (a flat table: transformers 5 ignores it for its per-type defaults)
+            {**GEMMA3, "rope_parameters": {"rope_type": "linear", "factor": 2.0}},
+            0,
+            "rope_parameters must hold a table per layer type",
+        ),
         ({**GEMMA3, "sliding_window": None}, 0, "sliding_window is not set"),
         ({**GEMMA3, "query_pre_attn_scalar": 0}, 0, "query_pre_attn_scalar must be a positive"),
         ({**GEMMA3, "model_type": "gemma3", "text_config": None}, 0, "gemma3 has no text_config"),

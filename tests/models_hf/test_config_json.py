@@ -22,6 +22,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     Olmo2Config,
+    Olmo3Config,
+    Olmo3Model,
     Phi3Config,
     Phi3Model,
     Qwen2Config,
@@ -115,6 +117,88 @@ def test_gemma3_rope_tables_without_rope_theta_take_the_layer_types_defaults(tmp
         tmp_path, Gemma3TextModel, config, rope_parameters=tables, rope_local_base_freq=3000.0
     )
     assert_served_as_transformers(directory, Gemma3TextModel, "gemma3_text", layer)
+
+
+# Gemma 3 and OLMo 3 as transformers 5 reads their RoPE (Gemma3TextConfig's and
+# Olmo3Config's convert_rope_params_to_dict): a table per layer type, each layer taking its
+# type's table (their rotary_emb(x, positions, layer_type)).
+PER_TYPE = {
+    "gemma3_text": (
+        Gemma3TextModel,
+        lambda: Gemma3TextConfig(
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            **SMALL,
+        ),
+    ),
+    "olmo3": (
+        Olmo3Model,
+        lambda: Olmo3Config(
+            num_key_value_heads=4,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            pad_token_id=1,
+            **SMALL,
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("family", list(PER_TYPE))
+@pytest.mark.parametrize("layer", [0, 1], ids=["local", "global"])
+@pytest.mark.parametrize(
+    "edits",
+    [
+        # one layer type's table only: the other's is transformers' default for its type
+        {"rope_parameters": {"full_attention": {**LINEAR, "rope_theta": 3000.0}}},
+        {"rope_parameters": {"sliding_attention": {**LINEAR, "rope_theta": 3000.0}}},
+        # 4.x's rope_scaling beside 5's tables: the global layers' table takes it, the
+        # local layers' does not
+        {
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 2000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 5000.0},
+            },
+            "rope_scaling": LINEAR,
+        },
+    ],
+    ids=["global_table_only", "local_table_only", "rope_scaling_beside_tables"],
+)
+def test_rope_tables_per_layer_type_are_read_as_transformers_does(tmp_path, family, layer, edits):
+    # (a missing table was refused, and rope_scaling went to a local table that had its
+    # rope_theta: a linear RoPE where transformers' local layers have none)
+    cls, config = PER_TYPE[family]
+    directory = checkpoint(tmp_path, cls, config(), **edits)
+    assert_served_as_transformers(directory, cls, family, layer)
+
+
+@pytest.mark.parametrize("family", list(PER_TYPE))
+@pytest.mark.parametrize(
+    "tables",
+    [
+        {"rope_type": "linear", "factor": 2.0, "rope_theta": 3000.0},
+        {  # (as transformers saves a flat table it has read: its keys beside the types')
+            "rope_type": "linear",
+            "factor": 2.0,
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+        },
+    ],
+    ids=["flat", "flat_beside_tables"],
+)
+def test_a_flat_rope_table_where_transformers_reads_one_per_layer_type_is_refused(
+    tmp_path, family, tables
+):
+    # transformers 5 runs its per-type defaults and ignores the flat table's keys (we
+    # served the flat table on every layer): which RoPE the checkpoint means is not clear
+    cls, config = PER_TYPE[family]
+    directory = checkpoint(tmp_path, cls, config(), rope_parameters=tables)
+    for layer in (0, 1):
+        with pytest.raises(ValueError, match="rope_parameters must hold a table per layer type"):
+            read_hf_layer(directory, layer)
 
 
 @pytest.mark.parametrize("kind", ["yarn", "llama3"])

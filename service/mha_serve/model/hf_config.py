@@ -454,42 +454,29 @@ def _rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
     """RoPE parameters as transformers 5 reads config.json (PreTrainedConfig's
     convert_rope_params_to_dict): 4's rope_scaling over 5's rope_parameters, rope_theta
     beside them where the table has none; Gemma 3 and OLMo 3 have a table per layer type
-    (PER_TYPE_ROPE): 4.x's rope_scaling and rope_theta are the global layers', Gemma 3's
-    rope_local_base_freq the local ones'."""
-    params = cfg.get("rope_parameters")
-    if cfg["model_type"] == "gpt_oss" and not params and not cfg.get("rope_scaling"):
-        params = GPT_OSS_ROPE  # (GptOssConfig's, when config.json sets none)
-    per_type = PER_TYPE_ROPE.get(cfg["model_type"])
-    if per_type and params is None:  # as Gemma3TextConfig, Olmo3Config read a 4.x config
-        params = {"sliding_attention": {}, "full_attention": {}}
-    if params and all(isinstance(v, dict) for v in params.values()):
-        if not isinstance(params.get(layer_type), dict):
-            raise ValueError(
-                f"{where}: rope_parameters has no table for layer type {layer_type!r} "
-                f"(it has {sorted(params)})"
-            )
-        params = dict(params[layer_type])
-        if per_type and layer_type == "sliding_attention" and "rope_theta" not in params:
-            theta, local_key, local_theta = per_type
-            if local_key is None and cfg.get("rope_theta", theta) != theta:
-                # transformers 5's Olmo3Config gives the local layers 500000 whatever
-                # rope_theta says (4.x: rope_theta everywhere): no one answer to serve
-                raise ValueError(
-                    f"{where}: rope_theta {cfg['rope_theta']} without a rope_parameters table "
-                    f"per layer type: transformers 5 reads it for the global layers only "
-                    f"({theta} for the local ones); give rope_parameters per layer type"
-                )
-            params["rope_theta"] = cfg.get(local_key, local_theta) if local_key else local_theta
-        elif per_type:
-            params.update(cfg.get("rope_scaling") or {})
-            params.setdefault("rope_theta", cfg.get("rope_theta", per_type[0]))
+    (_per_type_table)."""
+    family = cfg["model_type"]
+    if family in PER_TYPE_ROPE:
+        params = _per_type_table(cfg, family, layer_type, where)
     else:
-        params = dict(cfg.get("rope_scaling") or params or {})
-        # as standardize_rope_params: llama3's and yarn's pretraining context beside the
-        # table wins over the table's own (Phi-3 keeps it there)
-        beside = cfg.get("original_max_position_embeddings")
-        if beside is not None and params.get("rope_type", params.get("type")) in SCALED_CONTEXT:
-            params["original_max_position_embeddings"] = beside
+        params = cfg.get("rope_parameters")
+        if family == "gpt_oss" and not params and not cfg.get("rope_scaling"):
+            params = GPT_OSS_ROPE  # (GptOssConfig's, when config.json sets none)
+        if params and all(isinstance(v, dict) for v in params.values()):
+            if not isinstance(params.get(layer_type), dict):
+                raise ValueError(
+                    f"{where}: rope_parameters has no table for layer type {layer_type!r} "
+                    f"(it has {sorted(params)})"
+                )
+            params = dict(params[layer_type])
+        else:
+            params = dict(cfg.get("rope_scaling") or params or {})
+            # as standardize_rope_params: llama3's and yarn's pretraining context beside the
+            # table wins over the table's own (Phi-3 keeps it there)
+            beside = cfg.get("original_max_position_embeddings")
+            kind = params.get("rope_type", params.get("type"))
+            if beside is not None and kind in SCALED_CONTEXT:
+                params["original_max_position_embeddings"] = beside
     params.setdefault("rope_theta", cfg.get("rope_theta", 10_000.0))
     params = dict(params)
     kind = params.pop("rope_type", params.pop("type", "default"))
@@ -536,6 +523,48 @@ def _rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
         return RopeConfig(**rope)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+def _per_type_table(
+    cfg: dict[str, Any], family: str, layer_type: str, where: Path
+) -> dict[str, Any]:
+    """The RoPE table of a layer type of Gemma 3 or OLMo 3, as Gemma3TextConfig's and
+    Olmo3Config's convert_rope_params_to_dict fill it: rope_parameters holds a table per
+    layer type (a missing one is {"rope_type": "default"}); 4.x's rope_scaling updates the
+    global layers' table only; a table without rope_theta takes rope_theta (global layers)
+    or Gemma 3's rope_local_base_freq (local ones), else PER_TYPE_ROPE's defaults."""
+    theta, local_key, local_theta = PER_TYPE_ROPE[family]
+    tables = cfg.get("rope_parameters") or {}
+    stray = sorted(k for k in tables if k not in LAYER_TYPES) if isinstance(tables, dict) else []
+    if not isinstance(tables, dict) or stray:
+        # transformers reads only the layer types' tables and ignores the rest (a flat table
+        # among them): what it runs is not what the file says
+        raise ValueError(
+            f"{where}: {family} rope_parameters must hold a table per layer type "
+            f'({{"full_attention": {{...}}, "sliding_attention": {{...}}}}), got '
+            f"{'keys ' + ', '.join(stray) if stray else repr(tables)}: transformers 5 reads "
+            "only the per-type tables and ignores the rest (a flat table's rope_type and "
+            "rope_theta among them); give rope_parameters per layer type"
+        )
+    table = tables.get(layer_type)
+    if table is not None and not isinstance(table, dict):
+        raise ValueError(f"{where}: rope_parameters[{layer_type!r}] must be a table, got {table!r}")
+    table = dict(table or {"rope_type": "default"})
+    if layer_type == "full_attention":
+        table.update(cfg.get("rope_scaling") or {})
+        table.setdefault("rope_theta", cfg.get("rope_theta", theta))
+    elif "rope_theta" not in table:
+        if local_key is None and cfg.get("rope_theta", theta) != theta:
+            # transformers 5's Olmo3Config gives the local layers 500000 whatever
+            # rope_theta says (4.x: rope_theta everywhere): no one answer to serve
+            raise ValueError(
+                f"{where}: rope_theta {cfg['rope_theta']} without a rope_theta in "
+                f"rope_parameters['sliding_attention']: transformers 5 reads it for the global "
+                f"layers only ({theta} for the local ones); give rope_parameters per layer type, "
+                "each with its rope_theta"
+            )
+        table["rope_theta"] = cfg.get(local_key, local_theta) if local_key else local_theta
+    return table
 
 
 def _number(cfg: dict[str, Any], key: str, where: Path) -> float:
