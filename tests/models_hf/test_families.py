@@ -19,6 +19,7 @@ from transformers import (
     GraniteConfig,
     GraniteModel,
     MinistralConfig,
+    MinistralModel,
     Mistral3Config,
     Mistral3ForConditionalGeneration,
     MistralConfig,
@@ -251,7 +252,10 @@ def test_rope_theta_left_out_takes_the_familys_default_theta(
         # Mixtral has no window unless set (Mistral's default is 4096)
         (MixtralConfig(num_key_value_heads=2, sliding_window=6, **SMALL), "sliding_window"),
         # Ministral: 4096 on every layer
-        (MinistralConfig(num_key_value_heads=2, sliding_window=6, **SMALL), "sliding_window"),
+        (
+            MinistralConfig(num_key_value_heads=2, head_dim=8, sliding_window=6, **SMALL),
+            "sliding_window",
+        ),
         # Qwen3-MoE: a window only with use_sliding_window (its config drops it otherwise)
         (
             Qwen3MoeConfig(num_key_value_heads=2, use_sliding_window=True, sliding_window=6),
@@ -273,6 +277,25 @@ def test_windows_left_out_take_transformers_defaults(tmp_path, config, key):
     for layer in (0, 1):
         got = read_hf_layer(tmp_path, layer).attention.sliding_window
         assert got == theirs.sliding_window, f"layer {layer}: {got} != {theirs.sliding_window}"
+
+
+@pytest.mark.parametrize("gone", ["null", "left_out"])
+def test_ministral_without_head_dim_is_refused_as_transformers_builds_no_layer(tmp_path, gone):
+    # MinistralConfig's head_dim defaults to null and MinistralAttention multiplies by it:
+    # we served hidden_size / num_attention_heads, a layer transformers never runs
+    config = MinistralConfig(num_key_value_heads=2, sliding_window=6, **SMALL)
+    config.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    cfg = json.loads(path.read_text())
+    assert cfg["head_dim"] is None  # (as MinistralConfig writes it)
+    if gone == "left_out":
+        del cfg["head_dim"]
+        path.write_text(json.dumps(cfg))
+    with pytest.raises(TypeError):  # transformers' own: no layer to compare with
+        MinistralModel(AutoConfig.from_pretrained(tmp_path))
+    for layer in (0, 1):
+        with pytest.raises(ValueError, match="ministral config.json has no head_dim"):
+            read_hf_layer(tmp_path, layer)
 
 
 @pytest.mark.parametrize("layer", [0, 1])

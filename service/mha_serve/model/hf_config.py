@@ -111,6 +111,15 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "rope_theta": 150000.0,
     },
 }
+# Keys a family's config.json must set (not null), and why: transformers builds no layer
+# without them, so whatever we served would be a layer transformers never runs.
+REQUIRED: dict[str, dict[str, str]] = {
+    "ministral": {
+        "head_dim": "MinistralConfig leaves it null and MinistralAttention reads it as is "
+        "(it fails to build the layer; it does not fall back to hidden_size / "
+        "num_attention_heads)",
+    },
+}
 # Multimodal families: their language model (text_config, whose model_type is the first
 # unless it names one) is served; its tensors are the ones under the scope (not the vision
 # tower's).
@@ -270,6 +279,12 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
                 f"{why}; supported: {', '.join(FAMILIES)}"
             )
     cfg = {**DEFAULTS.get(kind, {}), **cfg}  # a null stays null
+    for key, why in REQUIRED.get(kind, {}).items():
+        if cfg.get(key) is None:
+            raise ValueError(
+                f"{config_path}: {kind} config.json has no {key} (or it is null): {why}; "
+                f"set {key} to the checkpoint's"
+            )
     num_layers = _int(cfg, "n_layer" if family == "gpt2" else "num_hidden_layers", config_path)
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
         raise ValueError(
