@@ -201,6 +201,39 @@ def test_a_flat_rope_table_where_transformers_reads_one_per_layer_type_is_refuse
             read_hf_layer(directory, layer)
 
 
+@pytest.mark.parametrize(
+    ("cls", "config"),
+    [
+        (LlamaForCausalLM, LlamaConfig(num_key_value_heads=2, **SMALL)),
+        (  # (it has layer_types: transformers takes the tables for its own, and fails)
+            GptOssForCausalLM,
+            GptOssConfig(
+                num_key_value_heads=2,
+                head_dim=16,
+                sliding_window=6,
+                num_local_experts=2,
+                num_experts_per_tok=1,
+                **SMALL,
+            ),
+        ),
+    ],
+    ids=["llama", "gpt_oss"],
+)
+def test_rope_tables_per_layer_type_where_the_family_reads_one_table_are_refused(
+    tmp_path, cls, config
+):
+    # we served each layer its type's table; transformers' Llama runs its default RoPE
+    # (10000, no scaling) on every layer whatever the tables say
+    tables = {
+        "full_attention": {**LINEAR, "rope_theta": 3000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 2000.0},
+    }
+    directory = checkpoint(tmp_path, cls, config, rope_parameters=tables)
+    for layer in (0, 1):
+        with pytest.raises(ValueError, match=r"rope_parameters holds tables per layer type \("):
+            read_hf_layer(directory, layer)
+
+
 @pytest.mark.parametrize("kind", ["yarn", "llama3"])
 def test_original_max_position_embeddings_beside_rope_scaling_wins(tmp_path, kind):
     # transformers' standardize_rope_params: the top-level value over the table's own

@@ -477,21 +477,22 @@ def _rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
         params = cfg.get("rope_parameters")
         if family == "gpt_oss" and not params and not cfg.get("rope_scaling"):
             params = GPT_OSS_ROPE  # (GptOssConfig's, when config.json sets none)
-        if params and all(isinstance(v, dict) for v in params.values()):
-            if not isinstance(params.get(layer_type), dict):
-                raise ValueError(
-                    f"{where}: rope_parameters has no table for layer type {layer_type!r} "
-                    f"(it has {sorted(params)})"
-                )
-            params = dict(params[layer_type])
-        else:
-            params = dict(cfg.get("rope_scaling") or params or {})
-            # as standardize_rope_params: llama3's and yarn's pretraining context beside the
-            # table wins over the table's own (Phi-3 keeps it there)
-            beside = cfg.get("original_max_position_embeddings")
-            kind = params.get("rope_type", params.get("type"))
-            if beside is not None and kind in SCALED_CONTEXT:
-                params["original_max_position_embeddings"] = beside
+        tables = sorted(k for k, v in (params or {}).items() if isinstance(v, dict))
+        if tables and not cfg.get("rope_scaling"):
+            # transformers 5 reads such tables only where the config class does (PER_TYPE_ROPE):
+            # Llama's ignores them (default RoPE), GPT-OSS's fails on them
+            raise ValueError(
+                f"{where}: rope_parameters holds tables per layer type ({', '.join(tables)}), "
+                f"but {family} reads one table for all its layers (transformers 5 ignores "
+                "per-type tables or fails on them); give one table (rope_type, rope_theta, ...)"
+            )
+        params = dict(cfg.get("rope_scaling") or params or {})
+        # as standardize_rope_params: llama3's and yarn's pretraining context beside the
+        # table wins over the table's own (Phi-3 keeps it there)
+        beside = cfg.get("original_max_position_embeddings")
+        kind = params.get("rope_type", params.get("type"))
+        if beside is not None and kind in SCALED_CONTEXT:
+            params["original_max_position_embeddings"] = beside
     params.setdefault("rope_theta", cfg.get("rope_theta", 10_000.0))
     params = dict(params)
     kind = params.pop("rope_type", params.pop("type", "default"))
