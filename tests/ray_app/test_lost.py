@@ -22,16 +22,16 @@ def test_failed_moves_keep_the_newest_with_why():
     failed.record({"a-1": "no room", "a-2": "no room"})
     failed.record({"b-1": "out of time", "b-2": "out of time"})
     assert len(failed) == 3
-    assert failed.why("a-1") is None  # the oldest went
-    assert (failed.why("a-2"), failed.why("b-1"), failed.why("b-2")) == (
+    assert failed.loss("a-1").why is None  # the oldest went
+    assert (failed.loss("a-2").why, failed.loss("b-1").why, failed.loss("b-2").why) == (
         "no room",
         "out of time",
         "out of time",
     )
     failed.record({"a-2": "nowhere"})  # reported again (a later stop): newest, new reason
     failed.record({"c-1": "nowhere"})
-    assert failed.why("b-1") is None and failed.why("a-2") == "nowhere"
-    assert failed.why("never-reported") is None
+    assert failed.loss("b-1").why is None and failed.loss("a-2").why == "nowhere"
+    assert failed.loss("never-reported").why is None
     failed.record({})
     assert len(failed) == 3
 

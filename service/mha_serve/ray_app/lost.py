@@ -54,9 +54,6 @@ class FailedMoves:
         while len(self._why) > self._limit:
             self._why.pop(next(iter(self._why)))
 
-    def why(self, session_id: str) -> str | None:
-        return self.loss(session_id).why
-
     def loss(self, session_id: str) -> Loss:
         return self._why.get(session_id) or Loss()
 

@@ -26,11 +26,11 @@ from mha_serve.config import ServerConfig
 from mha_serve.serving.remote import RemoteEngine
 from mha_serve.transport import busy_poll
 from mha_serve.transport.drain import FRONTEND_AT_LIMIT
+from mha_serve.transport.early_stop import STOP_SIGNALS  # an operator's, or a terminal's
 from mha_serve.transport.grpc_server import GrpcServer
 
 log = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # an operator's, or a terminal's (the group's)
 DRAIN_SIGNAL = signal.SIGUSR1  # the engine process's: drain
 HURRY_SIGNAL = signal.SIGUSR2  # the engine process's: end the drain now (a second stop signal)
 # What the engine process blocks while it starts a frontend (each waits for its handlers).

@@ -17,8 +17,9 @@ engine process (the reference design is vLLM v1's API-server / engine-core split
   (frontend.DRAIN_SIGNAL, not SIGTERM: a Ctrl-C reaches every process of the group, and a
   frontend would take the engine's SIGTERM for a second stop signal and cancel its calls);
   each drains as the standalone server does (health NOT_SERVING, new calls UNAVAILABLE,
-  in-flight calls get the grace period), then the engine stops. A frontend that dies otherwise is started again; its calls in flight fail
-  UNAVAILABLE on their clients, and its session steps are rolled back in the engine.
+  in-flight calls get the grace period), then the engine stops. A frontend that dies
+  otherwise is started again; its calls in flight fail UNAVAILABLE on their clients, and
+  its session steps are rolled back in the engine.
 - Metrics: prometheus-client's multiprocess mode (metrics/exposition.py); the engine
   process's /metrics sums every process.
 """
