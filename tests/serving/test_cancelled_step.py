@@ -133,3 +133,70 @@ def test_a_step_cancelled_while_it_waits_for_a_cancelled_one_lets_the_session_go
     history = torch.cat([prompt, _x(1, 2)], dim=1)
     ref = torched(eng.attend(req("m", history, causal=True))).output[:, -1:]
     assert (served.reply.output - ref).abs().max() < 1e-5
+
+
+async def _cancel_then_truncate(eng: Engine, sid: str, num_tokens: int):
+    """A prompt chunk of sid held on its lane's thread after it reserved its room (the
+    session then has a step pending), cancelled there (its deadline passed), and a
+    TruncateSession sent at once: the truncate's outcome (raised if refused) and whether it
+    waited for the cancelled step."""
+    held, gate = threading.Event(), threading.Event()
+    real = eng.sessions._step_reserved
+
+    def step_reserved(hosted, request, inputs, *rest):
+        if inputs[0, 0, 0] == 7.0:  # the step to cancel: reserved, not yet computed
+            held.set()
+            gate.wait(60)
+        return real(hosted, request, inputs, *rest)
+
+    eng.sessions._step_reserved = step_reserved
+    compute = ComputeThreads(1, 1)
+    serving = AsyncEngine(eng, compute, inline=False)
+    entered, real_wait = asyncio.Event(), serving._after_abandoned
+
+    async def after_abandoned(session_id: str) -> None:
+        entered.set()
+        await real_wait(session_id)
+
+    serving._after_abandoned = after_abandoned
+    loop = asyncio.get_running_loop()
+    try:
+        chunk = _x(2, 1)
+        chunk[0, 0, 0] = 7.0
+        doomed = asyncio.ensure_future(
+            serving.attend(req("m", chunk, session_id=sid), torched, received=0.0, deadline=None)
+        )
+        assert await loop.run_in_executor(None, held.wait, 60)
+        doomed.cancel()
+        await asyncio.gather(doomed, return_exceptions=True)
+        truncate = asyncio.ensure_future(serving.truncate_session(sid, num_tokens))
+        # The hold ends once the truncate waits for the cancelled step (or it failed).
+        waiting = asyncio.ensure_future(entered.wait())
+        await asyncio.wait({truncate, waiting}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        gate.set()
+        return await asyncio.wait_for(truncate, 60), entered.is_set()
+    finally:
+        gate.set()
+        await serving.close()
+        compute.shutdown()
+
+
+def test_a_truncate_sent_after_a_cancelled_step_waits_for_its_rollback():
+    """A step whose deadline passed while it computed (its room reserved), then a
+    TruncateSession at once: it was refused ABORTED ("has a step in flight; truncate it once
+    the step is answered"), though that step had been answered DEADLINE_EXCEEDED (seen by
+    the fuzz). Now the truncate waits for the rollback, as a step does; the session then
+    holds the kept prefix and steps on from it exactly."""
+    eng = _engine()
+    sid = eng.create_session("m").session_id
+    prompt = _x(3, 0)
+    eng.attend(req("m", prompt, session_id=sid))
+    stats, waited = asyncio.run(_cancel_then_truncate(eng, sid, 2))
+    assert waited  # the truncate came while the cancelled step computed
+    assert stats.num_tokens == 2
+    served = torched(eng.attend(req("m", _x(1, 2), session_id=sid)))
+    assert served.session.num_tokens == 3
+    history = torch.cat([prompt[:, :2], _x(1, 2)], dim=1)
+    ref = torched(eng.attend(req("m", history, causal=True))).output[:, -1:]
+    assert (served.output - ref).abs().max() < 1e-5

@@ -18,7 +18,7 @@ T = TypeVar("T")
 
 class SessionCalls:
     """AsyncEngine's session calls (mixed into it; its state is AsyncEngine's: engine,
-    sequences, threads, _live)."""
+    sequences, threads, _live, _abandoned)."""
 
     def _alive(self, session_id: str) -> bool:
         """Whether the session lives, here or spilled: never brought back (get_session
@@ -92,6 +92,10 @@ class SessionCalls:
     async def truncate_session(
         self, session_id: str, num_tokens: int, caller: str | None = None
     ) -> SessionStats:
+        if self._abandoned and session_id in self._abandoned:
+            # Its last step, cancelled (its caller gone or past its deadline), still
+            # computes: the truncate waits for its rollback, as the next step would.
+            await self._after_abandoned(session_id)
         truncate = self.engine.truncate_session
         live = await self._live(
             session_id, caller, lambda: truncate(session_id, num_tokens, caller, restore=False)
