@@ -19,12 +19,12 @@ import numpy as np
 
 from mha_client.channel import ChannelSecurity
 from mha_client.cli_heads import add_heads_command
+from mha_client.cli_load import EXIT_INTERRUPTED, add_load_arguments, cmd_load
 from mha_client.cli_save import SAVE_HELP, save_path, save_result
 from mha_client.cli_sessions import add_session_commands
 from mha_client.cli_types import UsageError, float_list, int_list, positive_float, read_input
 from mha_client.errors import InvalidArgumentError, MhaServeError
 from mha_client.heatmap import require_matplotlib, save_heatmap
-from mha_client.loadgen import EXIT_INTERRUPTED, add_load_arguments, cmd_load
 from mha_client.report import (
     attend_summary,
     format_attend_summary,

@@ -6,36 +6,24 @@ a naive gRPC server and a Ray Serve HTTP app (bench/). numpy only: no torch in t
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import itertools
-import json
-import math
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
 import numpy as np
 
 from mha_client.channel import ChannelSecurity, open_channel
-from mha_client.cli_types import (
-    UsageError,
-    fraction,
-    non_negative_int,
-    positive_float,
-    positive_int,
-)
+from mha_client.load_result import LoadResult, latency_stats
 from mha_client.sdk import DEFAULT_MAX_MESSAGE_BYTES, build_attend_request, channel_options
 
 GRPC_ATTEND_METHOD = "/mha.v1.AttentionService/Attend"
-PERCENTILES = (50, 95, 99)
 PROGRESS_TTY_S = 0.5  # a line redrawn in place on a terminal
 PROGRESS_LOG_S = 5.0  # a new line when stderr is a file or pipe
 PROGRESS_WINDOW = 2048  # latencies behind the live p50
@@ -43,8 +31,6 @@ PROGRESS_WINDOW = 2048  # latencies behind the live p50
 # server that cannot keep up makes the generator report it instead of exhausting memory.
 DEFAULT_MAX_IN_FLIGHT = 4096
 DEFAULT_TIMEOUT_S = 30.0
-DEFAULT_CLI_DURATION_S = 10.0  # `mha-client load` with neither --requests nor --duration
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
 # Lengths drawn before the run (cycled), each one's request encoded before the clock starts.
 NUM_LENGTH_DRAWS = 4096
 # ...as many of those draws as their distinct requests fit in: "1..4096" drew ~2,600 lengths,
@@ -230,106 +216,6 @@ class LoadSpec:
     @property
     def mode(self) -> str:
         return "closed" if self.concurrency is not None else "open"
-
-
-@dataclass
-class LatencyStats:
-    count: int
-    mean_ms: float
-    p50_ms: float
-    p95_ms: float
-    p99_ms: float
-    max_ms: float
-
-
-def latency_stats(latencies_ms: Sequence[float]) -> LatencyStats:
-    """Mean, p50/p95/p99 (linear interpolation between order statistics) and max; NaN if empty."""
-    lat = np.asarray(latencies_ms, dtype=np.float64)
-    if lat.size == 0:
-        return LatencyStats(0, *([math.nan] * 5))
-    p50, p95, p99 = np.percentile(lat, PERCENTILES)
-    mean, peak = float(lat.mean()), float(lat.max())
-    return LatencyStats(int(lat.size), mean, float(p50), float(p95), float(p99), peak)
-
-
-@dataclass
-class LoadResult:
-    mode: str
-    label: str
-    model: str
-    seq_lens: str
-    batch: int
-    weights: bool
-    concurrency: int | None
-    rate: float | None
-    arrivals: str | None
-    warmup: int
-    ok: int  # measured requests that succeeded
-    errors: dict[str, int]  # measured failures by status code
-    error_messages: dict[str, str]  # the first measured failure's message of each code
-    skipped: int  # open loop: arrivals dropped at max_in_flight
-    elapsed_s: float  # first measured request sent -> last measured reply
-    requests_per_s: float  # successful requests only
-    sequences_per_s: float
-    tokens_per_s: float  # real tokens (batch x length) of successful requests
-    latency: LatencyStats
-    client_cpu_s: float  # CPU time of the generator's process over the whole run
-    # Wall time of that same whole run (warm-up included): the span client_cpu_s is spent
-    # in, so client_cpu_s / client_wall_s is the cores the generator kept busy. elapsed_s,
-    # the measured window alone, is shorter: CPU divided by it could exceed the machine.
-    client_wall_s: float
-    interrupted: bool = False  # stopped by Ctrl-C: the figures are of what answered by then
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields, JSON-ready: JSON has no NaN, so the latency of no answer is null."""
-        d = asdict(self)
-        d["latency"] = {k: v if math.isfinite(v) else None for k, v in d["latency"].items()}
-        return d
-
-    @property
-    def error_rate(self) -> float:
-        """The fraction of the measured requests that failed (arrivals skipped at
-        max_in_flight were never sent: not counted)."""
-        failed = sum(self.errors.values())
-        return failed / (failed + self.ok) if failed + self.ok else 0.0
-
-    @property
-    def client_cores(self) -> float:
-        """Cores the generator's process kept busy on average over its run."""
-        return self.client_cpu_s / self.client_wall_s if self.client_wall_s > 0 else 0.0
-
-    def format(self) -> str:
-        loop = (
-            f"closed loop, {self.concurrency} clients"
-            if self.mode == "closed"
-            else f"open loop, {self.rate:g} req/s {self.arrivals}"
-        )
-        head = f"{self.label + ': ' if self.label else ''}{loop}; model {self.model}, "
-        head += f"seq_len {self.seq_lens}, batch {self.batch}{', weights' if self.weights else ''}"
-        lat = self.latency
-        errors = ", ".join(f"{k} {v}" for k, v in sorted(self.errors.items())) or "none"
-        if self.skipped:
-            errors += f"; {self.skipped} arrivals skipped (over max_in_flight)"
-        stopped = "; stopped by Ctrl-C" if self.interrupted else ""
-        # What a refusal says (a limit, what to change): the counts alone do not tell it.
-        errors += "".join(
-            f"\n             first {k}: {m}" for k, m in sorted(self.error_messages.items()) if m
-        )
-        return "\n".join(
-            [
-                head,
-                f"requests     {self.ok} ok in {self.elapsed_s:.2f} s "
-                f"(warm-up {self.warmup} excluded{stopped})",
-                f"throughput   {self.requests_per_s:.1f} req/s  {self.sequences_per_s:.1f} seq/s  "
-                f"{self.tokens_per_s:.0f} tokens/s",
-                f"latency ms   p50 {lat.p50_ms:.2f}  p95 {lat.p95_ms:.2f}  p99 {lat.p99_ms:.2f}  "
-                f"max {lat.max_ms:.2f}  mean {lat.mean_ms:.2f}",
-                f"errors       {errors}",
-                f"client cpu   {self.client_cpu_s:.3f} s in {self.client_wall_s:.3f} s, "
-                f"warm-up included ({self.client_cores:.2f} cores)",
-            ]
-        )
 
 
 def draw_lengths(workload: Workload, rng: np.random.Generator) -> np.ndarray:
@@ -587,123 +473,3 @@ def run_load_sync(
             await target.close()
 
     return asyncio.run(main())
-
-
-# ----- `mha-client load` (the parser and command live here; cli.py only registers them)
-
-
-def _seq_lens_arg(text: str) -> SeqLens:
-    try:
-        return parse_seq_lens(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _rate_arg(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of requests/s")
-    return value
-
-
-def add_load_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="model name, as `mha-client models` lists")
-    loop = p.add_mutually_exclusive_group()
-    loop.add_argument("--concurrency", type=positive_int, help="closed loop: N clients (default 1)")
-    loop.add_argument("--rate", type=_rate_arg, help="open loop: requests per second")
-    p.add_argument(
-        "--arrivals",
-        choices=["poisson", "uniform"],
-        help="open-loop (--rate) arrival process (default poisson)",
-    )
-    p.add_argument("--requests", type=positive_int, help="measured requests (after warm-up)")
-    p.add_argument(
-        "--duration",
-        type=positive_float,
-        metavar="SECONDS",
-        help=f"measured seconds (default {DEFAULT_CLI_DURATION_S:g} without --requests)",
-    )
-    p.add_argument(
-        "--seq-len",
-        type=_seq_lens_arg,
-        default=parse_seq_lens("16"),
-        help="16 (fixed), 8..64 (uniform) or 16,32,128 (a list); default 16",
-    )
-    p.add_argument(
-        "--batch", type=positive_int, default=1, help="sequences per request (default 1)"
-    )
-    p.add_argument("--weights", action="store_true", help="ask for attention weights too")
-    p.add_argument(
-        "--channels",
-        type=positive_int,
-        default=1,
-        help="TCP connections the clients share, taken in turn (default 1); a server with "
-        "--frontend-workers N spreads connections, not calls, over its frontends: give N or more",
-    )
-    p.add_argument(
-        "--warmup",
-        type=non_negative_int,
-        default=20,
-        help="requests sent first and left out of the stats (default 20)",
-    )
-    p.add_argument(
-        "--max-error-rate",
-        type=fraction,
-        default=0.0,
-        metavar="FRACTION",
-        help="exit 1 when more than this fraction of the measured requests failed "
-        "(default 0: any failure; 1: never, e.g. when overload refusals are expected)",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json-out", type=Path, metavar="FILE.json", help="write the results here")
-
-
-def cmd_load(client: Any, args: argparse.Namespace) -> int:
-    """Runs the load against args.target with the model's embed_dim; prints the summary.
-    Its channels are secured as the CLI's client is (the same --tls, --ca-file, --cert-file,
-    --key-file, --token-file and --application)."""
-    if args.arrivals is not None and args.rate is None:
-        raise UsageError("--arrivals shapes the open loop's arrivals: give --rate with it")
-    embed_dim = client.model_info(args.model).embed_dim
-    workload = Workload(args.model, args.seq_len, embed_dim, args.batch, args.weights, args.seed)
-    duration = args.duration
-    if duration is None and args.requests is None:
-        duration = DEFAULT_CLI_DURATION_S
-    spec = LoadSpec(
-        concurrency=None if args.rate is not None else (args.concurrency or 1),
-        rate=args.rate,
-        arrivals=args.arrivals or "poisson",
-        requests=args.requests,
-        duration_s=duration,
-        warmup=args.warmup,
-        timeout_s=args.timeout,
-        seed=args.seed,
-    )
-    target, security, metadata = args.target, client.security, client.metadata
-    result = run_load_sync(
-        lambda: GrpcTarget(target, channels=args.channels, security=security, metadata=metadata),
-        workload,
-        spec,
-        label=target,
-        progress=sys.stderr,
-        stop_on_interrupt=True,
-    )
-    print(result.format())
-    if args.json_out is not None:
-        args.json_out.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
-    if result.interrupted:
-        return EXIT_INTERRUPTED
-    if result.ok == 0:
-        return 1  # nothing answered: not a measurement
-    if result.error_rate > args.max_error_rate:
-        failed = sum(result.errors.values())
-        print(
-            f"mha-client load: {failed} of {failed + result.ok} measured requests failed "
-            f"({result.error_rate:.1%}), over --max-error-rate {args.max_error_rate:g}",
-            file=sys.stderr,
-        )
-        return 1
-    return 0

@@ -17,14 +17,13 @@ import numpy as np
 import pytest
 
 from mha_client import cli, loadgen
+from mha_client.load_result import LoadResult, latency_stats
 from mha_client.loadgen import (
     GrpcTarget,
-    LoadResult,
     LoadSpec,
     Payloads,
     TargetError,
     Workload,
-    latency_stats,
     parse_seq_lens,
     run_load,
     run_load_sync,
