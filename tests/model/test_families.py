@@ -359,3 +359,72 @@ def test_the_explicit_kernel_copies_no_key_or_value_per_query_head(option):
         scores = torch.cat([scores, sinks.view(1, 64, 1, 1)], dim=-1)
     want = scores.softmax(-1)[..., :4096] @ vx
     assert_close(got, want, what="explicit kernel")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_heads", [6, 2, 1])
+def test_sinks_by_sdpa_equal_the_explicit_kernel(dtype, kv_heads):
+    """The fused path for sinks (SDPA and its logsumexp, over SINKS_BY_SDPA_MIN_SCORES
+    scores per head or without GQA) against the explicit kernel, MHA, GQA and MQA, each dtype the CPU serves: a
+    padded batch (padded rows see every real key, padded keys none) under a window, and
+    every key (no mask). Half precision: SDPA rounds its output once before the sink's
+    share scales it, so 2 units in the last place of its values (~4) are allowed."""
+    from mha_serve.model import cached
+
+    g = torch.Generator().manual_seed(7)
+    B, H, R, D = 2, 6, 40, 16
+
+    def t(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    q, k, v = t(B, H, R, D), t(B, kv_heads, R, D), t(B, kv_heads, R, D)
+    sinks = torch.randn(H, generator=g) * 3
+    i = torch.arange(R)
+    allowed = ((i[None] <= i[:, None]) & (i[None] > i[:, None] - 7)).expand(B, 1, R, R).clone()
+    allowed[1, :, :, 30:] = False  # the second sequence has 30 real keys...
+    allowed[1, :, 30:, :30] = True  # ...and its padded rows see them all
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2 * 2**-6, torch.float16: 2 * 2**-9}[dtype]
+    for mask in (allowed, None):
+        fused = cached.sinks_by_sdpa(q, k, v, mask, 0.25, sinks)
+        whole = torch.cat(  # row by row: one row always runs the explicit kernel
+            [
+                cached.explicit_attention(q[:, :, r : r + 1], k, v, m, 0.25, None, sinks)
+                for r in range(R)
+                for m in [None if mask is None else mask[:, :, r : r + 1]]
+            ],
+            dim=2,
+        )
+        assert fused.dtype == dtype and fused.shape == whole.shape
+        assert_close(fused, whole, what=f"sinks by SDPA, mask {mask is not None}", atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("option", ["sinks", "sinks_window"])
+def test_sinks_over_many_scores_take_the_fused_path_and_equal_the_reference(option, monkeypatch):
+    """A forward of 128 query rows over 128 keys (SINKS_BY_SDPA_MIN_SCORES per head) runs
+    sinks_by_sdpa, and its output equals the float64 reference; a session's decode step (one
+    row) and a short prompt (16 x 16 scores, GQA) stay explicit."""
+    from mha_serve.model import cached
+
+    calls = []
+    real = cached.sinks_by_sdpa
+
+    def counted(*args):
+        calls.append(tuple(args[0].shape[2:3]) + tuple(args[1].shape[2:3]))
+        return real(*args)
+
+    monkeypatch.setattr(cached, "sinks_by_sdpa", counted)
+    module = make(option)
+    assert 128 * 128 >= cached.SINKS_BY_SDPA_MIN_SCORES > 16 * 16
+    x = torch.randn(2, 128, 48, generator=torch.Generator().manual_seed(8))
+    lengths = torch.tensor([128, 101])
+    want, _ = reference(module, x, lengths=lengths, causal=True)
+    with torch.no_grad():
+        got = module(x, lengths=lengths, causal=True).output
+        module(x[:1, :16], causal=True)
+        q, k, v = module.project(x[:1])
+        module.attend_cached(
+            q[:, :, 127:], [(k, v)], past_lengths=[127], new_lengths=[1], first_keys=[0]
+        )
+    assert calls == [(128, 128)]  # the forward's; not the short prompt's nor the step's
+    # (float32 sums over 128 keys of outputs up to ~10: the explicit kernel is 1.4e-5 off)
+    assert_close(got, want, what="forward through sinks_by_sdpa", atol=5e-5)

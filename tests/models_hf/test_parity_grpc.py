@@ -145,3 +145,28 @@ def _causal_reference(family, base, layer, x):
     with torch.no_grad():
         context, weights = attention.self(x, attention_mask=causal_mask(x.shape[1]))[:2]
         return attention.output.dense(context), weights
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "gpt_oss_full"])
+def test_sinks_over_many_scores_equal_transformers(served, name):
+    """GPT-OSS's sinks over SINKS_BY_SDPA_MIN_SCORES scores per head run through SDPA's
+    fused kernel and its logsumexp (model/cached.py: sinks_by_sdpa), not the explicit kernel
+    the shorter tests above reach: a padded batch of 128 and 120 tokens (the sliding layer's
+    window cut), and a session's 128-token prompt then a 128-token chunk, equal
+    transformers' GptOssAttention."""
+    from mha_serve.model.cached import SINKS_BY_SDPA_MIN_SCORES
+
+    client, models = served
+    family, base, layer = reference(models, name)
+    E = base.config.hidden_size
+    x = torch.randn(2, 256, E, generator=torch.Generator().manual_seed(3))
+    lengths = [128, 120]
+    assert 120 * 120 < SINKS_BY_SDPA_MIN_SCORES <= 128 * 128  # (the padded batch's: 128)
+    got = client.attend(name, x[:, :128].numpy(), lengths=lengths)
+    for b, n in enumerate(lengths):
+        want, _ = reference_attention(family, base, layer, x[b : b + 1, :n])
+        assert_close(got.output[b, :n], want[0], what=f"{name} row {b} output")
+    want, _ = reference_attention(family, base, layer, x[:1])
+    with client.create_session(name) as s:
+        assert_close(s.step(x[0, :128].numpy()).output, want[0, :128], what=f"{name} prompt")
+        assert_close(s.step(x[0, 128:].numpy()).output, want[0, 128:], what=f"{name} chunk")
