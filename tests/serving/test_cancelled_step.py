@@ -31,6 +31,20 @@ def _x(tokens: int, seed: int) -> torch.Tensor:
     return torch.randn(1, tokens, E, generator=torch.Generator().manual_seed(seed))
 
 
+def _serving_watched(eng: Engine, compute: ComputeThreads) -> tuple[AsyncEngine, asyncio.Event]:
+    """An AsyncEngine over eng (never inline: every step on its lane's thread), and an
+    event set when a call starts to wait for a cancelled step (_after_abandoned)."""
+    serving = AsyncEngine(eng, compute, inline=False)
+    entered, real_wait = asyncio.Event(), serving._after_abandoned
+
+    async def after_abandoned(session_id: str) -> None:
+        entered.set()
+        await real_wait(session_id)
+
+    serving._after_abandoned = after_abandoned
+    return serving, entered
+
+
 async def _cancel_then_step(
     eng: Engine, sid: str, first_weights: bool, then_weights: bool, *, cancel_next: bool = False
 ):
@@ -49,14 +63,7 @@ async def _cancel_then_step(
 
     eng.run_batch = run_batch
     compute = ComputeThreads(1, 1)
-    serving = AsyncEngine(eng, compute, inline=False)
-    entered, real_wait = asyncio.Event(), serving._after_abandoned
-
-    async def after_abandoned(session_id: str) -> None:
-        entered.set()
-        await real_wait(session_id)
-
-    serving._after_abandoned = after_abandoned
+    serving, entered = _serving_watched(eng, compute)
     loop = asyncio.get_running_loop()
     try:
         first = _x(1, 1)
@@ -151,14 +158,7 @@ async def _cancel_then_truncate(eng: Engine, sid: str, num_tokens: int):
 
     eng.sessions._step_reserved = step_reserved
     compute = ComputeThreads(1, 1)
-    serving = AsyncEngine(eng, compute, inline=False)
-    entered, real_wait = asyncio.Event(), serving._after_abandoned
-
-    async def after_abandoned(session_id: str) -> None:
-        entered.set()
-        await real_wait(session_id)
-
-    serving._after_abandoned = after_abandoned
+    serving, entered = _serving_watched(eng, compute)
     loop = asyncio.get_running_loop()
     try:
         chunk = _x(2, 1)
