@@ -265,8 +265,9 @@ def _decode_pair(config, num_kv_heads, dtype, kv_dtype, num_blocks):
         {"rope": {"theta": 100.0}},
         {"rope": {"theta": 100.0}, "qk_norm": {"scope": "head"}},
         {"rope": {"theta": 100.0}, "sliding_window": 1101},  # every key still in view
+        {"rope": {"theta": 100.0, "interleaved": True, "partial": 0.5}},  # GLM's
     ],
-    ids=["plain", "rope", "rope_qk_norm", "rope_window"],
+    ids=["plain", "rope", "rope_qk_norm", "rope_window", "rope_partial_pairs"],
 )
 def test_decode_one_is_the_plain_lone_step_exactly(variant, dtype, bias, past, family):
     """KVCache.step_views + MultiHeadAttention.decode_one (the engine's lone decode step in

@@ -44,3 +44,16 @@ def test_sinks_change_the_fingerprint():
     plain = hosted_with_fixed_weights(PINNED_CONFIG)
     sinks = hosted_with_fixed_weights(dataclasses.replace(PINNED_CONFIG, sinks=True))
     assert model_fingerprint(sinks) != model_fingerprint(plain)
+
+
+def test_rope_by_pairs_or_partial_changes_the_fingerprint_and_the_default_keeps_it():
+    """RopeConfig.interleaved and .partial (added after PINNED) are hashed only when set:
+    PINNED's RoPE model keeps its fingerprint (the test above), and either option set gives
+    another (cached keys rotated by pairs, or over half of each head, mean other things)."""
+    plain = model_fingerprint(hosted_with_fixed_weights(PINNED_CONFIG))
+    seen = {plain}
+    for option in ({"interleaved": True}, {"partial": 0.5}):
+        rope = dataclasses.replace(PINNED_CONFIG.rope, **option)
+        other = hosted_with_fixed_weights(dataclasses.replace(PINNED_CONFIG, rope=rope))
+        seen.add(model_fingerprint(other))
+    assert len(seen) == 3

@@ -34,6 +34,9 @@ LONE_MODELS = [
         "qwen3", AttentionConfig(64, 4, 2, rope={"theta": 500.0}, qk_norm={"scope": "head"}), seed=9
     ),
     ModelSpec("narrow", AttentionConfig(64, 4, 1), seed=7, kv_cache_dtype="bfloat16"),
+    ModelSpec(  # GLM's: RoPE by interleaved pairs over half of each head, in decode_one
+        "glm", AttentionConfig(64, 4, 2, rope={"interleaved": True, "partial": 0.5}), seed=12
+    ),
 ]
 NAMES = [m.name for m in LONE_MODELS]
 

@@ -28,6 +28,12 @@ OPTIONS = {
     "projection_norm": {"qk_norm": QKNormConfig("projection", 1e-6)},
     "softcap_scale": {"softcap": 3.0, "softmax_scale": 0.2, "sliding_window": 6},
     "sinks": {"sinks": True, "rope": RopeConfig(theta=500.0)},
+    "rope_pairs": {"rope": RopeConfig(theta=300.0, interleaved=True)},  # Cohere, Helium
+    "rope_partial_pairs": {  # GLM: half of each head, by pairs, and a window
+        "rope": RopeConfig(theta=300.0, interleaved=True, partial=0.5),
+        "sliding_window": 5,
+    },
+    "rope_partial": {"rope": RopeConfig(theta=300.0, partial=0.5), "qk_norm": QKNormConfig()},
     "sinks_window": {"sinks": True, "sliding_window": 4, "softmax_scale": 0.2},
     "everything": {
         "sinks": True,
@@ -78,12 +84,18 @@ def reference(module, x, *, lengths=None, causal=True):
         q, k = rms(q, p["q_norm"], c.qk_norm.eps), rms(k, p["k_norm"], c.qk_norm.eps)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, h, L, D)
     if c.rope is not None:
-        inv = 1.0 / c.rope.theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
-        ang = torch.arange(L, dtype=torch.float64)[:, None] * inv  # (L, D/2)
-        cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+        R = int(D * c.rope.partial)  # the first R dims of each head turn, the rest pass
+        inv = 1.0 / c.rope.theta ** (torch.arange(0, R, 2, dtype=torch.float64) / R)
+        ang = torch.arange(L, dtype=torch.float64)[:, None] * inv  # (L, R/2)
 
         def turn(t):
-            return t * cos + torch.cat([-t[..., D // 2 :], t[..., : D // 2]], -1) * sin
+            out = t.clone()
+            for i in range(R // 2):  # pair i: dims (2i, 2i + 1), or (i, i + R/2) as halves
+                a, b = (2 * i, 2 * i + 1) if c.rope.interleaved else (i, i + R // 2)
+                cos, sin = ang[:, i].cos(), ang[:, i].sin()
+                out[..., a] = t[..., a] * cos - t[..., b] * sin
+                out[..., b] = t[..., b] * cos + t[..., a] * sin
+            return out
 
         q, k = turn(q), turn(k)
     k = k.repeat_interleave(H // KVH, dim=1)
@@ -281,6 +293,13 @@ def test_a_checkpoint_whose_sinks_are_not_finite_in_the_served_dtype_is_refused(
         ({"qk_norm": {"scope": "layer"}}, "qk_norm scope 'layer' is not supported"),
         ({"qk_norm": {"eps": -1.0}}, "qk_norm eps must be a finite number >= 0"),
         ({"qk_norm": {"gain": 1}}, "unknown qk_norm key(s) ['gain']"),
+        ({"rope": {"partial": 0.0}}, "rope partial must be in (0, 1], got 0.0"),
+        ({"rope": {"partial": 1.5}}, "rope partial must be in (0, 1], got 1.5"),
+        ({"rope": {"partial": "half"}}, "rope partial must be a finite number"),
+        ({"rope": {"partial": 0.125}}, "rope partial 0.125 of head_dim 8 rotates 1 dims"),
+        ({"rope": {"partial": 0.1}}, "of head_dim 8 rotates 0 dims"),
+        ({"rope": {"partial": 0.5}, "head_dim": 6}, "rotates 3 dims: it must be an even"),
+        ({"rope": {"interleaved": 1}}, "rope interleaved must be true or false, got 1"),
     ],
 )
 def test_bad_options_are_refused_by_name(kwargs, piece):

@@ -22,6 +22,11 @@ def model_fingerprint(hosted: HostedModel) -> str:
     # fingerprint earlier releases gave it, so its durable sessions survive an upgrade.
     if not config["sinks"]:
         del config["sinks"]
+    rope = config["rope"]
+    if rope is not None:  # (likewise RoPE's interleaved pairs and partial rotation)
+        for name, default in (("interleaved", False), ("partial", 1.0)):
+            if rope[name] == default:
+                del rope[name]
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())
     digest.update(str(hosted.dtype).encode())
     for name, tensor in sorted(hosted.module.state_dict().items()):

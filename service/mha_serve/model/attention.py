@@ -21,7 +21,7 @@ from .config import AttentionConfig
 from .norm import rms_norm
 from .output import AttentionOutput
 from .overflow import NO_OVERFLOW, OverflowCheck, score_limit
-from .rope import cos_sin, doubled, inv_freq, rotate
+from .rope import cos_sin, doubled, inv_freq, rotation
 
 
 class MultiHeadAttention(nn.Module):
@@ -50,9 +50,11 @@ class MultiHeadAttention(nn.Module):
         # Each frequency twice (rope.doubled: the angles' layout), made once here.
         self.rope_freq, self.rope_scaling = (None, 1.0)
         if config.rope is not None:
-            freq, self.rope_scaling = inv_freq(config.rope, config.head_dim)
-            freq = doubled(freq)  # (D,)
+            freq, self.rope_scaling = inv_freq(config.rope, config.rope_dim)
+            freq = doubled(freq, config.rope.interleaved)  # (rope_dim,)
             self.rope_freq = freq if device is None else freq.to(device)
+            # q and k rotated by halves or by pairs, all of each head or its first rope_dim
+            self.rotate = rotation(config.rope, config.rope_dim, config.head_dim)
         # Fused projection whose rows are [Wq; Wk; Wv] (as gpt-fast): one matmul,
         # and exactly nn.MultiheadAttention's in_proj_weight layout when KVH == H.
         self.wqkv = nn.Linear(
@@ -218,7 +220,7 @@ class MultiHeadAttention(nn.Module):
         v = v.view(B, L, KVH, D).transpose(1, 2)  # (B, KVH, L, D)
         if norm is None and self.rope_freq is not None:  # q and k rotated in one call
             qk = qkv[..., : (H + KVH) * D].view(B, L, H + KVH, D).transpose(1, 2)
-            qk = rotate(qk, *self._cos_sin(x, positions, B, L))  # (B, H + KVH, L, D)
+            qk = self.rotate(qk, *self._cos_sin(x, positions, B, L))  # (B, H + KVH, L, D)
             return qk[:, :H], qk[:, H:], v
         q = q.view(B, L, H, D)  # (B, L, H, D)
         k = k.view(B, L, KVH, D)  # (B, L, KVH, D)
@@ -228,7 +230,7 @@ class MultiHeadAttention(nn.Module):
         k = k.transpose(1, 2)  # (B, KVH, L, D)
         if self.rope_freq is not None:
             cos, sin = self._cos_sin(x, positions, B, L)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # (B, H|KVH, L, D)
+            q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)  # (B, H|KVH, L, D)
         return q, k, v
 
     def _cos_sin(

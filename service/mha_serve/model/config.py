@@ -40,6 +40,12 @@ class RopeConfig:
     mscale: float = 0.0  # yarn (0: unset)
     mscale_all_dim: float = 0.0  # yarn (0: unset)
     truncate: bool = True  # yarn: round the correction range outwards
+    # Pairs (x[0::2], x[1::2]) rotated, not the two halves of each head (Cohere, GLM,
+    # Helium, ERNIE 4.5: their rotate_half interleaves).
+    interleaved: bool = False
+    # The fraction of each head's dims rotated, the first ones; the rest pass through (GLM's
+    # partial_rotary_factor). Frequencies over those dims only, as transformers computes them.
+    partial: float = 1.0
 
     def __post_init__(self) -> None:
         if self.type not in ROPE_TYPES:
@@ -58,6 +64,7 @@ class RopeConfig:
             "attention_factor",
             "mscale",
             "mscale_all_dim",
+            "partial",
         ):
             value = getattr(self, name)
             if (
@@ -67,6 +74,10 @@ class RopeConfig:
             ):
                 raise ValueError(f"rope {name} must be a finite number, got {value!r}")
             object.__setattr__(self, name, float(value))
+        if not isinstance(self.interleaved, bool):
+            raise ValueError(f"rope interleaved must be true or false, got {self.interleaved!r}")
+        if not 0 < self.partial <= 1:
+            raise ValueError(f"rope partial must be in (0, 1], got {self.partial}")
         if self.theta <= 0 or self.factor <= 0:
             raise ValueError(f"rope theta and factor must be > 0, got {self.theta}, {self.factor}")
         if self.type in ("llama3", "yarn") and self.original_max_position_embeddings < 1:
@@ -188,6 +199,13 @@ class AttentionConfig:
 
         if self.rope is not None and self.head_dim % 2:
             raise ValueError(f"rope needs an even head_dim, got {self.head_dim}")
+        if self.rope is not None and self.rope.partial != 1:
+            turned = self.rope_dim
+            if turned < 2 or turned % 2:
+                raise ValueError(
+                    f"rope partial {self.rope.partial} of head_dim {self.head_dim} rotates "
+                    f"{turned} dims: it must be an even number >= 2"
+                )
 
         kvh, h = self.num_kv_heads, self.num_heads
         if kvh > h or h % kvh != 0:
@@ -202,6 +220,12 @@ class AttentionConfig:
         if self.num_kv_heads == self.num_heads:
             return "mha"
         return "mqa" if self.num_kv_heads == 1 else "gqa"
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each head that RoPE rotates (the first ones): int(head_dim * partial),
+        as transformers counts them; 0 without RoPE."""
+        return 0 if self.rope is None else int(self.head_dim * self.rope.partial)
 
     @property
     def group_size(self) -> int:

@@ -6,6 +6,7 @@ yarn) step for step, in float32, so served outputs match transformers to roundin
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -68,10 +69,11 @@ def _yarn(base: torch.Tensor, rope: RopeConfig, dim: int) -> tuple[torch.Tensor,
     return freq, float(attention_factor)
 
 
-def doubled(freq: torch.Tensor) -> torch.Tensor:
+def doubled(freq: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """(D,): each of the (D/2,) frequencies twice, [f_0 .. f_{D/2-1}, f_0 .. f_{D/2-1}], the
-    layout of transformers' cat((freqs, freqs)) over the angles, made once (cos_sin)."""
-    return torch.cat([freq, freq])
+    layout of transformers' cat((freqs, freqs)) over the angles, made once (cos_sin);
+    interleaved: [f_0, f_0, f_1, f_1, ..], the pairs' (rotate_pairs)."""
+    return freq.repeat_interleave(2) if interleaved else torch.cat([freq, freq])
 
 
 def cos_sin(
@@ -99,3 +101,25 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # (B, h, L, D)
     return x * cos + rotated * sin
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, h, L, D) rotated by interleaved pairs: x * cos + rotate_pairs(x) * sin with
+    rotate_pairs = [-x_1, x_0, -x_3, x_2, ..] (Cohere's, GLM's, Helium's, ERNIE 4.5's
+    rotate_half); cos and sin in doubled(.., interleaved=True)'s layout."""
+    pairs = x.unflatten(-1, (-1, 2))  # (B, h, L, D/2, 2)
+    rotated = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
+    return x * cos + rotated * sin
+
+
+def rotation(rope: RopeConfig, rope_dim: int, head_dim: int) -> Callable[..., torch.Tensor]:
+    """The module's rotate(x, cos, sin): the halves or the pairs of each head's first
+    rope_dim dims (all of them but for a partial RoPE, whose other dims pass through)."""
+    turn = rotate_pairs if rope.interleaved else rotate
+    if rope_dim == head_dim:
+        return turn
+
+    def rotate_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return torch.cat([turn(x[..., :rope_dim], cos, sin), x[..., rope_dim:]], dim=-1)
+
+    return rotate_part

@@ -19,7 +19,7 @@ from .norm import rms_norm
 from .output import AttentionOutput
 from .padded import attend_padded as padded_attention
 from .padded import padded_mask
-from .rope import cos_sin, rotate
+from .rope import cos_sin
 
 
 def attend_cached(
@@ -220,7 +220,7 @@ def decode_one(
             qk = rms_norm(qk, torch.cat(gains)[:, None], norm.eps)  # (H + KVH, 1, D)
         if self.rope_freq is not None:
             position = keys.shape[2] - 1
-            qk = rotate(qk, *cos_sin(self.rope_freq, self.rope_scaling, position, x.dtype))
+            qk = self.rotate(qk, *cos_sin(self.rope_freq, self.rope_scaling, position, x.dtype))
         q = qk[:, :H]
         kv_slot[:, :KVH].copy_(qk[:, H:])
         kv_slot[:, KVH:].copy_(
