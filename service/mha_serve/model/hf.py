@@ -6,7 +6,7 @@ What is served, per family (transformers' module names):
            residual after it are not attention and are not applied
   gpt2     GPT2Attention: c_attn (Conv1D, weight (E, 3E), transposed here) and c_proj
   llama, mistral, qwen2, qwen3, olmo2, gemma2, gemma3(_text), phi3, gpt_oss and the families whose
-  attention is one of theirs (hf_config.FAMILIES: Mixtral, Qwen-MoE, OLMoE, Granite, ...)
+  attention is one of theirs (hf_families.FAMILIES: Mixtral, Qwen-MoE, OLMoE, Granite, ...)
            q_proj/k_proj/v_proj/o_proj (Phi-3: one qkv_proj) with GQA (num_key_value_heads)
            and RoPE applied to q and k; Qwen2's q/k/v biases (its o_proj has none: served as
            a zero bias); q_norm/k_norm (Qwen3, OLMo-2, Gemma 3: Gemma's gain is 1 + weight,

@@ -5,218 +5,33 @@ No torch here (config files are checked before torch loads); hf.py maps the weig
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .config import ROPE_TYPES, AttentionConfig, QKNormConfig, RopeConfig
-
-FAMILIES = (
-    "bert",
-    "gpt2",
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "olmo2",
-    "phi3",
-    "gemma2",
-    "gemma3_text",
-    "gemma3",
-    # attention as one of the above, with the options the tables below give them
-    "mixtral",
-    "ministral",
-    "starcoder2",
-    "qwen2_moe",
-    "qwen3_moe",
-    "olmoe",
-    "olmo",
-    "granite",
-    "granitemoe",
-    "granitemoeshared",
-    "smollm3",
-    "cohere2",
-    "exaone4",
-    "gemma",
-    "arcee",
-    "seed_oss",
-    "mistral3",
-    "olmo3",
-    "gpt_oss",
+from .hf_families import (
+    BIAS,
+    DEFAULTS,
+    DERIVED_SLIDING,
+    FAMILIES,
+    GPT_OSS_ROPE,
+    INTERLEAVED_ROPE,
+    LAYER_TYPES,
+    MULTIMODAL,
+    NO_ROPE,
+    O_BIAS,
+    PER_TYPE_ROPE,
+    QK_NORM,
+    REQUIRED,
+    ROTARY,
+    SCALE,
+    SCALED_CONTEXT,
+    UNSERVED,
+    WINDOW_EVERY_LAYER,
+    WINDOW_SWITCH,
+    window_on,
 )
-# Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj) and GQA.
-ROTARY = FAMILIES[2:]
-# The per-layer attention kinds of config.json's layer_types that we serve.
-LAYER_TYPES = ("full_attention", "sliding_attention")
-# transformers' defaults (its configuration_<family>.py) for the keys we read whose absence
-# from config.json means something else than our fallback: a key left out is read as
-# transformers reads it (a Gemma 3 text_config, for one, lists only what differs). rope_theta:
-# the config class's default_theta where it is not the 10000 of RotaryEmbeddingConfigMixin
-# (Gemma 3's and OLMo 3's per layer type are PER_TYPE_ROPE's).
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "mistral": {"num_key_value_heads": 8, "sliding_window": 4096},
-    "qwen2": {"num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 28},
-    "qwen3": {
-        "num_key_value_heads": 32,
-        "head_dim": 128,
-        "sliding_window": 4096,
-        "max_window_layers": 28,
-    },
-    "olmo2": {"rms_norm_eps": 1e-5},
-    "gemma2": {
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "query_pre_attn_scalar": 256,
-        "sliding_window": 4096,
-        "attn_logit_softcapping": 50.0,
-    },
-    "gemma3_text": {
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "query_pre_attn_scalar": 256,
-        "sliding_window": 4096,
-    },
-    "mixtral": {"num_key_value_heads": 8, "rope_theta": 1_000_000.0},
-    "ministral": {"num_key_value_heads": 8, "sliding_window": 4096},
-    "starcoder2": {"num_key_value_heads": 2, "use_bias": True},
-    "qwen2_moe": {
-        "num_key_value_heads": 16,
-        "sliding_window": 4096,
-        "max_window_layers": 28,
-        "qkv_bias": True,
-    },
-    "qwen3_moe": {"num_key_value_heads": 4, "sliding_window": 4096},
-    "olmoe": {"rms_norm_eps": 1e-5},
-    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared"), {"attention_multiplier": 1.0}),
-    "smollm3": {"num_key_value_heads": 4, "no_rope_layer_interval": 4, "rope_theta": 2_000_000.0},
-    "cohere2": {"sliding_window": 4096, "sliding_window_pattern": 4},
-    "exaone4": {
-        "num_key_value_heads": 32,
-        "sliding_window": 4096,
-        "sliding_window_pattern": 4,
-        "rms_norm_eps": 1e-5,
-    },
-    "gemma": {"num_key_value_heads": 16, "head_dim": 256},
-    "olmo3": {"rms_norm_eps": 1e-5, "sliding_window": 4096},
-    "seed_oss": {"num_key_value_heads": 8, "head_dim": 128, "attention_bias": True},
-    "gpt_oss": {
-        "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "head_dim": 64,
-        "sliding_window": 128,
-        "attention_bias": True,
-        "rope_theta": 150000.0,
-    },
-}
-# Keys a family's config.json must set (not null), and why: transformers builds no layer
-# without them, so whatever we served would be a layer transformers never runs.
-REQUIRED: dict[str, dict[str, str]] = {
-    "ministral": {
-        "head_dim": "MinistralConfig leaves it null and MinistralAttention reads it as is "
-        "(it fails to build the layer; it does not fall back to hidden_size / "
-        "num_attention_heads)",
-    },
-}
-# Multimodal families: their language model (text_config, whose model_type is the first
-# unless it names one) is served; its tensors are the ones under the scope (not the vision
-# tower's).
-MULTIMODAL = {
-    "gemma3": ("gemma3_text", "language_model"),
-    "mistral3": ("mistral", "language_model"),
-}
-# Where each rotary family's attention differs from Llama's (transformers 5's
-# modeling_<family>.py); a family a table leaves out has Llama's there.
-# The q/k/v/o biases: the config.json key that turns them on, or fixed.
-BIAS: dict[str, str | bool] = {
-    "qwen2": True,
-    "qwen2_moe": "qkv_bias",
-    "starcoder2": "use_bias",
-    **dict.fromkeys(("mistral", "mixtral", "ministral", "phi3"), False),
-}
-# o_proj's bias where it is not q/k/v's: its key, or fixed (a missing one is served as 0).
-O_BIAS: dict[str, str | bool] = {
-    "qwen2": False,
-    "qwen2_moe": False,
-    "seed_oss": "attention_out_bias",
-}
-# q/k RMSNorm: per head (over head_dim) or over the whole projection (all heads together).
-QK_NORM = {
-    **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4"), "head"),
-    **dict.fromkeys(("olmo2", "olmoe", "olmo3"), "projection"),
-}
-# The softmax scale: (config key, power) -> value ** power; default head_dim ** -0.5.
-SCALE = {
-    **dict.fromkeys(("gemma2", "gemma3_text"), ("query_pre_attn_scalar", -0.5)),
-    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared"), ("attention_multiplier", 1)),
-}
-# sliding_window on every layer where it is set (Qwen3-MoE: with use_sliding_window).
-WINDOW_EVERY_LAYER = ("mistral", "mixtral", "phi3", "starcoder2", "qwen3_moe")
-# Families whose sliding_window counts only with use_sliding_window (their configs drop it).
-WINDOW_SWITCH = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3")
-# Families that read layer_types, and how their configs derive them when config.json has
-# none: (cfg, layer) -> whether the layer slides.
-DERIVED_SLIDING: dict[str, Callable[[dict[str, Any], int], bool]] = {
-    **dict.fromkeys(
-        ("qwen2", "qwen3"),
-        lambda c, i: _window_on(c) and i >= c["max_window_layers"],
-    ),
-    "qwen2_moe": lambda c, i: bool(
-        c.get("use_sliding_window") and (i + 1) % 2 and i < c["max_window_layers"]
-    ),
-    **dict.fromkeys(("gemma2", "gpt_oss"), lambda c, i: bool((i + 1) % 2)),  # local first
-    "gemma3_text": lambda c, i: bool((i + 1) % c.get("sliding_window_pattern", 6)),
-    "cohere2": lambda c, i: bool((i + 1) % c["sliding_window_pattern"]),
-    # (Exaone4Config sets the pattern to 0 without a window: no layer_types to derive)
-    "exaone4": lambda c, i: bool(
-        (i + 1) % (c["sliding_window_pattern"] if c.get("sliding_window") is not None else 0)
-    ),
-    "ministral": lambda c, i: c.get("sliding_window") is not None,
-    "olmo3": lambda c, i: bool((i + 1) % 4),  # three local layers, then a global one
-    "smollm3": lambda c, i: _window_on(c) and not _smollm3_rope(c, i),
-}
-# Layers that apply no RoPE (NoPE): SmolLM3's no_rope_layers, Cohere 2's global layers.
-NO_ROPE: dict[str, Callable[[dict[str, Any], int, str], bool]] = {
-    "smollm3": lambda c, i, kind: not _smollm3_rope(c, i),
-    "cohere2": lambda c, i, kind: kind == "full_attention",
-    "exaone4": lambda c, i, kind: kind == "full_attention" and c.get("sliding_window") is not None,
-}
-# Layers whose RoPE rotates interleaved pairs (x[0::2], x[1::2]), not the two halves.
-INTERLEAVED_ROPE = ("cohere2",)
-# Families refused whole, and why (the attention differs from every family above).
-UNSERVED = {
-    "cohere": "its RoPE rotates interleaved pairs (x[0::2], x[1::2]), not the two halves "
-    "of each head, and its q/k norm is a LayerNorm",
-    "glm": "its RoPE is partial (half of each head) and rotates interleaved pairs",
-    "glm4": "its RoPE is partial (half of each head) and rotates interleaved pairs",
-    "helium": "its RoPE rotates interleaved pairs (x[0::2], x[1::2])",
-    "ernie4_5": "its RoPE rotates interleaved pairs (x[0::2], x[1::2])",
-    "hunyuan_v1_dense": "its q/k norm comes after RoPE",
-    "hunyuan_v1_moe": "its q/k norm comes after RoPE",
-    "ministral3": "its queries are scaled by position (llama_4_scaling_beta)",
-    "llama4": "chunked attention, L2 q/k norm and NoPE layers with temperature tuning",
-    "deepseek_v3": "multi-head latent attention (low-rank q and kv projections)",
-}
-# Families with a RoPE table per layer type, and how their configs fill the tables of a
-# transformers 4 config.json (rope_theta + rope_scaling, the global layers' only): (global
-# theta default, the local layers' theta key (None: the default only), its default).
-PER_TYPE_ROPE = {
-    "gemma3_text": (1_000_000.0, "rope_local_base_freq", 10_000.0),
-    "olmo3": (500_000.0, None, 500_000.0),
-}
-# GPT-OSS's RoPE when config.json sets neither rope_parameters nor rope_scaling (GptOssConfig).
-GPT_OSS_ROPE = {
-    "rope_type": "yarn",
-    "factor": 32.0,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "truncate": False,
-    "original_max_position_embeddings": 4096,
-}
-# RoPE types with a pretraining context (original_max_position_embeddings).
-SCALED_CONTEXT = ("llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -416,7 +231,7 @@ def _layer_type(cfg: dict[str, Any], family: str, layer: int, where: Path) -> st
     layer_types where it reads them (its configuration_<family>.py derives them when
     config.json has none); Mistral, Phi-3 and others apply sliding_window to every layer."""
     if family in WINDOW_EVERY_LAYER:
-        on = _window_on(cfg) if family in WINDOW_SWITCH else cfg.get("sliding_window") is not None
+        on = window_on(cfg) if family in WINDOW_SWITCH else cfg.get("sliding_window") is not None
         return "sliding_attention" if on else "full_attention"
     if family not in DERIVED_SLIDING:
         return "full_attention"
@@ -450,19 +265,6 @@ def _biases(cfg: dict[str, Any], family: str) -> tuple[bool, bool]:
             flags[0] if flag is None else cfg.get(flag, False) if isinstance(flag, str) else flag
         )
     return bool(flags[0]), bool(flags[1])
-
-
-def _window_on(cfg: dict[str, Any]) -> bool:
-    return bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window") is not None
-
-
-def _smollm3_rope(cfg: dict[str, Any], layer: int) -> bool:
-    """Whether SmolLM3's layer applies RoPE: no_rope_layers (1: RoPE), else every
-    no_rope_layer_interval-th layer has none (SmolLM3Config; both checked in _rotary)."""
-    flags = cfg.get("no_rope_layers")
-    if flags is None:
-        return (layer + 1) % cfg["no_rope_layer_interval"] != 0
-    return bool(flags[layer])
 
 
 def _rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
