@@ -254,7 +254,7 @@ def test_phi3_fused_qkv_and_window(tmp_path):
             0,
             "rope_parameters must hold a table per layer type",
         ),
-        ({**GEMMA3, "sliding_window": None}, 0, "sliding_window is not set"),
+        ({**GEMMA3, "sliding_window": None}, 0, "sets sliding_window to null"),
         ({**GEMMA3, "query_pre_attn_scalar": 0}, 0, "query_pre_attn_scalar must be a positive"),
         ({**GEMMA3, "model_type": "gemma3", "text_config": None}, 0, "gemma3 has no text_config"),
         ({**LLAMA, "model_type": "llama4"}, 0, "model_type 'llama4'"),

@@ -11,6 +11,7 @@ from typing import Any
 
 from .config import ROPE_TYPES, AttentionConfig, QKNormConfig, RopeConfig
 from .hf_families import (
+    ALL,
     BIAS,
     DEFAULTS,
     DERIVED_SLIDING,
@@ -20,6 +21,7 @@ from .hf_families import (
     LAYER_TYPES,
     MULTIMODAL,
     NO_ROPE,
+    NOT_NULL,
     O_BIAS,
     PER_TYPE_ROPE,
     QK_NORM,
@@ -100,6 +102,9 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
                 f"{config_path}: {kind} config.json has no {key} (or it is null): {why}; "
                 f"set {key} to the checkpoint's"
             )
+    for key, families in NOT_NULL.items():
+        if key in cfg and cfg[key] is None and (families == ALL or kind in families):
+            _null(where=config_path, family=kind, key=key)
     num_layers = _int(cfg, "n_layer" if family == "gpt2" else "num_hidden_layers", config_path)
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
         raise ValueError(
@@ -123,7 +128,8 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
 
 
 def _bert(cfg: dict[str, Any], where: Path) -> AttentionConfig:
-    kind = cfg.get("position_embedding_type", "absolute")
+    # (null: transformers adds no relative-position scores for it either)
+    kind = cfg.get("position_embedding_type") or "absolute"
     if kind != "absolute":
         raise ValueError(
             f"{where}: BERT position_embedding_type {kind!r} is not supported (its attention "
@@ -171,6 +177,8 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
             not isinstance(flags, list) or len(flags) != cfg["num_hidden_layers"]
         ):
             raise ValueError(f"{where}: no_rope_layers must list one 0 or 1 per layer")
+    _null_rope(cfg, family, where)
+    _null_window(cfg, family, where)
     layer_type = _layer_type(cfg, family, layer, where)
     sliding = None
     if layer_type == "sliding_attention":
@@ -254,6 +262,63 @@ def _layer_type(cfg: dict[str, Any], family: str, layer: int, where: Path) -> st
             f"lacks or sets otherwise ({type(e).__name__}: {e}); give layer_types"
         ) from None
     return "sliding_attention" if sliding else "full_attention"
+
+
+def _null(where: Path, family: str, key: str, why: str = "") -> None:
+    raise ValueError(
+        f"{where}: {family} config.json sets {key} to null, from which transformers 5 builds "
+        f"no layer ({why or 'its config rejects the null, or its attention computes with it'})"
+        f"; set {key} to the checkpoint's, or leave it out for {family}'s default"
+    )
+
+
+def _null_rope(cfg: dict[str, Any], family: str, where: Path) -> None:
+    """A null theta, type or factor where transformers 5 reads its RoPE table from (as _rope
+    and _per_type_table resolve it): the model's rotary embedding fails on it, so no layer
+    is built, NoPE ones included."""
+    why = "its rotary embedding computes with it"
+    if family in PER_TYPE_ROPE:
+        tables = cfg.get("rope_parameters") or {}
+        _, local_key, _ = PER_TYPE_ROPE[family]
+        for kind, beside in (("full_attention", "rope_theta"), ("sliding_attention", local_key)):
+            table = tables.get(kind) if isinstance(tables, dict) else None
+            table = table if isinstance(table, dict) else {}
+            if "rope_theta" in table and table["rope_theta"] is None:
+                _null(where, family, f"rope_parameters.{kind}.rope_theta", why)
+            if "rope_theta" not in table and beside and beside in cfg and cfg[beside] is None:
+                _null(where, family, beside, why)
+        return
+    name = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    table = cfg.get(name) or (GPT_OSS_ROPE if family == "gpt_oss" else {})
+    if not isinstance(table, dict):
+        return
+    kind = table.get("rope_type", table.get("type"))
+    for key in ("rope_theta", "rope_type", "type", "factor"):
+        if key in table and table[key] is None and (key != "factor" or kind != "yarn"):
+            _null(where, family, f"{name}.{key}", why)  # (yarn's factor: the context ratio)
+    if "rope_theta" not in table and "rope_theta" in cfg and cfg["rope_theta"] is None:
+        _null(where, family, "rope_theta", why)
+    # (standardize_rope_params: the pretraining context beside the table wins, a null too)
+    beside = "original_max_position_embeddings"
+    if kind in SCALED_CONTEXT and beside in cfg and cfg[beside] is None:
+        _null(where, family, beside, why)
+
+
+def _null_window(cfg: dict[str, Any], family: str, where: Path) -> None:
+    """sliding_window null is no window (Mistral's, Qwen2's without use_sliding_window), but
+    transformers 5 builds no model whose layer types name a sliding layer then (its sliding
+    mask needs the window): every layer is refused, not only the sliding ones."""
+    if family not in DERIVED_SLIDING or "sliding_window" not in cfg:
+        return
+    if cfg["sliding_window"] is not None:
+        return
+    for i in range(cfg["num_hidden_layers"]):
+        try:
+            sliding = _layer_type(cfg, family, i, where) == "sliding_attention"
+        except ValueError:  # (another layer's type: that layer's own refusal)
+            continue
+        if sliding:
+            _null(where, family, "sliding_window", f"layer {i} is a sliding_attention layer")
 
 
 def _biases(cfg: dict[str, Any], family: str) -> tuple[bool, bool]:

@@ -116,6 +116,59 @@ REQUIRED: dict[str, dict[str, str]] = {
         "num_attention_heads)",
     },
 }
+# Keys config.json may not set to null, and the families where it may not: transformers 5
+# builds no layer from the null (its config class types the key strictly, a bool or an int,
+# and rejects it; or its attention computes with it, as head_dim ** -0.5 where the config
+# does not fill head_dim in). A null elsewhere means what the family's config makes of it
+# (num_key_value_heads: num_attention_heads; head_dim: hidden_size / num_attention_heads for
+# Llama, Mistral, ...; sliding_window: none, see hf_config._null_window). ALL: every family.
+# Nulls inside the RoPE tables are hf_config._null_rope's.
+ALL = ("*",)
+_NORM_EPS_FREE = ("bert", "gpt2", "olmo", "starcoder2", "cohere2")  # (a LayerNorm's eps)
+_HEAD_DIM_FILLED = (
+    "bert",
+    "gpt2",
+    "llama",
+    "mistral",
+    "mixtral",
+    "starcoder2",
+    "arcee",
+    "seed_oss",
+)
+NOT_NULL: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(
+        ("hidden_size", "num_attention_heads", "num_hidden_layers", "max_position_embeddings"),
+        ALL,
+    ),
+    # GPT-2's names (hidden_size, ... above are aliases of them) and flags
+    **dict.fromkeys(
+        ("n_embd", "n_head", "n_layer", "n_positions", "scale_attn_weights"),
+        ("gpt2",),
+    ),
+    "scale_attn_by_inverse_layer_idx": ("gpt2",),
+    "add_cross_attention": ("gpt2", "bert"),
+    "is_decoder": ("bert",),
+    "rms_norm_eps": tuple(f for f in FAMILIES if f not in _NORM_EPS_FREE),
+    "head_dim": tuple(f for f in FAMILIES if f not in _HEAD_DIM_FILLED),
+    "num_key_value_heads": (
+        *("mistral", "mixtral", "ministral", "starcoder2", "qwen2_moe", "qwen3_moe"),
+        *("gemma", "gemma2", "gemma3_text", "exaone4", "gpt_oss"),
+    ),
+    "attention_bias": (
+        *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
+        *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
+        *("cohere2", "gpt_oss", "arcee", "seed_oss"),
+    ),
+    "use_bias": ("starcoder2",),
+    "qkv_bias": ("qwen2_moe",),
+    "attention_out_bias": ("seed_oss",),
+    "use_sliding_window": ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3"),
+    "max_window_layers": ("qwen2", "qwen3", "qwen2_moe"),
+    "query_pre_attn_scalar": ("gemma2", "gemma3_text"),
+    "attention_multiplier": ("granite", "granitemoe", "granitemoeshared"),
+    "no_rope_layer_interval": ("smollm3",),
+    "original_max_position_embeddings": ("phi3",),  # (elsewhere: where RoPE reads it)
+}
 # Multimodal families: their language model (text_config, whose model_type is the first
 # unless it names one) is served; its tensors are the ones under the scope (not the vision
 # tower's).
