@@ -14,7 +14,11 @@ from transformers import (
     BertModel,
     Cohere2Config,
     Cohere2Model,
+    CohereConfig,
+    CohereModel,
     DynamicCache,
+    Ernie4_5Config,
+    Ernie4_5Model,
     Exaone4Config,
     Exaone4Model,
     Gemma2Config,
@@ -23,6 +27,10 @@ from transformers import (
     Gemma3TextModel,
     GemmaConfig,
     GemmaModel,
+    Glm4Config,
+    Glm4Model,
+    GlmConfig,
+    GlmModel,
     GPT2Config,
     GPT2LMHeadModel,
     GptOssConfig,
@@ -33,6 +41,8 @@ from transformers import (
     GraniteMoeModel,
     GraniteMoeSharedConfig,
     GraniteMoeSharedModel,
+    HeliumConfig,
+    HeliumModel,
     LlamaConfig,
     LlamaForCausalLM,
     MinistralConfig,
@@ -301,7 +311,7 @@ CHECKPOINTS = {
         ),
         0,
     ),
-    "cohere2": (  # global layers: no RoPE (its local layers' interleaved RoPE is refused)
+    "cohere2": (  # global layers: no RoPE; local ones: RoPE by interleaved pairs
         Cohere2Model,
         Cohere2Config(
             num_key_value_heads=2,
@@ -371,6 +381,42 @@ CHECKPOINTS = {
         SeedOssConfig(num_key_value_heads=2, head_dim=16, **ROTARY),
         1,
     ),
+    # RoPE by interleaved pairs (x[0::2], x[1::2]); GLM's over the first half of each head
+    "cohere": (  # q/k/v/o biases; its RoPE in float32 (the same in a float32 model)
+        CohereModel,
+        CohereConfig(num_key_value_heads=2, attention_bias=True, pad_token_id=0, **ROTARY),
+        0,
+    ),
+    "helium": (  # o_proj without a bias where q/k/v have them
+        HeliumModel,
+        HeliumConfig(num_key_value_heads=4, head_dim=8, attention_bias=True, **ROTARY),
+        1,
+    ),
+    "ernie4_5": (  # q/k/v/o biases by use_bias
+        Ernie4_5Model,
+        Ernie4_5Config(num_key_value_heads=2, head_dim=16, use_bias=True, **ROTARY),
+        0,
+    ),
+    "glm": (  # partial_rotary_factor 0.5 (GlmConfig's default); q/k/v biases, o_proj's off
+        GlmModel,
+        GlmConfig(num_key_value_heads=2, head_dim=16, pad_token_id=0, **ROTARY),
+        1,
+    ),
+    "glm4": (  # a partial_rotary_factor of its own in rope_parameters
+        Glm4Model,
+        Glm4Config(
+            num_key_value_heads=4,
+            head_dim=16,
+            pad_token_id=0,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 500.0,
+                "partial_rotary_factor": 0.25,
+            },
+            **ROTARY,
+        ),
+        0,
+    ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,
 # SmolLM3's NoPE one.
@@ -383,6 +429,7 @@ SERVED.update(
         "exaone4_global": ("exaone4", 1),
         "olmo3_global": ("olmo3", 1),
         "gpt_oss_full": ("gpt_oss", 1),
+        "cohere2_local": ("cohere2", 0),
     }
 )
 

@@ -46,9 +46,9 @@ NESTED = (
     "v4.rope_theta",
     "v4.rope_local_base_freq",
 )
-# Layers transformers runs that we refuse for another reason than the null: Cohere 2 without
-# layer_types derives its layer 1 as a local one, whose interleaved RoPE is not served.
-REFUSED_OTHERWISE = {("cohere2", "layer_types", 1)}
+# Layers transformers runs that we refuse for another reason than the null (none since
+# Cohere 2's local layers, RoPE by interleaved pairs, are served).
+REFUSED_OTHERWISE: set[tuple[str, str, int]] = set()
 
 FAMILIES = {name: (cls, config) for name, (cls, config, _) in CHECKPOINTS.items()}
 FAMILIES["bert"] = (

@@ -344,22 +344,32 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
         # OLMo and OLMoE clamp q, k and v to +-clip_qkv: not served (their clip_qkv null is)
         (OlmoConfig(pad_token_id=1, **SMALL), {"clip_qkv": 8.0}, 0, "olmo clip_qkv 8.0"),
         (OlmoeConfig(**SMALL), {"clip_qkv": 4.0}, 1, "olmoe clip_qkv 4.0"),
-        # Cohere 2's local layers rotate interleaved pairs: refused; its global layers
-        # (no RoPE) are served
+        # Cohere's q/k norm is a LayerNorm (use_qk_norm); partial RoPE outside GLM
         (
-            Cohere2Config(layer_types=SLIDING_FIRST, pad_token_id=0, **SMALL),
-            {},
+            Cohere2Config(pad_token_id=0, **SMALL),
+            {"model_type": "cohere", "use_qk_norm": True},
             0,
-            "rotates interleaved pairs",
+            "cohere use_qk_norm true is not supported: its q/k norm is a LayerNorm",
+        ),
+        (
+            Qwen2Config(**SMALL),
+            {"partial_rotary_factor": 0.5},
+            0,
+            "partial_rotary_factor 0.5 is not supported for qwen2",
+        ),
+        (
+            Qwen2Config(**SMALL),
+            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+            0,
+            "partial_rotary_factor 0.5 is not supported for qwen2",
         ),
         # whole families: the reason is given
         (
-            Cohere2Config(pad_token_id=0, **SMALL),
-            {"model_type": "cohere"},
+            Qwen2Config(**SMALL),
+            {"model_type": "hunyuan_v1_dense"},
             0,
-            "model_type 'cohere' (architectures ?) is not supported (its RoPE rotates",
+            "model_type 'hunyuan_v1_dense' (architectures ?) is not supported (its q/k norm",
         ),
-        (Qwen2Config(**SMALL), {"model_type": "glm4"}, 0, "its RoPE is partial"),
         # a sliding layer without use_sliding_window: transformers' Qwen2 fails on it
         # (its config drops the window), SmolLM3's eager and SDPA masks slide where its
         # flash attention does not: no exact answer to serve
@@ -420,9 +430,10 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
     ids=[
         "olmo_clip_qkv",
         "olmoe_clip_qkv",
-        "cohere2_local_layer",
-        "cohere",
-        "glm4",
+        "cohere_qk_norm",
+        "qwen2_partial_rope",
+        "qwen2_partial_rope_table",
+        "hunyuan",
         "qwen2_sliding_without_switch",
         "smollm3_sliding_without_switch",
         "qwen2_moe_sliding_without_switch",

@@ -23,6 +23,7 @@ from .hf_families import (
     NO_ROPE,
     NOT_NULL,
     O_BIAS,
+    PARTIAL_ROPE,
     PER_TYPE_ROPE,
     QK_NORM,
     REQUIRED,
@@ -162,10 +163,16 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
     KVH = cfg.get("num_key_value_heads") or H
     D = cfg.get("head_dim") or E // H
     bias = any(_biases(cfg, family))
-    if cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
+    if family not in PARTIAL_ROPE and cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
         raise ValueError(
             f"{where}: partial_rotary_factor {cfg['partial_rotary_factor']} is not supported "
-            "(full rotary only)"
+            f"for {family} (transformers' {family} rotates every dim of each head; only "
+            f"{', '.join(PARTIAL_ROPE)} rotate part of it)"
+        )
+    if family == "cohere" and cfg.get("use_qk_norm"):
+        raise ValueError(
+            f"{where}: cohere use_qk_norm true is not supported: its q/k norm is a LayerNorm "
+            "(the mean subtracted, then scaled), not the RMSNorm mha-serve applies"
         )
     for key in ("use_bidirectional_attention", "attention_chunk_size", "clip_qkv"):
         if cfg.get(key):
@@ -193,12 +200,6 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
     rope = None
     nope = NO_ROPE.get(family)
     if nope is None or not nope(cfg, layer, layer_type):
-        if family in INTERLEAVED_ROPE:
-            raise ValueError(
-                f"{where}: layer {layer} ({layer_type}) is not supported: {family}'s RoPE "
-                "rotates interleaved pairs (x[0::2], x[1::2]), which mha-serve does not "
-                "implement; its layers without RoPE are served"
-            )
         rope = _rope(cfg, layer_type, where)
     qk_norm = None
     if family in QK_NORM:  # before RoPE; per head, or over the whole projection
@@ -374,9 +375,12 @@ def _rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
             f"{where}: phi3 rope type {kind!r} is not supported: transformers' Phi-3 reads "
             "'su' and 'yarn' as 'longrope' (not served) and accepts no other scaling"
         )
-    if params.get("partial_rotary_factor") not in (None, 1, 1.0):
-        raise ValueError(f"{where}: partial_rotary_factor is not supported (full rotary only)")
     rope: dict[str, Any] = {"theta": float(params.get("rope_theta") or 10000.0), "type": kind}
+    if family in INTERLEAVED_ROPE:
+        rope["interleaved"] = True
+    partial = _partial(cfg, params, family, where)
+    if partial != 1:
+        rope["partial"] = partial
     try:
         if kind != "default":
             factor = params.get("factor")
@@ -406,6 +410,30 @@ def _rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
         return RopeConfig(**rope)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+def _partial(cfg: dict[str, Any], params: dict[str, Any], family: str, where: Path) -> float:
+    """The fraction of each head that RoPE turns, as transformers 5 reads it
+    (convert_rope_params_to_dict): rope_parameters' partial_rotary_factor, else config.json's
+    (a null there: none, every dim), else the family's default (PARTIAL_ROPE)."""
+    if "partial_rotary_factor" in params:
+        value = params["partial_rotary_factor"]
+    elif "partial_rotary_factor" in cfg:
+        value = cfg["partial_rotary_factor"]
+        value = 1.0 if value is None else value
+    else:
+        value = PARTIAL_ROPE.get(family, 1.0)
+    if value in (1, 1.0):
+        return 1.0
+    if family not in PARTIAL_ROPE:
+        raise ValueError(
+            f"{where}: partial_rotary_factor {value!r} is not supported for {family} "
+            f"(transformers' {family} rotates every dim of each head; only "
+            f"{', '.join(PARTIAL_ROPE)} rotate part of it)"
+        )
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ValueError(f"{where}: partial_rotary_factor must be in (0, 1], got {value!r}")
+    return float(value)
 
 
 def _per_type_table(

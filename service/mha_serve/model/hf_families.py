@@ -40,6 +40,12 @@ FAMILIES = (
     "mistral3",
     "olmo3",
     "gpt_oss",
+    # RoPE by interleaved pairs (INTERLEAVED_ROPE), GLM's over half of each head
+    "cohere",
+    "helium",
+    "ernie4_5",
+    "glm",
+    "glm4",
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj) and GQA.
 ROTARY = FAMILIES[2:]
@@ -106,6 +112,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "attention_bias": True,
         "rope_theta": 150000.0,
     },
+    "cohere": {"rope_theta": 500_000.0},
+    "helium": {"num_key_value_heads": 20, "head_dim": 128, "rope_theta": 100_000.0},
+    "ernie4_5": {"num_key_value_heads": 2, "head_dim": 128, "rope_theta": 500_000.0},
+    **dict.fromkeys(
+        ("glm", "glm4"), {"num_key_value_heads": 2, "head_dim": 128, "attention_bias": True}
+    ),
 }
 # Keys a family's config.json must set (not null), and why: transformers builds no layer
 # without them, so whatever we served would be a layer transformers never runs.
@@ -124,7 +136,7 @@ REQUIRED: dict[str, dict[str, str]] = {
 # Llama, Mistral, ...; sliding_window: none, see hf_config._null_window). ALL: every family.
 # Nulls inside the RoPE tables are hf_config._null_rope's.
 ALL = ("*",)
-_NORM_EPS_FREE = ("bert", "gpt2", "olmo", "starcoder2", "cohere2")  # (a LayerNorm's eps)
+_NORM_EPS_FREE = ("bert", "gpt2", "olmo", "starcoder2", "cohere2", "cohere")  # (LayerNorm's)
 _HEAD_DIM_FILLED = (
     "bert",
     "gpt2",
@@ -134,6 +146,7 @@ _HEAD_DIM_FILLED = (
     "starcoder2",
     "arcee",
     "seed_oss",
+    "ernie4_5",
 )
 NOT_NULL: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
@@ -152,12 +165,12 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     "head_dim": tuple(f for f in FAMILIES if f not in _HEAD_DIM_FILLED),
     "num_key_value_heads": (
         *("mistral", "mixtral", "ministral", "starcoder2", "qwen2_moe", "qwen3_moe"),
-        *("gemma", "gemma2", "gemma3_text", "exaone4", "gpt_oss"),
+        *("gemma", "gemma2", "gemma3_text", "exaone4", "gpt_oss", "helium", "glm", "glm4"),
     ),
     "attention_bias": (
         *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
         *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
-        *("cohere2", "gpt_oss", "arcee", "seed_oss"),
+        *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
     ),
     "use_bias": ("starcoder2",),
     "qkv_bias": ("qwen2_moe",),
@@ -183,6 +196,7 @@ BIAS: dict[str, str | bool] = {
     "qwen2": True,
     "qwen2_moe": "qkv_bias",
     "starcoder2": "use_bias",
+    "ernie4_5": "use_bias",
     **dict.fromkeys(("mistral", "mixtral", "ministral", "phi3"), False),
 }
 # o_proj's bias where it is not q/k/v's: its key, or fixed (a missing one is served as 0).
@@ -190,6 +204,7 @@ O_BIAS: dict[str, str | bool] = {
     "qwen2": False,
     "qwen2_moe": False,
     "seed_oss": "attention_out_bias",
+    **dict.fromkeys(("helium", "glm", "glm4"), False),
 }
 # q/k RMSNorm: per head (over head_dim) or over the whole projection (all heads together).
 QK_NORM = {
@@ -232,16 +247,13 @@ NO_ROPE: dict[str, Callable[[dict[str, Any], int, str], bool]] = {
     "cohere2": lambda c, i, kind: kind == "full_attention",
     "exaone4": lambda c, i, kind: kind == "full_attention" and c.get("sliding_window") is not None,
 }
-# Layers whose RoPE rotates interleaved pairs (x[0::2], x[1::2]), not the two halves.
-INTERLEAVED_ROPE = ("cohere2",)
+# Families whose RoPE rotates interleaved pairs (x[0::2], x[1::2]), not the two halves.
+INTERLEAVED_ROPE = ("cohere", "cohere2", "helium", "ernie4_5", "glm", "glm4")
+# Families whose RoPE may turn only part of each head (partial_rotary_factor: rope_parameters',
+# else config.json's, else this default; transformers' other families rotate every dim).
+PARTIAL_ROPE = {"glm": 0.5, "glm4": 0.5}
 # Families refused whole, and why (the attention differs from every family above).
 UNSERVED = {
-    "cohere": "its RoPE rotates interleaved pairs (x[0::2], x[1::2]), not the two halves "
-    "of each head, and its q/k norm is a LayerNorm",
-    "glm": "its RoPE is partial (half of each head) and rotates interleaved pairs",
-    "glm4": "its RoPE is partial (half of each head) and rotates interleaved pairs",
-    "helium": "its RoPE rotates interleaved pairs (x[0::2], x[1::2])",
-    "ernie4_5": "its RoPE rotates interleaved pairs (x[0::2], x[1::2])",
     "hunyuan_v1_dense": "its q/k norm comes after RoPE",
     "hunyuan_v1_moe": "its q/k norm comes after RoPE",
     "ministral3": "its queries are scaled by position (llama_4_scaling_beta)",
