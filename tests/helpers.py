@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -78,7 +80,9 @@ class ServerProcess:
     """`python -m mha_serve.transport.main` on 127.0.0.1, waited on until health is SERVING.
 
     It runs on the suite's device in float32 (MHA_SERVE_DEVICE / MHA_SERVE_DTYPE), unless
-    `env` or a flag (which wins over the environment) names its own."""
+    `env` or a flag (which wins over the environment) names its own; and with a TMPDIR of its
+    own, unless `env` names one: what the server leaves there (left_behind, once it stopped)
+    is removed with it, so that no test leaves `mha-serve-*` directories in /tmp."""
 
     def __init__(
         self,
@@ -107,12 +111,19 @@ class ServerProcess:
             str(self.metrics_port),
             *args,
         ]
+        self._own_tmp = None
+        if "TMPDIR" not in (env or {}):  # (in /tmp, short: it holds a Unix socket's path)
+            self._own_tmp = tempfile.mkdtemp(prefix="mha-test-")
+            env = {**(env or {}), "TMPDIR": self._own_tmp}
+        env = {**os.environ, **device, **env}
+        self.tmp_dir = Path(env["TMPDIR"])
+        self.left_behind: list[str] | None = None  # run dirs in tmp_dir once stopped
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             cmd,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **device, **(env or {})},
+            env=env,
             process_group=0 if process_group else None,
         )
 
@@ -139,7 +150,12 @@ class ServerProcess:
             self._log.flush()
         return self.log_path.read_text(errors="replace")
 
+    def run_dirs(self) -> list[str]:
+        """The server's directories (`mha-serve-*`) in its TMPDIR now."""
+        return sorted(p.name for p in self.tmp_dir.glob("mha-serve-*"))
+
     def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM (SIGKILL after timeout) unless it has exited; its exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -148,6 +164,10 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+        if self.left_behind is None:
+            self.left_behind = self.run_dirs()
+            if self._own_tmp is not None:
+                shutil.rmtree(self._own_tmp, ignore_errors=True)
         return self.proc.returncode
 
 
@@ -161,3 +181,4 @@ def serving_process(log_dir: Path, *args: str):
     finally:
         code = proc.stop()
         assert code == 0, f"mha-serve exited {code} on SIGTERM:\n{proc.log()}"
+        assert proc.left_behind == [], f"mha-serve left {proc.left_behind} in its TMPDIR"

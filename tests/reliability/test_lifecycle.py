@@ -284,6 +284,7 @@ def test_sigterm_while_the_frontends_start_exits_zero(tmp_path):
     log = proc.log()
     assert code == 0, log
     assert "exited with -15" not in log and "stopping:" not in log, log
+    assert proc.left_behind == [], log  # its run and metrics directories removed
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
@@ -398,3 +399,5 @@ def test_sigterm_while_torch_imports_exits_zero(tmp_path, workers):
     log = proc.log()
     assert code == 0, log
     assert "Traceback" not in log and "SERVING" not in log, log
+    # (with frontend workers its metrics directory, made before torch, was left in $TMPDIR)
+    assert proc.left_behind == [], log

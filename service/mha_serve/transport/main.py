@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 
 # (Only the standard library before main() has its stop signals in place: early_stop.py.)
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None, early: EarlyStop) -> int:
     from mha_serve.config import SERVER_KEYS, build_config
-    from mha_serve.transport import busy_poll
+    from mha_serve.transport.run_dirs import remove_stale_run_dirs
 
     args = parser().parse_args(argv)
     overrides = {key: getattr(args, key) for key in SERVER_KEYS}
@@ -92,11 +93,28 @@ def _main(argv: list[str] | None, early: EarlyStop) -> int:
     except ValueError as e:
         print(f"mha-serve: configuration error: {e}", file=sys.stderr)
         return 2
-    if cfg.frontend_workers > 1:
-        problem = _multiprocess_metrics()
-        if problem:
-            print(f"mha-serve: configuration error: {problem}", file=sys.stderr)
-            return 2
+    logging.basicConfig(
+        level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    remove_stale_run_dirs()  # those of servers killed before they could (run_dirs.py)
+    if cfg.frontend_workers <= 1:
+        return _serve(cfg, early)
+    try:
+        owned = _multiprocess_metrics()
+    except OSError as e:
+        print(f"mha-serve: configuration error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _serve(cfg, early)
+    finally:  # (on every way out: a signal before serving and a bad device too)
+        if owned is not None:
+            shutil.rmtree(owned, ignore_errors=True)
+            os.environ.pop(METRICS_DIR_ENV, None)
+
+
+def _serve(cfg, early: EarlyStop) -> int:
+    from mha_serve.transport import busy_poll
+
     try:  # torch loads here, after the flags are checked
         from mha_serve.engine import resolve_device
         from mha_serve.transport.server import serve
@@ -111,9 +129,6 @@ def _main(argv: list[str] | None, early: EarlyStop) -> int:
     except (ValueError, RuntimeError) as e:
         print(f"mha-serve: configuration error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     if early.received:
         logging.getLogger("mha-serve").info("stopped by a signal before serving")
         return 0
@@ -131,26 +146,26 @@ def _main(argv: list[str] | None, early: EarlyStop) -> int:
 def _multiprocess_metrics() -> str | None:
     """Frontend workers share prometheus-client's multiprocess mode: its directory is set
     here, before prometheus_client is first imported in this process or in a frontend
-    (they inherit the environment). An error message, or None."""
-    import tempfile
+    (they inherit the environment). The directory when this made it (removed at exit),
+    None when PROMETHEUS_MULTIPROC_DIR named one; OSError saying which when it is unusable."""
+    from mha_serve.transport.run_dirs import make_run_dir
 
+    owned = None
     if not os.environ.get(METRICS_DIR_ENV):
-        os.environ[METRICS_DIR_ENV] = tempfile.mkdtemp(prefix="mha-serve-metrics-")
-        os.environ[OWNED_METRICS_DIR_ENV] = os.environ[METRICS_DIR_ENV]
+        owned = str(make_run_dir("mha-serve-metrics-"))
+        os.environ[METRICS_DIR_ENV] = owned
     metrics_dir = os.environ[METRICS_DIR_ENV]
     try:  # files of an earlier run would add to this one's counts
         for stale in os.listdir(metrics_dir):
             if stale.endswith(".db"):
                 os.unlink(os.path.join(metrics_dir, stale))
     except OSError as e:
-        return f"{METRICS_DIR_ENV}={metrics_dir}: {e}"
-    return None
+        raise OSError(f"{METRICS_DIR_ENV}={metrics_dir}: {e}") from e
+    return owned
 
 
 def _run_frontend_workers(cfg, early: EarlyStop) -> int:
     """The engine process and its frontends (transport/workers.py)."""
-    import shutil
-
     from mha_serve.transport.workers import run
 
     try:
@@ -158,15 +173,10 @@ def _run_frontend_workers(cfg, early: EarlyStop) -> int:
     except (ValueError, OSError) as e:
         logging.getLogger("mha-serve").error("cannot start: %s", e)
         return 1
-    finally:
-        metrics_dir = os.environ.get(METRICS_DIR_ENV)
-        if metrics_dir and os.environ.get(OWNED_METRICS_DIR_ENV) == metrics_dir:
-            shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-# prometheus-client's multiprocess directory, and ours when we made it (removed at exit).
+# prometheus-client's multiprocess directory
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
-OWNED_METRICS_DIR_ENV = "MHA_SERVE_OWNED_METRICS_DIR"
 
 
 if __name__ == "__main__":

@@ -37,10 +37,8 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 import time
 from multiprocessing import resource_tracker
-from pathlib import Path
 
 from mha_serve import metrics
 from mha_serve.config import ServerConfig
@@ -56,6 +54,7 @@ from mha_serve.transport.frontend import (
     HURRY_SIGNAL,
     frontend_main,
 )
+from mha_serve.transport.run_dirs import make_run_dir
 from mha_serve.transport.server import load_engine, spill_on_stop
 
 log = logging.getLogger(__name__)
@@ -110,7 +109,7 @@ class EngineProcess:
         self.cfg = cfg
         self.early = early
         self.count = cfg.frontend_workers
-        self.run_dir = Path(tempfile.mkdtemp(prefix="mha-serve-"))
+        self.run_dir = make_run_dir()  # (marked: a later server removes it if we are killed)
         self.engine_path = str(self.run_dir / "engine.sock")
         self.frontends: dict[int, _Frontend] = {}
         self.listening: dict[int, int] = {}  # index -> pid, as each frontend reports
