@@ -1,8 +1,10 @@
 """The HTTP /metrics endpoint: this process's registry, or in prometheus-client's multiprocess
-mode (frontend workers) every process's files, the LIVE gauges and the process tree's figures."""
+mode (frontend workers) every process's files, the LIVE gauges and the process tree's figures;
+and what becomes of a process's files once it has exited (process_gone)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import threading
@@ -15,12 +17,19 @@ from prometheus_client import (
     multiprocess,
     start_http_server,
 )
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
 from mha_serve.net import host_port
 
 from .live import LIVE
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# The kinds of files whose values outlive their process (a counter never goes down); a dead
+# process's are added into one archive file per kind, `<kind>_archive.db`.
+ARCHIVED_KINDS = ("counter", "histogram", "summary")
+# Held by a scrape while it reads the files and by process_gone while it moves a dead
+# process's values into the archive: a scrape sees them in one place, never both or neither.
+_FILES_LOCK = threading.Lock()
 
 
 def multiprocess_mode() -> bool:
@@ -86,7 +95,7 @@ def serve_metrics(
     registry = REGISTRY
     if multiprocess_mode():
         registry = CollectorRegistry(auto_describe=True)
-        multiprocess.MultiProcessCollector(registry)
+        _Files(registry)
         registry.register(LIVE)
         registry.register(ProcessTree(others or list))
     try:
@@ -98,7 +107,56 @@ def serve_metrics(
         ) from e
 
 
+class _Files(multiprocess.MultiProcessCollector):
+    """Every process's files, read while no dead process's are being archived."""
+
+    def collect(self):
+        with _FILES_LOCK:
+            return list(super().collect())
+
+
 def process_gone(pid: int) -> None:
-    """Multiprocess mode: a process exited; its live* gauges stop counting."""
-    if multiprocess_mode():
-        multiprocess.mark_process_dead(pid)
+    """Multiprocess mode: a process exited and was reaped (a frontend worker). Its live*
+    gauges stop counting (mark_process_dead); its counters and histograms are added into
+    the archive files and its own files removed, so that their totals stay (a counter never
+    goes down) while the files of dead processes do not pile up, each read at every scrape,
+    as frontends die and are started again. (Briefly waits for a scrape reading the files.)"""
+    if not multiprocess_mode():
+        return
+    path = os.environ[MULTIPROC_ENV]
+    with _FILES_LOCK:
+        multiprocess.mark_process_dead(pid, path)
+        for kind in ARCHIVED_KINDS:
+            _archive(path, kind, pid)
+
+
+def _archive(path: str, kind: str, pid: int) -> None:
+    """Adds the values of `<kind>_<pid>.db` into `<kind>_archive.db`, then removes it: as
+    prometheus-client's MultiProcessCollector.merge reads them, sums per series (histogram
+    buckets unaccumulated, as the files hold them), written back with the files' keys."""
+    dead = os.path.join(path, f"{kind}_{pid}.db")
+    if not os.path.exists(dead):
+        return
+    archive = os.path.join(path, f"{kind}_archive.db")
+    files = [dead, archive] if os.path.exists(archive) else [dead]
+    merged = multiprocess.MultiProcessCollector.merge(files, accumulate=False)
+    new = archive + ".new"  # (not *.db: no scrape reads it)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(new)  # (one a crash left half written)
+    out = MmapedDict(new)
+    try:
+        for metric in merged:
+            for sample in metric.samples:
+                labels = sample.labels
+                key = mmap_key(
+                    metric.name,
+                    sample.name,
+                    list(labels),
+                    list(labels.values()),
+                    metric.documentation,
+                )
+                out.write_value(key, sample.value, 0.0)
+    finally:
+        out.close()
+    os.replace(new, archive)
+    os.remove(dead)

@@ -21,7 +21,7 @@ engine process (the reference design is vLLM v1's API-server / engine-core split
   otherwise is started again; its calls in flight fail UNAVAILABLE on their clients, and
   its session steps are rolled back in the engine.
 - Metrics: prometheus-client's multiprocess mode (metrics/exposition.py); the engine
-  process's /metrics sums every process.
+  process's /metrics sums every process, and archives the files of a frontend that exited.
 """
 
 from __future__ import annotations
