@@ -22,6 +22,7 @@ from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_serve.transport.drain import SHUTTING_DOWN
 from tests.helpers import ServerProcess
+from tests.reliability.gated_exit import EXIT_GATE_ENV, POINTS
 from tests.reliability.gated_serve import GATE_ENV, GATE_LEN
 from tests.reliability.load import ATTEND, Outcomes, attend_bytes, scrape
 
@@ -400,4 +401,44 @@ def test_sigterm_while_torch_imports_exits_zero(tmp_path, workers):
     assert code == 0, log
     assert "Traceback" not in log and "SERVING" not in log, log
     # (with frontend workers its metrics directory, made before torch, was left in $TMPDIR)
+    assert proc.left_behind == [], log
+
+
+@pytest.mark.parametrize(
+    ("workers", "sig"),
+    [("1", signal.SIGTERM), ("2", signal.SIGTERM), ("2", signal.SIGINT)],
+    ids=["one-process-sigterm", "workers-sigterm", "workers-sigint"],
+)
+def test_a_stop_signal_while_the_server_exits_leaves_exit_zero(tmp_path, workers, sig):
+    """A stop signal that comes once the server has stopped, while the process still ends,
+    is ignored: exit 0 as from the graceful stop. Sent at two moments, each held by a gate
+    (tests/reliability/gated_exit.py): after the event loop has ended (its close gave SIGTERM
+    its default action back, -15, and SIGINT a KeyboardInterrupt; the frontends already
+    ignored theirs), and after mha-serve's main() has returned (its early-stop handlers
+    were put back as they were before it: the default action again)."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    proc = ServerProcess(
+        "--frontend-workers",
+        workers,
+        env={EXIT_GATE_ENV: str(gate)},
+        log_path=tmp_path / "server.log",
+        module="tests.reliability.gated_exit",
+    )
+    try:
+        proc.wait_serving()
+        proc.proc.send_signal(sig)
+        for point in POINTS:
+            until(lambda p=point: (gate / p).exists() or proc.proc.poll() is not None, point)
+            assert (gate / point).exists(), proc.log()  # held there, still running
+            proc.proc.send_signal(sig)  # (pending, or ignored, once send_signal returns)
+            (gate / f"open-{point}").touch()
+        code = proc.proc.wait(WAIT_S)
+    finally:
+        for point in POINTS:
+            (gate / f"open-{point}").touch()
+        proc.stop()
+    log = proc.log()
+    assert code == 0, log
+    assert "Traceback" not in log and "stopped" in log, log
     assert proc.left_behind == [], log

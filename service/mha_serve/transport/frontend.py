@@ -26,7 +26,10 @@ from mha_serve.config import ServerConfig
 from mha_serve.serving.remote import RemoteEngine
 from mha_serve.transport import busy_poll
 from mha_serve.transport.drain import FRONTEND_AT_LIMIT
-from mha_serve.transport.early_stop import STOP_SIGNALS  # an operator's, or a terminal's
+from mha_serve.transport.early_stop import (  # an operator's, or a terminal's
+    STOP_SIGNALS,
+    ignore_stop_signals,
+)
 from mha_serve.transport.grpc_server import GrpcServer
 
 log = logging.getLogger(__name__)
@@ -108,10 +111,7 @@ async def _stopped(cfg: ServerConfig, engine_path: str, engine_pid: int, index: 
     try:
         return await _frontend(cfg, engine_path, engine_pid, index)
     finally:
-        loop = asyncio.get_running_loop()
-        for sig in FRONTEND_SIGNALS:
-            loop.remove_signal_handler(sig)
-            signal.signal(sig, signal.SIG_IGN)
+        ignore_stop_signals(asyncio.get_running_loop(), FRONTEND_SIGNALS)
 
 
 async def _frontend(cfg: ServerConfig, engine_path: str, engine_pid: int, index: int) -> int:

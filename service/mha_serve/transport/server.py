@@ -20,7 +20,7 @@ from mha_serve.engine import Engine, resolve_device, resolve_dtype
 from mha_serve.engine.threads import ComputeThreads, pin_event_loop, unpin
 from mha_serve.serving import AsyncEngine
 from mha_serve.serving.async_engine import SESSION_SWEEP_S
-from mha_serve.transport.early_stop import EarlyStop
+from mha_serve.transport.early_stop import EarlyStop, ignore_stop_signals
 from mha_serve.transport.grpc_server import SERVICE_NAME, GrpcServer, stop_signal
 
 log = logging.getLogger(__name__)
@@ -147,3 +147,4 @@ async def serve(cfg: ServerConfig, early: EarlyStop | None = None) -> None:
     finally:
         stopping.cancel()
         await server.stop()
+        ignore_stop_signals(loop)  # stopped: a late signal must not end the exit (-15)

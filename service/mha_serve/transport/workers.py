@@ -47,7 +47,7 @@ from mha_serve.net import host_port
 from mha_serve.serving import AsyncEngine
 from mha_serve.serving.host import EngineHost, clean_shared_memory
 from mha_serve.transport import busy_poll
-from mha_serve.transport.early_stop import EarlyStop
+from mha_serve.transport.early_stop import EarlyStop, ignore_stop_signals
 from mha_serve.transport.frontend import (
     DRAIN_SIGNAL,
     FRONTEND_SIGNALS,
@@ -189,7 +189,10 @@ class EngineProcess:
 
     async def run(self) -> int:
         """Serves until a signal (or a crash loop); the exit code, once all has stopped."""
-        await self._run()
+        try:
+            await self._run()
+        finally:  # all stopped: a late signal must not end the exit (-15)
+            ignore_stop_signals(asyncio.get_running_loop())
         return self._exit_code()
 
     async def _run(self) -> None:
