@@ -134,7 +134,7 @@ REQUIRED: dict[str, dict[str, str]] = {
 # does not fill head_dim in). A null elsewhere means what the family's config makes of it
 # (num_key_value_heads: num_attention_heads; head_dim: hidden_size / num_attention_heads for
 # Llama, Mistral, ...; sliding_window: none, see hf_config._null_window). ALL: every family.
-# Nulls inside the RoPE tables are hf_config._null_rope's.
+# Nulls inside the RoPE tables are hf_rope.check_rope_nulls's.
 ALL = ("*",)
 _NORM_EPS_FREE = ("bert", "gpt2", "olmo", "starcoder2", "cohere2", "cohere")  # (LayerNorm's)
 _HEAD_DIM_FILLED = (

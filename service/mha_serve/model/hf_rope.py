@@ -1,0 +1,204 @@
+"""RoPE as a Hugging Face config.json gives it, read as transformers 5 reads it: the table
+(rope_parameters, 4.x's rope_theta + rope_scaling, per layer type for Gemma 3 and OLMo 3),
+the family's pairs and partial rotation (hf_families), and the nulls transformers builds no
+layer from. Part of hf_config's reader; no torch here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .config import ROPE_TYPES, RopeConfig
+from .hf_families import (
+    GPT_OSS_ROPE,
+    INTERLEAVED_ROPE,
+    LAYER_TYPES,
+    PARTIAL_ROPE,
+    PER_TYPE_ROPE,
+    SCALED_CONTEXT,
+)
+
+
+def refuse_null(where: Path, family: str, key: str, why: str = "") -> None:
+    raise ValueError(
+        f"{where}: {family} config.json sets {key} to null, from which transformers 5 builds "
+        f"no layer ({why or 'its config rejects the null, or its attention computes with it'})"
+        f"; set {key} to the checkpoint's, or leave it out for {family}'s default"
+    )
+
+
+def check_rope_nulls(cfg: dict[str, Any], family: str, where: Path) -> None:
+    """A null theta, type or factor where transformers 5 reads its RoPE table from (as read_rope
+    and _per_type_table resolve it): the model's rotary embedding fails on it, so no layer
+    is built, NoPE ones included."""
+    why = "its rotary embedding computes with it"
+    if family in PER_TYPE_ROPE:
+        tables = cfg.get("rope_parameters") or {}
+        _, local_key, _ = PER_TYPE_ROPE[family]
+        for kind, beside in (("full_attention", "rope_theta"), ("sliding_attention", local_key)):
+            table = tables.get(kind) if isinstance(tables, dict) else None
+            table = table if isinstance(table, dict) else {}
+            if "rope_theta" in table and table["rope_theta"] is None:
+                refuse_null(where, family, f"rope_parameters.{kind}.rope_theta", why)
+            if "rope_theta" not in table and beside and beside in cfg and cfg[beside] is None:
+                refuse_null(where, family, beside, why)
+        return
+    name = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    table = cfg.get(name) or (GPT_OSS_ROPE if family == "gpt_oss" else {})
+    if not isinstance(table, dict):
+        return
+    kind = table.get("rope_type", table.get("type"))
+    for key in ("rope_theta", "rope_type", "type", "factor"):
+        if key in table and table[key] is None and (key != "factor" or kind != "yarn"):
+            refuse_null(where, family, f"{name}.{key}", why)  # (yarn's factor: the context ratio)
+    if "rope_theta" not in table and "rope_theta" in cfg and cfg["rope_theta"] is None:
+        refuse_null(where, family, "rope_theta", why)
+    # (standardize_rope_params: the pretraining context beside the table wins, a null too)
+    beside = "original_max_position_embeddings"
+    if kind in SCALED_CONTEXT and beside in cfg and cfg[beside] is None:
+        refuse_null(where, family, beside, why)
+
+
+def read_rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
+    """RoPE parameters as transformers 5 reads config.json (PreTrainedConfig's
+    convert_rope_params_to_dict): 4's rope_scaling over 5's rope_parameters, rope_theta
+    beside them where the table has none; Gemma 3 and OLMo 3 have a table per layer type
+    (_per_type_table)."""
+    family = cfg["model_type"]
+    if family in PER_TYPE_ROPE:
+        params = _per_type_table(cfg, family, layer_type, where)
+    else:
+        params = cfg.get("rope_parameters")
+        if family == "gpt_oss" and not params and not cfg.get("rope_scaling"):
+            params = GPT_OSS_ROPE  # (GptOssConfig's, when config.json sets none)
+        tables = sorted(k for k, v in (params or {}).items() if isinstance(v, dict))
+        if tables and not cfg.get("rope_scaling"):
+            # transformers 5 reads such tables only where the config class does (PER_TYPE_ROPE):
+            # Llama's ignores them (default RoPE), GPT-OSS's fails on them
+            raise ValueError(
+                f"{where}: rope_parameters holds tables per layer type ({', '.join(tables)}), "
+                f"but {family} reads one table for all its layers (transformers 5 ignores "
+                "per-type tables or fails on them); give one table (rope_type, rope_theta, ...)"
+            )
+        params = dict(cfg.get("rope_scaling") or params or {})
+        # as standardize_rope_params: llama3's and yarn's pretraining context beside the
+        # table wins over the table's own (Phi-3 keeps it there)
+        beside = cfg.get("original_max_position_embeddings")
+        kind = params.get("rope_type", params.get("type"))
+        if beside is not None and kind in SCALED_CONTEXT:
+            params["original_max_position_embeddings"] = beside
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10_000.0))
+    params = dict(params)
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ValueError(
+            f"{where}: rope type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)} "
+            "(dynamic and longrope change frequencies with the sequence length, which keys "
+            "rotated once and cached cannot follow)"
+        )
+    if cfg["model_type"] == "phi3" and kind != "default":
+        raise ValueError(
+            f"{where}: phi3 rope type {kind!r} is not supported: transformers' Phi-3 reads "
+            "'su' and 'yarn' as 'longrope' (not served) and accepts no other scaling"
+        )
+    rope: dict[str, Any] = {"theta": float(params.get("rope_theta") or 10000.0), "type": kind}
+    if family in INTERLEAVED_ROPE:
+        rope["interleaved"] = True
+    partial = _partial(cfg, params, family, where)
+    if partial != 1:
+        rope["partial"] = partial
+    try:
+        if kind != "default":
+            factor = params.get("factor")
+            if factor is None and kind == "yarn":  # as transformers: the context ratio
+                factor = cfg["max_position_embeddings"] / params["original_max_position_embeddings"]
+            if factor is None:
+                raise KeyError("factor")
+            rope["factor"] = float(factor)
+        if kind in ("llama3", "yarn"):
+            rope["original_max_position_embeddings"] = int(
+                params.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
+            )
+        if kind == "llama3":
+            rope["low_freq_factor"] = float(params["low_freq_factor"])
+            rope["high_freq_factor"] = float(params["high_freq_factor"])
+    except KeyError as e:  # (a bare KeyError said nothing of where)
+        raise ValueError(
+            f"{where}: rope type {kind!r} needs {e.args[0]} (its rope_scaling or "
+            "rope_parameters table; max_position_embeddings beside it)"
+        ) from None
+    if kind == "yarn":
+        for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+            if params.get(key):
+                rope[key] = float(params[key])
+        rope["truncate"] = bool(params.get("truncate", True))
+    try:
+        return RopeConfig(**rope)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _partial(cfg: dict[str, Any], params: dict[str, Any], family: str, where: Path) -> float:
+    """The fraction of each head that RoPE turns, as transformers 5 reads it
+    (convert_rope_params_to_dict): rope_parameters' partial_rotary_factor, else config.json's
+    (a null there: none, every dim), else the family's default (PARTIAL_ROPE)."""
+    if "partial_rotary_factor" in params:
+        value = params["partial_rotary_factor"]
+    elif "partial_rotary_factor" in cfg:
+        value = cfg["partial_rotary_factor"]
+        value = 1.0 if value is None else value
+    else:
+        value = PARTIAL_ROPE.get(family, 1.0)
+    if value in (1, 1.0):
+        return 1.0
+    if family not in PARTIAL_ROPE:
+        raise ValueError(
+            f"{where}: partial_rotary_factor {value!r} is not supported for {family} "
+            f"(transformers' {family} rotates every dim of each head; only "
+            f"{', '.join(PARTIAL_ROPE)} rotate part of it)"
+        )
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ValueError(f"{where}: partial_rotary_factor must be in (0, 1], got {value!r}")
+    return float(value)
+
+
+def _per_type_table(
+    cfg: dict[str, Any], family: str, layer_type: str, where: Path
+) -> dict[str, Any]:
+    """The RoPE table of a layer type of Gemma 3 or OLMo 3, as Gemma3TextConfig's and
+    Olmo3Config's convert_rope_params_to_dict fill it: rope_parameters holds a table per
+    layer type (a missing one is {"rope_type": "default"}); 4.x's rope_scaling updates the
+    global layers' table only; a table without rope_theta takes rope_theta (global layers)
+    or Gemma 3's rope_local_base_freq (local ones), else PER_TYPE_ROPE's defaults."""
+    theta, local_key, local_theta = PER_TYPE_ROPE[family]
+    tables = cfg.get("rope_parameters") or {}
+    stray = sorted(k for k in tables if k not in LAYER_TYPES) if isinstance(tables, dict) else []
+    if not isinstance(tables, dict) or stray:
+        # transformers reads only the layer types' tables and ignores the rest (a flat table
+        # among them): what it runs is not what the file says
+        raise ValueError(
+            f"{where}: {family} rope_parameters must hold a table per layer type "
+            f'({{"full_attention": {{...}}, "sliding_attention": {{...}}}}), got '
+            f"{'keys ' + ', '.join(stray) if stray else repr(tables)}: transformers 5 reads "
+            "only the per-type tables and ignores the rest (a flat table's rope_type and "
+            "rope_theta among them); give rope_parameters per layer type"
+        )
+    table = tables.get(layer_type)
+    if table is not None and not isinstance(table, dict):
+        raise ValueError(f"{where}: rope_parameters[{layer_type!r}] must be a table, got {table!r}")
+    table = dict(table or {"rope_type": "default"})
+    if layer_type == "full_attention":
+        table.update(cfg.get("rope_scaling") or {})
+        table.setdefault("rope_theta", cfg.get("rope_theta", theta))
+    elif "rope_theta" not in table:
+        if local_key is None and cfg.get("rope_theta", theta) != theta:
+            # transformers 5's Olmo3Config gives the local layers 500000 whatever
+            # rope_theta says (4.x: rope_theta everywhere): no one answer to serve
+            raise ValueError(
+                f"{where}: rope_theta {cfg['rope_theta']} without a rope_theta in "
+                f"rope_parameters['sliding_attention']: transformers 5 reads it for the global "
+                f"layers only ({theta} for the local ones); give rope_parameters per layer type, "
+                "each with its rope_theta"
+            )
+        table["rope_theta"] = cfg.get(local_key, local_theta) if local_key else local_theta
+    return table
