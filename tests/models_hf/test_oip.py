@@ -1,6 +1,7 @@
 """The Open Inference Protocol serves the new families as mha.v1 does: a Gemma 2 local
-layer (soft-capping, window 6), a Gemma 3 one (q/k norm) and a GPT-OSS sliding layer
-(attention sinks, window 6) equal transformers' attention
+layer (soft-capping, window 6), a Gemma 3 one (q/k norm), a GPT-OSS sliding layer
+(attention sinks, window 6) and a Cohere 2 local one (RoPE by interleaved pairs, window 6)
+equal transformers' attention
 in a stateless ModelInfer and in a Triton sequence stepped past the window; ModelConfig
 names the options."""
 
@@ -24,7 +25,7 @@ def oip(served):
         yield ip_grpc.GRPCInferenceServiceStub(channel)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt_oss", "cohere2_local"])
 def test_infer_and_a_sequence_past_the_window(served, oip, name):
     _, models = served
     family, base, layer = reference(models, name)
@@ -46,3 +47,4 @@ def test_infer_and_a_sequence_past_the_window(served, oip, name):
     assert ("softcap" in params) == (name == "gemma2")
     assert ("sinks" in params) == (name == "gpt_oss")
     assert ("qk_norm" in params) == (name == "gemma3")
+    assert params["rope"].endswith(", interleaved pairs") == (name == "cohere2_local")

@@ -253,7 +253,12 @@ def model_config(hosted: ModelView, *, sessions: bool, session_ttl_s: float) -> 
     if cfg.sinks:
         described["sinks"] = "true"
     if cfg.rope is not None:
-        described["rope"] = f"{cfg.rope.type}, theta {cfg.rope.theta:g}"
+        rope = cfg.rope
+        described["rope"] = (
+            f"{rope.type}, theta {rope.theta:g}"
+            + (", interleaved pairs" if rope.interleaved else "")
+            + (f", partial {rope.partial:g}" if rope.partial != 1 else "")
+        )
     for name, (kind, what) in PARAMETERS.items():
         described[f"request.{name}"] = f"{kind}: {what}"
     for key, value in described.items():
