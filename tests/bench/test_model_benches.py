@@ -120,3 +120,20 @@ def test_padding_bench_rewrites_only_its_section_of_the_page(tmp_path):
     text = page.read_text()
     assert "old table" not in text and text.endswith(hand)
     assert text.count("| uniform 8..512 |") == 1 and "mha-serve policy" in text
+
+
+def test_sinks_prompt_bench_rows_agree_between_the_two_kernels(tmp_path):
+    """bench/sinks_prompt.py --quick: a row per dtype and shape, the fused kernel's answer
+    within the dtype's rounding of the explicit one's, and the kernel explicit_attention
+    picks named (the small prompt explicit, 128 x 128 fused)."""
+    out = tmp_path / "sinks.json"
+    run("sinks_prompt.py", "--quick", "--json-out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["dtype"], r["rows"], r["keys"]) for r in rows][:3] == [
+        ("float32", 16, 16),
+        ("float32", 128, 128),
+        ("float32", 32, 512),
+    ]
+    assert len(rows) == 6
+    assert all(r["max_diff"] < (1e-5 if r["dtype"] == "float32" else 0.05) for r in rows)
+    assert [r["picked"] for r in rows[:3]] == ["explicit", "fused", "fused"]
