@@ -435,11 +435,17 @@ SERVED.update(
 
 
 def write_checkpoints(root: Path) -> dict[str, Path]:  # keyed by checkpoint name
-    """Each model of CHECKPOINTS, seeded, saved by save_pretrained (safetensors)."""
+    """Each model of CHECKPOINTS, seeded, saved by save_pretrained (safetensors); its biases
+    random too (transformers initialises them to 0, where a bias mapped to the wrong rows
+    would go unseen)."""
     dirs = {}
     for i, (name, (cls, config, _)) in enumerate(CHECKPOINTS.items()):
         torch.manual_seed(100 + i)
         model = cls(config)
+        with torch.no_grad():
+            for key, parameter in model.named_parameters():
+                if key.endswith(".bias"):
+                    parameter.normal_(0.0, INIT)
         dirs[name] = root / name
         model.save_pretrained(dirs[name], safe_serialization=True)
     return dirs
