@@ -33,6 +33,8 @@ from transformers import (
     GlmModel,
     GPT2Config,
     GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXModel,
     GptOssConfig,
     GptOssModel,
     GraniteConfig,
@@ -417,6 +419,14 @@ CHECKPOINTS = {
         ),
         0,
     ),
+    # RoPE by halves over the first part of each head (the rest passes through)
+    "gpt_neox": (  # Pythia's layout: one query_key_value, rows per head; a quarter rotated
+        GPTNeoXModel,
+        GPTNeoXConfig(
+            rotary_pct=0.25, rotary_emb_base=500.0, **{**ROTARY, "num_attention_heads": 4}
+        ),
+        1,
+    ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,
 # SmolLM3's NoPE one.
@@ -458,6 +468,12 @@ def load_reference(name: str, directory: Path):
     return getattr(model, "transformer", None) or getattr(model, "model", None) or model
 
 
+def attention_module(base, layer: int):
+    """The layer's attention module (GPT-NeoX: .attention; the others: .self_attn)."""
+    block = base.layers[layer]
+    return block.attention if isinstance(base, GPTNeoXModel) else block.self_attn
+
+
 def layer_window(base, layer: int) -> int | None:
     """The layer's sliding window as transformers applies it (None: full attention): Qwen
     and Gemma keep it on the attention module of sliding layers only; Mistral, Phi-3,
@@ -465,7 +481,7 @@ def layer_window(base, layer: int) -> int | None:
     types = getattr(base.config, "layer_types", None)  # what the models mask by, where
     if types is not None:  # they have them (EXAONE 4's global layers keep the attribute)
         return base.config.sliding_window if types[layer] == "sliding_attention" else None
-    attention = base.layers[layer].self_attn
+    attention = attention_module(base, layer)
     if hasattr(attention, "sliding_window"):
         return attention.sliding_window
     return getattr(base.config, "sliding_window", None)
@@ -517,7 +533,7 @@ def reference_attention(
         return out, weights
     positions = torch.arange(L)[None]
     assert x.shape[0] == 1, "one sequence at a time (the masks are built for one)"
-    out, weights = base.layers[layer].self_attn(
+    out, weights = attention_module(base, layer)(
         x,
         position_embeddings=rotary(base, layer, x, positions),
         attention_mask=layer_mask(base, layer, x, positions),
@@ -546,12 +562,14 @@ def reference_decode(
             )[0]
         else:  # the mask first, from the cache as it is before this chunk (as the models do)
             mask = layer_mask(base, layer, chunk, pos[None], cache)
-            out = base.layers[layer].self_attn(
+            # (GPTNeoXAttention takes its cache as layer_past; past_key_values it ignores)
+            cached = {"layer_past" if family == "gpt_neox" else "past_key_values": cache}
+            out = attention_module(base, layer)(
                 chunk,
                 position_embeddings=rotary(base, layer, chunk, pos[None]),
                 attention_mask=mask,
-                past_key_values=cache,
                 cache_position=pos,
+                **cached,
             )[0]
         outs.append(out)
     return outs, cache

@@ -28,6 +28,7 @@ OWN_KEYS = {
         *("attention_out_bias", "query_pre_attn_scalar", "attention_multiplier"),
         *("attn_logit_softcapping", "rms_norm_eps", "no_rope_layers", "no_rope_layer_interval"),
         *("clip_qkv", "use_bidirectional_attention", "attention_chunk_size"),
+        *("rotary_pct", "rotary_emb_base"),  # (GPT-NeoX's names)
     ),
     "gpt2": (
         *("n_embd", "n_head", "n_layer", "n_positions", "scale_attn_weights"),
@@ -95,7 +96,9 @@ def transformers_runs(cls, directory):
         base = getattr(model, "transformer", None) or getattr(model, "model", None) or model
         blocks = base.h if hasattr(base, "h") else getattr(base, "layers", None) or []
         for i, block in enumerate(blocks):
-            attention = getattr(block, "attn", None) or block.self_attn
+            attention = (  # (GPT-2's attn, GPT-NeoX's attention)
+                getattr(block, "attn", None) or getattr(block, "attention", None) or block.self_attn
+            )
             attention.register_forward_pre_hook(
                 lambda m, a, k, i=i: caught.__setitem__(("in", i), (a or [k["hidden_states"]])[0]),
                 with_kwargs=True,
@@ -203,8 +206,18 @@ def test_a_null_is_served_as_transformers_runs_it_or_refused_by_name(tmp_path, f
         # Gemma 2 masks its local layers by the window: no model without one, so its
         # global layers are refused too
         ("gemma2", {"sliding_window": None}, "(layer 0 is a sliding_attention layer)"),
+        # GPT-NeoX's config puts its rotary_pct and rotary_emb_base into the RoPE table as
+        # they are: its attention computes int(head_size * None), its rotary embedding
+        # None ** ... (a partial_rotary_factor null elsewhere is dropped: every dim rotates)
+        *[
+            ("gpt_neox", {"rope_parameters": None, key: None}, f"gpt_neox config.json sets {key}")
+            for key in ("rotary_pct", "rotary_emb_base")
+        ],
     ],
-    ids=["mixtral_rope_theta", "qwen2_head_dim", "gemma2_sliding_window"],
+    ids=[
+        *("mixtral_rope_theta", "qwen2_head_dim", "gemma2_sliding_window"),
+        *("gpt_neox_rotary_pct", "gpt_neox_rotary_emb_base"),
+    ],
 )
 def test_a_null_transformers_builds_no_layer_from_is_refused_naming_key_and_family(
     tmp_path, family, edits, piece

@@ -16,6 +16,8 @@ from transformers import (
     Cohere2Config,
     Cohere2Model,
     Exaone4Config,
+    GPTNeoXConfig,
+    GPTNeoXModel,
     GraniteConfig,
     GraniteModel,
     MinistralConfig,
@@ -49,6 +51,7 @@ from tests.models_hf.test_config_json import SMALL, assert_served_as_transformer
 
 MOE = {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 32}
 NO_TOKENS = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
+NEOX = {**SMALL, "num_attention_heads": 4}  # heads of 16: a quarter of each is 4 dims
 
 
 @pytest.mark.parametrize(
@@ -185,6 +188,23 @@ NO_TOKENS = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
             )
             for layer in (0, 1)
         ],
+        # GPT-NeoX (Pythia) as transformers 4 wrote it: rotary_pct and rotary_emb_base, which
+        # GPTNeoXConfig reads (not rope_theta nor partial_rotary_factor beside them)
+        (
+            GPTNeoXModel,
+            GPTNeoXConfig(**NEOX),
+            "gpt_neox",
+            {
+                "rope_parameters": None,
+                "rotary_pct": 0.5,
+                "rotary_emb_base": 500.0,
+                "rope_theta": 1e6,
+                "partial_rotary_factor": 1.0,
+            },
+            0,
+        ),
+        # GPT-NeoX without them: a quarter of each head rotated (GPTNeoXConfig's 0.25)
+        (GPTNeoXModel, GPTNeoXConfig(**NEOX), "gpt_neox", {"rope_parameters": None}, 1),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -201,6 +221,8 @@ NO_TOKENS = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
         "seed_oss_defaults",
         "olmo3_rope_scaling_local",
         "olmo3_rope_scaling_global",
+        "gpt_neox_rotary_pct_rotary_emb_base",
+        "gpt_neox_rotary_pct_default",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(
@@ -363,6 +385,9 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
             0,
             "partial_rotary_factor 0.5 is not supported for qwen2",
         ),
+        # GPT-NeoX sizes its heads hidden_size / num_attention_heads, its rotary embedding
+        # by head_dim
+        (GPTNeoXConfig(**NEOX), {"head_dim": 8}, 0, "gpt_neox head_dim 8 is not supported"),
         # whole families: the reason is given
         (
             Qwen2Config(**SMALL),
@@ -433,6 +458,7 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
         "cohere_qk_norm",
         "qwen2_partial_rope",
         "qwen2_partial_rope_table",
+        "gpt_neox_head_dim",
         "hunyuan",
         "qwen2_sliding_without_switch",
         "smollm3_sliding_without_switch",

@@ -5,6 +5,9 @@ What is served, per family (transformers' module names):
   bert     BertSelfAttention (query/key/value) + BertSelfOutput.dense; the LayerNorm and
            residual after it are not attention and are not applied
   gpt2     GPT2Attention: c_attn (Conv1D, weight (E, 3E), transposed here) and c_proj
+  gpt_neox GPTNeoXAttention: query_key_value (its rows per head: q, k, v of head 0, then of
+           head 1, ...; regrouped here) and dense, both with biases by attention_bias;
+           partial RoPE by halves (rotary_pct)
   llama, mistral, qwen2, qwen3, olmo2, gemma2, gemma3(_text), phi3, gpt_oss and the families whose
   attention is one of theirs (hf_families.FAMILIES: Mixtral, Qwen-MoE, OLMoE, Granite, ...)
            q_proj/k_proj/v_proj/o_proj (Phi-3: one qkv_proj) with GQA (num_key_value_heads)
@@ -44,6 +47,7 @@ _NAMES = {
         "o": "layers.{i}.self_attn.o_proj",
     },
     "phi3": {"qkv": "layers.{i}.self_attn.qkv_proj", "o": "layers.{i}.self_attn.o_proj"},
+    "gpt_neox": {"qkv": "layers.{i}.attention.query_key_value", "o": "layers.{i}.attention.dense"},
 }
 # q/k RMSNorm weights, beside the projections of the rotary families that have them.
 _NORM_NAMES = {"q_norm": "layers.{i}.self_attn.q_norm", "k_norm": "layers.{i}.self_attn.k_norm"}
@@ -80,6 +84,16 @@ def load_hf_layer(
         w = _get(tensors, names["qkv"] + ".weight", (c.qkv_dim, E))
         wo = _get(tensors, names["o"] + ".weight", (E, H * D))
         b = bo = None
+    elif info.family == "gpt_neox":  # rows per head [q_h; k_h; v_h] (GPTNeoXAttention's view
+        # (..., H, 3 * D) then chunk): regrouped into our [q_0..q_H; k_..; v_..]
+        w = _get(tensors, names["qkv"] + ".weight", (3 * H * D, E))
+        w = w.view(H, 3, D, E).transpose(0, 1).reshape(3 * H * D, E)
+        wo = _get(tensors, names["o"] + ".weight", (E, H * D))
+        b = bo = None
+        if c.bias:
+            b = _get(tensors, names["qkv"] + ".bias", (3 * H * D,))
+            b = b.view(H, 3, D).transpose(0, 1).reshape(3 * H * D)
+            bo = _get(tensors, names["o"] + ".bias", (E,))
     else:
         shapes = {"q": (H * D, E), "k": (KVH * D, E), "v": (KVH * D, E), "o": (E, H * D)}
         w = torch.cat([_get(tensors, names[p] + ".weight", shapes[p]) for p in "qkv"])

@@ -16,7 +16,9 @@ from .hf_families import (
     DEFAULTS,
     DERIVED_SLIDING,
     FAMILIES,
+    HEADS_BY_HIDDEN,
     LAYER_TYPES,
+    MHA_ONLY,
     MULTIMODAL,
     NO_ROPE,
     NOT_NULL,
@@ -157,8 +159,19 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
     """Llama and its descendants: each family's options read into the one AttentionConfig
     (transformers 5's modeling_<family>.py says where each applies)."""
     E, H = _int(cfg, "hidden_size", where), _int(cfg, "num_attention_heads", where)
-    KVH = cfg.get("num_key_value_heads") or H
+    KVH = H if family in MHA_ONLY else cfg.get("num_key_value_heads") or H
     D = cfg.get("head_dim") or E // H
+    if family in HEADS_BY_HIDDEN and E % H:
+        raise ValueError(
+            f"{where}: hidden_size {E} is not divisible by num_attention_heads {H} "
+            f"(transformers' {family} sizes its heads hidden_size / num_attention_heads)"
+        )
+    if family in HEADS_BY_HIDDEN and D != E // H:
+        raise ValueError(
+            f"{where}: {family} head_dim {D} is not supported: transformers' {family} sizes its "
+            f"heads hidden_size / num_attention_heads ({E // H}) but its rotary embedding reads "
+            "head_dim; leave head_dim out"
+        )
     bias = any(_biases(cfg, family))
     if family not in PARTIAL_ROPE and cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
         raise ValueError(

@@ -46,8 +46,11 @@ FAMILIES = (
     "ernie4_5",
     "glm",
     "glm4",
+    # RoPE by halves over part of each head (PARTIAL_ROPE)
+    "gpt_neox",
 )
-# Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj) and GQA.
+# Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox: one
+# query_key_value, laid out per head, and dense) and GQA.
 ROTARY = FAMILIES[2:]
 # The per-layer attention kinds of config.json's layer_types that we serve.
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -118,6 +121,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     **dict.fromkeys(
         ("glm", "glm4"), {"num_key_value_heads": 2, "head_dim": 128, "attention_bias": True}
     ),
+    "gpt_neox": {"attention_bias": True},
 }
 # Keys a family's config.json must set (not null), and why: transformers builds no layer
 # without them, so whatever we served would be a layer transformers never runs.
@@ -136,7 +140,8 @@ REQUIRED: dict[str, dict[str, str]] = {
 # Llama, Mistral, ...; sliding_window: none, see hf_config._null_window). ALL: every family.
 # Nulls inside the RoPE tables are hf_rope.check_rope_nulls's.
 ALL = ("*",)
-_NORM_EPS_FREE = ("bert", "gpt2", "olmo", "starcoder2", "cohere2", "cohere")  # (LayerNorm's)
+# (their norms are LayerNorms: rms_norm_eps is not theirs)
+_NORM_EPS_FREE = ("bert", "gpt2", "olmo", "starcoder2", "cohere2", "cohere", "gpt_neox")
 _HEAD_DIM_FILLED = (
     "bert",
     "gpt2",
@@ -147,6 +152,7 @@ _HEAD_DIM_FILLED = (
     "arcee",
     "seed_oss",
     "ernie4_5",
+    "gpt_neox",
 )
 NOT_NULL: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
@@ -171,6 +177,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
         *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
+        "gpt_neox",
     ),
     "use_bias": ("starcoder2",),
     "qkv_bias": ("qwen2_moe",),
@@ -251,7 +258,19 @@ NO_ROPE: dict[str, Callable[[dict[str, Any], int, str], bool]] = {
 INTERLEAVED_ROPE = ("cohere", "cohere2", "helium", "ernie4_5", "glm", "glm4")
 # Families whose RoPE may turn only part of each head (partial_rotary_factor: rope_parameters',
 # else config.json's, else this default; transformers' other families rotate every dim).
-PARTIAL_ROPE = {"glm": 0.5, "glm4": 0.5}
+PARTIAL_ROPE = {"glm": 0.5, "glm4": 0.5, "gpt_neox": 0.25}
+# Families whose config reads RoPE's theta and partial factor beside the table under other
+# names (GPTNeoXConfig: rotary_emb_base, rotary_pct; it ignores config.json's rope_theta and
+# partial_rotary_factor there), and whose table takes a null of them as is (no layer built).
+ROPE_KEYS = {"gpt_neox": ("rotary_emb_base", "rotary_pct")}
+# Families whose attention computes with the factor as the config has it: a null builds no
+# layer (GLM's config drops it instead: every dim rotates).
+PARTIAL_NOT_NULL = ("gpt_neox",)
+# Families whose attention sizes its heads hidden_size / num_attention_heads whatever head_dim
+# says (their rotary embedding reads head_dim: one that differs builds no consistent layer),
+# and the families without GQA (num_key_value_heads is not read).
+HEADS_BY_HIDDEN = ("gpt_neox",)
+MHA_ONLY = ("gpt_neox",)
 # Families refused whole, and why (the attention differs from every family above).
 UNSERVED = {
     "hunyuan_v1_dense": "its q/k norm comes after RoPE",

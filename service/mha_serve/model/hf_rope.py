@@ -13,10 +13,14 @@ from .hf_families import (
     GPT_OSS_ROPE,
     INTERLEAVED_ROPE,
     LAYER_TYPES,
+    PARTIAL_NOT_NULL,
     PARTIAL_ROPE,
     PER_TYPE_ROPE,
+    ROPE_KEYS,
     SCALED_CONTEXT,
 )
+
+_ROPE_KEYS = ("rope_theta", "partial_rotary_factor")  # beside the table, ROPE_KEYS aside
 
 
 def refuse_null(where: Path, family: str, key: str, why: str = "") -> None:
@@ -51,8 +55,9 @@ def check_rope_nulls(cfg: dict[str, Any], family: str, where: Path) -> None:
     for key in ("rope_theta", "rope_type", "type", "factor"):
         if key in table and table[key] is None and (key != "factor" or kind != "yarn"):
             refuse_null(where, family, f"{name}.{key}", why)  # (yarn's factor: the context ratio)
-    if "rope_theta" not in table and "rope_theta" in cfg and cfg["rope_theta"] is None:
-        refuse_null(where, family, "rope_theta", why)
+    theta = ROPE_KEYS.get(family, _ROPE_KEYS)[0]
+    if "rope_theta" not in table and theta in cfg and cfg[theta] is None:
+        refuse_null(where, family, theta, why)
     # (standardize_rope_params: the pretraining context beside the table wins, a null too)
     beside = "original_max_position_embeddings"
     if kind in SCALED_CONTEXT and beside in cfg and cfg[beside] is None:
@@ -87,7 +92,7 @@ def read_rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
         kind = params.get("rope_type", params.get("type"))
         if beside is not None and kind in SCALED_CONTEXT:
             params["original_max_position_embeddings"] = beside
-    params.setdefault("rope_theta", cfg.get("rope_theta", 10_000.0))
+    params.setdefault("rope_theta", cfg.get(ROPE_KEYS.get(family, _ROPE_KEYS)[0], 10_000.0))
     params = dict(params)
     kind = params.pop("rope_type", params.pop("type", "default"))
     if kind not in ROPE_TYPES:
@@ -141,11 +146,15 @@ def read_rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
 def _partial(cfg: dict[str, Any], params: dict[str, Any], family: str, where: Path) -> float:
     """The fraction of each head that RoPE turns, as transformers 5 reads it
     (convert_rope_params_to_dict): rope_parameters' partial_rotary_factor, else config.json's
-    (a null there: none, every dim), else the family's default (PARTIAL_ROPE)."""
+    (GPT-NeoX's rotary_pct; a null there: none, every dim, or no layer built where the
+    attention computes with it), else the family's default (PARTIAL_ROPE)."""
+    key = ROPE_KEYS.get(family, _ROPE_KEYS)[1]
     if "partial_rotary_factor" in params:
         value = params["partial_rotary_factor"]
-    elif "partial_rotary_factor" in cfg:
-        value = cfg["partial_rotary_factor"]
+    elif key in cfg:
+        value = cfg[key]
+        if value is None and family in PARTIAL_NOT_NULL:
+            refuse_null(where, family, key, "its attention computes with the factor")
         value = 1.0 if value is None else value
     else:
         value = PARTIAL_ROPE.get(family, 1.0)
@@ -158,7 +167,7 @@ def _partial(cfg: dict[str, Any], params: dict[str, Any], family: str, where: Pa
             f"{', '.join(PARTIAL_ROPE)} rotate part of it)"
         )
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
-        raise ValueError(f"{where}: partial_rotary_factor must be in (0, 1], got {value!r}")
+        raise ValueError(f"{where}: {key} must be in (0, 1], got {value!r}")
     return float(value)
 
 
