@@ -63,6 +63,8 @@ from transformers import (
     OlmoModel,
     Phi3Config,
     Phi3Model,
+    PhiConfig,
+    PhiModel,
     Qwen2Config,
     Qwen2Model,
     Qwen2MoeConfig,
@@ -426,6 +428,11 @@ CHECKPOINTS = {
             rotary_pct=0.25, rotary_emb_base=500.0, **{**ROTARY, "num_attention_heads": 4}
         ),
         1,
+    ),
+    "phi": (  # Phi-1/1.5/2: q/k/v and dense with biases, half of each head rotated (GQA here)
+        PhiModel,
+        PhiConfig(num_key_value_heads=4, partial_rotary_factor=0.5, **ROTARY),
+        0,
     ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,

@@ -31,6 +31,8 @@ from transformers import (
     Olmo3Model,
     OlmoConfig,
     OlmoeConfig,
+    PhiConfig,
+    PhiModel,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen2MoeModel,
@@ -205,6 +207,16 @@ NEOX = {**SMALL, "num_attention_heads": 4}  # heads of 16: a quarter of each is 
         ),
         # GPT-NeoX without them: a quarter of each head rotated (GPTNeoXConfig's 0.25)
         (GPTNeoXModel, GPTNeoXConfig(**NEOX), "gpt_neox", {"rope_parameters": None}, 1),
+        # Phi as transformers 4 wrote it (rope_theta, partial_rotary_factor beside no
+        # table), and without them: half of each head rotated (PhiConfig's 0.5)
+        (
+            PhiModel,
+            PhiConfig(**NEOX),
+            "phi",
+            {"rope_parameters": None, "rope_theta": 500.0, "partial_rotary_factor": 0.25},
+            1,
+        ),
+        (PhiModel, PhiConfig(**NEOX), "phi", {"rope_parameters": None}, 0),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -223,6 +235,8 @@ NEOX = {**SMALL, "num_attention_heads": 4}  # heads of 16: a quarter of each is 
         "olmo3_rope_scaling_global",
         "gpt_neox_rotary_pct_rotary_emb_base",
         "gpt_neox_rotary_pct_default",
+        "phi_rope_theta_partial_rotary_factor",
+        "phi_partial_rotary_factor_default",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(
@@ -388,6 +402,13 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
         # GPT-NeoX sizes its heads hidden_size / num_attention_heads, its rotary embedding
         # by head_dim
         (GPTNeoXConfig(**NEOX), {"head_dim": 8}, 0, "gpt_neox head_dim 8 is not supported"),
+        # Phi's q/k norm is a LayerNorm (qk_layernorm)
+        (
+            PhiConfig(**SMALL),
+            {"qk_layernorm": True},
+            1,
+            "phi qk_layernorm true is not supported: its q/k norm is a LayerNorm",
+        ),
         # whole families: the reason is given
         (
             Qwen2Config(**SMALL),
@@ -459,6 +480,7 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
         "qwen2_partial_rope",
         "qwen2_partial_rope_table",
         "gpt_neox_head_dim",
+        "phi_qk_layernorm",
         "hunyuan",
         "qwen2_sliding_without_switch",
         "smollm3_sliding_without_switch",

@@ -8,6 +8,8 @@ What is served, per family (transformers' module names):
   gpt_neox GPTNeoXAttention: query_key_value (its rows per head: q, k, v of head 0, then of
            head 1, ...; regrouped here) and dense, both with biases by attention_bias;
            partial RoPE by halves (rotary_pct)
+  phi      PhiAttention (Phi-1, 1.5, 2): q_proj/k_proj/v_proj and dense, all with biases;
+           partial RoPE by halves (partial_rotary_factor, 0.5 by default)
   llama, mistral, qwen2, qwen3, olmo2, gemma2, gemma3(_text), phi3, gpt_oss and the families whose
   attention is one of theirs (hf_families.FAMILIES: Mixtral, Qwen-MoE, OLMoE, Granite, ...)
            q_proj/k_proj/v_proj/o_proj (Phi-3: one qkv_proj) with GQA (num_key_value_heads)
@@ -48,6 +50,12 @@ _NAMES = {
     },
     "phi3": {"qkv": "layers.{i}.self_attn.qkv_proj", "o": "layers.{i}.self_attn.o_proj"},
     "gpt_neox": {"qkv": "layers.{i}.attention.query_key_value", "o": "layers.{i}.attention.dense"},
+    "phi": {
+        "q": "layers.{i}.self_attn.q_proj",
+        "k": "layers.{i}.self_attn.k_proj",
+        "v": "layers.{i}.self_attn.v_proj",
+        "o": "layers.{i}.self_attn.dense",
+    },
 }
 # q/k RMSNorm weights, beside the projections of the rotary families that have them.
 _NORM_NAMES = {"q_norm": "layers.{i}.self_attn.q_norm", "k_norm": "layers.{i}.self_attn.k_norm"}

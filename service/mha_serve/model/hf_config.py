@@ -18,6 +18,7 @@ from .hf_families import (
     FAMILIES,
     HEADS_BY_HIDDEN,
     LAYER_TYPES,
+    LAYERNORM_QK,
     MHA_ONLY,
     MULTIMODAL,
     NO_ROPE,
@@ -179,10 +180,10 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
             f"for {family} (transformers' {family} rotates every dim of each head; only "
             f"{', '.join(PARTIAL_ROPE)} rotate part of it)"
         )
-    if family == "cohere" and cfg.get("use_qk_norm"):
+    if family in LAYERNORM_QK and cfg.get(LAYERNORM_QK[family]):
         raise ValueError(
-            f"{where}: cohere use_qk_norm true is not supported: its q/k norm is a LayerNorm "
-            "(the mean subtracted, then scaled), not the RMSNorm mha-serve applies"
+            f"{where}: {family} {LAYERNORM_QK[family]} true is not supported: its q/k norm is a "
+            "LayerNorm (the mean subtracted, then scaled), not the RMSNorm mha-serve applies"
         )
     for key in ("use_bidirectional_attention", "attention_chunk_size", "clip_qkv"):
         if cfg.get(key):

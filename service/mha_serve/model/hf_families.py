@@ -48,9 +48,10 @@ FAMILIES = (
     "glm4",
     # RoPE by halves over part of each head (PARTIAL_ROPE)
     "gpt_neox",
+    "phi",
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox: one
-# query_key_value, laid out per head, and dense) and GQA.
+# query_key_value, laid out per head, and dense; phi: dense for o_proj) and GQA.
 ROTARY = FAMILIES[2:]
 # The per-layer attention kinds of config.json's layer_types that we serve.
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -141,7 +142,7 @@ REQUIRED: dict[str, dict[str, str]] = {
 # Nulls inside the RoPE tables are hf_rope.check_rope_nulls's.
 ALL = ("*",)
 # (their norms are LayerNorms: rms_norm_eps is not theirs)
-_NORM_EPS_FREE = ("bert", "gpt2", "olmo", "starcoder2", "cohere2", "cohere", "gpt_neox")
+_NORM_EPS_FREE = ("bert", "gpt2", "olmo", "starcoder2", "cohere2", "cohere", "gpt_neox", "phi")
 _HEAD_DIM_FILLED = (
     "bert",
     "gpt2",
@@ -181,6 +182,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     ),
     "use_bias": ("starcoder2",),
     "qkv_bias": ("qwen2_moe",),
+    "qk_layernorm": ("phi",),
     "attention_out_bias": ("seed_oss",),
     "use_sliding_window": ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3"),
     "max_window_layers": ("qwen2", "qwen3", "qwen2_moe"),
@@ -204,6 +206,7 @@ BIAS: dict[str, str | bool] = {
     "qwen2_moe": "qkv_bias",
     "starcoder2": "use_bias",
     "ernie4_5": "use_bias",
+    "phi": True,
     **dict.fromkeys(("mistral", "mixtral", "ministral", "phi3"), False),
 }
 # o_proj's bias where it is not q/k/v's: its key, or fixed (a missing one is served as 0).
@@ -258,19 +261,23 @@ NO_ROPE: dict[str, Callable[[dict[str, Any], int, str], bool]] = {
 INTERLEAVED_ROPE = ("cohere", "cohere2", "helium", "ernie4_5", "glm", "glm4")
 # Families whose RoPE may turn only part of each head (partial_rotary_factor: rope_parameters',
 # else config.json's, else this default; transformers' other families rotate every dim).
-PARTIAL_ROPE = {"glm": 0.5, "glm4": 0.5, "gpt_neox": 0.25}
+PARTIAL_ROPE = {"glm": 0.5, "glm4": 0.5, "gpt_neox": 0.25, "phi": 0.5}
 # Families whose config reads RoPE's theta and partial factor beside the table under other
 # names (GPTNeoXConfig: rotary_emb_base, rotary_pct; it ignores config.json's rope_theta and
 # partial_rotary_factor there), and whose table takes a null of them as is (no layer built).
 ROPE_KEYS = {"gpt_neox": ("rotary_emb_base", "rotary_pct")}
 # Families whose attention computes with the factor as the config has it: a null builds no
-# layer (GLM's config drops it instead: every dim rotates).
-PARTIAL_NOT_NULL = ("gpt_neox",)
+# layer (GPT-NeoX's config keeps it, Phi's drops it and PhiAttention reads it from the table;
+# GLM's drops it and rotates every dim).
+PARTIAL_NOT_NULL = ("gpt_neox", "phi")
 # Families whose attention sizes its heads hidden_size / num_attention_heads whatever head_dim
 # says (their rotary embedding reads head_dim: one that differs builds no consistent layer),
 # and the families without GQA (num_key_value_heads is not read).
 HEADS_BY_HIDDEN = ("gpt_neox",)
 MHA_ONLY = ("gpt_neox",)
+# q/k norms that are LayerNorms (the mean subtracted, then scaled), not the RMSNorm we apply:
+# the key that turns them on, refused when set.
+LAYERNORM_QK = {"cohere": "use_qk_norm", "phi": "qk_layernorm"}
 # Families refused whole, and why (the attention differs from every family above).
 UNSERVED = {
     "hunyuan_v1_dense": "its q/k norm comes after RoPE",
