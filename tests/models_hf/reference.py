@@ -77,6 +77,8 @@ from transformers import (
     SeedOssModel,
     SmolLM3Config,
     SmolLM3Model,
+    StableLmConfig,
+    StableLmModel,
     Starcoder2Config,
     Starcoder2Model,
 )
@@ -433,6 +435,13 @@ CHECKPOINTS = {
         PhiModel,
         PhiConfig(num_key_value_heads=4, partial_rotary_factor=0.5, **ROTARY),
         0,
+    ),
+    "stablelm": (  # a quarter of each head rotated (StableLmConfig's 0.25); q/k/v biases only
+        StableLmModel,
+        StableLmConfig(
+            num_key_value_heads=2, use_qkv_bias=True, **{**ROTARY, "num_attention_heads": 4}
+        ),
+        1,
     ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,

@@ -28,7 +28,7 @@ OWN_KEYS = {
         *("attention_out_bias", "query_pre_attn_scalar", "attention_multiplier"),
         *("attn_logit_softcapping", "rms_norm_eps", "no_rope_layers", "no_rope_layer_interval"),
         *("clip_qkv", "use_bidirectional_attention", "attention_chunk_size"),
-        *("rotary_pct", "rotary_emb_base", "qk_layernorm"),  # (GPT-NeoX's names, Phi's)
+        *("rotary_pct", "rotary_emb_base", "qk_layernorm", "use_qkv_bias"),  # (GPT-NeoX's, ...)
     ),
     "gpt2": (
         *("n_embd", "n_head", "n_layer", "n_positions", "scale_attn_weights"),
@@ -213,17 +213,21 @@ def test_a_null_is_served_as_transformers_runs_it_or_refused_by_name(tmp_path, f
             ("gpt_neox", {"rope_parameters": None, key: None}, f"gpt_neox config.json sets {key}")
             for key in ("rotary_pct", "rotary_emb_base")
         ],
-        # Phi's config drops a null partial_rotary_factor, and PhiAttention reads it from
-        # the RoPE table (KeyError)
-        (
-            "phi",
-            {"rope_parameters": None, "partial_rotary_factor": None},
-            "phi config.json sets partial_rotary_factor to null",
-        ),
+        # Phi's and StableLM's configs drop a null partial_rotary_factor, and their
+        # attention reads it from the RoPE table (KeyError)
+        *[
+            (
+                family,
+                {"rope_parameters": None, "partial_rotary_factor": None},
+                f"{family} config.json sets partial_rotary_factor to null",
+            )
+            for family in ("phi", "stablelm")
+        ],
     ],
     ids=[
         *("mixtral_rope_theta", "qwen2_head_dim", "gemma2_sliding_window"),
         *("gpt_neox_rotary_pct", "gpt_neox_rotary_emb_base", "phi_partial_rotary_factor"),
+        "stablelm_partial_rotary_factor",
     ],
 )
 def test_a_null_transformers_builds_no_layer_from_is_refused_naming_key_and_family(

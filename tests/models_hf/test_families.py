@@ -42,6 +42,8 @@ from transformers import (
     SeedOssModel,
     SmolLM3Config,
     SmolLM3Model,
+    StableLmConfig,
+    StableLmModel,
     Starcoder2Config,
     Starcoder2Model,
 )
@@ -217,6 +219,21 @@ NEOX = {**SMALL, "num_attention_heads": 4}  # heads of 16: a quarter of each is 
             1,
         ),
         (PhiModel, PhiConfig(**NEOX), "phi", {"rope_parameters": None}, 0),
+        # StableLM: the same keys; without them a quarter of each head (StableLmConfig's)
+        (
+            StableLmModel,
+            StableLmConfig(num_key_value_heads=4, **NEOX),
+            "stablelm",
+            {"rope_parameters": None, "rope_theta": 500.0, "partial_rotary_factor": 0.5},
+            0,
+        ),
+        (
+            StableLmModel,
+            StableLmConfig(num_key_value_heads=2, use_qkv_bias=True, **NEOX),
+            "stablelm",
+            {"rope_parameters": None},
+            1,
+        ),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -237,6 +254,8 @@ NEOX = {**SMALL, "num_attention_heads": 4}  # heads of 16: a quarter of each is 
         "gpt_neox_rotary_pct_default",
         "phi_rope_theta_partial_rotary_factor",
         "phi_partial_rotary_factor_default",
+        "stablelm_rope_theta_partial_rotary_factor",
+        "stablelm_partial_rotary_factor_default",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(
@@ -409,12 +428,26 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
             1,
             "phi qk_layernorm true is not supported: its q/k norm is a LayerNorm",
         ),
+        # StableLM 2 12B's q/k norm is a LayerNorm per head (qk_layernorm)
+        (
+            StableLmConfig(num_key_value_heads=8, **SMALL),
+            {"qk_layernorm": True},
+            0,
+            "stablelm qk_layernorm true is not supported: its q/k norm is a LayerNorm",
+        ),
+        (StableLmConfig(**NEOX), {"head_dim": 8}, 0, "stablelm head_dim 8 is not supported"),
         # whole families: the reason is given
         (
             Qwen2Config(**SMALL),
             {"model_type": "hunyuan_v1_dense"},
             0,
             "model_type 'hunyuan_v1_dense' (architectures ?) is not supported (its q/k norm",
+        ),
+        (
+            StableLmConfig(**NEOX),
+            {"model_type": "persimmon"},
+            0,
+            "model_type 'persimmon' (architectures ?) is not supported (its q/k norm is a LayerNorm",
         ),
         # a sliding layer without use_sliding_window: transformers' Qwen2 fails on it
         # (its config drops the window), SmolLM3's eager and SDPA masks slide where its
@@ -481,7 +514,10 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
         "qwen2_partial_rope_table",
         "gpt_neox_head_dim",
         "phi_qk_layernorm",
+        "stablelm_qk_layernorm",
+        "stablelm_head_dim",
         "hunyuan",
+        "persimmon",
         "qwen2_sliding_without_switch",
         "smollm3_sliding_without_switch",
         "qwen2_moe_sliding_without_switch",

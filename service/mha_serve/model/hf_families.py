@@ -49,6 +49,7 @@ FAMILIES = (
     # RoPE by halves over part of each head (PARTIAL_ROPE)
     "gpt_neox",
     "phi",
+    "stablelm",
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox: one
 # query_key_value, laid out per head, and dense; phi: dense for o_proj) and GQA.
@@ -123,6 +124,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         ("glm", "glm4"), {"num_key_value_heads": 2, "head_dim": 128, "attention_bias": True}
     ),
     "gpt_neox": {"attention_bias": True},
+    "stablelm": {"num_key_value_heads": 32},
 }
 # Keys a family's config.json must set (not null), and why: transformers builds no layer
 # without them, so whatever we served would be a layer transformers never runs.
@@ -142,7 +144,9 @@ REQUIRED: dict[str, dict[str, str]] = {
 # Nulls inside the RoPE tables are hf_rope.check_rope_nulls's.
 ALL = ("*",)
 # (their norms are LayerNorms: rms_norm_eps is not theirs)
-_NORM_EPS_FREE = ("bert", "gpt2", "olmo", "starcoder2", "cohere2", "cohere", "gpt_neox", "phi")
+_NORM_EPS_FREE = (
+    *("bert", "gpt2", "olmo", "starcoder2", "cohere2", "cohere", "gpt_neox", "phi", "stablelm"),
+)
 _HEAD_DIM_FILLED = (
     "bert",
     "gpt2",
@@ -154,6 +158,7 @@ _HEAD_DIM_FILLED = (
     "seed_oss",
     "ernie4_5",
     "gpt_neox",
+    "stablelm",
 )
 NOT_NULL: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
@@ -173,6 +178,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     "num_key_value_heads": (
         *("mistral", "mixtral", "ministral", "starcoder2", "qwen2_moe", "qwen3_moe"),
         *("gemma", "gemma2", "gemma3_text", "exaone4", "gpt_oss", "helium", "glm", "glm4"),
+        "stablelm",
     ),
     "attention_bias": (
         *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
@@ -182,7 +188,8 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     ),
     "use_bias": ("starcoder2",),
     "qkv_bias": ("qwen2_moe",),
-    "qk_layernorm": ("phi",),
+    "qk_layernorm": ("phi", "stablelm"),
+    "use_qkv_bias": ("stablelm",),
     "attention_out_bias": ("seed_oss",),
     "use_sliding_window": ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3"),
     "max_window_layers": ("qwen2", "qwen3", "qwen2_moe"),
@@ -207,6 +214,7 @@ BIAS: dict[str, str | bool] = {
     "starcoder2": "use_bias",
     "ernie4_5": "use_bias",
     "phi": True,
+    "stablelm": "use_qkv_bias",
     **dict.fromkeys(("mistral", "mixtral", "ministral", "phi3"), False),
 }
 # o_proj's bias where it is not q/k/v's: its key, or fixed (a missing one is served as 0).
@@ -214,7 +222,7 @@ O_BIAS: dict[str, str | bool] = {
     "qwen2": False,
     "qwen2_moe": False,
     "seed_oss": "attention_out_bias",
-    **dict.fromkeys(("helium", "glm", "glm4"), False),
+    **dict.fromkeys(("helium", "glm", "glm4", "stablelm"), False),
 }
 # q/k RMSNorm: per head (over head_dim) or over the whole projection (all heads together).
 QK_NORM = {
@@ -261,23 +269,23 @@ NO_ROPE: dict[str, Callable[[dict[str, Any], int, str], bool]] = {
 INTERLEAVED_ROPE = ("cohere", "cohere2", "helium", "ernie4_5", "glm", "glm4")
 # Families whose RoPE may turn only part of each head (partial_rotary_factor: rope_parameters',
 # else config.json's, else this default; transformers' other families rotate every dim).
-PARTIAL_ROPE = {"glm": 0.5, "glm4": 0.5, "gpt_neox": 0.25, "phi": 0.5}
+PARTIAL_ROPE = {"glm": 0.5, "glm4": 0.5, "gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25}
 # Families whose config reads RoPE's theta and partial factor beside the table under other
 # names (GPTNeoXConfig: rotary_emb_base, rotary_pct; it ignores config.json's rope_theta and
 # partial_rotary_factor there), and whose table takes a null of them as is (no layer built).
 ROPE_KEYS = {"gpt_neox": ("rotary_emb_base", "rotary_pct")}
 # Families whose attention computes with the factor as the config has it: a null builds no
-# layer (GPT-NeoX's config keeps it, Phi's drops it and PhiAttention reads it from the table;
-# GLM's drops it and rotates every dim).
-PARTIAL_NOT_NULL = ("gpt_neox", "phi")
+# layer (GPT-NeoX's config keeps it, Phi's and StableLM's drop it and their attention reads
+# it from the table; GLM's drops it and rotates every dim).
+PARTIAL_NOT_NULL = ("gpt_neox", "phi", "stablelm")
 # Families whose attention sizes its heads hidden_size / num_attention_heads whatever head_dim
 # says (their rotary embedding reads head_dim: one that differs builds no consistent layer),
 # and the families without GQA (num_key_value_heads is not read).
-HEADS_BY_HIDDEN = ("gpt_neox",)
+HEADS_BY_HIDDEN = ("gpt_neox", "stablelm")
 MHA_ONLY = ("gpt_neox",)
 # q/k norms that are LayerNorms (the mean subtracted, then scaled), not the RMSNorm we apply:
 # the key that turns them on, refused when set.
-LAYERNORM_QK = {"cohere": "use_qk_norm", "phi": "qk_layernorm"}
+LAYERNORM_QK = {"cohere": "use_qk_norm", "phi": "qk_layernorm", "stablelm": "qk_layernorm"}
 # Families refused whole, and why (the attention differs from every family above).
 UNSERVED = {
     "hunyuan_v1_dense": "its q/k norm comes after RoPE",
@@ -285,6 +293,7 @@ UNSERVED = {
     "ministral3": "its queries are scaled by position (llama_4_scaling_beta)",
     "llama4": "chunked attention, L2 q/k norm and NoPE layers with temperature tuning",
     "deepseek_v3": "multi-head latent attention (low-rank q and kv projections)",
+    "persimmon": "its q/k norm is a LayerNorm (qk_layernorm, on by default and in Persimmon-8B)",
 }
 # Families with a RoPE table per layer type, and how their configs fill the tables of a
 # transformers 4 config.json (rope_theta + rope_scaling, the global layers' only): (global
