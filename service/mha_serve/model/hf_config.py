@@ -34,7 +34,7 @@ from .hf_families import (
     WINDOW_SWITCH,
     window_on,
 )
-from .hf_rope import check_rope_nulls, read_rope, refuse_null
+from .hf_rope import check_rope_nulls, read_rope, refuse_null, refuse_partial
 
 
 @dataclass(frozen=True)
@@ -175,11 +175,7 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
         )
     bias = any(_biases(cfg, family))
     if family not in PARTIAL_ROPE and cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
-        raise ValueError(
-            f"{where}: partial_rotary_factor {cfg['partial_rotary_factor']} is not supported "
-            f"for {family} (transformers' {family} rotates every dim of each head; only "
-            f"{', '.join(PARTIAL_ROPE)} rotate part of it)"
-        )
+        refuse_partial(where, family, "partial_rotary_factor", cfg["partial_rotary_factor"])
     if family in LAYERNORM_QK and cfg.get(LAYERNORM_QK[family]):
         raise ValueError(
             f"{where}: {family} {LAYERNORM_QK[family]} true is not supported: its q/k norm is a "

@@ -20,7 +20,18 @@ from .hf_families import (
     SCALED_CONTEXT,
 )
 
-_ROPE_KEYS = ("rope_theta", "partial_rotary_factor")  # beside the table, ROPE_KEYS aside
+
+def rope_keys(family: str) -> tuple[str, str]:
+    """The config.json keys beside the RoPE table that hold its theta and partial factor."""
+    return ROPE_KEYS.get(family, ("rope_theta", "partial_rotary_factor"))
+
+
+def refuse_partial(where: Path, family: str, key: str, value: Any) -> None:
+    """A partial rotation in a family whose transformers code rotates every dim."""
+    raise ValueError(
+        f"{where}: {key} {value!r} is not supported for {family} (transformers' {family} "
+        f"rotates every dim of each head; only {', '.join(PARTIAL_ROPE)} rotate part of it)"
+    )
 
 
 def refuse_null(where: Path, family: str, key: str, why: str = "") -> None:
@@ -55,7 +66,7 @@ def check_rope_nulls(cfg: dict[str, Any], family: str, where: Path) -> None:
     for key in ("rope_theta", "rope_type", "type", "factor"):
         if key in table and table[key] is None and (key != "factor" or kind != "yarn"):
             refuse_null(where, family, f"{name}.{key}", why)  # (yarn's factor: the context ratio)
-    theta = ROPE_KEYS.get(family, _ROPE_KEYS)[0]
+    theta = rope_keys(family)[0]
     if "rope_theta" not in table and theta in cfg and cfg[theta] is None:
         refuse_null(where, family, theta, why)
     # (standardize_rope_params: the pretraining context beside the table wins, a null too)
@@ -92,7 +103,7 @@ def read_rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
         kind = params.get("rope_type", params.get("type"))
         if beside is not None and kind in SCALED_CONTEXT:
             params["original_max_position_embeddings"] = beside
-    params.setdefault("rope_theta", cfg.get(ROPE_KEYS.get(family, _ROPE_KEYS)[0], 10_000.0))
+    params.setdefault("rope_theta", cfg.get(rope_keys(family)[0], 10_000.0))
     params = dict(params)
     kind = params.pop("rope_type", params.pop("type", "default"))
     if kind not in ROPE_TYPES:
@@ -148,7 +159,7 @@ def _partial(cfg: dict[str, Any], params: dict[str, Any], family: str, where: Pa
     (convert_rope_params_to_dict): rope_parameters' partial_rotary_factor, else config.json's
     (GPT-NeoX's rotary_pct; a null there: none, every dim, or no layer built where the
     attention computes with it), else the family's default (PARTIAL_ROPE)."""
-    key = ROPE_KEYS.get(family, _ROPE_KEYS)[1]
+    key = rope_keys(family)[1]
     if "partial_rotary_factor" in params:
         value = params["partial_rotary_factor"]
     elif key in cfg:
@@ -161,11 +172,7 @@ def _partial(cfg: dict[str, Any], params: dict[str, Any], family: str, where: Pa
     if value in (1, 1.0):
         return 1.0
     if family not in PARTIAL_ROPE:
-        raise ValueError(
-            f"{where}: partial_rotary_factor {value!r} is not supported for {family} "
-            f"(transformers' {family} rotates every dim of each head; only "
-            f"{', '.join(PARTIAL_ROPE)} rotate part of it)"
-        )
+        refuse_partial(where, family, "partial_rotary_factor", value)
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
         raise ValueError(f"{where}: {key} must be in (0, 1], got {value!r}")
     return float(value)
