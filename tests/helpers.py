@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import shutil
 import signal
@@ -70,10 +71,40 @@ def config_of(argv: list[str]):
     return build_config(args.config, {k: getattr(args, k) for k in vars(args) if k != "config"})
 
 
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for port 0 (Linux's file; its default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_ports(n: int) -> int:
+    """A port p with p + 1 ... p + n - 1 free too, at random below the kernel's ephemeral
+    range. Not by port 0: a port it handed out and that was closed again can be handed out
+    again at once, to the next call here (seen in CI: a server's --port and --metrics-port
+    both 50839, "Address already in use") or to any socket of a server started meanwhile (a
+    Ray replica's gRPC server on the port meant for another's /metrics). Ports that a
+    process needs together come from one call."""
+    low, _ = ephemeral_ports()
+    first = max(1024, low - 12000)
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(first, low - n)
+        try:
+            for k in range(n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + k))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no {n} consecutive free ports in {first}..{low - 1}")
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)
 
 
 class ServerProcess:
@@ -95,8 +126,8 @@ class ServerProcess:
         """module: run instead of mha-serve's (one that runs it, e.g. with a gate);
         process_group: a process group of its own, which a test may signal whole (os.killpg)."""
         device = {"MHA_SERVE_DEVICE": suite_device(), "MHA_SERVE_DTYPE": "float32"}
-        self.port = free_port()
-        self.metrics_port = free_port()
+        self.port = free_ports(2)  # its gRPC port and, next to it, its /metrics
+        self.metrics_port = self.port + 1
         self.target = f"127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [

@@ -8,12 +8,13 @@ ones, on a Ray of its own (start_ray). Shared by tests/ray_app and the Ray bench
 from __future__ import annotations
 
 import copy
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tests.helpers import free_port
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "ray" / "serve_config.yaml"
 APP = "mha"
@@ -44,12 +45,6 @@ def start_ray(ray: Any, num_cpus: int, **options: Any) -> None:
             if not any(m in str(e) for m in STARTUP_TIMEOUTS) or attempt == RAY_START_ATTEMPTS:
                 raise
             ray.shutdown()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load_config(

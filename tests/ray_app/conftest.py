@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,7 +10,8 @@ import torch
 
 from mha_serve.config import default_models
 from mha_serve.model import MultiHeadAttention, init_weights
-from tests.ray_app.cluster import APP, deploy, free_port, load_config, start_ray
+from tests.helpers import free_ports
+from tests.ray_app.cluster import APP, deploy, load_config, start_ray
 
 ATOL = 1e-4  # float32: one full forward against the replica's cached path
 
@@ -21,37 +21,6 @@ class Cluster:
     target: str  # the gRPC proxy, 127.0.0.1:PORT
     metrics_ports: tuple[int, ...]  # the replicas' /metrics on this node
     config: dict  # what was deployed (deploy/ray/serve_config.yaml on these ports)
-
-
-def ephemeral_ports() -> tuple[int, int]:
-    """The kernel's range for port 0 (Linux's file; its default elsewhere)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(x) for x in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def free_ports(n: int) -> int:
-    """A port p with p + 1 ... p + n - 1 free too (the replicas' metrics ports: base +
-    local rank), below the kernel's ephemeral range: a replica binds them only once it is
-    up, after its own servers took ports by port 0, and a port that had been handed out
-    by port 0 here could have been handed out again to one of those (seen once in CI: a
-    replica's gRPC server on the port meant for another's /metrics)."""
-    low, _ = ephemeral_ports()
-    first = max(1024, low - 12000)
-    rng = np.random.default_rng()
-    for _ in range(200):
-        port = int(rng.integers(first, low - n))
-        try:
-            for k in range(n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + k))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError(f"no {n} consecutive free ports in {first}..{low - 1}")
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +33,8 @@ def cluster(request):
     start_ray(ray, num_cpus)
     try:
         num_ports = getattr(request.module, "METRICS_PORTS", 2)
-        port, metrics_port = free_port(), free_ports(num_ports)
+        port = free_ports(num_ports + 1)  # the proxy's, then the replicas' /metrics
+        metrics_port = port + 1
         config = load_config(grpc_port=port, metrics_port=metrics_port)
         deploy(config)
         ports = tuple(range(metrics_port, metrics_port + num_ports))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ray_app.cluster import free_port
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

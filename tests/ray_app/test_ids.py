@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from mha_serve.ray_app.context import CallContext
 from mha_serve.ray_app.ids import replica_of, session_prefix
 from mha_serve.ray_app.scrape import Labelled, RankedMetrics
-from tests.ray_app.conftest import free_ports
+from tests.helpers import free_ports
 
 
 def test_a_session_id_names_its_replica():

@@ -21,8 +21,9 @@ import pytest
 
 from mha_client.errors import MhaServeError
 from mha_client.sdk import Client
-from tests.ray_app.cluster import deploy, free_port, load_config, start_ray
-from tests.ray_app.conftest import free_ports, replica_ids
+from tests.helpers import free_port, free_ports
+from tests.ray_app.cluster import deploy, load_config, start_ray
+from tests.ray_app.conftest import replica_ids
 from tests.ray_app.drivers import TIMEOUT_S
 from tests.ray_app.stepping import metric_sum
 

@@ -23,8 +23,9 @@ from mha_client.api import attention_pb2 as pb
 from mha_client.api import attention_pb2_grpc as pb_grpc
 from mha_client.sdk import Client
 from mha_serve.ray_app.ids import replica_of
+from tests.helpers import free_ports
 from tests.ray_app.cluster import APP, deploy
-from tests.ray_app.conftest import free_ports, replica_handle, replica_ids
+from tests.ray_app.conftest import replica_handle, replica_ids
 from tests.ray_app.drivers import TIMEOUT_S, Driver, replica_metrics
 from tests.ray_app.test_affinity import wait_dead
 
