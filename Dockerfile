@@ -41,7 +41,7 @@ COPY service/ service/
 COPY client/ client/
 # The constraint keeps the torch installed above (2.13.0 also matches 2.13.0+cu128).
 RUN echo "torch==${TORCH_VERSION}" > /tmp/torch-constraint.txt \
-    && pip install --constraint /tmp/torch-constraint.txt ".[server]" \
+    && pip install --constraint /tmp/torch-constraint.txt ".[server,tracing]" \
     && python3 -c "import torch, mha_serve.transport.server; print('torch', torch.__version__)"
 
 FROM base AS runtime

@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" || \
 	  $(PY) -m pip install --quiet "$(TORCH_SPEC)" --extra-index-url $(TORCH_CPU_INDEX)
-	$(PY) -m pip install --quiet -e ".[server,dev,ray]"
+	$(PY) -m pip install --quiet -e ".[server,dev,ray,tracing]"
 	touch $@
 
 install: $(VENV)/.installed

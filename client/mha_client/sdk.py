@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, Unpack
 
 import grpc
@@ -133,13 +133,27 @@ class _Channel:
         credentials: grpc.ChannelCredentials | None = None,
         security: ChannelSecurity | None = None,
         metadata: Sequence[tuple[str, str]] = (),
+        propagate_trace: bool = False,
     ) -> None:
+        """propagate_trace: every call carries the caller's current OpenTelemetry trace
+        context (W3C traceparent, by opentelemetry-api's propagator), so that a server
+        tracing its calls (--tracing-endpoint) records each as a child of the caller's span;
+        needs opentelemetry-api."""
         self.target = target
         self.timeout = timeout  # default deadline in seconds per call; None waits forever
         self.security = security  # as given (None: plaintext, or explicit credentials)
         # Sent with every call, e.g. (("application", "mha"),): the Ray Serve app to reach
         # when a Ray cluster's gRPC proxy serves several (docs/ray.md).
         self.metadata = tuple(metadata) or None
+        self._inject: Callable[[dict[str, str]], None] | None = None
+        if propagate_trace:
+            try:
+                from opentelemetry.propagate import inject
+            except ImportError:
+                raise ImportError(
+                    "propagate_trace needs OpenTelemetry's API: pip install opentelemetry-api"
+                ) from None
+            self._inject = inject
         opts = channel_options(max_message_bytes, options)
         self._channel = open_channel(
             target, opts, aio=self._AIO, credentials=credentials, security=security
@@ -166,9 +180,19 @@ class _Channel:
         stub = self._health_stub if rpc.health else self._bytes_stub if rpc.raw else self._stub
         deadline = self.timeout if timeout is None else timeout
         kw = {"timeout": deadline, **rpc.kw}
-        if self.metadata:
-            kw["metadata"] = self.metadata
+        metadata = self.call_metadata()
+        if metadata:
+            kw["metadata"] = metadata
         return getattr(stub, rpc.method), kw
+
+    def call_metadata(self) -> tuple[tuple[str, str], ...] | None:
+        """What a call (or a stream, when it opens) sends as metadata: `metadata`, and with
+        propagate_trace the trace context current in the caller."""
+        if self._inject is None:
+            return self.metadata
+        carrier: dict[str, str] = {}
+        self._inject(carrier)
+        return (*(self.metadata or ()), *carrier.items()) or None
 
 
 class Client(_Channel):

@@ -205,7 +205,7 @@ class SessionStream:
         self._replies: Iterator[bytes] = client._bytes_stub.StreamSession(
             iter(self._requests.get, _END),
             timeout=_remaining(self._deadline),
-            metadata=getattr(client, "metadata", None),
+            metadata=client.call_metadata(),
         )
         # Ends the request stream once, on close() or when the stream is dropped unclosed
         # (gRPC's thread reading the requests would otherwise wait on the queue forever).
@@ -329,7 +329,7 @@ class AsyncSessionStream:
         client._check_open()
         self._ended: MhaServeError | None = None  # as SessionStream's
         self._call = client._bytes_stub.StreamSession(
-            timeout=_remaining(self._deadline), metadata=getattr(client, "metadata", None)
+            timeout=_remaining(self._deadline), metadata=client.call_metadata()
         )
 
     async def __aenter__(self) -> AsyncSessionStream:

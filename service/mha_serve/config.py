@@ -113,6 +113,14 @@ class ServerConfig:
     # Bytes of session files the directory may hold; past it the oldest spilled sessions
     # expire (NOT_FOUND, saying so). Required with session_spill_dir.
     session_spill_bytes: int = 0
+    # --- tracing (docs/operations.md "Tracing") ---
+    # An OTLP/HTTP traces endpoint (e.g. http://otel-collector:4318/v1/traces): every call
+    # is a span there, a child of the client's when its metadata carries W3C traceparent
+    # (transport/tracing.py; the `tracing` extra). Empty: off, and free.
+    tracing_endpoint: str = ""
+    # The share of the traces that start here (no sampled traceparent from the client) that
+    # are recorded; a client's traceparent decides for its own.
+    tracing_sample_ratio: float = 1.0
     models: list[ModelSpec] = field(default_factory=lambda: default_models())
 
 
@@ -301,6 +309,13 @@ def build_config(file_path: str | None, overrides: dict[str, Any]) -> ServerConf
         raise ValueError(
             f"busy_poll_us {cfg.busy_poll_us} must be 0 (off) to {MAX_BUSY_POLL_US} (10 ms)"
         )
+    if cfg.tracing_endpoint and not re.match(r"https?://[^/\s]+", cfg.tracing_endpoint):
+        raise ValueError(
+            f"tracing_endpoint {cfg.tracing_endpoint!r} is not an http:// or https:// URL "
+            "(an OTLP/HTTP traces endpoint, e.g. http://otel-collector:4318/v1/traces)"
+        )
+    if not 0.0 <= cfg.tracing_sample_ratio <= 1.0:
+        raise ValueError(f"tracing_sample_ratio {cfg.tracing_sample_ratio} must be 0 to 1")
     if cfg.max_concurrent_rpcs < 1:
         raise ValueError(f"max_concurrent_rpcs {cfg.max_concurrent_rpcs} must be at least 1")
     cfg.log_level = cfg.log_level.upper()

@@ -352,7 +352,9 @@ def test_dockerfile_pins_torch_from_its_index(dockerfile):
         assert bare in ([], ["torch==${TORCH_VERSION}"]), f"unpinned torch in pip install {tokens}"
     first = installs[torch_installs[0]]
     assert first[first.index("--index-url") + 1] == "${TORCH_INDEX_URL}"
-    (server,) = [i for i, tokens in enumerate(installs) if ".[server]" in tokens]
+    (server,) = [
+        i for i, tokens in enumerate(installs) if any(t.startswith(".[server") for t in tokens)
+    ]
     assert torch_installs[0] < server, "torch must come from its index before .[server]"
 
 

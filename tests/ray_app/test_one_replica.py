@@ -31,19 +31,53 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def one_replica():
+def receiver():
+    """Where the replica sends its spans (an OTLP/HTTP endpoint, tests/otlp.py)."""
+    otlp = pytest.importorskip("tests.otlp")
+    r = otlp.Receiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def one_replica(receiver):
     """A Ray of one CPU (its logs in a folder of its own) running the app with one replica,
-    its /metrics on the first of two ports (the replacement's rank may be 1)."""
+    its /metrics on the first of two ports (the replacement's rank may be 1), its spans sent
+    to `receiver`."""
     ray = pytest.importorskip("ray")
     temp = Path(tempfile.mkdtemp(prefix="ray1", dir="/tmp"))  # short: Ray's socket paths
     start_ray(ray, 1, _temp_dir=str(temp))
     try:
-        config = load_config(grpc_port=free_port(), num_replicas=1, metrics_port=free_ports(2))
+        config = load_config(
+            grpc_port=free_port(),
+            num_replicas=1,
+            metrics_port=free_ports(2),
+            overrides={"tracing_endpoint": receiver.endpoint},
+        )
         deploy(config)
         yield config, temp
     finally:
         ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_a_call_through_rays_proxy_joins_the_clients_trace(one_replica, receiver):
+    """Ray's gRPC proxy hands the replica the call's metadata: the client's traceparent
+    makes the replica's span a child of the client's, with its queue and compute."""
+    from tests.otlp import attributes, call_in, traceparent
+
+    config, _ = one_replica
+    target = f"127.0.0.1:{config['grpc_options']['port']}"
+    header, trace_id, parent_id = traceparent()
+    x = np.random.default_rng(5).standard_normal((3, 512), dtype=np.float32)
+    with Client(target, metadata=(("traceparent", header),)) as client:
+        client.attend("mqa", x)
+    [(resource, span)] = receiver.wait_for(call_in(trace_id))
+    assert span.name == "mha.v1.AttentionService/Attend"
+    assert span.parent_span_id == parent_id
+    assert attributes(span.attributes)["mha.model"] == "mqa"
+    assert resource["mha_serve.role"] == "ray-replica"
+    assert set(receiver.children(span)) == {"queue", "compute"}
 
 
 def test_a_session_with_nowhere_to_move_is_given_up_not_waited_for(one_replica):

@@ -46,6 +46,7 @@ from mha_serve.ray_app.moves import REOPEN, Stopping, UntilStopping
 from mha_serve.ray_app.oip import InferenceMethods
 from mha_serve.ray_app.scrape import RankedMetrics
 from mha_serve.serving import AsyncEngine
+from mha_serve.transport import tracing
 from mha_serve.transport.answer import Refused
 from mha_serve.transport.auth import ENV_TOKEN
 from mha_serve.transport.door import AttentionDoor
@@ -127,6 +128,8 @@ class AttentionReplica(InferenceMethods, Handover):
         )
         cfg = build_config(config_file, dict(overrides or {}))
         check_not_on_ray({key: getattr(cfg, key) for key in NOT_ON_RAY}, "", os.environ)
+        # (spans sent at exit by the SDK's own handler, as a replica has no stop of its own)
+        tracing.start(cfg.tracing_endpoint, cfg.tracing_sample_ratio, "ray-replica")
         self.compute = ComputeThreads(cfg.torch_threads, cfg.weights_torch_threads)
         loop = asyncio.get_running_loop()
         # Loaded and warmed on the compute thread, as the standalone server does (threads.py).

@@ -15,6 +15,7 @@ import grpc
 
 from mha_serve import metrics
 from mha_serve.serving import EXPECTED
+from mha_serve.transport import tracing
 from mha_serve.transport.handlers import Malformed, MalformedLog
 from mha_serve.transport.status import status_of
 
@@ -40,6 +41,7 @@ async def settle(
     in_flight: bool = False,
     count: Callable[[str], None] | None = None,
     expired: Callable[[], bool] = lambda: False,
+    context: Any = None,
 ) -> T | Refused:
     """Runs a handler, handle(*args): its result, or its error as Refused (expected errors
     their status, anything else INTERNAL, logged), counted once under the door's protocol
@@ -50,29 +52,34 @@ async def settle(
     model and protocol, bound once (metrics.request_counts: a stream's, for its every
     message); None: looked up here. expired(): the call's deadline has passed (see
     deadline_passed): a call cancelled then (gRPC cancels its handler at the deadline, while
-    it computes) is counted DEADLINE_EXCEEDED, as its client is answered, not CANCELLED."""
+    it computes) is counted DEADLINE_EXCEEDED, as its client is answered, not CANCELLED.
+    context: the call's (what a door reads of it), whose metadata may name the trace its
+    span belongs to, when tracing is on (tracing.py)."""
     code = "OK"  # (the status's name: an enum's .name costs two Python calls a request)
+    details = None  # a refusal's, for the call's span
+    spans = tracing.SPANS
+    span = None if spans is None else spans.start(method, model, protocol, context)
     if in_flight:
         metrics.in_flight(1)
     try:
         return await handle(*args)
     except EXPECTED as e:
         status = status_of(e)
-        code = status.name
+        code, details = status.name, str(e)
         if over():  # and answering a finished call logs an ERROR in grpcio
             raise asyncio.CancelledError from e
-        return Refused(status, str(e))
+        return Refused(status, details)
     except asyncio.CancelledError:
         code = "DEADLINE_EXCEEDED" if expired() else "CANCELLED"
+        details = "the call ended before its answer"
         raise
     except Exception as e:
         if isinstance(e, grpc.aio.AbortError):
             raise
         code = "INTERNAL"
         log.exception("%s failed on model %s", method, model)
-        return Refused(
-            grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(e).__name__}: {e}"
-        )
+        details = f"internal error in {method}: {type(e).__name__}: {e}"
+        return Refused(grpc.StatusCode.INTERNAL, details)
     finally:
         if in_flight:
             metrics.in_flight(-1)
@@ -80,6 +87,8 @@ async def settle(
             metrics.count_request(method, model, code, protocol)
         else:
             count(code)
+        if span is not None:
+            spans.end(span, grpc.StatusCode[code].value[0], code, details)
 
 
 async def sent(context: grpc.aio.ServicerContext, result: T | Refused) -> T:
@@ -105,6 +114,7 @@ async def answer(
         protocol=protocol,
         over=lambda: over(context),
         expired=lambda: deadline_passed(context),
+        context=context,
     )
     return await sent(context, settled)
 

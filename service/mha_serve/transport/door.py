@@ -23,6 +23,7 @@ from mha_serve import metrics
 from mha_serve.engine.requests import ModelView
 from mha_serve.serving import EngineClient, Unavailable
 from mha_serve.serving.finish import offload
+from mha_serve.transport import tracing
 from mha_serve.transport.answer import Refused, deadline_passed, note_malformed, settle
 from mha_serve.transport.auth import client_identity
 from mha_serve.transport.convert import (
@@ -102,6 +103,7 @@ class Door:
             over=over,
             in_flight=computes,
             expired=lambda: deadline_passed(context),
+            context=context,
         )
 
     def malformed(self, method: str, request: Malformed, context: ReadOnlyContext) -> Refused:
@@ -204,6 +206,7 @@ class AttentionDoor(Door):
                         in_flight=True,
                         count=count,
                         expired=lambda: deadline_passed(context),
+                        context=context,
                     )
                     if not isinstance(answer, Refused):
                         yield answer
@@ -281,6 +284,8 @@ class AttentionDoor(Door):
             caller=(caller or client_identity(context)) if call.session_id else None,
         )
         response = served.reply
+        if tracing.SPANS is not None:
+            tracing.note(served.timing, call.session_id)
         if isinstance(response, Frames):  # the model and timing fields go after the tensors
             tail = pb.AttendResponse()
             stamp(tail, served.model, served.timing)

@@ -43,6 +43,8 @@ FRONTEND_SIGNALS = (*STOP_SIGNALS, DRAIN_SIGNAL, HURRY_SIGNAL)
 class FrontendServer(GrpcServer):
     """The standalone server's gRPC side over the engine process's RemoteEngine."""
 
+    ROLE = "frontend"
+
     def __init__(self, cfg: ServerConfig, engine_path: str, engine_pid: int, index: int) -> None:
         """index: this frontend's (0 to frontend_workers - 1), named in its refusals."""
         at_limit = FRONTEND_AT_LIMIT.format(

@@ -21,6 +21,7 @@ from mha_serve import metrics
 from mha_serve.config import ServerConfig
 from mha_serve.net import host_port
 from mha_serve.serving import EngineClient
+from mha_serve.transport import tracing
 from mha_serve.transport.auth import TokenInterceptor, load_tokens, server_credentials
 from mha_serve.transport.drain import AT_LIMIT, GRPC_HEADROOM, Drain
 from mha_serve.transport.handlers import add_service
@@ -54,6 +55,8 @@ INFERENCE_HEALTH = ("ServerLive", "ServerReady", "ModelReady")
 class GrpcServer:
     """The gRPC side of a server: `start` (listen, then serve from `open_serving()`), then
     `wait`, then `stop`. Subclasses say where the engine is (open_serving, close_serving)."""
+
+    ROLE = "server"  # the process's role in its traces' resource (mha_serve.role)
 
     def __init__(
         self,
@@ -101,6 +104,7 @@ class GrpcServer:
     async def listen(self) -> None:
         """Opens the port with health NOT_SERVING; Attend answers UNAVAILABLE until `load`."""
         cfg = self.cfg
+        tracing.start(cfg.tracing_endpoint, cfg.tracing_sample_ratio, self.ROLE)
         add_service(self.server, self.servicer, SERVICE, pb, drain=self.drain)
         # The Open Inference Protocol on the same port, over the same engine (issue 19).
         self.inference = InferenceServicer(
@@ -214,6 +218,7 @@ class GrpcServer:
         if self.serving is not None:
             await self.serving.close()
         self.close_serving()
+        tracing.stop()  # (the spans still buffered sent first)
         log.info("stopped")
 
     def hurry(self) -> None:

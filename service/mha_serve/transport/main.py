@@ -43,6 +43,8 @@ HELP = {
     "flash_decode": "on CUDA, batched decode steps of a float16/bfloat16 model read each session's K/V in place in one flash attention kernel; off: copied into a padded batch first",
     "event_loop_cpu": "none | auto | N: the CPU the event loop's thread (and gRPC's) runs on, for a machine the server has to itself (auto: the last CPU the process may use); the compute threads keep every CPU (docs/operations.md)",
     "busy_poll_us": "microseconds the event loop polls without sleeping when it runs out of work, so the next message (a decode step) is taken by a warm thread; costs up to that much of a core per idle moment, for a machine the server has to itself; 0: off (docs/operations.md)",
+    "tracing_endpoint": "OTLP/HTTP traces endpoint (e.g. http://otel-collector:4318/v1/traces): every call a span, a child of the client's W3C traceparent; needs pip install 'mha-serve[tracing]'; empty: off",
+    "tracing_sample_ratio": "share of the traces that start here (no traceparent from the client) recorded, 0 to 1",
     "inline_lone_requests": "a lone small request (a decode step) that finds its lane idle runs on the event loop's thread, no thread crossing; false: every request crosses to the compute thread",
 }
 
@@ -113,7 +115,7 @@ def _main(argv: list[str] | None, early: EarlyStop) -> int:
 
 
 def _serve(cfg, early: EarlyStop) -> int:
-    from mha_serve.transport import busy_poll
+    from mha_serve.transport import busy_poll, tracing
 
     try:  # torch loads here, after the flags are checked
         from mha_serve.engine import resolve_device
@@ -126,6 +128,7 @@ def _serve(cfg, early: EarlyStop) -> int:
         return 2
     try:
         resolve_device(cfg.device)
+        tracing.check_installed(cfg.tracing_endpoint)
     except (ValueError, RuntimeError) as e:
         print(f"mha-serve: configuration error: {e}", file=sys.stderr)
         return 2

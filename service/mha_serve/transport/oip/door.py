@@ -23,6 +23,7 @@ from mha_serve.cache.errors import SessionBusy, SessionNotFound
 from mha_serve.engine.errors import ModelNotFound, RequestError
 from mha_serve.engine.requests import AttendRequest, ModelView
 from mha_serve.serving import EXPECTED, EngineClient, Served, Unavailable
+from mha_serve.transport import tracing
 from mha_serve.transport.answer import deadline_passed
 from mha_serve.transport.auth import client_identity
 from mha_serve.transport.door import Door, ReadOnlyContext
@@ -127,24 +128,30 @@ class InferenceDoor(Door):
             self.malformed("ModelStreamInfer", request, context)
             return pb.ModelStreamInferResponse(error_message=request.message)
         model = self._model_label(request.model_name)
-        code = grpc.StatusCode.OK
+        code, details = grpc.StatusCode.OK, None
+        spans = tracing.SPANS
+        span = None if spans is None else spans.start("ModelStreamInfer", model, PROTOCOL, context)
         metrics.in_flight(1)
         try:
             return pb.ModelStreamInferResponse(infer_response=await self.infer(request, context))
         except EXPECTED as e:
-            code = status_of(e)
-            return stream_error(request, str(e))
+            code, details = status_of(e), str(e)
+            return stream_error(request, details)
         except asyncio.CancelledError:  # (at the deadline: counted as its client hears it)
             expired = deadline_passed(context)
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+            details = "the call ended before its answer"
             raise
         except Exception as e:
             code = grpc.StatusCode.INTERNAL
             log.exception("ModelStreamInfer failed on model %s", model)
-            return stream_error(request, f"internal error: {type(e).__name__}: {e}")
+            details = f"internal error: {type(e).__name__}: {e}"
+            return stream_error(request, details)
         finally:
             metrics.in_flight(-1)
             metrics.count_request("ModelStreamInfer", model, code.name, PROTOCOL)
+            if span is not None:
+                spans.end(span, code.value[0], code.name, details)
 
     # --- health and metadata -----------------------------------------------------------
 
@@ -218,6 +225,8 @@ class InferenceDoor(Door):
                 serving, sequence, call, encode, owner=owner, received=received, deadline=deadline
             )
         response, timing = served.reply, served.timing
+        if tracing.SPANS is not None:
+            tracing.note(timing)
         for name, value in (
             ("queue_ms", timing.queue_ms),
             ("compute_ms", timing.compute_ms),
