@@ -227,6 +227,25 @@ def test_config_map_leaves_busy_polling_off_and_its_commented_line_loads(manifes
     assert build_config(str(path), {}).busy_poll_us == 300
 
 
+def test_config_map_leaves_tracing_off_and_its_commented_lines_load(manifests, tmp_path):
+    """Tracing is off until an operator names a collector; the lines that turn it on,
+    uncommented, are valid settings."""
+    text = manifests["ConfigMap"]["data"]["config.toml"]
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    assert build_config(str(path), {}).tracing_endpoint == ""
+    lines = [line for line in text.splitlines() if line.lstrip().startswith("# tracing_")]
+    assert len(lines) == 2
+    for line in lines:
+        text = text.replace(line, line.replace("# ", "", 1))
+    path.write_text(text)
+    cfg = build_config(str(path), {})
+    assert cfg.tracing_endpoint.startswith("http://") and cfg.tracing_endpoint.endswith(
+        "/v1/traces"
+    )
+    assert cfg.tracing_sample_ratio == 0.1
+
+
 def test_config_file_is_mounted_where_the_args_point(manifests, workload, container):
     pod = workload["spec"]["template"]["spec"]
     args = container["args"]
