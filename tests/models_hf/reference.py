@@ -21,6 +21,9 @@ from transformers import (
     Ernie4_5Model,
     Exaone4Config,
     Exaone4Model,
+    FalconConfig,
+    FalconForCausalLM,
+    FalconModel,
     Gemma2Config,
     Gemma2Model,
     Gemma3TextConfig,
@@ -99,7 +102,7 @@ ROTARY = {
     "max_position_embeddings": 256,
     **COMMON,
 }
-
+FALCON = {k: v for k, v in ROTARY.items() if k != "intermediate_size"}  # (ffn_hidden_size)
 MOE = {"num_local_experts": 2, "num_experts_per_tok": 1}
 WINDOW = 8  # Mistral's; the other windowed layers use other sizes (6, 10, 12)
 CHECKPOINTS = {
@@ -443,6 +446,23 @@ CHECKPOINTS = {
         ),
         1,
     ),
+    # One fused query_key_value laid out per KV head (its query heads, k, v), RoPE
+    "falcon": (  # Falcon-40B/180B's new decoder architecture: GQA 8:2; biases (by bias)
+        FalconForCausalLM,
+        FalconConfig(
+            new_decoder_architecture=True,
+            num_kv_heads=2,
+            bias=True,
+            rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0},
+            **FALCON,
+        ),
+        1,
+    ),
+    "falcon_mqa": (  # Falcon-7B's: multi_query (8 query heads, then one k, one v), no biases
+        FalconForCausalLM,
+        FalconConfig(multi_query=True, **FALCON),
+        0,
+    ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,
 # SmolLM3's NoPE one.
@@ -485,7 +505,10 @@ def load_reference(name: str, directory: Path):
 
 
 def attention_module(base, layer: int):
-    """The layer's attention module (GPT-NeoX: .attention; the others: .self_attn)."""
+    """The layer's attention module (GPT-NeoX: .attention; Falcon: h[i].self_attention; the
+    others: .self_attn)."""
+    if isinstance(base, FalconModel):
+        return base.h[layer].self_attention
     block = base.layers[layer]
     return block.attention if isinstance(base, GPTNeoXModel) else block.self_attn
 
@@ -532,6 +555,11 @@ def causal_mask(L: int, dtype=torch.float32) -> torch.Tensor:
     return torch.zeros(1, 1, L, L, dtype=dtype).masked_fill(blocked, torch.finfo(dtype).min)
 
 
+def _own_arguments(base) -> dict:
+    """FalconAttention's alibi argument (no default): None, its rotary layers."""
+    return {"alibi": None} if isinstance(base, FalconModel) else {}
+
+
 @torch.no_grad()
 def reference_attention(
     family: str, base, layer: int, x: torch.Tensor
@@ -553,6 +581,7 @@ def reference_attention(
         x,
         position_embeddings=rotary(base, layer, x, positions),
         attention_mask=layer_mask(base, layer, x, positions),
+        **_own_arguments(base),
     )[:2]
     return out, weights
 
@@ -578,14 +607,19 @@ def reference_decode(
             )[0]
         else:  # the mask first, from the cache as it is before this chunk (as the models do)
             mask = layer_mask(base, layer, chunk, pos[None], cache)
-            # (GPTNeoXAttention takes its cache as layer_past; past_key_values it ignores)
-            cached = {"layer_past" if family == "gpt_neox" else "past_key_values": cache}
+            # (GPTNeoXAttention and FalconAttention take their cache as layer_past;
+            # past_key_values they ignore)
+            past = (
+                "layer_past" if isinstance(base, GPTNeoXModel | FalconModel) else "past_key_values"
+            )
+            cached = {past: cache}
             out = attention_module(base, layer)(
                 chunk,
                 position_embeddings=rotary(base, layer, chunk, pos[None]),
                 attention_mask=mask,
                 cache_position=pos,
                 **cached,
+                **_own_arguments(base),
             )[0]
         outs.append(out)
     return outs, cache

@@ -17,7 +17,7 @@ from mha_serve.model.hf_config import read_hf_layer
 from tests.models_hf.reference import CHECKPOINTS, reference_attention
 
 # Every top-level key our reader takes from config.json: all families', then the rotary
-# families', GPT-2's and BERT's own.
+# families', GPT-2's, BERT's and Falcon's own.
 KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "max_position_embeddings")
 OWN_KEYS = {
     "rotary": (
@@ -35,7 +35,13 @@ OWN_KEYS = {
         *("scale_attn_by_inverse_layer_idx", "add_cross_attention"),
     ),
     "bert": ("is_decoder", "add_cross_attention", "position_embedding_type"),
+    "falcon": (
+        *("num_kv_heads", "new_decoder_architecture", "multi_query", "alibi", "bias"),
+        *("attention_dropout", "head_dim", "rotary", "n_embed", "rope_theta", "rope_parameters"),
+        *("rope_scaling", "partial_rotary_factor"),
+    ),
 }
+ABSOLUTE = ("gpt2", "bert")  # (no RoPE)
 # Nulls inside the RoPE tables (set only where the key is there), and transformers 4's
 # spelling: rope_theta (and Gemma 3's rope_local_base_freq) beside no rope_parameters.
 NESTED = (
@@ -96,8 +102,11 @@ def transformers_runs(cls, directory):
         base = getattr(model, "transformer", None) or getattr(model, "model", None) or model
         blocks = base.h if hasattr(base, "h") else getattr(base, "layers", None) or []
         for i, block in enumerate(blocks):
-            attention = (  # (GPT-2's attn, GPT-NeoX's attention)
-                getattr(block, "attn", None) or getattr(block, "attention", None) or block.self_attn
+            attention = (  # (GPT-2's attn, GPT-NeoX's attention, Falcon's self_attention)
+                getattr(block, "attn", None)
+                or getattr(block, "attention", None)
+                or getattr(block, "self_attention", None)
+                or block.self_attn
             )
             attention.register_forward_pre_hook(
                 lambda m, a, k, i=i: caught.__setitem__(("in", i), (a or [k["hidden_states"]])[0]),
@@ -152,7 +161,9 @@ def test_a_null_is_served_as_transformers_runs_it_or_refused_by_name(tmp_path, f
             continue
         assert served_as_transformers(family, base, layer, model, caught) < 1e-5
     wrong = []
-    own = OWN_KEYS.get(family, OWN_KEYS["rotary"] + NESTED)
+    own = OWN_KEYS.get(config.model_type, OWN_KEYS["rotary"])
+    if config.model_type not in ABSOLUTE:  # (the RoPE tables' keys)
+        own += NESTED
     for key in KEYS + own:
         cfg = with_null(original, key)
         if cfg is None:

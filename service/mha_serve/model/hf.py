@@ -8,6 +8,9 @@ What is served, per family (transformers' module names):
   gpt_neox GPTNeoXAttention: query_key_value (its rows per head: q, k, v of head 0, then of
            head 1, ...; regrouped here) and dense, both with biases by attention_bias;
            partial RoPE by halves (rotary_pct)
+  falcon   FalconAttention: query_key_value (rows per KV head: its query heads, k, v;
+           regrouped here: GQA with new_decoder_architecture, MQA with multi_query, else
+           MHA) and dense, both with biases by bias; RoPE
   phi      PhiAttention (Phi-1, 1.5, 2): q_proj/k_proj/v_proj and dense, all with biases;
            partial RoPE by halves (partial_rotary_factor, 0.5 by default)
   stablelm StableLmAttention (StableLM 2, StableLM-3B): as Llama; q/k/v biases by
@@ -52,6 +55,7 @@ _NAMES = {
     },
     "phi3": {"qkv": "layers.{i}.self_attn.qkv_proj", "o": "layers.{i}.self_attn.o_proj"},
     "gpt_neox": {"qkv": "layers.{i}.attention.query_key_value", "o": "layers.{i}.attention.dense"},
+    "falcon": {"qkv": "h.{i}.self_attention.query_key_value", "o": "h.{i}.self_attention.dense"},
     "phi": {
         "q": "layers.{i}.self_attn.q_proj",
         "k": "layers.{i}.self_attn.k_proj",
@@ -59,6 +63,9 @@ _NAMES = {
         "o": "layers.{i}.self_attn.dense",
     },
 }
+# Families whose one fused q/k/v projection has its rows per KV head: each KV head's query
+# heads, then its key, then its value (grouped_rows).
+_GROUPED = ("gpt_neox", "falcon")
 # q/k RMSNorm weights, beside the projections of the rotary families that have them.
 _NORM_NAMES = {"q_norm": "layers.{i}.self_attn.q_norm", "k_norm": "layers.{i}.self_attn.k_norm"}
 # GPT-OSS's attention sinks (H,): a bare tensor, no .weight/.bias suffix.
@@ -94,15 +101,13 @@ def load_hf_layer(
         w = _get(tensors, names["qkv"] + ".weight", (c.qkv_dim, E))
         wo = _get(tensors, names["o"] + ".weight", (E, H * D))
         b = bo = None
-    elif info.family == "gpt_neox":  # rows per head [q_h; k_h; v_h] (GPTNeoXAttention's view
-        # (..., H, 3 * D) then chunk): regrouped into our [q_0..q_H; k_..; v_..]
-        w = _get(tensors, names["qkv"] + ".weight", (3 * H * D, E))
-        w = w.view(H, 3, D, E).transpose(0, 1).reshape(3 * H * D, E)
+    elif info.family in _GROUPED:  # one fused projection, rows per KV head: regrouped
+        rows = grouped_rows(H, KVH, D)
+        w = _get(tensors, names["qkv"] + ".weight", (c.qkv_dim, E))[rows]
         wo = _get(tensors, names["o"] + ".weight", (E, H * D))
         b = bo = None
         if c.bias:
-            b = _get(tensors, names["qkv"] + ".bias", (3 * H * D,))
-            b = b.view(H, 3, D).transpose(0, 1).reshape(3 * H * D)
+            b = _get(tensors, names["qkv"] + ".bias", (c.qkv_dim,))[rows]
             bo = _get(tensors, names["o"] + ".bias", (E,))
     else:
         shapes = {"q": (H * D, E), "k": (KVH * D, E), "v": (KVH * D, E), "o": (E, H * D)}
@@ -134,6 +139,19 @@ def load_hf_layer(
     module.load_state_dict({k: t.contiguous() for k, t in state.items()})
     check_sinks(module.sinks, f"checkpoint tensor {sinks_name!r}")
     return module.eval(), info
+
+
+def grouped_rows(num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Where our [Wq; Wk; Wv]'s rows are in a fused projection laid out per KV head: KV head
+    g's H / KVH query heads, then its key, then its value, for g = 0..KVH-1. That is
+    FalconAttention's view (..., KVH, H / KVH + 2, D) in all three of its layouts (new decoder
+    architecture: GQA; multi_query: one group, [q_0..q_H-1; k; v]; else one group per head)
+    and GPTNeoXAttention's (..., H, 3 * D): [q_h; k_h; v_h] per head, MHA."""
+    G = num_heads // num_kv_heads  # query heads per KV head
+    rows = torch.arange((num_heads + 2 * num_kv_heads) * head_dim)
+    rows = rows.view(num_kv_heads, G + 2, head_dim)  # (KVH, G + 2, D): a group's q.., k, v
+    # q head h = g * G + j uses KV head g = h // G, as our GQA (and Falcon's broadcast) does
+    return torch.cat([rows[:, :G].reshape(-1), rows[:, G].reshape(-1), rows[:, G + 1].reshape(-1)])
 
 
 def _read(

@@ -11,6 +11,7 @@ from typing import Any
 
 from .config import AttentionConfig, QKNormConfig
 from .hf_families import (
+    ALIASES,
     ALL,
     BIAS,
     DEFAULTS,
@@ -25,6 +26,7 @@ from .hf_families import (
     NOT_NULL,
     O_BIAS,
     PARTIAL_ROPE,
+    PROPERTIES,
     QK_NORM,
     REQUIRED,
     ROTARY,
@@ -103,9 +105,18 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
                 f"{config_path}: {kind} config.json has no {key} (or it is null): {why}; "
                 f"set {key} to the checkpoint's"
             )
+    for key in PROPERTIES.get(kind, ()):
+        if key in cfg:
+            raise ValueError(
+                f"{config_path}: {kind} config.json sets {key} ({cfg[key]!r}), which "
+                f"transformers' {kind} config computes and refuses to load; leave {key} out"
+            )
     for key, families in NOT_NULL.items():
         if key in cfg and cfg[key] is None and (families == ALL or kind in families):
             refuse_null(where=config_path, family=kind, key=key)
+    for alias, key in ALIASES.get(kind, {}).items():
+        if cfg.get(alias) is not None:
+            cfg[key] = cfg[alias]
     num_layers = _int(cfg, "n_layer" if family == "gpt2" else "num_hidden_layers", config_path)
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
         raise ValueError(
@@ -161,6 +172,8 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
     (transformers 5's modeling_<family>.py says where each applies)."""
     E, H = _int(cfg, "hidden_size", where), _int(cfg, "num_attention_heads", where)
     KVH = H if family in MHA_ONLY else cfg.get("num_key_value_heads") or H
+    if family == "falcon":
+        KVH = _falcon_kv_heads(cfg, H, where)
     D = cfg.get("head_dim") or E // H
     if family in HEADS_BY_HIDDEN and E % H:
         raise ValueError(
@@ -240,6 +253,38 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
         )
     except ValueError as e:
         raise ValueError(f"{where}: layer {layer}: {e}") from None
+
+
+def _falcon_kv_heads(cfg: dict[str, Any], H: int, where: Path) -> int:
+    """FalconAttention's KV heads: num_kv_heads (null: num_attention_heads) in the new decoder
+    architecture (Falcon-40B, 180B: grouped query heads), one with multi_query (Falcon-7B),
+    else num_attention_heads (MHA). Its ALiBi (Falcon-RW) is refused."""
+    if cfg.get("alibi"):
+        raise ValueError(
+            f"{where}: falcon alibi true is not supported (Falcon-RW: ALiBi position biases "
+            "added to the scores, where mha-serve serves Falcon's rotary layers, alibi false)"
+        )
+    kv = cfg.get("num_kv_heads")
+    kv = H if kv is None else kv
+    new = cfg.get("new_decoder_architecture")
+    if new and (isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or H % kv):
+        raise ValueError(
+            f"{where}: falcon num_kv_heads must be a positive int dividing num_attention_heads "
+            f"({H}) with new_decoder_architecture (its query heads are grouped per KV "
+            f"head), got {kv!r}"
+        )
+    if new:
+        return kv
+    if cfg.get("multi_query"):  # (num_kv_heads is not read)
+        return 1
+    if kv != H:  # (FalconAttention views its keys as num_kv_heads heads of H: it fails)
+        raise ValueError(
+            f"{where}: falcon num_kv_heads {kv!r} without multi_query or "
+            f"new_decoder_architecture is not supported: transformers' FalconAttention "
+            f"computes num_attention_heads ({H}) KV heads then and fails on any other; leave "
+            "num_kv_heads out"
+        )
+    return H
 
 
 def _layer_type(cfg: dict[str, Any], family: str, layer: int, where: Path) -> str:

@@ -50,9 +50,11 @@ FAMILIES = (
     "gpt_neox",
     "phi",
     "stablelm",
+    # one fused query_key_value laid out per KV head, RoPE (MQA: Falcon-7B; GQA: 40B, 180B)
+    "falcon",
 )
-# Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox: one
-# query_key_value, laid out per head, and dense; phi: dense for o_proj) and GQA.
+# Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
+# query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA.
 ROTARY = FAMILIES[2:]
 # The per-layer attention kinds of config.json's layer_types that we serve.
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -125,6 +127,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     ),
     "gpt_neox": {"attention_bias": True},
     "stablelm": {"num_key_value_heads": 32},
+    "falcon": {"multi_query": True},
 }
 # Keys a family's config.json must set (not null), and why: transformers builds no layer
 # without them, so whatever we served would be a layer transformers never runs.
@@ -146,6 +149,7 @@ ALL = ("*",)
 # (their norms are LayerNorms: rms_norm_eps is not theirs)
 _NORM_EPS_FREE = (
     *("bert", "gpt2", "olmo", "starcoder2", "cohere2", "cohere", "gpt_neox", "phi", "stablelm"),
+    "falcon",
 )
 _HEAD_DIM_FILLED = (
     "bert",
@@ -159,6 +163,7 @@ _HEAD_DIM_FILLED = (
     "ernie4_5",
     "gpt_neox",
     "stablelm",
+    "falcon",  # (FalconConfig computes it; a head_dim in config.json is PROPERTIES')
 )
 NOT_NULL: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
@@ -197,6 +202,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     "attention_multiplier": ("granite", "granitemoe", "granitemoeshared"),
     "no_rope_layer_interval": ("smollm3",),
     "original_max_position_embeddings": ("phi3",),  # (elsewhere: where RoPE reads it)
+    "attention_dropout": ("falcon",),  # (FalconAttention builds nn.Dropout(None): no layer)
 }
 # Multimodal families: their language model (text_config, whose model_type is the first
 # unless it names one) is served; its tensors are the ones under the scope (not the vision
@@ -215,6 +221,7 @@ BIAS: dict[str, str | bool] = {
     "ernie4_5": "use_bias",
     "phi": True,
     "stablelm": "use_qkv_bias",
+    "falcon": "bias",
     **dict.fromkeys(("mistral", "mixtral", "ministral", "phi3"), False),
 }
 # o_proj's bias where it is not q/k/v's: its key, or fixed (a missing one is served as 0).
@@ -281,11 +288,18 @@ PARTIAL_NOT_NULL = ("gpt_neox", "phi", "stablelm")
 # Families whose attention sizes its heads hidden_size / num_attention_heads whatever head_dim
 # says (their rotary embedding reads head_dim: one that differs builds no consistent layer),
 # and the families without GQA (num_key_value_heads is not read).
-HEADS_BY_HIDDEN = ("gpt_neox", "stablelm")
+HEADS_BY_HIDDEN = ("gpt_neox", "stablelm", "falcon")
 MHA_ONLY = ("gpt_neox",)
 # q/k norms that are LayerNorms (the mean subtracted, then scaled), not the RMSNorm we apply:
 # the key that turns them on, refused when set.
 LAYERNORM_QK = {"cohere": "use_qk_norm", "phi": "qk_layernorm", "stablelm": "qk_layernorm"}
+# Keys a family's config computes (a property without a setter): transformers loads no
+# config.json that sets them, null included (FalconConfig: head_dim from hidden_size /
+# num_attention_heads, rotary from alibi).
+PROPERTIES = {"falcon": ("head_dim", "rotary")}
+# Keys a family's config reads in place of another when set, not null: {family: {key: the
+# key it replaces}} (FalconConfig: n_embed, its old name for hidden_size).
+ALIASES = {"falcon": {"n_embed": "hidden_size"}}
 # Families refused whole, and why (the attention differs from every family above).
 UNSERVED = {
     "hunyuan_v1_dense": "its q/k norm comes after RoPE",

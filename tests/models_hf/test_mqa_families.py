@@ -1,0 +1,122 @@
+"""The classic multi-query families, Falcon (FalconAttention) and GPT-BigCode (StarCoder 1,
+SantaCoder: GPTBigCodeAttention): each layout of their fused q/k/v projection, as config.json
+selects it, against transformers' attention loaded from the same directory; and what
+transformers builds no layer from, or we cannot serve exactly, refused by name. (The
+reference checkpoints' parity over gRPC, sessions and incremental decode are
+test_parity_grpc's and test_sessions_cache's; their nulls test_config_nulls'.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import FalconConfig, FalconModel
+
+from mha_serve.model.hf_config import read_hf_layer
+from tests.models_hf.reference import INIT
+from tests.models_hf.test_config_json import SMALL, assert_served_as_transformers
+from tests.models_hf.test_families import _config_only
+
+FALCON = {k: v for k, v in SMALL.items() if k != "intermediate_size"}
+
+
+def checkpoint(tmp_path, cls, config, **edits):
+    """cls(config) saved by transformers with random biases (it writes zeros, where a bias
+    mapped to the wrong rows would go unseen), then config.json's keys set (None: removed)."""
+    torch.manual_seed(0)
+    model = cls(config)
+    with torch.no_grad():
+        for key, parameter in model.named_parameters():
+            if key.endswith(".bias"):
+                parameter.normal_(0.0, INIT)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    path = tmp_path / "config.json"
+    cfg = json.loads(path.read_text())
+    for key, value in edits.items():
+        cfg.pop(key, None) if value is None else cfg.__setitem__(key, value)
+    path.write_text(json.dumps(cfg))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("config", "edits", "layer", "kv_heads"),
+    [
+        # neither multi_query nor the new decoder: MHA, rows per head [q_h; k_h; v_h]
+        (FalconConfig(multi_query=False, bias=True, **FALCON), {}, 1, 8),
+        # the new decoder architecture (Falcon-40B): [q x 4, k, v] per KV head
+        (FalconConfig(new_decoder_architecture=True, num_kv_heads=2, **FALCON), {}, 0, 2),
+        # ... without num_kv_heads: one per query head (FalconConfig's default), [q, k, v]
+        (
+            FalconConfig(new_decoder_architecture=True, bias=True, **FALCON),
+            {"num_kv_heads": None},
+            1,
+            8,
+        ),
+        # multi_query left out: FalconConfig's default (true), whatever num_kv_heads says
+        (
+            FalconConfig(multi_query=True, bias=True, **FALCON),
+            {"multi_query": None, "num_kv_heads": 4},
+            0,
+            1,
+        ),
+        # n_embed, FalconConfig's old name for hidden_size, wins over it where set
+        (FalconConfig(multi_query=True, **FALCON), {"n_embed": 64, "hidden_size": 32}, 1, 1),
+        # transformers 4's rope_theta beside no table
+        (
+            FalconConfig(multi_query=True, **FALCON),
+            {"rope_parameters": None, "rope_theta": 500.0},
+            0,
+            1,
+        ),
+    ],
+    ids=["mha", "new_decoder_gqa", "new_decoder_mha", "multi_query_default", "n_embed", "v4"],
+)
+def test_falcon_layouts_are_served_as_transformers_runs_them(
+    tmp_path, config, edits, layer, kv_heads
+):
+    directory = checkpoint(tmp_path, FalconModel, config, **edits)
+    assert read_hf_layer(directory, layer).attention.num_kv_heads == kv_heads
+    assert_served_as_transformers(directory, FalconModel, "falcon", layer)
+
+
+@pytest.mark.parametrize(
+    ("config", "edits", "piece"),
+    [
+        # Falcon-RW: ALiBi position biases, not RoPE
+        (
+            FalconConfig(**FALCON),
+            {"alibi": True},
+            "falcon alibi true is not supported (Falcon-RW: ALiBi",
+        ),
+        # FalconConfig computes head_dim and rotary: transformers loads no config.json that
+        # sets them (a property without a setter), even to what it computes
+        (FalconConfig(**FALCON), {"head_dim": 8}, "falcon config.json sets head_dim (8)"),
+        (FalconConfig(**FALCON), {"rotary": True}, "falcon config.json sets rotary (True)"),
+        # MHA with num_kv_heads other than the heads: FalconAttention's view of its keys fails
+        (
+            FalconConfig(multi_query=False, **FALCON),
+            {"num_kv_heads": 4},
+            "falcon num_kv_heads 4 without multi_query or new_decoder_architecture",
+        ),
+        # the new decoder's groups need num_kv_heads to divide the heads
+        (
+            FalconConfig(new_decoder_architecture=True, **FALCON),
+            {"num_kv_heads": 3},
+            "falcon num_kv_heads must be a positive int dividing num_attention_heads (8)",
+        ),
+        (
+            FalconConfig(**FALCON),
+            {"hidden_size": 68},
+            "hidden_size 68 is not divisible by num_attention_heads 8",
+        ),
+    ],
+    ids=["alibi", "head_dim", "rotary", "mha_num_kv_heads", "new_decoder_num_kv_heads", "E%H"],
+)
+def test_falcon_variants_we_cannot_serve_exactly_are_refused_by_name(
+    tmp_path, config, edits, piece
+):
+    for layer in (0, 1):
+        with pytest.raises(ValueError) as err:
+            read_hf_layer(_config_only(tmp_path, config, **edits), layer)
+        assert piece in str(err.value), str(err.value)
