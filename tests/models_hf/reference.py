@@ -36,6 +36,8 @@ from transformers import (
     GlmModel,
     GPT2Config,
     GPT2LMHeadModel,
+    GPTBigCodeConfig,
+    GPTBigCodeForCausalLM,
     GPTNeoXConfig,
     GPTNeoXModel,
     GptOssConfig,
@@ -117,6 +119,11 @@ CHECKPOINTS = {
             scale_attn_by_inverse_layer_idx=True,
             **COMMON,
         ),
+        1,
+    ),
+    "gpt_bigcode": (  # StarCoder 1, SantaCoder: multi_query (c_attn: [q; k; v], one KV head)
+        GPTBigCodeForCausalLM,
+        GPTBigCodeConfig(n_embd=64, n_head=8, n_layer=2, n_positions=256, **COMMON),
         1,
     ),
     "llama": (
@@ -555,6 +562,10 @@ def causal_mask(L: int, dtype=torch.float32) -> torch.Tensor:
     return torch.zeros(1, 1, L, L, dtype=dtype).masked_fill(blocked, torch.finfo(dtype).min)
 
 
+# Families whose positions are added before the attention (none inside it).
+ABSOLUTE = ("gpt2", "gpt_bigcode")
+
+
 def _own_arguments(base) -> dict:
     """FalconAttention's alibi argument (no default): None, its rotary layers."""
     return {"alibi": None} if isinstance(base, FalconModel) else {}
@@ -572,7 +583,7 @@ def reference_attention(
         attention = base.encoder.layer[layer].attention
         context, weights = attention.self(x, attention_mask=None)[:2]
         return attention.output.dense(context), weights
-    if family == "gpt2":
+    if family in ABSOLUTE:
         out, weights = base.h[layer].attn(x, attention_mask=causal_mask(L))[:2]
         return out, weights
     positions = torch.arange(L)[None]
@@ -598,13 +609,13 @@ def reference_decode(
     for a, b in zip(cuts, cuts[1:], strict=False):
         pos = torch.arange(a, b)
         chunk = x[:, a:b]
-        if family == "gpt2":
+        if family in ABSOLUTE:
             allowed = torch.arange(b)[None, :] <= pos[:, None]  # (b - a, b)
             mask = torch.zeros(1, 1, b - a, b)
             mask = mask.masked_fill(~allowed, torch.finfo(torch.float32).min)
-            out = base.h[layer].attn(
-                chunk, past_key_values=cache, attention_mask=mask, cache_position=pos
-            )[0]
+            # (GPTBigCodeAttention takes its cache as layer_past)
+            cached = {"layer_past" if family == "gpt_bigcode" else "past_key_values": cache}
+            out = base.h[layer].attn(chunk, attention_mask=mask, cache_position=pos, **cached)[0]
         else:  # the mask first, from the cache as it is before this chunk (as the models do)
             mask = layer_mask(base, layer, chunk, pos[None], cache)
             # (GPTNeoXAttention and FalconAttention take their cache as layer_past;

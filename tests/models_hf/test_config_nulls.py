@@ -17,7 +17,7 @@ from mha_serve.model.hf_config import read_hf_layer
 from tests.models_hf.reference import CHECKPOINTS, reference_attention
 
 # Every top-level key our reader takes from config.json: all families', then the rotary
-# families', GPT-2's, BERT's and Falcon's own.
+# families', GPT-2's, BERT's, Falcon's and GPT-BigCode's own.
 KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "max_position_embeddings")
 OWN_KEYS = {
     "rotary": (
@@ -35,13 +35,19 @@ OWN_KEYS = {
         *("scale_attn_by_inverse_layer_idx", "add_cross_attention"),
     ),
     "bert": ("is_decoder", "add_cross_attention", "position_embedding_type"),
+    "gpt_bigcode": (
+        *("n_embd", "n_head", "n_layer", "n_positions", "scale_attn_weights"),
+        *("add_cross_attention", "multi_query", "attention_softmax_in_fp32"),
+        *("scale_attention_softmax_in_fp32", "attn_pdrop", "resid_pdrop", "head_dim"),
+        "num_key_value_heads",
+    ),
     "falcon": (
         *("num_kv_heads", "new_decoder_architecture", "multi_query", "alibi", "bias"),
         *("attention_dropout", "head_dim", "rotary", "n_embed", "rope_theta", "rope_parameters"),
         *("rope_scaling", "partial_rotary_factor"),
     ),
 }
-ABSOLUTE = ("gpt2", "bert")  # (no RoPE)
+ABSOLUTE = ("gpt2", "bert", "gpt_bigcode")  # (no RoPE)
 # Nulls inside the RoPE tables (set only where the key is there), and transformers 4's
 # spelling: rope_theta (and Gemma 3's rope_local_base_freq) beside no rope_parameters.
 NESTED = (

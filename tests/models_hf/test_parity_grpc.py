@@ -19,6 +19,7 @@ import torch
 from transformers import AutoTokenizer
 
 from tests.models_hf.reference import (
+    ABSOLUTE,
     SERVED,
     causal_mask,
     layer_window,
@@ -89,7 +90,7 @@ def test_transformers_written_layer_equals_its_attention_module(served, name):
     E = base.config.hidden_size
     x = torch.randn(3, 24, E, generator=torch.Generator().manual_seed(1))
     lengths = [24, 17, 5]  # padded rows keep their real tokens' positions 0..n-1
-    window = layer_window(base, layer) if family != "gpt2" else None
+    window = layer_window(base, layer) if family not in ABSOLUTE else None
     assert window is None or window < 17, "windowed layers: sequences longer than the window"
     got = client.attend(name, x.numpy(), lengths=lengths, weights=True)
     fast = client.attend(name, x.numpy(), lengths=lengths)  # the fused SDPA path

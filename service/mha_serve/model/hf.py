@@ -5,6 +5,8 @@ What is served, per family (transformers' module names):
   bert     BertSelfAttention (query/key/value) + BertSelfOutput.dense; the LayerNorm and
            residual after it are not attention and are not applied
   gpt2     GPT2Attention: c_attn (Conv1D, weight (E, 3E), transposed here) and c_proj
+  gpt_bigcode  GPTBigCodeAttention (StarCoder 1, SantaCoder): c_attn (a Linear: [q; k; v] with
+           multi_query, one KV head; else rows per head, regrouped here) and c_proj, biases
   gpt_neox GPTNeoXAttention: query_key_value (its rows per head: q, k, v of head 0, then of
            head 1, ...; regrouped here) and dense, both with biases by attention_bias;
            partial RoPE by halves (rotary_pct)
@@ -47,6 +49,7 @@ _NAMES = {
         "o": "encoder.layer.{i}.attention.output.dense",
     },
     "gpt2": {"qkv": "h.{i}.attn.c_attn", "o": "h.{i}.attn.c_proj"},
+    "gpt_bigcode": {"qkv": "h.{i}.attn.c_attn", "o": "h.{i}.attn.c_proj"},
     "rotary": {
         "q": "layers.{i}.self_attn.q_proj",
         "k": "layers.{i}.self_attn.k_proj",
@@ -65,7 +68,7 @@ _NAMES = {
 }
 # Families whose one fused q/k/v projection has its rows per KV head: each KV head's query
 # heads, then its key, then its value (grouped_rows).
-_GROUPED = ("gpt_neox", "falcon")
+_GROUPED = ("gpt_neox", "falcon", "gpt_bigcode")
 # q/k RMSNorm weights, beside the projections of the rotary families that have them.
 _NORM_NAMES = {"q_norm": "layers.{i}.self_attn.q_norm", "k_norm": "layers.{i}.self_attn.k_norm"}
 # GPT-OSS's attention sinks (H,): a bare tensor, no .weight/.bias suffix.
@@ -146,7 +149,8 @@ def grouped_rows(num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tens
     g's H / KVH query heads, then its key, then its value, for g = 0..KVH-1. That is
     FalconAttention's view (..., KVH, H / KVH + 2, D) in all three of its layouts (new decoder
     architecture: GQA; multi_query: one group, [q_0..q_H-1; k; v]; else one group per head)
-    and GPTNeoXAttention's (..., H, 3 * D): [q_h; k_h; v_h] per head, MHA."""
+    and GPTNeoXAttention's (..., H, 3 * D): [q_h; k_h; v_h] per head, MHA; GPTBigCodeAttention's
+    (multi_query: [q; k; v], one group; else (..., H, 3 * D), as GPT-NeoX)."""
     G = num_heads // num_kv_heads  # query heads per KV head
     rows = torch.arange((num_heads + 2 * num_kv_heads) * head_dim)
     rows = rows.view(num_kv_heads, G + 2, head_dim)  # (KVH, G + 2, D): a group's q.., k, v

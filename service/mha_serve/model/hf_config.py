@@ -17,6 +17,7 @@ from .hf_families import (
     DEFAULTS,
     DERIVED_SLIDING,
     FAMILIES,
+    GPT2_NAMES,
     HEADS_BY_HIDDEN,
     LAYER_TYPES,
     LAYERNORM_QK,
@@ -117,7 +118,7 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
     for alias, key in ALIASES.get(kind, {}).items():
         if cfg.get(alias) is not None:
             cfg[key] = cfg[alias]
-    num_layers = _int(cfg, "n_layer" if family == "gpt2" else "num_hidden_layers", config_path)
+    num_layers = _int(cfg, "n_layer" if family in GPT2_NAMES else "num_hidden_layers", config_path)
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
         raise ValueError(
             f"{config_path}: layer must be an int in 0..{num_layers - 1} ({family} with "
@@ -126,11 +127,11 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
         )
     if family == "bert":
         attention = _bert(cfg, config_path)
-    elif family == "gpt2":
-        attention = _gpt2(cfg, layer, config_path)
+    elif family in GPT2_NAMES:
+        attention = _gpt2(cfg, family, layer, config_path)
     else:
         attention = _rotary(cfg, kind, layer, config_path)
-    context = cfg.get("n_positions" if family == "gpt2" else "max_position_embeddings")
+    context = cfg.get("n_positions" if family in GPT2_NAMES else "max_position_embeddings")
     context = context if isinstance(context, int) and not isinstance(context, bool) else None
     zero = ()  # the projections whose bias the checkpoint has none of
     if family in ROTARY and attention.bias:
@@ -155,16 +156,24 @@ def _bert(cfg: dict[str, Any], where: Path) -> AttentionConfig:
     return AttentionConfig(E, H, bias=True, causal=bool(cfg.get("is_decoder", False)))
 
 
-def _gpt2(cfg: dict[str, Any], layer: int, where: Path) -> AttentionConfig:
+def _gpt2(cfg: dict[str, Any], family: str, layer: int, where: Path) -> AttentionConfig:
+    """GPT-2 and GPT-BigCode (StarCoder 1, SantaCoder): positions are added before the layer,
+    none inside it; GPT-BigCode has one KV head with multi_query (default true). Its
+    attention_softmax_in_fp32 and scale_attention_softmax_in_fp32 change no math (transformers
+    5 softmaxes in float32 whatever they say): not read."""
     if cfg.get("add_cross_attention"):
         raise ValueError(
-            f"{where}: GPT-2 add_cross_attention is not supported (self-attention only)"
+            f"{where}: {family} add_cross_attention is not supported (self-attention only)"
         )
     E, H = _int(cfg, "n_embd", where), _int(cfg, "n_head", where)
+    KVH = 1 if family == "gpt_bigcode" and cfg["multi_query"] else H
     scale = (E // H) ** -0.5 if cfg.get("scale_attn_weights", True) else 1.0
-    if cfg.get("scale_attn_by_inverse_layer_idx", False):
+    if family == "gpt2" and cfg.get("scale_attn_by_inverse_layer_idx", False):
         scale /= float(layer + 1)  # as GPT2Attention: scaling /= layer_idx + 1
-    return AttentionConfig(E, H, bias=True, causal=True, softmax_scale=scale)
+    try:
+        return AttentionConfig(E, H, KVH, bias=True, causal=True, softmax_scale=scale)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> AttentionConfig:

@@ -11,6 +11,7 @@ from typing import Any
 FAMILIES = (
     "bert",
     "gpt2",
+    "gpt_bigcode",  # (GPT-2's names for its keys, absolute positions; MQA by multi_query)
     "llama",
     "mistral",
     "qwen2",
@@ -55,7 +56,9 @@ FAMILIES = (
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA.
-ROTARY = FAMILIES[2:]
+ROTARY = FAMILIES[3:]
+# Families that name their keys as GPT-2 does (n_embd, n_head, n_layer, n_positions).
+GPT2_NAMES = ("gpt2", "gpt_bigcode")
 # The per-layer attention kinds of config.json's layer_types that we serve.
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # transformers' defaults (its configuration_<family>.py) for the keys we read whose absence
@@ -128,6 +131,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt_neox": {"attention_bias": True},
     "stablelm": {"num_key_value_heads": 32},
     "falcon": {"multi_query": True},
+    "gpt_bigcode": {"multi_query": True},
 }
 # Keys a family's config.json must set (not null), and why: transformers builds no layer
 # without them, so whatever we served would be a layer transformers never runs.
@@ -149,11 +153,12 @@ ALL = ("*",)
 # (their norms are LayerNorms: rms_norm_eps is not theirs)
 _NORM_EPS_FREE = (
     *("bert", "gpt2", "olmo", "starcoder2", "cohere2", "cohere", "gpt_neox", "phi", "stablelm"),
-    "falcon",
+    *("falcon", "gpt_bigcode"),
 )
 _HEAD_DIM_FILLED = (
     "bert",
     "gpt2",
+    "gpt_bigcode",  # (not read: heads of n_embd / n_head)
     "llama",
     "mistral",
     "mixtral",
@@ -173,10 +178,16 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     # GPT-2's names (hidden_size, ... above are aliases of them) and flags
     **dict.fromkeys(
         ("n_embd", "n_head", "n_layer", "n_positions", "scale_attn_weights"),
-        ("gpt2",),
+        GPT2_NAMES,
     ),
     "scale_attn_by_inverse_layer_idx": ("gpt2",),
-    "add_cross_attention": ("gpt2", "bert"),
+    "add_cross_attention": ("gpt2", "bert", "gpt_bigcode"),
+    # (GPTBigCodeConfig types them strictly; its attention reads them, its dropouts too)
+    **dict.fromkeys(
+        ("multi_query", "attention_softmax_in_fp32", "scale_attention_softmax_in_fp32"),
+        ("gpt_bigcode",),
+    ),
+    **dict.fromkeys(("attn_pdrop", "resid_pdrop"), ("gpt_bigcode",)),
     "is_decoder": ("bert",),
     "rms_norm_eps": tuple(f for f in FAMILIES if f not in _NORM_EPS_FREE),
     "head_dim": tuple(f for f in FAMILIES if f not in _HEAD_DIM_FILLED),
@@ -298,8 +309,21 @@ LAYERNORM_QK = {"cohere": "use_qk_norm", "phi": "qk_layernorm", "stablelm": "qk_
 # num_attention_heads, rotary from alibi).
 PROPERTIES = {"falcon": ("head_dim", "rotary")}
 # Keys a family's config reads in place of another when set, not null: {family: {key: the
-# key it replaces}} (FalconConfig: n_embed, its old name for hidden_size).
-ALIASES = {"falcon": {"n_embed": "hidden_size"}}
+# key it replaces}} (FalconConfig: n_embed, its old name for hidden_size;
+# GPT2Config's and GPTBigCodeConfig's attribute_map: hidden_size, ... beside n_embd, ... win,
+# a null one fails there: NOT_NULL's).
+ALIASES = {
+    "falcon": {"n_embed": "hidden_size"},
+    **dict.fromkeys(
+        GPT2_NAMES,
+        {
+            "hidden_size": "n_embd",
+            "num_attention_heads": "n_head",
+            "num_hidden_layers": "n_layer",
+            "max_position_embeddings": "n_positions",
+        },
+    ),
+}
 # Families refused whole, and why (the attention differs from every family above).
 UNSERVED = {
     "hunyuan_v1_dense": "its q/k norm comes after RoPE",
