@@ -1,7 +1,7 @@
 """engine/attend.py: a batch of session steps attending batched (padded groups, one kernel
 each) gives the per-session path's answers and a full causal recompute's, for MHA/GQA/MQA,
-ragged pasts and new lengths, sliding windows with rotary positions, soft-capping, head
-masks and a bfloat16 model; and the engine picks the path by device unless told."""
+ragged pasts and new lengths, sliding windows with rotary positions, soft-capping, ALiBi,
+head masks and a bfloat16 model; and the engine picks the path by device unless told."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ MODELS = [
     ),
     ModelSpec("cap", AttentionConfig(64, 4, 1, softcap=5.0), seed=5),
     ModelSpec("sinks", AttentionConfig(64, 8, 2, sinks=True, sliding_window=6), seed=6),
+    # BLOOM's ALiBi over 12 heads (not a power of 2) in 4 KV groups, small blocks.
+    ModelSpec("alibi", AttentionConfig(96, 12, 4, alibi=True), seed=9, kv_block_size=4),
 ]
 NAMES = [m.name for m in MODELS]
 # Pasts and first steps whose key counts (3, 6, 21, 35, 41, 301) make two padded groups

@@ -46,6 +46,18 @@ def test_sinks_change_the_fingerprint():
     assert model_fingerprint(sinks) != model_fingerprint(plain)
 
 
+def test_alibi_and_its_bias_max_change_the_fingerprint():
+    """AttentionConfig.alibi and alibi_bias_max (added after PINNED) are hashed only with
+    alibi set: PINNED keeps its fingerprint (above); ALiBi, and ALiBi of another spread,
+    give others."""
+    plain = model_fingerprint(hosted_with_fixed_weights(PINNED_CONFIG))
+    seen = {plain}
+    for option in ({"alibi": True}, {"alibi": True, "alibi_bias_max": 4.0}):
+        other = hosted_with_fixed_weights(dataclasses.replace(PINNED_CONFIG, **option))
+        seen.add(model_fingerprint(other))
+    assert len(seen) == 3
+
+
 def test_rope_by_pairs_or_partial_changes_the_fingerprint_and_the_default_keeps_it():
     """RopeConfig.interleaved and .partial (added after PINNED) are hashed only when set:
     PINNED's RoPE model keeps its fingerprint (the test above), and either option set gives

@@ -193,6 +193,8 @@ def test_why_a_model_cannot_run_flash_decode():
     assert "softcap" in flash_decode_unsupported(capped, cuda_dev, bf, bf)
     sinks = AttentionConfig(512, 8, 2, sinks=True)  # GPT-OSS: the exact kernel runs instead
     assert "sinks" in flash_decode_unsupported(sinks, cuda_dev, bf, bf)
+    alibi = AttentionConfig(512, 8, 2, alibi=True)  # BLOOM: the explicit kernel runs instead
+    assert "ALiBi" in flash_decode_unsupported(alibi, cuda_dev, bf, bf)
     odd = AttentionConfig(60, 6, 2)  # head_dim 10
     assert "multiple of 8" in flash_decode_unsupported(odd, cuda_dev, bf, bf)
     assert "needs CUDA" in flash_decode_unsupported(c, cpu, bf, bf)

@@ -1,6 +1,6 @@
 """engine/graphs.py: StaticDecode's fixed-shape decode step gives the engine's batched step's
 answers (output, the cache's K/V, the overflow maxima) for MHA/GQA/MQA, RoPE, a sliding
-window and soft-capping, ragged and fragmented sessions, batches between buckets and key
+window, soft-capping and ALiBi, ragged and fragmented sessions, batches between buckets and key
 widths across buckets; its padding rows touch nothing; on CUDA its graph replays equal eager."""
 
 from __future__ import annotations
@@ -182,7 +182,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 RAGGED = [2, 16, 299, 0, 40, 5]
 
 
-@pytest.mark.parametrize("name", ["mha", "gqa", "mqa", "rope", "win", "cap", "sinks", "narrow"])
+@pytest.mark.parametrize(
+    "name", ["mha", "gqa", "mqa", "rope", "win", "cap", "sinks", "alibi", "narrow"]
+)
 def test_ragged_batch_matches_the_batched_step(engine, name):
     got = both_ways(engine, name, RAGGED)
     assert got["static"].output.shape == (len(RAGGED), 1, engine.get(name).spec.attention.embed_dim)
@@ -279,7 +281,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs nee
 
 
 @cuda
-@pytest.mark.parametrize("name", ["gqa", "rope", "sinks"])
+@pytest.mark.parametrize("name", ["gqa", "rope", "sinks", "alibi"])
 def test_graph_replay_equals_eager_on_cuda(name):
     engine = make_engine(torch.device("cuda"))
     hosted, cache = engine.get(name), engine.sessions.cache(name)

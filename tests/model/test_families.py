@@ -1,6 +1,7 @@
 """The families' options as data: sliding window, q/k RMSNorm (per head, over the whole
-projection), soft-capping, attention sinks and the softmax scale, against a plain float64 reference written
-here; cached against uncached with window reads; checkpoints keep the options."""
+projection), soft-capping, attention sinks, ALiBi and the softmax scale, against a plain float64
+reference written here; cached against uncached with window reads; checkpoints keep the
+options."""
 
 from __future__ import annotations
 
@@ -35,6 +36,13 @@ OPTIONS = {
     },
     "rope_partial": {"rope": RopeConfig(theta=300.0, partial=0.5), "qk_norm": QKNormConfig()},
     "sinks_window": {"sinks": True, "sliding_window": 4, "softmax_scale": 0.2},
+    "alibi": {"alibi": True},  # BLOOM (6 heads: not a power of 2)
+    "alibi_window_norm": {  # MPT's alibi_bias_max, with a window and a q/k norm
+        "alibi": True,
+        "alibi_bias_max": 4.0,
+        "sliding_window": 4,
+        "qk_norm": QKNormConfig(),
+    },
     "everything": {
         "sinks": True,
         "sliding_window": 3,
@@ -66,6 +74,16 @@ def make(option: str, *, num_kv_heads=2, head_dim=12, seed=0) -> MultiHeadAttent
 
 def rms(x, w, eps):
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def reference_slopes(H, bias_max=8.0):
+    """ALiBi's slopes as transformers' build_alibi_tensor writes them (BLOOM; MPT's
+    alibi_bias_max in place of its 8): the closest power of 2 below H's, then every other
+    slope of twice as many heads', the odd powers."""
+    closest = 2 ** math.floor(math.log2(H))
+    slopes = [2.0 ** (-bias_max * k / closest) for k in range(1, closest + 1)]
+    extra = [2.0 ** (-bias_max * k / (2 * closest)) for k in range(1, 2 * (H - closest), 2)]
+    return torch.tensor(slopes + extra, dtype=torch.float64)
 
 
 def reference(module, x, *, lengths=None, causal=True):
@@ -103,6 +121,10 @@ def reference(module, x, *, lengths=None, causal=True):
     scores = q @ k.transpose(-2, -1) * c.scale  # (B, H, L, L)
     if c.softcap is not None:
         scores = c.softcap * torch.tanh(scores / c.softcap)
+    if c.alibi:  # slope * key position: each row shifted by a constant, the same softmax
+        scores = scores + reference_slopes(H, c.alibi_bias_max).view(1, H, 1, 1) * torch.arange(
+            L, dtype=torch.float64
+        )
     n = [L] * B if lengths is None else list(lengths)
     allowed = torch.zeros(B, 1, L, L, dtype=torch.bool)
     for b in range(B):

@@ -93,6 +93,8 @@ def flash_decode_unsupported(
         return "the model soft-caps its scores (softcap), which this kernel call does not"
     if config.sinks:
         return "the model's softmax has attention sinks (sinks), which this kernel call has not"
+    if config.alibi:
+        return "the model biases its scores by ALiBi (alibi), which this kernel call does not"
     if config.head_dim % 8 or config.head_dim > 256:
         return f"flash attention needs head_dim a multiple of 8 up to 256 (it is {config.head_dim})"
     if device.type != "cuda":

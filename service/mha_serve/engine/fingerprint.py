@@ -22,6 +22,8 @@ def model_fingerprint(hosted: HostedModel) -> str:
     # fingerprint earlier releases gave it, so its durable sessions survive an upgrade.
     if not config["sinks"]:
         del config["sinks"]
+    if not config["alibi"]:  # (likewise ALiBi, and its bias_max, read only with it)
+        del config["alibi"], config["alibi_bias_max"]
     rope = config["rope"]
     if rope is not None:  # (likewise RoPE's interleaved pairs and partial rotation)
         for name, default in (("interleaved", False), ("partial", 1.0)):

@@ -134,7 +134,8 @@ class StaticDecode:
     def supports(config: AttentionConfig) -> bool:
         """MHA, GQA and MQA, with or without RoPE (any scaling), a sliding window (a decode
         step's window is its reservation's read_start: it sees every key it reads),
-        soft-capping and attention sinks (the explicit kernel has static shapes too). Not
+        soft-capping, attention sinks and ALiBi (the explicit kernel has static shapes too,
+        ALiBi's positions come from the step's buffer). Not
         yet a q/k norm (the module's project would run it, but no test here covers it in
         fixed shapes): those models keep the engine's step."""
         return config.qk_norm is None
@@ -250,8 +251,20 @@ class StaticDecode:
             )
         )
         allowed = (j < length[:, None])[:, None, None, :]  # (Bb, 1, 1, W)
+        alibi = None
+        if self.module.alibi_slopes is not None:
+            # Column j is position read_start + j, the token's is read_start + length - 1:
+            # only their difference counts, so j against length - 1 (no host value).
+            alibi = (self.module.alibi_slopes, (length - 1)[:, None], j)  # (Bb, 1), (1, W)
         y = attend_padded(
-            q, keys, values, allowed, self.module.scale, softcap=c.softcap, sinks=self.module.sinks
+            q,
+            keys,
+            values,
+            allowed,
+            self.module.scale,
+            softcap=c.softcap,
+            sinks=self.module.sinks,
+            alibi=alibi,
         )
         y = y.transpose(1, 2).reshape(Bb, 1, H * D)  # (Bb, 1, H*D)
         out = F.linear(y, self.module.wo.weight, self.module.wo.bias)  # (Bb, 1, E)

@@ -1,8 +1,8 @@
 """The attention module: one class for MHA, GQA and MQA, and for the families' options
-(RoPE, q/k RMSNorm, sliding window, soft-capping, attention sinks: all read from the
+(RoPE, q/k RMSNorm, sliding window, soft-capping, attention sinks, ALiBi: all read from the
 config). Embeddings come from fused SDPA (from the explicit float32 kernel where scores are
-soft-capped or sinks join the softmax, which SDPA cannot do); attention weights come from a
-separate explicit path, only when asked."""
+soft-capped, sinks join the softmax or ALiBi biases the scores, which SDPA cannot do);
+attention weights come from a separate explicit path, only when asked."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from torch import nn
 from mha_serve.transfer import list_tensor
 
 from . import steps
+from .alibi import alibi_bias, alibi_slopes, positions
 from .cached import capped_scores, explicit_attention, sink_softmax
 from .checks import check_head_mask, check_heads, check_input, check_query_range, valid_positions
 from .config import AttentionConfig
@@ -42,6 +43,7 @@ class MultiHeadAttention(nn.Module):
             (config.qk_norm is None or config.qk_norm.scope == "head")
             and config.softcap is None
             and not config.sinks
+            and not config.alibi
         )
         # RoPE frequencies: a plain float32 tensor, not a buffer, so that module.to(dtype)
         # never rounds them (transformers keeps them float32 too); kept on the weights'
@@ -55,6 +57,12 @@ class MultiHeadAttention(nn.Module):
             self.rope_freq = freq if device is None else freq.to(device)
             # q and k rotated by halves or by pairs, all of each head or its first rope_dim
             self.rotate = rotation(config.rope, config.rope_dim, config.head_dim)
+        # ALiBi's slopes (H,): float32 and on the weights' device as rope_freq (not a buffer:
+        # derived from the config, not in the state dict).
+        self.alibi_slopes = None
+        if config.alibi:
+            slopes = alibi_slopes(config.num_heads, config.alibi_bias_max)
+            self.alibi_slopes = slopes if device is None else slopes.to(device)
         # Fused projection whose rows are [Wq; Wk; Wv] (as gpt-fast): one matmul,
         # and exactly nn.MultiheadAttention's in_proj_weight layout when KVH == H.
         self.wqkv = nn.Linear(
@@ -139,7 +147,7 @@ class MultiHeadAttention(nn.Module):
         mask = None
         if valid is not None or _cuts(c.sliding_window, L):
             mask = self._allowed(valid, causal, 0, L, L, x.device)  # (B|1, 1, L, L)
-        if c.softcap is None and self.sinks is None:
+        if c.softcap is None and self.sinks is None and self.alibi_slopes is None:
             y = F.scaled_dot_product_attention(
                 q,
                 k,
@@ -152,7 +160,13 @@ class MultiHeadAttention(nn.Module):
         else:
             if mask is None and causal:
                 mask = self._allowed(None, True, 0, L, L, x.device)  # (1, 1, L, L)
-            y = explicit_attention(q, k, v, mask, self.scale, c.softcap, self.sinks)  # (B, H, L, D)
+            alibi = None
+            if self.alibi_slopes is not None:  # token i of every sequence at position i
+                at = positions(0, L, x.device)  # (1, L)
+                alibi = (self.alibi_slopes, at, at)
+            y = explicit_attention(
+                q, k, v, mask, self.scale, c.softcap, self.sinks, alibi
+            )  # (B, H, L, D)
         out = self._merge_heads(y, gate, valid)  # (B, L, E)
 
         weights = None
@@ -178,7 +192,7 @@ class MultiHeadAttention(nn.Module):
             allowed = self._allowed(valid, causal, q_start, q_end, q.shape[2], q.device)
         # Every row keeps at least one key (its own, or any for a padded row), so no row is
         # all -inf and masked columns come out exactly 0.
-        weights = self._softmax(q[:, :, q_start:q_end], k, heads, allowed)  # (B, n, R, S)
+        weights = self._softmax(q[:, :, q_start:q_end], k, heads, allowed, q_start)  # (B, n, R, S)
         if valid is not None:
             weights = weights.masked_fill(~valid[:, None, q_start:q_end, None], 0.0)
         return weights
@@ -193,6 +207,8 @@ class MultiHeadAttention(nn.Module):
         super()._apply(fn, recurse)
         if self.rope_freq is not None:  # the device only: it stays float32
             self.rope_freq = self.rope_freq.to(self.wqkv.weight.device)
+        if self.alibi_slopes is not None:  # (likewise)
+            self.alibi_slopes = self.alibi_slopes.to(self.wqkv.weight.device)
         return self
 
     def project(
@@ -269,16 +285,26 @@ class MultiHeadAttention(nn.Module):
         return out
 
     def _softmax(
-        self, q: torch.Tensor, k: torch.Tensor, heads: list[int], allowed: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        heads: list[int],
+        allowed: torch.Tensor | None,
+        q_pos: int = 0,
+        k_pos: int = 0,
     ) -> torch.Tensor:
-        """softmax(q k^T * scale) in float32 over allowed keys (scores soft-capped, and each
-        head's sink in the softmax without a column of its own, when the config says so),
-        for query heads `heads`:
-        q (B, H, R, D), k (B, KVH, S, D), allowed broadcastable to (B, 1, R, S)."""
+        """softmax(q k^T * scale) in float32 over allowed keys (scores soft-capped, ALiBi's
+        bias added, and each head's sink in the softmax without a column of its own, when
+        the config says so), for query heads `heads`: q (B, H, R, D) at positions q_pos..,
+        k (B, KVH, S, D) at positions k_pos.., allowed broadcastable to (B, 1, R, S)."""
         idx = list_tensor(heads, q.device)
         qh = q[:, idx]  # (B, n, R, D)
         kh = k[:, idx // self.config.group_size]  # (B, n, S, D): GQA head h reads kv h // G
         scores = capped_scores(qh, kh, self.scale, self.config.softcap)  # (B, n, R, S) float32
+        if self.alibi_slopes is not None:
+            rows = positions(q_pos, q.shape[2], q.device)  # (1, R)
+            cols = positions(k_pos, k.shape[2], q.device)  # (1, S)
+            scores += alibi_bias(self.alibi_slopes[idx], rows, cols)  # (1, n, R, S)
         if allowed is not None:
             scores.masked_fill_(~allowed, float("-inf"))
         sinks = None

@@ -2,7 +2,7 @@
 position (a KV cache read); MultiHeadAttention.attend_cached runs it per sequence. With a
 sliding window the read starts where the window does (first_key), so a step costs the
 window, not the session's length. Also the explicit kernel for what SDPA cannot do
-(soft-capped scores, attention sinks), shared with the stateless forward.
+(soft-capped scores, attention sinks, ALiBi's bias), shared with the stateless forward.
 
 The engine writes the new tokens' K/V into the cache first and then reads each session's
 positions 0..past+new-1 in order, so keys need one copy (or none, for a session whose
@@ -23,6 +23,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .alibi import alibi_bias, positions
+
+# ALiBi for explicit_attention: (slopes (H,) float32, query positions (B|1, R), key
+# positions (B|1, S)), absolute positions.
+Alibi = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 # explicit_attention holds at most this many float32 scores at a time (64 MiB).
 EXPLICIT_CHUNK_ELEMENTS = 1 << 24
@@ -46,19 +52,25 @@ def attend_one(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence: q (1, H, n, D) at positions past..past+n-1 over keys, values
     (1, KVH, S, D) at positions first_key..past+n-1, causally and within the sliding window
     (query p sees key j when p - window < j <= p); sinks (H,): each head's sink logit
-    (sink_softmax). Returns (1, H, n, D) in q's dtype."""
+    (sink_softmax); alibi (H,): each head's ALiBi slope, over those absolute positions.
+    Returns (1, H, n, D) in q's dtype."""
     _, H, n, _ = q.shape
     S, KVH = keys.shape[2], keys.shape[1]
     # The last query (position past + n - 1) sees key first_key: then so does every query
     # after its own position, and only the causal mask is left.
     whole = window is None or past + n - 1 - first_key < window
-    if softcap is not None or sinks is not None:  # float32 scores, never rounded to the cache's
+    if softcap is not None or sinks is not None or alibi is not None:  # float32 scores, never
+        # rounded to the cache's
         allowed = None if n == 1 and whole else key_mask(past, n, first_key, S, window, q.device)
-        return explicit_attention(q, keys, values, allowed, scale, softcap, sinks)
+        biases = None
+        if alibi is not None:
+            biases = (alibi, positions(past, n, q.device), positions(first_key, S, q.device))
+        return explicit_attention(q, keys, values, allowed, scale, softcap, sinks, biases)
     narrow = keys.dtype != q.dtype  # a cache narrower than the model (kv_cache_dtype)
     qk = q.to(keys.dtype) if narrow else q
     if n == 1 and whole:
@@ -127,12 +139,14 @@ def explicit_attention(
     scale: float,
     softcap: float | None,
     sinks: torch.Tensor | None = None,
+    alibi: Alibi | None = None,
 ) -> torch.Tensor:
-    """Attention whose softmax SDPA cannot make (soft-capped scores, attention sinks), in
-    float32, query rows in chunks of at most EXPLICIT_CHUNK_ELEMENTS scores: q (B, H, R, D),
-    k and v (B, KVH, S, D) (query head h reads KV head h // (H / KVH)), allowed broadcastable
-    to (B, 1, R, S) (None: every key), sinks (H,) (None: none). Every row must see a key.
-    Returns (B, H, R, D) in q's dtype.
+    """Attention whose softmax SDPA cannot make (soft-capped scores, attention sinks, ALiBi),
+    in float32, query rows in chunks of at most EXPLICIT_CHUNK_ELEMENTS scores: q (B, H, R,
+    D), k and v (B, KVH, S, D) (query head h reads KV head h // (H / KVH)), allowed
+    broadcastable to (B, 1, R, S) (None: every key), sinks (H,) (None: none), alibi (Alibi:
+    slopes and the rows' and keys' absolute positions; None: none), its bias added to the
+    scores before the mask. Every row must see a key. Returns (B, H, R, D) in q's dtype.
 
     Each KV head's G query heads are the rows of one product with it, (B, KVH, G*n, D) @
     (B, KVH, D, S), as padded.py folds them: a product broadcast over G instead (q as (B,
@@ -144,6 +158,7 @@ def explicit_attention(
     if (
         sinks is not None
         and softcap is None
+        and alibi is None
         and R > 1
         and (KVH == H or R * S >= SINKS_BY_SDPA_MIN_SCORES)
         and q.device.type == "cpu"
@@ -160,6 +175,10 @@ def explicit_attention(
         n = min(R, r0 + rows) - r0
         qc = q[:, :, r0 : r0 + n].reshape(B, KVH, G * n, D)  # row g * n + i: head kv * G + g
         scores = capped_scores(qc, kf, scale, softcap).view(B, KVH, G, n, S)
+        if alibi is not None:
+            slopes, query_pos, key_pos = alibi
+            bias = alibi_bias(slopes, query_pos[:, r0 : r0 + n], key_pos)  # (B|1, H, n, S)
+            scores += bias.view(bias.shape[0], KVH, G, n, S)
         if allowed is not None:
             a = allowed if allowed.shape[2] == 1 else allowed[:, :, r0 : r0 + n]  # (B|1,1,n|1,S)
             scores.masked_fill_(~a[:, :, None], float("-inf"))

@@ -1,7 +1,7 @@
 """Shape of one attention module: MHA, GQA and MQA are the same config with a
 different num_kv_heads; the families' options (rotary position embeddings, q/k
-normalisation, a sliding window, logit soft-capping, attention sinks, the softmax scale) are
-data too.
+normalisation, a sliding window, logit soft-capping, attention sinks, ALiBi, the softmax
+scale) are data too.
 Checked once at construction so nothing downstream re-checks. No torch here."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from typing import Any, Literal
 
 Variant = Literal["mha", "gqa", "mqa"]
 
-_BOOL_FIELDS = ("bias", "causal", "sinks")
+_BOOL_FIELDS = ("bias", "causal", "sinks", "alibi")
+# Boolean options written out (to_dict) only when true: a config without them reads as before.
+_SET_ONLY = ("sinks", "alibi")
 # RoPE variants whose frequencies are fixed at load time, so that keys rotated once and
 # cached stay right. "dynamic" and "longrope" change frequencies with the sequence length.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -147,6 +149,13 @@ class AttentionConfig:
     # joins each row's softmax as one more column that attends to nothing, so the weights
     # over the keys sum to less than 1. False: none.
     sinks: bool = False
+    # ALiBi (Press et al.; BLOOM, MPT): each query head h adds slope_h * (key position -
+    # query position) to its scores before the softmax (as slope_h * key position: the same
+    # softmax), slopes from the head count (model/alibi.py). False: none.
+    alibi: bool = False
+    # The slopes' spread: head h of n = 2^ceil(log2 H) has slope 2^(-alibi_bias_max * h / n)
+    # (8: the paper's and BLOOM's; MPT's alibi_bias_max). Read only with alibi.
+    alibi_bias_max: float = 8.0
 
     def __post_init__(self) -> None:
         # Values often come from TOML or safetensors metadata, so check types
@@ -181,6 +190,17 @@ class AttentionConfig:
             if isinstance(cap, bool) or not isinstance(cap, int | float) or not 0 < cap < math.inf:
                 raise ValueError(f"softcap must be a finite number > 0, got {cap!r}")
             object.__setattr__(self, "softcap", float(cap))
+        bias_max = self.alibi_bias_max
+        if isinstance(bias_max, bool) or not isinstance(bias_max, int | float):
+            raise ValueError(f"alibi_bias_max must be a number > 0, got {bias_max!r}")
+        if not 0 < bias_max < math.inf:
+            raise ValueError(f"alibi_bias_max must be a finite number > 0, got {bias_max!r}")
+        object.__setattr__(self, "alibi_bias_max", float(bias_max))
+        if self.alibi and (self.softcap is not None or self.sinks):
+            raise ValueError(
+                "alibi with softcap or sinks is not supported: no family has both, and where "
+                "the bias goes (before or after the cap; beside the sink) changes the answer"
+            )
         if self.softmax_scale is not None:
             scale = self.softmax_scale
             if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
@@ -253,10 +273,13 @@ class AttentionConfig:
         return factor
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, resolved (no None: the options only when set, sinks only when True;
-        rope and qk_norm as dicts of their fields), so the dict is the config on its own."""
+        """Every field, resolved (no None: the options only when set, sinks and alibi only
+        when True, alibi_bias_max only with alibi; rope and qk_norm as dicts of their
+        fields), so the dict is the config on its own."""
         d = asdict(self)
-        return {k: v for k, v in d.items() if v is not None and (k != "sinks" or v)}
+        if not self.alibi:
+            del d["alibi_bias_max"]
+        return {k: v for k, v in d.items() if v is not None and (k not in _SET_ONLY or v)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AttentionConfig:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from mha_serve.transfer import list_tensor
 
-from .cached import explicit_attention
+from .cached import Alibi, explicit_attention
 
 
 def padded_mask(
@@ -65,14 +65,17 @@ def attend_padded(
     *,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    alibi: Alibi | None = None,
 ) -> torch.Tensor:
     """q (B, H, T, D) over keys, values (B, KVH, S, D) where allowed (B, 1, T, S) (None:
-    every key, padded_mask's); sinks (H,): each head's sink logit (None: none). Returns
-    (B, H, T, D) in q's dtype."""
+    every key, padded_mask's); sinks (H,): each head's sink logit (None: none); alibi: its
+    slopes and each row's query and key positions (None: none). Returns (B, H, T, D) in
+    q's dtype."""
     B, H, T, D = q.shape
     KVH = keys.shape[1]
-    if softcap is not None or sinks is not None:  # float32 scores from the unrounded queries
-        return explicit_attention(q, keys, values, allowed, scale, softcap, sinks)
+    if softcap is not None or sinks is not None or alibi is not None:  # float32 scores from
+        # the unrounded queries
+        return explicit_attention(q, keys, values, allowed, scale, softcap, sinks, alibi)
     narrow = keys.dtype != q.dtype  # a cache narrower than the model (kv_cache_dtype)
     qk = q.to(keys.dtype) if narrow else q
     G = H // KVH

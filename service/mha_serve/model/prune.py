@@ -40,6 +40,12 @@ def kept_heads(config: AttentionConfig, heads: Sequence[int]) -> tuple[list[int]
             "heads' values together: removing a head changes every other head's output, so "
             "the result cannot equal the masked model; mask heads with head_mask instead"
         )
+    if config.alibi:
+        raise ValueError(
+            "this model's ALiBi slopes come from its head count (alibi): removing a head "
+            "changes every other head's slope, so the result cannot equal the masked model; "
+            "mask heads with head_mask instead"
+        )
     q_kept = [h for h in range(H) if h not in set(drop)]
     per_group = [sum(1 for h in q_kept if h // G == g) for g in range(KVH)]
     left = sorted({n for n in per_group if n})

@@ -80,6 +80,7 @@ def attend_cached(
             window=c.sliding_window,
             softcap=c.softcap,
             sinks=self.sinks,
+            alibi=self.alibi_slopes,
         )
         if new != T:  # padded rows zero
             y = torch.cat([y, y.new_zeros(1, H, T - new, D)], dim=2)
@@ -99,7 +100,7 @@ def attend_cached(
     # (1, KVH, G, D) made by one reshape for the batch rather than two per row.
     KVH = c.num_kv_heads
     grouped = None
-    if T == 1 and not need_weights and c.softcap is None and not c.sinks:
+    if T == 1 and not need_weights and c.softcap is None and not c.sinks and not c.alibi:
         grouped = q.reshape(B, KVH, H // KVH, D).split(1)  # (1, KVH, G, D) each
     W = c.sliding_window
     every_grouped = True  # (then one reshape of the batch's output too)
@@ -125,12 +126,14 @@ def attend_cached(
             window=c.sliding_window,
             softcap=c.softcap,
             sinks=self.sinks,
+            alibi=self.alibi_slopes,
         )  # (1, H, n, D)
         ys.append(y_b)
         if need_weights:
             S_b = keys.shape[2]
             allowed = key_mask(past, new, first, S_b, c.sliding_window, q.device)
-            weights.append((first, self._softmax(q_b, keys, heads, allowed)))  # (1, n_h, n, S_b)
+            probs = self._softmax(q_b, keys, heads, allowed, past, first)  # (1, n_h, n, S_b)
+            weights.append((first, probs))
     new_valid = None
     if grouped is not None and every_grouped:
         y = torch.cat(ys).reshape(B, H, T, D)  # (B, KVH, G, D) -> (B, H, 1, D)
@@ -173,6 +176,7 @@ def attend_step(
     y = attend_one(
         q, keys, values, past, self.scale,
         first_key=first_key, window=c.sliding_window, softcap=c.softcap, sinks=self.sinks,
+        alibi=self.alibi_slopes,
     )  # fmt: skip
     return self._merge_heads(y, None, None)  # (1, T, E)
 
@@ -184,8 +188,8 @@ def decode_one(
     keys: torch.Tensor,
     values: torch.Tensor,
 ) -> torch.Tensor | None:
-    """A lone session step of one token x (1, 1, E) for a config without soft-cap, sinks or
-    a q/k norm over the whole projection, over a cache in x's dtype: project writes its
+    """A lone session step of one token x (1, 1, E) for a config without soft-cap, sinks,
+    ALiBi or a q/k norm over the whole projection, over a cache in x's dtype: project writes its
     K/V (K normed per head and rotated at position S - 1 as the config has them) into
     kv_slot (1, 2 KVH, 1, D: K's heads, then V's), then attend_step's output (1, 1, E)
     over keys, values (1, KVH, S, D), positions 0..S-1 with the new token's last
@@ -255,7 +259,15 @@ def attend_padded(
     allowed = padded_mask(
         past_lengths, new_lengths, first_keys, T, S, c.sliding_window, q.device
     )  # (B, 1, T, S) or None
-    y = padded_attention(q, keys, values, allowed, self.scale, softcap=c.softcap, sinks=self.sinks)
+    alibi = None
+    if self.alibi_slopes is not None:  # row b's token t at past[b] + t, column j at first[b] + j
+        starts = list_tensor([list(past_lengths), list(first_keys)], q.device)  # (2, B)
+        rows = starts[0][:, None] + torch.arange(T, device=q.device)  # (B, T)
+        cols = starts[1][:, None] + torch.arange(S, device=q.device)  # (B, S)
+        alibi = (self.alibi_slopes, rows, cols)
+    y = padded_attention(
+        q, keys, values, allowed, self.scale, softcap=c.softcap, sinks=self.sinks, alibi=alibi
+    )
     new_valid = None  # (B, T): padded tokens' rows are zero in the output
     if any(n != T for n in new_lengths):
         new_len = list_tensor(new_lengths, q.device)  # pinned, non_blocking on CUDA
