@@ -12,6 +12,8 @@ from transformers import (
     ArceeConfig,
     ArceeModel,
     BertModel,
+    BloomConfig,
+    BloomModel,
     Cohere2Config,
     Cohere2Model,
     CohereConfig,
@@ -88,6 +90,7 @@ from transformers import (
     Starcoder2Model,
 )
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 
 # Small, but every feature on: GQA and MQA, biases, RoPE scaling of each supported kind,
 # GPT-2's per-layer scaling, head_dim != hidden_size / heads, sliding windows (shorter than
@@ -124,6 +127,11 @@ CHECKPOINTS = {
     "gpt_bigcode": (  # StarCoder 1, SantaCoder: multi_query (c_attn: [q; k; v], one KV head)
         GPTBigCodeForCausalLM,
         GPTBigCodeConfig(n_embd=64, n_head=8, n_layer=2, n_positions=256, **COMMON),
+        1,
+    ),
+    "bloom": (  # ALiBi over 12 heads (not a power of 2); query_key_value's rows per head
+        BloomModel,
+        BloomConfig(hidden_size=96, n_head=12, n_layer=2, **COMMON),
         1,
     ),
     "llama": (
@@ -512,9 +520,9 @@ def load_reference(name: str, directory: Path):
 
 
 def attention_module(base, layer: int):
-    """The layer's attention module (GPT-NeoX: .attention; Falcon: h[i].self_attention; the
-    others: .self_attn)."""
-    if isinstance(base, FalconModel):
+    """The layer's attention module (GPT-NeoX: .attention; Falcon, BLOOM: h[i].self_attention;
+    the others: .self_attn)."""
+    if isinstance(base, (FalconModel, BloomModel)):
         return base.h[layer].self_attention
     block = base.layers[layer]
     return block.attention if isinstance(base, GPTNeoXModel) else block.self_attn
@@ -586,6 +594,8 @@ def reference_attention(
     if family in ABSOLUTE:
         out, weights = base.h[layer].attn(x, attention_mask=causal_mask(L))[:2]
         return out, weights
+    if family == "bloom":
+        return bloom_attention(base, layer, x, 0)
     positions = torch.arange(L)[None]
     assert x.shape[0] == 1, "one sequence at a time (the masks are built for one)"
     out, weights = attention_module(base, layer)(
@@ -609,7 +619,9 @@ def reference_decode(
     for a, b in zip(cuts, cuts[1:], strict=False):
         pos = torch.arange(a, b)
         chunk = x[:, a:b]
-        if family in ABSOLUTE:
+        if family == "bloom":
+            out = bloom_attention(base, layer, chunk, a, cache)[0]
+        elif family in ABSOLUTE:
             allowed = torch.arange(b)[None, :] <= pos[:, None]  # (b - a, b)
             mask = torch.zeros(1, 1, b - a, b)
             mask = mask.masked_fill(~allowed, torch.finfo(torch.float32).min)
@@ -634,3 +646,18 @@ def reference_decode(
             )[0]
         outs.append(out)
     return outs, cache
+
+
+def bloom_attention(base, layer: int, x: torch.Tensor, past: int, cache=None):
+    """BloomAttention of `layer` over x (1, n, E) at positions past..past+n-1 (after the
+    cache's tokens), its residual 0 (the module adds it; it is not attention), ALiBi and
+    the causal mask as BloomModel builds them for one unpadded sequence: (output, weights)."""
+    n = x.shape[1]
+    S = past + n
+    alibi = build_alibi_tensor(torch.ones(1, S), base.config.n_head, x.dtype)  # (H, 1, S)
+    allowed = torch.arange(S)[None, :] <= torch.arange(past, S)[:, None]  # (n, S)
+    mask = torch.zeros(1, 1, n, S).masked_fill(~allowed, torch.finfo(x.dtype).min)
+    out, weights = base.h[layer].self_attention(
+        x, torch.zeros_like(x), alibi, mask, layer_past=cache, use_cache=cache is not None
+    )[:2]
+    return out, weights

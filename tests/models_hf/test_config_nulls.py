@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 from transformers import AutoConfig, BertConfig, BertModel
+from transformers.models.bloom.modeling_bloom import BloomAttention
 
 from mha_serve.model.hf import load_hf_layer
 from mha_serve.model.hf_config import read_hf_layer
@@ -46,6 +47,7 @@ OWN_KEYS = {
         *("attention_dropout", "head_dim", "rotary", "n_embed", "rope_theta", "rope_parameters"),
         *("rope_scaling", "partial_rotary_factor"),
     ),
+    "bloom": ("n_embed", "n_head", "n_layer", "pretraining_tp", "slow_but_exact"),
 }
 ABSOLUTE = ("gpt2", "bert", "gpt_bigcode")  # (no RoPE)
 # Nulls inside the RoPE tables (set only where the key is there), and transformers 4's
@@ -108,7 +110,7 @@ def transformers_runs(cls, directory):
         base = getattr(model, "transformer", None) or getattr(model, "model", None) or model
         blocks = base.h if hasattr(base, "h") else getattr(base, "layers", None) or []
         for i, block in enumerate(blocks):
-            attention = (  # (GPT-2's attn, GPT-NeoX's attention, Falcon's self_attention)
+            attention = (  # (GPT-2's attn, GPT-NeoX's attention, Falcon's and BLOOM's self_attention)
                 getattr(block, "attn", None)
                 or getattr(block, "attention", None)
                 or getattr(block, "self_attention", None)
@@ -118,8 +120,12 @@ def transformers_runs(cls, directory):
                 lambda m, a, k, i=i: caught.__setitem__(("in", i), (a or [k["hidden_states"]])[0]),
                 with_kwargs=True,
             )
+            # (BloomAttention adds its residual, its second argument, to its output: not
+            # attention, taken off)
             attention.register_forward_hook(
-                lambda m, a, out, i=i: caught.__setitem__(("out", i), out[0])
+                lambda m, a, out, i=i: caught.__setitem__(
+                    ("out", i), out[0] - a[1] if isinstance(m, BloomAttention) else out[0]
+                )
             )
         x = torch.randn(1, L, config.hidden_size, generator=torch.Generator().manual_seed(1))
         with torch.no_grad():

@@ -48,3 +48,25 @@ def test_infer_and_a_sequence_past_the_window(served, oip, name):
     assert ("sinks" in params) == (name == "gpt_oss")
     assert ("qk_norm" in params) == (name == "gemma3")
     assert params["rope"].endswith(", interleaved pairs") == (name == "cohere2_local")
+
+
+def test_bloom_infer_and_a_sequence_and_its_config_names_alibi(served, oip):
+    """BLOOM (ALiBi over 12 heads, no RoPE): ModelInfer and a Triton sequence equal
+    BloomAttention; ModelConfig says alibi with its bias_max, and no rope."""
+    _, models = served
+    family, base, layer = reference(models, "bloom")
+    x = torch.randn(1, 14, base.config.hidden_size, generator=torch.Generator().manual_seed(8))
+    want, _ = reference_attention(family, base, layer, x)
+    got = output(oip.ModelInfer(infer_request(x.numpy(), model="bloom")), "OUTPUT")
+    assert_close(got[0], want[0], what="bloom ModelInfer")
+    cuts = [0, 6, 7, 14]
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
+        request = infer_request(
+            x[:, a:b].numpy(), model="bloom", sequence_id=950, sequence_start=i == 0
+        )
+        request.parameters["sequence_end"].bool_param = b == cuts[-1]
+        got = output(oip.ModelInfer(request), "OUTPUT")
+        assert_close(got[0], want[0, a:b], what=f"bloom sequence step [{a}, {b})")
+    config = oip.ModelConfig(ip.ModelConfigRequest(name="bloom")).config
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert params["alibi"] == "bias_max 8" and "rope" not in params, params

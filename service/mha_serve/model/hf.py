@@ -7,6 +7,9 @@ What is served, per family (transformers' module names):
   gpt2     GPT2Attention: c_attn (Conv1D, weight (E, 3E), transposed here) and c_proj
   gpt_bigcode  GPTBigCodeAttention (StarCoder 1, SantaCoder): c_attn (a Linear: [q; k; v] with
            multi_query, one KV head; else rows per head, regrouped here) and c_proj, biases
+  bloom    BloomAttention: query_key_value (rows per head, as GPT-NeoX's; regrouped here)
+           and dense, both with biases; ALiBi; its residual (added inside the module) is
+           not attention and is not applied
   gpt_neox GPTNeoXAttention: query_key_value (its rows per head: q, k, v of head 0, then of
            head 1, ...; regrouped here) and dense, both with biases by attention_bias;
            partial RoPE by halves (rotary_pct)
@@ -59,6 +62,10 @@ _NAMES = {
     "phi3": {"qkv": "layers.{i}.self_attn.qkv_proj", "o": "layers.{i}.self_attn.o_proj"},
     "gpt_neox": {"qkv": "layers.{i}.attention.query_key_value", "o": "layers.{i}.attention.dense"},
     "falcon": {"qkv": "h.{i}.self_attention.query_key_value", "o": "h.{i}.self_attention.dense"},
+    "bloom": {
+        "qkv": "h.{i}.self_attention.query_key_value",
+        "o": "h.{i}.self_attention.dense",
+    },
     "phi": {
         "q": "layers.{i}.self_attn.q_proj",
         "k": "layers.{i}.self_attn.k_proj",
@@ -68,7 +75,7 @@ _NAMES = {
 }
 # Families whose one fused q/k/v projection has its rows per KV head: each KV head's query
 # heads, then its key, then its value (grouped_rows).
-_GROUPED = ("gpt_neox", "falcon", "gpt_bigcode")
+_GROUPED = ("gpt_neox", "falcon", "gpt_bigcode", "bloom")
 # q/k RMSNorm weights, beside the projections of the rotary families that have them.
 _NORM_NAMES = {"q_norm": "layers.{i}.self_attn.q_norm", "k_norm": "layers.{i}.self_attn.k_norm"}
 # GPT-OSS's attention sinks (H,): a bare tensor, no .weight/.bias suffix.
@@ -149,7 +156,7 @@ def grouped_rows(num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tens
     g's H / KVH query heads, then its key, then its value, for g = 0..KVH-1. That is
     FalconAttention's view (..., KVH, H / KVH + 2, D) in all three of its layouts (new decoder
     architecture: GQA; multi_query: one group, [q_0..q_H-1; k; v]; else one group per head)
-    and GPTNeoXAttention's (..., H, 3 * D): [q_h; k_h; v_h] per head, MHA; GPTBigCodeAttention's
+    and GPTNeoXAttention's (..., H, 3 * D): [q_h; k_h; v_h] per head, MHA (BloomAttention's too); GPTBigCodeAttention's
     (multi_query: [q; k; v], one group; else (..., H, 3 * D), as GPT-NeoX)."""
     G = num_heads // num_kv_heads  # query heads per KV head
     rows = torch.arange((num_heads + 2 * num_kv_heads) * head_dim)

@@ -118,7 +118,10 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
     for alias, key in ALIASES.get(kind, {}).items():
         if cfg.get(alias) is not None:
             cfg[key] = cfg[alias]
-    num_layers = _int(cfg, "n_layer" if family in GPT2_NAMES else "num_hidden_layers", config_path)
+    layers_key = "num_hidden_layers"
+    if family in GPT2_NAMES or (family == "bloom" and layers_key not in cfg):  # (BloomConfig:
+        layers_key = "n_layer"  # num_hidden_layers is its alias of n_layer, and wins)
+    num_layers = _int(cfg, layers_key, config_path)
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
         raise ValueError(
             f"{config_path}: layer must be an int in 0..{num_layers - 1} ({family} with "
@@ -129,6 +132,8 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
         attention = _bert(cfg, config_path)
     elif family in GPT2_NAMES:
         attention = _gpt2(cfg, family, layer, config_path)
+    elif family == "bloom":
+        attention = _bloom(cfg, config_path)
     else:
         attention = _rotary(cfg, kind, layer, config_path)
     context = cfg.get("n_positions" if family in GPT2_NAMES else "max_position_embeddings")
@@ -174,6 +179,28 @@ def _gpt2(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attentio
         return AttentionConfig(E, H, KVH, bias=True, causal=True, softmax_scale=scale)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+def _bloom(cfg: dict[str, Any], where: Path) -> AttentionConfig:
+    """BloomAttention: MHA over heads of hidden_size / n_head, causal, biases always, scores
+    1 / sqrt(head_dim) q . k plus ALiBi (build_alibi_tensor's slopes), no RoPE. BloomConfig's
+    names: n_embed wins over hidden_size unless null; num_attention_heads is its alias of
+    n_head and wins where present."""
+    E = _int(cfg, "n_embed" if cfg.get("n_embed") is not None else "hidden_size", where)
+    H = _int(cfg, "num_attention_heads" if "num_attention_heads" in cfg else "n_head", where)
+    if E % H:
+        raise ValueError(
+            f"{where}: hidden_size {E} is not divisible by n_head {H} (transformers' "
+            "BloomAttention sizes its heads hidden_size / n_head and builds no layer otherwise)"
+        )
+    tp = cfg.get("pretraining_tp", 1)
+    if cfg.get("slow_but_exact", False) and not (isinstance(tp, int) and tp <= 1):
+        raise ValueError(
+            f"{where}: bloom slow_but_exact with pretraining_tp {tp} is not supported: "
+            "transformers' BloomAttention then sums dense's slices without dense's bias; set "
+            "slow_but_exact false (the same layer, with its bias)"
+        )
+    return AttentionConfig(E, H, bias=True, causal=True, alibi=True)
 
 
 def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> AttentionConfig:

@@ -12,6 +12,7 @@ FAMILIES = (
     "bert",
     "gpt2",
     "gpt_bigcode",  # (GPT-2's names for its keys, absolute positions; MQA by multi_query)
+    "bloom",  # ALiBi (no RoPE), a fused per-head query_key_value as GPT-NeoX's
     "llama",
     "mistral",
     "qwen2",
@@ -56,7 +57,7 @@ FAMILIES = (
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA.
-ROTARY = FAMILIES[3:]
+ROTARY = FAMILIES[4:]
 # Families that name their keys as GPT-2 does (n_embd, n_head, n_layer, n_positions).
 GPT2_NAMES = ("gpt2", "gpt_bigcode")
 # The per-layer attention kinds of config.json's layer_types that we serve.
@@ -153,12 +154,13 @@ ALL = ("*",)
 # (their norms are LayerNorms: rms_norm_eps is not theirs)
 _NORM_EPS_FREE = (
     *("bert", "gpt2", "olmo", "starcoder2", "cohere2", "cohere", "gpt_neox", "phi", "stablelm"),
-    *("falcon", "gpt_bigcode"),
+    *("falcon", "gpt_bigcode", "bloom"),
 )
 _HEAD_DIM_FILLED = (
     "bert",
     "gpt2",
     "gpt_bigcode",  # (not read: heads of n_embd / n_head)
+    "bloom",
     "llama",
     "mistral",
     "mixtral",
@@ -172,14 +174,19 @@ _HEAD_DIM_FILLED = (
 )
 NOT_NULL: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
-        ("hidden_size", "num_attention_heads", "num_hidden_layers", "max_position_embeddings"),
+        ("hidden_size", "num_attention_heads", "num_hidden_layers"),
         ALL,
     ),
+    # (BLOOM has no context: ALiBi sets none, and BloomConfig keeps a null it does not read)
+    "max_position_embeddings": tuple(f for f in FAMILIES if f != "bloom"),
     # GPT-2's names (hidden_size, ... above are aliases of them) and flags
     **dict.fromkeys(
-        ("n_embd", "n_head", "n_layer", "n_positions", "scale_attn_weights"),
+        ("n_embd", "n_positions", "scale_attn_weights"),
         GPT2_NAMES,
     ),
+    **dict.fromkeys(("n_head", "n_layer"), (*GPT2_NAMES, "bloom")),
+    # BloomConfig's typed fields (a null fails its validation; n_embed it drops when null)
+    **dict.fromkeys(("pretraining_tp", "slow_but_exact"), ("bloom",)),
     "scale_attn_by_inverse_layer_idx": ("gpt2",),
     "add_cross_attention": ("gpt2", "bert", "gpt_bigcode"),
     # (GPTBigCodeConfig types them strictly; its attention reads them, its dropouts too)
@@ -332,6 +339,11 @@ UNSERVED = {
     "llama4": "chunked attention, L2 q/k norm and NoPE layers with temperature tuning",
     "deepseek_v3": "multi-head latent attention (low-rank q and kv projections)",
     "persimmon": "its q/k norm is a LayerNorm (qk_layernorm, on by default and in Persimmon-8B)",
+    "mpt": (
+        "its fused Wqkv with clip_qkv and a q/k LayerNorm (qk_ln), its alibi_bias_max and "
+        "its no-ALiBi variant (learned positions) are not mapped yet; ALiBi itself is served "
+        "(BLOOM)"
+    ),
 }
 # Families with a RoPE table per layer type, and how their configs fill the tables of a
 # transformers 4 config.json (rope_theta + rope_scaling, the global layers' only): (global
