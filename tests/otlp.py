@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import secrets
+import socket
 import threading
 from collections.abc import Callable
 
@@ -79,6 +80,30 @@ class Receiver:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class Silent:
+    """An OTLP/HTTP endpoint that takes connections and their requests and never answers (a
+    collector hung, or behind a proxy that is): an export waits out its timeout."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", free_port()))
+        self._held: list[socket.socket] = []
+        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}/v1/traces"
+        threading.Thread(target=self._hold, daemon=True).start()
+
+    def _hold(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            self._held.append(conn)
+
+    def close(self) -> None:
+        self._listener.close()
+        for conn in self._held:
+            conn.close()
 
 
 def attributes(kvs) -> dict:

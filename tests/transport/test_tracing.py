@@ -30,6 +30,7 @@ from tests.otlp import (  # noqa: E402
     SERVER_KIND,
     STATUS_ERROR,
     Receiver,
+    Silent,
     attributes,
     call_in,
     traceparent,
@@ -183,6 +184,37 @@ def test_the_sample_ratio_records_traces_that_start_here_and_the_clients_own(rec
     assert pid == str(proc.proc.pid)
     mine = [s for r, s in receiver.spans if r["service.instance.id"].endswith(f":{pid}")]
     assert [s.name for s in mine] == ["mha.v1.AttentionService/GetModelInfo"]
+
+
+@pytest.mark.parametrize("workers", ["1", "2"], ids=["one-process", "frontend-workers-2"])
+def test_a_collector_that_never_answers_does_not_hold_the_stop(tmp_path, workers):
+    """The spans still held at a stop are sent but waited for only tracing.STOP_FLUSH_S: the
+    SDK alone waits 30 s on a hung collector, past the margin after which the engine process
+    kills a frontend (workers.STOP_MARGIN_S) and Kubernetes its pod."""
+    from mha_serve.transport.workers import STOP_MARGIN_S
+
+    silent = Silent()
+    proc = ServerProcess(
+        "--tracing-endpoint",
+        silent.endpoint,
+        "--frontend-workers",
+        workers,
+        "--grace-period-s",
+        "1",
+        env={"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "600"},  # each export waits 10 min
+        log_path=tmp_path / "mha-serve.log",
+    )
+    try:
+        proc.wait_serving()
+        with grpc.insecure_channel(proc.target) as channel:
+            pb_grpc.AttentionServiceStub(channel).ListModels(pb.ListModelsRequest())
+    finally:
+        code = proc.stop(timeout=STOP_MARGIN_S)  # SIGKILL (-9) past it
+        silent.close()
+    log = proc.log()
+    assert code == 0, log
+    assert "still running" not in log, "a frontend was killed"
+    assert "the collector did not take the last spans" in log
 
 
 @pytest.mark.parametrize(

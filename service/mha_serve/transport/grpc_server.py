@@ -218,7 +218,7 @@ class GrpcServer:
         if self.serving is not None:
             await self.serving.close()
         self.close_serving()
-        tracing.stop()  # (the spans still buffered sent first)
+        await tracing.stop()  # the spans still held sent, within tracing.STOP_FLUSH_S
         log.info("stopped")
 
     def hurry(self) -> None:

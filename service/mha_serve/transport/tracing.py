@@ -19,9 +19,11 @@ Each process that answers calls exports its own spans: the server, each frontend
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
+import threading
 import time
 from contextvars import ContextVar
 from typing import Any
@@ -35,6 +37,12 @@ EXTRA = (
 )
 # The gRPC service of each protocol label (metrics.PROTOCOL_*), for the spans' names.
 SERVICES = {"mha.v1": "mha.v1.AttentionService", "kserve-v2": "inference.GRPCInferenceService"}
+# How long a stop waits for the collector to take the spans still held. A collector takes
+# them in milliseconds; one down or hung would hold the stop for the SDK's own bound (30 s,
+# each batch retried up to OTEL_EXPORTER_OTLP_TRACES_TIMEOUT): past Kubernetes'
+# terminationGracePeriodSeconds (deploy/k8s: 30 s, preStop and grace_period_s within it) and
+# past the STOP_MARGIN_S after which the engine process kills a frontend (workers.py).
+STOP_FLUSH_S = 3.0
 
 
 class Spans:
@@ -149,7 +157,8 @@ class Spans:
         compute.end(end_time=computed)
 
     def shutdown(self) -> None:
-        """Sends what is buffered (at most a few seconds), then stops."""
+        """Sends what is held, then stops (the SDK waits up to 30 s on a collector that does
+        not answer: stop() bounds it)."""
         started = time.monotonic()
         self.provider.shutdown()
         log.debug("tracing stopped in %.3f s", time.monotonic() - started)
@@ -188,11 +197,29 @@ def start(endpoint: str, sample_ratio: float, role: str) -> None:
     )
 
 
-def stop() -> None:
+async def stop(flush_s: float = STOP_FLUSH_S) -> None:
+    """Tracing off for this process: the spans still held are sent, waited for at most
+    flush_s, off the event loop (the rest, with a collector down or hung, are dropped)."""
     global SPANS
     spans, SPANS = SPANS, None
-    if spans is not None:
-        spans.shutdown()
+    if spans is None:
+        return
+    done = threading.Event()
+
+    def shutdown() -> None:
+        try:
+            spans.shutdown()
+        finally:
+            done.set()
+
+    # A daemon thread of its own: one still waiting on the collector must not hold the exit
+    # (an executor's threads are joined at exit; the SDK's own exporting thread is a daemon).
+    threading.Thread(target=shutdown, name="tracing-stop", daemon=True).start()
+    if not await asyncio.to_thread(done.wait, flush_s):
+        log.warning(
+            "tracing: the collector did not take the last spans within %.1f s; dropped",
+            flush_s,
+        )
 
 
 def note(timing: Timing, session_id: str = "") -> None:
