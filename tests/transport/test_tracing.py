@@ -7,7 +7,10 @@ instrumentation does, carry its status, and place `queue` and `compute` by the r
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import secrets
 from pathlib import Path
 
 import grpc
@@ -20,6 +23,8 @@ from mha_client.api.inference import grpc_service_pb2 as oip_pb
 from mha_client.api.inference import grpc_service_pb2_grpc as oip_grpc
 from mha_client.tensors import to_proto
 from mha_serve.config import build_config
+from mha_serve.engine.errors import InvalidRequest, ModelNotFound
+from mha_serve.serving import Unavailable
 from tests.helpers import ServerProcess
 
 pytest.importorskip(
@@ -109,7 +114,9 @@ def test_an_attend_joins_the_clients_trace_with_its_queue_and_compute(receiver, 
     assert compute.end_time_unix_nano <= span.end_time_unix_nano
 
 
-def test_a_refused_call_is_an_error_span_with_its_status(receiver, served):
+def test_a_refused_call_carries_its_status_and_why(receiver, served):
+    """An unknown model is the client's error: its status and message on the span, the span's
+    status not ERROR (gRPC's semantic conventions for a server span)."""
     _, channel, _ = served
     header, trace_id, _ = traceparent()
     stub = pb_grpc.AttentionServiceStub(channel)
@@ -120,10 +127,52 @@ def test_a_refused_call_is_an_error_span_with_its_status(receiver, served):
         )
     [(_, span)] = receiver.wait_for(call_in(trace_id))
     code = e.value.code()
-    assert attributes(span.attributes)["rpc.grpc.status_code"] == code.value[0]
-    assert span.status.code == STATUS_ERROR
-    assert code.name in span.status.message and "no-such-model" in span.status.message
+    attrs = attributes(span.attributes)
+    assert attrs["rpc.grpc.status_code"] == code.value[0] == grpc.StatusCode.NOT_FOUND.value[0]
+    assert attrs["mha.status_details"].startswith("NOT_FOUND: ")
+    assert "no-such-model" in attrs["mha.status_details"]
+    assert span.status.code != STATUS_ERROR and "error.type" not in attrs
     assert not receiver.children(span), "a refused call computed nothing"
+
+
+@pytest.mark.parametrize(
+    ("raised", "expired", "code", "failed"),
+    [
+        (ModelNotFound("model 'x' is not served here"), False, "NOT_FOUND", False),
+        (InvalidRequest("input has 3 dims"), False, "INVALID_ARGUMENT", False),
+        (asyncio.CancelledError(), False, "CANCELLED", False),  # the client went away
+        (Unavailable("the server is still loading"), False, "UNAVAILABLE", True),
+        (asyncio.CancelledError(), True, "DEADLINE_EXCEEDED", True),
+        (RuntimeError("a bug"), False, "INTERNAL", True),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+async def test_a_span_is_an_error_only_when_the_server_failed(
+    receiver, raised, expired, code, failed
+):
+    """OpenTelemetry's gRPC server spans: ERROR (and error.type) for UNKNOWN,
+    DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE and DATA_LOSS; a client's error
+    leaves the status unset. Every outcome names its status and why (mha.status_details)."""
+    from mha_serve.transport import tracing
+    from mha_serve.transport.answer import settle
+
+    model = f"model-{secrets.token_hex(4)}"  # this case's span, among the module's
+
+    async def handle() -> None:
+        raise raised
+
+    tracing.start(receiver.endpoint, 1.0, "test")
+    try:
+        with contextlib.suppress(asyncio.CancelledError):
+            await settle("Attend", model, handle, protocol="mha.v1", expired=lambda: expired)
+    finally:
+        await tracing.stop()  # sends the span
+    [(_, span)] = receiver.wait_for(lambda s: attributes(s.attributes).get("mha.model") == model)
+    attrs = attributes(span.attributes)
+    assert attrs["rpc.grpc.status_code"] == grpc.StatusCode[code].value[0]
+    assert attrs["mha.status_details"].startswith(f"{code}: ")
+    assert (span.status.code == STATUS_ERROR) is failed
+    assert attrs.get("error.type") == (code if failed else None)
 
 
 def test_each_step_of_a_stream_is_a_span_naming_its_session(receiver, served):

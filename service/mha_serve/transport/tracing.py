@@ -4,9 +4,10 @@ Off by default, and then free: `SPANS` is None and a call pays one test of it. O
 that settles (answer.settle: both protocols, every method, each message of a StreamSession)
 is a SERVER span named as gRPC's instrumentation names it ("mha.v1.AttentionService/Attend"),
 a child of the client's span when its metadata carries W3C `traceparent` (and `tracestate`),
-with gRPC's semantic attributes (rpc.system, rpc.service, rpc.method, rpc.grpc.status_code),
-the model, and for a computation (Attend, a session step, ModelInfer) two child spans,
-`queue` and `compute`, placed by the reply's own timing (Timing: receipt to compute, the
+with gRPC's semantic attributes (rpc.system, rpc.service, rpc.method, rpc.grpc.status_code;
+status ERROR only for the codes that are the server's failure, SERVER_ERRORS), the model,
+and for a computation (Attend, a session step, ModelInfer) two child spans, `queue` and
+`compute`, placed by the reply's own timing (Timing: receipt to compute, the
 forward) with the batch size and the session. Spans go to an OTLP/HTTP collector
 (Jaeger, Tempo, the OpenTelemetry Collector: `http://HOST:4318/v1/traces`) in batches, off
 the event loop (the SDK's BatchSpanProcessor thread); sampling is the client's decision when
@@ -37,6 +38,13 @@ EXTRA = (
 )
 # The gRPC service of each protocol label (metrics.PROTOCOL_*), for the spans' names.
 SERVICES = {"mha.v1": "mha.v1.AttentionService", "kserve-v2": "inference.GRPCInferenceService"}
+# The statuses that make a server's span an ERROR (OpenTelemetry's semantic conventions for
+# gRPC server spans, and opentelemetry-instrumentation-grpc's server): the server failed. The
+# others are the client's (a bad argument, an unknown model or session, a limit, a cancel):
+# the call was answered as it should be, its span's status left unset.
+SERVER_ERRORS = frozenset(
+    {"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS"}
+)
 # How long a stop waits for the collector to take the spans still held. A collector takes
 # them in milliseconds; one down or hung would hold the stop for the SDK's own bound (30 s,
 # each batch retried up to OTEL_EXPORTER_OTLP_TRACES_TIMEOUT): past Kubernetes'
@@ -119,8 +127,11 @@ class Spans:
         span, token = started
         _CURRENT.reset(token)
         span.set_attribute("rpc.grpc.status_code", code)
-        if details is not None:
-            span.set_status(self.error(f"{name}: {details}"))
+        if details is not None:  # refused, or cancelled
+            span.set_attribute("mha.status_details", f"{name}: {details}")
+            if name in SERVER_ERRORS:
+                span.set_attribute("error.type", name)
+                span.set_status(self.error(f"{name}: {details}"))
         span.end()
 
     def note(self, timing: Timing, session_id: str) -> None:
