@@ -43,7 +43,7 @@ def receiver():
 def one_replica(receiver):
     """A Ray of one CPU (its logs in a folder of its own) running the app with one replica,
     its /metrics on the first of two ports (the replacement's rank may be 1), its spans sent
-    to `receiver`."""
+    to `receiver`, only once it stops (they would go every 5 s)."""
     ray = pytest.importorskip("ray")
     temp = Path(tempfile.mkdtemp(prefix="ray1", dir="/tmp"))  # short: Ray's socket paths
     start_ray(ray, 1, _temp_dir=str(temp))
@@ -54,6 +54,8 @@ def one_replica(receiver):
             metrics_port=free_ports(2),
             overrides={"tracing_endpoint": receiver.endpoint},
         )
+        env = {"OTEL_BSP_SCHEDULE_DELAY": str(3_600_000)}  # an hour: held until a stop
+        config["applications"][0]["runtime_env"] = {"env_vars": env}
         deploy(config)
         yield config, temp
     finally:
@@ -61,9 +63,13 @@ def one_replica(receiver):
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_a_call_through_rays_proxy_joins_the_clients_trace(one_replica, receiver):
+def test_a_call_through_rays_proxy_joins_the_clients_trace_sent_as_the_replica_stops(
+    one_replica, receiver
+):
     """Ray's gRPC proxy hands the replica the call's metadata: the client's traceparent
-    makes the replica's span a child of the client's, with its queue and compute."""
+    makes the replica's span a child of the client's, with its queue and compute. The
+    replica holds it until Ray stops it (a redeploy), and sends it then: Ray ends a replica
+    with ray.kill, which runs no atexit handler (the SDK's own flush)."""
     from tests.otlp import attributes, call_in, traceparent
 
     config, _ = one_replica
@@ -72,6 +78,15 @@ def test_a_call_through_rays_proxy_joins_the_clients_trace(one_replica, receiver
     x = np.random.default_rng(5).standard_normal((3, 512), dtype=np.float32)
     with Client(target, metadata=(("traceparent", header),)) as client:
         client.attend("mqa", x)
+    assert not receiver.spans, "held for an hour (OTEL_BSP_SCHEDULE_DELAY)"
+    (old,) = replica_ids()
+    config = copy.deepcopy(config)
+    config["applications"][0]["args"]["overrides"]["torch_threads"] = 2  # a new version
+    deploy(config)
+    deadline = time.monotonic() + TIMEOUT_S
+    while replica_ids() in ({old}, set()):
+        assert time.monotonic() < deadline, "the replacement never ran"
+        time.sleep(0.2)
     [(resource, span)] = receiver.wait_for(call_in(trace_id))
     assert span.name == "mha.v1.AttentionService/Attend"
     assert span.parent_span_id == parent_id

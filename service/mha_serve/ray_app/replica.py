@@ -128,7 +128,8 @@ class AttentionReplica(InferenceMethods, Handover):
         )
         cfg = build_config(config_file, dict(overrides or {}))
         check_not_on_ray({key: getattr(cfg, key) for key in NOT_ON_RAY}, "", os.environ)
-        # (spans sent at exit by the SDK's own handler, as a replica has no stop of its own)
+        # (the spans still held are sent in __del__: Ray ends a replica with ray.kill, which
+        # runs no atexit handler, the SDK's own flush among them)
         tracing.start(cfg.tracing_endpoint, cfg.tracing_sample_ratio, "ray-replica")
         self.compute = ComputeThreads(cfg.torch_threads, cfg.weights_torch_threads)
         loop = asyncio.get_running_loop()
@@ -168,6 +169,14 @@ class AttentionReplica(InferenceMethods, Handover):
             self._metrics = RankedMetrics(metrics_port, labels)
             self._metrics.serve_at(context.rank.local_rank)
         log.info("replica %s SERVING models: %s", self.replica_id, ", ".join(engine.models))
+
+    async def __del__(self) -> None:
+        """Ray's last call on a replica it stops gracefully: its sessions moved (Handover),
+        then its spans still held sent (tracing.STOP_FLUSH_S at most)."""
+        try:
+            await super().__del__()
+        finally:
+            await tracing.stop()
 
     def reconfigure(self, user_config: Any, rank: Any = None) -> None:
         """Ray's call after __init__ and whenever it gives this replica a new rank (it
