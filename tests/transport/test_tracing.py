@@ -213,6 +213,37 @@ def test_the_open_inference_protocol_is_traced_too(receiver, served):
     assert set(receiver.children(span)) == {"queue", "compute"}
 
 
+def test_each_message_of_a_model_stream_infer_is_a_span(receiver, served):
+    """ModelStreamInfer's messages compute concurrently, each in a task of its own
+    (oip/stream.py): each is a span of the stream's trace with its own queue and compute; a
+    message's error (Triton's: error_message, the stream goes on) names its status."""
+    _, channel, _ = served
+    header, trace_id, parent_id = traceparent()
+
+    def message(model: str, n: int) -> oip_pb.ModelInferRequest:
+        x = np.full((1, n, 512), 0.5, np.float32)
+        tensor = oip_pb.ModelInferRequest.InferInputTensor(
+            name="INPUT", datatype="FP32", shape=x.shape
+        )
+        return oip_pb.ModelInferRequest(
+            model_name=model, id=f"{model}-{n}", inputs=[tensor], raw_input_contents=[x.tobytes()]
+        )
+
+    messages = [message("gqa", n) for n in (1, 2, 3)] + [message("no-such-model", 1)]
+    stub = oip_grpc.GRPCInferenceServiceStub(channel)
+    replies = list(stub.ModelStreamInfer(iter(messages), metadata=(("traceparent", header),)))
+    assert [bool(r.error_message) for r in replies] == [False, False, False, True]
+    spans = [s for _, s in receiver.wait_for(call_in(trace_id), count=4)]
+    assert {s.name for s in spans} == {"inference.GRPCInferenceService/ModelStreamInfer"}
+    assert all(s.parent_span_id == parent_id for s in spans)
+    refused = [s for s in spans if attributes(s.attributes)["rpc.grpc.status_code"] != 0]
+    [failed] = refused
+    assert "no-such-model" in attributes(failed.attributes)["mha.status_details"]
+    for span in spans:
+        if span is not failed:
+            assert set(receiver.children(span)) == {"queue", "compute"}
+
+
 def test_the_sample_ratio_records_traces_that_start_here_and_the_clients_own(receiver, tmp_path):
     """Ratio 0: a call without traceparent leaves no span; a client's sampled trace is
     recorded all the same (ParentBased). The server's stop sends what it buffered."""
