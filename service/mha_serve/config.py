@@ -7,6 +7,7 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from mha_serve.model.config import AttentionConfig
 from mha_serve.model.hf_config import is_hf_directory, read_hf_layer
@@ -313,6 +314,13 @@ def build_config(file_path: str | None, overrides: dict[str, Any]) -> ServerConf
         raise ValueError(
             f"tracing_endpoint {cfg.tracing_endpoint!r} is not an http:// or https:// URL "
             "(an OTLP/HTTP traces endpoint, e.g. http://otel-collector:4318/v1/traces)"
+        )
+    if cfg.tracing_endpoint and urlsplit(cfg.tracing_endpoint).path in ("", "/"):
+        # (the exporter posts to the URL as given; OTEL_EXPORTER_OTLP_ENDPOINT's /v1/traces
+        # is added only to that variable's base URL)
+        raise ValueError(
+            f"tracing_endpoint {cfg.tracing_endpoint!r} has no path: an OTLP/HTTP collector "
+            f"takes traces at /v1/traces ({cfg.tracing_endpoint.rstrip('/')}/v1/traces)"
         )
     if not 0.0 <= cfg.tracing_sample_ratio <= 1.0:
         raise ValueError(f"tracing_sample_ratio {cfg.tracing_sample_ratio} must be 0 to 1")

@@ -301,6 +301,9 @@ def test_a_collector_that_never_answers_does_not_hold_the_stop(tmp_path, workers
     ("overrides", "message"),
     [
         ({"tracing_endpoint": "otel-collector:4318"}, "not an http:// or https:// URL"),
+        # the exporter posts to the URL as given: "/", which a collector answers 404
+        ({"tracing_endpoint": "http://c:4318"}, r"no path.*http://c:4318/v1/traces"),
+        ({"tracing_endpoint": "https://c:4318/"}, r"no path.*https://c:4318/v1/traces"),
         ({"tracing_endpoint": "http://c:4318/v1/traces", "tracing_sample_ratio": "1.5"}, "0 to 1"),
     ],
 )
