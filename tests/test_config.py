@@ -149,19 +149,27 @@ def test_example_config_shows_every_key_and_the_server_defaults(tmp_path):
     shown = set(re.findall(r"^#? ?([a-z_]+) = ", text.split("[[models]]", 1)[1], flags=re.M))
     assert model_keys - shown == set()
     # the commented family options are values the server takes
-    options = {f.name for f in fields(AttentionConfig)}
-    lines = [
-        re.sub(r"^# ", "", ln) if ln[2:].split(" ")[0] in options else ln for ln in text.split("\n")
-    ]
-    example = tmp_path / "options.toml"
-    example.write_text("\n".join(lines))
-    gqa = build_config(str(example), {}).models[1].attention
+    # (ALiBi goes without softcap and sinks: its lines on their own, below)
+    options = {f.name for f in fields(AttentionConfig)} - {"alibi", "alibi_bias_max"}
+
+    def uncommented(keys: set[str]) -> AttentionConfig:
+        lines = [
+            re.sub(r"^# ", "", ln) if ln[2:].split(" ")[0] in keys else ln
+            for ln in text.split("\n")
+        ]
+        example = tmp_path / "options.toml"
+        example.write_text("\n".join(lines))
+        return build_config(str(example), {}).models[1].attention
+
+    gqa = uncommented(options)
     assert (gqa.sliding_window, gqa.softcap, gqa.qk_norm.scope, gqa.rope.theta) == (
         512,
         50.0,
         "head",
         10000.0,
     )
+    gqa = uncommented({"alibi", "alibi_bias_max"})
+    assert (gqa.alibi, gqa.alibi_bias_max) == (True, 8.0)
     readme = (root / "README.md").read_text().split("## Serving", 1)[1]
     rows = re.findall(r"^\| (`--.*?) \|", readme.split("\n\n| flag |", 1)[1].split("\n\n")[0], re.M)
     flags = {f for row in rows for f in re.findall(r"`--([a-z-]+)", row)}
