@@ -40,6 +40,9 @@ from transformers import (
     GPT2LMHeadModel,
     GPTBigCodeConfig,
     GPTBigCodeForCausalLM,
+    GPTJConfig,
+    GPTJForCausalLM,
+    GPTJModel,
     GPTNeoXConfig,
     GPTNeoXModel,
     GptOssConfig,
@@ -478,6 +481,13 @@ CHECKPOINTS = {
         FalconConfig(multi_query=True, **FALCON),
         0,
     ),
+    # RoPE by interleaved pairs over the first rotary_dim dims of each head: GPT-J's 6 of 16
+    # (three pairs: by halves they would be other dims), theta 10000, no biases
+    "gptj": (
+        GPTJForCausalLM,
+        GPTJConfig(n_embd=64, n_head=4, n_layer=2, n_positions=256, rotary_dim=6, **COMMON),
+        1,
+    ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,
 # SmolLM3's NoPE one.
@@ -521,11 +531,21 @@ def load_reference(name: str, directory: Path):
 
 def attention_module(base, layer: int):
     """The layer's attention module (GPT-NeoX: .attention; Falcon, BLOOM: h[i].self_attention;
-    the others: .self_attn)."""
+    GPT-J: h[i].attn; the others: .self_attn)."""
     if isinstance(base, (FalconModel, BloomModel)):
         return base.h[layer].self_attention
+    if isinstance(base, GPTJModel):
+        return base.h[layer].attn
     block = base.layers[layer]
     return block.attention if isinstance(base, GPTNeoXModel) else block.self_attn
+
+
+def rotation_kwargs(base, layer: int, x: torch.Tensor, positions: torch.Tensor) -> dict:
+    """How the layer's attention module takes its positions (positions (1, L)): GPT-J's as
+    position_ids (it rotates by its own table), the others' as cos, sin."""
+    if isinstance(base, GPTJModel):
+        return {"position_ids": positions}
+    return {"position_embeddings": rotary(base, layer, x, positions)}
 
 
 def layer_window(base, layer: int) -> int | None:
@@ -600,9 +620,9 @@ def reference_attention(
     assert x.shape[0] == 1, "one sequence at a time (the masks are built for one)"
     out, weights = attention_module(base, layer)(
         x,
-        position_embeddings=rotary(base, layer, x, positions),
         attention_mask=layer_mask(base, layer, x, positions),
         **_own_arguments(base),
+        **rotation_kwargs(base, layer, x, positions),
     )[:2]
     return out, weights
 
@@ -630,19 +650,21 @@ def reference_decode(
             out = base.h[layer].attn(chunk, attention_mask=mask, cache_position=pos, **cached)[0]
         else:  # the mask first, from the cache as it is before this chunk (as the models do)
             mask = layer_mask(base, layer, chunk, pos[None], cache)
-            # (GPTNeoXAttention and FalconAttention take their cache as layer_past;
-            # past_key_values they ignore)
+            # (GPTNeoXAttention, FalconAttention and GPTJAttention take their cache as
+            # layer_past; past_key_values they ignore)
             past = (
-                "layer_past" if isinstance(base, GPTNeoXModel | FalconModel) else "past_key_values"
+                "layer_past"
+                if isinstance(base, GPTNeoXModel | FalconModel | GPTJModel)
+                else "past_key_values"
             )
             cached = {past: cache}
             out = attention_module(base, layer)(
                 chunk,
-                position_embeddings=rotary(base, layer, chunk, pos[None]),
                 attention_mask=mask,
                 cache_position=pos,
                 **cached,
                 **_own_arguments(base),
+                **rotation_kwargs(base, layer, chunk, pos[None]),
             )[0]
         outs.append(out)
     return outs, cache

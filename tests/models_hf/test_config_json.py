@@ -61,7 +61,7 @@ def assert_served_as_transformers(directory, cls, family, layer):
     base = cls.from_pretrained(directory, attn_implementation="eager").eval()
     base = getattr(base, "model", None) or base
     module, _ = load_hf_layer(directory, layer)
-    x = torch.randn(1, 40, SMALL["hidden_size"], generator=torch.Generator().manual_seed(1))
+    x = torch.randn(1, 40, base.config.hidden_size, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want, _ = reference_attention(family, base, layer, x)
         got = module(x).output

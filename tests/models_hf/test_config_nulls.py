@@ -48,6 +48,13 @@ OWN_KEYS = {
         *("rope_scaling", "partial_rotary_factor"),
     ),
     "bloom": ("n_embed", "n_head", "n_layer", "pretraining_tp", "slow_but_exact"),
+    # GPT-J's sizes by GPT-2's names, its rotary_dim; and Llama's keys, which GPTJConfig and
+    # GPTJAttention never read (their null is no refusal)
+    "gptj": (
+        *("n_embd", "n_head", "n_layer", "n_positions", "rotary_dim", "rope_theta"),
+        *("rope_parameters", "partial_rotary_factor", "head_dim", "rms_norm_eps"),
+        "num_key_value_heads",
+    ),
 }
 ABSOLUTE = ("gpt2", "bert", "gpt_bigcode")  # (no RoPE)
 # Nulls inside the RoPE tables (set only where the key is there), and transformers 4's

@@ -16,6 +16,8 @@ from transformers import (
     Cohere2Config,
     Cohere2Model,
     Exaone4Config,
+    GPTJConfig,
+    GPTJModel,
     GPTNeoXConfig,
     GPTNeoXModel,
     GraniteConfig,
@@ -56,6 +58,14 @@ from tests.models_hf.test_config_json import SMALL, assert_served_as_transformer
 MOE = {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 32}
 NO_TOKENS = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
 NEOX = {**SMALL, "num_attention_heads": 4}  # heads of 16: a quarter of each is 4 dims
+GPTJ = {"n_layer": 2, "n_positions": 256, "vocab_size": 64, "initializer_range": 0.2}
+# Llama's RoPE keys beside GPT-J's: GPTJConfig and GPTJAttention read none of them (theta
+# 10000, rotary_dim's dims)
+LLAMA_ROPE = {
+    "rope_theta": 1e6,
+    "rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 4.0},
+    "partial_rotary_factor": 1.0,
+}
 
 
 @pytest.mark.parametrize(
@@ -234,6 +244,25 @@ NEOX = {**SMALL, "num_attention_heads": 4}  # heads of 16: a quarter of each is 
             {"rope_parameters": None},
             1,
         ),
+        # GPT-J without rotary_dim: 64 of each head's 128 (GPTJConfig's default), whatever
+        # Llama's RoPE keys beside it say
+        (
+            GPTJModel,
+            GPTJConfig(n_embd=256, n_head=2, **GPTJ),
+            "gptj",
+            {"rotary_dim": None, **LLAMA_ROPE},
+            0,
+        ),
+        # GPT-J's sizes by their aliases, which GPTJConfig takes over n_embd and n_head
+        (
+            GPTJModel,
+            GPTJConfig(n_embd=64, n_head=4, rotary_dim=8, **GPTJ),
+            "gptj",
+            {"n_embd": 32, "hidden_size": 64, "n_head": 2, "num_attention_heads": 4},
+            1,
+        ),
+        # rotary_dim 30 of heads of 44: 30 / 44 * 44 is 29.999..., and int() of it 29
+        (GPTJModel, GPTJConfig(n_embd=88, n_head=2, rotary_dim=30, **GPTJ), "gptj", {}, 0),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -256,6 +285,9 @@ NEOX = {**SMALL, "num_attention_heads": 4}  # heads of 16: a quarter of each is 
         "phi_partial_rotary_factor_default",
         "stablelm_rope_theta_partial_rotary_factor",
         "stablelm_partial_rotary_factor_default",
+        "gptj_rotary_dim_default",
+        "gptj_aliases",
+        "gptj_rotary_dim_fraction",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(
@@ -263,6 +295,30 @@ def test_keys_left_out_are_read_with_the_familys_defaults(
 ):
     directory = checkpoint(tmp_path, cls, config, **edits)
     assert_served_as_transformers(directory, cls, family, layer)
+
+
+@pytest.mark.parametrize(
+    ("edits", "piece"),
+    [
+        # its sin and cos cover rotary_dim + 1 dims (pairs): no layer runs
+        ({"rotary_dim": 7}, "gptj rotary_dim 7 is odd"),
+        # more dims than a head has, or none (rotary_dim 0 makes it size its table by n_embd)
+        ({"rotary_dim": 32}, "gptj rotary_dim must be an int from 2 to head_dim 16, got 32"),
+        ({"rotary_dim": 0}, "gptj rotary_dim must be an int from 2 to head_dim 16, got 0"),
+        ({"n_embd": 66}, "n_embd 66 is not divisible by n_head 4"),
+    ],
+    ids=["rotary_dim_odd", "rotary_dim_past_head", "rotary_dim_zero", "n_embd_by_n_head"],
+)
+def test_gptj_sizes_transformers_runs_no_layer_from_are_refused(tmp_path, edits, piece):
+    directory = _config_only(tmp_path, GPTJConfig(n_embd=64, n_head=4, rotary_dim=8, **GPTJ))
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edits}))
+    with pytest.raises((RuntimeError, ValueError)), torch.no_grad():  # transformers' own
+        model = GPTJModel(AutoConfig.from_pretrained(directory)).eval()
+        model(inputs_embeds=torch.zeros(1, 3, 64 if "n_embd" not in edits else 66))
+    for layer in (0, 1):
+        with pytest.raises(ValueError, match=piece):
+            read_hf_layer(directory, layer)
 
 
 ROPE_THETA_DEFAULTS = [

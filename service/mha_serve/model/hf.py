@@ -10,6 +10,8 @@ What is served, per family (transformers' module names):
   bloom    BloomAttention: query_key_value (rows per head, as GPT-NeoX's; regrouped here)
            and dense, both with biases; ALiBi; its residual (added inside the module) is
            not attention and is not applied
+  gptj     GPTJAttention: q_proj/k_proj/v_proj and out_proj, no biases; partial RoPE by
+           interleaved pairs (rotary_dim of each head)
   gpt_neox GPTNeoXAttention: query_key_value (its rows per head: q, k, v of head 0, then of
            head 1, ...; regrouped here) and dense, both with biases by attention_bias;
            partial RoPE by halves (rotary_pct)
@@ -53,6 +55,12 @@ _NAMES = {
     },
     "gpt2": {"qkv": "h.{i}.attn.c_attn", "o": "h.{i}.attn.c_proj"},
     "gpt_bigcode": {"qkv": "h.{i}.attn.c_attn", "o": "h.{i}.attn.c_proj"},
+    "gptj": {
+        "q": "h.{i}.attn.q_proj",
+        "k": "h.{i}.attn.k_proj",
+        "v": "h.{i}.attn.v_proj",
+        "o": "h.{i}.attn.out_proj",
+    },
     "rotary": {
         "q": "layers.{i}.self_attn.q_proj",
         "k": "layers.{i}.self_attn.k_proj",

@@ -5,11 +5,12 @@ No torch here (config files are checked before torch loads); hf.py maps the weig
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import AttentionConfig, QKNormConfig
+from .config import AttentionConfig, QKNormConfig, RopeConfig
 from .hf_families import (
     ALIASES,
     ALL,
@@ -118,8 +119,9 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
     for alias, key in ALIASES.get(kind, {}).items():
         if cfg.get(alias) is not None:
             cfg[key] = cfg[alias]
+    gpt2_names = family in GPT2_NAMES
     layers_key = "num_hidden_layers"
-    if family in GPT2_NAMES or (family == "bloom" and layers_key not in cfg):  # (BloomConfig:
+    if gpt2_names or (family == "bloom" and layers_key not in cfg):  # (BloomConfig:
         layers_key = "n_layer"  # num_hidden_layers is its alias of n_layer, and wins)
     num_layers = _int(cfg, layers_key, config_path)
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
@@ -130,13 +132,15 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
         )
     if family == "bert":
         attention = _bert(cfg, config_path)
-    elif family in GPT2_NAMES:
+    elif family == "gptj":
+        attention = _gptj(cfg, config_path)
+    elif gpt2_names:
         attention = _gpt2(cfg, family, layer, config_path)
     elif family == "bloom":
         attention = _bloom(cfg, config_path)
     else:
         attention = _rotary(cfg, kind, layer, config_path)
-    context = cfg.get("n_positions" if family in GPT2_NAMES else "max_position_embeddings")
+    context = cfg.get("n_positions" if gpt2_names else "max_position_embeddings")
     context = context if isinstance(context, int) and not isinstance(context, bool) else None
     zero = ()  # the projections whose bias the checkpoint has none of
     if family in ROTARY and attention.bias:
@@ -201,6 +205,35 @@ def _bloom(cfg: dict[str, Any], where: Path) -> AttentionConfig:
             "slow_but_exact false (the same layer, with its bias)"
         )
     return AttentionConfig(E, H, bias=True, causal=True, alibi=True)
+
+
+def _gptj(cfg: dict[str, Any], where: Path) -> AttentionConfig:
+    """GPTJAttention: q/k/v/out_proj without biases, MHA, heads of n_embd / n_head; RoPE by
+    interleaved pairs (rotate_every_two) over the first rotary_dim dims of each head, theta
+    10000 (fixed: GPTJConfig reads no rope_theta nor RoPE table), frequencies over those dims;
+    scores divided by sqrt(head_dim)."""
+    E, H = _int(cfg, "n_embd", where), _int(cfg, "n_head", where)
+    if E % H:
+        raise ValueError(
+            f"{where}: n_embd {E} is not divisible by n_head {H} (GPTJAttention sizes its heads "
+            "n_embd / n_head and fails otherwise)"
+        )
+    D, turned = E // H, cfg["rotary_dim"]
+    if isinstance(turned, bool) or not isinstance(turned, int) or not 2 <= turned <= D:
+        raise ValueError(
+            f"{where}: gptj rotary_dim must be an int from 2 to head_dim {D}, got {turned!r} "
+            "(GPTJAttention rotates the first rotary_dim dims of each head)"
+        )
+    if turned % 2:
+        raise ValueError(
+            f"{where}: gptj rotary_dim {turned} is odd: GPTJAttention rotates dims by pairs "
+            "(its sin and cos cover rotary_dim + 1 dims and no layer runs)"
+        )
+    partial = turned / D
+    while int(D * partial) < turned:  # (AttentionConfig turns int(head_dim * partial) dims)
+        partial = math.nextafter(partial, 2.0)
+    rope = RopeConfig(theta=10_000.0, interleaved=True, partial=partial)
+    return AttentionConfig(E, H, bias=False, causal=True, rope=rope)
 
 
 def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> AttentionConfig:
