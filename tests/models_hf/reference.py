@@ -63,6 +63,8 @@ from transformers import (
     MistralModel,
     MixtralConfig,
     MixtralForCausalLM,
+    NemotronConfig,
+    NemotronForCausalLM,
     Olmo2Config,
     Olmo2Model,
     Olmo3Config,
@@ -479,6 +481,12 @@ CHECKPOINTS = {
     "falcon_mqa": (  # Falcon-7B's: multi_query (8 query heads, then one k, one v), no biases
         FalconForCausalLM,
         FalconConfig(multi_query=True, **FALCON),
+        0,
+    ),
+    "nemotron": (  # half of each head rotated (NemotronConfig's 0.5), head_dim 16 != 64 / 8
+        # (Minitron's own head_dim), GQA 8:2, biases on q/k/v/o
+        NemotronForCausalLM,
+        NemotronConfig(num_key_value_heads=2, head_dim=16, attention_bias=True, **ROTARY),
         0,
     ),
     # RoPE by interleaved pairs over the first rotary_dim dims of each head: GPT-J's 6 of 16

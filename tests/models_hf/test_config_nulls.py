@@ -63,6 +63,7 @@ NESTED = (
     "rope_parameters.rope_theta",
     "rope_parameters.rope_type",
     "rope_parameters.factor",
+    "rope_parameters.partial_rotary_factor",
     "rope_parameters.full_attention.rope_theta",
     "rope_parameters.sliding_attention.rope_theta",
     "v4.rope_theta",
@@ -243,21 +244,21 @@ def test_a_null_is_served_as_transformers_runs_it_or_refused_by_name(tmp_path, f
             ("gpt_neox", {"rope_parameters": None, key: None}, f"gpt_neox config.json sets {key}")
             for key in ("rotary_pct", "rotary_emb_base")
         ],
-        # Phi's and StableLM's configs drop a null partial_rotary_factor, and their
-        # attention reads it from the RoPE table (KeyError)
+        # Phi's, StableLM's and Nemotron's configs drop a null partial_rotary_factor, and
+        # their attention reads it from the RoPE table (KeyError)
         *[
             (
                 family,
                 {"rope_parameters": None, "partial_rotary_factor": None},
                 f"{family} config.json sets partial_rotary_factor to null",
             )
-            for family in ("phi", "stablelm")
+            for family in ("phi", "stablelm", "nemotron")
         ],
     ],
     ids=[
         *("mixtral_rope_theta", "qwen2_head_dim", "gemma2_sliding_window"),
         *("gpt_neox_rotary_pct", "gpt_neox_rotary_emb_base", "phi_partial_rotary_factor"),
-        "stablelm_partial_rotary_factor",
+        *("stablelm_partial_rotary_factor", "nemotron_partial_rotary_factor"),
     ],
 )
 def test_a_null_transformers_builds_no_layer_from_is_refused_naming_key_and_family(

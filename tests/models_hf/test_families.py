@@ -29,6 +29,8 @@ from transformers import (
     MistralConfig,
     MixtralConfig,
     MixtralForCausalLM,
+    NemotronConfig,
+    NemotronModel,
     Olmo3Config,
     Olmo3Model,
     OlmoConfig,
@@ -244,6 +246,30 @@ LLAMA_ROPE = {
             {"rope_parameters": None},
             1,
         ),
+        # Nemotron as transformers 4 wrote it (rope_theta, partial_rotary_factor beside no
+        # table); without them half of each head (NemotronConfig's 0.5), also beside a
+        # table of its own without one (linear: frequencies over the turned dims, scaled)
+        (
+            NemotronModel,
+            NemotronConfig(num_key_value_heads=4, **NEOX),
+            "nemotron",
+            {"rope_parameters": None, "rope_theta": 500.0, "partial_rotary_factor": 0.25},
+            1,
+        ),
+        (
+            NemotronModel,
+            NemotronConfig(num_key_value_heads=2, **SMALL),
+            "nemotron",
+            {"rope_parameters": None, "head_dim": None},
+            0,
+        ),
+        (
+            NemotronModel,
+            NemotronConfig(num_key_value_heads=1, head_dim=16, **SMALL),
+            "nemotron",
+            {"rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}},
+            1,
+        ),
         # GPT-J without rotary_dim: 64 of each head's 128 (GPTJConfig's default), whatever
         # Llama's RoPE keys beside it say
         (
@@ -285,6 +311,9 @@ LLAMA_ROPE = {
         "phi_partial_rotary_factor_default",
         "stablelm_rope_theta_partial_rotary_factor",
         "stablelm_partial_rotary_factor_default",
+        "nemotron_rope_theta_partial_rotary_factor",
+        "nemotron_partial_rotary_factor_default",
+        "nemotron_rope_table_without_partial_rotary_factor",
         "gptj_rotary_dim_default",
         "gptj_aliases",
         "gptj_rotary_dim_fraction",
@@ -406,6 +435,26 @@ def test_ministral_without_head_dim_is_refused_as_transformers_builds_no_layer(t
         MinistralModel(AutoConfig.from_pretrained(tmp_path))
     for layer in (0, 1):
         with pytest.raises(ValueError, match="ministral config.json has no head_dim"):
+            read_hf_layer(tmp_path, layer)
+
+
+@pytest.mark.parametrize("gone", ["null", "left_out"])
+def test_nemotron_without_num_key_value_heads_is_refused_as_transformers_builds_no_layer(
+    tmp_path, gone
+):
+    # NemotronConfig leaves num_key_value_heads null (no fallback to num_attention_heads)
+    # and NemotronAttention divides by it: no layer to serve
+    NemotronConfig(**SMALL).save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    cfg = json.loads(path.read_text())
+    assert cfg["num_key_value_heads"] is None  # (as NemotronConfig writes it)
+    if gone == "left_out":
+        del cfg["num_key_value_heads"]
+        path.write_text(json.dumps(cfg))
+    with pytest.raises(TypeError):  # transformers' own: no layer to compare with
+        NemotronModel(AutoConfig.from_pretrained(tmp_path))
+    for layer in (0, 1):
+        with pytest.raises(ValueError, match="nemotron config.json has no num_key_value_heads"):
             read_hf_layer(tmp_path, layer)
 
 

@@ -22,6 +22,8 @@ What is served, per family (transformers' module names):
            partial RoPE by halves (partial_rotary_factor, 0.5 by default)
   stablelm StableLmAttention (StableLM 2, StableLM-3B): as Llama; q/k/v biases by
            use_qkv_bias (o_proj none: a zero bias); partial RoPE by halves (0.25)
+  nemotron NemotronAttention (Nemotron-3, Nemotron-4, Minitron): as Llama (q/k/v/o biases by
+           attention_bias, head_dim of its own); partial RoPE by halves (0.5 by default)
   llama, mistral, qwen2, qwen3, olmo2, gemma2, gemma3(_text), phi3, gpt_oss and the families whose
   attention is one of theirs (hf_families.FAMILIES: Mixtral, Qwen-MoE, OLMoE, Granite, ...)
            q_proj/k_proj/v_proj/o_proj (Phi-3: one qkv_proj) with GQA (num_key_value_heads)

@@ -55,6 +55,7 @@ FAMILIES = (
     "stablelm",
     # one fused query_key_value laid out per KV head, RoPE (MQA: Falcon-7B; GQA: 40B, 180B)
     "falcon",
+    "nemotron",
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA, read from
@@ -146,6 +147,11 @@ REQUIRED: dict[str, dict[str, str]] = {
         "(it fails to build the layer; it does not fall back to hidden_size / "
         "num_attention_heads)",
     },
+    "nemotron": {
+        "num_key_value_heads": "NemotronConfig leaves it null and NemotronAttention divides "
+        "num_attention_heads by it (it fails to build the layer; it does not fall back to "
+        "num_attention_heads)",
+    },
 }
 # Keys config.json may not set to null, and the families where it may not: transformers 5
 # builds no layer from the null (its config class types the key strictly, a bool or an int,
@@ -159,6 +165,7 @@ ALL = ("*",)
 _NORM_EPS_FREE = (
     *("bert", "gpt2", "olmo", "starcoder2", "cohere2", "cohere", "gpt_neox", "phi", "stablelm"),
     *("falcon", "gpt_bigcode", "bloom", "gptj"),
+    "nemotron",  # (its norm_eps)
 )
 _HEAD_DIM_FILLED = (
     "bert",
@@ -176,6 +183,7 @@ _HEAD_DIM_FILLED = (
     "gpt_neox",
     "stablelm",
     "falcon",  # (FalconConfig computes it; a head_dim in config.json is PROPERTIES')
+    "nemotron",
 )
 NOT_NULL: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
@@ -211,7 +219,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
         *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
-        "gpt_neox",
+        *("gpt_neox", "nemotron"),
     ),
     "use_bias": ("starcoder2",),
     "qkv_bias": ("qwen2_moe",),
@@ -298,15 +306,18 @@ NO_ROPE: dict[str, Callable[[dict[str, Any], int, str], bool]] = {
 INTERLEAVED_ROPE = ("cohere", "cohere2", "helium", "ernie4_5", "glm", "glm4")
 # Families whose RoPE may turn only part of each head (partial_rotary_factor: rope_parameters',
 # else config.json's, else this default; transformers' other families rotate every dim).
-PARTIAL_ROPE = {"glm": 0.5, "glm4": 0.5, "gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25}
+PARTIAL_ROPE = {
+    **{"glm": 0.5, "glm4": 0.5, "gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25},
+    "nemotron": 0.5,
+}
 # Families whose config reads RoPE's theta and partial factor beside the table under other
 # names (GPTNeoXConfig: rotary_emb_base, rotary_pct; it ignores config.json's rope_theta and
 # partial_rotary_factor there), and whose table takes a null of them as is (no layer built).
 ROPE_KEYS = {"gpt_neox": ("rotary_emb_base", "rotary_pct")}
 # Families whose attention computes with the factor as the config has it: a null builds no
-# layer (GPT-NeoX's config keeps it, Phi's and StableLM's drop it and their attention reads
-# it from the table; GLM's drops it and rotates every dim).
-PARTIAL_NOT_NULL = ("gpt_neox", "phi", "stablelm")
+# layer (GPT-NeoX's config keeps it, Phi's, StableLM's and Nemotron's drop it and their
+# attention reads it from the table; GLM's drops it and rotates every dim).
+PARTIAL_NOT_NULL = ("gpt_neox", "phi", "stablelm", "nemotron")
 # Families whose attention sizes its heads hidden_size / num_attention_heads whatever head_dim
 # says (their rotary embedding reads head_dim: one that differs builds no consistent layer),
 # and the families without GQA (num_key_value_heads is not read).
