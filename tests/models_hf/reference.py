@@ -14,6 +14,9 @@ from transformers import (
     BertModel,
     BloomConfig,
     BloomModel,
+    CodeGenConfig,
+    CodeGenForCausalLM,
+    CodeGenModel,
     Cohere2Config,
     Cohere2Model,
     CohereConfig,
@@ -496,6 +499,13 @@ CHECKPOINTS = {
         GPTJConfig(n_embd=64, n_head=4, n_layer=2, n_positions=256, rotary_dim=6, **COMMON),
         1,
     ),
+    # GPT-J's attention with one qkv_proj in 4 groups of [q; v; k]: 8 heads (2 a group),
+    # rotary_dim 6 of 8
+    "codegen": (
+        CodeGenForCausalLM,
+        CodeGenConfig(n_embd=64, n_head=8, n_layer=2, n_positions=256, rotary_dim=6, **COMMON),
+        0,
+    ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,
 # SmolLM3's NoPE one.
@@ -539,19 +549,19 @@ def load_reference(name: str, directory: Path):
 
 def attention_module(base, layer: int):
     """The layer's attention module (GPT-NeoX: .attention; Falcon, BLOOM: h[i].self_attention;
-    GPT-J: h[i].attn; the others: .self_attn)."""
+    GPT-J, CodeGen: h[i].attn; the others: .self_attn)."""
     if isinstance(base, (FalconModel, BloomModel)):
         return base.h[layer].self_attention
-    if isinstance(base, GPTJModel):
+    if isinstance(base, GPTJModel | CodeGenModel):
         return base.h[layer].attn
     block = base.layers[layer]
     return block.attention if isinstance(base, GPTNeoXModel) else block.self_attn
 
 
 def rotation_kwargs(base, layer: int, x: torch.Tensor, positions: torch.Tensor) -> dict:
-    """How the layer's attention module takes its positions (positions (1, L)): GPT-J's as
-    position_ids (it rotates by its own table), the others' as cos, sin."""
-    if isinstance(base, GPTJModel):
+    """How the layer's attention module takes its positions (positions (1, L)): GPT-J's and
+    CodeGen's as position_ids (they rotate by their own table), the others' as cos, sin."""
+    if isinstance(base, GPTJModel | CodeGenModel):
         return {"position_ids": positions}
     return {"position_embeddings": rotary(base, layer, x, positions)}
 
@@ -658,19 +668,20 @@ def reference_decode(
             out = base.h[layer].attn(chunk, attention_mask=mask, cache_position=pos, **cached)[0]
         else:  # the mask first, from the cache as it is before this chunk (as the models do)
             mask = layer_mask(base, layer, chunk, pos[None], cache)
-            # (GPTNeoXAttention, FalconAttention and GPTJAttention take their cache as
-            # layer_past; past_key_values they ignore)
+            # (GPTNeoXAttention, FalconAttention, GPTJAttention and CodeGenAttention take
+            # their cache as layer_past; past_key_values they ignore; CodeGen's takes no
+            # cache_position)
             past = (
                 "layer_past"
-                if isinstance(base, GPTNeoXModel | FalconModel | GPTJModel)
+                if isinstance(base, GPTNeoXModel | FalconModel | GPTJModel | CodeGenModel)
                 else "past_key_values"
             )
-            cached = {past: cache}
+            at = {} if family == "codegen" else {"cache_position": pos}
             out = attention_module(base, layer)(
                 chunk,
                 attention_mask=mask,
-                cache_position=pos,
-                **cached,
+                **at,
+                **{past: cache},
                 **_own_arguments(base),
                 **rotation_kwargs(base, layer, chunk, pos[None]),
             )[0]

@@ -57,6 +57,7 @@ OWN_KEYS = {
     ),
 }
 ABSOLUTE = ("gpt2", "bert", "gpt_bigcode")  # (no RoPE)
+OWN_KEYS["codegen"] = OWN_KEYS["gptj"]
 # Nulls inside the RoPE tables (set only where the key is there), and transformers 4's
 # spelling: rope_theta (and Gemma 3's rope_local_base_freq) beside no rope_parameters.
 NESTED = (

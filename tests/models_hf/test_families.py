@@ -13,6 +13,8 @@ import pytest
 import torch
 from transformers import (
     AutoConfig,
+    CodeGenConfig,
+    CodeGenModel,
     Cohere2Config,
     Cohere2Model,
     Exaone4Config,
@@ -289,6 +291,15 @@ LLAMA_ROPE = {
         ),
         # rotary_dim 30 of heads of 44: 30 / 44 * 44 is 29.999..., and int() of it 29
         (GPTJModel, GPTJConfig(n_embd=88, n_head=2, rotary_dim=30, **GPTJ), "gptj", {}, 0),
+        # CodeGen likewise: 64 of each head's 128, its 4 groups of one head each (weights
+        # smaller: n_embd 512 at 0.2 gives outputs in the hundreds)
+        (
+            CodeGenModel,
+            CodeGenConfig(n_embd=512, n_head=4, **{**GPTJ, "initializer_range": 0.05}),
+            "codegen",
+            {"rotary_dim": None, **LLAMA_ROPE},
+            1,
+        ),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -317,6 +328,7 @@ LLAMA_ROPE = {
         "gptj_rotary_dim_default",
         "gptj_aliases",
         "gptj_rotary_dim_fraction",
+        "codegen_rotary_dim_default",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(
@@ -436,6 +448,17 @@ def test_ministral_without_head_dim_is_refused_as_transformers_builds_no_layer(t
     for layer in (0, 1):
         with pytest.raises(ValueError, match="ministral config.json has no head_dim"):
             read_hf_layer(tmp_path, layer)
+
+
+def test_codegen_heads_not_in_its_four_groups_are_refused(tmp_path):
+    # CodeGenAttention reshapes qkv_proj's output into 4 groups (mp_num) of whole heads
+    config = CodeGenConfig(n_embd=48, n_head=6, rotary_dim=4, **GPTJ)
+    directory = _config_only(tmp_path, config)
+    with pytest.raises(RuntimeError), torch.no_grad():  # transformers' own: no layer runs
+        model = CodeGenModel(AutoConfig.from_pretrained(directory)).eval()
+        model(inputs_embeds=torch.zeros(1, 3, 48))
+    with pytest.raises(ValueError, match="codegen n_head 6 is not a multiple of 4"):
+        read_hf_layer(directory, 0)
 
 
 @pytest.mark.parametrize("gone", ["null", "left_out"])

@@ -12,6 +12,8 @@ What is served, per family (transformers' module names):
            not attention and is not applied
   gptj     GPTJAttention: q_proj/k_proj/v_proj and out_proj, no biases; partial RoPE by
            interleaved pairs (rotary_dim of each head)
+  codegen  CodeGenAttention: GPT-J's with one qkv_proj whose rows are 4 groups (mp_num), each
+           [q; v; k] of a quarter of the heads (regrouped here) and out_proj
   gpt_neox GPTNeoXAttention: query_key_value (its rows per head: q, k, v of head 0, then of
            head 1, ...; regrouped here) and dense, both with biases by attention_bias;
            partial RoPE by halves (rotary_pct)
@@ -45,6 +47,7 @@ from safetensors import SafetensorError, safe_open
 from .attention import MultiHeadAttention
 from .checks import check_sinks
 from .hf_config import HFLayer, read_hf_layer
+from .hf_families import CODEGEN_GROUPS
 
 # Per family: the attention tensors of layer {i}, without the checkpoint's own prefix
 # ("bert.", "transformer.", "model." or none, found from the file).
@@ -70,6 +73,7 @@ _NAMES = {
         "o": "layers.{i}.self_attn.o_proj",
     },
     "phi3": {"qkv": "layers.{i}.self_attn.qkv_proj", "o": "layers.{i}.self_attn.o_proj"},
+    "codegen": {"qkv": "h.{i}.attn.qkv_proj", "o": "h.{i}.attn.out_proj"},
     "gpt_neox": {"qkv": "layers.{i}.attention.query_key_value", "o": "layers.{i}.attention.dense"},
     "falcon": {"qkv": "h.{i}.self_attention.query_key_value", "o": "h.{i}.self_attention.dense"},
     "bloom": {
@@ -120,6 +124,13 @@ def load_hf_layer(
     elif info.family == "phi3":  # rows [q; k; v] already, as our wqkv
         w = _get(tensors, names["qkv"] + ".weight", (c.qkv_dim, E))
         wo = _get(tensors, names["o"] + ".weight", (E, H * D))
+        b = bo = None
+    elif info.family == "codegen":  # rows [q_g; v_g; k_g] per group g of H / 4 heads
+        # (CodeGenAttention reshapes qkv (..., 4, 3E / 4) and splits q, v, k): regrouped
+        w = _get(tensors, names["qkv"] + ".weight", (3 * E, E))
+        w = w.view(CODEGEN_GROUPS, 3, E // CODEGEN_GROUPS, E)  # (group, q/v/k, its rows, E)
+        w = torch.cat([w[:, part].reshape(E, E) for part in (0, 2, 1)])  # [Wq; Wk; Wv]
+        wo = _get(tensors, names["o"] + ".weight", (E, E))
         b = bo = None
     elif info.family in _GROUPED:  # one fused projection, rows per KV head: regrouped
         rows = grouped_rows(H, KVH, D)

@@ -15,6 +15,7 @@ from .hf_families import (
     ALIASES,
     ALL,
     BIAS,
+    CODEGEN_GROUPS,
     DEFAULTS,
     DERIVED_SLIDING,
     FAMILIES,
@@ -132,8 +133,8 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
         )
     if family == "bert":
         attention = _bert(cfg, config_path)
-    elif family == "gptj":
-        attention = _gptj(cfg, config_path)
+    elif family in ("gptj", "codegen"):
+        attention = _gptj(cfg, family, config_path)
     elif gpt2_names:
         attention = _gpt2(cfg, family, layer, config_path)
     elif family == "bloom":
@@ -207,27 +208,33 @@ def _bloom(cfg: dict[str, Any], where: Path) -> AttentionConfig:
     return AttentionConfig(E, H, bias=True, causal=True, alibi=True)
 
 
-def _gptj(cfg: dict[str, Any], where: Path) -> AttentionConfig:
-    """GPTJAttention: q/k/v/out_proj without biases, MHA, heads of n_embd / n_head; RoPE by
-    interleaved pairs (rotate_every_two) over the first rotary_dim dims of each head, theta
-    10000 (fixed: GPTJConfig reads no rope_theta nor RoPE table), frequencies over those dims;
-    scores divided by sqrt(head_dim)."""
+def _gptj(cfg: dict[str, Any], family: str, where: Path) -> AttentionConfig:
+    """GPTJAttention (CodeGenAttention: the same with one qkv_proj): q/k/v/out_proj without
+    biases, MHA, heads of n_embd / n_head; RoPE by interleaved pairs (rotate_every_two) over
+    the first rotary_dim dims of each head, theta 10000 (fixed: their configs read no
+    rope_theta nor RoPE table), frequencies over those dims; scores divided by sqrt(head_dim)."""
     E, H = _int(cfg, "n_embd", where), _int(cfg, "n_head", where)
     if E % H:
         raise ValueError(
-            f"{where}: n_embd {E} is not divisible by n_head {H} (GPTJAttention sizes its heads "
-            "n_embd / n_head and fails otherwise)"
+            f"{where}: n_embd {E} is not divisible by n_head {H} ({family}'s attention sizes "
+            "its heads n_embd / n_head and fails otherwise)"
+        )
+    if family == "codegen" and H % CODEGEN_GROUPS:
+        raise ValueError(
+            f"{where}: codegen n_head {H} is not a multiple of {CODEGEN_GROUPS}: "
+            f"CodeGenAttention splits qkv_proj into {CODEGEN_GROUPS} groups of whole heads "
+            "(its mp_num) and fails otherwise"
         )
     D, turned = E // H, cfg["rotary_dim"]
     if isinstance(turned, bool) or not isinstance(turned, int) or not 2 <= turned <= D:
         raise ValueError(
-            f"{where}: gptj rotary_dim must be an int from 2 to head_dim {D}, got {turned!r} "
-            "(GPTJAttention rotates the first rotary_dim dims of each head)"
+            f"{where}: {family} rotary_dim must be an int from 2 to head_dim {D}, got "
+            f"{turned!r} (its attention rotates the first rotary_dim dims of each head)"
         )
     if turned % 2:
         raise ValueError(
-            f"{where}: gptj rotary_dim {turned} is odd: GPTJAttention rotates dims by pairs "
-            "(its sin and cos cover rotary_dim + 1 dims and no layer runs)"
+            f"{where}: {family} rotary_dim {turned} is odd: its attention rotates dims by "
+            "pairs (its sin and cos cover rotary_dim + 1 dims and no layer runs)"
         )
     partial = turned / D
     while int(D * partial) < turned:  # (AttentionConfig turns int(head_dim * partial) dims)

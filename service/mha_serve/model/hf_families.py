@@ -14,6 +14,7 @@ FAMILIES = (
     "gpt_bigcode",  # (GPT-2's names for its keys, absolute positions; MQA by multi_query)
     "bloom",  # ALiBi (no RoPE), a fused per-head query_key_value as GPT-NeoX's
     "gptj",  # (GPT-2's names; its RoPE from its own keys: hf_config._gptj)
+    "codegen",  # (GPT-J's, its qkv_proj fused in 4 groups)
     "llama",
     "mistral",
     "qwen2",
@@ -59,11 +60,14 @@ FAMILIES = (
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA, read from
-# Llama's keys (GPT-J's RoPE and sizes are its own keys: hf_config._gptj).
-ROTARY = FAMILIES[5:]
+# Llama's keys (GPT-J's and CodeGen's RoPE and sizes are their own keys: hf_config._gptj).
+ROTARY = FAMILIES[6:]
 # Families that name their keys as GPT-2 does (n_embd, n_head, n_layer, n_positions; the
 # long names are aliases of them: ALIASES).
-GPT2_NAMES = ("gpt2", "gpt_bigcode", "gptj")
+GPT2_NAMES = ("gpt2", "gpt_bigcode", "gptj", "codegen")
+# CodeGenAttention's mp_num: its qkv_proj's rows are 4 groups, each [q; v; k] of a quarter
+# of the heads (hf.py regroups them).
+CODEGEN_GROUPS = 4
 # The per-layer attention kinds of config.json's layer_types that we serve.
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # transformers' defaults (its configuration_<family>.py) for the keys we read whose absence
@@ -137,7 +141,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "stablelm": {"num_key_value_heads": 32},
     "falcon": {"multi_query": True},
     "gpt_bigcode": {"multi_query": True},
-    "gptj": {"n_embd": 4096, "n_head": 16, "n_layer": 28, "n_positions": 2048, "rotary_dim": 64},
+    **dict.fromkeys(
+        ("gptj", "codegen"),
+        {"n_embd": 4096, "n_head": 16, "n_layer": 28, "n_positions": 2048, "rotary_dim": 64},
+    ),
 }
 # Keys a family's config.json must set (not null), and why: transformers builds no layer
 # without them, so whatever we served would be a layer transformers never runs.
@@ -164,7 +171,7 @@ ALL = ("*",)
 # (their norms are LayerNorms: rms_norm_eps is not theirs)
 _NORM_EPS_FREE = (
     *("bert", "gpt2", "olmo", "starcoder2", "cohere2", "cohere", "gpt_neox", "phi", "stablelm"),
-    *("falcon", "gpt_bigcode", "bloom", "gptj"),
+    *("falcon", "gpt_bigcode", "bloom", "gptj", "codegen"),
     "nemotron",  # (its norm_eps)
 )
 _HEAD_DIM_FILLED = (
@@ -173,6 +180,7 @@ _HEAD_DIM_FILLED = (
     "gpt_bigcode",  # (not read: heads of n_embd / n_head)
     "bloom",
     "gptj",
+    "codegen",
     "llama",
     "mistral",
     "mixtral",
@@ -196,7 +204,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("n_embd", "n_positions"), GPT2_NAMES),
     **dict.fromkeys(("n_head", "n_layer"), (*GPT2_NAMES, "bloom")),
     "scale_attn_weights": ("gpt2", "gpt_bigcode"),
-    "rotary_dim": ("gptj",),
+    "rotary_dim": ("gptj", "codegen"),
     # BloomConfig's typed fields (a null fails its validation; n_embed it drops when null)
     **dict.fromkeys(("pretraining_tp", "slow_but_exact"), ("bloom",)),
     "scale_attn_by_inverse_layer_idx": ("gpt2",),
