@@ -32,7 +32,7 @@ from transformers import (
 
 from mha_serve.model.hf import load_hf_layer
 from mha_serve.model.hf_config import read_hf_layer
-from tests.models_hf.reference import reference_attention
+from tests.models_hf.reference import INIT, reference_attention
 
 SMALL = {
     "hidden_size": 64,
@@ -46,9 +46,15 @@ SMALL = {
 
 
 def checkpoint(tmp_path, cls, config, **edits):
-    """cls(config) saved by transformers, then config.json's keys set (None: removed)."""
+    """cls(config) saved by transformers with random biases (it writes zeros, where a bias
+    mapped to the wrong rows would go unseen), then config.json's keys set (None: removed)."""
     torch.manual_seed(0)
-    cls(config).save_pretrained(tmp_path, safe_serialization=True)
+    model = cls(config)
+    with torch.no_grad():
+        for key, parameter in model.named_parameters():
+            if key.endswith(".bias"):
+                parameter.normal_(0.0, INIT)
+    model.save_pretrained(tmp_path, safe_serialization=True)
     path = tmp_path / "config.json"
     cfg = json.loads(path.read_text())
     for key, value in edits.items():

@@ -7,10 +7,7 @@ test_parity_grpc's and test_sessions_cache's; their nulls test_config_nulls'.)""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
 from transformers import (
     FalconConfig,
     FalconModel,
@@ -21,31 +18,12 @@ from transformers import (
 )
 
 from mha_serve.model.hf_config import read_hf_layer
-from tests.models_hf.reference import INIT
-from tests.models_hf.test_config_json import SMALL, assert_served_as_transformers
+from tests.models_hf.test_config_json import SMALL, assert_served_as_transformers, checkpoint
 from tests.models_hf.test_families import _config_only
 
 FALCON = {k: v for k, v in SMALL.items() if k != "intermediate_size"}
 BIGCODE = {"n_embd": 64, "n_head": 8, "n_layer": 2, "n_positions": 256, "vocab_size": 64}
 BIGCODE["initializer_range"] = SMALL["initializer_range"]
-
-
-def checkpoint(tmp_path, cls, config, **edits):
-    """cls(config) saved by transformers with random biases (it writes zeros, where a bias
-    mapped to the wrong rows would go unseen), then config.json's keys set (None: removed)."""
-    torch.manual_seed(0)
-    model = cls(config)
-    with torch.no_grad():
-        for key, parameter in model.named_parameters():
-            if key.endswith(".bias"):
-                parameter.normal_(0.0, INIT)
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    path = tmp_path / "config.json"
-    cfg = json.loads(path.read_text())
-    for key, value in edits.items():
-        cfg.pop(key, None) if value is None else cfg.__setitem__(key, value)
-    path.write_text(json.dumps(cfg))
-    return tmp_path
 
 
 @pytest.mark.parametrize(
