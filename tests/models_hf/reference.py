@@ -66,6 +66,9 @@ from transformers import (
     MistralModel,
     MixtralConfig,
     MixtralForCausalLM,
+    MptConfig,
+    MptForCausalLM,
+    MptModel,
     NemotronConfig,
     NemotronForCausalLM,
     Olmo2Config,
@@ -99,6 +102,7 @@ from transformers import (
 )
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 
 # Small, but every feature on: GQA and MQA, biases, RoPE scaling of each supported kind,
 # GPT-2's per-layer scaling, head_dim != hidden_size / heads, sliding windows (shorter than
@@ -140,6 +144,18 @@ CHECKPOINTS = {
     "bloom": (  # ALiBi over 12 heads (not a power of 2); query_key_value's rows per head
         BloomModel,
         BloomConfig(hidden_size=96, n_head=12, n_layer=2, **COMMON),
+        1,
+    ),
+    "mpt": (  # ALiBi over 12 heads; Wqkv's rows [q; k; v]; no biases; softmax_scale set
+        MptForCausalLM,
+        MptConfig(
+            d_model=96,
+            n_heads=12,
+            n_layers=2,
+            max_seq_len=256,
+            attn_config={"softmax_scale": 0.2},
+            **COMMON,
+        ),
         1,
     ),
     "llama": (
@@ -549,11 +565,13 @@ def load_reference(name: str, directory: Path):
 
 def attention_module(base, layer: int):
     """The layer's attention module (GPT-NeoX: .attention; Falcon, BLOOM: h[i].self_attention;
-    GPT-J, CodeGen: h[i].attn; the others: .self_attn)."""
+    GPT-J, CodeGen: h[i].attn; MPT: blocks[i].attn; the others: .self_attn)."""
     if isinstance(base, (FalconModel, BloomModel)):
         return base.h[layer].self_attention
     if isinstance(base, GPTJModel | CodeGenModel):
         return base.h[layer].attn
+    if isinstance(base, MptModel):
+        return base.blocks[layer].attn
     block = base.layers[layer]
     return block.attention if isinstance(base, GPTNeoXModel) else block.self_attn
 
@@ -634,6 +652,8 @@ def reference_attention(
         return out, weights
     if family == "bloom":
         return bloom_attention(base, layer, x, 0)
+    if family == "mpt":
+        return mpt_attention(base, layer, x, 0)
     positions = torch.arange(L)[None]
     assert x.shape[0] == 1, "one sequence at a time (the masks are built for one)"
     out, weights = attention_module(base, layer)(
@@ -659,6 +679,8 @@ def reference_decode(
         chunk = x[:, a:b]
         if family == "bloom":
             out = bloom_attention(base, layer, chunk, a, cache)[0]
+        elif family == "mpt":
+            out = mpt_attention(base, layer, chunk, a, cache)[0]
         elif family in ABSOLUTE:
             allowed = torch.arange(b)[None, :] <= pos[:, None]  # (b - a, b)
             mask = torch.zeros(1, 1, b - a, b)
@@ -700,5 +722,20 @@ def bloom_attention(base, layer: int, x: torch.Tensor, past: int, cache=None):
     mask = torch.zeros(1, 1, n, S).masked_fill(~allowed, torch.finfo(x.dtype).min)
     out, weights = base.h[layer].self_attention(
         x, torch.zeros_like(x), alibi, mask, layer_past=cache, use_cache=cache is not None
+    )[:2]
+    return out, weights
+
+
+def mpt_attention(base, layer: int, x: torch.Tensor, past: int, cache=None):
+    """MptAttention of `layer` over x (1, n, E) at positions past..past+n-1 (after the cache's
+    tokens), ALiBi as MptModel builds it (bias_max 8 over max_seq_len keys, whatever
+    attn_config says) and the causal mask as MptModel passes it (True: masked): (output,
+    weights)."""
+    n = x.shape[1]
+    S = past + n
+    alibi = build_mpt_alibi_tensor(base.config.n_heads, base.config.max_seq_len)  # (H, 1, M)
+    blocked = torch.arange(S)[None, :] > torch.arange(past, S)[:, None]  # (n, S)
+    out, weights = base.blocks[layer].attn(
+        x, position_bias=alibi, past_key_values=cache, attention_mask=blocked[None, None]
     )[:2]
     return out, weights

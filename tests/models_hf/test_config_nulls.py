@@ -55,6 +55,12 @@ OWN_KEYS = {
         *("rope_parameters", "partial_rotary_factor", "head_dim", "rms_norm_eps"),
         "num_key_value_heads",
     ),
+    "mpt": (
+        *("d_model", "n_heads", "n_layers", "max_seq_len", "no_bias", "attn_config"),
+        *(f"attn_config.{key}" for key in ("attn_type", "attn_pdrop", "attn_impl", "clip_qkv")),
+        *(f"attn_config.{key}" for key in ("softmax_scale", "prefix_lm", "qk_ln", "alibi")),
+        *(f"attn_config.{key}" for key in ("alibi_bias_max", "attn_uses_sequence_id")),
+    ),
 }
 ABSOLUTE = ("gpt2", "bert", "gpt_bigcode")  # (no RoPE)
 OWN_KEYS["codegen"] = OWN_KEYS["gptj"]
@@ -117,7 +123,11 @@ def transformers_runs(cls, directory):
         torch.manual_seed(0)
         model = cls._from_config(config, attn_implementation="eager").eval()
         base = getattr(model, "transformer", None) or getattr(model, "model", None) or model
-        blocks = base.h if hasattr(base, "h") else getattr(base, "layers", None) or []
+        blocks = (  # (MPT's: blocks)
+            base.h
+            if hasattr(base, "h")
+            else getattr(base, "layers", None) or getattr(base, "blocks", None) or []
+        )
         for i, block in enumerate(blocks):
             attention = (  # (GPT-2's attn, GPT-NeoX's attention, Falcon's and BLOOM's self_attention)
                 getattr(block, "attn", None)

@@ -14,6 +14,8 @@ What is served, per family (transformers' module names):
            interleaved pairs (rotary_dim of each head)
   codegen  CodeGenAttention: GPT-J's with one qkv_proj whose rows are 4 groups (mp_num), each
            [q; v; k] of a quarter of the heads (regrouped here) and out_proj
+  mpt      MptAttention (MPT-7B, 30B): Wqkv (rows [q; k; v] already, as ours) and out_proj,
+           no biases; ALiBi
   gpt_neox GPTNeoXAttention: query_key_value (its rows per head: q, k, v of head 0, then of
            head 1, ...; regrouped here) and dense, both with biases by attention_bias;
            partial RoPE by halves (rotary_pct)
@@ -74,6 +76,7 @@ _NAMES = {
     },
     "phi3": {"qkv": "layers.{i}.self_attn.qkv_proj", "o": "layers.{i}.self_attn.o_proj"},
     "codegen": {"qkv": "h.{i}.attn.qkv_proj", "o": "h.{i}.attn.out_proj"},
+    "mpt": {"qkv": "blocks.{i}.attn.Wqkv", "o": "blocks.{i}.attn.out_proj"},
     "gpt_neox": {"qkv": "layers.{i}.attention.query_key_value", "o": "layers.{i}.attention.dense"},
     "falcon": {"qkv": "h.{i}.self_attention.query_key_value", "o": "h.{i}.self_attention.dense"},
     "bloom": {
@@ -121,7 +124,7 @@ def load_hf_layer(
         b = _get(tensors, names["qkv"] + ".bias", (3 * E,))
         wo = _get(tensors, names["o"] + ".weight", (E, E)).t()
         bo = _get(tensors, names["o"] + ".bias", (E,))
-    elif info.family == "phi3":  # rows [q; k; v] already, as our wqkv
+    elif info.family in ("phi3", "mpt"):  # rows [q; k; v] already, as our wqkv (no biases)
         w = _get(tensors, names["qkv"] + ".weight", (c.qkv_dim, E))
         wo = _get(tensors, names["o"] + ".weight", (E, H * D))
         b = bo = None

@@ -24,6 +24,9 @@ from .hf_families import (
     LAYER_TYPES,
     LAYERNORM_QK,
     MHA_ONLY,
+    MPT_ATTN_DEFAULTS,
+    MPT_ATTN_IMPLS,
+    MPT_ATTN_NOT_NULL,
     MULTIMODAL,
     NO_ROPE,
     NOT_NULL,
@@ -124,6 +127,8 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
     layers_key = "num_hidden_layers"
     if gpt2_names or (family == "bloom" and layers_key not in cfg):  # (BloomConfig:
         layers_key = "n_layer"  # num_hidden_layers is its alias of n_layer, and wins)
+    elif family == "mpt":  # (ALIASES: num_hidden_layers, where set, is copied in)
+        layers_key = "n_layers"
     num_layers = _int(cfg, layers_key, config_path)
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
         raise ValueError(
@@ -139,9 +144,16 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
         attention = _gpt2(cfg, family, layer, config_path)
     elif family == "bloom":
         attention = _bloom(cfg, config_path)
+    elif family == "mpt":
+        attention = _mpt(cfg, config_path)
     else:
         attention = _rotary(cfg, kind, layer, config_path)
-    context = cfg.get("n_positions" if gpt2_names else "max_position_embeddings")
+    context_key = "max_position_embeddings"
+    if gpt2_names:
+        context_key = "n_positions"
+    elif family == "mpt":  # (MptModel's ALiBi tensor covers max_seq_len keys, no more)
+        context_key = "max_seq_len"
+    context = cfg.get(context_key)
     context = context if isinstance(context, int) and not isinstance(context, bool) else None
     zero = ()  # the projections whose bias the checkpoint has none of
     if family in ROTARY and attention.bias:
@@ -241,6 +253,71 @@ def _gptj(cfg: dict[str, Any], family: str, where: Path) -> AttentionConfig:
         partial = math.nextafter(partial, 2.0)
     rope = RopeConfig(theta=10_000.0, interleaved=True, partial=partial)
     return AttentionConfig(E, H, bias=False, causal=True, rope=rope)
+
+
+def _mpt(cfg: dict[str, Any], where: Path) -> AttentionConfig:
+    """MptAttention (MPT-7B, 30B): MHA over heads of d_model / n_heads, causal, no biases,
+    scores softmax_scale (null: 1 / sqrt(head_dim)) q . k plus ALiBi (build_mpt_alibi_tensor,
+    bias_max 8), no RoPE. What transformers' MptAttention and MosaicML's own code would
+    compute differently from one config.json is refused, naming the key (MPT_ATTN_*)."""
+    E, H = _int(cfg, "d_model", where), _int(cfg, "n_heads", where)
+    if E % H:
+        raise ValueError(
+            f"{where}: d_model {E} is not divisible by n_heads {H} (transformers' "
+            "MptAttention sizes its heads d_model / n_heads and builds no layer otherwise)"
+        )
+    attn = cfg.get("attn_config")
+    attn = {} if attn is None else attn
+    if not isinstance(attn, dict):
+        raise ValueError(f"{where}: mpt attn_config must be a table, got {attn!r}")
+    for key in MPT_ATTN_NOT_NULL:
+        if key in attn and attn[key] is None:
+            refuse_null(where, "mpt", f"attn_config.{key}")
+    attn = {**MPT_ATTN_DEFAULTS, **attn}
+
+    def refuse(key: str, why: str) -> None:
+        raise ValueError(f"{where}: mpt attn_config.{key} {attn[key]!r} is not supported: {why}")
+
+    if not cfg.get("no_bias", True):
+        raise ValueError(
+            f"{where}: mpt no_bias false is not supported: transformers' MptAttention builds "
+            "Wqkv and out_proj without biases whatever no_bias says (it drops a checkpoint's "
+            "biases) where MosaicML's code adds them"
+        )
+    if attn["attn_type"] != "multihead_attention":
+        refuse("attn_type", "transformers' MptAttention is multi-head whatever it says")
+    if attn["alibi"] is not True:
+        refuse(
+            "alibi",
+            "transformers' MptModel applies ALiBi whatever it says, MosaicML's code "
+            "learned positions instead",
+        )
+    if attn["alibi_bias_max"] != 8:
+        refuse(
+            "alibi_bias_max",
+            "transformers' MptModel builds its ALiBi with bias_max 8 whatever it says, "
+            "MosaicML's code with this one",
+        )
+    if attn["qk_ln"]:
+        refuse(
+            "qk_ln",
+            "MosaicML's code applies a LayerNorm to q and k, transformers' MptAttention none",
+        )
+    if attn["prefix_lm"]:
+        refuse("prefix_lm", "its prefix attends bidirectionally; mha-serve serves causal only")
+    if attn["clip_qkv"] is not None:
+        refuse("clip_qkv", "the projections clamped to +-clip_qkv, which mha-serve does not")
+    if attn["attn_impl"] not in MPT_ATTN_IMPLS:
+        refuse("attn_impl", f"MosaicML's code knows {', '.join(MPT_ATTN_IMPLS)} (the same math)")
+    for key, default in (("rope", False), ("qk_gn", False), ("fused_qkv", True)):
+        if attn.get(key, default) != default:
+            refuse(key, "an llm-foundry option transformers' MptAttention does not apply")
+    if attn.get("sliding_window_size", -1) not in (-1, None):
+        refuse("sliding_window_size", "transformers' MptAttention has no sliding window")
+    scale = attn["softmax_scale"]
+    if scale is not None:
+        scale = _number({"attn_config.softmax_scale": scale}, "attn_config.softmax_scale", where)
+    return AttentionConfig(E, H, bias=False, causal=True, softmax_scale=scale, alibi=True)
 
 
 def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> AttentionConfig:

@@ -15,6 +15,7 @@ FAMILIES = (
     "bloom",  # ALiBi (no RoPE), a fused per-head query_key_value as GPT-NeoX's
     "gptj",  # (GPT-2's names; its RoPE from its own keys: hf_config._gptj)
     "codegen",  # (GPT-J's, its qkv_proj fused in 4 groups)
+    "mpt",  # ALiBi (no RoPE), one fused Wqkv ([q; k; v]), its keys under attn_config
     "llama",
     "mistral",
     "qwen2",
@@ -61,7 +62,7 @@ FAMILIES = (
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA, read from
 # Llama's keys (GPT-J's and CodeGen's RoPE and sizes are their own keys: hf_config._gptj).
-ROTARY = FAMILIES[6:]
+ROTARY = FAMILIES[7:]
 # Families that name their keys as GPT-2 does (n_embd, n_head, n_layer, n_positions; the
 # long names are aliases of them: ALIASES).
 GPT2_NAMES = ("gpt2", "gpt_bigcode", "gptj", "codegen")
@@ -171,7 +172,7 @@ ALL = ("*",)
 # (their norms are LayerNorms: rms_norm_eps is not theirs)
 _NORM_EPS_FREE = (
     *("bert", "gpt2", "olmo", "starcoder2", "cohere2", "cohere", "gpt_neox", "phi", "stablelm"),
-    *("falcon", "gpt_bigcode", "bloom", "gptj", "codegen"),
+    *("falcon", "gpt_bigcode", "bloom", "gptj", "codegen", "mpt"),
     "nemotron",  # (its norm_eps)
 )
 _HEAD_DIM_FILLED = (
@@ -181,6 +182,7 @@ _HEAD_DIM_FILLED = (
     "bloom",
     "gptj",
     "codegen",
+    "mpt",  # (not read: heads of d_model / n_heads)
     "llama",
     "mistral",
     "mixtral",
@@ -198,8 +200,9 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         ("hidden_size", "num_attention_heads", "num_hidden_layers"),
         ALL,
     ),
-    # (BLOOM has no context: ALiBi sets none, and BloomConfig keeps a null it does not read)
-    "max_position_embeddings": tuple(f for f in FAMILIES if f != "bloom"),
+    # (BLOOM has no context: ALiBi sets none, and BloomConfig keeps a null it does not read;
+    # MPT's is max_seq_len)
+    "max_position_embeddings": tuple(f for f in FAMILIES if f not in ("bloom", "mpt")),
     # GPT-2's names (hidden_size, ... above are aliases of them; GPT-J's too) and flags
     **dict.fromkeys(("n_embd", "n_positions"), GPT2_NAMES),
     **dict.fromkeys(("n_head", "n_layer"), (*GPT2_NAMES, "bloom")),
@@ -207,6 +210,9 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     "rotary_dim": ("gptj", "codegen"),
     # BloomConfig's typed fields (a null fails its validation; n_embed it drops when null)
     **dict.fromkeys(("pretraining_tp", "slow_but_exact"), ("bloom",)),
+    # MptConfig's typed fields we read (hidden_size, ... above are aliases of the first
+    # three; attn_config null is MptAttentionConfig's defaults, its own nulls MPT_ATTN's)
+    **dict.fromkeys(("d_model", "n_heads", "n_layers", "max_seq_len", "no_bias"), ("mpt",)),
     "scale_attn_by_inverse_layer_idx": ("gpt2",),
     "add_cross_attention": ("gpt2", "bert", "gpt_bigcode"),
     # (GPTBigCodeConfig types them strictly; its attention reads them, its dropouts too)
@@ -344,6 +350,11 @@ PROPERTIES = {"falcon": ("head_dim", "rotary")}
 # a null one fails there: NOT_NULL's).
 ALIASES = {
     "falcon": {"n_embed": "hidden_size"},
+    "mpt": {
+        "hidden_size": "d_model",
+        "num_attention_heads": "n_heads",
+        "num_hidden_layers": "n_layers",
+    },
     **dict.fromkeys(
         GPT2_NAMES,
         {
@@ -354,6 +365,28 @@ ALIASES = {
         },
     ),
 }
+# MPT's attn_config (a table; null or left out: MptAttentionConfig's defaults, which fill
+# the keys it leaves out): the keys whose null MptAttentionConfig rejects (it types them
+# strictly), and the values under which transformers' MptAttention and MosaicML's own code
+# (trust_remote_code, which trained the checkpoints) compute the same layer; any other value
+# is refused (hf_config._mpt says why, per key). attn_impl: MosaicML's three kernels, the
+# same math. llm-foundry's keys transformers does not know (rope, qk_gn, fused_qkv,
+# sliding_window_size) are refused where they change the layer.
+MPT_ATTN_NOT_NULL = (
+    *("attn_type", "attn_pdrop", "attn_impl", "prefix_lm", "qk_ln"),
+    *("attn_uses_sequence_id", "alibi", "alibi_bias_max"),
+)
+MPT_ATTN_DEFAULTS: dict[str, Any] = {
+    "attn_type": "multihead_attention",
+    "attn_impl": "torch",
+    "clip_qkv": None,
+    "softmax_scale": None,
+    "prefix_lm": False,
+    "qk_ln": False,
+    "alibi": True,
+    "alibi_bias_max": 8,
+}
+MPT_ATTN_IMPLS = ("torch", "flash", "triton")
 # Families refused whole, and why (the attention differs from every family above).
 UNSERVED = {
     "hunyuan_v1_dense": "its q/k norm comes after RoPE",
@@ -362,11 +395,6 @@ UNSERVED = {
     "llama4": "chunked attention, L2 q/k norm and NoPE layers with temperature tuning",
     "deepseek_v3": "multi-head latent attention (low-rank q and kv projections)",
     "persimmon": "its q/k norm is a LayerNorm (qk_layernorm, on by default and in Persimmon-8B)",
-    "mpt": (
-        "its fused Wqkv with clip_qkv and a q/k LayerNorm (qk_ln), its alibi_bias_max and "
-        "its no-ALiBi variant (learned positions) are not mapped yet; ALiBi itself is served "
-        "(BLOOM)"
-    ),
 }
 # Families with a RoPE table per layer type, and how their configs fill the tables of a
 # transformers 4 config.json (rope_theta + rope_scaling, the global layers' only): (global
