@@ -146,11 +146,12 @@ def test_example_config_shows_every_key_and_the_server_defaults(tmp_path):
     assert {k: v for k, v in server.items() if getattr(defaults, k) != v} == {}
     model_keys = {f.name for f in fields(ModelSpec) if f.name != "attention"}
     model_keys |= {f.name for f in fields(AttentionConfig)}
-    shown = set(re.findall(r"^#? ?([a-z_]+) = ", text.split("[[models]]", 1)[1], flags=re.M))
+    shown = set(re.findall(r"^#? ?([a-z0-9_]+) = ", text.split("[[models]]", 1)[1], flags=re.M))
     assert model_keys - shown == set()
     # the commented family options are values the server takes
     # (ALiBi goes without softcap and sinks: its lines on their own, below)
-    options = {f.name for f in fields(AttentionConfig)} - {"alibi", "alibi_bias_max"}
+    alibi = {"alibi", "alibi_bias_max", "alibi_scale", "alibi_bfloat16"}
+    options = {f.name for f in fields(AttentionConfig)} - alibi
 
     def uncommented(keys: set[str]) -> AttentionConfig:
         lines = [
@@ -168,8 +169,13 @@ def test_example_config_shows_every_key_and_the_server_defaults(tmp_path):
         "head",
         10000.0,
     )
-    gqa = uncommented({"alibi", "alibi_bias_max"})
-    assert (gqa.alibi, gqa.alibi_bias_max) == (True, 8.0)
+    gqa = uncommented(alibi)
+    assert (gqa.alibi, gqa.alibi_bias_max, gqa.alibi_scale, gqa.alibi_bfloat16) == (
+        True,
+        8.0,
+        0.125,
+        True,
+    )
     readme = (root / "README.md").read_text().split("## Serving", 1)[1]
     rows = re.findall(r"^\| (`--.*?) \|", readme.split("\n\n| flag |", 1)[1].split("\n\n")[0], re.M)
     flags = {f for row in rows for f in re.findall(r"`--([a-z-]+)", row)}

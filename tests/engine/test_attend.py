@@ -35,6 +35,16 @@ MODELS = [
     ModelSpec("sinks", AttentionConfig(64, 8, 2, sinks=True, sliding_window=6), seed=6),
     # BLOOM's ALiBi over 12 heads (not a power of 2) in 4 KV groups, small blocks.
     ModelSpec("alibi", AttentionConfig(96, 12, 4, alibi=True), seed=9, kv_block_size=4),
+    # Falcon-RW's form: slope * position in bfloat16, the bias scaled; with a window, so
+    # that a step's keys start past position 0 (its terms need absolute positions).
+    ModelSpec(
+        "alibi_rw",
+        AttentionConfig(
+            96, 12, 4, alibi=True, alibi_scale=8**-0.5, alibi_bfloat16=True, sliding_window=7
+        ),
+        seed=10,
+        kv_block_size=4,
+    ),
 ]
 NAMES = [m.name for m in MODELS]
 # Pasts and first steps whose key counts (3, 6, 21, 35, 41, 301) make two padded groups

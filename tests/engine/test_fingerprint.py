@@ -16,6 +16,9 @@ from mha_serve.model import AttentionConfig
 # the weights of fixed_weights: AttentionConfig then had no `sinks` field.
 PINNED_CONFIG = AttentionConfig(64, 8, 2, rope={"theta": 100.0}, sliding_window=16)
 PINNED = "fb36ffaa8e22fd549f12d4b57f9b4f261eab6a765bba491171efafb0589d595d"
+# What the release before alibi_scale and alibi_bfloat16 (6aad783) computed for PINNED_CONFIG
+# with alibi, the same weights.
+PINNED_ALIBI = "a983e69ca9e875566d51c147d0a6671001a15d3d86d6d7d82be89205775c3e5e"
 
 
 def hosted_with_fixed_weights(config: AttentionConfig):
@@ -54,6 +57,19 @@ def test_alibi_and_its_bias_max_change_the_fingerprint():
     seen = {plain}
     for option in ({"alibi": True}, {"alibi": True, "alibi_bias_max": 4.0}):
         other = hosted_with_fixed_weights(dataclasses.replace(PINNED_CONFIG, **option))
+        seen.add(model_fingerprint(other))
+    assert len(seen) == 3
+
+
+def test_alibi_scale_and_bfloat16_change_the_fingerprint_only_when_set():
+    """alibi_scale and alibi_bfloat16 (Falcon-RW's form, added after alibi) are hashed only
+    when set: an ALiBi model without them keeps the fingerprint it had; each gives another."""
+    alibi = dataclasses.replace(PINNED_CONFIG, alibi=True)
+    plain = model_fingerprint(hosted_with_fixed_weights(alibi))
+    assert plain == PINNED_ALIBI
+    seen = {plain}
+    for option in ({"alibi_scale": 0.5}, {"alibi_bfloat16": True}):
+        other = hosted_with_fixed_weights(dataclasses.replace(alibi, **option))
         seen.add(model_fingerprint(other))
     assert len(seen) == 3
 

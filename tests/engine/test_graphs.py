@@ -183,7 +183,7 @@ RAGGED = [2, 16, 299, 0, 40, 5]
 
 
 @pytest.mark.parametrize(
-    "name", ["mha", "gqa", "mqa", "rope", "win", "cap", "sinks", "alibi", "narrow"]
+    "name", ["mha", "gqa", "mqa", "rope", "win", "cap", "sinks", "alibi", "alibi_rw", "narrow"]
 )
 def test_ragged_batch_matches_the_batched_step(engine, name):
     got = both_ways(engine, name, RAGGED)
@@ -281,7 +281,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs nee
 
 
 @cuda
-@pytest.mark.parametrize("name", ["gqa", "rope", "sinks", "alibi"])
+@pytest.mark.parametrize("name", ["gqa", "rope", "sinks", "alibi", "alibi_rw"])
 def test_graph_replay_equals_eager_on_cuda(name):
     engine = make_engine(torch.device("cuda"))
     hosted, cache = engine.get(name), engine.sessions.cache(name)

@@ -1,6 +1,7 @@
 """ALiBi (AttentionConfig.alibi) on every path of the module against test_families' float64
-reference (slope * key position, slopes as transformers' build_alibi_tensor writes them),
-at 8 heads and at 12 (not a power of 2), MHA, GQA and MQA: a padded stateless batch (the
+reference (slope * key position, slopes as transformers' build_alibi_tensor writes them;
+Falcon-RW's form, alibi_scale and alibi_bfloat16, with each term rounded as a bfloat16 is,
+written out), at 8 heads and at 12 (not a power of 2), MHA, GQA and MQA: a padded stateless batch (the
 fused path's output, the weights path's, its weights, a query range, narrowed heads),
 session steps over keys at absolute positions (a lone step, a step with weights, decode
 steps), a ragged batch of steps one kernel per session and in one padded kernel. Refusals
@@ -27,9 +28,16 @@ SHAPES = {
 }
 
 
-def make(shape: str, *, bias_max: float = 8.0, seed: int = 0) -> MultiHeadAttention:
+# The bias's forms: exact (BLOOM, MPT), and Falcon-RW's (bfloat16(slope) * position rounded
+# to bfloat16, scaled by the scores' 1 / sqrt(head_dim); head_dim 8 here).
+FORMS = {"exact": {}, "falcon_rw": {"alibi_scale": 8**-0.5, "alibi_bfloat16": True}}
+
+
+def make(
+    shape: str, *, bias_max: float = 8.0, seed: int = 0, form: str = "exact"
+) -> MultiHeadAttention:
     H, KVH, E = SHAPES[shape]
-    config = AttentionConfig(E, H, KVH, alibi=True, alibi_bias_max=bias_max)
+    config = AttentionConfig(E, H, KVH, alibi=True, alibi_bias_max=bias_max, **FORMS[form])
     module = MultiHeadAttention(config)
     init_weights(module, seed)
     with torch.no_grad():  # sharp attention: a wrong bias shows far above tolerance
@@ -51,10 +59,11 @@ def test_slopes_are_transformers(H, bias_max):
     )
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("causal", [True, False])
-def test_stateless_batch_equals_the_reference(shape, causal):
-    module = make(shape)
+def test_stateless_batch_equals_the_reference(shape, causal, form):
+    module = make(shape, form=form)
     E = module.config.embed_dim
     x = tokens(3, 13, E, seed=1)
     lengths = torch.tensor([13, 9, 2])
@@ -79,13 +88,14 @@ def test_stateless_batch_equals_the_reference(shape, causal):
     assert_close(alone.output, want[1:2, :9], what="one unpadded sequence")
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("sizes", [[6, 1, 1, 5, 1], [1] * 7, [3, 9]])
-def test_session_steps_see_keys_at_session_positions(shape, sizes):
+def test_session_steps_see_keys_at_session_positions(shape, sizes, form):
     """Steps over a session's keys (all of them, from position 0): the lone step's path (no
     weights), with weights (columns over absolute positions) and a ragged batch of two
     sessions; each row equals its row of the reference over the whole sequence."""
-    module = make(shape)
+    module = make(shape, form=form)
     E = module.config.embed_dim
     L = sum(sizes)
     x = tokens(1, L, E, seed=2)
@@ -105,13 +115,14 @@ def test_session_steps_see_keys_at_session_positions(shape, sizes):
             past += n
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize(("pasts", "news"), [([0, 5, 11, 3], [4, 1, 3, 2]), ([7, 20, 2], [1] * 3)])
-def test_a_ragged_batch_per_session_and_padded_equals_the_reference(shape, pasts, news):
+def test_a_ragged_batch_per_session_and_padded_equals_the_reference(shape, pasts, news, form):
     """Several sessions at different pasts in one step: attend_cached (a kernel per session,
     decode rows included) and attend_padded (one kernel, keys padded to one width with junk)
     give each session's rows of its reference."""
-    module = make(shape)
+    module = make(shape, form=form)
     c = module.config
     H, KVH, D, E = c.num_heads, c.num_kv_heads, c.head_dim, c.embed_dim
     B, T = len(pasts), max(news)
@@ -160,21 +171,24 @@ def test_a_window_read_starts_past_zero_and_keeps_positions():
             assert_close(padded, want[:, past : past + n], what=f"padded window step at {past}")
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("shape", ["8_gqa", "12_gqa"])
-def test_far_into_a_session_the_bias_is_exact(shape):
+def test_far_into_a_session_the_bias_is_exact(shape, form):
     """A windowed session 2^18 tokens in: its steps read 5 keys at positions ~262k. The
     softmax sees only differences of key positions, so a query or its keys placed at other
     positions (a chunk's, or 0..) give the same answer in exact arithmetic; but a bias
     slope * position of such size is rounded in float32 (ulp 2^-7 at 2^17), so only the
     difference (key - query), both at session positions, stays exact. Equals the reference
-    of the same tokens at positions 0.. (no RoPE: where a window starts changes nothing)."""
+    of the same tokens at positions P.. (no RoPE: where a window starts changes nothing;
+    Falcon-RW's bfloat16 terms, every one of them a bfloat16 value, subtracted exactly)."""
     H, KVH, E = SHAPES[shape]
-    module = MultiHeadAttention(AttentionConfig(E, H, KVH, alibi=True, sliding_window=5))
+    config = AttentionConfig(E, H, KVH, alibi=True, sliding_window=5, **FORMS[form])
+    module = MultiHeadAttention(config)
     init_weights(module, 7)
     module.eval()
     x = tokens(1, 12, E, seed=8)
-    want, want_w = reference(module, x, causal=True)
     P = 1 << 18  # x's token 0 is the session's token P
+    want, want_w = reference(module, x, causal=True, first_position=P)
     with torch.no_grad():
         q, k, v = module.project(x)
         for t, n in ((6, 1), (7, 3), (10, 2)):  # steps at tokens P + t.. of x's t..
@@ -209,12 +223,12 @@ def test_decode_one_leaves_alibi_to_the_step():
 
 def test_slopes_follow_the_module_and_stay_float32():
     module = make("12_gqa")
-    slopes = module.alibi_slopes.clone()
+    slopes = module.alibi.slopes.clone()
     module.to(torch.bfloat16)
-    assert module.alibi_slopes.dtype == torch.float32 and torch.equal(module.alibi_slopes, slopes)
+    assert module.alibi.slopes.dtype == torch.float32 and torch.equal(module.alibi.slopes, slopes)
     module.to("meta")
-    assert module.alibi_slopes.device.type == "meta"
-    assert "alibi_slopes" not in module.state_dict()
+    assert module.alibi.slopes.device.type == "meta"
+    assert not any("alibi" in name for name in module.state_dict())
 
 
 def test_low_precision_stays_near_float32():
@@ -233,9 +247,18 @@ def test_low_precision_stays_near_float32():
 def test_the_config_round_trips_and_refuses_what_it_cannot_do():
     c = AttentionConfig(96, 12, alibi=True, alibi_bias_max=6)
     assert c.alibi_bias_max == 6.0 and AttentionConfig.from_dict(c.to_dict()) == c
+    assert not {"alibi_scale", "alibi_bfloat16"} & set(c.to_dict())  # (written only when set)
+    rw = AttentionConfig(96, 12, alibi=True, alibi_scale=1, alibi_bfloat16=True)
+    assert rw.alibi_scale == 1.0 and AttentionConfig.from_dict(rw.to_dict()) == rw
+    assert rw.to_dict()["alibi_bfloat16"] is True
     assert "alibi" not in AttentionConfig(96, 12).to_dict()
     assert "alibi_bias_max" not in AttentionConfig(96, 12).to_dict()
     for kwargs, piece in (
+        ({"alibi_scale": 0.5}, "alibi_scale is set but alibi is not"),
+        ({"alibi_bfloat16": True}, "alibi_bfloat16 is set but alibi is not"),
+        ({"alibi": True, "alibi_scale": 0.0}, "alibi_scale must be a finite number > 0"),
+        ({"alibi": True, "alibi_scale": True}, "alibi_scale must be a number > 0"),
+        ({"alibi": True, "alibi_bfloat16": 1}, "alibi_bfloat16 must be a bool"),
         ({"alibi": 1}, "alibi must be a bool"),
         ({"alibi": True, "alibi_bias_max": 0}, "alibi_bias_max must be a finite number > 0"),
         ({"alibi": True, "alibi_bias_max": "8"}, "alibi_bias_max must be a number"),

@@ -37,6 +37,11 @@ OPTIONS = {
     "rope_partial": {"rope": RopeConfig(theta=300.0, partial=0.5), "qk_norm": QKNormConfig()},
     "sinks_window": {"sinks": True, "sliding_window": 4, "softmax_scale": 0.2},
     "alibi": {"alibi": True},  # BLOOM (6 heads: not a power of 2)
+    "alibi_falcon_rw": {  # Falcon-RW's form: bfloat16 slope * position, scaled
+        "alibi": True,
+        "alibi_scale": 0.3,
+        "alibi_bfloat16": True,
+    },
     "alibi_window_norm": {  # MPT's alibi_bias_max, with a window and a q/k norm
         "alibi": True,
         "alibi_bias_max": 4.0,
@@ -86,9 +91,18 @@ def reference_slopes(H, bias_max=8.0):
     return torch.tensor(slopes + extra, dtype=torch.float64)
 
 
-def reference(module, x, *, lengths=None, causal=True):
+def bfloat16_round(t):
+    """float64 t rounded to the nearest bfloat16 value (8 significant bits, ties to even),
+    written out: each value's mantissa in [0.5, 1) to a multiple of 2^-8."""
+    mantissa, exponent = torch.frexp(t)
+    return torch.ldexp(torch.round(mantissa * 256) / 256, exponent)
+
+
+def reference(module, x, *, lengths=None, causal=True, first_position=0):
     """Every option written out in float64 over positions 0..L-1, by loops where it says
-    what a key may see: (output (B, L, E), weights (B, H, L, L))."""
+    what a key may see: (output (B, L, E), weights (B, H, L, L)). ALiBi's bias over
+    positions first_position.. (the softmax is the same at any start, but for Falcon-RW's
+    bfloat16 form)."""
     c = module.config
     H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
     B, L, _ = x.shape
@@ -122,9 +136,14 @@ def reference(module, x, *, lengths=None, causal=True):
     if c.softcap is not None:
         scores = c.softcap * torch.tanh(scores / c.softcap)
     if c.alibi:  # slope * key position: each row shifted by a constant, the same softmax
-        scores = scores + reference_slopes(H, c.alibi_bias_max).view(1, H, 1, 1) * torch.arange(
-            L, dtype=torch.float64
-        )
+        slopes = reference_slopes(H, c.alibi_bias_max)[:, None]  # (H, 1)
+        at = first_position + torch.arange(L, dtype=torch.float64)  # (L,)
+        if c.alibi_bfloat16:  # Falcon-RW: bfloat16(slope) * bfloat16(position), in bfloat16
+            bias = bfloat16_round(bfloat16_round(slopes) * bfloat16_round(at))
+        else:
+            bias = slopes * at  # (H, L)
+        scale = 1.0 if c.alibi_scale is None else c.alibi_scale
+        scores = scores + scale * bias.view(1, H, 1, L)
     n = [L] * B if lengths is None else list(lengths)
     allowed = torch.zeros(B, 1, L, L, dtype=torch.bool)
     for b in range(B):

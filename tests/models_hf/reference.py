@@ -102,6 +102,9 @@ from transformers import (
 )
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+from transformers.models.falcon.modeling_falcon import (
+    build_alibi_tensor as build_falcon_alibi_tensor,
+)
 from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 
 # Small, but every feature on: GQA and MQA, biases, RoPE scaling of each supported kind,
@@ -522,6 +525,19 @@ CHECKPOINTS = {
         CodeGenConfig(n_embd=64, n_head=8, n_layer=2, n_positions=256, rotary_dim=6, **COMMON),
         0,
     ),
+    # Falcon-RW: ALiBi (bfloat16 slope * position, added to q . k before 1 / sqrt(head_dim)),
+    # no RoPE; MHA over 12 heads of 8 (slopes not a power of 2's), rows per head, biases
+    "falcon_rw": (
+        FalconForCausalLM,
+        FalconConfig(
+            alibi=True,
+            multi_query=False,
+            bias=True,
+            parallel_attn=False,
+            **{**FALCON, "hidden_size": 96, "num_attention_heads": 12},
+        ),
+        1,
+    ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,
 # SmolLM3's NoPE one.
@@ -654,6 +670,8 @@ def reference_attention(
         return bloom_attention(base, layer, x, 0)
     if family == "mpt":
         return mpt_attention(base, layer, x, 0)
+    if family == "falcon_rw":
+        return falcon_rw_attention(base, layer, x, 0)
     positions = torch.arange(L)[None]
     assert x.shape[0] == 1, "one sequence at a time (the masks are built for one)"
     out, weights = attention_module(base, layer)(
@@ -681,6 +699,8 @@ def reference_decode(
             out = bloom_attention(base, layer, chunk, a, cache)[0]
         elif family == "mpt":
             out = mpt_attention(base, layer, chunk, a, cache)[0]
+        elif family == "falcon_rw":
+            out = falcon_rw_attention(base, layer, chunk, a, cache)[0]
         elif family in ABSOLUTE:
             allowed = torch.arange(b)[None, :] <= pos[:, None]  # (b - a, b)
             mask = torch.zeros(1, 1, b - a, b)
@@ -737,5 +757,24 @@ def mpt_attention(base, layer: int, x: torch.Tensor, past: int, cache=None):
     blocked = torch.arange(S)[None, :] > torch.arange(past, S)[:, None]  # (n, S)
     out, weights = base.blocks[layer].attn(
         x, position_bias=alibi, past_key_values=cache, attention_mask=blocked[None, None]
+    )[:2]
+    return out, weights
+
+
+def falcon_rw_attention(base, layer: int, x: torch.Tensor, past: int, cache=None):
+    """FalconAttention of `layer` (Falcon-RW: alibi) over x (1, n, E) at positions
+    past..past+n-1 (after the cache's tokens): the ALiBi of Falcon's build_alibi_tensor and
+    the causal mask alone, as tiiuae's own code and FalconModel's SDPA path give them (its
+    eager path puts the bias into the mask too, so FalconAttention adds it twice): (output,
+    weights)."""
+    n = x.shape[1]
+    S = past + n
+    alibi = build_falcon_alibi_tensor(
+        torch.ones(1, S, dtype=torch.long), base.config.num_attention_heads, x.dtype
+    )
+    allowed = torch.arange(S)[None, :] <= torch.arange(past, S)[:, None]  # (n, S)
+    mask = torch.zeros(1, 1, n, S, dtype=x.dtype).masked_fill(~allowed, torch.finfo(x.dtype).min)
+    out, weights = base.h[layer].self_attention(
+        x, alibi, mask, layer_past=cache, use_cache=cache is not None, output_attentions=True
     )[:2]
     return out, weights

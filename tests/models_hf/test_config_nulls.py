@@ -121,7 +121,10 @@ def transformers_runs(cls, directory):
     try:
         config = AutoConfig.from_pretrained(directory)
         torch.manual_seed(0)
-        model = cls._from_config(config, attn_implementation="eager").eval()
+        # (Falcon-RW: transformers' eager FalconModel adds the ALiBi twice, in the mask it
+        # builds and in FalconAttention; its SDPA path once, as tiiuae's own code)
+        rw = config.model_type == "falcon" and getattr(config, "alibi", False) is True
+        model = cls._from_config(config, attn_implementation="sdpa" if rw else "eager").eval()
         base = getattr(model, "transformer", None) or getattr(model, "model", None) or model
         blocks = (  # (MPT's: blocks)
             base.h

@@ -70,12 +70,6 @@ def test_falcon_layouts_are_served_as_transformers_runs_them(
 @pytest.mark.parametrize(
     ("config", "edits", "piece"),
     [
-        # Falcon-RW: ALiBi position biases, not RoPE
-        (
-            FalconConfig(**FALCON),
-            {"alibi": True},
-            "falcon alibi true is not supported (Falcon-RW: ALiBi",
-        ),
         # FalconConfig computes head_dim and rotary: transformers loads no config.json that
         # sets them (a property without a setter), even to what it computes
         (FalconConfig(**FALCON), {"head_dim": 8}, "falcon config.json sets head_dim (8)"),
@@ -98,7 +92,7 @@ def test_falcon_layouts_are_served_as_transformers_runs_them(
             "hidden_size 68 is not divisible by num_attention_heads 8",
         ),
     ],
-    ids=["alibi", "head_dim", "rotary", "mha_num_kv_heads", "new_decoder_num_kv_heads", "E%H"],
+    ids=["head_dim", "rotary", "mha_num_kv_heads", "new_decoder_num_kv_heads", "E%H"],
 )
 def test_falcon_variants_we_cannot_serve_exactly_are_refused_by_name(
     tmp_path, config, edits, piece

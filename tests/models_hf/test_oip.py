@@ -70,3 +70,11 @@ def test_bloom_infer_and_a_sequence_and_its_config_names_alibi(served, oip):
     config = oip.ModelConfig(ip.ModelConfigRequest(name="bloom")).config
     params = {k: v.string_value for k, v in config.parameters.items()}
     assert params["alibi"] == "bias_max 8" and "rope" not in params, params
+
+
+def test_falcon_rw_config_names_its_alibi_form(served, oip):
+    """Falcon-RW's ModelConfig: ALiBi with its scale (1 / sqrt(head_dim 8)) and bfloat16
+    terms, no rope; BLOOM's names neither (above)."""
+    config = oip.ModelConfig(ip.ModelConfigRequest(name="falcon_rw")).config
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert params["alibi"] == "bias_max 8, scale 0.353553, bfloat16" and "rope" not in params

@@ -24,6 +24,9 @@ def model_fingerprint(hosted: HostedModel) -> str:
         del config["sinks"]
     if not config["alibi"]:  # (likewise ALiBi, and its bias_max, read only with it)
         del config["alibi"], config["alibi_bias_max"]
+    for name, default in (("alibi_scale", None), ("alibi_bfloat16", False)):  # (likewise)
+        if config[name] == default:
+            del config[name]
     rope = config["rope"]
     if rope is not None:  # (likewise RoPE's interleaved pairs and partial rotation)
         for name, default in (("interleaved", False), ("partial", 1.0)):

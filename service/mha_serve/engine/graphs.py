@@ -252,10 +252,11 @@ class StaticDecode:
         )
         allowed = (j < length[:, None])[:, None, None, :]  # (Bb, 1, 1, W)
         alibi = None
-        if self.module.alibi_slopes is not None:
-            # Column j is position read_start + j, the token's is read_start + length - 1:
-            # only their difference counts, so j against length - 1 (no host value).
-            alibi = (self.module.alibi_slopes, (length - 1)[:, None], j)  # (Bb, 1), (1, W)
+        if self.module.alibi is not None:
+            # Column j is position read_start + j = pos - length + 1 + j, the token's pos:
+            # absolute, as Falcon-RW's bfloat16 form needs (no host value).
+            first = (pos - length + 1)[:, None]  # (Bb, 1)
+            alibi = (self.module.alibi, pos[:, None], first + j)  # (Bb, 1), (Bb, W)
         y = attend_padded(
             q,
             keys,

@@ -15,7 +15,7 @@ from torch import nn
 from mha_serve.transfer import list_tensor
 
 from . import steps
-from .alibi import alibi_bias, alibi_slopes, positions
+from .alibi import AlibiSlopes, alibi_bias, alibi_slopes, positions
 from .cached import capped_scores, explicit_attention, sink_softmax
 from .checks import check_head_mask, check_heads, check_input, check_query_range, valid_positions
 from .config import AttentionConfig
@@ -58,11 +58,15 @@ class MultiHeadAttention(nn.Module):
             # q and k rotated by halves or by pairs, all of each head or its first rope_dim
             self.rotate = rotation(config.rope, config.rope_dim, config.head_dim)
         # ALiBi's slopes (H,): float32 and on the weights' device as rope_freq (not a buffer:
-        # derived from the config, not in the state dict).
-        self.alibi_slopes = None
+        # derived from the config, not in the state dict), with the bias's form.
+        self.alibi = None
         if config.alibi:
             slopes = alibi_slopes(config.num_heads, config.alibi_bias_max)
-            self.alibi_slopes = slopes if device is None else slopes.to(device)
+            self.alibi = AlibiSlopes(
+                slopes if device is None else slopes.to(device),
+                1.0 if config.alibi_scale is None else config.alibi_scale,
+                config.alibi_bfloat16,
+            )
         # Fused projection whose rows are [Wq; Wk; Wv] (as gpt-fast): one matmul,
         # and exactly nn.MultiheadAttention's in_proj_weight layout when KVH == H.
         self.wqkv = nn.Linear(
@@ -147,7 +151,7 @@ class MultiHeadAttention(nn.Module):
         mask = None
         if valid is not None or _cuts(c.sliding_window, L):
             mask = self._allowed(valid, causal, 0, L, L, x.device)  # (B|1, 1, L, L)
-        if c.softcap is None and self.sinks is None and self.alibi_slopes is None:
+        if c.softcap is None and self.sinks is None and self.alibi is None:
             y = F.scaled_dot_product_attention(
                 q,
                 k,
@@ -161,9 +165,9 @@ class MultiHeadAttention(nn.Module):
             if mask is None and causal:
                 mask = self._allowed(None, True, 0, L, L, x.device)  # (1, 1, L, L)
             alibi = None
-            if self.alibi_slopes is not None:  # token i of every sequence at position i
+            if self.alibi is not None:  # token i of every sequence at position i
                 at = positions(0, L, x.device)  # (1, L)
-                alibi = (self.alibi_slopes, at, at)
+                alibi = (self.alibi, at, at)
             y = explicit_attention(
                 q, k, v, mask, self.scale, c.softcap, self.sinks, alibi
             )  # (B, H, L, D)
@@ -207,8 +211,8 @@ class MultiHeadAttention(nn.Module):
         super()._apply(fn, recurse)
         if self.rope_freq is not None:  # the device only: it stays float32
             self.rope_freq = self.rope_freq.to(self.wqkv.weight.device)
-        if self.alibi_slopes is not None:  # (likewise)
-            self.alibi_slopes = self.alibi_slopes.to(self.wqkv.weight.device)
+        if self.alibi is not None:  # (likewise)
+            self.alibi = self.alibi.to(self.wqkv.weight.device)
         return self
 
     def project(
@@ -301,10 +305,10 @@ class MultiHeadAttention(nn.Module):
         qh = q[:, idx]  # (B, n, R, D)
         kh = k[:, idx // self.config.group_size]  # (B, n, S, D): GQA head h reads kv h // G
         scores = capped_scores(qh, kh, self.scale, self.config.softcap)  # (B, n, R, S) float32
-        if self.alibi_slopes is not None:
+        if self.alibi is not None:
             rows = positions(q_pos, q.shape[2], q.device)  # (1, R)
             cols = positions(k_pos, k.shape[2], q.device)  # (1, S)
-            scores += alibi_bias(self.alibi_slopes[idx], rows, cols)  # (1, n, R, S)
+            scores += alibi_bias(self.alibi.heads(idx), rows, cols)  # (1, n, R, S)
         if allowed is not None:
             scores.masked_fill_(~allowed, float("-inf"))
         sinks = None

@@ -24,11 +24,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .alibi import alibi_bias, positions
+from .alibi import AlibiSlopes, alibi_bias, positions
 
-# ALiBi for explicit_attention: (slopes (H,) float32, query positions (B|1, R), key
-# positions (B|1, S)), absolute positions.
-Alibi = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# ALiBi for explicit_attention: (the module's AlibiSlopes over H heads, query positions
+# (B|1, R), key positions (B|1, S)), absolute positions.
+Alibi = tuple[AlibiSlopes, torch.Tensor, torch.Tensor]
 
 # explicit_attention holds at most this many float32 scores at a time (64 MiB).
 EXPLICIT_CHUNK_ELEMENTS = 1 << 24
@@ -52,12 +52,12 @@ def attend_one(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
-    alibi: torch.Tensor | None = None,
+    alibi: AlibiSlopes | None = None,
 ) -> torch.Tensor:
     """One sequence: q (1, H, n, D) at positions past..past+n-1 over keys, values
     (1, KVH, S, D) at positions first_key..past+n-1, causally and within the sliding window
     (query p sees key j when p - window < j <= p); sinks (H,): each head's sink logit
-    (sink_softmax); alibi (H,): each head's ALiBi slope, over those absolute positions.
+    (sink_softmax); alibi: each head's ALiBi slope (and its form), over those absolute positions.
     Returns (1, H, n, D) in q's dtype."""
     _, H, n, _ = q.shape
     S, KVH = keys.shape[2], keys.shape[1]

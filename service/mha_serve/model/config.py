@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 Variant = Literal["mha", "gqa", "mqa"]
 
-_BOOL_FIELDS = ("bias", "causal", "sinks", "alibi")
+_BOOL_FIELDS = ("bias", "causal", "sinks", "alibi", "alibi_bfloat16")
 # Boolean options written out (to_dict) only when true: a config without them reads as before.
-_SET_ONLY = ("sinks", "alibi")
+_SET_ONLY = ("sinks", "alibi", "alibi_bfloat16")
 # RoPE variants whose frequencies are fixed at load time, so that keys rotated once and
 # cached stay right. "dynamic" and "longrope" change frequencies with the sequence length.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -156,6 +156,15 @@ class AttentionConfig:
     # The slopes' spread: head h of n = 2^ceil(log2 H) has slope 2^(-alibi_bias_max * h / n)
     # (8: the paper's and BLOOM's; MPT's alibi_bias_max). Read only with alibi.
     alibi_bias_max: float = 8.0
+    # The factor on the bias (Falcon-RW: 1 / sqrt(head_dim), the scores' own: it adds the
+    # bias to q . k before scaling both, so its slopes are slope / sqrt(head_dim)). None: 1.
+    # Only with alibi.
+    alibi_scale: float | None = None
+    # slope * position in bfloat16, each term rounded as Falcon-RW's build_alibi_tensor
+    # rounds it (bfloat16(slope) * position, positions absolute: a session's); up to 0.4% of
+    # the bias apart from the exact one, which transformers' Falcon-RW does not compute.
+    # False: exact. Only with alibi.
+    alibi_bfloat16: bool = False
 
     def __post_init__(self) -> None:
         # Values often come from TOML or safetensors metadata, so check types
@@ -196,6 +205,19 @@ class AttentionConfig:
         if not 0 < bias_max < math.inf:
             raise ValueError(f"alibi_bias_max must be a finite number > 0, got {bias_max!r}")
         object.__setattr__(self, "alibi_bias_max", float(bias_max))
+        if self.alibi_scale is not None:
+            scale = self.alibi_scale
+            if isinstance(scale, bool) or not isinstance(scale, int | float):
+                raise ValueError(f"alibi_scale must be a number > 0, got {scale!r}")
+            if not 0 < scale < math.inf:
+                raise ValueError(f"alibi_scale must be a finite number > 0, got {scale!r}")
+            object.__setattr__(self, "alibi_scale", float(scale))
+        for name in ("alibi_scale", "alibi_bfloat16"):
+            if not self.alibi and getattr(self, name) not in (None, False):
+                raise ValueError(
+                    f"{name} is set but alibi is not: it shapes ALiBi's bias; set alibi = "
+                    f"true, or leave {name} out"
+                )
         if self.alibi and (self.softcap is not None or self.sinks):
             raise ValueError(
                 "alibi with softcap or sinks is not supported: no family has both, and where "
@@ -273,8 +295,8 @@ class AttentionConfig:
         return factor
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, resolved (no None: the options only when set, sinks and alibi only
-        when True, alibi_bias_max only with alibi; rope and qk_norm as dicts of their
+        """Every field, resolved (no None: the options only when set, sinks, alibi and
+        alibi_bfloat16 only when True, alibi_bias_max only with alibi; rope and qk_norm as dicts of their
         fields), so the dict is the config on its own."""
         d = asdict(self)
         if not self.alibi:

@@ -21,7 +21,8 @@ What is served, per family (transformers' module names):
            partial RoPE by halves (rotary_pct)
   falcon   FalconAttention: query_key_value (rows per KV head: its query heads, k, v;
            regrouped here: GQA with new_decoder_architecture, MQA with multi_query, else
-           MHA) and dense, both with biases by bias; RoPE
+           MHA) and dense, both with biases by bias; RoPE, or with alibi (Falcon-RW) ALiBi
+           in its form (bfloat16 slope * position, scaled by 1 / sqrt(head_dim))
   phi      PhiAttention (Phi-1, 1.5, 2): q_proj/k_proj/v_proj and dense, all with biases;
            partial RoPE by halves (partial_rotary_factor, 0.5 by default)
   stablelm StableLmAttention (StableLM 2, StableLM-3B): as Llama; q/k/v biases by

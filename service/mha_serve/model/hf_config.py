@@ -389,6 +389,10 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
                 "transformers' Gemma3Attention does not apply it (set it to null to serve "
                 "the layer as transformers runs it)"
             )
+    # Falcon-RW (alibi, no RoPE: NO_ROPE): FalconAttention adds build_alibi_tensor's bias,
+    # bfloat16(slope) * position in bfloat16, to q . k and scales both by 1 / sqrt(head_dim)
+    alibi = family == "falcon" and bool(cfg.get("alibi"))
+    alibi_form = {"alibi_scale": D**-0.5, "alibi_bfloat16": True} if alibi else {}
     try:
         return AttentionConfig(
             E,
@@ -403,6 +407,8 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
             qk_norm=qk_norm,
             softcap=softcap,
             sinks=family == "gpt_oss",  # GptOssAttention's sinks: a logit per query head
+            alibi=alibi,
+            **alibi_form,
         )
     except ValueError as e:
         raise ValueError(f"{where}: layer {layer}: {e}") from None
@@ -411,12 +417,7 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
 def _falcon_kv_heads(cfg: dict[str, Any], H: int, where: Path) -> int:
     """FalconAttention's KV heads: num_kv_heads (null: num_attention_heads) in the new decoder
     architecture (Falcon-40B, 180B: grouped query heads), one with multi_query (Falcon-7B),
-    else num_attention_heads (MHA). Its ALiBi (Falcon-RW) is refused."""
-    if cfg.get("alibi"):
-        raise ValueError(
-            f"{where}: falcon alibi true is not supported (Falcon-RW: ALiBi position biases "
-            "added to the scores, where mha-serve serves Falcon's rotary layers, alibi false)"
-        )
+    else num_attention_heads (MHA); its ALiBi (Falcon-RW) beside any of them."""
     kv = cfg.get("num_kv_heads")
     kv = H if kv is None else kv
     new = cfg.get("new_decoder_architecture")

@@ -315,6 +315,7 @@ NO_ROPE: dict[str, Callable[[dict[str, Any], int, str], bool]] = {
     "smollm3": lambda c, i, kind: not smollm3_rope(c, i),
     "cohere2": lambda c, i, kind: kind == "full_attention",
     "exaone4": lambda c, i, kind: kind == "full_attention" and c.get("sliding_window") is not None,
+    "falcon": lambda c, i, kind: bool(c.get("alibi")),  # (Falcon-RW: ALiBi instead)
 }
 # Families whose RoPE rotates interleaved pairs (x[0::2], x[1::2]), not the two halves.
 INTERLEAVED_ROPE = ("cohere", "cohere2", "helium", "ernie4_5", "glm", "glm4")

@@ -80,7 +80,7 @@ def attend_cached(
             window=c.sliding_window,
             softcap=c.softcap,
             sinks=self.sinks,
-            alibi=self.alibi_slopes,
+            alibi=self.alibi,
         )
         if new != T:  # padded rows zero
             y = torch.cat([y, y.new_zeros(1, H, T - new, D)], dim=2)
@@ -126,7 +126,7 @@ def attend_cached(
             window=c.sliding_window,
             softcap=c.softcap,
             sinks=self.sinks,
-            alibi=self.alibi_slopes,
+            alibi=self.alibi,
         )  # (1, H, n, D)
         ys.append(y_b)
         if need_weights:
@@ -176,7 +176,7 @@ def attend_step(
     y = attend_one(
         q, keys, values, past, self.scale,
         first_key=first_key, window=c.sliding_window, softcap=c.softcap, sinks=self.sinks,
-        alibi=self.alibi_slopes,
+        alibi=self.alibi,
     )  # fmt: skip
     return self._merge_heads(y, None, None)  # (1, T, E)
 
@@ -260,11 +260,11 @@ def attend_padded(
         past_lengths, new_lengths, first_keys, T, S, c.sliding_window, q.device
     )  # (B, 1, T, S) or None
     alibi = None
-    if self.alibi_slopes is not None:  # row b's token t at past[b] + t, column j at first[b] + j
+    if self.alibi is not None:  # row b's token t at past[b] + t, column j at first[b] + j
         starts = list_tensor([list(past_lengths), list(first_keys)], q.device)  # (2, B)
         rows = starts[0][:, None] + torch.arange(T, device=q.device)  # (B, T)
         cols = starts[1][:, None] + torch.arange(S, device=q.device)  # (B, S)
-        alibi = (self.alibi_slopes, rows, cols)
+        alibi = (self.alibi, rows, cols)
     y = padded_attention(
         q, keys, values, allowed, self.scale, softcap=c.softcap, sinks=self.sinks, alibi=alibi
     )

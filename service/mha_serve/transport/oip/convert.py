@@ -254,6 +254,10 @@ def model_config(hosted: ModelView, *, sessions: bool, session_ttl_s: float) -> 
         described["sinks"] = "true"
     if cfg.alibi:
         described["alibi"] = f"bias_max {cfg.alibi_bias_max:g}"
+        if cfg.alibi_scale is not None:
+            described["alibi"] += f", scale {cfg.alibi_scale:g}"
+        if cfg.alibi_bfloat16:
+            described["alibi"] += ", bfloat16"
     if cfg.rope is not None:
         rope = cfg.rope
         described["rope"] = (
