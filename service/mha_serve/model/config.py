@@ -194,24 +194,10 @@ class AttentionConfig:
             )
         if self.sliding_window is not None:
             _check_positive_int("sliding_window", self.sliding_window)
-        if self.softcap is not None:
-            cap = self.softcap
-            if isinstance(cap, bool) or not isinstance(cap, int | float) or not 0 < cap < math.inf:
-                raise ValueError(f"softcap must be a finite number > 0, got {cap!r}")
-            object.__setattr__(self, "softcap", float(cap))
-        bias_max = self.alibi_bias_max
-        if isinstance(bias_max, bool) or not isinstance(bias_max, int | float):
-            raise ValueError(f"alibi_bias_max must be a number > 0, got {bias_max!r}")
-        if not 0 < bias_max < math.inf:
-            raise ValueError(f"alibi_bias_max must be a finite number > 0, got {bias_max!r}")
-        object.__setattr__(self, "alibi_bias_max", float(bias_max))
-        if self.alibi_scale is not None:
-            scale = self.alibi_scale
-            if isinstance(scale, bool) or not isinstance(scale, int | float):
-                raise ValueError(f"alibi_scale must be a number > 0, got {scale!r}")
-            if not 0 < scale < math.inf:
-                raise ValueError(f"alibi_scale must be a finite number > 0, got {scale!r}")
-            object.__setattr__(self, "alibi_scale", float(scale))
+        for name in ("softcap", "alibi_bias_max", "alibi_scale"):  # (the first and last: None
+            value = getattr(self, name)  # is off; alibi_bias_max has no None)
+            if value is not None or name == "alibi_bias_max":
+                object.__setattr__(self, name, _positive_number(name, value))
         for name in ("alibi_scale", "alibi_bfloat16"):
             if not self.alibi and getattr(self, name) not in (None, False):
                 raise ValueError(
@@ -322,6 +308,15 @@ def _from_table(cls: type, d: dict[str, Any], name: str) -> Any:
     if unknown:
         raise ValueError(f"unknown {name} key(s) {unknown}; valid keys are {valid}")
     return cls(**d)
+
+
+def _positive_number(name: str, value: Any) -> float:
+    """value as a float, when it is a finite number > 0 (ValueError naming `name` otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    if not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
 
 
 def _check_positive_int(name: str, value: Any) -> None:

@@ -198,6 +198,16 @@ def _gpt2(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attentio
         raise ValueError(f"{where}: {e}") from None
 
 
+def _whole_heads(E: int, H: int, keys: tuple[str, str], attention: str, where: Path) -> None:
+    """ValueError unless E splits into H whole heads: `attention` (transformers') sizes its
+    heads E / H (keys: the config's names of E and H) and builds no layer otherwise."""
+    if E % H:
+        raise ValueError(
+            f"{where}: {keys[0]} {E} is not divisible by {keys[1]} {H} (transformers' "
+            f"{attention} sizes its heads {keys[0]} / {keys[1]} and builds no layer otherwise)"
+        )
+
+
 def _bloom(cfg: dict[str, Any], where: Path) -> AttentionConfig:
     """BloomAttention: MHA over heads of hidden_size / n_head, causal, biases always, scores
     1 / sqrt(head_dim) q . k plus ALiBi (build_alibi_tensor's slopes), no RoPE. BloomConfig's
@@ -205,11 +215,7 @@ def _bloom(cfg: dict[str, Any], where: Path) -> AttentionConfig:
     n_head and wins where present."""
     E = _int(cfg, "n_embed" if cfg.get("n_embed") is not None else "hidden_size", where)
     H = _int(cfg, "num_attention_heads" if "num_attention_heads" in cfg else "n_head", where)
-    if E % H:
-        raise ValueError(
-            f"{where}: hidden_size {E} is not divisible by n_head {H} (transformers' "
-            "BloomAttention sizes its heads hidden_size / n_head and builds no layer otherwise)"
-        )
+    _whole_heads(E, H, ("hidden_size", "n_head"), "BloomAttention", where)
     tp = cfg.get("pretraining_tp", 1)
     if cfg.get("slow_but_exact", False) and not (isinstance(tp, int) and tp <= 1):
         raise ValueError(
@@ -226,11 +232,7 @@ def _gptj(cfg: dict[str, Any], family: str, where: Path) -> AttentionConfig:
     the first rotary_dim dims of each head, theta 10000 (fixed: their configs read no
     rope_theta nor RoPE table), frequencies over those dims; scores divided by sqrt(head_dim)."""
     E, H = _int(cfg, "n_embd", where), _int(cfg, "n_head", where)
-    if E % H:
-        raise ValueError(
-            f"{where}: n_embd {E} is not divisible by n_head {H} ({family}'s attention sizes "
-            "its heads n_embd / n_head and fails otherwise)"
-        )
+    _whole_heads(E, H, ("n_embd", "n_head"), family, where)
     if family == "codegen" and H % CODEGEN_GROUPS:
         raise ValueError(
             f"{where}: codegen n_head {H} is not a multiple of {CODEGEN_GROUPS}: "
@@ -261,11 +263,7 @@ def _mpt(cfg: dict[str, Any], where: Path) -> AttentionConfig:
     bias_max 8), no RoPE. What transformers' MptAttention and MosaicML's own code would
     compute differently from one config.json is refused, naming the key (MPT_ATTN_*)."""
     E, H = _int(cfg, "d_model", where), _int(cfg, "n_heads", where)
-    if E % H:
-        raise ValueError(
-            f"{where}: d_model {E} is not divisible by n_heads {H} (transformers' "
-            "MptAttention sizes its heads d_model / n_heads and builds no layer otherwise)"
-        )
+    _whole_heads(E, H, ("d_model", "n_heads"), "MptAttention", where)
     attn = cfg.get("attn_config")
     attn = {} if attn is None else attn
     if not isinstance(attn, dict):
@@ -328,11 +326,8 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
     if family == "falcon":
         KVH = _falcon_kv_heads(cfg, H, where)
     D = cfg.get("head_dim") or E // H
-    if family in HEADS_BY_HIDDEN and E % H:
-        raise ValueError(
-            f"{where}: hidden_size {E} is not divisible by num_attention_heads {H} "
-            f"(transformers' {family} sizes its heads hidden_size / num_attention_heads)"
-        )
+    if family in HEADS_BY_HIDDEN:
+        _whole_heads(E, H, ("hidden_size", "num_attention_heads"), family, where)
     if family in HEADS_BY_HIDDEN and D != E // H:
         raise ValueError(
             f"{where}: {family} head_dim {D} is not supported: transformers' {family} sizes its "

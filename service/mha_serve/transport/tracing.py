@@ -57,21 +57,16 @@ class Spans:
     """The tracer of a process and what its spans share."""
 
     def __init__(self, endpoint: str, sample_ratio: float, role: str) -> None:
-        try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-            from opentelemetry.sdk.resources import Resource
-            from opentelemetry.sdk.trace import TracerProvider
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor
-            from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-            from opentelemetry.trace import SpanKind, Status, StatusCode
-            from opentelemetry.trace.propagation.tracecontext import (
-                TraceContextTextMapPropagator,
-            )
-        except ImportError as e:
-            raise ValueError(
-                f"tracing_endpoint is set but OpenTelemetry is not installed ({e.name}): {EXTRA}"
-            ) from None
+        check_installed(endpoint)  # (what each import below needs)
         from importlib.metadata import PackageNotFoundError, version
+
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         try:
             release = version("mha-serve")
@@ -93,8 +88,6 @@ class Spans:
         self.propagator = TraceContextTextMapPropagator()
         self.server_kind = SpanKind.SERVER
         self.error = lambda details: Status(StatusCode.ERROR, details)
-        from opentelemetry.trace import set_span_in_context
-
         self.in_context = set_span_in_context
 
     def start(self, method: str, model: str, protocol: str, context: Any) -> Any:
