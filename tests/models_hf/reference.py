@@ -37,6 +37,8 @@ from transformers import (
     GemmaModel,
     Glm4Config,
     Glm4Model,
+    Glm4MoeConfig,
+    Glm4MoeModel,
     GlmConfig,
     GlmModel,
     GPT2Config,
@@ -535,6 +537,25 @@ CHECKPOINTS = {
             bias=True,
             parallel_attn=False,
             **{**FALCON, "hidden_size": 96, "num_attention_heads": 12},
+        ),
+        1,
+    ),
+    # GLM-4.5/4.6/4.7: RoPE by halves over half of each head (Glm4MoeConfig's 0.5; GLM and
+    # GLM-4 interleave), q/k RMSNorm per head (use_qk_norm), q/k/v biases, o_proj none;
+    # its MoE MLP (never read) from layer 1 on, as small as it goes
+    "glm4_moe": (
+        Glm4MoeModel,
+        Glm4MoeConfig(
+            num_key_value_heads=2,
+            head_dim=16,
+            use_qk_norm=True,
+            attention_bias=True,
+            n_routed_experts=2,
+            n_shared_experts=1,
+            num_experts_per_tok=1,
+            moe_intermediate_size=32,
+            pad_token_id=0,
+            **ROTARY,
         ),
         1,
     ),

@@ -18,6 +18,8 @@ from transformers import (
     Cohere2Config,
     Cohere2Model,
     Exaone4Config,
+    Glm4MoeConfig,
+    Glm4MoeModel,
     GPTJConfig,
     GPTJModel,
     GPTNeoXConfig,
@@ -300,6 +302,15 @@ LLAMA_ROPE = {
             {"rotary_dim": None, **LLAMA_ROPE},
             1,
         ),
+        # GLM-4-MoE without use_qk_norm (no q/k norm: GLM-4.5-Air's) nor a partial factor
+        # (half of each head: Glm4MoeConfig's 0.5), its head_dim hidden_size / heads
+        (
+            Glm4MoeModel,
+            Glm4MoeConfig(num_key_value_heads=2, n_routed_experts=2, **MOE, **SMALL),
+            "glm4_moe",
+            {"use_qk_norm": None, "rope_parameters": None, "head_dim": None},
+            1,
+        ),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -329,6 +340,7 @@ LLAMA_ROPE = {
         "gptj_aliases",
         "gptj_rotary_dim_fraction",
         "codegen_rotary_dim_default",
+        "glm4_moe_defaults",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(

@@ -34,6 +34,7 @@ from .hf_families import (
     PARTIAL_ROPE,
     PROPERTIES,
     QK_NORM,
+    QK_NORM_SWITCH,
     REQUIRED,
     ROTARY,
     SCALE,
@@ -370,7 +371,9 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
     if nope is None or not nope(cfg, layer, layer_type):
         rope = read_rope(cfg, layer_type, where)
     qk_norm = None
-    if family in QK_NORM:  # before RoPE; per head, or over the whole projection
+    switch = QK_NORM_SWITCH.get(family)  # (GLM-4-MoE's use_qk_norm: off by default)
+    if family in QK_NORM and (switch is None or cfg.get(switch)):
+        # before RoPE; per head, or over the whole projection
         qk_norm = QKNormConfig(QK_NORM[family], cfg.get("rms_norm_eps", 1e-6))
     scale = softcap = None
     if family in SCALE:

@@ -58,6 +58,8 @@ FAMILIES = (
     # one fused query_key_value laid out per KV head, RoPE (MQA: Falcon-7B; GQA: 40B, 180B)
     "falcon",
     "nemotron",
+    # (newer) attention as one of the above, with the options the tables below give them
+    "glm4_moe",  # GLM-4.5, 4.6, 4.7: RoPE by halves over half of each head, q/k norm optional
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA, read from
@@ -139,6 +141,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         ("glm", "glm4"), {"num_key_value_heads": 2, "head_dim": 128, "attention_bias": True}
     ),
     "gpt_neox": {"attention_bias": True},
+    "glm4_moe": {"num_key_value_heads": 8, "rms_norm_eps": 1e-5},
     "stablelm": {"num_key_value_heads": 32},
     "falcon": {"multi_query": True},
     "gpt_bigcode": {"multi_query": True},
@@ -227,14 +230,15 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     "num_key_value_heads": (
         *("mistral", "mixtral", "ministral", "starcoder2", "qwen2_moe", "qwen3_moe"),
         *("gemma", "gemma2", "gemma3_text", "exaone4", "gpt_oss", "helium", "glm", "glm4"),
-        "stablelm",
+        *("stablelm", "glm4_moe"),
     ),
     "attention_bias": (
         *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
         *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
-        *("gpt_neox", "nemotron"),
+        *("gpt_neox", "nemotron", "glm4_moe"),
     ),
+    "use_qk_norm": ("glm4_moe",),
     "use_bias": ("starcoder2",),
     "qkv_bias": ("qwen2_moe",),
     "qk_layernorm": ("phi", "stablelm"),
@@ -273,13 +277,15 @@ O_BIAS: dict[str, str | bool] = {
     "qwen2": False,
     "qwen2_moe": False,
     "seed_oss": "attention_out_bias",
-    **dict.fromkeys(("helium", "glm", "glm4", "stablelm"), False),
+    **dict.fromkeys(("helium", "glm", "glm4", "stablelm", "glm4_moe"), False),
 }
 # q/k RMSNorm: per head (over head_dim) or over the whole projection (all heads together).
 QK_NORM = {
-    **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4"), "head"),
+    **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "glm4_moe"), "head"),
     **dict.fromkeys(("olmo2", "olmoe", "olmo3"), "projection"),
 }
+# Families whose q/k norm (QK_NORM's) is there only when a config.json key turns it on.
+QK_NORM_SWITCH = {"glm4_moe": "use_qk_norm"}
 # The softmax scale: (config key, power) -> value ** power; default head_dim ** -0.5.
 SCALE = {
     **dict.fromkeys(("gemma2", "gemma3_text"), ("query_pre_attn_scalar", -0.5)),
@@ -324,6 +330,7 @@ INTERLEAVED_ROPE = ("cohere", "cohere2", "helium", "ernie4_5", "glm", "glm4")
 PARTIAL_ROPE = {
     **{"glm": 0.5, "glm4": 0.5, "gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25},
     "nemotron": 0.5,
+    "glm4_moe": 0.5,  # (Glm4MoeConfig's default, by halves where GLM and GLM-4 interleave)
 }
 # Families whose config reads RoPE's theta and partial factor beside the table under other
 # names (GPTNeoXConfig: rotary_emb_base, rotary_pct; it ignores config.json's rope_theta and
