@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    ApertusConfig,
+    ApertusModel,
     ArceeConfig,
     ArceeModel,
     BertModel,
@@ -558,6 +560,13 @@ CHECKPOINTS = {
             **ROTARY,
         ),
         1,
+    ),
+    # Apertus: Qwen3's per-head q/k norm, q/k/v/o biases (attention_bias), GQA 8:2, and
+    # ApertusConfig's own RoPE table (llama3, theta 12e6, its 8192-token pretraining context)
+    "apertus": (
+        ApertusModel,
+        ApertusConfig(num_key_value_heads=2, attention_bias=True, **ROTARY),
+        0,
     ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,

@@ -12,6 +12,8 @@ import json
 import pytest
 import torch
 from transformers import (
+    ApertusConfig,
+    ApertusModel,
     AutoConfig,
     CodeGenConfig,
     CodeGenModel,
@@ -311,6 +313,26 @@ LLAMA_ROPE = {
             {"use_qk_norm": None, "rope_parameters": None, "head_dim": None},
             1,
         ),
+        # Apertus without a RoPE table: ApertusConfig's llama3 table, theta 12e6 included
+        # (a transformers 4 rope_theta beside no table is ignored), MHA without
+        # num_key_value_heads; and a table without rope_theta: its default_theta 12e6
+        (
+            ApertusModel,
+            ApertusConfig(num_key_value_heads=2, **SMALL),
+            "apertus",
+            {"rope_parameters": None, "rope_theta": 500.0},
+            1,
+        ),
+        (
+            ApertusModel,
+            ApertusConfig(**SMALL),
+            "apertus",
+            {
+                "rope_parameters": {"rope_type": "linear", "factor": 2.0},
+                "num_key_value_heads": None,
+            },
+            0,
+        ),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -341,6 +363,8 @@ LLAMA_ROPE = {
         "gptj_rotary_dim_fraction",
         "codegen_rotary_dim_default",
         "glm4_moe_defaults",
+        "apertus_rope_table_default",
+        "apertus_default_theta",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(

@@ -60,6 +60,7 @@ FAMILIES = (
     "nemotron",
     # (newer) attention as one of the above, with the options the tables below give them
     "glm4_moe",  # GLM-4.5, 4.6, 4.7: RoPE by halves over half of each head, q/k norm optional
+    "apertus",  # Qwen3's q/k norm, biases on all four, llama3 RoPE by default
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA, read from
@@ -142,6 +143,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     ),
     "gpt_neox": {"attention_bias": True},
     "glm4_moe": {"num_key_value_heads": 8, "rms_norm_eps": 1e-5},
+    "apertus": {"rms_norm_eps": 1e-5, "rope_theta": 12_000_000.0},
     "stablelm": {"num_key_value_heads": 32},
     "falcon": {"multi_query": True},
     "gpt_bigcode": {"multi_query": True},
@@ -236,7 +238,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
         *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
-        *("gpt_neox", "nemotron", "glm4_moe"),
+        *("gpt_neox", "nemotron", "glm4_moe", "apertus"),
     ),
     "use_qk_norm": ("glm4_moe",),
     "use_bias": ("starcoder2",),
@@ -282,6 +284,7 @@ O_BIAS: dict[str, str | bool] = {
 # q/k RMSNorm: per head (over head_dim) or over the whole projection (all heads together).
 QK_NORM = {
     **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "glm4_moe"), "head"),
+    "apertus": "head",
     **dict.fromkeys(("olmo2", "olmoe", "olmo3"), "projection"),
 }
 # Families whose q/k norm (QK_NORM's) is there only when a config.json key turns it on.
@@ -411,14 +414,25 @@ PER_TYPE_ROPE = {
     "gemma3_text": (1_000_000.0, "rope_local_base_freq", 10_000.0),
     "olmo3": (500_000.0, None, 500_000.0),
 }
-# GPT-OSS's RoPE when config.json sets neither rope_parameters nor rope_scaling (GptOssConfig).
-GPT_OSS_ROPE = {
-    "rope_type": "yarn",
-    "factor": 32.0,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "truncate": False,
-    "original_max_position_embeddings": 4096,
+# A family's RoPE table when config.json sets neither rope_parameters nor rope_scaling (its
+# config class fills it in; a rope_theta beside it counts only where the table has none).
+DEFAULT_ROPE: dict[str, dict[str, Any]] = {
+    "gpt_oss": {  # (GptOssConfig's; theta: rope_theta, 150000 by default)
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    "apertus": {  # (ApertusConfig's, theta included: a rope_theta beside it is ignored)
+        "rope_type": "llama3",
+        "rope_theta": 12_000_000.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 8192,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+    },
 }
 # RoPE types with a pretraining context (original_max_position_embeddings).
 SCALED_CONTEXT = ("llama3", "yarn")

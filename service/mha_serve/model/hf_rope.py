@@ -10,7 +10,7 @@ from typing import Any
 
 from .config import ROPE_TYPES, RopeConfig
 from .hf_families import (
-    GPT_OSS_ROPE,
+    DEFAULT_ROPE,
     INTERLEAVED_ROPE,
     LAYER_TYPES,
     PARTIAL_NOT_NULL,
@@ -59,7 +59,7 @@ def check_rope_nulls(cfg: dict[str, Any], family: str, where: Path) -> None:
                 refuse_null(where, family, beside, why)
         return
     name = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
-    table = cfg.get(name) or (GPT_OSS_ROPE if family == "gpt_oss" else {})
+    table = cfg.get(name) or DEFAULT_ROPE.get(family, {})
     if not isinstance(table, dict):
         return
     kind = table.get("rope_type", table.get("type"))
@@ -85,8 +85,8 @@ def read_rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
         params = _per_type_table(cfg, family, layer_type, where)
     else:
         params = cfg.get("rope_parameters")
-        if family == "gpt_oss" and not params and not cfg.get("rope_scaling"):
-            params = GPT_OSS_ROPE  # (GptOssConfig's, when config.json sets none)
+        if family in DEFAULT_ROPE and not params and not cfg.get("rope_scaling"):
+            params = DEFAULT_ROPE[family]  # (GptOssConfig's, ApertusConfig's)
         tables = sorted(k for k, v in (params or {}).items() if isinstance(v, dict))
         if tables and not cfg.get("rope_scaling"):
             # transformers 5 reads such tables only where the config class does (PER_TYPE_ROPE):
