@@ -24,6 +24,8 @@ from transformers import (
     CohereConfig,
     CohereModel,
     DynamicCache,
+    Ernie4_5_MoeConfig,
+    Ernie4_5_MoeModel,
     Ernie4_5Config,
     Ernie4_5Model,
     Exaone4Config,
@@ -567,6 +569,21 @@ CHECKPOINTS = {
         ApertusModel,
         ApertusConfig(num_key_value_heads=2, attention_bias=True, **ROTARY),
         0,
+    ),
+    # ERNIE 4.5 MoE (21B-A3B, 300B-A47B): ERNIE 4.5's attention (interleaved pairs, q/k/v/o
+    # biases by use_bias), GQA 8:2; its experts (never read) from layer 1 on
+    "ernie4_5_moe": (
+        Ernie4_5_MoeModel,
+        Ernie4_5_MoeConfig(
+            num_key_value_heads=2,
+            use_bias=True,
+            moe_num_experts=2,
+            moe_k=1,
+            moe_num_shared_experts=1,
+            moe_intermediate_size=32,
+            **ROTARY,
+        ),
+        1,
     ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,

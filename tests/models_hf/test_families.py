@@ -19,6 +19,8 @@ from transformers import (
     CodeGenModel,
     Cohere2Config,
     Cohere2Model,
+    Ernie4_5_MoeConfig,
+    Ernie4_5_MoeModel,
     Exaone4Config,
     Glm4MoeConfig,
     Glm4MoeModel,
@@ -333,6 +335,15 @@ LLAMA_ROPE = {
             },
             0,
         ),
+        # ERNIE 4.5 MoE without num_key_value_heads (4: Ernie4_5_MoeConfig's, not the heads)
+        # nor a RoPE table (theta 500000, its default_theta)
+        (
+            Ernie4_5_MoeModel,
+            Ernie4_5_MoeConfig(num_key_value_heads=4, moe_num_experts=2, moe_k=1, **SMALL),
+            "ernie4_5_moe",
+            {"num_key_value_heads": None, "rope_parameters": None},
+            0,
+        ),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -365,6 +376,7 @@ LLAMA_ROPE = {
         "glm4_moe_defaults",
         "apertus_rope_table_default",
         "apertus_default_theta",
+        "ernie4_5_moe_defaults",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(

@@ -61,6 +61,7 @@ FAMILIES = (
     # (newer) attention as one of the above, with the options the tables below give them
     "glm4_moe",  # GLM-4.5, 4.6, 4.7: RoPE by halves over half of each head, q/k norm optional
     "apertus",  # Qwen3's q/k norm, biases on all four, llama3 RoPE by default
+    "ernie4_5_moe",  # ERNIE 4.5's (interleaved pairs, use_bias)
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA, read from
@@ -144,6 +145,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt_neox": {"attention_bias": True},
     "glm4_moe": {"num_key_value_heads": 8, "rms_norm_eps": 1e-5},
     "apertus": {"rms_norm_eps": 1e-5, "rope_theta": 12_000_000.0},
+    "ernie4_5_moe": {"num_key_value_heads": 4, "rope_theta": 500_000.0},
     "stablelm": {"num_key_value_heads": 32},
     "falcon": {"multi_query": True},
     "gpt_bigcode": {"multi_query": True},
@@ -232,7 +234,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     "num_key_value_heads": (
         *("mistral", "mixtral", "ministral", "starcoder2", "qwen2_moe", "qwen3_moe"),
         *("gemma", "gemma2", "gemma3_text", "exaone4", "gpt_oss", "helium", "glm", "glm4"),
-        *("stablelm", "glm4_moe"),
+        *("stablelm", "glm4_moe", "ernie4_5_moe"),
     ),
     "attention_bias": (
         *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
@@ -269,6 +271,7 @@ BIAS: dict[str, str | bool] = {
     "qwen2_moe": "qkv_bias",
     "starcoder2": "use_bias",
     "ernie4_5": "use_bias",
+    "ernie4_5_moe": "use_bias",
     "phi": True,
     "stablelm": "use_qkv_bias",
     "falcon": "bias",
@@ -327,7 +330,7 @@ NO_ROPE: dict[str, Callable[[dict[str, Any], int, str], bool]] = {
     "falcon": lambda c, i, kind: bool(c.get("alibi")),  # (Falcon-RW: ALiBi instead)
 }
 # Families whose RoPE rotates interleaved pairs (x[0::2], x[1::2]), not the two halves.
-INTERLEAVED_ROPE = ("cohere", "cohere2", "helium", "ernie4_5", "glm", "glm4")
+INTERLEAVED_ROPE = ("cohere", "cohere2", "helium", "ernie4_5", "ernie4_5_moe", "glm", "glm4")
 # Families whose RoPE may turn only part of each head (partial_rotary_factor: rope_parameters',
 # else config.json's, else this default; transformers' other families rotate every dim).
 PARTIAL_ROPE = {
