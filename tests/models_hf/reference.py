@@ -23,6 +23,8 @@ from transformers import (
     Cohere2Model,
     CohereConfig,
     CohereModel,
+    Dots1Config,
+    Dots1Model,
     DynamicCache,
     Ernie4_5_MoeConfig,
     Ernie4_5_MoeModel,
@@ -585,6 +587,23 @@ CHECKPOINTS = {
         ),
         1,
     ),
+    # dots.llm1: Qwen3's per-head q/k norm; layers from max_window_layers on slide (no
+    # use_sliding_window): layer 1 here, layer 0 full; its experts (never read) from layer 1
+    "dots1": (
+        Dots1Model,
+        Dots1Config(
+            num_key_value_heads=2,
+            sliding_window=6,
+            max_window_layers=1,
+            n_routed_experts=2,
+            n_shared_experts=1,
+            num_experts_per_tok=1,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            **ROTARY,
+        ),
+        1,
+    ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,
 # SmolLM3's NoPE one.
@@ -598,6 +617,7 @@ SERVED.update(
         "olmo3_global": ("olmo3", 1),
         "gpt_oss_full": ("gpt_oss", 1),
         "cohere2_local": ("cohere2", 0),
+        "dots1_full": ("dots1", 0),
     }
 )
 

@@ -19,6 +19,8 @@ from transformers import (
     CodeGenModel,
     Cohere2Config,
     Cohere2Model,
+    Dots1Config,
+    Dots1Model,
     Ernie4_5_MoeConfig,
     Ernie4_5_MoeModel,
     Exaone4Config,
@@ -344,6 +346,26 @@ LLAMA_ROPE = {
             {"num_key_value_heads": None, "rope_parameters": None},
             0,
         ),
+        # dots.llm1 without layer_types: layers from max_window_layers on slide (layer 1 of
+        # 2 here), where Qwen2 asks use_sliding_window too; without max_window_layers (62)
+        # none of them
+        *[
+            (
+                Dots1Model,
+                Dots1Config(
+                    num_key_value_heads=2,
+                    sliding_window=6,
+                    max_window_layers=1,
+                    n_routed_experts=2,
+                    first_k_dense_replace=2,
+                    **SMALL,
+                ),
+                "dots1",
+                {"layer_types": None, **edits},
+                1,
+            )
+            for edits in ({}, {"max_window_layers": None})
+        ],
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -377,6 +399,8 @@ LLAMA_ROPE = {
         "apertus_rope_table_default",
         "apertus_default_theta",
         "ernie4_5_moe_defaults",
+        "dots1_layer_types_derived",
+        "dots1_max_window_layers_default",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(

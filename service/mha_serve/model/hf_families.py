@@ -62,6 +62,7 @@ FAMILIES = (
     "glm4_moe",  # GLM-4.5, 4.6, 4.7: RoPE by halves over half of each head, q/k norm optional
     "apertus",  # Qwen3's q/k norm, biases on all four, llama3 RoPE by default
     "ernie4_5_moe",  # ERNIE 4.5's (interleaved pairs, use_bias)
+    "dots1",  # Qwen3's (q/k norm per head; sliding layers from max_window_layers on)
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA, read from
@@ -146,6 +147,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "glm4_moe": {"num_key_value_heads": 8, "rms_norm_eps": 1e-5},
     "apertus": {"rms_norm_eps": 1e-5, "rope_theta": 12_000_000.0},
     "ernie4_5_moe": {"num_key_value_heads": 4, "rope_theta": 500_000.0},
+    "dots1": {"num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 62},
     "stablelm": {"num_key_value_heads": 32},
     "falcon": {"multi_query": True},
     "gpt_bigcode": {"multi_query": True},
@@ -240,7 +242,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
         *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
-        *("gpt_neox", "nemotron", "glm4_moe", "apertus"),
+        *("gpt_neox", "nemotron", "glm4_moe", "apertus", "dots1"),
     ),
     "use_qk_norm": ("glm4_moe",),
     "use_bias": ("starcoder2",),
@@ -287,7 +289,7 @@ O_BIAS: dict[str, str | bool] = {
 # q/k RMSNorm: per head (over head_dim) or over the whole projection (all heads together).
 QK_NORM = {
     **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "glm4_moe"), "head"),
-    "apertus": "head",
+    **dict.fromkeys(("apertus", "dots1"), "head"),
     **dict.fromkeys(("olmo2", "olmoe", "olmo3"), "projection"),
 }
 # Families whose q/k norm (QK_NORM's) is there only when a config.json key turns it on.
@@ -321,6 +323,8 @@ DERIVED_SLIDING: dict[str, Callable[[dict[str, Any], int], bool]] = {
     "ministral": lambda c, i: c.get("sliding_window") is not None,
     "olmo3": lambda c, i: bool((i + 1) % 4),  # three local layers, then a global one
     "smollm3": lambda c, i: window_on(c) and not smollm3_rope(c, i),
+    # (Dots1Config: Qwen2's without use_sliding_window)
+    "dots1": lambda c, i: c.get("sliding_window") is not None and i >= c["max_window_layers"],
 }
 # Layers that apply no RoPE (NoPE): SmolLM3's no_rope_layers, Cohere 2's global layers.
 NO_ROPE: dict[str, Callable[[dict[str, Any], int, str], bool]] = {
