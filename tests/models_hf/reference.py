@@ -68,6 +68,8 @@ from transformers import (
     HeliumModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MiniMaxM2Config,
+    MiniMaxM2Model,
     MinistralConfig,
     MinistralModel,
     MistralConfig,
@@ -603,6 +605,21 @@ CHECKPOINTS = {
             **ROTARY,
         ),
         1,
+    ),
+    # MiniMax-M2: OLMo-2's q/k RMSNorm over the whole projection, no biases, RoPE by halves
+    # over the first rotary_dim dims of each head (its legacy key: 8 of 16 here, as the
+    # released 64 of 128), GQA 8:2; its experts (never read) as few as they go
+    "minimax_m2": (
+        MiniMaxM2Model,
+        MiniMaxM2Config(
+            num_key_value_heads=2,
+            head_dim=16,
+            rotary_dim=8,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            **ROTARY,
+        ),
+        0,
     ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,

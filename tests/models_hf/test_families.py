@@ -32,6 +32,8 @@ from transformers import (
     GPTNeoXModel,
     GraniteConfig,
     GraniteModel,
+    MiniMaxM2Config,
+    MiniMaxM2Model,
     MinistralConfig,
     MinistralModel,
     Mistral3Config,
@@ -366,6 +368,25 @@ LLAMA_ROPE = {
             )
             for edits in ({}, {"max_window_layers": None})
         ],
+        # MiniMax-M2 as released (no RoPE table): the first rotary_dim dims of each head
+        # (rotary_dim / head_dim), theta 5e6 (its default_theta); a partial_rotary_factor
+        # beside rotary_dim wins; without either every dim rotates
+        *[
+            (
+                MiniMaxM2Model,
+                MiniMaxM2Config(
+                    num_key_value_heads=2, head_dim=16, num_local_experts=2, **MOE, **SMALL
+                ),
+                "minimax_m2",
+                {"rope_parameters": None, **edits},
+                1,
+            )
+            for edits in (
+                {"rotary_dim": 8},
+                {"rotary_dim": 8, "partial_rotary_factor": 0.25},
+                {"rotary_dim": None},
+            )
+        ],
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -401,6 +422,9 @@ LLAMA_ROPE = {
         "ernie4_5_moe_defaults",
         "dots1_layer_types_derived",
         "dots1_max_window_layers_default",
+        "minimax_m2_rotary_dim",
+        "minimax_m2_partial_rotary_factor_over_rotary_dim",
+        "minimax_m2_every_dim",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(
@@ -705,6 +729,17 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
             0,
             "transformers 5 reads it for the global layers only",
         ),
+        # MiniMax-M2's rotary_dim odd (transformers turns one dim more, at frequencies over
+        # rotary_dim) or past head_dim (no layer runs)
+        *[
+            (
+                MiniMaxM2Config(head_dim=16, **SMALL),
+                {"rotary_dim": turned, "rope_parameters": None},
+                0,
+                f"minimax_m2 rotary_dim must be an even int from 2 to head_dim 16, got {turned}",
+            )
+            for turned in (7, 32)
+        ],
     ],
     ids=[
         "olmo_clip_qkv",
@@ -726,6 +761,8 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
         "exaone4_pattern_without_window",
         "mistral3_ministral3",
         "olmo3_rope_theta_untabled",
+        "minimax_m2_rotary_dim_odd",
+        "minimax_m2_rotary_dim_past_head",
     ],
 )
 def test_variants_we_cannot_serve_exactly_are_refused_by_name(

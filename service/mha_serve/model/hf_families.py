@@ -63,6 +63,7 @@ FAMILIES = (
     "apertus",  # Qwen3's q/k norm, biases on all four, llama3 RoPE by default
     "ernie4_5_moe",  # ERNIE 4.5's (interleaved pairs, use_bias)
     "dots1",  # Qwen3's (q/k norm per head; sliding layers from max_window_layers on)
+    "minimax_m2",  # OLMo-2's q/k norm over the projection, RoPE over rotary_dim of each head
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA, read from
@@ -148,6 +149,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "apertus": {"rms_norm_eps": 1e-5, "rope_theta": 12_000_000.0},
     "ernie4_5_moe": {"num_key_value_heads": 4, "rope_theta": 500_000.0},
     "dots1": {"num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 62},
+    "minimax_m2": {"num_key_value_heads": 8, "head_dim": 128, "rope_theta": 5_000_000.0},
     "stablelm": {"num_key_value_heads": 32},
     "falcon": {"multi_query": True},
     "gpt_bigcode": {"multi_query": True},
@@ -236,7 +238,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     "num_key_value_heads": (
         *("mistral", "mixtral", "ministral", "starcoder2", "qwen2_moe", "qwen3_moe"),
         *("gemma", "gemma2", "gemma3_text", "exaone4", "gpt_oss", "helium", "glm", "glm4"),
-        *("stablelm", "glm4_moe", "ernie4_5_moe"),
+        *("stablelm", "glm4_moe", "ernie4_5_moe", "minimax_m2"),
     ),
     "attention_bias": (
         *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
@@ -277,7 +279,7 @@ BIAS: dict[str, str | bool] = {
     "phi": True,
     "stablelm": "use_qkv_bias",
     "falcon": "bias",
-    **dict.fromkeys(("mistral", "mixtral", "ministral", "phi3"), False),
+    **dict.fromkeys(("mistral", "mixtral", "ministral", "phi3", "minimax_m2"), False),
 }
 # o_proj's bias where it is not q/k/v's: its key, or fixed (a missing one is served as 0).
 O_BIAS: dict[str, str | bool] = {
@@ -290,7 +292,7 @@ O_BIAS: dict[str, str | bool] = {
 QK_NORM = {
     **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "glm4_moe"), "head"),
     **dict.fromkeys(("apertus", "dots1"), "head"),
-    **dict.fromkeys(("olmo2", "olmoe", "olmo3"), "projection"),
+    **dict.fromkeys(("olmo2", "olmoe", "olmo3", "minimax_m2"), "projection"),
 }
 # Families whose q/k norm (QK_NORM's) is there only when a config.json key turns it on.
 QK_NORM_SWITCH = {"glm4_moe": "use_qk_norm"}
@@ -341,7 +343,12 @@ PARTIAL_ROPE = {
     **{"glm": 0.5, "glm4": 0.5, "gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25},
     "nemotron": 0.5,
     "glm4_moe": 0.5,  # (Glm4MoeConfig's default, by halves where GLM and GLM-4 interleave)
+    "minimax_m2": 1.0,  # (without rotary_dim: PARTIAL_BY_ROTARY_DIM)
 }
+# Families whose config reads a legacy rotary_dim (the dims turned, of head_dim) as the partial
+# factor rotary_dim / head_dim where neither rope_parameters nor config.json gives one
+# (MiniMaxM2Config: the released MiniMax-M2 checkpoints' 64 of 128).
+PARTIAL_BY_ROTARY_DIM = ("minimax_m2",)
 # Families whose config reads RoPE's theta and partial factor beside the table under other
 # names (GPTNeoXConfig: rotary_emb_base, rotary_pct; it ignores config.json's rope_theta and
 # partial_rotary_factor there), and whose table takes a null of them as is (no layer built).

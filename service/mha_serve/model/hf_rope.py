@@ -13,6 +13,7 @@ from .hf_families import (
     DEFAULT_ROPE,
     INTERLEAVED_ROPE,
     LAYER_TYPES,
+    PARTIAL_BY_ROTARY_DIM,
     PARTIAL_NOT_NULL,
     PARTIAL_ROPE,
     PER_TYPE_ROPE,
@@ -167,6 +168,8 @@ def _partial(cfg: dict[str, Any], params: dict[str, Any], family: str, where: Pa
         if value is None and family in PARTIAL_NOT_NULL:
             refuse_null(where, family, key, "its attention computes with the factor")
         value = 1.0 if value is None else value
+    elif family in PARTIAL_BY_ROTARY_DIM and cfg.get("rotary_dim") is not None:
+        return _rotary_dim_factor(cfg, family, where)
     else:
         value = PARTIAL_ROPE.get(family, 1.0)
     if value in (1, 1.0):
@@ -176,6 +179,26 @@ def _partial(cfg: dict[str, Any], params: dict[str, Any], family: str, where: Pa
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
         raise ValueError(f"{where}: {key} must be in (0, 1], got {value!r}")
     return float(value)
+
+
+def _rotary_dim_factor(cfg: dict[str, Any], family: str, where: Path) -> float:
+    """rotary_dim / head_dim, as MiniMaxM2Config computes the factor (its rotary embedding then
+    turns int(head_dim * factor) dims: rotary_dim); rotary_dim an even int from 2 to head_dim,
+    else refused (past head_dim no layer runs; an odd one turns rotary_dim + 1 dims at
+    frequencies over rotary_dim, which RopeConfig's partial does not express)."""
+    turned, D = cfg["rotary_dim"], cfg["head_dim"]
+    if (
+        isinstance(turned, bool)
+        or not isinstance(turned, int)
+        or not 2 <= turned <= D
+        or turned % 2
+    ):
+        raise ValueError(
+            f"{where}: {family} rotary_dim must be an even int from 2 to head_dim {D}, got "
+            f"{turned!r} (its attention rotates the first rotary_dim dims of each head by halves; "
+            "an odd one turns one dim more at frequencies over rotary_dim, not served)"
+        )
+    return turned / D
 
 
 def _per_type_table(
