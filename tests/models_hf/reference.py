@@ -109,6 +109,8 @@ from transformers import (
     StableLmModel,
     Starcoder2Config,
     Starcoder2Model,
+    VaultGemmaConfig,
+    VaultGemmaModel,
 )
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.models.bloom.modeling_bloom import build_alibi_tensor
@@ -621,6 +623,20 @@ CHECKPOINTS = {
         ),
         0,
     ),
+    # VaultGemma: Gemma 2's attention (query_pre_attn_scalar, soft-capping, local then global
+    # layers), GQA 8:2, head_dim 16 != 64 / 8
+    "vaultgemma": (
+        VaultGemmaModel,
+        VaultGemmaConfig(
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=20,
+            attn_logit_softcapping=4.0,
+            sliding_window=6,
+            **ROTARY,
+        ),
+        0,
+    ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,
 # SmolLM3's NoPE one.
@@ -635,6 +651,7 @@ SERVED.update(
         "gpt_oss_full": ("gpt_oss", 1),
         "cohere2_local": ("cohere2", 0),
         "dots1_full": ("dots1", 0),
+        "vaultgemma_global": ("vaultgemma", 1),
     }
 )
 

@@ -62,6 +62,8 @@ from transformers import (
     StableLmModel,
     Starcoder2Config,
     Starcoder2Model,
+    VaultGemmaConfig,
+    VaultGemmaModel,
 )
 
 from mha_serve.model.hf import load_hf_layer
@@ -387,6 +389,22 @@ LLAMA_ROPE = {
                 {"rotary_dim": None},
             )
         ],
+        # VaultGemma with Gemma 2's keys left out: query_pre_attn_scalar 256 (not head_dim),
+        # soft-capping 50, local layers first (layer_types derived)
+        (
+            VaultGemmaModel,
+            VaultGemmaConfig(
+                num_key_value_heads=2,
+                head_dim=16,
+                query_pre_attn_scalar=256,
+                attn_logit_softcapping=50.0,
+                sliding_window=6,
+                **SMALL,
+            ),
+            "vaultgemma",
+            {"query_pre_attn_scalar": None, "attn_logit_softcapping": None, "layer_types": None},
+            0,
+        ),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -425,6 +443,7 @@ LLAMA_ROPE = {
         "minimax_m2_rotary_dim",
         "minimax_m2_partial_rotary_factor_over_rotary_dim",
         "minimax_m2_every_dim",
+        "vaultgemma_defaults",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(

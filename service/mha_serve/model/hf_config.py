@@ -379,7 +379,7 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
     if family in SCALE:
         key, power = SCALE[family]
         scale = float(_number(cfg, key, where)) ** power
-    if family in ("gemma2", "gemma3_text"):
+    if family in ("gemma2", "gemma3_text", "vaultgemma"):
         softcap = cfg.get("attn_logit_softcapping")
         if family == "gemma3_text" and softcap is not None:
             raise ValueError(

@@ -64,6 +64,7 @@ FAMILIES = (
     "ernie4_5_moe",  # ERNIE 4.5's (interleaved pairs, use_bias)
     "dots1",  # Qwen3's (q/k norm per head; sliding layers from max_window_layers on)
     "minimax_m2",  # OLMo-2's q/k norm over the projection, RoPE over rotary_dim of each head
+    "vaultgemma",  # Gemma 2's (its scale, soft-capping, local and global layers)
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA, read from
@@ -92,14 +93,17 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "max_window_layers": 28,
     },
     "olmo2": {"rms_norm_eps": 1e-5},
-    "gemma2": {
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "query_pre_attn_scalar": 256,
-        "sliding_window": 4096,
-        "attn_logit_softcapping": 50.0,
-    },
+    **dict.fromkeys(
+        ("gemma2", "vaultgemma"),
+        {
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "query_pre_attn_scalar": 256,
+            "sliding_window": 4096,
+            "attn_logit_softcapping": 50.0,
+        },
+    ),
     "gemma3_text": {
         "num_attention_heads": 8,
         "num_key_value_heads": 4,
@@ -238,13 +242,14 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     "num_key_value_heads": (
         *("mistral", "mixtral", "ministral", "starcoder2", "qwen2_moe", "qwen3_moe"),
         *("gemma", "gemma2", "gemma3_text", "exaone4", "gpt_oss", "helium", "glm", "glm4"),
+        "vaultgemma",
         *("stablelm", "glm4_moe", "ernie4_5_moe", "minimax_m2"),
     ),
     "attention_bias": (
         *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
         *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
-        *("gpt_neox", "nemotron", "glm4_moe", "apertus", "dots1"),
+        *("gpt_neox", "nemotron", "glm4_moe", "apertus", "dots1", "vaultgemma"),
     ),
     "use_qk_norm": ("glm4_moe",),
     "use_bias": ("starcoder2",),
@@ -254,7 +259,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     "attention_out_bias": ("seed_oss",),
     "use_sliding_window": ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3"),
     "max_window_layers": ("qwen2", "qwen3", "qwen2_moe"),
-    "query_pre_attn_scalar": ("gemma2", "gemma3_text"),
+    "query_pre_attn_scalar": ("gemma2", "gemma3_text", "vaultgemma"),
     "attention_multiplier": ("granite", "granitemoe", "granitemoeshared"),
     "no_rope_layer_interval": ("smollm3",),
     "original_max_position_embeddings": ("phi3",),  # (elsewhere: where RoPE reads it)
@@ -298,7 +303,7 @@ QK_NORM = {
 QK_NORM_SWITCH = {"glm4_moe": "use_qk_norm"}
 # The softmax scale: (config key, power) -> value ** power; default head_dim ** -0.5.
 SCALE = {
-    **dict.fromkeys(("gemma2", "gemma3_text"), ("query_pre_attn_scalar", -0.5)),
+    **dict.fromkeys(("gemma2", "gemma3_text", "vaultgemma"), ("query_pre_attn_scalar", -0.5)),
     **dict.fromkeys(("granite", "granitemoe", "granitemoeshared"), ("attention_multiplier", 1)),
 }
 # sliding_window on every layer where it is set (Qwen3-MoE: with use_sliding_window).
@@ -315,7 +320,9 @@ DERIVED_SLIDING: dict[str, Callable[[dict[str, Any], int], bool]] = {
     "qwen2_moe": lambda c, i: bool(
         c.get("use_sliding_window") and (i + 1) % 2 and i < c["max_window_layers"]
     ),
-    **dict.fromkeys(("gemma2", "gpt_oss"), lambda c, i: bool((i + 1) % 2)),  # local first
+    **dict.fromkeys(
+        ("gemma2", "gpt_oss", "vaultgemma"), lambda c, i: bool((i + 1) % 2)
+    ),  # local first
     "gemma3_text": lambda c, i: bool((i + 1) % c.get("sliding_window_pattern", 6)),
     "cohere2": lambda c, i: bool((i + 1) % c["sliding_window_pattern"]),
     # (Exaone4Config sets the pattern to 0 without a window: no layer_types to derive)
