@@ -32,6 +32,8 @@ from transformers import (
     Ernie4_5Model,
     Exaone4Config,
     Exaone4Model,
+    ExaoneMoeConfig,
+    ExaoneMoeModel,
     FalconConfig,
     FalconForCausalLM,
     FalconModel,
@@ -637,6 +639,21 @@ CHECKPOINTS = {
         ),
         0,
     ),
+    # EXAONE 4 MoE (K-EXAONE): EXAONE 4's attention (per-head q/k norm; its global layers
+    # without RoPE where a window is set), no biases; its experts (never read) from layer 1
+    "exaone_moe": (
+        ExaoneMoeModel,
+        ExaoneMoeConfig(
+            num_key_value_heads=2,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            num_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=32,
+            **ROTARY,
+        ),
+        0,
+    ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,
 # SmolLM3's NoPE one.
@@ -652,6 +669,7 @@ SERVED.update(
         "cohere2_local": ("cohere2", 0),
         "dots1_full": ("dots1", 0),
         "vaultgemma_global": ("vaultgemma", 1),
+        "exaone_moe_global": ("exaone_moe", 1),
     }
 )
 

@@ -24,6 +24,8 @@ from transformers import (
     Ernie4_5_MoeConfig,
     Ernie4_5_MoeModel,
     Exaone4Config,
+    ExaoneMoeConfig,
+    ExaoneMoeModel,
     Glm4MoeConfig,
     Glm4MoeModel,
     GPTJConfig,
@@ -405,6 +407,18 @@ LLAMA_ROPE = {
             {"query_pre_attn_scalar": None, "attn_logit_softcapping": None, "layer_types": None},
             0,
         ),
+        # EXAONE 4 MoE without layer_types: every sliding_window_pattern-th layer global
+        # (layer 1 with 2: no RoPE), the others local
+        *[
+            (
+                ExaoneMoeModel,
+                ExaoneMoeConfig(num_key_value_heads=2, sliding_window=6, **MOE, **SMALL),
+                "exaone_moe",
+                {"layer_types": None, "sliding_window_pattern": 2},
+                layer,
+            )
+            for layer in (0, 1)
+        ],
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -444,6 +458,8 @@ LLAMA_ROPE = {
         "minimax_m2_partial_rotary_factor_over_rotary_dim",
         "minimax_m2_every_dim",
         "vaultgemma_defaults",
+        "exaone_moe_layer_types_derived_local",
+        "exaone_moe_layer_types_derived_global",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(

@@ -65,6 +65,7 @@ FAMILIES = (
     "dots1",  # Qwen3's (q/k norm per head; sliding layers from max_window_layers on)
     "minimax_m2",  # OLMo-2's q/k norm over the projection, RoPE over rotary_dim of each head
     "vaultgemma",  # Gemma 2's (its scale, soft-capping, local and global layers)
+    "exaone_moe",  # EXAONE 4's (q/k norm per head, NoPE global layers)
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA, read from
@@ -125,12 +126,15 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     **dict.fromkeys(("granite", "granitemoe", "granitemoeshared"), {"attention_multiplier": 1.0}),
     "smollm3": {"num_key_value_heads": 4, "no_rope_layer_interval": 4, "rope_theta": 2_000_000.0},
     "cohere2": {"sliding_window": 4096, "sliding_window_pattern": 4},
-    "exaone4": {
-        "num_key_value_heads": 32,
-        "sliding_window": 4096,
-        "sliding_window_pattern": 4,
-        "rms_norm_eps": 1e-5,
-    },
+    **dict.fromkeys(
+        ("exaone4", "exaone_moe"),
+        {
+            "num_key_value_heads": 32,
+            "sliding_window": 4096,
+            "sliding_window_pattern": 4,
+            "rms_norm_eps": 1e-5,
+        },
+    ),
     "gemma": {"num_key_value_heads": 16, "head_dim": 256},
     "olmo3": {"rms_norm_eps": 1e-5, "sliding_window": 4096},
     "seed_oss": {"num_key_value_heads": 8, "head_dim": 128, "attention_bias": True},
@@ -243,7 +247,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("mistral", "mixtral", "ministral", "starcoder2", "qwen2_moe", "qwen3_moe"),
         *("gemma", "gemma2", "gemma3_text", "exaone4", "gpt_oss", "helium", "glm", "glm4"),
         "vaultgemma",
-        *("stablelm", "glm4_moe", "ernie4_5_moe", "minimax_m2"),
+        *("stablelm", "glm4_moe", "ernie4_5_moe", "minimax_m2", "exaone_moe"),
     ),
     "attention_bias": (
         *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
@@ -284,7 +288,7 @@ BIAS: dict[str, str | bool] = {
     "phi": True,
     "stablelm": "use_qkv_bias",
     "falcon": "bias",
-    **dict.fromkeys(("mistral", "mixtral", "ministral", "phi3", "minimax_m2"), False),
+    **dict.fromkeys(("mistral", "mixtral", "ministral", "phi3", "minimax_m2", "exaone_moe"), False),
 }
 # o_proj's bias where it is not q/k/v's: its key, or fixed (a missing one is served as 0).
 O_BIAS: dict[str, str | bool] = {
@@ -296,6 +300,7 @@ O_BIAS: dict[str, str | bool] = {
 # q/k RMSNorm: per head (over head_dim) or over the whole projection (all heads together).
 QK_NORM = {
     **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "glm4_moe"), "head"),
+    "exaone_moe": "head",
     **dict.fromkeys(("apertus", "dots1"), "head"),
     **dict.fromkeys(("olmo2", "olmoe", "olmo3", "minimax_m2"), "projection"),
 }
@@ -326,8 +331,11 @@ DERIVED_SLIDING: dict[str, Callable[[dict[str, Any], int], bool]] = {
     "gemma3_text": lambda c, i: bool((i + 1) % c.get("sliding_window_pattern", 6)),
     "cohere2": lambda c, i: bool((i + 1) % c["sliding_window_pattern"]),
     # (Exaone4Config sets the pattern to 0 without a window: no layer_types to derive)
-    "exaone4": lambda c, i: bool(
-        (i + 1) % (c["sliding_window_pattern"] if c.get("sliding_window") is not None else 0)
+    **dict.fromkeys(
+        ("exaone4", "exaone_moe"),
+        lambda c, i: bool(
+            (i + 1) % (c["sliding_window_pattern"] if c.get("sliding_window") is not None else 0)
+        ),
     ),
     "ministral": lambda c, i: c.get("sliding_window") is not None,
     "olmo3": lambda c, i: bool((i + 1) % 4),  # three local layers, then a global one
@@ -339,7 +347,10 @@ DERIVED_SLIDING: dict[str, Callable[[dict[str, Any], int], bool]] = {
 NO_ROPE: dict[str, Callable[[dict[str, Any], int, str], bool]] = {
     "smollm3": lambda c, i, kind: not smollm3_rope(c, i),
     "cohere2": lambda c, i, kind: kind == "full_attention",
-    "exaone4": lambda c, i, kind: kind == "full_attention" and c.get("sliding_window") is not None,
+    **dict.fromkeys(
+        ("exaone4", "exaone_moe"),
+        lambda c, i, kind: kind == "full_attention" and c.get("sliding_window") is not None,
+    ),
     "falcon": lambda c, i, kind: bool(c.get("alibi")),  # (Falcon-RW: ALiBi instead)
 }
 # Families whose RoPE rotates interleaved pairs (x[0::2], x[1::2]), not the two halves.
