@@ -775,6 +775,20 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
             )
             for turned in (7, 32)
         ],
+        # Nemotron's factor turning an odd number of dims of a head (int(16 * 0.2): 3; its
+        # rotary embedding turns 4 at frequencies over 3): refused naming the key it is in
+        (
+            NemotronConfig(num_key_value_heads=2, head_dim=16, **SMALL),
+            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.2}},
+            0,
+            "rope_parameters.partial_rotary_factor 0.2 of head_dim 16 turns 3 dims",
+        ),
+        (
+            NemotronConfig(num_key_value_heads=2, head_dim=16, **SMALL),
+            {"rope_parameters": None, "partial_rotary_factor": 0.1},
+            1,
+            "partial_rotary_factor 0.1 of head_dim 16 turns 1 dims",
+        ),
     ],
     ids=[
         "olmo_clip_qkv",
@@ -798,6 +812,8 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
         "olmo3_rope_theta_untabled",
         "minimax_m2_rotary_dim_odd",
         "minimax_m2_rotary_dim_past_head",
+        "nemotron_partial_rotary_factor_odd",
+        "nemotron_partial_rotary_factor_odd_v4",
     ],
 )
 def test_variants_we_cannot_serve_exactly_are_refused_by_name(

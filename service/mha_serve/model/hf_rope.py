@@ -159,12 +159,13 @@ def _partial(cfg: dict[str, Any], params: dict[str, Any], family: str, where: Pa
     """The fraction of each head that RoPE turns, as transformers 5 reads it
     (convert_rope_params_to_dict): rope_parameters' partial_rotary_factor, else config.json's
     (GPT-NeoX's rotary_pct; a null there: none, every dim, or no layer built where the
-    attention computes with it), else the family's default (PARTIAL_ROPE)."""
+    attention computes with it), else the family's default (PARTIAL_ROPE). It must turn an
+    even number of dims, 2 or more: refused otherwise, naming the key it came from."""
     key = rope_keys(family)[1]
     if "partial_rotary_factor" in params:
-        value = params["partial_rotary_factor"]
+        value, name = params["partial_rotary_factor"], "rope_parameters.partial_rotary_factor"
     elif key in cfg:
-        value = cfg[key]
+        value, name = cfg[key], key
         if value is None and family in PARTIAL_NOT_NULL:
             refuse_null(where, family, key, "its attention computes with the factor")
         value = 1.0 if value is None else value
@@ -172,12 +173,22 @@ def _partial(cfg: dict[str, Any], params: dict[str, Any], family: str, where: Pa
         return _rotary_dim_factor(cfg, family, where)
     else:
         value = PARTIAL_ROPE.get(family, 1.0)
+        name = f"{key} (left out: {family}'s default)"
     if value in (1, 1.0):
         return 1.0
     if family not in PARTIAL_ROPE:
         refuse_partial(where, family, "partial_rotary_factor", value)
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
-        raise ValueError(f"{where}: {key} must be in (0, 1], got {value!r}")
+        raise ValueError(f"{where}: {name} must be in (0, 1], got {value!r}")
+    D = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    turned = int(D * value) if isinstance(D, int) else 2  # (a bad head_dim: its own refusal)
+    if turned < 2 or turned % 2:
+        raise ValueError(
+            f"{where}: {name} {value} of head_dim {D} turns {turned} dims (int(head_dim * "
+            f"{key})), which is not supported: RoPE turns dims by pairs, and from an odd count "
+            f"or none transformers' {family} computes a rotation mha-serve does not serve; set "
+            f"{key} so that head_dim * {key} is an even number >= 2"
+        )
     return float(value)
 
 
