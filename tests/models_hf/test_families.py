@@ -822,3 +822,49 @@ def test_variants_we_cannot_serve_exactly_are_refused_by_name(
     with pytest.raises(ValueError) as err:
         read_hf_layer(_config_only(tmp_path, config, **edits), layer)
     assert piece in str(err.value), str(err.value)
+
+
+# Families whose attention needs a feature mha-serve lacks, and the feature the refusal names
+# (their config.json as transformers' own config class writes it; docs/models.md's survey).
+REFUSED_FAMILIES = {
+    **dict.fromkeys(
+        (
+            *("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
+            *("qwen4_exp", "qwen4_exp_text", "afmoe", "hrm_text", "beam", "laguna", "lfm3"),
+        ),
+        "an output gate",
+    ),
+    **dict.fromkeys(
+        ("gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified"),
+        "RMS-normed (v_norm)",
+    ),
+    "gemma4_unified_text": "(KV sharing)",
+    "diffllama": "differential attention",
+    "bitnet": "(attn_sub_norm)",
+    "nanochat": "comes after RoPE",
+    "doge": "a dynamic mask",
+    "jetmoe": "a mixture of attention heads",
+    "llama4_text": "chunked attention",
+    "jamba": "hybrid: attention only on every attn_layer_period-th layer",
+    "bamba": "hybrid: attention only on attn_layer_indices",
+    "nemotron_h": "hybrid: attention only where layers_block_type",
+    "granitemoehybrid": "hybrid: attention only where layer_types",
+    "lfm2": "short convolutions",
+    "lfm2_moe": "short convolutions",
+    "olmo_hybrid": "Gated DeltaNet",
+    "minimax": "lightning (linear) attention",
+    "recurrent_gemma": "RG-LRU",
+    "falcon_h1": "attention and Mamba-2 side by side",
+    "zamba": "a shared attention block",
+    "zamba2": "a shared attention block",
+}
+
+
+@pytest.mark.parametrize(("model_type", "piece"), list(REFUSED_FAMILIES.items()))
+def test_families_needing_a_feature_we_lack_are_refused_naming_it(tmp_path, model_type, piece):
+    # (these were refused as unknown, without a word of why)
+    AutoConfig.for_model(model_type).save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as err:
+        read_hf_layer(tmp_path, 0)
+    message = str(err.value)
+    assert f"model_type {model_type!r}" in message and piece in message, message

@@ -438,6 +438,61 @@ UNSERVED = {
     "llama4": "chunked attention, L2 q/k norm and NoPE layers with temperature tuning",
     "deepseek_v3": "multi-head latent attention (low-rank q and kv projections)",
     "persimmon": "its q/k norm is a LayerNorm (qk_layernorm, on by default and in Persimmon-8B)",
+    "llama4_text": "chunked attention, L2 q/k norm and NoPE layers with temperature tuning",
+    # an output gate: the attention output times a sigmoid of another projection of the input
+    **dict.fromkeys(
+        (
+            *("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
+            *("qwen4_exp", "qwen4_exp_text"),
+        ),
+        "an output gate: its q_proj also yields a sigmoid gate on the attention output (and "
+        "its other layers are Gated DeltaNet linear attention)",
+    ),
+    **dict.fromkeys(
+        ("afmoe", "hrm_text", "beam", "laguna", "lfm3"),
+        "an output gate: a sigmoid of its own gate projection multiplies the attention output",
+    ),
+    **dict.fromkeys(
+        ("gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified"),
+        "its values are RMS-normed (v_norm) and some layers reuse another layer's keys and "
+        "values (KV sharing)",
+    ),
+    "gemma4_unified_text": "its values are RMS-normed (v_norm) and some layers reuse another "
+    "layer's keys and values (KV sharing)",
+    "diffllama": "differential attention (two softmax maps subtracted, weighted by lambda)",
+    "bitnet": "an RMSNorm on the attention output before o_proj (attn_sub_norm), and "
+    "ternary-quantized projections",
+    "nanochat": "its q/k norm (a parameter-free RMSNorm) comes after RoPE",
+    "doge": "a dynamic mask computed from its values (dt_proj, A) is added to the scores",
+    "jetmoe": "a mixture of attention heads (per-token expert query and output projections)",
+    # hybrids: attention on some layers only, the others recurrent or convolutional; which
+    # layer is attention is not read yet (see docs/models.md's survey)
+    "jamba": "hybrid: attention only on every attn_layer_period-th layer from attn_layer_offset, "
+    "Mamba on the others (attention layers not mapped yet)",
+    "bamba": "hybrid: attention only on attn_layer_indices, Mamba-2 on the others (attention "
+    "layers not mapped yet)",
+    "nemotron_h": "hybrid: attention only where layers_block_type (hybrid_override_pattern) "
+    "names it, Mamba-2 or MLP on the others, and no RoPE (attention layers not mapped yet)",
+    "granitemoehybrid": "hybrid: attention only where layer_types names it, Mamba-2 on the "
+    "others (attention layers not mapped yet)",
+    **dict.fromkeys(
+        ("lfm2", "lfm2_moe"),
+        "hybrid: attention only where layer_types says full_attention, short convolutions on "
+        "the others (attention layers not mapped yet)",
+    ),
+    "olmo_hybrid": "hybrid: attention only where layer_types names it, Gated DeltaNet on the "
+    "others (attention layers not mapped yet)",
+    "minimax": "hybrid: lightning (linear) attention on most layers, softmax attention on the "
+    "others (attention layers not mapped yet)",
+    "recurrent_gemma": "hybrid: local attention blocks among RG-LRU recurrent blocks "
+    "(attention layers not mapped yet)",
+    "falcon_h1": "hybrid: every layer runs attention and Mamba-2 side by side, with its own "
+    "multipliers (key_multiplier, attention_in_multiplier, attention_out_multiplier)",
+    **dict.fromkeys(
+        ("zamba", "zamba2"),
+        "a shared attention block over the hidden states and the original embeddings "
+        "concatenated (2 x hidden_size), between Mamba layers",
+    ),
 }
 # Families with a RoPE table per layer type, and how their configs fill the tables of a
 # transformers 4 config.json (rope_theta + rope_scaling, the global layers' only): (global
