@@ -68,6 +68,8 @@ from transformers import (
     GraniteMoeSharedModel,
     HeliumConfig,
     HeliumModel,
+    Lfm2Config,
+    Lfm2Model,
     LlamaConfig,
     LlamaForCausalLM,
     MiniMaxM2Config,
@@ -653,6 +655,19 @@ CHECKPOINTS = {
             **ROTARY,
         ),
         0,
+    ),
+    # LFM2 (a hybrid): layer 0 a short convolution (refused), layer 1 attention: Qwen3's
+    # per-head q/k RMSNorm (q_layernorm, k_layernorm, eps norm_eps) before RoPE, out_proj, no
+    # biases, GQA 8:2
+    "lfm2": (
+        Lfm2Model,
+        Lfm2Config(
+            num_key_value_heads=2,
+            norm_eps=1e-4,
+            layer_types=["conv", "full_attention"],
+            **ROTARY,
+        ),
+        1,
     ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,

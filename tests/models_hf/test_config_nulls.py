@@ -30,6 +30,7 @@ OWN_KEYS = {
         *("attn_logit_softcapping", "rms_norm_eps", "no_rope_layers", "no_rope_layer_interval"),
         *("clip_qkv", "use_bidirectional_attention", "attention_chunk_size"),
         *("rotary_pct", "rotary_emb_base", "qk_layernorm", "use_qkv_bias"),  # (GPT-NeoX's, ...)
+        *("use_qk_norm", "norm_eps", "full_attn_idxs", "rotary_dim"),  # (GLM-4-MoE's, LFM2's, ...)
     ),
     "gpt2": (
         *("n_embd", "n_head", "n_layer", "n_positions", "scale_attn_weights"),
@@ -136,8 +137,10 @@ def transformers_runs(cls, directory):
                 getattr(block, "attn", None)
                 or getattr(block, "attention", None)
                 or getattr(block, "self_attention", None)
-                or block.self_attn
+                or getattr(block, "self_attn", None)
             )
+            if attention is None:  # (a hybrid's other layer: LFM2's short convolution)
+                continue
             attention.register_forward_pre_hook(
                 lambda m, a, k, i=i: caught.__setitem__(("in", i), (a or [k["hidden_states"]])[0]),
                 with_kwargs=True,

@@ -34,6 +34,8 @@ from transformers import (
     GPTNeoXModel,
     GraniteConfig,
     GraniteModel,
+    Lfm2Config,
+    Lfm2Model,
     MiniMaxM2Config,
     MiniMaxM2Model,
     MinistralConfig,
@@ -419,6 +421,15 @@ LLAMA_ROPE = {
             )
             for layer in (0, 1)
         ],
+        # LFM2 without layer_types: its attention layers are full_attn_idxs' (layer 1 here);
+        # num_key_value_heads 8, norm_eps 1e-5 and rope_theta 1e6 left out
+        (
+            Lfm2Model,
+            Lfm2Config(num_key_value_heads=8, full_attn_idxs=[1], **SMALL),
+            "lfm2",
+            {"layer_types": None, "num_key_value_heads": None, "norm_eps": None},
+            1,
+        ),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -460,6 +471,7 @@ LLAMA_ROPE = {
         "vaultgemma_defaults",
         "exaone_moe_layer_types_derived_local",
         "exaone_moe_layer_types_derived_global",
+        "lfm2_full_attn_idxs",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(
@@ -789,6 +801,27 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
             1,
             "partial_rotary_factor 0.1 of head_dim 16 turns 1 dims",
         ),
+        # LFM2's short-convolution layers are not attention: refused naming what they are and
+        # the attention layers; a layer type it does not know it runs as full attention
+        (
+            Lfm2Config(layer_types=["conv", "full_attention"], **SMALL),
+            {},
+            0,
+            "layer 0 of lfm2 is a 'conv' layer (a short convolution (Lfm2ShortConv), not "
+            "attention); its full_attention layers are [1]",
+        ),
+        (
+            Lfm2Config(full_attn_idxs=[1], **SMALL),
+            {"layer_types": None},
+            0,
+            "its full_attention layers are [1]",
+        ),
+        (
+            Lfm2Config(layer_types=["full_attention", "sliding_attention"], **SMALL),
+            {"sliding_window": 6},
+            1,
+            "layer 1 of lfm2 is a 'sliding_attention' layer (not supported)",
+        ),
     ],
     ids=[
         "olmo_clip_qkv",
@@ -814,6 +847,9 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
         "minimax_m2_rotary_dim_past_head",
         "nemotron_partial_rotary_factor_odd",
         "nemotron_partial_rotary_factor_odd_v4",
+        "lfm2_conv_layer",
+        "lfm2_conv_layer_by_full_attn_idxs",
+        "lfm2_sliding_layer_type",
     ],
 )
 def test_variants_we_cannot_serve_exactly_are_refused_by_name(
@@ -849,7 +885,6 @@ REFUSED_FAMILIES = {
     "bamba": "hybrid: attention only on attn_layer_indices",
     "nemotron_h": "hybrid: attention only where layers_block_type",
     "granitemoehybrid": "hybrid: attention only where layer_types",
-    "lfm2": "short convolutions",
     "lfm2_moe": "short convolutions",
     "olmo_hybrid": "Gated DeltaNet",
     "minimax": "lightning (linear) attention",

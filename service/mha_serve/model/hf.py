@@ -84,6 +84,12 @@ _NAMES = {
         "qkv": "h.{i}.self_attention.query_key_value",
         "o": "h.{i}.self_attention.dense",
     },
+    "lfm2": {
+        "q": "layers.{i}.self_attn.q_proj",
+        "k": "layers.{i}.self_attn.k_proj",
+        "v": "layers.{i}.self_attn.v_proj",
+        "o": "layers.{i}.self_attn.out_proj",
+    },
     "phi": {
         "q": "layers.{i}.self_attn.q_proj",
         "k": "layers.{i}.self_attn.k_proj",
@@ -96,6 +102,13 @@ _NAMES = {
 _GROUPED = ("gpt_neox", "falcon", "gpt_bigcode", "bloom")
 # q/k RMSNorm weights, beside the projections of the rotary families that have them.
 _NORM_NAMES = {"q_norm": "layers.{i}.self_attn.q_norm", "k_norm": "layers.{i}.self_attn.k_norm"}
+# Families whose q/k norms have other names (LFM2's q_layernorm, k_layernorm: RMSNorms).
+_OWN_NORM_NAMES = {
+    "lfm2": {
+        "q_norm": "layers.{i}.self_attn.q_layernorm",
+        "k_norm": "layers.{i}.self_attn.k_layernorm",
+    },
+}
 # GPT-OSS's attention sinks (H,): a bare tensor, no .weight/.bias suffix.
 _SINKS_NAME = "layers.{i}.self_attn.sinks"
 # Families whose norm scales by 1 + weight (Gemma3RMSNorm), not by weight.
@@ -115,7 +128,7 @@ def load_hf_layer(
     c = info.attention
     names = _NAMES["rotary" if info.family not in _NAMES else info.family]
     if c.qk_norm is not None:
-        names = {**names, **_NORM_NAMES}
+        names = {**names, **_OWN_NORM_NAMES.get(info.family, _NORM_NAMES)}
     names = {k: v.format(i=info.layer) for k, v in names.items()}
     sinks_name = _SINKS_NAME.format(i=info.layer) if c.sinks else None
     tensors = _read(info.directory, names, info, [sinks_name] if sinks_name else [])

@@ -21,6 +21,7 @@ from .hf_families import (
     FAMILIES,
     GPT2_NAMES,
     HEADS_BY_HIDDEN,
+    HYBRID_LAYERS,
     LAYER_TYPES,
     LAYERNORM_QK,
     MHA_ONLY,
@@ -34,6 +35,7 @@ from .hf_families import (
     PARTIAL_ROPE,
     PROPERTIES,
     QK_NORM,
+    QK_NORM_EPS,
     QK_NORM_SWITCH,
     REQUIRED,
     ROTARY,
@@ -374,7 +376,8 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
     switch = QK_NORM_SWITCH.get(family)  # (GLM-4-MoE's use_qk_norm: off by default)
     if family in QK_NORM and (switch is None or cfg.get(switch)):
         # before RoPE; per head, or over the whole projection
-        qk_norm = QKNormConfig(QK_NORM[family], cfg.get("rms_norm_eps", 1e-6))
+        eps = cfg.get(QK_NORM_EPS.get(family, "rms_norm_eps"), 1e-6)
+        qk_norm = QKNormConfig(QK_NORM[family], eps)
     scale = softcap = None
     if family in SCALE:
         key, power = SCALE[family]
@@ -443,6 +446,8 @@ def _layer_type(cfg: dict[str, Any], family: str, layer: int, where: Path) -> st
     """full_attention or sliding_attention, as transformers decides it for the family: from
     layer_types where it reads them (its configuration_<family>.py derives them when
     config.json has none); Mistral, Phi-3 and others apply sliding_window to every layer."""
+    if family in HYBRID_LAYERS:
+        return _hybrid_layer(cfg, family, layer, where)
     if family in WINDOW_EVERY_LAYER:
         on = window_on(cfg) if family in WINDOW_SWITCH else cfg.get("sliding_window") is not None
         return "sliding_attention" if on else "full_attention"
@@ -467,6 +472,32 @@ def _layer_type(cfg: dict[str, Any], family: str, layer: int, where: Path) -> st
             f"lacks or sets otherwise ({type(e).__name__}: {e}); give layer_types"
         ) from None
     return "sliding_attention" if sliding else "full_attention"
+
+
+def _hybrid_layer(cfg: dict[str, Any], family: str, layer: int, where: Path) -> str:
+    """A hybrid's layer (HYBRID_LAYERS): full_attention, or refused saying what it is and which
+    layers are attention. Its other layer types are not attention layers we serve."""
+    other, derive = HYBRID_LAYERS[family]
+    n = cfg["num_hidden_layers"]
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        try:
+            kinds = [derive(cfg, i) for i in range(n)]
+        except TypeError as e:  # (full_attn_idxs not a list of ints: its config fails too)
+            raise ValueError(
+                f"{where}: {family} without layer_types derives them from keys this config.json "
+                f"sets otherwise ({type(e).__name__}: {e}); give layer_types"
+            ) from None
+    if not isinstance(kinds, list) or len(kinds) != n:
+        raise ValueError(f"{where}: layer_types must list {n} entries, one per layer")
+    if kinds[layer] == "full_attention":
+        return "full_attention"
+    attention = [i for i, kind in enumerate(kinds) if kind == "full_attention"]
+    what = f"{other}, not attention" if kinds[layer] == "conv" else "not supported"
+    raise ValueError(
+        f"{where}: layer {layer} of {family} is a {kinds[layer]!r} layer ({what}); its "
+        f"full_attention layers are {attention or 'none'}: set layer to one of them"
+    )
 
 
 def _null_window(cfg: dict[str, Any], family: str, where: Path) -> None:

@@ -66,6 +66,7 @@ FAMILIES = (
     "minimax_m2",  # OLMo-2's q/k norm over the projection, RoPE over rotary_dim of each head
     "vaultgemma",  # Gemma 2's (its scale, soft-capping, local and global layers)
     "exaone_moe",  # EXAONE 4's (q/k norm per head, NoPE global layers)
+    "lfm2",  # hybrid: its attention layers (Qwen3's q/k norm, out_proj); conv layers refused
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA, read from
@@ -79,6 +80,19 @@ GPT2_NAMES = ("gpt2", "gpt_bigcode", "gptj", "codegen")
 CODEGEN_GROUPS = 4
 # The per-layer attention kinds of config.json's layer_types that we serve.
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# Hybrids: the kind of each layer (layer_types, else how their config derives it), those that
+# are not attention refused naming what they are; their attention layers are full ones.
+# LFM2: layer_types, else full_attn_idxs ("conv": a short convolution, LFM2's other layers).
+HYBRID_LAYERS: dict[str, tuple[str, Callable[[dict[str, Any], int], str]]] = {
+    "lfm2": (
+        "a short convolution (Lfm2ShortConv)",
+        lambda c, i: (
+            "full_attention"
+            if c.get("full_attn_idxs") is None or i in c["full_attn_idxs"]
+            else "conv"
+        ),
+    ),
+}
 # transformers' defaults (its configuration_<family>.py) for the keys we read whose absence
 # from config.json means something else than our fallback: a key left out is read as
 # transformers reads it (a Gemma 3 text_config, for one, lists only what differs). rope_theta:
@@ -157,6 +171,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "apertus": {"rms_norm_eps": 1e-5, "rope_theta": 12_000_000.0},
     "ernie4_5_moe": {"num_key_value_heads": 4, "rope_theta": 500_000.0},
     "dots1": {"num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 62},
+    "lfm2": {"num_key_value_heads": 8, "norm_eps": 1e-5, "rope_theta": 1_000_000.0},
     "minimax_m2": {"num_key_value_heads": 8, "head_dim": 128, "rope_theta": 5_000_000.0},
     "stablelm": {"num_key_value_heads": 32},
     "falcon": {"multi_query": True},
@@ -192,7 +207,7 @@ ALL = ("*",)
 _NORM_EPS_FREE = (
     *("bert", "gpt2", "olmo", "starcoder2", "cohere2", "cohere", "gpt_neox", "phi", "stablelm"),
     *("falcon", "gpt_bigcode", "bloom", "gptj", "codegen", "mpt"),
-    "nemotron",  # (its norm_eps)
+    *("nemotron", "lfm2"),  # (their norm_eps)
 )
 _HEAD_DIM_FILLED = (
     "bert",
@@ -247,7 +262,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("mistral", "mixtral", "ministral", "starcoder2", "qwen2_moe", "qwen3_moe"),
         *("gemma", "gemma2", "gemma3_text", "exaone4", "gpt_oss", "helium", "glm", "glm4"),
         "vaultgemma",
-        *("stablelm", "glm4_moe", "ernie4_5_moe", "minimax_m2", "exaone_moe"),
+        *("stablelm", "glm4_moe", "ernie4_5_moe", "minimax_m2", "exaone_moe", "lfm2"),
     ),
     "attention_bias": (
         *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
@@ -256,6 +271,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("gpt_neox", "nemotron", "glm4_moe", "apertus", "dots1", "vaultgemma"),
     ),
     "use_qk_norm": ("glm4_moe",),
+    "norm_eps": ("nemotron", "lfm2"),  # (typed float: NemotronConfig, Lfm2Config reject it)
     "use_bias": ("starcoder2",),
     "qkv_bias": ("qwen2_moe",),
     "qk_layernorm": ("phi", "stablelm"),
@@ -288,7 +304,9 @@ BIAS: dict[str, str | bool] = {
     "phi": True,
     "stablelm": "use_qkv_bias",
     "falcon": "bias",
-    **dict.fromkeys(("mistral", "mixtral", "ministral", "phi3", "minimax_m2", "exaone_moe"), False),
+    **dict.fromkeys(
+        ("mistral", "mixtral", "ministral", "phi3", "minimax_m2", "exaone_moe", "lfm2"), False
+    ),
 }
 # o_proj's bias where it is not q/k/v's: its key, or fixed (a missing one is served as 0).
 O_BIAS: dict[str, str | bool] = {
@@ -301,11 +319,13 @@ O_BIAS: dict[str, str | bool] = {
 QK_NORM = {
     **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "glm4_moe"), "head"),
     "exaone_moe": "head",
-    **dict.fromkeys(("apertus", "dots1"), "head"),
+    **dict.fromkeys(("apertus", "dots1", "lfm2"), "head"),
     **dict.fromkeys(("olmo2", "olmoe", "olmo3", "minimax_m2"), "projection"),
 }
 # Families whose q/k norm (QK_NORM's) is there only when a config.json key turns it on.
 QK_NORM_SWITCH = {"glm4_moe": "use_qk_norm"}
+# The key of the q/k norm's eps where it is not rms_norm_eps (Lfm2Config's norm_eps).
+QK_NORM_EPS = {"lfm2": "norm_eps"}
 # The softmax scale: (config key, power) -> value ** power; default head_dim ** -0.5.
 SCALE = {
     **dict.fromkeys(("gemma2", "gemma3_text", "vaultgemma"), ("query_pre_attn_scalar", -0.5)),
@@ -475,11 +495,8 @@ UNSERVED = {
     "names it, Mamba-2 or MLP on the others, and no RoPE (attention layers not mapped yet)",
     "granitemoehybrid": "hybrid: attention only where layer_types names it, Mamba-2 on the "
     "others (attention layers not mapped yet)",
-    **dict.fromkeys(
-        ("lfm2", "lfm2_moe"),
-        "hybrid: attention only where layer_types says full_attention, short convolutions on "
-        "the others (attention layers not mapped yet)",
-    ),
+    "lfm2_moe": "hybrid: attention only where layer_types says full_attention, short "
+    "convolutions on the others (attention layers not mapped yet)",
     "olmo_hybrid": "hybrid: attention only where layer_types names it, Gated DeltaNet on the "
     "others (attention layers not mapped yet)",
     "minimax": "hybrid: lightning (linear) attention on most layers, softmax attention on the "
