@@ -109,6 +109,8 @@ from transformers import (
     SeedOssModel,
     SmolLM3Config,
     SmolLM3Model,
+    SolarOpenConfig,
+    SolarOpenModel,
     StableLmConfig,
     StableLmModel,
     Starcoder2Config,
@@ -665,6 +667,21 @@ CHECKPOINTS = {
             num_key_value_heads=2,
             norm_eps=1e-4,
             layer_types=["conv", "full_attention"],
+            **ROTARY,
+        ),
+        1,
+    ),
+    # Solar Open: Llama's with q/k/v biases (attention_bias) and none on o_proj (a zero
+    # bias), GQA 8:2, head_dim 16 != 64 / 8; its experts (never read) as few as they go
+    "solar_open": (
+        SolarOpenModel,
+        SolarOpenConfig(
+            num_key_value_heads=2,
+            head_dim=16,
+            attention_bias=True,
+            n_routed_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=32,
             **ROTARY,
         ),
         1,

@@ -62,6 +62,8 @@ from transformers import (
     SeedOssModel,
     SmolLM3Config,
     SmolLM3Model,
+    SolarOpenConfig,
+    SolarOpenModel,
     StableLmConfig,
     StableLmModel,
     Starcoder2Config,
@@ -430,6 +432,22 @@ LLAMA_ROPE = {
             {"layer_types": None, "num_key_value_heads": None, "norm_eps": None},
             1,
         ),
+        # Solar Open with its defaults: head_dim 128 (not hidden_size / heads), 8 KV heads,
+        # rope_theta 1e6
+        (
+            SolarOpenModel,
+            SolarOpenConfig(
+                num_key_value_heads=8,
+                head_dim=128,
+                n_routed_experts=2,
+                num_experts_per_tok=1,
+                moe_intermediate_size=32,
+                **{**SMALL, "initializer_range": 0.05},
+            ),
+            "solar_open",
+            {"head_dim": None, "num_key_value_heads": None, "rope_parameters": None},
+            0,
+        ),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -472,6 +490,7 @@ LLAMA_ROPE = {
         "exaone_moe_layer_types_derived_local",
         "exaone_moe_layer_types_derived_global",
         "lfm2_full_attn_idxs",
+        "solar_open_defaults",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(

@@ -67,6 +67,7 @@ FAMILIES = (
     "vaultgemma",  # Gemma 2's (its scale, soft-capping, local and global layers)
     "exaone_moe",  # EXAONE 4's (q/k norm per head, NoPE global layers)
     "lfm2",  # hybrid: its attention layers (Qwen3's q/k norm, out_proj); conv layers refused
+    "solar_open",  # Llama's (o_proj without a bias)
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA, read from
@@ -172,6 +173,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "ernie4_5_moe": {"num_key_value_heads": 4, "rope_theta": 500_000.0},
     "dots1": {"num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 62},
     "lfm2": {"num_key_value_heads": 8, "norm_eps": 1e-5, "rope_theta": 1_000_000.0},
+    "solar_open": {"num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1_000_000.0},
     "minimax_m2": {"num_key_value_heads": 8, "head_dim": 128, "rope_theta": 5_000_000.0},
     "stablelm": {"num_key_value_heads": 32},
     "falcon": {"multi_query": True},
@@ -263,12 +265,13 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("gemma", "gemma2", "gemma3_text", "exaone4", "gpt_oss", "helium", "glm", "glm4"),
         "vaultgemma",
         *("stablelm", "glm4_moe", "ernie4_5_moe", "minimax_m2", "exaone_moe", "lfm2"),
+        "solar_open",
     ),
     "attention_bias": (
         *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
         *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
-        *("gpt_neox", "nemotron", "glm4_moe", "apertus", "dots1", "vaultgemma"),
+        *("gpt_neox", "nemotron", "glm4_moe", "apertus", "dots1", "vaultgemma", "solar_open"),
     ),
     "use_qk_norm": ("glm4_moe",),
     "norm_eps": ("nemotron", "lfm2"),  # (typed float: NemotronConfig, Lfm2Config reject it)
@@ -313,7 +316,7 @@ O_BIAS: dict[str, str | bool] = {
     "qwen2": False,
     "qwen2_moe": False,
     "seed_oss": "attention_out_bias",
-    **dict.fromkeys(("helium", "glm", "glm4", "stablelm", "glm4_moe"), False),
+    **dict.fromkeys(("helium", "glm", "glm4", "stablelm", "glm4_moe", "solar_open"), False),
 }
 # q/k RMSNorm: per head (over head_dim) or over the whole projection (all heads together).
 QK_NORM = {
