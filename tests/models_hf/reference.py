@@ -37,6 +37,8 @@ from transformers import (
     FalconConfig,
     FalconForCausalLM,
     FalconModel,
+    FlexOlmoConfig,
+    FlexOlmoModel,
     Gemma2Config,
     Gemma2Model,
     Gemma3TextConfig,
@@ -685,6 +687,21 @@ CHECKPOINTS = {
             **ROTARY,
         ),
         1,
+    ),
+    # FlexOlmo: OLMo-2's q/k RMSNorm over the whole projection, q/k/v/o biases here
+    # (attention_bias), GQA 8:4; its experts (never read) as few as they go
+    "flex_olmo": (
+        FlexOlmoModel,
+        FlexOlmoConfig(
+            num_key_value_heads=4,
+            attention_bias=True,
+            num_experts=2,
+            num_experts_per_tok=1,
+            pad_token_id=1,
+            eos_token_id=2,
+            **ROTARY,
+        ),
+        0,
     ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,

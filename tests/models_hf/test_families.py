@@ -26,6 +26,8 @@ from transformers import (
     Exaone4Config,
     ExaoneMoeConfig,
     ExaoneMoeModel,
+    FlexOlmoConfig,
+    FlexOlmoModel,
     Glm4MoeConfig,
     Glm4MoeModel,
     GPTJConfig,
@@ -448,6 +450,16 @@ LLAMA_ROPE = {
             {"head_dim": None, "num_key_value_heads": None, "rope_parameters": None},
             0,
         ),
+        # FlexOlmo without num_key_value_heads (the heads) nor a RoPE table (theta 500000)
+        (
+            FlexOlmoModel,
+            FlexOlmoConfig(
+                num_experts=2, num_experts_per_tok=1, pad_token_id=1, eos_token_id=2, **SMALL
+            ),
+            "flex_olmo",
+            {"num_key_value_heads": None, "rope_parameters": None},
+            1,
+        ),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -491,6 +503,7 @@ LLAMA_ROPE = {
         "exaone_moe_layer_types_derived_global",
         "lfm2_full_attn_idxs",
         "solar_open_defaults",
+        "flex_olmo_defaults",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(

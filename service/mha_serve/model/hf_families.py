@@ -68,6 +68,7 @@ FAMILIES = (
     "exaone_moe",  # EXAONE 4's (q/k norm per head, NoPE global layers)
     "lfm2",  # hybrid: its attention layers (Qwen3's q/k norm, out_proj); conv layers refused
     "solar_open",  # Llama's (o_proj without a bias)
+    "flex_olmo",  # OLMo-2's (q/k norm over the whole projection)
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA, read from
@@ -174,6 +175,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "dots1": {"num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 62},
     "lfm2": {"num_key_value_heads": 8, "norm_eps": 1e-5, "rope_theta": 1_000_000.0},
     "solar_open": {"num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1_000_000.0},
+    "flex_olmo": {"rope_theta": 500_000.0},
     "minimax_m2": {"num_key_value_heads": 8, "head_dim": 128, "rope_theta": 5_000_000.0},
     "stablelm": {"num_key_value_heads": 32},
     "falcon": {"multi_query": True},
@@ -272,6 +274,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
         *("gpt_neox", "nemotron", "glm4_moe", "apertus", "dots1", "vaultgemma", "solar_open"),
+        "flex_olmo",
     ),
     "use_qk_norm": ("glm4_moe",),
     "norm_eps": ("nemotron", "lfm2"),  # (typed float: NemotronConfig, Lfm2Config reject it)
@@ -323,7 +326,7 @@ QK_NORM = {
     **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "glm4_moe"), "head"),
     "exaone_moe": "head",
     **dict.fromkeys(("apertus", "dots1", "lfm2"), "head"),
-    **dict.fromkeys(("olmo2", "olmoe", "olmo3", "minimax_m2"), "projection"),
+    **dict.fromkeys(("olmo2", "olmoe", "olmo3", "minimax_m2", "flex_olmo"), "projection"),
 }
 # Families whose q/k norm (QK_NORM's) is there only when a config.json key turns it on.
 QK_NORM_SWITCH = {"glm4_moe": "use_qk_norm"}
