@@ -70,6 +70,8 @@ from transformers import (
     GraniteMoeSharedModel,
     HeliumConfig,
     HeliumModel,
+    HyperCLOVAXConfig,
+    HyperCLOVAXModel,
     Lfm2Config,
     Lfm2Model,
     LlamaConfig,
@@ -702,6 +704,15 @@ CHECKPOINTS = {
             **ROTARY,
         ),
         0,
+    ),
+    # HyperCLOVA X: Granite's scale (attention_multiplier), q/k/v/o biases here, GQA 8:2
+    # (its peri-layer norms are outside the attention)
+    "hyperclovax": (
+        HyperCLOVAXModel,
+        HyperCLOVAXConfig(
+            num_key_value_heads=2, attention_bias=True, attention_multiplier=0.07, **ROTARY
+        ),
+        1,
     ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,

@@ -36,6 +36,8 @@ from transformers import (
     GPTNeoXModel,
     GraniteConfig,
     GraniteModel,
+    HyperCLOVAXConfig,
+    HyperCLOVAXModel,
     Lfm2Config,
     Lfm2Model,
     MiniMaxM2Config,
@@ -460,6 +462,15 @@ LLAMA_ROPE = {
             {"num_key_value_heads": None, "rope_parameters": None},
             1,
         ),
+        # HyperCLOVA X without attention_multiplier nor head_dim: head_dim ** -0.5 (where
+        # Granite's default is 1.0), heads of hidden_size / num_attention_heads
+        (
+            HyperCLOVAXModel,
+            HyperCLOVAXConfig(num_key_value_heads=2, **SMALL),
+            "hyperclovax",
+            {"attention_multiplier": None, "head_dim": None},
+            0,
+        ),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -504,6 +515,7 @@ LLAMA_ROPE = {
         "lfm2_full_attn_idxs",
         "solar_open_defaults",
         "flex_olmo_defaults",
+        "hyperclovax_attention_multiplier_default",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(

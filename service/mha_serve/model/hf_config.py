@@ -40,6 +40,7 @@ from .hf_families import (
     REQUIRED,
     ROTARY,
     SCALE,
+    SCALE_OPTIONAL,
     UNSERVED,
     WINDOW_EVERY_LAYER,
     WINDOW_SWITCH,
@@ -379,7 +380,7 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
         eps = cfg.get(QK_NORM_EPS.get(family, "rms_norm_eps"), 1e-6)
         qk_norm = QKNormConfig(QK_NORM[family], eps)
     scale = softcap = None
-    if family in SCALE:
+    if family in SCALE and not (family in SCALE_OPTIONAL and cfg.get(SCALE[family][0]) is None):
         key, power = SCALE[family]
         scale = float(_number(cfg, key, where)) ** power
     if family in ("gemma2", "gemma3_text", "vaultgemma"):

@@ -69,6 +69,7 @@ FAMILIES = (
     "lfm2",  # hybrid: its attention layers (Qwen3's q/k norm, out_proj); conv layers refused
     "solar_open",  # Llama's (o_proj without a bias)
     "flex_olmo",  # OLMo-2's (q/k norm over the whole projection)
+    "hyperclovax",  # Granite's scale (attention_multiplier; null: head_dim ** -0.5)
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA, read from
@@ -232,6 +233,7 @@ _HEAD_DIM_FILLED = (
     "stablelm",
     "falcon",  # (FalconConfig computes it; a head_dim in config.json is PROPERTIES')
     "nemotron",
+    "hyperclovax",  # (HyperCLOVAXConfig fills it: hidden_size / num_attention_heads)
 )
 NOT_NULL: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
@@ -274,7 +276,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
         *("gpt_neox", "nemotron", "glm4_moe", "apertus", "dots1", "vaultgemma", "solar_open"),
-        "flex_olmo",
+        *("flex_olmo", "hyperclovax"),
     ),
     "use_qk_norm": ("glm4_moe",),
     "norm_eps": ("nemotron", "lfm2"),  # (typed float: NemotronConfig, Lfm2Config reject it)
@@ -335,8 +337,12 @@ QK_NORM_EPS = {"lfm2": "norm_eps"}
 # The softmax scale: (config key, power) -> value ** power; default head_dim ** -0.5.
 SCALE = {
     **dict.fromkeys(("gemma2", "gemma3_text", "vaultgemma"), ("query_pre_attn_scalar", -0.5)),
-    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared"), ("attention_multiplier", 1)),
+    **dict.fromkeys(
+        ("granite", "granitemoe", "granitemoeshared", "hyperclovax"), ("attention_multiplier", 1)
+    ),
 }
+# Families whose SCALE key may be null or left out: head_dim ** -0.5 then (HyperCLOVAXConfig).
+SCALE_OPTIONAL = ("hyperclovax",)
 # sliding_window on every layer where it is set (Qwen3-MoE: with use_sliding_window).
 WINDOW_EVERY_LAYER = ("mistral", "mixtral", "phi3", "starcoder2", "qwen3_moe")
 # Families whose sliding_window counts only with use_sliding_window (their configs drop it).
