@@ -101,6 +101,8 @@ from transformers import (
     Phi3Model,
     PhiConfig,
     PhiModel,
+    PhimoeConfig,
+    PhimoeModel,
     Qwen2Config,
     Qwen2Model,
     Qwen2MoeConfig,
@@ -713,6 +715,21 @@ CHECKPOINTS = {
             num_key_value_heads=2, attention_bias=True, attention_multiplier=0.07, **ROTARY
         ),
         1,
+    ),
+    # PhiMoE (Phi-3.5-MoE): Mixtral's attention (a window on every layer: 6, which a session
+    # truncated back to 21 tokens still holds), q/k/v/o biases here (attention_bias), GQA
+    # 8:2; its experts (never read) as few as they go
+    "phimoe": (
+        PhimoeModel,
+        PhimoeConfig(
+            num_key_value_heads=2,
+            attention_bias=True,
+            sliding_window=6,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            **ROTARY,
+        ),
+        0,
     ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,

@@ -57,6 +57,8 @@ from transformers import (
     OlmoeConfig,
     PhiConfig,
     PhiModel,
+    PhimoeConfig,
+    PhimoeModel,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen2MoeModel,
@@ -471,6 +473,15 @@ LLAMA_ROPE = {
             {"attention_multiplier": None, "head_dim": None},
             0,
         ),
+        # PhiMoE without sliding_window (none, where Mistral's is 4096) nor
+        # num_key_value_heads (8) nor a RoPE table (theta 1e6)
+        (
+            PhimoeModel,
+            PhimoeConfig(num_key_value_heads=8, num_local_experts=2, **MOE, **SMALL),
+            "phimoe",
+            {"sliding_window": None, "num_key_value_heads": None, "rope_parameters": None},
+            1,
+        ),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -516,6 +527,7 @@ LLAMA_ROPE = {
         "solar_open_defaults",
         "flex_olmo_defaults",
         "hyperclovax_attention_multiplier_default",
+        "phimoe_defaults",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(
@@ -866,6 +878,14 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
             1,
             "layer 1 of lfm2 is a 'sliding_attention' layer (not supported)",
         ),
+        # PhiMoE's scaled RoPE is Phi-3's longrope (its config validates any other table as
+        # longrope's): refused as Phi-3's
+        (
+            PhimoeConfig(**SMALL),
+            {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+            0,
+            "phimoe rope type 'linear' is not supported",
+        ),
     ],
     ids=[
         "olmo_clip_qkv",
@@ -894,6 +914,7 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
         "lfm2_conv_layer",
         "lfm2_conv_layer_by_full_attn_idxs",
         "lfm2_sliding_layer_type",
+        "phimoe_rope_scaling",
     ],
 )
 def test_variants_we_cannot_serve_exactly_are_refused_by_name(

@@ -70,6 +70,7 @@ FAMILIES = (
     "solar_open",  # Llama's (o_proj without a bias)
     "flex_olmo",  # OLMo-2's (q/k norm over the whole projection)
     "hyperclovax",  # Granite's scale (attention_multiplier; null: head_dim ** -0.5)
+    "phimoe",  # Mixtral's (a window on every layer), biases by attention_bias
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA, read from
@@ -177,6 +178,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "lfm2": {"num_key_value_heads": 8, "norm_eps": 1e-5, "rope_theta": 1_000_000.0},
     "solar_open": {"num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1_000_000.0},
     "flex_olmo": {"rope_theta": 500_000.0},
+    "phimoe": {"num_key_value_heads": 8, "rope_theta": 1_000_000.0},
     "minimax_m2": {"num_key_value_heads": 8, "head_dim": 128, "rope_theta": 5_000_000.0},
     "stablelm": {"num_key_value_heads": 32},
     "falcon": {"multi_query": True},
@@ -269,14 +271,14 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("gemma", "gemma2", "gemma3_text", "exaone4", "gpt_oss", "helium", "glm", "glm4"),
         "vaultgemma",
         *("stablelm", "glm4_moe", "ernie4_5_moe", "minimax_m2", "exaone_moe", "lfm2"),
-        "solar_open",
+        *("solar_open", "phimoe"),
     ),
     "attention_bias": (
         *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
         *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
         *("gpt_neox", "nemotron", "glm4_moe", "apertus", "dots1", "vaultgemma", "solar_open"),
-        *("flex_olmo", "hyperclovax"),
+        *("flex_olmo", "hyperclovax", "phimoe"),
     ),
     "use_qk_norm": ("glm4_moe",),
     "norm_eps": ("nemotron", "lfm2"),  # (typed float: NemotronConfig, Lfm2Config reject it)
@@ -344,7 +346,7 @@ SCALE = {
 # Families whose SCALE key may be null or left out: head_dim ** -0.5 then (HyperCLOVAXConfig).
 SCALE_OPTIONAL = ("hyperclovax",)
 # sliding_window on every layer where it is set (Qwen3-MoE: with use_sliding_window).
-WINDOW_EVERY_LAYER = ("mistral", "mixtral", "phi3", "starcoder2", "qwen3_moe")
+WINDOW_EVERY_LAYER = ("mistral", "mixtral", "phi3", "starcoder2", "qwen3_moe", "phimoe")
 # Families whose sliding_window counts only with use_sliding_window (their configs drop it).
 WINDOW_SWITCH = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3")
 # Families that read layer_types, and how their configs derive them when config.json has

@@ -113,10 +113,11 @@ def read_rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
             "(dynamic and longrope change frequencies with the sequence length, which keys "
             "rotated once and cached cannot follow)"
         )
-    if cfg["model_type"] == "phi3" and kind != "default":
+    if cfg["model_type"] in ("phi3", "phimoe") and kind != "default":
         raise ValueError(
-            f"{where}: phi3 rope type {kind!r} is not supported: transformers' Phi-3 reads "
-            "'su' and 'yarn' as 'longrope' (not served) and accepts no other scaling"
+            f"{where}: {family} rope type {kind!r} is not supported: transformers' Phi-3 reads "
+            "'su' and 'yarn' as 'longrope' (not served) and accepts no other scaling (PhiMoE "
+            "validates a non-default table as longrope's, short_mscale and long_mscale)"
         )
     rope: dict[str, Any] = {"theta": float(params.get("rope_theta") or 10000.0), "type": kind}
     if family in INTERLEAVED_ROPE:
