@@ -23,6 +23,8 @@ from transformers import (
     Cohere2Model,
     CohereConfig,
     CohereModel,
+    CwmConfig,
+    CwmModel,
     Dots1Config,
     Dots1Model,
     DynamicCache,
@@ -731,6 +733,19 @@ CHECKPOINTS = {
         ),
         0,
     ),
+    # Meta CWM: Llama's attention without biases, a global layer then local ones (layer 1
+    # here), CwmConfig's own llama3 RoPE table, GQA 8:2, head_dim 16 != 64 / 8
+    "cwm": (
+        CwmModel,
+        CwmConfig(
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=6,
+            layer_types=["full_attention", "sliding_attention"],
+            **ROTARY,
+        ),
+        1,
+    ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,
 # SmolLM3's NoPE one.
@@ -747,6 +762,7 @@ SERVED.update(
         "dots1_full": ("dots1", 0),
         "vaultgemma_global": ("vaultgemma", 1),
         "exaone_moe_global": ("exaone_moe", 1),
+        "cwm_global": ("cwm", 0),
     }
 )
 

@@ -19,6 +19,8 @@ from transformers import (
     CodeGenModel,
     Cohere2Config,
     Cohere2Model,
+    CwmConfig,
+    CwmModel,
     Dots1Config,
     Dots1Model,
     Ernie4_5_MoeConfig,
@@ -482,6 +484,18 @@ LLAMA_ROPE = {
             {"sliding_window": None, "num_key_value_heads": None, "rope_parameters": None},
             1,
         ),
+        # CWM without layer_types (a global layer, then three local ones) nor a RoPE table
+        # (CwmConfig's llama3 table; a transformers 4 rope_theta beside it is ignored)
+        *[
+            (
+                CwmModel,
+                CwmConfig(num_key_value_heads=2, head_dim=16, sliding_window=6, **SMALL),
+                "cwm",
+                {"layer_types": None, "rope_parameters": None, "rope_theta": 500.0},
+                layer,
+            )
+            for layer in (0, 1)
+        ],
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -528,6 +542,8 @@ LLAMA_ROPE = {
         "flex_olmo_defaults",
         "hyperclovax_attention_multiplier_default",
         "phimoe_defaults",
+        "cwm_defaults_global",
+        "cwm_defaults_local",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(

@@ -71,6 +71,7 @@ FAMILIES = (
     "flex_olmo",  # OLMo-2's (q/k norm over the whole projection)
     "hyperclovax",  # Granite's scale (attention_multiplier; null: head_dim ** -0.5)
     "phimoe",  # Mixtral's (a window on every layer), biases by attention_bias
+    "cwm",  # Llama's, three local layers after each global one, its own llama3 RoPE
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA, read from
@@ -179,6 +180,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "solar_open": {"num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1_000_000.0},
     "flex_olmo": {"rope_theta": 500_000.0},
     "phimoe": {"num_key_value_heads": 8, "rope_theta": 1_000_000.0},
+    "cwm": {
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "sliding_window": 8192,
+        "rope_theta": 1_000_000.0,
+    },
     "minimax_m2": {"num_key_value_heads": 8, "head_dim": 128, "rope_theta": 5_000_000.0},
     "stablelm": {"num_key_value_heads": 32},
     "falcon": {"multi_query": True},
@@ -271,7 +278,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("gemma", "gemma2", "gemma3_text", "exaone4", "gpt_oss", "helium", "glm", "glm4"),
         "vaultgemma",
         *("stablelm", "glm4_moe", "ernie4_5_moe", "minimax_m2", "exaone_moe", "lfm2"),
-        *("solar_open", "phimoe"),
+        *("solar_open", "phimoe", "cwm"),
     ),
     "attention_bias": (
         *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
@@ -315,7 +322,8 @@ BIAS: dict[str, str | bool] = {
     "stablelm": "use_qkv_bias",
     "falcon": "bias",
     **dict.fromkeys(
-        ("mistral", "mixtral", "ministral", "phi3", "minimax_m2", "exaone_moe", "lfm2"), False
+        ("mistral", "mixtral", "ministral", "phi3", "minimax_m2", "exaone_moe", "lfm2", "cwm"),
+        False,
     ),
 }
 # o_proj's bias where it is not q/k/v's: its key, or fixed (a missing one is served as 0).
@@ -374,6 +382,7 @@ DERIVED_SLIDING: dict[str, Callable[[dict[str, Any], int], bool]] = {
     "ministral": lambda c, i: c.get("sliding_window") is not None,
     "olmo3": lambda c, i: bool((i + 1) % 4),  # three local layers, then a global one
     "smollm3": lambda c, i: window_on(c) and not smollm3_rope(c, i),
+    "cwm": lambda c, i: i % 4 != 0,  # (CwmConfig: a global layer, then three local ones)
     # (Dots1Config: Qwen2's without use_sliding_window)
     "dots1": lambda c, i: c.get("sliding_window") is not None and i >= c["max_window_layers"],
 }
@@ -542,6 +551,14 @@ DEFAULT_ROPE: dict[str, dict[str, Any]] = {
         "beta_slow": 1.0,
         "truncate": False,
         "original_max_position_embeddings": 4096,
+    },
+    "cwm": {  # (CwmConfig's, theta included: a rope_theta beside it is ignored)
+        "rope_type": "llama3",
+        "rope_theta": 1_000_000.0,
+        "factor": 16.0,
+        "original_max_position_embeddings": 8192,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
     },
     "apertus": {  # (ApertusConfig's, theta included: a rope_theta beside it is ignored)
         "rope_type": "llama3",

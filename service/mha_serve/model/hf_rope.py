@@ -87,7 +87,7 @@ def read_rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
     else:
         params = cfg.get("rope_parameters")
         if family in DEFAULT_ROPE and not params and not cfg.get("rope_scaling"):
-            params = DEFAULT_ROPE[family]  # (GptOssConfig's, ApertusConfig's)
+            params = DEFAULT_ROPE[family]  # (GptOssConfig's, ApertusConfig's, CwmConfig's)
         tables = sorted(k for k, v in (params or {}).items() if isinstance(v, dict))
         if tables and not cfg.get("rope_scaling"):
             # transformers 5 reads such tables only where the config class does (PER_TYPE_ROPE):
