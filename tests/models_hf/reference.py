@@ -74,6 +74,8 @@ from transformers import (
     HeliumModel,
     HyperCLOVAXConfig,
     HyperCLOVAXModel,
+    Jais2Config,
+    Jais2Model,
     Lfm2Config,
     Lfm2Model,
     LlamaConfig,
@@ -745,6 +747,13 @@ CHECKPOINTS = {
             **ROTARY,
         ),
         1,
+    ),
+    # Jais 2: Llama's attention with q/k/v/o biases (Jais2Config's attention_bias true), GQA
+    # 8:2, head_dim 16 != 64 / 8
+    "jais2": (
+        Jais2Model,
+        Jais2Config(num_key_value_heads=2, head_dim=16, **ROTARY),
+        0,
     ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,

@@ -40,6 +40,8 @@ from transformers import (
     GraniteModel,
     HyperCLOVAXConfig,
     HyperCLOVAXModel,
+    Jais2Config,
+    Jais2Model,
     Lfm2Config,
     Lfm2Model,
     MiniMaxM2Config,
@@ -496,6 +498,15 @@ LLAMA_ROPE = {
             )
             for layer in (0, 1)
         ],
+        # Jais 2 without attention_bias (true: biases on all four), num_key_value_heads (the
+        # heads) nor head_dim (hidden_size / heads)
+        (
+            Jais2Model,
+            Jais2Config(**SMALL),
+            "jais2",
+            {"attention_bias": None, "num_key_value_heads": None, "head_dim": None},
+            1,
+        ),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -544,6 +555,7 @@ LLAMA_ROPE = {
         "phimoe_defaults",
         "cwm_defaults_global",
         "cwm_defaults_local",
+        "jais2_defaults",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(

@@ -72,6 +72,7 @@ FAMILIES = (
     "hyperclovax",  # Granite's scale (attention_multiplier; null: head_dim ** -0.5)
     "phimoe",  # Mixtral's (a window on every layer), biases by attention_bias
     "cwm",  # Llama's, three local layers after each global one, its own llama3 RoPE
+    "jais2",  # Llama's, biases on all four by default
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA, read from
@@ -180,6 +181,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "solar_open": {"num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1_000_000.0},
     "flex_olmo": {"rope_theta": 500_000.0},
     "phimoe": {"num_key_value_heads": 8, "rope_theta": 1_000_000.0},
+    "jais2": {"attention_bias": True},
     "cwm": {
         "num_key_value_heads": 8,
         "head_dim": 128,
@@ -222,6 +224,7 @@ _NORM_EPS_FREE = (
     *("bert", "gpt2", "olmo", "starcoder2", "cohere2", "cohere", "gpt_neox", "phi", "stablelm"),
     *("falcon", "gpt_bigcode", "bloom", "gptj", "codegen", "mpt"),
     *("nemotron", "lfm2"),  # (their norm_eps)
+    "jais2",  # (its layer_norm_eps)
 )
 _HEAD_DIM_FILLED = (
     "bert",
@@ -243,6 +246,7 @@ _HEAD_DIM_FILLED = (
     "falcon",  # (FalconConfig computes it; a head_dim in config.json is PROPERTIES')
     "nemotron",
     "hyperclovax",  # (HyperCLOVAXConfig fills it: hidden_size / num_attention_heads)
+    "jais2",  # (Jais2Config too)
 )
 NOT_NULL: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
@@ -285,7 +289,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
         *("gpt_neox", "nemotron", "glm4_moe", "apertus", "dots1", "vaultgemma", "solar_open"),
-        *("flex_olmo", "hyperclovax", "phimoe"),
+        *("flex_olmo", "hyperclovax", "phimoe", "jais2"),
     ),
     "use_qk_norm": ("glm4_moe",),
     "norm_eps": ("nemotron", "lfm2"),  # (typed float: NemotronConfig, Lfm2Config reject it)
