@@ -74,6 +74,8 @@ from transformers import (
     HeliumModel,
     HyperCLOVAXConfig,
     HyperCLOVAXModel,
+    HYV3Config,
+    HYV3Model,
     Jais2Config,
     Jais2Model,
     Lfm2Config,
@@ -754,6 +756,23 @@ CHECKPOINTS = {
         Jais2Model,
         Jais2Config(num_key_value_heads=2, head_dim=16, **ROTARY),
         0,
+    ),
+    # Tencent HY v3: Qwen3's per-head q/k RMSNorm before RoPE (Hunyuan v1's comes after it:
+    # refused), q/k/v/o biases here (attention_bias), GQA 8:2; its experts (never read) from
+    # layer 1, as few as they go
+    "hy_v3": (
+        HYV3Model,
+        HYV3Config(
+            num_key_value_heads=2,
+            head_dim=16,
+            attention_bias=True,
+            num_experts=2,
+            num_experts_per_tok=1,
+            num_shared_experts=1,
+            moe_intermediate_size=32,
+            **ROTARY,
+        ),
+        1,
     ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,

@@ -40,6 +40,8 @@ from transformers import (
     GraniteModel,
     HyperCLOVAXConfig,
     HyperCLOVAXModel,
+    HYV3Config,
+    HYV3Model,
     Jais2Config,
     Jais2Model,
     Lfm2Config,
@@ -507,6 +509,14 @@ LLAMA_ROPE = {
             {"attention_bias": None, "num_key_value_heads": None, "head_dim": None},
             1,
         ),
+        # HY v3 without a RoPE table: theta 11158840 (HYV3Config's default_theta)
+        (
+            HYV3Model,
+            HYV3Config(num_key_value_heads=2, head_dim=16, **MOE, **SMALL),
+            "hy_v3",
+            {"rope_parameters": None},
+            0,
+        ),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -556,6 +566,7 @@ LLAMA_ROPE = {
         "cwm_defaults_global",
         "cwm_defaults_local",
         "jais2_defaults",
+        "hy_v3_default_theta",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(

@@ -73,6 +73,7 @@ FAMILIES = (
     "phimoe",  # Mixtral's (a window on every layer), biases by attention_bias
     "cwm",  # Llama's, three local layers after each global one, its own llama3 RoPE
     "jais2",  # Llama's, biases on all four by default
+    "hy_v3",  # Qwen3's (q/k norm per head before RoPE), unlike Hunyuan v1's (after it)
 )
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA, read from
@@ -182,6 +183,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "flex_olmo": {"rope_theta": 500_000.0},
     "phimoe": {"num_key_value_heads": 8, "rope_theta": 1_000_000.0},
     "jais2": {"attention_bias": True},
+    "hy_v3": {"num_key_value_heads": 8, "head_dim": 128, "rope_theta": 11_158_840.0},
     "cwm": {
         "num_key_value_heads": 8,
         "head_dim": 128,
@@ -282,14 +284,14 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("gemma", "gemma2", "gemma3_text", "exaone4", "gpt_oss", "helium", "glm", "glm4"),
         "vaultgemma",
         *("stablelm", "glm4_moe", "ernie4_5_moe", "minimax_m2", "exaone_moe", "lfm2"),
-        *("solar_open", "phimoe", "cwm"),
+        *("solar_open", "phimoe", "cwm", "hy_v3"),
     ),
     "attention_bias": (
         *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
         *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
         *("gpt_neox", "nemotron", "glm4_moe", "apertus", "dots1", "vaultgemma", "solar_open"),
-        *("flex_olmo", "hyperclovax", "phimoe", "jais2"),
+        *("flex_olmo", "hyperclovax", "phimoe", "jais2", "hy_v3"),
     ),
     "use_qk_norm": ("glm4_moe",),
     "norm_eps": ("nemotron", "lfm2"),  # (typed float: NemotronConfig, Lfm2Config reject it)
@@ -341,7 +343,7 @@ O_BIAS: dict[str, str | bool] = {
 QK_NORM = {
     **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "glm4_moe"), "head"),
     "exaone_moe": "head",
-    **dict.fromkeys(("apertus", "dots1", "lfm2"), "head"),
+    **dict.fromkeys(("apertus", "dots1", "lfm2", "hy_v3"), "head"),
     **dict.fromkeys(("olmo2", "olmoe", "olmo3", "minimax_m2", "flex_olmo"), "projection"),
 }
 # Families whose q/k norm (QK_NORM's) is there only when a config.json key turns it on.
