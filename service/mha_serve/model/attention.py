@@ -34,6 +34,8 @@ class MultiHeadAttention(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        if config.mla is not None:  # (the config is read; the module's MLA comes next)
+            raise ValueError("multi-head latent attention (mla) is not served yet")
         self.config = config
         self.scale = config.scale
         # Whether decode_one can run a lone decode step: none of the options it leaves out
