@@ -1,8 +1,9 @@
 """The attention module: one class for MHA, GQA and MQA, and for the families' options
-(RoPE, q/k RMSNorm, sliding window, soft-capping, attention sinks, ALiBi: all read from the
-config). Embeddings come from fused SDPA (from the explicit float32 kernel where scores are
-soft-capped, sinks join the softmax or ALiBi biases the scores, which SDPA cannot do);
-attention weights come from a separate explicit path, only when asked."""
+(RoPE, q/k RMSNorm, sliding window, soft-capping, attention sinks, ALiBi, multi-head latent
+attention served as MQA (model/mla.py): all read from the config). Embeddings come from
+fused SDPA (from the explicit float32 kernel where scores are soft-capped, sinks join the
+softmax or ALiBi biases the scores, which SDPA cannot do); attention weights come from a
+separate explicit path, only when asked."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch import nn
 
 from mha_serve.transfer import list_tensor
 
-from . import steps
+from . import mla, steps
 from .alibi import AlibiSlopes, alibi_bias, alibi_slopes, positions
 from .cached import capped_scores, explicit_attention, sink_softmax
 from .checks import check_head_mask, check_heads, check_input, check_query_range, valid_positions
@@ -34,8 +35,6 @@ class MultiHeadAttention(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if config.mla is not None:  # (the config is read; the module's MLA comes next)
-            raise ValueError("multi-head latent attention (mla) is not served yet")
         self.config = config
         self.scale = config.scale
         # Whether decode_one can run a lone decode step: none of the options it leaves out
@@ -46,6 +45,7 @@ class MultiHeadAttention(nn.Module):
             and config.softcap is None
             and not config.sinks
             and not config.alibi
+            and config.mla is None  # (its projection is not wqkv's)
         )
         # RoPE frequencies: a plain float32 tensor, not a buffer, so that module.to(dtype)
         # never rounds them (transformers keeps them float32 too); kept on the weights'
@@ -69,18 +69,21 @@ class MultiHeadAttention(nn.Module):
                 1.0 if config.alibi_scale is None else config.alibi_scale,
                 config.alibi_bfloat16,
             )
-        # Fused projection whose rows are [Wq; Wk; Wv] (as gpt-fast): one matmul,
-        # and exactly nn.MultiheadAttention's in_proj_weight layout when KVH == H.
-        self.wqkv = nn.Linear(
-            config.embed_dim, config.qkv_dim, bias=config.bias, device=device, dtype=dtype
-        )
-        self.wo = nn.Linear(
-            config.num_heads * config.head_dim,
-            config.embed_dim,
-            bias=config.bias,
-            device=device,
-            dtype=dtype,
-        )
+        if config.mla is not None:  # MLA's projections (q_a, q_b or q, kv_a, kv_b) and wo
+            mla.add_parameters(self, config, device, dtype)
+        else:
+            # Fused projection whose rows are [Wq; Wk; Wv] (as gpt-fast): one matmul,
+            # and exactly nn.MultiheadAttention's in_proj_weight layout when KVH == H.
+            self.wqkv = nn.Linear(
+                config.embed_dim, config.qkv_dim, bias=config.bias, device=device, dtype=dtype
+            )
+            self.wo = nn.Linear(
+                config.num_heads * config.head_dim,
+                config.embed_dim,
+                bias=config.bias,
+                device=device,
+                dtype=dtype,
+            )
         # q/k RMSNorm weights (Qwen3, OLMo-2, Gemma 3), in the state dict as q_norm, k_norm:
         # (D,) shared by every head, or (H*D,) and (KVH*D,) over the whole projection.
         self.q_norm = self.k_norm = None
@@ -124,7 +127,7 @@ class MultiHeadAttention(nn.Module):
         """
         c = self.config
         H, KVH = c.num_heads, c.num_kv_heads
-        B, L = check_input(c, self.wqkv.weight, x)
+        B, L = check_input(c, self.wo.weight, x)
         causal = c.causal if causal is None else bool(causal)
         valid = valid_positions(lengths, B, L, x.device)  # (B, L) bool, None if unpadded
         heads = check_heads(self.config, weight_heads)
@@ -212,9 +215,9 @@ class MultiHeadAttention(nn.Module):
     def _apply(self, fn, recurse=True):  # module.to(device), .cuda(), ...: rope_freq follows
         super()._apply(fn, recurse)
         if self.rope_freq is not None:  # the device only: it stays float32
-            self.rope_freq = self.rope_freq.to(self.wqkv.weight.device)
+            self.rope_freq = self.rope_freq.to(self.wo.weight.device)
         if self.alibi is not None:  # (likewise)
-            self.alibi = self.alibi.to(self.wqkv.weight.device)
+            self.alibi = self.alibi.to(self.wo.weight.device)
         return self
 
     def project(
@@ -223,10 +226,12 @@ class MultiHeadAttention(nn.Module):
         """q, k, v of x (B, L, E); with q/k norm, q and k are RMS-normalised first; for a
         rotary model q and k are then rotated at `positions` (B, L) or (L,) absolute
         positions (None: 0..L-1), so cached keys need no more work. Without RoPE, positions
-        are ignored."""
+        are ignored. With mla: its absorbed q, and k = v, one kv head (model/mla.py)."""
         c = self.config
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
         B, L, _ = x.shape
+        if c.mla is not None:  # the absorbed q (B, H, L, R + C), k = v (B, 1, L, R + C)
+            return mla.project(self, x, *self._cos_sin(x, positions, B, L))
         # F.linear, not self.wqkv(x), and the parameters from the modules' own dicts, not
         # nn.Module's __getattr__ (a Python call each): a decode step is small enough for
         # each to show.
@@ -282,8 +287,12 @@ class MultiHeadAttention(nn.Module):
         B, H, L, D = y.shape
         if gate is not None:
             y = y * gate.view(1, H, 1, 1)
-        # (B, L, H*D); one token's heads need no transpose (a view where its layout allows)
-        y = y.reshape(B, 1, H * D) if L == 1 else y.transpose(1, 2).reshape(B, L, H * D)
+        if self.config.mla is not None:  # each head's latent dims through its W_uv
+            y = mla.merge(self, y)  # (B, L, H*V)
+        elif L == 1:  # (B, 1, H*D): one token's heads need no transpose (a view where it can)
+            y = y.reshape(B, 1, H * D)
+        else:
+            y = y.transpose(1, 2).reshape(B, L, H * D)  # (B, L, H*D)
         wo = self._modules["wo"]._parameters  # (as in project)
         out = F.linear(y, wo["weight"], wo["bias"])  # (B, L, E)
         if valid is not None:

@@ -40,6 +40,12 @@ def kept_heads(config: AttentionConfig, heads: Sequence[int]) -> tuple[list[int]
             "heads' values together: removing a head changes every other head's output, so "
             "the result cannot equal the masked model; mask heads with head_mask instead"
         )
+    if config.mla is not None:
+        raise ValueError(
+            "this model is multi-head latent attention (mla): its query heads share one "
+            "latent K/V and its weights are laid out per head in q_b and kv_b, which head "
+            "pruning does not cut yet; mask heads with head_mask instead"
+        )
     if config.alibi:
         raise ValueError(
             "this model's ALiBi slopes come from its head count (alibi): removing a head "
