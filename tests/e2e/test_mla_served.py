@@ -2,18 +2,21 @@
 (its config in the file's metadata), one from a TOML [models.mla] table (seeded weights),
 each answering Attend (with weights) and a session's prefill and decode steps as the float64
 decompressed reference of tests/model/test_mla.py computes them, and reporting the KV cache's
-2 (R + C) values per token."""
+2 (R + C) values per token; the Open Inference Protocol's ModelConfig names its shape."""
 
 from __future__ import annotations
 
+import grpc
 import numpy as np
 import pytest
 import torch
 
+from mha_client.api.inference import grpc_service_pb2 as ip
+from mha_client.api.inference import grpc_service_pb2_grpc as ip_grpc
 from mha_client.sdk import Client
 from mha_serve.model import MultiHeadAttention, init_weights, save_checkpoint
 from tests.helpers import serving_process
-from tests.model.test_mla import C, E, H, R, config, make, reference
+from tests.model.test_mla import C, E, H, N, Q, R, V, config, make, reference
 
 ATOL = 1e-5  # float32 over the wire against float64
 
@@ -68,3 +71,17 @@ def test_attend_and_a_session_equal_the_decompressed_reference(served, name):
     info = client.model_info(name)
     assert (info.num_kv_heads, info.head_dim, info.variant) == (1, R + C, "mqa")
     assert info.kv_cache.bytes_per_token == 2 * (R + C) * 4
+
+
+def test_the_oip_model_config_names_the_latent_shape(served):
+    client, _ = served
+    with grpc.insecure_channel(client.target) as channel:
+        stub = ip_grpc.GRPCInferenceServiceStub(channel)
+        for name, q_lora_rank in (("mla-file", Q), ("mla-toml", None)):
+            config = stub.ModelConfig(ip.ModelConfigRequest(name=name)).config
+            params = {k: v.string_value for k, v in config.parameters.items()}
+            assert params["mla"] == (
+                f"kv_lora_rank {C}, rope_dim {R}, nope_dim {N}, v_head_dim {V}, "
+                f"q_lora_rank {q_lora_rank}"
+            ), params
+            assert (params["num_kv_heads"], params["head_dim"]) == ("1", str(R + C))
