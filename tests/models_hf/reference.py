@@ -21,6 +21,10 @@ from transformers import (
     Cohere2Model,
     CohereConfig,
     CohereModel,
+    DeepseekV2Config,
+    DeepseekV2Model,
+    DeepseekV3Config,
+    DeepseekV3Model,
     DynamicCache,
     Ernie4_5Config,
     Ernie4_5Model,
@@ -37,6 +41,8 @@ from transformers import (
     GemmaModel,
     Glm4Config,
     Glm4Model,
+    Glm4MoeLiteConfig,
+    Glm4MoeLiteModel,
     GlmConfig,
     GlmModel,
     GPT2Config,
@@ -60,6 +66,8 @@ from transformers import (
     HeliumModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MiniCPM3Config,
+    MiniCPM3Model,
     MinistralConfig,
     MinistralModel,
     MistralConfig,
@@ -124,6 +132,12 @@ ROTARY = {
 }
 FALCON = {k: v for k, v in ROTARY.items() if k != "intermediate_size"}  # (ffn_hidden_size)
 MOE = {"num_local_experts": 2, "num_experts_per_tok": 1}
+# Multi-head latent attention, small: 4 heads (as many KV heads: their defaults, 128 and 20,
+# leave eager attention no layer), a latent of 16, q/k heads of 8 + 4 rotary dims
+# (v heads of other sizes), a q latent of 24; one dense layer, then an MoE one (2 experts)
+MLA = {**ROTARY, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16}
+MLA.update({"qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "first_k_dense_replace": 1})
+MLA_MOE = {"moe_intermediate_size": 32, "n_routed_experts": 2, "num_experts_per_tok": 1}
 WINDOW = 8  # Mistral's; the other windowed layers use other sizes (6, 10, 12)
 CHECKPOINTS = {
     # name: (model class, config, layer served by the test of that name; SERVED adds more)
@@ -537,6 +551,56 @@ CHECKPOINTS = {
             **{**FALCON, "hidden_size": 96, "num_attention_heads": 12},
         ),
         1,
+    ),
+    # Multi-head latent attention. DeepSeek-V3 (Kimi K2): q through its latent, RoPE by
+    # pairs (rope_interleave), yarn with mscale_all_dim (its softmax scale times mscale^2),
+    # biases on q_a_proj, kv_a_proj_with_mqa and o_proj
+    "deepseek_v3": (
+        DeepseekV3Model,
+        DeepseekV3Config(
+            q_lora_rank=24,
+            v_head_dim=12,
+            attention_bias=True,
+            n_group=1,
+            topk_group=1,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 500.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+            **MLA_MOE,
+            **MLA,
+        ),
+        1,
+    ),
+    # DeepSeek-V2-Lite's: q_proj straight from the hidden states (q_lora_rank null), RoPE
+    # by pairs through complex numbers
+    "deepseek_v2": (
+        DeepseekV2Model,
+        DeepseekV2Config(q_lora_rank=None, v_head_dim=8, **MLA_MOE, **MLA),
+        0,
+    ),
+    # GLM-4.7-Flash: nope heads of 12, v heads of 16
+    "glm4_moe_lite": (
+        Glm4MoeLiteModel,
+        Glm4MoeLiteConfig(
+            q_lora_rank=24,
+            v_head_dim=16,
+            n_group=1,
+            topk_group=1,
+            **MLA_MOE,
+            **{**MLA, "qk_nope_head_dim": 12},
+        ),
+        1,
+    ),
+    # MiniCPM3: RoPE by halves; v heads of hidden_size / heads (v_head_dim null)
+    "minicpm3": (
+        MiniCPM3Model,
+        MiniCPM3Config(q_lora_rank=24, **{k: v for k, v in MLA.items() if "first_k" not in k}),
+        0,
     ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,

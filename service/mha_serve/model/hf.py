@@ -29,6 +29,10 @@ What is served, per family (transformers' module names):
            use_qkv_bias (o_proj none: a zero bias); partial RoPE by halves (0.25)
   nemotron NemotronAttention (Nemotron-3, Nemotron-4, Minitron): as Llama (q/k/v/o biases by
            attention_bias, head_dim of its own); partial RoPE by halves (0.5 by default)
+  deepseek_v2, deepseek_v3, glm4_moe_lite, minicpm3
+           DeepseekV2/V3Attention and theirs (multi-head latent attention): q_a_proj,
+           q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj
+           and o_proj as they are, the module's MLA (an MQA layer over one latent per token)
   llama, mistral, qwen2, qwen3, olmo2, gemma2, gemma3(_text), phi3, gpt_oss and the families whose
   attention is one of theirs (hf_families.FAMILIES: Mixtral, Qwen-MoE, OLMoE, Granite, ...)
            q_proj/k_proj/v_proj/o_proj (Phi-3: one qkv_proj) with GQA (num_key_value_heads)
@@ -84,6 +88,16 @@ _NAMES = {
         "qkv": "h.{i}.self_attention.query_key_value",
         "o": "h.{i}.self_attention.dense",
     },
+    "mla": {
+        "q_a": "layers.{i}.self_attn.q_a_proj",
+        "q_a_norm": "layers.{i}.self_attn.q_a_layernorm",
+        "q_b": "layers.{i}.self_attn.q_b_proj",
+        "q": "layers.{i}.self_attn.q_proj",
+        "kv_a": "layers.{i}.self_attn.kv_a_proj_with_mqa",
+        "kv_a_norm": "layers.{i}.self_attn.kv_a_layernorm",
+        "kv_b": "layers.{i}.self_attn.kv_b_proj",
+        "o": "layers.{i}.self_attn.o_proj",
+    },
     "phi": {
         "q": "layers.{i}.self_attn.q_proj",
         "k": "layers.{i}.self_attn.k_proj",
@@ -113,6 +127,8 @@ def load_hf_layer(
     model.safetensors.index.json), in eval mode; dtype None keeps the checkpoint's."""
     info = read_hf_layer(directory, layer)
     c = info.attention
+    if c.mla is not None:
+        return _load_mla(info, device, dtype), info
     names = _NAMES["rotary" if info.family not in _NAMES else info.family]
     if c.qk_norm is not None:
         names = {**names, **_NORM_NAMES}
@@ -174,6 +190,46 @@ def load_hf_layer(
     module.load_state_dict({k: t.contiguous() for k, t in state.items()})
     check_sinks(module.sinks, f"checkpoint tensor {sinks_name!r}")
     return module.eval(), info
+
+
+def _load_mla(
+    info: HFLayer, device: torch.device | str | None, dtype: torch.dtype | None
+) -> MultiHeadAttention:
+    """An MLA layer's tensors as they are (config.MLAConfig's state dict is theirs, renamed):
+    q_a_proj, q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_a_layernorm,
+    kv_b_proj and o_proj; biases on q_a_proj, kv_a_proj_with_mqa and o_proj by attention_bias
+    (q_proj has none: served as a zero bias)."""
+    c, m = info.attention, info.attention.mla
+    E, H, C, R = c.embed_dim, c.num_heads, m.kv_lora_rank, m.rope_dim
+    QK = H * (m.nope_dim + R)
+    names = {k: v.format(i=info.layer) for k, v in _NAMES["mla"].items()}
+    if m.q_lora_rank is None:
+        shapes = {"q": (QK, E)}
+    else:
+        Q = m.q_lora_rank
+        shapes = {"q_a": (Q, E), "q_a_norm": (Q,), "q_b": (QK, Q)}
+    shapes.update(
+        {"kv_a": (C + R, E), "kv_a_norm": (C,), "kv_b": (H * (m.nope_dim + m.v_head_dim), C)}
+    )
+    shapes["o"] = (E, H * m.v_head_dim)
+    names = {k: names[k] for k in shapes}
+    tensors = _read(info.directory, names, info, [])
+    state = {}
+    for part, shape in shapes.items():
+        state["wo" if part == "o" else part] = _get(tensors, names[part] + ".weight", shape)
+    state = {k if k.endswith("_norm") else k + ".weight": t for k, t in state.items()}
+    if c.bias:
+        for part in ("q_a" if m.q_lora_rank is not None else "q", "kv_a", "o"):
+            rows = shapes[part][0]
+            if part == "q":  # (DeepSeek's q_proj: no bias, whatever attention_bias says)
+                tensors.setdefault(names["q"] + ".bias", torch.zeros(rows))
+            bias = _get(tensors, names[part] + ".bias", (rows,))
+            state[("wo" if part == "o" else part) + ".bias"] = bias
+    if dtype is None:
+        dtype = state["kv_a.weight"].dtype
+    module = MultiHeadAttention(c, device=device, dtype=dtype)
+    module.load_state_dict({k: t.contiguous() for k, t in state.items()})
+    return module.eval()
 
 
 def grouped_rows(num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:

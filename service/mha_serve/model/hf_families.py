@@ -58,11 +58,28 @@ FAMILIES = (
     # one fused query_key_value laid out per KV head, RoPE (MQA: Falcon-7B; GQA: 40B, 180B)
     "falcon",
     "nemotron",
+    # multi-head latent attention (MLA: low-rank q and kv projections, one latent per token;
+    # hf_config._mla): DeepSeek-V2/V3 (and Kimi K2), GLM-4.7-Flash, MiniCPM3
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe_lite",
+    "minicpm3",
 )
-# Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
+# The MLA families (FAMILIES' last), read by hf_config._mla, not as Llama's.
+MLA = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3")
+# Their RoPE by interleaved pairs, or by halves: DeepSeek-V2's always by pairs (complex
+# numbers), MiniCPM3's by halves; the families of MLA_INTERLEAVE_KEY by rope_interleave,
+# pairs when config.json leaves it out (a null: halves).
+MLA_INTERLEAVED = {
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite"), True),
+    "minicpm3": False,
+}
+MLA_INTERLEAVE_KEY = ("deepseek_v3", "glm4_moe_lite")
+# Families with RoPE, q_proj/k_proj/v_proj/o_proj (the MLA families' projections are theirs;
+# phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA, read from
 # Llama's keys (GPT-J's and CodeGen's RoPE and sizes are their own keys: hf_config._gptj).
-ROTARY = FAMILIES[7:]
+ROTARY = tuple(f for f in FAMILIES[7:] if f not in MLA)
 # Families that name their keys as GPT-2 does (n_embd, n_head, n_layer, n_positions; the
 # long names are aliases of them: ALIASES).
 GPT2_NAMES = ("gpt2", "gpt_bigcode", "gptj", "codegen")
@@ -146,6 +163,43 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         ("gptj", "codegen"),
         {"n_embd": 4096, "n_head": 16, "n_layer": 28, "n_positions": 2048, "rotary_dim": 64},
     ),
+    # (the MLA families' sizes: their config classes' defaults, DeepSeek-V3's, GLM-4.7-Flash's..)
+    "deepseek_v2": {
+        "num_attention_heads": 32,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+    },
+    "deepseek_v3": {
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+    },
+    "glm4_moe_lite": {
+        "num_attention_heads": 20,
+        "num_key_value_heads": 20,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 768,
+        "qk_nope_head_dim": 192,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 256,
+        "rms_norm_eps": 1e-5,
+    },
+    "minicpm3": {
+        "num_attention_heads": 40,
+        "num_key_value_heads": 40,
+        "kv_lora_rank": 256,
+        "q_lora_rank": 768,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 32,
+        "rms_norm_eps": 1e-5,
+    },
 }
 # Keys a family's config.json must set (not null), and why: transformers builds no layer
 # without them, so whatever we served would be a layer transformers never runs.
@@ -194,6 +248,10 @@ _HEAD_DIM_FILLED = (
     "stablelm",
     "falcon",  # (FalconConfig computes it; a head_dim in config.json is PROPERTIES')
     "nemotron",
+    # (not read: their configs set head_dim to qk_rope_head_dim, whatever config.json says;
+    # DeepSeek-V3's rotary embedding fails on a null one first; GLM-4.7-Flash's head_dim is
+    # another name of qk_rope_head_dim, ALIASES', and a null one nulls that)
+    *("deepseek_v2", "minicpm3"),
 )
 NOT_NULL: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
@@ -227,15 +285,17 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     "num_key_value_heads": (
         *("mistral", "mixtral", "ministral", "starcoder2", "qwen2_moe", "qwen3_moe"),
         *("gemma", "gemma2", "gemma3_text", "exaone4", "gpt_oss", "helium", "glm", "glm4"),
-        "stablelm",
+        *("stablelm", "glm4_moe_lite"),
     ),
     "attention_bias": (
+        *("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3"),
         *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
         *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
         *("gpt_neox", "nemotron"),
     ),
     "use_bias": ("starcoder2",),
+    "rope_interleave": ("glm4_moe_lite",),  # (DeepSeek-V3's takes a null: by halves)
     "qkv_bias": ("qwen2_moe",),
     "qk_layernorm": ("phi", "stablelm"),
     "use_qkv_bias": ("stablelm",),
@@ -248,6 +308,10 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     "original_max_position_embeddings": ("phi3",),  # (elsewhere: where RoPE reads it)
     "attention_dropout": ("falcon",),  # (FalconAttention builds nn.Dropout(None): no layer)
 }
+# Model types that are another family's layer under a name of their own: Kimi K2's
+# config.json says kimi_k2 (its code on the Hub is DeepSeek-V3's; Kimi_K25Config reads its
+# text model so).
+RENAMED = {"kimi_k2": "deepseek_v3"}
 # Multimodal families: their language model (text_config, whose model_type is the first
 # unless it names one) is served; its tensors are the ones under the scope (not the vision
 # tower's).
@@ -351,6 +415,7 @@ PROPERTIES = {"falcon": ("head_dim", "rotary")}
 # a null one fails there: NOT_NULL's).
 ALIASES = {
     "falcon": {"n_embed": "hidden_size"},
+    "glm4_moe_lite": {"head_dim": "qk_rope_head_dim"},  # (Glm4MoeLiteConfig's attribute_map)
     "mpt": {
         "hidden_size": "d_model",
         "num_attention_heads": "n_heads",
@@ -394,7 +459,13 @@ UNSERVED = {
     "hunyuan_v1_moe": "its q/k norm comes after RoPE",
     "ministral3": "its queries are scaled by position (llama_4_scaling_beta)",
     "llama4": "chunked attention, L2 q/k norm and NoPE layers with temperature tuning",
-    "deepseek_v3": "multi-head latent attention (low-rank q and kv projections)",
+    "mistral4": "its queries are scaled by position (llama_4_scaling_beta)",
+    "deepseek_v32": "sparse attention: a lightning indexer picks each query's top-k keys",
+    "glm_moe_dsa": "sparse attention: a lightning indexer picks each query's top-k keys",
+    "deepseek_v4": "one shared K/V head whose output is rotated back, compressed caches per "
+    "layer type",
+    "longcat_flash": "two attention modules per decoder layer (self_attn.0 and .1), which a "
+    "layer index does not name",
     "persimmon": "its q/k norm is a LayerNorm (qk_layernorm, on by default and in Persimmon-8B)",
 }
 # Families with a RoPE table per layer type, and how their configs fill the tables of a
