@@ -205,3 +205,33 @@ def test_what_mla_families_cannot_serve_exactly_is_refused_by_name(tmp_path, con
     with pytest.raises(ValueError) as err:
         read_hf_layer(directory, 0)
     assert piece in str(err.value), str(err.value)
+
+
+def test_kimi_k25s_language_model_is_served_past_its_vision_tower(tmp_path):
+    """Kimi K2.5 (kimi_k25): its text_config (model_type kimi_k2) is DeepSeek-V3's; its layer's
+    tensors are the ones under language_model (the vision tower's are not read). The file is
+    written with the model's own tensor names (model.language_model.layers...: transformers'
+    save_pretrained renames them for Moonshot's original layout)."""
+    from safetensors.torch import save_file
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+    text = {**DeepseekV3Config(**V3).to_dict(), "model_type": "kimi_k2"}
+    vision = {"num_attention_heads": 2, "num_hidden_layers": 1, "hidden_size": 32}
+    vision.update({"intermediate_size": 32, "patch_size": 4})
+    config = Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32)
+    torch.manual_seed(0)
+    model = Kimi_K25ForConditionalGeneration(config).eval()
+    config.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "kimi_k25"
+    state = {k: t.clone() for k, t in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    info = read_hf_layer(tmp_path, 1)
+    assert info.family == "kimi_k25" and info.attention.mla is not None
+    assert info.tensor_scope == "language_model"
+    module, _ = load_hf_layer(tmp_path, 1)
+    base = model.model.language_model
+    x = torch.randn(1, 24, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want, _ = reference_attention("deepseek_v3", base, 1, x)
+        got = module(x).output
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

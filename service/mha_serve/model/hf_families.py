@@ -64,9 +64,10 @@ FAMILIES = (
     "deepseek_v3",
     "glm4_moe_lite",
     "minicpm3",
+    "kimi_k25",  # (Kimi K2.5's language model: DeepSeek-V3's, MULTIMODAL)
 )
 # The MLA families (FAMILIES' last), read by hf_config._mla, not as Llama's.
-MLA = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3")
+MLA = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "kimi_k25")
 # Their RoPE by interleaved pairs, or by halves: DeepSeek-V2's always by pairs (complex
 # numbers), MiniCPM3's by halves; the families of MLA_INTERLEAVE_KEY by rope_interleave,
 # pairs when config.json leaves it out (a null: halves).
@@ -318,6 +319,7 @@ RENAMED = {"kimi_k2": "deepseek_v3"}
 MULTIMODAL = {
     "gemma3": ("gemma3_text", "language_model"),
     "mistral3": ("mistral", "language_model"),
+    "kimi_k25": ("deepseek_v3", "language_model"),  # (its text_config says kimi_k2: RENAMED)
 }
 # Where each rotary family's attention differs from Llama's (transformers 5's
 # modeling_<family>.py); a family a table leaves out has Llama's there.
