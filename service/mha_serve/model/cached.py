@@ -43,13 +43,16 @@ EXPLICIT_CHUNK_ELEMENTS = 1 << 24
 SINKS_BY_SDPA_MIN_SCORES = 1 << 14
 # ALiBi over at least this many query rows on the CPU (a prompt, a multi-token step): SDPA's
 # fused kernel with the bias as its float32 additive mask (alibi_by_sdpa) instead of the
-# explicit kernel. A decode step's one row stays explicit: in bfloat16 the fused kernel took
-# twice its time (12 heads of 64 over 2048 keys, 2 threads: 2.6 against 1.4 ms), in float32
-# about the same (bench/alibi_prompt.py).
+# explicit kernel (12 heads of 64, 2 threads, a causal prompt of 1024 tokens: 36 against
+# 127 ms in float32, 52 against 137 in bfloat16). A decode step's one row stays explicit:
+# over 2048 keys the fused kernel took 2.5x its time in bfloat16 (2.5 against 1.0 ms), about
+# the same in float32 (0.45 against 0.47; bench/alibi_prompt.py).
 ALIBI_BY_SDPA_MIN_ROWS = 2
-# alibi_by_sdpa builds its mask over at most this many elements at a time (4 MiB float32):
-# the rows of one chunk, over only the keys some of them may see.
-ALIBI_MASK_CHUNK_ELEMENTS = 1 << 20
+# alibi_by_sdpa builds its mask over at most this many elements at a time (8 MiB float32):
+# the rows of one chunk, over only the keys some of them may see. (Causal prompts of 512 to
+# 2048 tokens, 12 heads, 2 threads: 2^20 to 2^21 elements were fastest, within 10% of each
+# other; 2^22 and the whole mask 10-30% slower, a fresh 48 MiB mask costing its page faults.)
+ALIBI_MASK_CHUNK_ELEMENTS = 1 << 21
 
 
 def attend_one(
