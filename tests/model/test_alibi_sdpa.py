@@ -41,7 +41,8 @@ def case(kind: str, H: int, KVH: int, dtype: torch.dtype, seed: int = 0):
     """q, k, v, allowed and the rows' and keys' absolute positions of one explicit_attention
     call as the module makes it for `kind`."""
     g = torch.Generator().manual_seed(seed)
-    B = 3 if kind in ("padded", "stateless_padded") else 1
+    # (two sequences without a mask: the bias's (1, H, R, S) broadcast over the batch)
+    B = {"padded": 3, "stateless_padded": 3, "bidirectional": 2}.get(kind, 1)
     if kind in ("prompt", "bidirectional", "stateless_padded"):  # token i at position i
         R = S = 29
         rows = cols = torch.arange(S)[None]  # (1, 29)
