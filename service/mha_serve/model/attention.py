@@ -1,6 +1,6 @@
 """The attention module: one class for MHA, GQA and MQA, and for the families' options
 (RoPE, q/k RMSNorm, sliding window, soft-capping, attention sinks, ALiBi, multi-head latent
-attention served as MQA (model/mla.py): all read from the config). Embeddings come from
+attention served as MQA (model/mla.py), an output gate: all read from the config). Embeddings come from
 fused SDPA (from the explicit float32 kernel where scores are soft-capped, sinks join the
 softmax or ALiBi biases the scores, which SDPA cannot do alone; on the CPU a prompt with
 sinks or ALiBi runs SDPA again, cached.sinks_by_sdpa and cached.alibi_by_sdpa); attention
@@ -19,7 +19,14 @@ from mha_serve.transfer import list_tensor
 from . import mla, steps
 from .alibi import AlibiSlopes, alibi_bias, alibi_slopes, positions
 from .cached import capped_scores, explicit_attention, sink_softmax
-from .checks import check_head_mask, check_heads, check_input, check_query_range, valid_positions
+from .checks import (
+    check_head_mask,
+    check_heads,
+    check_input,
+    check_out_gate,
+    check_query_range,
+    valid_positions,
+)
 from .config import AttentionConfig
 from .norm import rms_norm
 from .output import AttentionOutput
@@ -47,6 +54,7 @@ class MultiHeadAttention(nn.Module):
             and not config.sinks
             and not config.alibi
             and config.mla is None  # (its projection is not wqkv's)
+            and not config.output_gate  # (its merge needs the gate's own projection)
         )
         # RoPE frequencies: a plain float32 tensor, not a buffer, so that module.to(dtype)
         # never rounds them (transformers keeps them float32 too); kept on the weights'
@@ -100,6 +108,17 @@ class MultiHeadAttention(nn.Module):
         self.sinks = None
         if config.sinks:
             self.sinks = nn.Parameter(torch.zeros(config.num_heads, device=device, dtype=dtype))
+        # The output gate's projection (Qwen3-Next, Qwen3.5), in the state dict as wgate:
+        # rows by query head as wo's columns, (H*D, E), biased as wqkv.
+        self.wgate = None
+        if config.output_gate:
+            self.wgate = nn.Linear(
+                config.embed_dim,
+                config.num_heads * config.head_dim,
+                bias=config.bias,
+                device=device,
+                dtype=dtype,
+            )
 
     def forward(
         self,
@@ -141,6 +160,7 @@ class MultiHeadAttention(nn.Module):
             x = x.masked_fill(~valid[:, :, None], 0.0)
 
         q, k, v = self.project(x)  # (B, H, L, D), (B, KVH, L, D), (B, KVH, L, D)
+        out_gate = self.output_gate(x)  # (B, L, H*D) or None
         overflow = NO_OVERFLOW
         if check_overflow:  # its maxima are read with the output, never waited for here
             overflow = OverflowCheck(
@@ -177,7 +197,7 @@ class MultiHeadAttention(nn.Module):
             y = explicit_attention(
                 q, k, v, mask, self.scale, c.softcap, self.sinks, alibi
             )  # (B, H, L, D)
-        out = self._merge_heads(y, gate, valid)  # (B, L, E)
+        out = self._merge_heads(y, gate, valid, out_gate)  # (B, L, E)
 
         weights = None
         if need_weights:
@@ -277,23 +297,44 @@ class MultiHeadAttention(nn.Module):
             )
         return cos_sin(self.rope_freq, self.rope_scaling, positions, x.dtype)
 
-    def merge_heads(self, y: torch.Tensor) -> torch.Tensor:
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The output gate of tokens x (B, L, E), sigmoid(wgate x) (B, L, H*D) in x's dtype
+        (as Qwen3-Next's torch.sigmoid(gate)), which the merge multiplies the heads' output
+        by; None for a config without one (output_gate false). Every merge of a gated
+        model takes it (out_gate): attend_cached, attend_step, attend_padded, merge_heads."""
+        if self.wgate is None:
+            return None
+        wgate = self._modules["wgate"]._parameters  # (as in project)
+        return torch.sigmoid(F.linear(x, wgate["weight"], wgate["bias"]))  # (B, L, H*D)
+
+    def merge_heads(self, y: torch.Tensor, out_gate: torch.Tensor | None = None) -> torch.Tensor:
         """Attention's per-head output y (B, H, L, D) as the module's output (B, L, E): heads
-        merged, then wo (for a kernel run outside the module, engine/attend.py)."""
-        return self._merge_heads(y, None, None)
+        merged, gated by out_gate (B, L, H*D) (output_gate(x) of the same tokens; required
+        with output_gate), then wo (for a kernel run outside the module, engine/attend.py)."""
+        return self._merge_heads(y, None, None, out_gate)
 
     def _merge_heads(
-        self, y: torch.Tensor, gate: torch.Tensor | None, valid: torch.Tensor | None
+        self,
+        y: torch.Tensor,
+        gate: torch.Tensor | None,
+        valid: torch.Tensor | None,
+        out_gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """y (B, H, L, D) through the head mask gate (H,), the output gate out_gate
+        (B, L, H*D) and wo; rows not valid (B, L) zero."""
         B, H, L, D = y.shape
         if gate is not None:
             y = y * gate.view(1, H, 1, 1)
+        if out_gate is not None or self.wgate is not None:
+            check_out_gate(self.config, out_gate, B, L, y)
         if self.config.mla is not None:  # each head's latent dims through its W_uv
             y = mla.merge(self, y)  # (B, L, H*V)
         elif L == 1:  # (B, 1, H*D): one token's heads need no transpose (a view where it can)
             y = y.reshape(B, 1, H * D)
         else:
             y = y.transpose(1, 2).reshape(B, L, H * D)  # (B, L, H*D)
+        if out_gate is not None:
+            y = y * out_gate  # (B, L, H*D): each head's dims by its own gate
         wo = self._modules["wo"]._parameters  # (as in project)
         out = F.linear(y, wo["weight"], wo["bias"])  # (B, L, E)
         if valid is not None:

@@ -1,7 +1,7 @@
 """Shape of one attention module: MHA, GQA and MQA are the same config with a
 different num_kv_heads; the families' options (rotary position embeddings, q/k
 normalisation, a sliding window, logit soft-capping, attention sinks, ALiBi, the softmax
-scale, multi-head latent attention) are data too.
+scale, multi-head latent attention, an output gate) are data too.
 Checked once at construction so nothing downstream re-checks. No torch here."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 Variant = Literal["mha", "gqa", "mqa"]
 
-_BOOL_FIELDS = ("bias", "causal", "sinks", "alibi", "alibi_bfloat16")
+_BOOL_FIELDS = ("bias", "causal", "sinks", "alibi", "alibi_bfloat16", "output_gate")
 # Boolean options written out (to_dict) only when true: a config without them reads as before.
-_SET_ONLY = ("sinks", "alibi", "alibi_bfloat16")
+_SET_ONLY = ("sinks", "alibi", "alibi_bfloat16", "output_gate")
 # RoPE variants whose frequencies are fixed at load time, so that keys rotated once and
 # cached stay right. "dynamic" and "longrope" change frequencies with the sequence length.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -204,6 +204,10 @@ class AttentionConfig:
     # q_a/q_b pair, k and v from one shared latent per token, served as MQA over head_dim
     # R + C (num_kv_heads 1, head_dim R + C, RoPE over all R dims required). None: none.
     mla: MLAConfig | None = None
+    # An output gate (Qwen3-Next, Qwen3.5): each query head's output, per token and dim,
+    # multiplied by sigmoid(wgate x) before wo (the `wgate` Linear, H*D <- E, biased as the
+    # projections are; Qwen's q_proj rows per head [query; gate], split at load). False: none.
+    output_gate: bool = False
 
     def __post_init__(self) -> None:
         # Values often come from TOML or safetensors metadata, so check types
@@ -316,6 +320,7 @@ class AttentionConfig:
                 ("sinks", self.sinks),
                 ("alibi", self.alibi),
                 ("softcap", self.softcap is not None),
+                ("output_gate", self.output_gate),
             )
             if on
         ]
@@ -372,8 +377,8 @@ class AttentionConfig:
         return factor
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, resolved (no None: the options only when set, sinks, alibi and
-        alibi_bfloat16 only when True, alibi_bias_max only with alibi; rope, qk_norm and mla as
+        """Every field, resolved (no None: the options only when set, sinks, alibi,
+        alibi_bfloat16 and output_gate only when True, alibi_bias_max only with alibi; rope, qk_norm and mla as
         dicts of their fields), so the dict is the config on its own."""
         d = asdict(self)
         if not self.alibi:

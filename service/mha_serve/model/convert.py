@@ -85,6 +85,10 @@ def pool_kv_heads(module: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtt
         state["k_norm"] = pool(k_norm) if c.qk_norm.scope == "projection" else k_norm
     if c.sinks:  # one per query head, and the query heads stay
         state["sinks"] = module.sinks.detach()
+    if c.output_gate:  # per query head too (it gates each head's output): unchanged
+        state["wgate.weight"] = module.wgate.weight.detach()
+        if c.bias:
+            state["wgate.bias"] = module.wgate.bias.detach()
     w0 = module.wqkv.weight
     out = MultiHeadAttention(config, device=w0.device, dtype=w0.dtype)
     out.load_state_dict(state)

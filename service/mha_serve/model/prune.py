@@ -94,6 +94,10 @@ def prune_heads(module: MultiHeadAttention, heads: Sequence[int]) -> MultiHeadAt
         state["q_norm"], state["k_norm"] = module.q_norm.detach(), module.k_norm.detach()
     if c.sinks:  # one per query head: the kept heads' (each head's softmax is its own)
         state["sinks"] = module.sinks.detach()[q_kept]
+    if c.output_gate:  # rows by query head (each gates its own head): the kept heads'
+        state["wgate.weight"] = rows(module.wgate.weight.detach(), q_kept)
+        if c.bias:
+            state["wgate.bias"] = rows(module.wgate.bias.detach(), q_kept)
     w = module.wqkv.weight
     out = MultiHeadAttention(config, device=w.device, dtype=w.dtype)
     out.load_state_dict({k: t.contiguous() for k, t in state.items()})

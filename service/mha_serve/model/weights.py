@@ -52,7 +52,8 @@ def init_weights(module: MultiHeadAttention, seed: int) -> None:
     Draws on a CPU generator in float32 and copies, because CUDA and CPU
     generators give different streams. Xavier-uniform weights as
     nn.MultiheadAttention; biases U(-BIAS_INIT_BOUND, BIAS_INIT_BOUND). MLA: its linears
-    (q_a, q_b or q, kv_a, kv_b), then wo, then its norm gains q_a_norm, kv_a_norm.
+    (q_a, q_b or q, kv_a, kv_b), then wo, then its norm gains q_a_norm, kv_a_norm. The
+    output gate's wgate last (so a config without one draws as before).
     """
     g = torch.Generator(device="cpu").manual_seed(seed)
     if module.config.mla is not None:
@@ -72,11 +73,17 @@ def init_weights(module: MultiHeadAttention, seed: int) -> None:
                 norm.copy_(1.0 + _uniform(norm.shape, NORM_INIT_BOUND, g))
         if module.sinks is not None:  # (drawn last: other models' draws stay as they were)
             module.sinks.copy_(_uniform(module.sinks.shape, SINK_INIT_BOUND, g))
+        if module.wgate is not None:  # (likewise, after them)
+            wgate = module.wgate
+            fan_out, fan_in = wgate.weight.shape
+            wgate.weight.copy_(_uniform(wgate.weight.shape, math.sqrt(6.0 / (fan_in + fan_out)), g))
+            if wgate.bias is not None:
+                wgate.bias.copy_(_uniform(wgate.bias.shape, BIAS_INIT_BOUND, g))
 
 
 def save_checkpoint(module: MultiHeadAttention, path: PathLike) -> None:
     """safetensors file: wqkv.weight, wqkv.bias, wo.weight, wo.bias (q_norm, k_norm with
-    q/k norm; sinks with sinks; MLA's own keys, model/mla.expected_shapes, instead of wqkv
+    q/k norm; sinks with sinks; wgate.weight, wgate.bias with output_gate; MLA's own keys, model/mla.expected_shapes, instead of wqkv
     with mla) + config in metadata."""
     tensors = {k: t.detach().cpu().contiguous() for k, t in module.state_dict().items()}
     metadata = {"format": FORMAT, **to_metadata(module.config)}
@@ -213,6 +220,10 @@ def _expected_shapes(config: AttentionConfig) -> dict[str, tuple[int, ...]]:
         shapes["k_norm"] = (KVH * D if whole else D,)
     if config.sinks:
         shapes["sinks"] = (config.num_heads,)
+    if config.output_gate:  # rows by query head, as wo's columns
+        shapes["wgate.weight"] = (config.num_heads * config.head_dim, config.embed_dim)
+        if config.bias:
+            shapes["wgate.bias"] = (config.num_heads * config.head_dim,)
     return shapes
 
 
