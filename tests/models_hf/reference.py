@@ -95,10 +95,16 @@ from transformers import (
     Qwen2Model,
     Qwen2MoeConfig,
     Qwen2MoeModel,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5MoeTextModel,
+    Qwen3_5TextConfig,
+    Qwen3_5TextModel,
     Qwen3Config,
     Qwen3Model,
     Qwen3MoeConfig,
     Qwen3MoeModel,
+    Qwen3NextConfig,
+    Qwen3NextModel,
     SeedOssConfig,
     SeedOssModel,
     SmolLM3Config,
@@ -138,6 +144,16 @@ MOE = {"num_local_experts": 2, "num_experts_per_tok": 1}
 MLA = {**ROTARY, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16}
 MLA.update({"qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "first_k_dense_replace": 1})
 MLA_MOE = {"moe_intermediate_size": 32, "n_routed_experts": 2, "num_experts_per_tok": 1}
+# Gated attention (Qwen3-Next, Qwen3.5): a linear-attention layer (gated DeltaNet, small),
+# then the full-attention layer served; MoE: two tiny experts and a shared one
+GATED = {**ROTARY, "layer_types": ["linear_attention", "full_attention"]}
+GATED.update({"linear_num_key_heads": 2, "linear_num_value_heads": 2})
+GATED.update({"linear_key_head_dim": 8, "linear_value_head_dim": 8})
+GATED_MOE = {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 32}
+GATED_MOE["shared_expert_intermediate_size"] = 32
+# Checkpoints whose q/k norm gains are drawn at random too (zero-centred gains, 1 + w: at
+# their init of 0 a norm read as w, not 1 + w, would go unseen).
+RANDOM_NORMS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 WINDOW = 8  # Mistral's; the other windowed layers use other sizes (6, 10, 12)
 CHECKPOINTS = {
     # name: (model class, config, layer served by the test of that name; SERVED adds more)
@@ -602,6 +618,36 @@ CHECKPOINTS = {
         MiniCPM3Config(q_lora_rank=24, **{k: v for k, v in MLA.items() if "first_k" not in k}),
         0,
     ),
+    # Gated attention: q_proj's rows per head [query; gate], sigmoid(gate) on the heads'
+    # output; q/k norm per head (1 + w); RoPE by halves over part of each head
+    "qwen3_next": (  # GQA 8:2, head_dim 16, biases (attention_bias), a quarter rotated
+        Qwen3NextModel,
+        Qwen3NextConfig(
+            num_key_value_heads=2, head_dim=16, attention_bias=True, **GATED_MOE, **GATED
+        ),
+        1,
+    ),
+    "qwen3_5_text": (  # multimodal RoPE's sections, text positions; half of each head
+        Qwen3_5TextModel,
+        Qwen3_5TextConfig(
+            num_key_value_heads=4,
+            head_dim=16,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1_000_000.0,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+            **GATED,
+        ),
+        1,
+    ),
+    "qwen3_5_moe_text": (  # MQA, head_dim 8, no biases
+        Qwen3_5MoeTextModel,
+        Qwen3_5MoeTextConfig(num_key_value_heads=1, head_dim=8, **GATED_MOE, **GATED),
+        1,
+    ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,
 # SmolLM3's NoPE one.
@@ -630,6 +676,8 @@ def write_checkpoints(root: Path) -> dict[str, Path]:  # keyed by checkpoint nam
         with torch.no_grad():
             for key, parameter in model.named_parameters():
                 if key.endswith(".bias"):
+                    parameter.normal_(0.0, INIT)
+                if name in RANDOM_NORMS and key.endswith(("q_norm.weight", "k_norm.weight")):
                     parameter.normal_(0.0, INIT)
         dirs[name] = root / name
         model.save_pretrained(dirs[name], safe_serialization=True)

@@ -87,9 +87,11 @@ NESTED = (
     "v4.rope_theta",
     "v4.rope_local_base_freq",
 )
-# Layers transformers runs that we refuse for another reason than the null (none since
-# Cohere 2's local layers, RoPE by interleaved pairs, are served).
-REFUSED_OTHERWISE: set[tuple[str, str, int]] = set()
+# Layers transformers runs that we refuse for another reason than the null: the gated
+# families' layer 1 without layer_types is linear attention (every 4th layer is full).
+REFUSED_OTHERWISE: set[tuple[str, str, int]] = {
+    (family, "layer_types", 1) for family in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+}
 
 FAMILIES = {name: (cls, config) for name, (cls, config, _) in CHECKPOINTS.items()}
 FAMILIES["bert"] = (
@@ -147,8 +149,10 @@ def transformers_runs(cls, directory):
                 getattr(block, "attn", None)
                 or getattr(block, "attention", None)
                 or getattr(block, "self_attention", None)
-                or block.self_attn
+                or getattr(block, "self_attn", None)
             )
+            if attention is None:  # (Qwen3-Next's linear-attention layers: not attention)
+                continue
             attention.register_forward_pre_hook(
                 lambda m, a, k, i=i: caught.__setitem__(("in", i), (a or [k["hidden_states"]])[0]),
                 with_kwargs=True,

@@ -33,6 +33,11 @@ What is served, per family (transformers' module names):
            DeepseekV2/V3Attention and theirs (multi-head latent attention): q_a_proj,
            q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj
            and o_proj as they are, the module's MLA (an MQA layer over one latent per token)
+  qwen3_next, qwen3_5(_text), qwen3_5_moe(_text)
+           Qwen3NextAttention, Qwen3_5Attention (their full_attention layers; the others are
+           linear attention, refused): as Qwen3's, but q_proj's rows per head [query; gate],
+           split here into wqkv's query rows and wgate (the module's output gate); their
+           q/k norm's gain is 1 + weight (folded in here); partial RoPE by halves
   llama, mistral, qwen2, qwen3, olmo2, gemma2, gemma3(_text), phi3, gpt_oss and the families whose
   attention is one of theirs (hf_families.FAMILIES: Mixtral, Qwen-MoE, OLMoE, Granite, ...)
            q_proj/k_proj/v_proj/o_proj (Phi-3: one qkv_proj) with GQA (num_key_value_heads)
@@ -54,7 +59,7 @@ from safetensors import SafetensorError, safe_open
 from .attention import MultiHeadAttention
 from .checks import check_sinks
 from .hf_config import HFLayer, read_hf_layer
-from .hf_families import CODEGEN_GROUPS
+from .hf_families import CODEGEN_GROUPS, OUTPUT_GATE
 
 # Per family: the attention tensors of layer {i}, without the checkpoint's own prefix
 # ("bert.", "transformer.", "model." or none, found from the file).
@@ -112,8 +117,8 @@ _GROUPED = ("gpt_neox", "falcon", "gpt_bigcode", "bloom")
 _NORM_NAMES = {"q_norm": "layers.{i}.self_attn.q_norm", "k_norm": "layers.{i}.self_attn.k_norm"}
 # GPT-OSS's attention sinks (H,): a bare tensor, no .weight/.bias suffix.
 _SINKS_NAME = "layers.{i}.self_attn.sinks"
-# Families whose norm scales by 1 + weight (Gemma3RMSNorm), not by weight.
-_OFFSET_NORMS = ("gemma3", "gemma3_text")
+# Families whose norm scales by 1 + weight (Gemma3RMSNorm, Qwen3NextRMSNorm), not by weight.
+_OFFSET_NORMS = ("gemma3", "gemma3_text", *OUTPUT_GATE, "qwen3_5", "qwen3_5_moe")
 
 
 def load_hf_layer(
@@ -162,17 +167,29 @@ def load_hf_layer(
             bo = _get(tensors, names["o"] + ".bias", (E,))
     else:
         shapes = {"q": (H * D, E), "k": (KVH * D, E), "v": (KVH * D, E), "o": (E, H * D)}
-        w = torch.cat([_get(tensors, names[p] + ".weight", shapes[p]) for p in "qkv"])
-        wo = _get(tensors, names["o"] + ".weight", shapes["o"])
+        if c.output_gate:  # q_proj's rows per head [query (D); gate (D)]: split below
+            shapes["q"] = (2 * H * D, E)
+        got = {p: _get(tensors, names[p] + ".weight", shapes[p]) for p in "qkvo"}
+        if c.output_gate:
+            got["q"], gate = _split_gate(got["q"], H, D)
+        w = torch.cat([got[p] for p in "qkv"])
+        wo = got["o"]
         b = bo = None
         if c.bias:
             for p in info.zero_biases:  # Qwen2's o_proj has none
                 tensors.setdefault(names[p] + ".bias", torch.zeros(shapes[p][0], dtype=wo.dtype))
-            b = torch.cat([_get(tensors, names[p] + ".bias", shapes[p][:1]) for p in "qkv"])
+            got = {p: _get(tensors, names[p] + ".bias", shapes[p][:1]) for p in "qkv"}
+            if c.output_gate:
+                got["q"], gate_bias = _split_gate(got["q"], H, D)
+            b = torch.cat([got[p] for p in "qkv"])
             bo = _get(tensors, names["o"] + ".bias", (E,))
     state = {"wqkv.weight": w, "wo.weight": wo}
     if c.bias:
         state.update({"wqkv.bias": b, "wo.bias": bo})
+    if c.output_gate:
+        state["wgate.weight"] = gate
+        if c.bias:
+            state["wgate.bias"] = gate_bias
     if c.qk_norm is not None:
         whole = c.qk_norm.scope == "projection"
         for key, heads in (("q_norm", H), ("k_norm", KVH)):
@@ -230,6 +247,14 @@ def _load_mla(
     module = MultiHeadAttention(c, device=device, dtype=dtype)
     module.load_state_dict({k: t.contiguous() for k, t in state.items()})
     return module.eval()
+
+
+def _split_gate(t: torch.Tensor, H: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A gated q_proj's weight (2 H D, E) or bias (2 H D,), rows per head [query; gate]
+    (Qwen3NextAttention views its output (..., H, 2 D) and chunks it in two), as the
+    queries' rows (H D, ...) and the gate's (H D, ...), each head's in order."""
+    per_head = t.reshape(H, 2, D, *t.shape[1:])  # (H, query | gate, D, ...)
+    return per_head[:, 0].reshape(H * D, *t.shape[1:]), per_head[:, 1].reshape(H * D, *t.shape[1:])
 
 
 def grouped_rows(num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:

@@ -19,6 +19,8 @@ from .hf_families import (
     DEFAULTS,
     DERIVED_SLIDING,
     FAMILIES,
+    FULL_ATTENTION_INTERVAL,
+    GATED_LAYER_TYPES,
     GPT2_NAMES,
     HEADS_BY_HIDDEN,
     LAYER_TYPES,
@@ -34,6 +36,7 @@ from .hf_families import (
     NO_ROPE,
     NOT_NULL,
     O_BIAS,
+    OUTPUT_GATE,
     PARTIAL_ROPE,
     PROPERTIES,
     QK_NORM,
@@ -363,6 +366,8 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
             raise ValueError(f"{where}: no_rope_layers must list one 0 or 1 per layer")
     check_rope_nulls(cfg, family, where)
     _null_window(cfg, family, where)
+    if family in OUTPUT_GATE:  # (refuses a linear_attention layer, naming the servable ones)
+        _gated_layer(cfg, family, layer, where)
     layer_type = _layer_type(cfg, family, layer, where)
     sliding = None
     if layer_type == "sliding_attention":
@@ -413,6 +418,7 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
             sinks=family == "gpt_oss",  # GptOssAttention's sinks: a logit per query head
             alibi=alibi,
             **alibi_form,
+            output_gate=family in OUTPUT_GATE,  # Qwen3-Next's: sigmoid(gate) * the heads' output
         )
     except ValueError as e:
         raise ValueError(f"{where}: layer {layer}: {e}") from None
@@ -549,6 +555,38 @@ def _layer_type(cfg: dict[str, Any], family: str, layer: int, where: Path) -> st
             f"lacks or sets otherwise ({type(e).__name__}: {e}); give layer_types"
         ) from None
     return "sliding_attention" if sliding else "full_attention"
+
+
+def _gated_layer(cfg: dict[str, Any], family: str, layer: int, where: Path) -> None:
+    """A gated family's layer, refused unless it is full attention: layer_types, else every
+    full_attention_interval-th layer (default FULL_ATTENTION_INTERVAL; Qwen3NextConfig and
+    Qwen3_5TextConfig derive them so) is; the others are linear attention (gated DeltaNet),
+    not served."""
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = cfg.get("full_attention_interval", FULL_ATTENTION_INTERVAL)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(
+                f"{where}: {family} full_attention_interval must be a positive int (every "
+                f"full_attention_interval-th layer is full attention), got {interval!r}; or "
+                "give layer_types"
+            )
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n:
+        raise ValueError(f"{where}: layer_types must list {n} entries, one per layer")
+    if types[layer] == "full_attention":
+        return
+    full = [i for i, kind in enumerate(types) if kind == "full_attention"]
+    why = (
+        "linear attention (gated DeltaNet), which is no softmax attention over a KV cache"
+        if types[layer] == "linear_attention"
+        else f"not one of {', '.join(GATED_LAYER_TYPES)}"
+    )
+    raise ValueError(
+        f"{where}: layer {layer} of {family} is a {types[layer]!r} layer: {why}, and is not "
+        f"served; its full_attention layers are: {', '.join(map(str, full)) or 'none'}"
+    )
 
 
 def _null_window(cfg: dict[str, Any], family: str, where: Path) -> None:

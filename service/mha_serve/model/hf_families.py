@@ -65,6 +65,13 @@ FAMILIES = (
     "glm4_moe_lite",
     "minicpm3",
     "kimi_k25",  # (Kimi K2.5's language model: DeepSeek-V3's, MULTIMODAL)
+    # gated attention (OUTPUT_GATE: Qwen3-Next's, an output gate split from q_proj), its
+    # full_attention layers (the others are linear attention, not served)
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5",
+    "qwen3_5_moe_text",
+    "qwen3_5_moe",
 )
 # The MLA families (FAMILIES' last), read by hf_config._mla, not as Llama's.
 MLA = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "kimi_k25")
@@ -76,6 +83,17 @@ MLA_INTERLEAVED = {
     "minicpm3": False,
 }
 MLA_INTERLEAVE_KEY = ("deepseek_v3", "glm4_moe_lite")
+# Families whose attention gates its output (Qwen3NextAttention, Qwen3_5Attention): q_proj's
+# rows per head [query (head_dim); gate (head_dim)], the heads' output times sigmoid(gate)
+# before o_proj (hf.py splits the rows into wqkv's and wgate's); q/k RMSNorm per head with
+# a gain of 1 + weight (OFFSET_NORM); partial RoPE by halves (PARTIAL_ROPE: 0.25); no window.
+# Their other layers are linear attention (gated DeltaNet), not served: layer_types says
+# which, else every full_attention_interval-th layer (FULL_ATTENTION_INTERVAL by default)
+# is full attention, as their configs derive them (hf_config._gated_layer).
+OUTPUT_GATE = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+FULL_ATTENTION_INTERVAL = 4
+# The per-layer kinds of their layer_types (the second not served).
+GATED_LAYER_TYPES = ("full_attention", "linear_attention")
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (the MLA families' projections are theirs;
 # phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA, read from
@@ -201,6 +219,19 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "qk_rope_head_dim": 32,
         "rms_norm_eps": 1e-5,
     },
+    # (the gated families' sizes: their config classes' defaults)
+    "qwen3_next": {
+        **{"hidden_size": 2048, "num_hidden_layers": 48, "max_position_embeddings": 32768},
+        **{"num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256},
+    },
+    "qwen3_5_text": {
+        **{"hidden_size": 4096, "num_hidden_layers": 32, "max_position_embeddings": 32768},
+        **{"num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256},
+    },
+    "qwen3_5_moe_text": {
+        **{"hidden_size": 2048, "num_hidden_layers": 40, "max_position_embeddings": 32768},
+        **{"num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256},
+    },
 }
 # Keys a family's config.json must set (not null), and why: transformers builds no layer
 # without them, so whatever we served would be a layer transformers never runs.
@@ -286,14 +317,14 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     "num_key_value_heads": (
         *("mistral", "mixtral", "ministral", "starcoder2", "qwen2_moe", "qwen3_moe"),
         *("gemma", "gemma2", "gemma3_text", "exaone4", "gpt_oss", "helium", "glm", "glm4"),
-        *("stablelm", "glm4_moe_lite"),
+        *("stablelm", "glm4_moe_lite", *OUTPUT_GATE),
     ),
     "attention_bias": (
         *("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3"),
         *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
         *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
-        *("gpt_neox", "nemotron"),
+        *("gpt_neox", "nemotron", *OUTPUT_GATE),
     ),
     "use_bias": ("starcoder2",),
     "rope_interleave": ("glm4_moe_lite",),  # (DeepSeek-V3's takes a null: by halves)
@@ -320,6 +351,8 @@ MULTIMODAL = {
     "gemma3": ("gemma3_text", "language_model"),
     "mistral3": ("mistral", "language_model"),
     "kimi_k25": ("deepseek_v3", "language_model"),  # (its text_config says kimi_k2: RENAMED)
+    "qwen3_5": ("qwen3_5_text", "language_model"),
+    "qwen3_5_moe": ("qwen3_5_moe_text", "language_model"),
 }
 # Where each rotary family's attention differs from Llama's (transformers 5's
 # modeling_<family>.py); a family a table leaves out has Llama's there.
@@ -343,7 +376,7 @@ O_BIAS: dict[str, str | bool] = {
 }
 # q/k RMSNorm: per head (over head_dim) or over the whole projection (all heads together).
 QK_NORM = {
-    **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4"), "head"),
+    **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4", *OUTPUT_GATE), "head"),
     **dict.fromkeys(("olmo2", "olmoe", "olmo3"), "projection"),
 }
 # The softmax scale: (config key, power) -> value ** power; default head_dim ** -0.5.
@@ -390,6 +423,7 @@ INTERLEAVED_ROPE = ("cohere", "cohere2", "helium", "ernie4_5", "glm", "glm4")
 PARTIAL_ROPE = {
     **{"glm": 0.5, "glm4": 0.5, "gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25},
     "nemotron": 0.5,
+    **dict.fromkeys(OUTPUT_GATE, 0.25),
 }
 # Families whose config reads RoPE's theta and partial factor beside the table under other
 # names (GPTNeoXConfig: rotary_emb_base, rotary_pct; it ignores config.json's rope_theta and
