@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from mha_serve.model import AttentionConfig, MultiHeadAttention
 from mha_serve.model.convert import pool_kv_heads
 from mha_serve.model.metadata import to_metadata
-from mha_serve.model.prune import prune_heads
+from mha_serve.model.prune import cost_per_token, prune_heads
 from mha_serve.model.weights import init_weights, load_checkpoint, save_checkpoint
 
 # Qwen3-Next's options, small: GQA 4:2, head_dim 16 (not E / H), q/k RMSNorm per head, RoPE
@@ -303,6 +303,11 @@ def test_pruned_heads_take_their_gate_rows_and_pooling_keeps_the_gate():
     mask = torch.tensor([1.0, 0.0, 1.0, 0.0])
     close(pruned(x).output, module(x, head_mask=mask).output, "pruned vs masked", atol=1e-5)
     assert pruned.wgate.weight.shape == (32, 48)
+    # (the report's compute per token counts the gate's projection, and its pruned rows)
+    flops = [cost_per_token(m.config, 4)["projection_flops"] for m in (module, pruned)]
+    ungated = cost_per_token(dataclasses.replace(GATED, output_gate=False), 4)
+    assert flops[0] - ungated["projection_flops"] == 2 * 64 * 48
+    assert flops[0] - flops[1] == 2 * 48 * (32 + 32 + 32)  # two heads' q, wo and gate rows
     with torch.no_grad():  # both kv heads alike: pooling them changes nothing
         w, b = module.wqkv.weight, module.wqkv.bias
         w[80:96], w[112:128] = w[64:80], w[96:112]

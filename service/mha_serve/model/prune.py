@@ -154,11 +154,13 @@ def least_important(
 
 
 def cost_per_token(config: AttentionConfig, itemsize: int) -> dict[str, int]:
-    """What one token costs the model: multiply-adds of its projections (2 FLOPs each), of
-    its attention per key it sees (q.k and p.v, 4 H D), and its KV-cache bytes (K and V)."""
+    """What one token costs the model: multiply-adds of its projections (2 FLOPs each; an
+    output gate's wgate one more, H D x E), of its attention per key it sees (q.k and p.v,
+    4 H D), and its KV-cache bytes (K and V)."""
     E, H, KVH, D = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim
+    gate = 2 * H * D * E if config.output_gate else 0
     return {
-        "projection_flops": 2 * E * (H + 2 * KVH) * D + 2 * H * D * E,
+        "projection_flops": 2 * E * (H + 2 * KVH) * D + 2 * H * D * E + gate,
         "attention_flops_per_key": 4 * H * D,
         "kv_bytes": 2 * KVH * D * itemsize,
     }
