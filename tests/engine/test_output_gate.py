@@ -1,13 +1,15 @@
 """A model with an output gate (Qwen3-Next's options) through the engine's session steps:
 per session, in padded groups, read in place by the flash kernel (its CPU reference) and
 as lone steps, each gated by its own tokens' gate, answering as a recompute of the whole
-sequence; decode steps in fixed shapes and decode_one decline it."""
+sequence; decode steps in fixed shapes and decode_one decline it; gate logits past float16
+saturate (the overflow bounds need not count the gate)."""
 
 from __future__ import annotations
 
 import torch
 
 from mha_serve.engine import Engine, ModelSpec
+from mha_serve.engine.bounds import cleared
 from mha_serve.engine.graphs import StaticDecode
 from mha_serve.model import AttentionConfig
 from tests.engine.test_attend import PASTS, close, decode_together
@@ -81,3 +83,32 @@ def test_lone_gated_steps_equal_a_recompute(paths):  # noqa: F811 (the fixture)
 
 def test_fixed_shape_decode_declines_a_gated_model():
     assert not StaticDecode.supports(GATED.attention)
+
+
+def test_gate_logits_past_float16_saturate_and_the_cleared_step_answers_finite():
+    """The overflow bounds leave the gate out (it is in [0, 1]): a float16 model whose gate
+    logits overflow (|wgate x| past 65504) gets +-inf logits, sigmoid 1 or 0, not NaN; its
+    steps, cleared by the bounds, answer what the same model computes in float32."""
+    spec = ModelSpec("g16", GATED.attention, seed=3)
+    engines = {
+        dtype: Engine([spec], device=torch.device("cpu"), dtype=dtype, max_response_bytes=2**28)
+        for dtype in (torch.float16, torch.float32)
+    }
+    for engine in engines.values():
+        with torch.no_grad():
+            engine.get("g16").module.wgate.weight.mul_(1e5)  # (rows of |w| ~ 1e4)
+    half = engines[torch.float16].get("g16").module
+    x = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(4))
+    logits = torch.nn.functional.linear(x.half(), half.wgate.weight, half.wgate.bias)
+    assert logits.isinf().any() and not logits.isnan().any()
+    hosted = engines[torch.float16].get("g16")  # (the bounds clear it: no maxima are read)
+    assert cleared(hosted, torch.float16, float(x.abs().max()), 0.0, 1.0) is not None
+    outs = {}
+    for dtype, engine in engines.items():
+        hosted = engine.get("g16")
+        sid = engine.sessions.create("g16", None, None).session_id
+        steps = [run(engine, hosted, req("g16", x[:, :4], session_id=sid)).output]
+        steps += [run(engine, hosted, req("g16", x[:, 4:6], session_id=sid)).output]
+        outs[dtype] = torch.cat(steps, dim=1).float()
+    assert torch.isfinite(outs[torch.float16]).all()
+    close(outs[torch.float16], outs[torch.float32], "float16 vs float32", atol=2e-2)
