@@ -1,10 +1,11 @@
 """The attention module: one class for MHA, GQA and MQA, and for the families' options
 (RoPE, q/k RMSNorm, sliding window, soft-capping, attention sinks, ALiBi, multi-head latent
-attention served as MQA (model/mla.py), an output gate: all read from the config). Embeddings come from
-fused SDPA (from the explicit float32 kernel where scores are soft-capped, sinks join the
-softmax or ALiBi biases the scores, which SDPA cannot do alone; on the CPU a prompt with
-sinks or ALiBi runs SDPA again, cached.sinks_by_sdpa and cached.alibi_by_sdpa); attention
-weights come from a separate explicit path, only when asked."""
+attention served as MQA (model/mla.py), an output gate: all read from the config).
+Embeddings come from fused SDPA (from the explicit float32 kernel where scores are
+soft-capped, sinks join the softmax or ALiBi biases the scores, which SDPA cannot do alone;
+on the CPU a prompt with sinks or ALiBi runs SDPA again, cached.sinks_by_sdpa and
+cached.alibi_by_sdpa); attention weights come from a separate explicit path, only when
+asked."""
 
 from __future__ import annotations
 
