@@ -151,7 +151,8 @@ def test_example_config_shows_every_key_and_the_server_defaults(tmp_path):
     # the commented family options are values the server takes
     # (ALiBi goes without softcap and sinks: its lines on their own, below)
     alibi = {"alibi", "alibi_bias_max", "alibi_scale", "alibi_bfloat16"}
-    options = {f.name for f in fields(AttentionConfig)} - alibi
+    # (and MLA with one kv head of its own width: its line is read on its own, below)
+    options = {f.name for f in fields(AttentionConfig)} - alibi - {"mla"}
 
     def uncommented(keys: set[str]) -> AttentionConfig:
         lines = [
@@ -169,6 +170,7 @@ def test_example_config_shows_every_key_and_the_server_defaults(tmp_path):
         "head",
         10000.0,
     )
+    assert gqa.output_gate
     gqa = uncommented(alibi)
     assert (gqa.alibi, gqa.alibi_bias_max, gqa.alibi_scale, gqa.alibi_bfloat16) == (
         True,
@@ -176,10 +178,32 @@ def test_example_config_shows_every_key_and_the_server_defaults(tmp_path):
         0.125,
         True,
     )
+    mla_line = re.search(r"^# (mla = .*)$", text, flags=re.M).group(1)
+    mla = AttentionConfig(1024, 16, rope={}, **tomllib.loads(mla_line))
+    assert (mla.num_kv_heads, mla.head_dim, mla.mla.q_lora_rank) == (1, 64 + 512, 1536)
     readme = (root / "README.md").read_text().split("## Serving", 1)[1]
     rows = re.findall(r"^\| (`--.*?) \|", readme.split("\n\n| flag |", 1)[1].split("\n\n")[0], re.M)
     flags = {f for row in rows for f in re.findall(r"`--([a-z-]+)", row)}
     assert flags == {k.replace("_", "-") for k in SERVER_KEYS} | {"config"}
+
+
+def test_mla_table_in_a_config_file(tmp_path):
+    """[models.mla] (or mla = { .. }) is read as MLAConfig's fields; a bad key is named."""
+    from mha_serve.model.config import MLAConfig
+
+    path = tmp_path / "mla.toml"
+    table = (
+        '[[models]]\nname = "mla"\nembed_dim = 64\nnum_heads = 4\ncausal = true\n'
+        "rope = { theta = 100.0 }\n"
+        "[models.mla]\nkv_lora_rank = 32\nrope_dim = 8\nnope_dim = 16\nv_head_dim = 12\n"
+    )
+    path.write_text(table)
+    attention = build_config(str(path), {}).models[0].attention
+    assert attention.mla == MLAConfig(32, 8, 16, 12)
+    assert (attention.num_kv_heads, attention.head_dim) == (1, 40)
+    path.write_text(table + "q_lora_rank = 24\nlora = 3\n")
+    with pytest.raises(ValueError, match=r"unknown mla key\(s\) \['lora'\]"):
+        build_config(str(path), {})
 
 
 def test_boolean_settings_from_environment(monkeypatch, capsys):

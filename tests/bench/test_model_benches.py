@@ -137,3 +137,20 @@ def test_sinks_prompt_bench_rows_agree_between_the_two_kernels(tmp_path):
     assert len(rows) == 6
     assert all(r["max_diff"] < (1e-5 if r["dtype"] == "float32" else 0.05) for r in rows)
     assert [r["picked"] for r in rows[:3]] == ["explicit", "fused", "fused"]
+
+
+def test_alibi_prompt_bench_rows_agree_between_the_two_kernels(tmp_path):
+    """bench/alibi_prompt.py --quick: a row per dtype and shape, the fused kernel's answer
+    within the dtype's rounding of the explicit one's, and the kernel explicit_attention
+    picks named (prompts fused, the decode token explicit)."""
+    out = tmp_path / "alibi.json"
+    run("alibi_prompt.py", "--quick", "--json-out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["dtype"], r["rows"], r["keys"]) for r in rows] == [
+        (dtype, n, s)
+        for dtype in ("float32", "bfloat16")
+        for n, s in ((16, 16), (128, 128), (1, 256))
+    ]
+    assert all(r["max_diff"] < (1e-5 if r["dtype"] == "float32" else 0.05) for r in rows)
+    assert [r["picked"] for r in rows[:3]] == ["fused", "fused", "explicit"]
+    assert all(r["explicit_ms"] > 0 and r["fused_ms"] > 0 for r in rows)

@@ -1,7 +1,7 @@
 """engine/attend.py: a batch of session steps attending batched (padded groups, one kernel
 each) gives the per-session path's answers and a full causal recompute's, for MHA/GQA/MQA,
 ragged pasts and new lengths, sliding windows with rotary positions, soft-capping, ALiBi,
-head masks and a bfloat16 model; and the engine picks the path by device unless told."""
+multi-head latent attention, head masks and a bfloat16 model; and the engine picks the path by device unless told."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from mha_serve.model import AttentionConfig, MultiHeadAttention
 from tests.engine_calls import req, run, run_batch
 from tests.helpers import suite_torch_device
 
+MLA = {"kv_lora_rank": 24, "rope_dim": 8, "nope_dim": 12, "v_head_dim": 10, "q_lora_rank": 20}
 ATOL = 1e-5  # float32: the two paths and a recompute differ only in summation order
 MODELS = [
     *default_models(),
@@ -47,6 +48,15 @@ MODELS = [
     ),
 ]
 NAMES = [m.name for m in MODELS]
+# Multi-head latent attention, absorbed: MQA over one kv head of rope_dim + kv_lora_rank.
+# Here alone: no bound from its weights clears a step (overflow.NO_BOUNDS), so its steps
+# never take the lone-step paths that the modules importing MODELS test.
+MLA_MODEL = ModelSpec(
+    "mla",
+    AttentionConfig(64, 4, rope={"theta": 100.0, "interleaved": True}, mla=MLA),
+    seed=11,
+    kv_block_size=4,
+)
 # Pasts and first steps whose key counts (3, 6, 21, 35, 41, 301) make two padded groups
 # ({41, 35, 21} and {6, 3}) and one session alone (301), then decode steps together.
 PASTS, NEWS = [0, 5, 17, 33, 40, 300], [3, 1, 4, 2, 1, 1]
@@ -54,7 +64,7 @@ PASTS, NEWS = [0, 5, 17, 33, 40, 300], [3, 1, 4, 2, 1, 1]
 
 def make_engine(batched: bool | None, dtype=torch.float32) -> Engine:
     return Engine(
-        MODELS,
+        [*MODELS, MLA_MODEL],
         device=suite_torch_device(),
         dtype=dtype,
         max_response_bytes=2**28,
@@ -110,7 +120,7 @@ def close(a, b, what, atol=ATOL):
     assert diff.max() <= atol, f"{what}: max {diff.max():.2e} mean {diff.mean():.2e} (atol {atol})"
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [*NAMES, MLA_MODEL.name])
 def test_batched_equals_per_session_and_a_recompute(engines, name, monkeypatch):
     padded_calls = []
     real = MultiHeadAttention.attend_padded
@@ -161,8 +171,9 @@ def test_the_device_picks_the_path_unless_told():
     assert batched_by_default(torch.device("cuda")) and not batched_by_default(torch.device("cpu"))
     auto = make_engine(None)
     device = suite_torch_device()
-    assert auto.sessions.batched_attention == dict.fromkeys(NAMES, device.type == "cuda")
-    assert make_engine(True).sessions.batched_attention == dict.fromkeys(NAMES, True)
+    names = [*NAMES, MLA_MODEL.name]
+    assert auto.sessions.batched_attention == dict.fromkeys(names, device.type == "cuda")
+    assert make_engine(True).sessions.batched_attention == dict.fromkeys(names, True)
 
 
 def test_groups_keep_padding_under_half_and_within_the_byte_cap():

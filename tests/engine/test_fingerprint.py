@@ -19,6 +19,27 @@ PINNED = "fb36ffaa8e22fd549f12d4b57f9b4f261eab6a765bba491171efafb0589d595d"
 # What the release before alibi_scale and alibi_bfloat16 (6aad783) computed for PINNED_CONFIG
 # with alibi, the same weights.
 PINNED_ALIBI = "a983e69ca9e875566d51c147d0a6671001a15d3d86d6d7d82be89205775c3e5e"
+# What the release that added multi-head latent attention computed for this MLA model with
+# the weights of fixed_weights.
+MLA_CONFIG = AttentionConfig(
+    64,
+    4,
+    rope={"theta": 100.0, "interleaved": True},
+    mla={"kv_lora_rank": 24, "rope_dim": 8, "nope_dim": 12, "v_head_dim": 10, "q_lora_rank": 20},
+)
+PINNED_MLA = "1707551f2f2b84db82905817561ed8d04eb89a18d3fa97e392f4fbdfc20dcd86"
+# What the release that added the output gate computed for this gated model (Qwen3-Next's
+# options) with the weights of fixed_weights.
+GATED_CONFIG = AttentionConfig(
+    64,
+    4,
+    2,
+    32,
+    rope={"theta": 100.0, "partial": 0.25},
+    qk_norm={"scope": "head"},
+    output_gate=True,
+)
+PINNED_GATED = "b6a535e811c237e1304de654052297b69286088c5387b8fba2d504426e3dbfa5"
 
 
 def hosted_with_fixed_weights(config: AttentionConfig):
@@ -85,3 +106,26 @@ def test_rope_by_pairs_or_partial_changes_the_fingerprint_and_the_default_keeps_
         other = hosted_with_fixed_weights(dataclasses.replace(PINNED_CONFIG, rope=rope))
         seen.add(model_fingerprint(other))
     assert len(seen) == 3
+
+
+def test_an_mla_model_keeps_its_fingerprint_and_its_shape_changes_it():
+    """MLA's fields are hashed (its K/V are latents of that shape), pinned so that a later
+    field added to MLAConfig keeps it; another latent width or q_lora_rank gives another."""
+    plain = model_fingerprint(hosted_with_fixed_weights(MLA_CONFIG))
+    assert plain == PINNED_MLA
+    seen = {plain}
+    for option in ({"q_lora_rank": None}, {"eps": 1e-5}):
+        mla = dataclasses.replace(MLA_CONFIG.mla, **option)
+        other = hosted_with_fixed_weights(dataclasses.replace(MLA_CONFIG, mla=mla))
+        seen.add(model_fingerprint(other))
+    assert len(seen) == 3
+
+
+def test_a_gated_model_keeps_its_fingerprint_and_the_gate_changes_it():
+    """AttentionConfig.output_gate is hashed only when set (PINNED, above, keeps its
+    fingerprint), and a gated model's is pinned; the same model without its gate (and so
+    without wgate) gives another."""
+    gated = model_fingerprint(hosted_with_fixed_weights(GATED_CONFIG))
+    assert gated == PINNED_GATED
+    plain = hosted_with_fixed_weights(dataclasses.replace(GATED_CONFIG, output_gate=False))
+    assert model_fingerprint(plain) != gated

@@ -19,7 +19,7 @@ from mha_serve.cache import KVCache, Reservation
 from mha_serve.engine import Engine
 from mha_serve.engine.attend import attend_steps, flash_decode_unsupported, flash_varlen
 from mha_serve.model import AttentionConfig, MultiHeadAttention
-from tests.engine.test_attend import MODELS, close, decode_together
+from tests.engine.test_attend import MLA_MODEL, MODELS, close, decode_together
 from tests.helpers import config_of, suite_torch_device
 
 cuda = pytest.mark.skipif(
@@ -90,6 +90,41 @@ def test_in_place_equals_per_session_and_gathered(name):
         for i, (a, g, w) in enumerate(zip(a_round, g_round, w_round, strict=True)):
             close(a, w, f"{name} round {r} session {i}: in place vs per session")
             close(a, g, f"{name} round {r} session {i}: in place vs gathered")
+
+
+def test_mla_in_place_equals_per_session():
+    """Multi-head latent attention read in place: the kernel attends over its one kv head of
+    R + C (values = keys) like any MQA model's, and merge_heads takes the heads through W_uv
+    (on a GPU its head_dim must fit the kernel: DeepSeek's 576 does not, and is declined)."""
+    name = MLA_MODEL.name
+
+    def engine(flash: bool) -> Engine:
+        return Engine(
+            [MLA_MODEL],
+            device=suite_torch_device(),
+            dtype=torch.float32,
+            max_response_bytes=2**28,
+            batched_attention=flash,
+            flash_decode=False,
+        )
+
+    spied, per_session = engine(True), engine(False)
+    spy = Spy(reference_varlen)
+    spied.sessions.flash_kernels[name] = spy
+    got, _ = decode_together(spied, name, rounds=2)
+    want, _ = decode_together(per_session, name, rounds=2)
+    assert sum(spy.rows) == 6 * 2, spy.rows
+    for r, (g_round, w_round) in enumerate(zip(got, want, strict=True)):
+        for i, (a, w) in enumerate(zip(g_round, w_round, strict=True)):
+            close(a, w, f"mla round {r} session {i}: in place vs per session")
+    big = AttentionConfig(
+        64,
+        4,
+        rope={},
+        mla={"kv_lora_rank": 512, "rope_dim": 64, "nope_dim": 128, "v_head_dim": 128},
+    )
+    why = flash_decode_unsupported(big, torch.device("cuda"), torch.bfloat16, torch.bfloat16)
+    assert "head_dim a multiple of 8 up to 256 (it is 576)" in why
 
 
 def _cache_with(config: AttentionConfig) -> KVCache:

@@ -18,7 +18,7 @@ from mha_serve.engine import Abandoned, Engine, ModelSpec
 from mha_serve.engine import sessions as engine_sessions
 from mha_serve.engine import settle as engine_settle
 from mha_serve.model import AttentionConfig, MultiHeadAttention
-from tests.engine.test_attend import MODELS, close
+from tests.engine.test_attend import MLA_MODEL, MODELS, close
 from tests.engine_calls import State, req, run, run_batch
 from tests.helpers import suite_torch_device
 
@@ -261,4 +261,31 @@ def test_a_lone_decode_token_of_a_plain_or_rotary_model_runs_in_one_call(engine,
     for p in range(8, 12):
         run(engine, hosted, req(name, x[:, p : p + 1], session_id=sid))
     assert answered == [True] * 4
+    engine.sessions.close(sid)
+
+
+def test_an_mla_step_is_measured_on_the_batch_path_and_decode_now_leaves_it(paths):
+    """Multi-head latent attention has no bound from its weights (overflow.NO_BOUNDS: its q
+    and k pass norms and W_uk, which wqkv's row norms do not describe), so no lone step or
+    decode_now takes its steps: each runs as a measured batch of one, equal to a recompute,
+    and decode_now answers None keeping nothing."""
+    engine = Engine(
+        [MLA_MODEL], device=suite_torch_device(), dtype=torch.float32, max_response_bytes=2**28
+    )
+    name, hosted = MLA_MODEL.name, engine.get(MLA_MODEL.name)
+    x = tokens(engine, name, 8, seed=4)
+    sid = engine.sessions.create(name, None, None).session_id
+    outs = [run(engine, hosted, req(name, x[:, :5], session_id=sid)).output]
+    for p in range(5, 7):
+        outs.append(run(engine, hosted, req(name, x[:, p : p + 1], session_id=sid)).output)
+    assert paths == ["batch"] * 3
+    engine.sessions.claim(sid)
+    try:
+        left = engine.decode_now(req("", x[:, 7:8], session_id=sid), name, State(claimed=True))
+    finally:
+        engine.sessions.release(sid)
+    assert left is None and engine.sessions.table.session_stats(sid).num_tokens == 7
+    outs.append(run(engine, hosted, req(name, x[:, 7:8], session_id=sid)).output)
+    ref = run(engine, hosted, req(name, x, causal=True)).output
+    close(torch.cat(outs, dim=1), ref, "mla: steps vs recompute")
     engine.sessions.close(sid)

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from mha_serve.model import AttentionConfig
+from mha_serve.model.config import MLAConfig
 
 
 def test_defaults_resolve():
@@ -132,3 +133,58 @@ def test_from_dict_rejects_unknown_keys():
 def test_from_dict_requires_embed_dim_and_num_heads():
     with pytest.raises(ValueError, match="num_heads"):
         AttentionConfig.from_dict({"embed_dim": 64})
+
+
+# Multi-head latent attention: C = 32, R = 8, N = 16, V = 12 (DeepSeek's shape, small).
+MLA = {"kv_lora_rank": 32, "rope_dim": 8, "nope_dim": 16, "v_head_dim": 12, "q_lora_rank": 24}
+
+
+def test_mla_resolves_to_one_kv_head_of_rope_plus_latent_dims():
+    """MLA is served as MQA over [rope (R); latent (C)]: one kv head of R + C dims, RoPE on
+    its R dims, and HF's scale 1 / sqrt(N + R), not 1 / sqrt(R + C)."""
+    c = AttentionConfig(64, 4, rope={"theta": 100.0}, mla=MLA)
+    assert isinstance(c.mla, MLAConfig) and c.mla.q_lora_rank == 24 and c.mla.eps == 1e-6
+    assert (c.num_kv_heads, c.head_dim, c.variant, c.rope_dim) == (1, 40, "mqa", 8)
+    assert c.scale == (16 + 8) ** -0.5
+    assert AttentionConfig(64, 4, rope={}, mla=MLA, softmax_scale=0.5).scale == 0.5
+    # the values the resolution would give are taken as given
+    assert AttentionConfig(64, 4, 1, 40, rope={}, mla=MLA) == c.__class__(64, 4, rope={}, mla=MLA)
+    assert MLAConfig(32, 8, 16, 12).q_lora_rank is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pieces"),
+    [
+        ({"num_kv_heads": 4}, ["num_kv_heads 4", "mla", "1", "leave num_kv_heads out"]),
+        ({"head_dim": 16}, ["head_dim 16", "rope_dim + kv_lora_rank = 40"]),
+        ({"rope": None}, ["mla needs rope"]),
+        ({"rope": {"partial": 0.5}}, ["rope partial must be 1", "0.5"]),
+        ({"qk_norm": {}}, ["mla with qk_norm is not supported"]),
+        ({"sinks": True}, ["mla with sinks is not supported"]),
+        ({"alibi": True}, ["mla with alibi is not supported"]),
+        ({"softcap": 30.0}, ["mla with softcap is not supported"]),
+        ({"mla": {**MLA, "kv_rank": 3}}, ["unknown mla key(s) ['kv_rank']", "kv_lora_rank"]),
+        ({"mla": {**MLA, "rope_dim": 7}}, ["mla rope_dim must be even", "7"]),
+        ({"mla": {**MLA, "nope_dim": 0}}, ["mla nope_dim must be >= 1, got 0"]),
+        ({"mla": {**MLA, "v_head_dim": "12"}}, ["mla v_head_dim must be an int", "'12'"]),
+        ({"mla": {**MLA, "q_lora_rank": True}}, ["mla q_lora_rank must be an int", "bool"]),
+        ({"mla": {**MLA, "eps": -1.0}}, ["mla eps must be a finite number >= 0"]),
+        ({"mla": {"kv_lora_rank": 32}}, ["mla is missing required key(s)", "'rope_dim'"]),
+        ({"mla": 5}, ["mla must be a table of MLAConfig fields, got 5"]),
+    ],
+)
+def test_bad_mla_is_refused_by_name(kwargs, pieces):
+    args = {"embed_dim": 64, "num_heads": 4, "rope": {"theta": 100.0}, "mla": MLA, **kwargs}
+    with pytest.raises(ValueError) as err:
+        AttentionConfig(**args)
+    for piece in pieces:
+        assert piece in str(err.value), f"{piece!r} not in {str(err.value)!r}"
+
+
+def test_mla_dict_round_trip():
+    """to_dict writes mla as a table only when set (a config without it reads as before)."""
+    config = AttentionConfig(64, 4, bias=False, causal=True, rope={"interleaved": True}, mla=MLA)
+    d = config.to_dict()
+    assert d["mla"] == {**MLA, "eps": 1e-6}
+    assert AttentionConfig.from_dict(d) == config
+    assert "mla" not in AttentionConfig(64, 4, rope={}).to_dict()

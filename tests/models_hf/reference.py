@@ -25,6 +25,10 @@ from transformers import (
     CohereModel,
     CwmConfig,
     CwmModel,
+    DeepseekV2Config,
+    DeepseekV2Model,
+    DeepseekV3Config,
+    DeepseekV3Model,
     Dots1Config,
     Dots1Model,
     DynamicCache,
@@ -50,6 +54,8 @@ from transformers import (
     Glm4Config,
     Glm4Model,
     Glm4MoeConfig,
+    Glm4MoeLiteConfig,
+    Glm4MoeLiteModel,
     Glm4MoeModel,
     GlmConfig,
     GlmModel,
@@ -82,6 +88,8 @@ from transformers import (
     Lfm2Model,
     LlamaConfig,
     LlamaForCausalLM,
+    MiniCPM3Config,
+    MiniCPM3Model,
     MiniMaxM2Config,
     MiniMaxM2Model,
     MinistralConfig,
@@ -113,10 +121,16 @@ from transformers import (
     Qwen2Model,
     Qwen2MoeConfig,
     Qwen2MoeModel,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5MoeTextModel,
+    Qwen3_5TextConfig,
+    Qwen3_5TextModel,
     Qwen3Config,
     Qwen3Model,
     Qwen3MoeConfig,
     Qwen3MoeModel,
+    Qwen3NextConfig,
+    Qwen3NextModel,
     SeedOssConfig,
     SeedOssModel,
     SmolLM3Config,
@@ -154,6 +168,22 @@ ROTARY = {
 }
 FALCON = {k: v for k, v in ROTARY.items() if k != "intermediate_size"}  # (ffn_hidden_size)
 MOE = {"num_local_experts": 2, "num_experts_per_tok": 1}
+# Multi-head latent attention, small: 4 heads (as many KV heads: their defaults, 128 and 20,
+# leave eager attention no layer), a latent of 16, q/k heads of 8 + 4 rotary dims
+# (v heads of other sizes), a q latent of 24; one dense layer, then an MoE one (2 experts)
+MLA = {**ROTARY, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16}
+MLA.update({"qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "first_k_dense_replace": 1})
+MLA_MOE = {"moe_intermediate_size": 32, "n_routed_experts": 2, "num_experts_per_tok": 1}
+# Gated attention (Qwen3-Next, Qwen3.5): a linear-attention layer (gated DeltaNet, small),
+# then the full-attention layer served; MoE: two tiny experts and a shared one
+GATED = {**ROTARY, "layer_types": ["linear_attention", "full_attention"]}
+GATED.update({"linear_num_key_heads": 2, "linear_num_value_heads": 2})
+GATED.update({"linear_key_head_dim": 8, "linear_value_head_dim": 8})
+GATED_MOE = {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 32}
+GATED_MOE["shared_expert_intermediate_size"] = 32
+# Checkpoints whose q/k norm gains are drawn at random too (zero-centred gains, 1 + w: at
+# their init of 0 a norm read as w, not 1 + w, would go unseen).
+RANDOM_NORMS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 WINDOW = 8  # Mistral's; the other windowed layers use other sizes (6, 10, 12)
 CHECKPOINTS = {
     # name: (model class, config, layer served by the test of that name; SERVED adds more)
@@ -774,6 +804,86 @@ CHECKPOINTS = {
         ),
         1,
     ),
+    # Multi-head latent attention. DeepSeek-V3 (Kimi K2): q through its latent, RoPE by
+    # pairs (rope_interleave), yarn with mscale_all_dim (its softmax scale times mscale^2),
+    # biases on q_a_proj, kv_a_proj_with_mqa and o_proj
+    "deepseek_v3": (
+        DeepseekV3Model,
+        DeepseekV3Config(
+            q_lora_rank=24,
+            v_head_dim=12,
+            attention_bias=True,
+            n_group=1,
+            topk_group=1,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 500.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+            **MLA_MOE,
+            **MLA,
+        ),
+        1,
+    ),
+    # DeepSeek-V2-Lite's: q_proj straight from the hidden states (q_lora_rank null), RoPE
+    # by pairs through complex numbers
+    "deepseek_v2": (
+        DeepseekV2Model,
+        DeepseekV2Config(q_lora_rank=None, v_head_dim=8, **MLA_MOE, **MLA),
+        0,
+    ),
+    # GLM-4.7-Flash: nope heads of 12, v heads of 16
+    "glm4_moe_lite": (
+        Glm4MoeLiteModel,
+        Glm4MoeLiteConfig(
+            q_lora_rank=24,
+            v_head_dim=16,
+            n_group=1,
+            topk_group=1,
+            **MLA_MOE,
+            **{**MLA, "qk_nope_head_dim": 12},
+        ),
+        1,
+    ),
+    # MiniCPM3: RoPE by halves; v heads of hidden_size / heads (v_head_dim null)
+    "minicpm3": (
+        MiniCPM3Model,
+        MiniCPM3Config(q_lora_rank=24, **{k: v for k, v in MLA.items() if "first_k" not in k}),
+        0,
+    ),
+    # Gated attention: q_proj's rows per head [query; gate], sigmoid(gate) on the heads'
+    # output; q/k norm per head (1 + w); RoPE by halves over part of each head
+    "qwen3_next": (  # GQA 8:2, head_dim 16, biases (attention_bias), a quarter rotated
+        Qwen3NextModel,
+        Qwen3NextConfig(
+            num_key_value_heads=2, head_dim=16, attention_bias=True, **GATED_MOE, **GATED
+        ),
+        1,
+    ),
+    "qwen3_5_text": (  # multimodal RoPE's sections, text positions; half of each head
+        Qwen3_5TextModel,
+        Qwen3_5TextConfig(
+            num_key_value_heads=4,
+            head_dim=16,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1_000_000.0,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+            **GATED,
+        ),
+        1,
+    ),
+    "qwen3_5_moe_text": (  # MQA, head_dim 8, no biases
+        Qwen3_5MoeTextModel,
+        Qwen3_5MoeTextConfig(num_key_value_heads=1, head_dim=8, **GATED_MOE, **GATED),
+        1,
+    ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,
 # SmolLM3's NoPE one.
@@ -806,6 +916,8 @@ def write_checkpoints(root: Path) -> dict[str, Path]:  # keyed by checkpoint nam
         with torch.no_grad():
             for key, parameter in model.named_parameters():
                 if key.endswith(".bias"):
+                    parameter.normal_(0.0, INIT)
+                if name in RANDOM_NORMS and key.endswith(("q_norm.weight", "k_norm.weight")):
                     parameter.normal_(0.0, INIT)
         dirs[name] = root / name
         model.save_pretrained(dirs[name], safe_serialization=True)

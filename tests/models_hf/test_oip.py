@@ -1,7 +1,7 @@
 """The Open Inference Protocol serves the new families as mha.v1 does: a Gemma 2 local
 layer (soft-capping, window 6), a Gemma 3 one (q/k norm), a GPT-OSS sliding layer
-(attention sinks, window 6) and a Cohere 2 local one (RoPE by interleaved pairs, window 6)
-equal transformers' attention
+(attention sinks, window 6), a Cohere 2 local one (RoPE by interleaved pairs, window 6) and
+a Qwen3-Next full-attention one (an output gate) equal transformers' attention
 in a stateless ModelInfer and in a Triton sequence stepped past the window; ModelConfig
 names the options."""
 
@@ -78,3 +78,28 @@ def test_falcon_rw_config_names_its_alibi_form(served, oip):
     config = oip.ModelConfig(ip.ModelConfigRequest(name="falcon_rw")).config
     params = {k: v.string_value for k, v in config.parameters.items()}
     assert params["alibi"] == "bias_max 8, scale 0.353553, bfloat16" and "rope" not in params
+
+
+def test_qwen3_next_infer_and_a_sequence_and_its_config_names_the_output_gate(served, oip):
+    """Qwen3-Next's full-attention layer (an output gate, q/k norm, a quarter rotated):
+    ModelInfer and a Triton sequence equal Qwen3NextAttention; ModelConfig says
+    output_gate, and only for the gated model."""
+    _, models = served
+    family, base, layer = reference(models, "qwen3_next")
+    x = torch.randn(1, 12, base.config.hidden_size, generator=torch.Generator().manual_seed(9))
+    want, _ = reference_attention(family, base, layer, x)
+    got = output(oip.ModelInfer(infer_request(x.numpy(), model="qwen3_next")), "OUTPUT")
+    assert_close(got[0], want[0], what="qwen3_next ModelInfer")
+    cuts = [0, 5, 6, 12]
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
+        request = infer_request(
+            x[:, a:b].numpy(), model="qwen3_next", sequence_id=970, sequence_start=i == 0
+        )
+        request.parameters["sequence_end"].bool_param = b == cuts[-1]
+        got = output(oip.ModelInfer(request), "OUTPUT")
+        assert_close(got[0], want[0, a:b], what=f"qwen3_next sequence step [{a}, {b})")
+    for name, gated in (("qwen3_next", True), ("qwen3", False)):
+        config = oip.ModelConfig(ip.ModelConfigRequest(name=name)).config
+        params = {k: v.string_value for k, v in config.parameters.items()}
+        assert (params.get("output_gate") == "true") == gated, (name, params)
+        assert params["rope"].endswith(", partial 0.25") == gated, (name, params)

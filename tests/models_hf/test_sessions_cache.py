@@ -15,7 +15,7 @@ from mha_serve.model.hf_config import read_hf_layer
 from tests.engine_calls import req, run
 from tests.models_hf.reference import SERVED, load_reference, reference_decode
 
-ATOL = 1e-5  # fp32 against fp32
+ATOL = RTOL = 1e-5  # fp32 against fp32: |ours - theirs| <= ATOL + RTOL * |theirs|
 CUTS = [0, 9, 10, 11, 12, 20, 21, 22]  # a prefill, decode steps, a chunk, past the windows
 
 
@@ -39,7 +39,7 @@ def test_steps_and_cache_equal_transformers_incremental_decode(hf_dirs, name):
     for (a, b), w in zip(zip(CUTS, CUTS[1:], strict=False), want, strict=True):
         got = run(engine, hosted, req(name, x[:, a:b], session_id=sid)).output
         diff = (got - w).abs()
-        assert diff.max() < ATOL, (
+        assert (diff <= ATOL + RTOL * w.abs()).all(), (
             f"{name} step [{a}, {b}): max {diff.max():.3e}, mean {diff.mean():.3e}"
         )
     session = engine.sessions.table.get(sid)
@@ -49,7 +49,15 @@ def test_steps_and_cache_equal_transformers_incremental_decode(hf_dirs, name):
         session.block_table, session.num_tokens, start=kept, first_block=session.first_block
     )
     their = cache.layers[layer]
-    for what, ours, theirs in (("K", k, their.keys), ("V", v, their.values)):
+    pairs = (("K", k, their.keys), ("V", v, their.values))
+    if spec.attention.mla is not None:  # (theirs: the normed latent as keys, the rotated
+        R = spec.attention.mla.rope_dim  # shared key as values; ours: [rotated; latent] as
+        rotated = k[..., :R]  # both, the rotated pairs in place where theirs come by halves)
+        if spec.attention.rope.interleaved and checkpoint != "deepseek_v2":
+            rotated = torch.cat([rotated[..., 0::2], rotated[..., 1::2]], dim=-1)
+        assert torch.equal(k, v), f"{name}: MLA's cached V is its K"
+        pairs = (("latent", k[..., R:], their.keys), ("rotated key", rotated, their.values))
+    for what, ours, theirs in pairs:
         ours = ours[:, :, ours.shape[2] - theirs.shape[2] :]  # a sliding layer's last ones
         if theirs.shape[1] != ours.shape[1]:  # (Falcon's GQA caches its KV heads broadcast
             ours = ours.repeat_interleave(theirs.shape[1] // ours.shape[1], dim=1)  # to all H)

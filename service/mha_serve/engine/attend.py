@@ -156,16 +156,26 @@ def attend_steps(
     head_mask: torch.Tensor | None = None,
     min_fill: float = BATCHED_MIN_FILL,
     flash: FlashKernel | None = None,
+    out_gate: torch.Tensor | None = None,
 ) -> AttentionOutput:
     """The steps' attention over their sessions' cached K/V (the step's own already
-    written): q (B, H, T, D) as `project` returns it; output (B, T, E), padded tokens' rows
-    zero. batched: in padded groups (plan_groups, min_fill) where a step asks for no
+    written): q (B, H, T, D) as `project` returns it, out_gate (B, T, H*D) as
+    `output_gate` returns it (a model with an output gate); output (B, T, E), padded
+    tokens' rows zero. batched: in padded groups (plan_groups, min_fill) where a step asks for no
     weights; flash (flash_varlen, for a model flash_decode_unsupported clears): one token
     each and no head mask, the rows whose blocks are consecutive read in place by it."""
     B = q.shape[0]
     if need_weights or not batched or B == 1:
         return _per_session(
-            module, cache, q, reservations, new_tokens, need_weights, weight_heads, head_mask
+            module,
+            cache,
+            q,
+            reservations,
+            new_tokens,
+            need_weights,
+            weight_heads,
+            head_mask,
+            out_gate=out_gate,
         )
     rest = range(B)
     parts: list = []
@@ -185,7 +195,7 @@ def attend_steps(
         firsts = cache.runs(reads)
         counts = [length - start for _, start, length, _ in reads]
         if None not in firsts:  # every row in place, in order: no scatter
-            return _in_place(module, q, cache, firsts, counts, flash)
+            return _in_place(module, q, cache, firsts, counts, flash, out_gate)
         placed = [i for i, f in enumerate(firsts) if f is not None]
         rest = [i for i, f in enumerate(firsts) if f is None]
         if placed:  # (their attend: _in_place, below)
@@ -195,7 +205,7 @@ def attend_steps(
         [lengths[i] for i in rest], cache.bytes_per_token, min_fill=min_fill
     )
     if not parts and len(groups) == 1 and not alone:  # every row in one group, in order
-        return _padded(module, cache, q, reservations, new_tokens, head_mask)
+        return _padded(module, cache, q, reservations, new_tokens, head_mask, out_gate)
     parts += [([rest[i] for i in rows], _padded) for rows in groups]
     if alone:
         parts.append(([rest[i] for i in alone], _per_session))
@@ -206,9 +216,10 @@ def attend_steps(
     for rows, attend in parts:
         index = indices.narrow(0, at, len(rows))
         at += len(rows)
+        gate = None if out_gate is None else out_gate.index_select(0, index)  # (n, T, H*D)
         if attend is None:  # rows read in place
             sub = [firsts[i] for i in rows], [counts[i] for i in rows]
-            y = _in_place(module, q.index_select(0, index), cache, *sub, flash).output
+            y = _in_place(module, q.index_select(0, index), cache, *sub, flash, gate).output
         else:
             y = attend(
                 module,
@@ -217,6 +228,7 @@ def attend_steps(
                 [reservations[i] for i in rows],
                 [new_tokens[i] for i in rows],
                 head_mask=head_mask,
+                out_gate=gate,
             ).output
         if out is None:
             out = y.new_zeros(B, *y.shape[1:])  # (B, T, E)
@@ -231,6 +243,7 @@ def _in_place(
     firsts: Sequence[int],
     counts: Sequence[int],
     flash: FlashKernel,
+    out_gate: torch.Tensor | None = None,
 ) -> AttentionOutput:
     """One token per row (q (B, H, 1, D)), no head mask: row b's keys are counts[b] slots from
     firsts[b] in every head (KVCache.runs), read where they lie by one flash kernel."""
@@ -244,7 +257,7 @@ def _in_place(
         y = flash(q[:, :, 0], k, v, cu_q, cu_k, used, max(counts), module.scale)  # (B, H, D)
     except RuntimeError as e:  # (a CUDA error that poisons the context is no better after)
         raise FlashDecodeFailed(f"{type(e).__name__}: {e}") from e
-    return AttentionOutput(output=module.merge_heads(y.unsqueeze(2)), weights=None)
+    return AttentionOutput(output=module.merge_heads(y.unsqueeze(2), out_gate), weights=None)
 
 
 def _padded(
@@ -254,6 +267,7 @@ def _padded(
     reservations: Sequence[Reservation],
     new_tokens: Sequence[int],
     head_mask: torch.Tensor | None = None,
+    out_gate: torch.Tensor | None = None,
 ) -> AttentionOutput:
     """One group: its K/V gathered into one padded batch, one attention kernel."""
     lengths = [r.start + r.num_tokens - r.read_start for r in reservations]
@@ -272,6 +286,7 @@ def _padded(
         new_lengths=list(new_tokens),
         first_keys=[r.read_start for r in reservations],
         head_mask=head_mask,
+        out_gate=out_gate,
     )
 
 
@@ -284,6 +299,7 @@ def _per_session(
     need_weights: bool = False,
     weight_heads: Sequence[int] | None = None,
     head_mask: torch.Tensor | None = None,
+    out_gate: torch.Tensor | None = None,
 ) -> AttentionOutput:
     """One kernel per session over its K/V read in place (a copy only for a session whose
     blocks are not consecutive)."""
@@ -302,4 +318,5 @@ def _per_session(
         weight_heads=weight_heads,
         head_mask=head_mask,
         first_keys=[r.read_start for r in reservations],
+        out_gate=out_gate,
     )

@@ -27,6 +27,10 @@ def model_fingerprint(hosted: HostedModel) -> str:
     for name, default in (("alibi_scale", None), ("alibi_bfloat16", False)):  # (likewise)
         if config[name] == default:
             del config[name]
+    if config["mla"] is None:  # (likewise MLA)
+        del config["mla"]
+    if not config["output_gate"]:  # (likewise the output gate)
+        del config["output_gate"]
     rope = config["rope"]
     if rope is not None:  # (likewise RoPE's interleaved pairs and partial rotation)
         for name, default in (("interleaved", False), ("partial", 1.0)):

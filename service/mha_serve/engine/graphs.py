@@ -82,7 +82,8 @@ class StaticDecode:
         config = module.config
         if not self.supports(config):
             raise ValueError(
-                "StaticDecode does not run models with a q/k norm; use the engine's step"
+                "StaticDecode does not run models with a q/k norm or multi-head latent "
+                "attention; use the engine's step"
             )
         buckets = sorted(set(batch_buckets))
         if not buckets or buckets[0] < 1 or key_bucket < 1 or key_bucket % 16:
@@ -137,8 +138,10 @@ class StaticDecode:
         soft-capping, attention sinks and ALiBi (the explicit kernel has static shapes too,
         ALiBi's positions come from the step's buffer). Not
         yet a q/k norm (the module's project would run it, but no test here covers it in
-        fixed shapes): those models keep the engine's step."""
-        return config.qk_norm is None
+        fixed shapes), nor MLA (its merge is not wo alone) nor an output gate (its merge
+        takes the gate's own projection of the input): those models keep the engine's
+        step."""
+        return config.qk_norm is None and config.mla is None and not config.output_gate
 
     def width(self, num_keys: int) -> int:
         """The key width a step reading num_keys keys runs at."""

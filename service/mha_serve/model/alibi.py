@@ -4,9 +4,10 @@ position in q or k. The same softmax as slope_h * key position (the form transfo
 adds: a row's constant shifts nothing), but small where the weight is (near the query), so
 float32 keeps it exact however long the session; positions are absolute (a session's, not a
 chunk's). Falcon-RW's form: slope * position rounded to bfloat16 (its build_alibi_tensor),
-and the bias scaled by the scores' factor (added to q . k before both are scaled). Only the
-explicit float32 kernel adds it (cached.explicit_attention): SDPA takes no per-head bias
-without a materialised (B, H, R, S) mask."""
+and the bias scaled by the scores' factor (added to q . k before both are scaled). The
+explicit float32 kernel adds it to its scores (cached.explicit_attention); on the CPU, over
+more than one query row, SDPA's fused kernel takes it as a float32 mask built per chunk of
+rows (cached.alibi_by_sdpa); weights, decode steps and CUDA stay explicit."""
 
 from __future__ import annotations
 

@@ -1,8 +1,11 @@
 """The attention module: one class for MHA, GQA and MQA, and for the families' options
-(RoPE, q/k RMSNorm, sliding window, soft-capping, attention sinks, ALiBi: all read from the
-config). Embeddings come from fused SDPA (from the explicit float32 kernel where scores are
-soft-capped, sinks join the softmax or ALiBi biases the scores, which SDPA cannot do);
-attention weights come from a separate explicit path, only when asked."""
+(RoPE, q/k RMSNorm, sliding window, soft-capping, attention sinks, ALiBi, multi-head latent
+attention served as MQA (model/mla.py), an output gate: all read from the config).
+Embeddings come from fused SDPA (from the explicit float32 kernel where scores are
+soft-capped, sinks join the softmax or ALiBi biases the scores, which SDPA cannot do alone;
+on the CPU a prompt with sinks or ALiBi runs SDPA again, cached.sinks_by_sdpa and
+cached.alibi_by_sdpa); attention weights come from a separate explicit path, only when
+asked."""
 
 from __future__ import annotations
 
@@ -14,10 +17,17 @@ from torch import nn
 
 from mha_serve.transfer import list_tensor
 
-from . import steps
+from . import mla, steps
 from .alibi import AlibiSlopes, alibi_bias, alibi_slopes, positions
 from .cached import capped_scores, explicit_attention, sink_softmax
-from .checks import check_head_mask, check_heads, check_input, check_query_range, valid_positions
+from .checks import (
+    check_head_mask,
+    check_heads,
+    check_input,
+    check_out_gate,
+    check_query_range,
+    valid_positions,
+)
 from .config import AttentionConfig
 from .norm import rms_norm
 from .output import AttentionOutput
@@ -44,6 +54,8 @@ class MultiHeadAttention(nn.Module):
             and config.softcap is None
             and not config.sinks
             and not config.alibi
+            and config.mla is None  # (its projection is not wqkv's)
+            and not config.output_gate  # (its merge needs the gate's own projection)
         )
         # RoPE frequencies: a plain float32 tensor, not a buffer, so that module.to(dtype)
         # never rounds them (transformers keeps them float32 too); kept on the weights'
@@ -67,18 +79,21 @@ class MultiHeadAttention(nn.Module):
                 1.0 if config.alibi_scale is None else config.alibi_scale,
                 config.alibi_bfloat16,
             )
-        # Fused projection whose rows are [Wq; Wk; Wv] (as gpt-fast): one matmul,
-        # and exactly nn.MultiheadAttention's in_proj_weight layout when KVH == H.
-        self.wqkv = nn.Linear(
-            config.embed_dim, config.qkv_dim, bias=config.bias, device=device, dtype=dtype
-        )
-        self.wo = nn.Linear(
-            config.num_heads * config.head_dim,
-            config.embed_dim,
-            bias=config.bias,
-            device=device,
-            dtype=dtype,
-        )
+        if config.mla is not None:  # MLA's projections (q_a, q_b or q, kv_a, kv_b) and wo
+            mla.add_parameters(self, config, device, dtype)
+        else:
+            # Fused projection whose rows are [Wq; Wk; Wv] (as gpt-fast): one matmul,
+            # and exactly nn.MultiheadAttention's in_proj_weight layout when KVH == H.
+            self.wqkv = nn.Linear(
+                config.embed_dim, config.qkv_dim, bias=config.bias, device=device, dtype=dtype
+            )
+            self.wo = nn.Linear(
+                config.num_heads * config.head_dim,
+                config.embed_dim,
+                bias=config.bias,
+                device=device,
+                dtype=dtype,
+            )
         # q/k RMSNorm weights (Qwen3, OLMo-2, Gemma 3), in the state dict as q_norm, k_norm:
         # (D,) shared by every head, or (H*D,) and (KVH*D,) over the whole projection.
         self.q_norm = self.k_norm = None
@@ -94,6 +109,17 @@ class MultiHeadAttention(nn.Module):
         self.sinks = None
         if config.sinks:
             self.sinks = nn.Parameter(torch.zeros(config.num_heads, device=device, dtype=dtype))
+        # The output gate's projection (Qwen3-Next, Qwen3.5), in the state dict as wgate:
+        # rows by query head as wo's columns, (H*D, E), biased as wqkv.
+        self.wgate = None
+        if config.output_gate:
+            self.wgate = nn.Linear(
+                config.embed_dim,
+                config.num_heads * config.head_dim,
+                bias=config.bias,
+                device=device,
+                dtype=dtype,
+            )
 
     def forward(
         self,
@@ -122,7 +148,7 @@ class MultiHeadAttention(nn.Module):
         """
         c = self.config
         H, KVH = c.num_heads, c.num_kv_heads
-        B, L = check_input(c, self.wqkv.weight, x)
+        B, L = check_input(c, self.wo.weight, x)
         causal = c.causal if causal is None else bool(causal)
         valid = valid_positions(lengths, B, L, x.device)  # (B, L) bool, None if unpadded
         heads = check_heads(self.config, weight_heads)
@@ -135,6 +161,7 @@ class MultiHeadAttention(nn.Module):
             x = x.masked_fill(~valid[:, :, None], 0.0)
 
         q, k, v = self.project(x)  # (B, H, L, D), (B, KVH, L, D), (B, KVH, L, D)
+        out_gate = self.output_gate(x)  # (B, L, H*D) or None
         overflow = NO_OVERFLOW
         if check_overflow:  # its maxima are read with the output, never waited for here
             overflow = OverflowCheck(
@@ -171,7 +198,7 @@ class MultiHeadAttention(nn.Module):
             y = explicit_attention(
                 q, k, v, mask, self.scale, c.softcap, self.sinks, alibi
             )  # (B, H, L, D)
-        out = self._merge_heads(y, gate, valid)  # (B, L, E)
+        out = self._merge_heads(y, gate, valid, out_gate)  # (B, L, E)
 
         weights = None
         if need_weights:
@@ -210,9 +237,9 @@ class MultiHeadAttention(nn.Module):
     def _apply(self, fn, recurse=True):  # module.to(device), .cuda(), ...: rope_freq follows
         super()._apply(fn, recurse)
         if self.rope_freq is not None:  # the device only: it stays float32
-            self.rope_freq = self.rope_freq.to(self.wqkv.weight.device)
+            self.rope_freq = self.rope_freq.to(self.wo.weight.device)
         if self.alibi is not None:  # (likewise)
-            self.alibi = self.alibi.to(self.wqkv.weight.device)
+            self.alibi = self.alibi.to(self.wo.weight.device)
         return self
 
     def project(
@@ -221,10 +248,12 @@ class MultiHeadAttention(nn.Module):
         """q, k, v of x (B, L, E); with q/k norm, q and k are RMS-normalised first; for a
         rotary model q and k are then rotated at `positions` (B, L) or (L,) absolute
         positions (None: 0..L-1), so cached keys need no more work. Without RoPE, positions
-        are ignored."""
+        are ignored. With mla: its absorbed q, and k = v, one kv head (model/mla.py)."""
         c = self.config
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
         B, L, _ = x.shape
+        if c.mla is not None:  # the absorbed q (B, H, L, R + C), k = v (B, 1, L, R + C)
+            return mla.project(self, x, *self._cos_sin(x, positions, B, L))
         # F.linear, not self.wqkv(x), and the parameters from the modules' own dicts, not
         # nn.Module's __getattr__ (a Python call each): a decode step is small enough for
         # each to show.
@@ -269,19 +298,44 @@ class MultiHeadAttention(nn.Module):
             )
         return cos_sin(self.rope_freq, self.rope_scaling, positions, x.dtype)
 
-    def merge_heads(self, y: torch.Tensor) -> torch.Tensor:
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The output gate of tokens x (B, L, E), sigmoid(wgate x) (B, L, H*D) in x's dtype
+        (as Qwen3-Next's torch.sigmoid(gate)), which the merge multiplies the heads' output
+        by; None for a config without one (output_gate false). Every merge of a gated
+        model takes it (out_gate): attend_cached, attend_step, attend_padded, merge_heads."""
+        if self.wgate is None:
+            return None
+        wgate = self._modules["wgate"]._parameters  # (as in project)
+        return torch.sigmoid(F.linear(x, wgate["weight"], wgate["bias"]))  # (B, L, H*D)
+
+    def merge_heads(self, y: torch.Tensor, out_gate: torch.Tensor | None = None) -> torch.Tensor:
         """Attention's per-head output y (B, H, L, D) as the module's output (B, L, E): heads
-        merged, then wo (for a kernel run outside the module, engine/attend.py)."""
-        return self._merge_heads(y, None, None)
+        merged, gated by out_gate (B, L, H*D) (output_gate(x) of the same tokens; required
+        with output_gate), then wo (for a kernel run outside the module, engine/attend.py)."""
+        return self._merge_heads(y, None, None, out_gate)
 
     def _merge_heads(
-        self, y: torch.Tensor, gate: torch.Tensor | None, valid: torch.Tensor | None
+        self,
+        y: torch.Tensor,
+        gate: torch.Tensor | None,
+        valid: torch.Tensor | None,
+        out_gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """y (B, H, L, D) through the head mask gate (H,), the output gate out_gate
+        (B, L, H*D) and wo; rows not valid (B, L) zero."""
         B, H, L, D = y.shape
         if gate is not None:
             y = y * gate.view(1, H, 1, 1)
-        # (B, L, H*D); one token's heads need no transpose (a view where its layout allows)
-        y = y.reshape(B, 1, H * D) if L == 1 else y.transpose(1, 2).reshape(B, L, H * D)
+        if out_gate is not None or self.wgate is not None:
+            check_out_gate(self.config, out_gate, B, L, y)
+        if self.config.mla is not None:  # each head's latent dims through its W_uv
+            y = mla.merge(self, y)  # (B, L, H*V)
+        elif L == 1:  # (B, 1, H*D): one token's heads need no transpose (a view where it can)
+            y = y.reshape(B, 1, H * D)
+        else:
+            y = y.transpose(1, 2).reshape(B, L, H * D)  # (B, L, H*D)
+        if out_gate is not None:
+            y = y * out_gate  # (B, L, H*D): each head's dims by its own gate
         wo = self._modules["wo"]._parameters  # (as in project)
         out = F.linear(y, wo["weight"], wo["bias"])  # (B, L, E)
         if valid is not None:

@@ -2,7 +2,9 @@
 position (a KV cache read); MultiHeadAttention.attend_cached runs it per sequence. With a
 sliding window the read starts where the window does (first_key), so a step costs the
 window, not the session's length. Also the explicit kernel for what SDPA cannot do
-(soft-capped scores, attention sinks, ALiBi's bias), shared with the stateless forward.
+(soft-capped scores, attention sinks, ALiBi's bias), shared with the stateless forward, and
+the fused paths that stand in for it on the CPU where they can (sinks over many scores,
+ALiBi over more than one query row: SDPA with the bias as a float mask).
 
 The engine writes the new tokens' K/V into the cache first and then reads each session's
 positions 0..past+new-1 in order, so keys need one copy (or none, for a session whose
@@ -39,6 +41,18 @@ EXPLICIT_CHUNK_ELEMENTS = 1 << 24
 # 1.8 -> 2.6 ms, 128 x 128 7.2 -> 5.2 ms, 1024 x 1024 560 -> 192 ms; 8 heads of their own:
 # 32 x 32 already 0.34 -> 0.21 ms). A decode step's one row stays explicit.
 SINKS_BY_SDPA_MIN_SCORES = 1 << 14
+# ALiBi over at least this many query rows on the CPU (a prompt, a multi-token step): SDPA's
+# fused kernel with the bias as its float32 additive mask (alibi_by_sdpa) instead of the
+# explicit kernel (12 heads of 64, 2 threads, a causal prompt of 1024 tokens: 36 against
+# 127 ms in float32, 52 against 137 in bfloat16). A decode step's one row stays explicit:
+# over 2048 keys the fused kernel took 2.5x its time in bfloat16 (2.5 against 1.0 ms), about
+# the same in float32 (0.45 against 0.47; bench/alibi_prompt.py).
+ALIBI_BY_SDPA_MIN_ROWS = 2
+# alibi_by_sdpa builds its mask over at most this many elements at a time (8 MiB float32):
+# the rows of one chunk, over only the keys some of them may see. (Causal prompts of 512 to
+# 2048 tokens, 12 heads, 2 threads: 2^20 to 2^21 elements were fastest, within 10% of each
+# other; 2^22 and the whole mask 10-30% slower, a fresh 48 MiB mask costing its page faults.)
+ALIBI_MASK_CHUNK_ELEMENTS = 1 << 21
 
 
 def attend_one(
@@ -147,6 +161,8 @@ def explicit_attention(
     broadcastable to (B, 1, R, S) (None: every key), sinks (H,) (None: none), alibi (Alibi:
     slopes and the rows' and keys' absolute positions; None: none), its bias added to the
     scores before the mask. Every row must see a key. Returns (B, H, R, D) in q's dtype.
+    On the CPU, sinks over many scores run sinks_by_sdpa and ALiBi over
+    ALIBI_BY_SDPA_MIN_ROWS rows or more alibi_by_sdpa: the same softmax by SDPA's kernel.
 
     Each KV head's G query heads are the rows of one product with it, (B, KVH, G*n, D) @
     (B, KVH, D, S), as padded.py folds them: a product broadcast over G instead (q as (B,
@@ -165,6 +181,14 @@ def explicit_attention(
         and q.dtype == k.dtype == v.dtype
     ):
         return sinks_by_sdpa(q, k, v, allowed, scale, sinks)
+    if (
+        alibi is not None
+        and softcap is None
+        and sinks is None
+        and R >= ALIBI_BY_SDPA_MIN_ROWS
+        and q.device.type == "cpu"
+    ):
+        return alibi_by_sdpa(q, k, v, allowed, scale, alibi)
     G = H // KVH
     kf, vf = k.float(), v.float()  # (B, KVH, S, D)
     if sinks is not None:
@@ -222,6 +246,58 @@ def sinks_by_sdpa(
         y, lse = flash(q[:, heads], kh, vh, 0.0, False, attn_mask=mask, scale=scale)
         share = torch.sigmoid(lse.float() - keep[:, heads])  # (B, G, R): the keys' share
         out[:, heads] = (y.float() * share[..., None]).to(q.dtype)
+    return out
+
+
+def alibi_by_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scale: float,
+    alibi: Alibi,
+) -> torch.Tensor:
+    """explicit_attention with ALiBi (no soft-capping, no sinks) as SDPA's fused kernel, the
+    bias its additive mask: alibi_bias's float32 values, -inf where allowed is False. Same
+    arguments. The mask stays float32 for every q dtype (the CPU kernel adds it to its
+    float32 scores; a bfloat16 mask would round slope * (j - i) to 8 bits); a cache narrower
+    than q (or of another dtype) runs in float32, as the explicit kernel does.
+
+    Query rows in chunks of at most ALIBI_MASK_CHUNK_ELEMENTS mask elements, each over only
+    the keys from the first to the last that some row of the chunk may see (a causal chunk
+    skips the keys after it, a window's those before it: the fused kernel skips no masked
+    key of a float mask). Each KV head's G query heads are its rows, (B, KVH, G*n, D), as in
+    explicit_attention; the bias's (H, n, S) is (KVH, G*n, S) in the same order."""
+    B, H, R, D = q.shape
+    KVH, S = k.shape[1], k.shape[2]
+    G = H // KVH
+    slopes, query_pos, key_pos = alibi
+    out = q.new_empty(B, H, R, D)
+    if not q.dtype == k.dtype == v.dtype:  # (the fused kernel takes one dtype)
+        q, k, v = q.float(), k.float(), v.float()
+    rows = max(1, ALIBI_MASK_CHUNK_ELEMENTS // max(1, B * H * S))
+    for r0 in range(0, R, rows):
+        n = min(R, r0 + rows) - r0
+        lo, hi = 0, S  # the chunk's keys
+        a = None
+        if allowed is not None:
+            a = allowed if allowed.shape[2] == 1 else allowed[:, :, r0 : r0 + n]  # (B|1,1,n|1,S)
+            seen = a.reshape(-1, S).any(dim=0).nonzero()  # columns some row sees
+            lo, hi = int(seen[0]), int(seen[-1]) + 1
+            a = a[..., lo:hi]
+        bias = alibi_bias(slopes, query_pos[:, r0 : r0 + n], key_pos[:, lo:hi])  # (B|1,H,n,S')
+        if a is not None:  # (in place unless the mask has the batch and the bias not)
+            hidden = ~a  # (B|1, 1, n|1, S')
+            if hidden.shape[0] > bias.shape[0]:
+                bias = bias.masked_fill(hidden, float("-inf"))
+            else:
+                bias.masked_fill_(hidden, float("-inf"))
+        qc = q[:, :, r0 : r0 + n].reshape(B, KVH, G * n, D)  # row g * n + i: head kv * G + g
+        mask = bias.view(bias.shape[0], KVH, G * n, hi - lo)
+        y = F.scaled_dot_product_attention(
+            qc, k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask, scale=scale
+        )  # (B, KVH, G*n, D)
+        out[:, :, r0 : r0 + n] = y.view(B, H, n, D).to(out.dtype)
     return out
 
 

@@ -199,6 +199,28 @@ def check_head_mask(
     return gate.to(device=x.device, dtype=x.dtype)
 
 
+def check_out_gate(
+    config: AttentionConfig, out_gate: torch.Tensor | None, B: int, L: int, y: torch.Tensor
+) -> None:
+    """A merge's output gate: given exactly when the config has one (a gated model merged
+    without it would answer wrongly, not fail), (B, L, H*D) on y's device."""
+    if out_gate is None or not config.output_gate:
+        have = "has an" if config.output_gate else "has no"
+        raise ValueError(
+            f"the model {have} output gate (output_gate {config.output_gate}), but "
+            f"out_gate is {'None' if out_gate is None else 'given'}: pass "
+            "out_gate=module.output_gate(x) of the same tokens x, and only then"
+        )
+    want = (B, L, config.num_heads * config.head_dim)
+    if not isinstance(out_gate, torch.Tensor) or tuple(out_gate.shape) != want:
+        shape = tuple(out_gate.shape) if isinstance(out_gate, torch.Tensor) else out_gate
+        raise ValueError(
+            f"out_gate must be (batch, new_len, num_heads * head_dim) = {want}, got {shape}"
+        )
+    if out_gate.device != y.device:
+        raise ValueError(f"out_gate is on {out_gate.device}; the queries are on {y.device}")
+
+
 def valid_positions(
     lengths: torch.Tensor | Sequence[int] | None, B: int, L: int, device: torch.device
 ) -> torch.Tensor | None:

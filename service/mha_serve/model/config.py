@@ -1,7 +1,7 @@
 """Shape of one attention module: MHA, GQA and MQA are the same config with a
 different num_kv_heads; the families' options (rotary position embeddings, q/k
 normalisation, a sliding window, logit soft-capping, attention sinks, ALiBi, the softmax
-scale) are data too.
+scale, multi-head latent attention, an output gate) are data too.
 Checked once at construction so nothing downstream re-checks. No torch here."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 Variant = Literal["mha", "gqa", "mqa"]
 
-_BOOL_FIELDS = ("bias", "causal", "sinks", "alibi", "alibi_bfloat16")
+_BOOL_FIELDS = ("bias", "causal", "sinks", "alibi", "alibi_bfloat16", "output_gate")
 # Boolean options written out (to_dict) only when true: a config without them reads as before.
-_SET_ONLY = ("sinks", "alibi", "alibi_bfloat16")
+_SET_ONLY = ("sinks", "alibi", "alibi_bfloat16", "output_gate")
 # RoPE variants whose frequencies are fixed at load time, so that keys rotated once and
 # cached stay right. "dynamic" and "longrope" change frequencies with the sequence length.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -122,12 +122,47 @@ class QKNormConfig:
 
 
 @dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek V2/V3, Kimi K2, GLM-4.7-Flash, MiniCPM3), served
+    absorbed into MQA: one kv head of head_dim R + C per token, [rope(k_rope) (R); latent c
+    (C)], its values the same tensor; each query head's q_nope folded through its W_uk, and
+    its output's C dims through its W_uv (docs/models.md "Multi-head latent attention")."""
+
+    kv_lora_rank: int  # C: the latent each token caches (kv_a's first C rows, normalised)
+    rope_dim: int  # R: qk_rope_head_dim, the rotary dims of q and k (one k_rope for all heads)
+    nope_dim: int  # N: qk_nope_head_dim, each head's non-rotary q and k dims
+    v_head_dim: int  # V: each head's value dims
+    q_lora_rank: int | None = None  # Q: q through a rank-Q bottleneck; None: one projection
+    eps: float = 1e-6  # RMSNorm eps of q_a_norm and kv_a_norm (rms_norm_eps)
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "rope_dim", "nope_dim", "v_head_dim"):
+            _check_positive_int(f"mla {name}", getattr(self, name))
+        if self.q_lora_rank is not None:
+            _check_positive_int("mla q_lora_rank", self.q_lora_rank)
+        if self.rope_dim % 2:
+            raise ValueError(f"mla rope_dim must be even (RoPE turns pairs), got {self.rope_dim}")
+        eps = self.eps
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 <= eps < math.inf:
+            raise ValueError(f"mla eps must be a finite number >= 0, got {eps!r}")
+        object.__setattr__(self, "eps", float(eps))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MLAConfig:
+        required = ("kv_lora_rank", "rope_dim", "nope_dim", "v_head_dim")
+        missing = [name for name in required if name not in d]
+        if missing:
+            raise ValueError(f"mla is missing required key(s) {missing}")
+        return _from_table(cls, d, "mla")
+
+
+@dataclass(frozen=True)
 class AttentionConfig:
     embed_dim: int  # E: width of input and output embeddings
     num_heads: int  # H: query heads
     num_kv_heads: int | None = None  # KVH: None -> num_heads (MHA); 1 -> MQA; a divisor of H -> GQA
     head_dim: int | None = None  # D: None -> embed_dim // num_heads
-    bias: bool = True  # bias on the QKV and output projections
+    bias: bool = True  # bias on the QKV and output projections (mla: on q_a or q, kv_a and wo)
     causal: bool = False  # default masking for requests that do not say
     # Rotary position embeddings applied to q and k after projection, at absolute
     # positions (None: no positions at all, as nn.MultiheadAttention). A dict is read
@@ -165,6 +200,14 @@ class AttentionConfig:
     # the bias apart from the exact one, which transformers' Falcon-RW does not compute.
     # False: exact. Only with alibi.
     alibi_bfloat16: bool = False
+    # Multi-head latent attention (MLAConfig; a dict is read as its fields): q from a low-rank
+    # q_a/q_b pair, k and v from one shared latent per token, served as MQA over head_dim
+    # R + C (num_kv_heads 1, head_dim R + C, RoPE over all R dims required). None: none.
+    mla: MLAConfig | None = None
+    # An output gate (Qwen3-Next, Qwen3.5): each query head's output, per token and dim,
+    # multiplied by sigmoid(wgate x) before wo (the `wgate` Linear, H*D <- E, biased as the
+    # projections are; Qwen's q_proj rows per head [query; gate], split at load). False: none.
+    output_gate: bool = False
 
     def __post_init__(self) -> None:
         # Values often come from TOML or safetensors metadata, so check types
@@ -194,6 +237,10 @@ class AttentionConfig:
             )
         if self.sliding_window is not None:
             _check_positive_int("sliding_window", self.sliding_window)
+        if isinstance(self.mla, dict):
+            object.__setattr__(self, "mla", MLAConfig.from_dict(self.mla))
+        if self.mla is not None:
+            self._resolve_mla()
         for name in ("softcap", "alibi_bias_max", "alibi_scale"):  # (the first and last: None
             value = getattr(self, name)  # is off; alibi_bias_max has no None)
             if value is not None or name == "alibi_bias_max":
@@ -225,7 +272,7 @@ class AttentionConfig:
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
 
-        if self.rope is not None and self.head_dim % 2:
+        if self.rope is not None and self.mla is None and self.head_dim % 2:
             raise ValueError(f"rope needs an even head_dim, got {self.head_dim}")
         if self.rope is not None and self.rope.partial != 1:
             turned = self.rope_dim
@@ -242,6 +289,47 @@ class AttentionConfig:
                 f"(1 = MQA, {h} = MHA, or a divisor for GQA)"
             )
 
+    def _resolve_mla(self) -> None:
+        """MLA's fixed shape (one kv head of R + C dims) filled in, and what it cannot go
+        with refused."""
+        m = self.mla
+        if not isinstance(m, MLAConfig):
+            raise ValueError(f"mla must be a table of MLAConfig fields, got {m!r}")
+        width = m.rope_dim + m.kv_lora_rank
+        for name, value in (("num_kv_heads", 1), ("head_dim", width)):
+            given = getattr(self, name)
+            if given is not None and given != value:
+                raise ValueError(
+                    f"{name} {given} does not fit mla: its kv head count is 1 and its head_dim "
+                    f"rope_dim + kv_lora_rank = {width}; leave {name} out"
+                )
+            object.__setattr__(self, name, value)
+        if self.rope is None:
+            raise ValueError(
+                "mla needs rope: its rope_dim dims of q and k are rotary; add a rope table"
+            )
+        if self.rope.partial != 1:
+            raise ValueError(
+                f"mla rotates all of its rope_dim {m.rope_dim} dims: rope partial must be 1 "
+                f"(left out), got {self.rope.partial}"
+            )
+        given = [
+            name
+            for name, on in (
+                ("qk_norm", self.qk_norm is not None),
+                ("sinks", self.sinks),
+                ("alibi", self.alibi),
+                ("softcap", self.softcap is not None),
+                ("output_gate", self.output_gate),
+            )
+            if on
+        ]
+        if given:
+            raise ValueError(
+                f"mla with {', '.join(given)} is not supported: no MLA family has them; "
+                "leave them out"
+            )
+
     @property
     def variant(self) -> Variant:
         # num_heads == 1 is both "MHA" and "MQA"; call it MHA (no sharing happens).
@@ -252,7 +340,9 @@ class AttentionConfig:
     @property
     def rope_dim(self) -> int:
         """The dims of each head that RoPE rotates (the first ones): int(head_dim * partial),
-        as transformers counts them; 0 without RoPE."""
+        as transformers counts them; 0 without RoPE. With mla: its rope_dim."""
+        if self.mla is not None:
+            return self.mla.rope_dim
         return 0 if self.rope is None else int(self.head_dim * self.rope.partial)
 
     @property
@@ -267,8 +357,14 @@ class AttentionConfig:
 
     @property
     def scale(self) -> float:
-        """The factor on q.k before the softmax."""
-        return self.softmax_scale if self.softmax_scale is not None else self.head_dim**-0.5
+        """The factor on q.k before the softmax: softmax_scale, or 1 / sqrt(head_dim); with
+        mla 1 / sqrt(nope_dim + rope_dim), the width of HF's q . k (the absorbed head_dim
+        R + C is the kernel's, not the model's)."""
+        if self.softmax_scale is not None:
+            return self.softmax_scale
+        if self.mla is not None:
+            return (self.mla.nope_dim + self.mla.rope_dim) ** -0.5
+        return self.head_dim**-0.5
 
     @property
     def score_factor(self) -> float:
@@ -281,9 +377,9 @@ class AttentionConfig:
         return factor
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, resolved (no None: the options only when set, sinks, alibi and
-        alibi_bfloat16 only when True, alibi_bias_max only with alibi; rope and qk_norm as dicts of their
-        fields), so the dict is the config on its own."""
+        """Every field, resolved (no None: the options only when set, sinks, alibi,
+        alibi_bfloat16 and output_gate only when True, alibi_bias_max only with alibi; rope, qk_norm and mla as
+        dicts of their fields), so the dict is the config on its own."""
         d = asdict(self)
         if not self.alibi:
             del d["alibi_bias_max"]

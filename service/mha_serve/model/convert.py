@@ -51,6 +51,11 @@ def pool_kv_heads(module: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtt
     whole projection (OLMo-2) pools its k gains by group too."""
     c = module.config
     KVH, D = c.num_kv_heads, c.head_dim
+    if c.mla is not None:
+        raise ValueError(
+            "this model is multi-head latent attention (mla): all of its query heads already "
+            "share one latent K/V head, so there is nothing to pool"
+        )
     if num_kv_heads < 1 or KVH % num_kv_heads:
         raise ValueError(
             f"num_kv_heads {num_kv_heads} must divide the model's {KVH} key/value heads "
@@ -80,6 +85,10 @@ def pool_kv_heads(module: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtt
         state["k_norm"] = pool(k_norm) if c.qk_norm.scope == "projection" else k_norm
     if c.sinks:  # one per query head, and the query heads stay
         state["sinks"] = module.sinks.detach()
+    if c.output_gate:  # per query head too (it gates each head's output): unchanged
+        state["wgate.weight"] = module.wgate.weight.detach()
+        if c.bias:
+            state["wgate.bias"] = module.wgate.bias.detach()
     w0 = module.wqkv.weight
     out = MultiHeadAttention(config, device=w0.device, dtype=w0.dtype)
     out.load_state_dict(state)
@@ -101,7 +110,7 @@ def conversion_report(
         want = original(inputs).output.double()
         got = converted(inputs).output.double()
     diff = (got - want).abs()
-    itemsize = original.wqkv.weight.element_size()
+    itemsize = original.wo.weight.element_size()
     before = cost_per_token(original.config, itemsize)
     after = cost_per_token(converted.config, itemsize)
     report: dict[str, float | int | list[int]] = {

@@ -29,6 +29,15 @@ What is served, per family (transformers' module names):
            use_qkv_bias (o_proj none: a zero bias); partial RoPE by halves (0.25)
   nemotron NemotronAttention (Nemotron-3, Nemotron-4, Minitron): as Llama (q/k/v/o biases by
            attention_bias, head_dim of its own); partial RoPE by halves (0.5 by default)
+  deepseek_v2, deepseek_v3, glm4_moe_lite, minicpm3
+           DeepseekV2/V3Attention and theirs (multi-head latent attention): q_a_proj,
+           q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj
+           and o_proj as they are, the module's MLA (an MQA layer over one latent per token)
+  qwen3_next, qwen3_5(_text), qwen3_5_moe(_text)
+           Qwen3NextAttention, Qwen3_5Attention (their full_attention layers; the others are
+           linear attention, refused): as Qwen3's, but q_proj's rows per head [query; gate],
+           split here into wqkv's query rows and wgate (the module's output gate); their
+           q/k norm's gain is 1 + weight (folded in here); partial RoPE by halves
   llama, mistral, qwen2, qwen3, olmo2, gemma2, gemma3(_text), phi3, gpt_oss and the families whose
   attention is one of theirs (hf_families.FAMILIES: Mixtral, Qwen-MoE, OLMoE, Granite, ...)
            q_proj/k_proj/v_proj/o_proj (Phi-3: one qkv_proj) with GQA (num_key_value_heads)
@@ -50,7 +59,7 @@ from safetensors import SafetensorError, safe_open
 from .attention import MultiHeadAttention
 from .checks import check_sinks
 from .hf_config import HFLayer, read_hf_layer
-from .hf_families import CODEGEN_GROUPS
+from .hf_families import CODEGEN_GROUPS, OUTPUT_GATE
 
 # Per family: the attention tensors of layer {i}, without the checkpoint's own prefix
 # ("bert.", "transformer.", "model." or none, found from the file).
@@ -90,6 +99,16 @@ _NAMES = {
         "v": "layers.{i}.self_attn.v_proj",
         "o": "layers.{i}.self_attn.out_proj",
     },
+    "mla": {
+        "q_a": "layers.{i}.self_attn.q_a_proj",
+        "q_a_norm": "layers.{i}.self_attn.q_a_layernorm",
+        "q_b": "layers.{i}.self_attn.q_b_proj",
+        "q": "layers.{i}.self_attn.q_proj",
+        "kv_a": "layers.{i}.self_attn.kv_a_proj_with_mqa",
+        "kv_a_norm": "layers.{i}.self_attn.kv_a_layernorm",
+        "kv_b": "layers.{i}.self_attn.kv_b_proj",
+        "o": "layers.{i}.self_attn.o_proj",
+    },
     "phi": {
         "q": "layers.{i}.self_attn.q_proj",
         "k": "layers.{i}.self_attn.k_proj",
@@ -111,8 +130,8 @@ _OWN_NORM_NAMES = {
 }
 # GPT-OSS's attention sinks (H,): a bare tensor, no .weight/.bias suffix.
 _SINKS_NAME = "layers.{i}.self_attn.sinks"
-# Families whose norm scales by 1 + weight (Gemma3RMSNorm), not by weight.
-_OFFSET_NORMS = ("gemma3", "gemma3_text")
+# Families whose norm scales by 1 + weight (Gemma3RMSNorm, Qwen3NextRMSNorm), not by weight.
+_OFFSET_NORMS = ("gemma3", "gemma3_text", *OUTPUT_GATE, "qwen3_5", "qwen3_5_moe")
 
 
 def load_hf_layer(
@@ -126,6 +145,8 @@ def load_hf_layer(
     model.safetensors.index.json), in eval mode; dtype None keeps the checkpoint's."""
     info = read_hf_layer(directory, layer)
     c = info.attention
+    if c.mla is not None:
+        return _load_mla(info, device, dtype), info
     names = _NAMES["rotary" if info.family not in _NAMES else info.family]
     if c.qk_norm is not None:
         names = {**names, **_OWN_NORM_NAMES.get(info.family, _NORM_NAMES)}
@@ -159,17 +180,29 @@ def load_hf_layer(
             bo = _get(tensors, names["o"] + ".bias", (E,))
     else:
         shapes = {"q": (H * D, E), "k": (KVH * D, E), "v": (KVH * D, E), "o": (E, H * D)}
-        w = torch.cat([_get(tensors, names[p] + ".weight", shapes[p]) for p in "qkv"])
-        wo = _get(tensors, names["o"] + ".weight", shapes["o"])
+        if c.output_gate:  # q_proj's rows per head [query (D); gate (D)]: split below
+            shapes["q"] = (2 * H * D, E)
+        got = {p: _get(tensors, names[p] + ".weight", shapes[p]) for p in "qkvo"}
+        if c.output_gate:
+            got["q"], gate = _split_gate(got["q"], H, D)
+        w = torch.cat([got[p] for p in "qkv"])
+        wo = got["o"]
         b = bo = None
         if c.bias:
             for p in info.zero_biases:  # Qwen2's o_proj has none
                 tensors.setdefault(names[p] + ".bias", torch.zeros(shapes[p][0], dtype=wo.dtype))
-            b = torch.cat([_get(tensors, names[p] + ".bias", shapes[p][:1]) for p in "qkv"])
+            got = {p: _get(tensors, names[p] + ".bias", shapes[p][:1]) for p in "qkv"}
+            if c.output_gate:
+                got["q"], gate_bias = _split_gate(got["q"], H, D)
+            b = torch.cat([got[p] for p in "qkv"])
             bo = _get(tensors, names["o"] + ".bias", (E,))
     state = {"wqkv.weight": w, "wo.weight": wo}
     if c.bias:
         state.update({"wqkv.bias": b, "wo.bias": bo})
+    if c.output_gate:
+        state["wgate.weight"] = gate
+        if c.bias:
+            state["wgate.bias"] = gate_bias
     if c.qk_norm is not None:
         whole = c.qk_norm.scope == "projection"
         for key, heads in (("q_norm", H), ("k_norm", KVH)):
@@ -187,6 +220,54 @@ def load_hf_layer(
     module.load_state_dict({k: t.contiguous() for k, t in state.items()})
     check_sinks(module.sinks, f"checkpoint tensor {sinks_name!r}")
     return module.eval(), info
+
+
+def _load_mla(
+    info: HFLayer, device: torch.device | str | None, dtype: torch.dtype | None
+) -> MultiHeadAttention:
+    """An MLA layer's tensors as they are (config.MLAConfig's state dict is theirs, renamed):
+    q_a_proj, q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_a_layernorm,
+    kv_b_proj and o_proj; biases on q_a_proj, kv_a_proj_with_mqa and o_proj by attention_bias
+    (q_proj has none: served as a zero bias)."""
+    c, m = info.attention, info.attention.mla
+    E, H, C, R = c.embed_dim, c.num_heads, m.kv_lora_rank, m.rope_dim
+    QK = H * (m.nope_dim + R)
+    names = {k: v.format(i=info.layer) for k, v in _NAMES["mla"].items()}
+    if m.q_lora_rank is None:
+        shapes = {"q": (QK, E)}
+    else:
+        Q = m.q_lora_rank
+        shapes = {"q_a": (Q, E), "q_a_norm": (Q,), "q_b": (QK, Q)}
+    shapes.update(
+        {"kv_a": (C + R, E), "kv_a_norm": (C,), "kv_b": (H * (m.nope_dim + m.v_head_dim), C)}
+    )
+    shapes["o"] = (E, H * m.v_head_dim)
+    names = {k: names[k] for k in shapes}
+    tensors = _read(info.directory, names, info, [])
+    state = {}
+    for part, shape in shapes.items():
+        state["wo" if part == "o" else part] = _get(tensors, names[part] + ".weight", shape)
+    state = {k if k.endswith("_norm") else k + ".weight": t for k, t in state.items()}
+    if c.bias:
+        for part in ("q_a" if m.q_lora_rank is not None else "q", "kv_a", "o"):
+            rows = shapes[part][0]
+            if part == "q":  # (DeepSeek's q_proj: no bias, whatever attention_bias says)
+                tensors.setdefault(names["q"] + ".bias", torch.zeros(rows))
+            bias = _get(tensors, names[part] + ".bias", (rows,))
+            state[("wo" if part == "o" else part) + ".bias"] = bias
+    if dtype is None:
+        dtype = state["kv_a.weight"].dtype
+    module = MultiHeadAttention(c, device=device, dtype=dtype)
+    module.load_state_dict({k: t.contiguous() for k, t in state.items()})
+    return module.eval()
+
+
+def _split_gate(t: torch.Tensor, H: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A gated q_proj's weight (2 H D, E) or bias (2 H D,), rows per head [query; gate]
+    (Qwen3NextAttention views its output (..., H, 2 D) and chunks it in two), as the
+    queries' rows (H D, ...) and the gate's (H D, ...), each head's in order."""
+    per_head = t.reshape(H, 2, D, *t.shape[1:])  # (H, query | gate, D, ...)
+    return per_head[:, 0].reshape(H * D, *t.shape[1:]), per_head[:, 1].reshape(H * D, *t.shape[1:])
 
 
 def grouped_rows(num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .config import AttentionConfig, QKNormConfig, RopeConfig
+from .config import AttentionConfig, MLAConfig, QKNormConfig, RopeConfig
 from .hf_families import (
     ALIASES,
     ALL,
@@ -19,12 +19,17 @@ from .hf_families import (
     DEFAULTS,
     DERIVED_SLIDING,
     FAMILIES,
+    FULL_ATTENTION_INTERVAL,
+    GATED_LAYER_TYPES,
     GPT2_NAMES,
     HEADS_BY_HIDDEN,
     HYBRID_LAYERS,
     LAYER_TYPES,
     LAYERNORM_QK,
     MHA_ONLY,
+    MLA,
+    MLA_INTERLEAVE_KEY,
+    MLA_INTERLEAVED,
     MPT_ATTN_DEFAULTS,
     MPT_ATTN_IMPLS,
     MPT_ATTN_NOT_NULL,
@@ -32,11 +37,13 @@ from .hf_families import (
     NO_ROPE,
     NOT_NULL,
     O_BIAS,
+    OUTPUT_GATE,
     PARTIAL_ROPE,
     PROPERTIES,
     QK_NORM,
     QK_NORM_EPS,
     QK_NORM_SWITCH,
+    RENAMED,
     REQUIRED,
     ROTARY,
     SCALE,
@@ -91,6 +98,8 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{config_path} is not valid JSON: {e}") from None
     family = cfg.get("model_type")
+    if family in RENAMED:  # (Kimi K2: DeepSeek-V3's layer under a name of its own)
+        cfg["model_type"] = family = RENAMED[family]
     scope = ""
     if family in MULTIMODAL:  # the multimodal model: its text model's config, tensors
         text = cfg.get("text_config")
@@ -98,6 +107,7 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
             raise ValueError(f"{config_path}: {family} has no text_config table")
         arch = cfg.get("architectures")
         cfg, scope = {"model_type": MULTIMODAL[family][0], **text}, MULTIMODAL[family][1]
+        cfg["model_type"] = RENAMED.get(cfg["model_type"], cfg["model_type"])
         cfg.setdefault("architectures", arch)
     kind = cfg.get("model_type")  # the family whose attention is served
     for name in dict.fromkeys((family, kind)):
@@ -150,6 +160,8 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
         attention = _bloom(cfg, config_path)
     elif family == "mpt":
         attention = _mpt(cfg, config_path)
+    elif kind in MLA:
+        attention = _mla(cfg, kind, layer, config_path)
     else:
         attention = _rotary(cfg, kind, layer, config_path)
     context_key = "max_position_embeddings"
@@ -358,6 +370,8 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
             raise ValueError(f"{where}: no_rope_layers must list one 0 or 1 per layer")
     check_rope_nulls(cfg, family, where)
     _null_window(cfg, family, where)
+    if family in OUTPUT_GATE:  # (refuses a linear_attention layer, naming the servable ones)
+        _gated_layer(cfg, family, layer, where)
     layer_type = _layer_type(cfg, family, layer, where)
     sliding = None
     if layer_type == "sliding_attention":
@@ -411,6 +425,83 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
             sinks=family == "gpt_oss",  # GptOssAttention's sinks: a logit per query head
             alibi=alibi,
             **alibi_form,
+            output_gate=family in OUTPUT_GATE,  # Qwen3-Next's: sigmoid(gate) * the heads' output
+        )
+    except ValueError as e:
+        raise ValueError(f"{where}: layer {layer}: {e}") from None
+
+
+def _mla(cfg: dict[str, Any], family: str, layer: int, where: Path) -> AttentionConfig:
+    """Multi-head latent attention as DeepseekV2Attention, DeepseekV3Attention,
+    Glm4MoeLiteAttention and MiniCPM3Attention compute it (transformers 5.23): q from
+    q_b_proj(RMSNorm(q_a_proj(x))) (q_proj(x) with q_lora_rank null), K and V from one
+    latent per token, kv_a_proj_with_mqa's first kv_lora_rank values, RMS-normed and
+    expanded per head by kv_b_proj; qk_rope_head_dim more values of it, rotated, shared by
+    every head's key. Served as the module's MLA (config.MLAConfig): an MQA layer over that
+    latent, the same dot products."""
+    E, H = _int(cfg, "hidden_size", where), _int(cfg, "num_attention_heads", where)
+    # (its attention expands the latent to H heads of K and V, then repeats them H // KVH
+    # times as GQA's: any repeat but one leaves H * (H // KVH) heads, no layer; H // KVH = 0,
+    # its config's default KVH 128 beside fewer heads, SDPA skips and its eager path fails on)
+    kvh = cfg.get("num_key_value_heads")
+    if kvh is not None and (
+        isinstance(kvh, bool) or not isinstance(kvh, int) or kvh < 1 or H // kvh > 1
+    ):
+        raise ValueError(
+            f"{where}: {family} num_key_value_heads {kvh!r} is not supported: transformers' "
+            f"{family} expands its latent to num_attention_heads ({H}) heads of K and V and "
+            "repeats them num_attention_heads // num_key_value_heads times, which fails unless "
+            f"that is 1; set it to num_attention_heads ({H}) or leave it out"
+        )
+    sizes = {
+        key: _int(cfg, key, where)
+        for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
+    }
+    v_head_dim = cfg.get("v_head_dim")
+    if v_head_dim is None and family == "minicpm3":  # (MiniCPM3Config's fallback)
+        v_head_dim = E // H
+    else:
+        v_head_dim = _int(cfg, "v_head_dim", where)
+    q_lora_rank = cfg.get("q_lora_rank")  # (null: q_proj from the hidden states)
+    if q_lora_rank is not None:
+        q_lora_rank = _int(cfg, "q_lora_rank", where)
+    for key in ("use_bidirectional_attention", "attention_chunk_size", "clip_qkv"):
+        if cfg.get(key):
+            raise ValueError(f"{where}: {family} {key} {cfg[key]!r} is not supported")
+    check_rope_nulls(cfg, family, where)
+    interleave = MLA_INTERLEAVED[family]  # (a null rope_interleave: by halves)
+    if family in MLA_INTERLEAVE_KEY and "rope_interleave" in cfg:
+        interleave = bool(cfg["rope_interleave"])
+    rope = replace(read_rope(cfg, "full_attention", where), interleaved=interleave)
+    # DeepseekV3Attention's scaling: qk_head_dim ** -0.5, times mscale squared where the RoPE
+    # table has mscale_all_dim and a type but default (yarn_apply_mscale, yarn_get_mscale)
+    scale = (sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"]) ** -0.5
+    name = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    table = cfg.get(name) or {}
+    all_dim = table.get("mscale_all_dim") if isinstance(table, dict) else None
+    if rope.type != "default" and all_dim and "factor" in table and table["factor"] is None:
+        refuse_null(where, family, f"{name}.factor", "its softmax scale takes yarn's mscale of it")
+    if rope.type != "default" and all_dim and rope.factor > 1:
+        mscale = 0.1 * float(all_dim) * math.log(rope.factor) + 1.0
+        scale *= mscale * mscale
+    try:
+        return AttentionConfig(
+            E,
+            H,
+            bias=bool(cfg.get("attention_bias")),
+            causal=True,
+            rope=rope,
+            softmax_scale=scale,
+            mla=MLAConfig(
+                kv_lora_rank=sizes["kv_lora_rank"],
+                rope_dim=sizes["qk_rope_head_dim"],
+                nope_dim=sizes["qk_nope_head_dim"],
+                v_head_dim=v_head_dim,
+                q_lora_rank=q_lora_rank,
+                # (their q_a_layernorm and kv_a_layernorm are built without an eps: the
+                # RMSNorm's default, whatever rms_norm_eps says)
+                eps=1e-6,
+            ),
         )
     except ValueError as e:
         raise ValueError(f"{where}: layer {layer}: {e}") from None
@@ -498,6 +589,38 @@ def _hybrid_layer(cfg: dict[str, Any], family: str, layer: int, where: Path) -> 
     raise ValueError(
         f"{where}: layer {layer} of {family} is a {kinds[layer]!r} layer ({what}); its "
         f"full_attention layers are {attention or 'none'}: set layer to one of them"
+    )
+
+
+def _gated_layer(cfg: dict[str, Any], family: str, layer: int, where: Path) -> None:
+    """A gated family's layer, refused unless it is full attention: layer_types, else every
+    full_attention_interval-th layer (default FULL_ATTENTION_INTERVAL; Qwen3NextConfig and
+    Qwen3_5TextConfig derive them so) is; the others are linear attention (gated DeltaNet),
+    not served."""
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = cfg.get("full_attention_interval", FULL_ATTENTION_INTERVAL)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(
+                f"{where}: {family} full_attention_interval must be a positive int (every "
+                f"full_attention_interval-th layer is full attention), got {interval!r}; or "
+                "give layer_types"
+            )
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n:
+        raise ValueError(f"{where}: layer_types must list {n} entries, one per layer")
+    if types[layer] == "full_attention":
+        return
+    full = [i for i, kind in enumerate(types) if kind == "full_attention"]
+    why = (
+        "linear attention (gated DeltaNet), which is no softmax attention over a KV cache"
+        if types[layer] == "linear_attention"
+        else f"not one of {', '.join(GATED_LAYER_TYPES)}"
+    )
+    raise ValueError(
+        f"{where}: layer {layer} of {family} is a {types[layer]!r} layer: {why}, and is not "
+        f"served; its full_attention layers are: {', '.join(map(str, full)) or 'none'}"
     )
 
 

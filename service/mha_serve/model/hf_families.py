@@ -74,11 +74,47 @@ FAMILIES = (
     "cwm",  # Llama's, three local layers after each global one, its own llama3 RoPE
     "jais2",  # Llama's, biases on all four by default
     "hy_v3",  # Qwen3's (q/k norm per head before RoPE), unlike Hunyuan v1's (after it)
+    # multi-head latent attention (MLA: low-rank q and kv projections, one latent per token;
+    # hf_config._mla): DeepSeek-V2/V3 (and Kimi K2), GLM-4.7-Flash, MiniCPM3
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe_lite",
+    "minicpm3",
+    "kimi_k25",  # (Kimi K2.5's language model: DeepSeek-V3's, MULTIMODAL)
+    # gated attention (OUTPUT_GATE: Qwen3-Next's, an output gate split from q_proj), its
+    # full_attention layers (the others are linear attention, not served)
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5",
+    "qwen3_5_moe_text",
+    "qwen3_5_moe",
 )
-# Families with RoPE, q_proj/k_proj/v_proj/o_proj (phi3: one qkv_proj; gpt_neox, falcon: one
+# The MLA families (FAMILIES' last), read by hf_config._mla, not as Llama's.
+MLA = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "kimi_k25")
+# Their RoPE by interleaved pairs, or by halves: DeepSeek-V2's always by pairs (complex
+# numbers), MiniCPM3's by halves; the families of MLA_INTERLEAVE_KEY by rope_interleave,
+# pairs when config.json leaves it out (a null: halves).
+MLA_INTERLEAVED = {
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite"), True),
+    "minicpm3": False,
+}
+MLA_INTERLEAVE_KEY = ("deepseek_v3", "glm4_moe_lite")
+# Families whose attention gates its output (Qwen3NextAttention, Qwen3_5Attention): q_proj's
+# rows per head [query (head_dim); gate (head_dim)], the heads' output times sigmoid(gate)
+# before o_proj (hf.py splits the rows into wqkv's and wgate's); q/k RMSNorm per head with
+# a gain of 1 + weight (OFFSET_NORM); partial RoPE by halves (PARTIAL_ROPE: 0.25); no window.
+# Their other layers are linear attention (gated DeltaNet), not served: layer_types says
+# which, else every full_attention_interval-th layer (FULL_ATTENTION_INTERVAL by default)
+# is full attention, as their configs derive them (hf_config._gated_layer).
+OUTPUT_GATE = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+FULL_ATTENTION_INTERVAL = 4
+# The per-layer kinds of their layer_types (the second not served).
+GATED_LAYER_TYPES = ("full_attention", "linear_attention")
+# Families with RoPE, q_proj/k_proj/v_proj/o_proj (the MLA families' projections are theirs;
+# phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA, read from
 # Llama's keys (GPT-J's and CodeGen's RoPE and sizes are their own keys: hf_config._gptj).
-ROTARY = FAMILIES[7:]
+ROTARY = tuple(f for f in FAMILIES[7:] if f not in MLA)
 # Families that name their keys as GPT-2 does (n_embd, n_head, n_layer, n_positions; the
 # long names are aliases of them: ALIASES).
 GPT2_NAMES = ("gpt2", "gpt_bigcode", "gptj", "codegen")
@@ -198,6 +234,56 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         ("gptj", "codegen"),
         {"n_embd": 4096, "n_head": 16, "n_layer": 28, "n_positions": 2048, "rotary_dim": 64},
     ),
+    # (the MLA families' sizes: their config classes' defaults, DeepSeek-V3's, GLM-4.7-Flash's..)
+    "deepseek_v2": {
+        "num_attention_heads": 32,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+    },
+    "deepseek_v3": {
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+    },
+    "glm4_moe_lite": {
+        "num_attention_heads": 20,
+        "num_key_value_heads": 20,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 768,
+        "qk_nope_head_dim": 192,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 256,
+        "rms_norm_eps": 1e-5,
+    },
+    "minicpm3": {
+        "num_attention_heads": 40,
+        "num_key_value_heads": 40,
+        "kv_lora_rank": 256,
+        "q_lora_rank": 768,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 32,
+        "rms_norm_eps": 1e-5,
+    },
+    # (the gated families' sizes: their config classes' defaults)
+    "qwen3_next": {
+        **{"hidden_size": 2048, "num_hidden_layers": 48, "max_position_embeddings": 32768},
+        **{"num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256},
+    },
+    "qwen3_5_text": {
+        **{"hidden_size": 4096, "num_hidden_layers": 32, "max_position_embeddings": 32768},
+        **{"num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256},
+    },
+    "qwen3_5_moe_text": {
+        **{"hidden_size": 2048, "num_hidden_layers": 40, "max_position_embeddings": 32768},
+        **{"num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256},
+    },
 }
 # Keys a family's config.json must set (not null), and why: transformers builds no layer
 # without them, so whatever we served would be a layer transformers never runs.
@@ -249,6 +335,10 @@ _HEAD_DIM_FILLED = (
     "nemotron",
     "hyperclovax",  # (HyperCLOVAXConfig fills it: hidden_size / num_attention_heads)
     "jais2",  # (Jais2Config too)
+    # (not read: their configs set head_dim to qk_rope_head_dim, whatever config.json says;
+    # DeepSeek-V3's rotary embedding fails on a null one first; GLM-4.7-Flash's head_dim is
+    # another name of qk_rope_head_dim, ALIASES', and a null one nulls that)
+    *("deepseek_v2", "minicpm3"),
 )
 NOT_NULL: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
@@ -285,17 +375,21 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         "vaultgemma",
         *("stablelm", "glm4_moe", "ernie4_5_moe", "minimax_m2", "exaone_moe", "lfm2"),
         *("solar_open", "phimoe", "cwm", "hy_v3"),
+        *("stablelm", "glm4_moe_lite", *OUTPUT_GATE),
     ),
     "attention_bias": (
+        *("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3"),
         *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
         *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
         *("gpt_neox", "nemotron", "glm4_moe", "apertus", "dots1", "vaultgemma", "solar_open"),
         *("flex_olmo", "hyperclovax", "phimoe", "jais2", "hy_v3"),
+        *("gpt_neox", "nemotron", *OUTPUT_GATE),
     ),
     "use_qk_norm": ("glm4_moe",),
     "norm_eps": ("nemotron", "lfm2"),  # (typed float: NemotronConfig, Lfm2Config reject it)
     "use_bias": ("starcoder2",),
+    "rope_interleave": ("glm4_moe_lite",),  # (DeepSeek-V3's takes a null: by halves)
     "qkv_bias": ("qwen2_moe",),
     "qk_layernorm": ("phi", "stablelm"),
     "use_qkv_bias": ("stablelm",),
@@ -308,12 +402,19 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     "original_max_position_embeddings": ("phi3",),  # (elsewhere: where RoPE reads it)
     "attention_dropout": ("falcon",),  # (FalconAttention builds nn.Dropout(None): no layer)
 }
+# Model types that are another family's layer under a name of their own: Kimi K2's
+# config.json says kimi_k2 (its code on the Hub is DeepSeek-V3's; Kimi_K25Config reads its
+# text model so).
+RENAMED = {"kimi_k2": "deepseek_v3"}
 # Multimodal families: their language model (text_config, whose model_type is the first
 # unless it names one) is served; its tensors are the ones under the scope (not the vision
 # tower's).
 MULTIMODAL = {
     "gemma3": ("gemma3_text", "language_model"),
     "mistral3": ("mistral", "language_model"),
+    "kimi_k25": ("deepseek_v3", "language_model"),  # (its text_config says kimi_k2: RENAMED)
+    "qwen3_5": ("qwen3_5_text", "language_model"),
+    "qwen3_5_moe": ("qwen3_5_moe_text", "language_model"),
 }
 # Where each rotary family's attention differs from Llama's (transformers 5's
 # modeling_<family>.py); a family a table leaves out has Llama's there.
@@ -345,6 +446,8 @@ QK_NORM = {
     "exaone_moe": "head",
     **dict.fromkeys(("apertus", "dots1", "lfm2", "hy_v3"), "head"),
     **dict.fromkeys(("olmo2", "olmoe", "olmo3", "minimax_m2", "flex_olmo"), "projection"),
+    **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4", *OUTPUT_GATE), "head"),
+    **dict.fromkeys(("olmo2", "olmoe", "olmo3"), "projection"),
 }
 # Families whose q/k norm (QK_NORM's) is there only when a config.json key turns it on.
 QK_NORM_SWITCH = {"glm4_moe": "use_qk_norm"}
@@ -411,6 +514,7 @@ PARTIAL_ROPE = {
     "nemotron": 0.5,
     "glm4_moe": 0.5,  # (Glm4MoeConfig's default, by halves where GLM and GLM-4 interleave)
     "minimax_m2": 1.0,  # (without rotary_dim: PARTIAL_BY_ROTARY_DIM)
+    **dict.fromkeys(OUTPUT_GATE, 0.25),
 }
 # Families whose config reads a legacy rotary_dim (the dims turned, of head_dim) as the partial
 # factor rotary_dim / head_dim where neither rope_parameters nor config.json gives one
@@ -442,6 +546,7 @@ PROPERTIES = {"falcon": ("head_dim", "rotary")}
 # a null one fails there: NOT_NULL's).
 ALIASES = {
     "falcon": {"n_embed": "hidden_size"},
+    "glm4_moe_lite": {"head_dim": "qk_rope_head_dim"},  # (Glm4MoeLiteConfig's attribute_map)
     "mpt": {
         "hidden_size": "d_model",
         "num_attention_heads": "n_heads",
@@ -485,21 +590,25 @@ UNSERVED = {
     "hunyuan_v1_moe": "its q/k norm comes after RoPE",
     "ministral3": "its queries are scaled by position (llama_4_scaling_beta)",
     "llama4": "chunked attention, L2 q/k norm and NoPE layers with temperature tuning",
-    "deepseek_v3": "multi-head latent attention (low-rank q and kv projections)",
+    "mistral4": "its queries are scaled by position (llama_4_scaling_beta)",
+    "deepseek_v32": "sparse attention: a lightning indexer picks each query's top-k keys",
+    "glm_moe_dsa": "sparse attention: a lightning indexer picks each query's top-k keys",
+    "deepseek_v4": "one shared K/V head whose output is rotated back, compressed caches per "
+    "layer type",
+    "longcat_flash": "two attention modules per decoder layer (self_attn.0 and .1), which a "
+    "layer index does not name",
     "persimmon": "its q/k norm is a LayerNorm (qk_layernorm, on by default and in Persimmon-8B)",
     "llama4_text": "chunked attention, L2 q/k norm and NoPE layers with temperature tuning",
-    # an output gate: the attention output times a sigmoid of another projection of the input
+    # an output gate not (yet) read as the gated families' (OUTPUT_GATE: from q_proj's rows)
     **dict.fromkeys(
-        (
-            *("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
-            *("qwen4_exp", "qwen4_exp_text"),
-        ),
-        "an output gate: its q_proj also yields a sigmoid gate on the attention output (and "
-        "its other layers are Gated DeltaNet linear attention)",
+        ("qwen4_exp", "qwen4_exp_text"),
+        "an output gate and Gated DeltaNet layers, as Qwen3.5's, under keys of its own that "
+        "are not read yet",
     ),
     **dict.fromkeys(
         ("afmoe", "hrm_text", "beam", "laguna", "lfm3"),
-        "an output gate: a sigmoid of its own gate projection multiplies the attention output",
+        "an output gate: a sigmoid of its own gate projection (gate_proj, g_proj; not q_proj's "
+        "rows as Qwen3-Next's) multiplies the attention output",
     ),
     **dict.fromkeys(
         ("gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified"),

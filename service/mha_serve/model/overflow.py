@@ -198,12 +198,25 @@ class WeightBounds:
     k_norm: float = 0.0
 
 
+# Bounds that bound nothing: nothing clears them, so every step is measured (OverflowCheck).
+# Multi-head latent attention's: its q and k pass RMSNorms and a product of weights
+# (W_uk^T q_nope) that the wqkv row norms below do not describe; a wrong bound would let an
+# overflow through as a wrong answer.
+NO_BOUNDS = WeightBounds(*[math.inf] * 8, q_norm=math.inf, k_norm=math.inf)
+
+
 def weight_bounds(module: torch.nn.Module) -> WeightBounds:
     """The module's WeightBounds, computed once per version of its weights (kept on the
     module, recomputed after any in-place change, a new parameter, or a new tensor under
-    one: `.data = t` and module.to(dtype) keep the parameter's id and version)."""
+    one: `.data = t` and module.to(dtype) keep the parameter's id and version). With mla:
+    NO_BOUNDS. An output gate (wgate) is not read: it multiplies each head's output by
+    sigmoid(wgate x), in [0, 1] (a logit past the dtype's range rounds to +-inf, whose
+    sigmoid is 1 or 0: half-precision matmuls accumulate in float32, so no inf - inf NaN),
+    so |gated y| <= |y| <= max|v|, the bound output_bound already takes."""
     # The modules' own dicts, not attribute access: nn.Module's __getattr__ costs a Python
     # call each, and this runs on every step.
+    if module.config.mla is not None:
+        return NO_BOUNDS
     linears, own = module._modules, module._parameters
     qkv, o = linears["wqkv"]._parameters, linears["wo"]._parameters
     scaling = module.__dict__.get("rope_scaling", 1.0)

@@ -40,6 +40,12 @@ def kept_heads(config: AttentionConfig, heads: Sequence[int]) -> tuple[list[int]
             "heads' values together: removing a head changes every other head's output, so "
             "the result cannot equal the masked model; mask heads with head_mask instead"
         )
+    if config.mla is not None:
+        raise ValueError(
+            "this model is multi-head latent attention (mla): its query heads share one "
+            "latent K/V and its weights are laid out per head in q_b and kv_b, which head "
+            "pruning does not cut yet; mask heads with head_mask instead"
+        )
     if config.alibi:
         raise ValueError(
             "this model's ALiBi slopes come from its head count (alibi): removing a head "
@@ -88,6 +94,10 @@ def prune_heads(module: MultiHeadAttention, heads: Sequence[int]) -> MultiHeadAt
         state["q_norm"], state["k_norm"] = module.q_norm.detach(), module.k_norm.detach()
     if c.sinks:  # one per query head: the kept heads' (each head's softmax is its own)
         state["sinks"] = module.sinks.detach()[q_kept]
+    if c.output_gate:  # rows by query head (each gates its own head): the kept heads'
+        state["wgate.weight"] = rows(module.wgate.weight.detach(), q_kept)
+        if c.bias:
+            state["wgate.bias"] = rows(module.wgate.bias.detach(), q_kept)
     w = module.wqkv.weight
     out = MultiHeadAttention(config, device=w.device, dtype=w.dtype)
     out.load_state_dict({k: t.contiguous() for k, t in state.items()})
@@ -144,11 +154,13 @@ def least_important(
 
 
 def cost_per_token(config: AttentionConfig, itemsize: int) -> dict[str, int]:
-    """What one token costs the model: multiply-adds of its projections (2 FLOPs each), of
-    its attention per key it sees (q.k and p.v, 4 H D), and its KV-cache bytes (K and V)."""
+    """What one token costs the model: multiply-adds of its projections (2 FLOPs each; an
+    output gate's wgate one more, H D x E), of its attention per key it sees (q.k and p.v,
+    4 H D), and its KV-cache bytes (K and V)."""
     E, H, KVH, D = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim
+    gate = 2 * H * D * E if config.output_gate else 0
     return {
-        "projection_flops": 2 * E * (H + 2 * KVH) * D + 2 * H * D * E,
+        "projection_flops": 2 * E * (H + 2 * KVH) * D + 2 * H * D * E + gate,
         "attention_flops_per_key": 4 * H * D,
         "kv_bytes": 2 * KVH * D * itemsize,
     }

@@ -33,6 +33,7 @@ def attend_cached(
     weight_heads: Sequence[int] | None = None,
     head_mask: torch.Tensor | None = None,
     first_keys: Sequence[int] | None = None,
+    out_gate: torch.Tensor | None = None,
 ) -> AttentionOutput:
     """Attention of new tokens over keys already laid out by absolute position (a KV
     cache read): the engine's session step. Always causal (a cache is exact only so),
@@ -55,6 +56,8 @@ def attend_cached(
     max(past_lengths[b] + new_lengths[b])) float32 over absolute positions (columns
     before a sequence's read or past its end, rows of padded tokens 0): row t equals
     row past_lengths[b] + t of a causal `forward` over the whole sequence.
+    out_gate (B, T, H*D): output_gate(x) of the new tokens, for (and only for) a model with
+    an output gate.
     """
     c = self.config
     B, H, T, D = check_queries(self.config, q)
@@ -67,7 +70,8 @@ def attend_cached(
         (keys, values), past, new = kv[0], past_lengths[0], new_lengths[0]
         first = first_keys[0]
         if new == T and gate is None:  # (attend_step checks it all again: a few us)
-            return AttentionOutput(self.attend_step(q, keys, values, past, first), None)
+            y = self.attend_step(q, keys, values, past, first, out_gate)
+            return AttentionOutput(y, None)
         check_cached(c, 0, keys, values, past, new, first, T, q)
         q_b = q if new == T else q[:, :, :new]  # (1, H, n, D)
         y = attend_one(
@@ -85,8 +89,9 @@ def attend_cached(
         if new != T:  # padded rows zero
             y = torch.cat([y, y.new_zeros(1, H, T - new, D)], dim=2)
             valid = (torch.arange(T, device=q.device) < new)[None]  # (1, T)
-            return AttentionOutput(output=self._merge_heads(y, gate, valid), weights=None)
-        return AttentionOutput(output=self._merge_heads(y, gate, None), weights=None)
+            out = self._merge_heads(y, gate, valid, out_gate)
+            return AttentionOutput(output=out, weights=None)
+        return AttentionOutput(output=self._merge_heads(y, gate, None, out_gate), weights=None)
     if not len(kv) == len(past_lengths) == len(new_lengths) == len(first_keys) == B:
         raise ValueError(
             f"q has batch {B} but kv, past_lengths, new_lengths and first_keys have "
@@ -147,7 +152,7 @@ def attend_cached(
             y[b, :, :n] = y_b[0]
         new_len = list_tensor(new_lengths, q.device)  # pinned, non_blocking on CUDA
         new_valid = torch.arange(T, device=q.device)[None, :] < new_len[:, None]  # (B, T)
-    out = self._merge_heads(y, gate, new_valid)  # (B, T, E)
+    out = self._merge_heads(y, gate, new_valid, out_gate)  # (B, T, E)
     if not need_weights:
         return AttentionOutput(output=out, weights=None)
     S = max(first + w.shape[-1] for first, w in weights)  # absolute positions
@@ -164,12 +169,14 @@ def attend_step(
     values: torch.Tensor,
     past: int,
     first_key: int = 0,
+    out_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """attend_cached of one sequence whose tokens are all new, without weights or a head
     mask: a lone session step (the engine's most frequent call), its output (1, T, E)
     alone, with the same checks and ops and none of attend_cached's tuples and lists.
     q (1, H, T, D) at positions past..past+T-1; keys, values (1, KVH, past + T -
-    first_key, D) at positions first_key.. (KVCache.read)."""
+    first_key, D) at positions first_key.. (KVCache.read); out_gate (1, T, H*D) with an
+    output gate (output_gate)."""
     c = self.config
     T = check_queries(c, q)[2]
     check_cached(c, 0, keys, values, past, T, first_key, T, q)
@@ -178,7 +185,7 @@ def attend_step(
         first_key=first_key, window=c.sliding_window, softcap=c.softcap, sinks=self.sinks,
         alibi=self.alibi,
     )  # fmt: skip
-    return self._merge_heads(y, None, None)  # (1, T, E)
+    return self._merge_heads(y, None, None, out_gate)  # (1, T, E)
 
 
 def decode_one(
@@ -189,7 +196,7 @@ def decode_one(
     values: torch.Tensor,
 ) -> torch.Tensor | None:
     """A lone session step of one token x (1, 1, E) for a config without soft-cap, sinks,
-    ALiBi or a q/k norm over the whole projection, over a cache in x's dtype: project writes its
+    ALiBi, an output gate or a q/k norm over the whole projection, over a cache in x's dtype: project writes its
     K/V (K normed per head and rotated at position S - 1 as the config has them) into
     kv_slot (1, 2 KVH, 1, D: K's heads, then V's), then attend_step's output (1, 1, E)
     over keys, values (1, KVH, S, D), positions 0..S-1 with the new token's last
@@ -245,11 +252,13 @@ def attend_padded(
     new_lengths: Sequence[int],
     first_keys: Sequence[int] | None = None,
     head_mask: torch.Tensor | None = None,
+    out_gate: torch.Tensor | None = None,
 ) -> AttentionOutput:
     """attend_cached's outputs (no weights) for the whole batch in one attention kernel:
     keys, values (B, KVH, S, D) hold sequence b's positions first_keys[b]..
     past_lengths[b] + new_lengths[b] - 1 in columns 0.. (KVCache.gather), later columns
-    padding, finite (they are masked, and 0 * inf is NaN)."""
+    padding, finite (they are masked, and 0 * inf is NaN); out_gate (B, T, H*D) as
+    attend_cached's."""
     c = self.config
     B, H, T, D = check_queries(c, q)
     gate = check_head_mask(c, head_mask, q)
@@ -272,4 +281,4 @@ def attend_padded(
     if any(n != T for n in new_lengths):
         new_len = list_tensor(new_lengths, q.device)  # pinned, non_blocking on CUDA
         new_valid = torch.arange(T, device=q.device)[None, :] < new_len[:, None]
-    return AttentionOutput(output=self._merge_heads(y, gate, new_valid), weights=None)
+    return AttentionOutput(output=self._merge_heads(y, gate, new_valid, out_gate), weights=None)

@@ -17,6 +17,9 @@ from .attention import MultiHeadAttention
 from .checks import check_sinks
 from .config import AttentionConfig
 from .metadata import config_from_metadata, to_metadata
+from .mla import LINEARS as MLA_LINEARS
+from .mla import NORMS as MLA_NORMS
+from .mla import expected_shapes as mla_shapes
 
 FORMAT = "mha-serve/1"  # safetensors metadata "format" of the files we write
 BIAS_INIT_BOUND = 0.02  # small but nonzero, so default weights exercise the bias paths
@@ -48,26 +51,40 @@ def init_weights(module: MultiHeadAttention, seed: int) -> None:
 
     Draws on a CPU generator in float32 and copies, because CUDA and CPU
     generators give different streams. Xavier-uniform weights as
-    nn.MultiheadAttention; biases U(-BIAS_INIT_BOUND, BIAS_INIT_BOUND).
+    nn.MultiheadAttention; biases U(-BIAS_INIT_BOUND, BIAS_INIT_BOUND). MLA: its linears
+    (q_a, q_b or q, kv_a, kv_b), then wo, then its norm gains q_a_norm, kv_a_norm. The
+    output gate's wgate last (so a config without one draws as before).
     """
     g = torch.Generator(device="cpu").manual_seed(seed)
+    if module.config.mla is not None:
+        linears = [module._modules[n] for n in (*MLA_LINEARS, "wo") if n in module._modules]
+        norms = [module._parameters[n] for n in MLA_NORMS if n in module._parameters]
+    else:
+        linears, norms = [module.wqkv, module.wo], [module.q_norm, module.k_norm]
     with torch.no_grad():
-        for linear in (module.wqkv, module.wo):  # fixed draw order
+        for linear in linears:  # fixed draw order
             fan_out, fan_in = linear.weight.shape
             bound = math.sqrt(6.0 / (fan_in + fan_out))  # xavier_uniform_ with gain 1
             linear.weight.copy_(_uniform(linear.weight.shape, bound, g))
             if linear.bias is not None:
                 linear.bias.copy_(_uniform(linear.bias.shape, BIAS_INIT_BOUND, g))
-        for norm in (module.q_norm, module.k_norm):  # q/k RMSNorm gains: 1 +- NORM_INIT_BOUND
+        for norm in norms:  # RMSNorm gains: 1 +- NORM_INIT_BOUND
             if norm is not None:
                 norm.copy_(1.0 + _uniform(norm.shape, NORM_INIT_BOUND, g))
         if module.sinks is not None:  # (drawn last: other models' draws stay as they were)
             module.sinks.copy_(_uniform(module.sinks.shape, SINK_INIT_BOUND, g))
+        if module.wgate is not None:  # (likewise, after them)
+            wgate = module.wgate
+            fan_out, fan_in = wgate.weight.shape
+            wgate.weight.copy_(_uniform(wgate.weight.shape, math.sqrt(6.0 / (fan_in + fan_out)), g))
+            if wgate.bias is not None:
+                wgate.bias.copy_(_uniform(wgate.bias.shape, BIAS_INIT_BOUND, g))
 
 
 def save_checkpoint(module: MultiHeadAttention, path: PathLike) -> None:
     """safetensors file: wqkv.weight, wqkv.bias, wo.weight, wo.bias (q_norm, k_norm with
-    q/k norm; sinks with sinks) + config in metadata."""
+    q/k norm; sinks with sinks; wgate.weight, wgate.bias with output_gate; MLA's own keys, model/mla.expected_shapes, instead of wqkv
+    with mla) + config in metadata."""
     tensors = {k: t.detach().cpu().contiguous() for k, t in module.state_dict().items()}
     metadata = {"format": FORMAT, **to_metadata(module.config)}
     save_file(tensors, str(path), metadata=metadata)
@@ -120,7 +137,7 @@ def load_checkpoint(
         state = tensors
 
     if dtype is None:
-        dtype = state["wqkv.weight"].dtype
+        dtype = state["wo.weight"].dtype
     module = MultiHeadAttention(config, device=device, dtype=dtype)
     module.load_state_dict(state)
     check_sinks(module.sinks, f"{path}: key 'sinks'")
@@ -134,6 +151,11 @@ def torch_mha_state_dict_to_ours(
 
     add_zero_attn leaves no trace in a state_dict; use from_torch_mha to catch it.
     """
+    if config.mla is not None:
+        raise ValueError(
+            "torch.nn.MultiheadAttention is plain MHA, but config has mla (multi-head latent "
+            "attention); leave mla out"
+        )
     unsupported = sorted(k for k in state_dict if k in _TORCH_UNSUPPORTED)
     if unsupported:
         why = sorted({_TORCH_UNSUPPORTED[k] for k in unsupported})
@@ -182,6 +204,8 @@ def from_torch_mha(mha: nn.MultiheadAttention) -> MultiHeadAttention:
 
 
 def _expected_shapes(config: AttentionConfig) -> dict[str, tuple[int, ...]]:
+    if config.mla is not None:
+        return mla_shapes(config)
     shapes = {
         "wqkv.weight": (config.qkv_dim, config.embed_dim),
         "wo.weight": (config.embed_dim, config.num_heads * config.head_dim),
@@ -196,6 +220,10 @@ def _expected_shapes(config: AttentionConfig) -> dict[str, tuple[int, ...]]:
         shapes["k_norm"] = (KVH * D if whole else D,)
     if config.sinks:
         shapes["sinks"] = (config.num_heads,)
+    if config.output_gate:  # rows by query head, as wo's columns
+        shapes["wgate.weight"] = (config.num_heads * config.head_dim, config.embed_dim)
+        if config.bias:
+            shapes["wgate.bias"] = (config.num_heads * config.head_dim,)
     return shapes
 
 

@@ -252,12 +252,20 @@ def model_config(hosted: ModelView, *, sessions: bool, session_ttl_s: float) -> 
         described["softcap"] = f"{cfg.softcap:g}"
     if cfg.sinks:
         described["sinks"] = "true"
+    if cfg.output_gate:
+        described["output_gate"] = "true"
     if cfg.alibi:
         described["alibi"] = f"bias_max {cfg.alibi_bias_max:g}"
         if cfg.alibi_scale is not None:
             described["alibi"] += f", scale {cfg.alibi_scale:g}"
         if cfg.alibi_bfloat16:
             described["alibi"] += ", bfloat16"
+    if cfg.mla is not None:
+        m = cfg.mla
+        described["mla"] = (
+            f"kv_lora_rank {m.kv_lora_rank}, rope_dim {m.rope_dim}, nope_dim {m.nope_dim}, "
+            f"v_head_dim {m.v_head_dim}, q_lora_rank {m.q_lora_rank}"
+        )
     if cfg.rope is not None:
         rope = cfg.rope
         described["rope"] = (

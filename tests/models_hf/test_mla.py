@@ -1,0 +1,237 @@
+"""The multi-head latent attention families (DeepSeek-V2 and V3, Kimi K2, GLM-4.7-Flash,
+MiniCPM3): config.json read as their config classes read it, each variant of the layer
+(q through its latent or not, RoPE by pairs or by halves, YaRN's softmax factor, biases)
+served equal to transformers' own attention from the same directory, and what transformers
+builds no layer from, or computes otherwise, refused by name. (The reference checkpoints'
+parity over gRPC, sessions and incremental decode are test_parity_grpc's and
+test_sessions_cache's; their nulls test_config_nulls'.)"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import (
+    DeepseekV2Config,
+    DeepseekV2Model,
+    DeepseekV3Config,
+    DeepseekV3Model,
+    Glm4MoeLiteConfig,
+    Glm4MoeLiteModel,
+    MiniCPM3Config,
+    MiniCPM3Model,
+)
+
+from mha_serve.engine import Engine
+from mha_serve.engine.types import ModelSpec
+from mha_serve.model.hf import load_hf_layer
+from mha_serve.model.hf_config import read_hf_layer
+from tests.models_hf.reference import MLA, MLA_MOE, reference_attention
+from tests.models_hf.test_config_json import assert_served_as_transformers, checkpoint
+from tests.models_hf.test_families import _config_only
+
+V3 = {"q_lora_rank": 24, "v_head_dim": 12, "n_group": 1, "topk_group": 1, **MLA_MOE, **MLA}
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 500.0,
+    "factor": 8.0,
+    "original_max_position_embeddings": 32,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+}
+
+
+@pytest.mark.parametrize(
+    ("cls", "config", "edits", "layer"),
+    [
+        # DeepSeek-V3 as config.json writes it, RoPE by pairs, one dense layer then MoE
+        (DeepseekV3Model, DeepseekV3Config(**V3), {}, 1),
+        # rope_interleave false: by halves (apply_rotary_pos_emb)
+        (DeepseekV3Model, DeepseekV3Config(rope_interleave=False, **V3), {}, 0),
+        # a null rope_interleave: by halves too (its config types it bool | None)
+        (DeepseekV3Model, DeepseekV3Config(**V3), {"rope_interleave": None}, 1),
+        # YaRN with mscale_all_dim: the softmax scale times mscale ** 2, the rotation's
+        # cos/sin by mscale / mscale_all_dim (1 here), yarn's frequencies over the rope dims
+        (DeepseekV3Model, DeepseekV3Config(rope_parameters=YARN, **V3), {}, 1),
+        # q_proj (q_lora_rank null) with attention_bias: its q_proj has no bias, kv_a's has
+        (
+            DeepseekV3Model,
+            DeepseekV3Config(attention_bias=True, **{**V3, "q_lora_rank": None}),
+            {},
+            0,
+        ),
+        # rms_norm_eps is the decoder's norms' (not served); the latents' norms take 1e-6
+        (DeepseekV3Model, DeepseekV3Config(**{**V3, "rms_norm_eps": 2.0}), {}, 1),
+        # DeepSeek-V2 with its q latent; RoPE by pairs as complex numbers
+        (
+            DeepseekV2Model,
+            DeepseekV2Config(q_lora_rank=24, v_head_dim=16, attention_bias=True, **MLA_MOE, **MLA),
+            {},
+            1,
+        ),
+        # GLM-4.7-Flash's head_dim: another name of qk_rope_head_dim (its attribute_map),
+        # which wins: 6 where qk_rope_head_dim says 4
+        (
+            Glm4MoeLiteModel,
+            Glm4MoeLiteConfig(
+                q_lora_rank=24,
+                v_head_dim=8,
+                n_group=1,
+                topk_group=1,
+                **MLA_MOE,
+                **{**MLA, "qk_rope_head_dim": 6},
+            ),
+            {"head_dim": 6, "qk_rope_head_dim": 4},
+            1,
+        ),
+        # MiniCPM3 without its q latent, v heads of 20 given
+        (
+            MiniCPM3Model,
+            MiniCPM3Config(
+                q_lora_rank=None,
+                v_head_dim=20,
+                **{k: v for k, v in MLA.items() if not k.startswith("first_k")},
+            ),
+            {},
+            1,
+        ),
+    ],
+    ids=[
+        *("v3", "v3_halves", "v3_interleave_null", "v3_yarn", "v3_q_proj_bias", "v3_norm_eps"),
+        *("v2_q_latent", "glm4_moe_lite_head_dim", "minicpm3_q_proj"),
+    ],
+)
+def test_each_mla_variant_is_served_as_transformers_computes_it(
+    tmp_path, cls, config, edits, layer
+):
+    directory = checkpoint(tmp_path, cls, config)
+    if edits:
+        path = directory / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **edits}))
+    read = read_hf_layer(directory, layer).attention
+    assert read.mla is not None and read.num_kv_heads == 1
+    assert read.head_dim == read.mla.rope_dim + read.mla.kv_lora_rank
+    assert_served_as_transformers(directory, cls, config.model_type, layer)
+
+
+def test_the_softmax_scale_is_the_qk_heads_with_yarn_mscale_squared(tmp_path):
+    """(8 + 4) ** -0.5 without YaRN (not the served head's (4 + 16) ** -0.5); times
+    (0.1 * 0.707 * ln 8 + 1) ** 2 with it, as yarn_apply_mscale."""
+    plain = read_hf_layer(_config_only(tmp_path / "a", DeepseekV3Config(**V3)), 0).attention
+    assert plain.scale == pytest.approx(12**-0.5)
+    yarn = DeepseekV3Config(rope_parameters=YARN, **V3)
+    scaled = read_hf_layer(_config_only(tmp_path / "b", yarn), 0).attention
+    mscale = 0.1 * 0.707 * math.log(8.0) + 1.0
+    assert scaled.scale == pytest.approx(12**-0.5 * mscale**2)
+    assert scaled.rope.type == "yarn" and scaled.rope.interleaved
+
+
+def test_kimi_k2_is_served_as_deepseek_v3(tmp_path):
+    """Kimi K2's config.json says model_type kimi_k2 (its code on the Hub is DeepSeek-V3's,
+    as Kimi_K25Config reads its text model): served as transformers' DeepseekV3Attention."""
+    directory = checkpoint(tmp_path, DeepseekV3Model, DeepseekV3Config(**V3), model_type="kimi_k2")
+    info = read_hf_layer(directory, 1)
+    assert info.family == "deepseek_v3" and info.attention.mla is not None
+    base = DeepseekV3Model.from_pretrained(directory, attn_implementation="eager").eval()
+    module, _ = load_hf_layer(directory, 1)
+    x = torch.randn(1, 24, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want, want_w = reference_attention("deepseek_v3", base, 1, x)
+        got = module(x, need_weights=True)
+    torch.testing.assert_close(got.output, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.weights, want_w, atol=1e-5, rtol=1e-5)
+
+
+def test_a_session_caches_one_latent_per_token_not_the_expanded_heads(hf_dirs):
+    """DeepSeek-V3's session holds 2 x (rope dims + latent) values per token (K and V, the
+    same values), where transformers' expanded heads would be H x (nope + rope + v): the
+    point of MLA (here 2 x 20 against 4 x 24)."""
+    directory = hf_dirs["deepseek_v3"]
+    attention = read_hf_layer(directory, 1).attention
+    spec = ModelSpec("v3", attention, checkpoint=str(directory), layer=1)
+    engine = Engine(
+        [spec], device=torch.device("cpu"), dtype=torch.float32, max_response_bytes=2**24
+    )
+    cache = engine.sessions.cache("v3")
+    k, v = cache.read(*_one_session(engine, cache))
+    assert k.shape[1:] == (1, 5, 4 + 16) and v.shape == k.shape
+    expanded = attention.num_heads * (8 + 4 + 12)
+    assert expanded > 2 * (4 + 16)
+
+
+def _one_session(engine, cache):
+    from tests.engine_calls import req, run
+
+    hosted = engine.get("v3")
+    sid = engine.create_session("v3").session_id
+    run(engine, hosted, req("v3", torch.randn(1, 5, 64), session_id=sid))
+    session = engine.sessions.table.get(sid)
+    return session.block_table, session.num_tokens
+
+
+@pytest.mark.parametrize(
+    ("config", "edits", "piece"),
+    [
+        # transformers repeats its expanded heads H // KVH times more: no layer (its default
+        # 128 beside 4 heads, a repeat of 0, SDPA runs: V3 above)
+        (
+            DeepseekV3Config(**V3),
+            {"num_key_value_heads": 2},
+            "deepseek_v3 num_key_value_heads 2 is not supported",
+        ),
+        # DeepSeek's rotary embedding ignores it where the default RoPE runs, yarn's reads it
+        (
+            DeepseekV3Config(**V3),
+            {"partial_rotary_factor": 0.5},
+            "partial_rotary_factor 0.5 is not supported for deepseek_v3",
+        ),
+        (DeepseekV3Config(**V3), {"kv_lora_rank": 0}, "kv_lora_rank must be a positive int"),
+        (DeepseekV3Config(**V3), {"v_head_dim": None}, "v_head_dim"),
+        (DeepseekV3Config(**V3), {"model_type": "mistral4"}, "llama_4_scaling_beta"),
+        (DeepseekV3Config(**V3), {"model_type": "deepseek_v32"}, "lightning indexer"),
+        (DeepseekV3Config(**V3), {"model_type": "glm_moe_dsa"}, "lightning indexer"),
+        (DeepseekV3Config(**V3), {"model_type": "longcat_flash"}, "two attention modules"),
+        (DeepseekV3Config(**V3), {"model_type": "deepseek_v4"}, "shared K/V head"),
+    ],
+    ids=[
+        *("kv_heads", "partial_rotary", "kv_lora_rank_0", "v_head_dim_null", "mistral4"),
+        *("deepseek_v32", "glm_moe_dsa", "longcat_flash", "deepseek_v4"),
+    ],
+)
+def test_what_mla_families_cannot_serve_exactly_is_refused_by_name(tmp_path, config, edits, piece):
+    directory = _config_only(tmp_path, config, **edits)
+    with pytest.raises(ValueError) as err:
+        read_hf_layer(directory, 0)
+    assert piece in str(err.value), str(err.value)
+
+
+def test_kimi_k25s_language_model_is_served_past_its_vision_tower(tmp_path):
+    """Kimi K2.5 (kimi_k25): its text_config (model_type kimi_k2) is DeepSeek-V3's; its layer's
+    tensors are the ones under language_model (the vision tower's are not read). The file is
+    written with the model's own tensor names (model.language_model.layers...: transformers'
+    save_pretrained renames them for Moonshot's original layout)."""
+    from safetensors.torch import save_file
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+    text = {**DeepseekV3Config(**V3).to_dict(), "model_type": "kimi_k2"}
+    vision = {"num_attention_heads": 2, "num_hidden_layers": 1, "hidden_size": 32}
+    vision.update({"intermediate_size": 32, "patch_size": 4})
+    config = Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32)
+    torch.manual_seed(0)
+    model = Kimi_K25ForConditionalGeneration(config).eval()
+    config.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "kimi_k25"
+    state = {k: t.clone() for k, t in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    info = read_hf_layer(tmp_path, 1)
+    assert info.family == "kimi_k25" and info.attention.mla is not None
+    assert info.tensor_scope == "language_model"
+    module, _ = load_hf_layer(tmp_path, 1)
+    base = model.model.language_model
+    x = torch.randn(1, 24, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want, _ = reference_attention("deepseek_v3", base, 1, x)
+        got = module(x).output
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
