@@ -251,6 +251,17 @@ class KVCache(Reading):
         self.v[:, dst].copy_(self.v[:, src])
 
 
+def same_tensor(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """v is k, or a view of the very same elements (no value compared: no device sync)."""
+    return v is k or (
+        v.data_ptr() == k.data_ptr()
+        and v.shape == k.shape
+        and v.stride() == k.stride()
+        and v.dtype == k.dtype
+        and v.device == k.device
+    )
+
+
 def slot_mapping(slots: Sequence[Sequence[int]], width: int | None = None) -> torch.Tensor:
     """(B, T) int64 from one slot list per session, padded with PAD_SLOT to width
     (default: the longest list), ready for KVCache.write."""

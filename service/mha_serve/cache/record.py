@@ -6,6 +6,13 @@ says what is wrong; bounds are recomputed from the K/V, never taken from the fil
 
 The spill tier (spill.py) writes and reads these; so do restarts and moves between Ray
 replicas: one form for all three.
+
+The format (the safetensors metadata's "format") names the layout: FORMAT holds tensors k
+and v; FORMAT_KEYS holds k alone, for a model whose values are its keys (mla: the cache
+stores K once). Both are read. A record of such a model written in the older layout (k and
+v, written before the cache stored K once) still loads when its v equals its k, and is
+refused, saying so, when it does not. A server that predates FORMAT_KEYS refuses such a file
+by its format.
 """
 
 from __future__ import annotations
@@ -21,7 +28,10 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-FORMAT = "mha-serve-session/1"
+from .kv_cache import same_tensor
+
+FORMAT = "mha-serve-session/1"  # tensors k and v
+FORMAT_KEYS = "mha-serve-session/2"  # tensor k alone: the values are the keys
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _HEADER_LEN = struct.Struct("<Q")
 # A header is a few hundred bytes; one past this is no record of ours.
@@ -49,8 +59,11 @@ class SessionRecord:
     dtype: str  # the stored K/V's element type (the cache's), a key of DTYPES
     num_kv_heads: int
     head_dim: int
-    checksum: str = ""  # sha256 of the K and V bytes (set by encode)
+    checksum: str = ""  # sha256 of the K and V bytes, K's alone with values_are_keys (encode)
     sequence_id: int | str | None = None  # the sequence it steps (Session.sequence_id)
+    # The file holds K alone: the model's values are its keys. Its format says so
+    # (FORMAT_KEYS), never a header field.
+    values_are_keys: bool = False
 
     @property
     def held(self) -> int:
@@ -68,10 +81,12 @@ class Expected:
     num_kv_heads: int
     head_dim: int
     max_len: int  # the model's max_seq_len: no session of it is longer
-    max_bytes: int  # K + V bytes the model's whole cache holds
+    max_bytes: int  # bytes the model's whole cache holds (K and V, or K alone)
     # tokens per block of that cache: a session comes back into whole blocks, so the first
     # position it holds (a sliding window freed those before) must start one
     block_size: int = 1
+    # that cache stores K alone (KVCache.values_are_keys): its records hold K alone too
+    values_are_keys: bool = False
 
 
 def record_of(
@@ -94,16 +109,30 @@ def record_of(
         dtype=str(expected.dtype).removeprefix("torch."),
         num_kv_heads=expected.num_kv_heads,
         head_dim=expected.head_dim,
+        values_are_keys=expected.values_are_keys,
     )
 
 
 def encode(record: SessionRecord, k: torch.Tensor, v: torch.Tensor) -> bytes:
-    """The file's bytes: k and v (KVH, held, D) on the CPU, contiguous, in record.dtype."""
-    k, v = k.contiguous(), v.contiguous()
-    checksum = _checksum(k, v)
-    header = dataclasses.replace(record, checksum=checksum)
-    metadata = {"format": FORMAT, "session": json.dumps(dataclasses.asdict(header))}
-    return save_tensors({"k": k, "v": v}, metadata=metadata)
+    """The file's bytes: k and v (KVH, held, D) on the CPU, contiguous, in record.dtype;
+    k alone where record.values_are_keys (v must then be k itself: never a V dropped)."""
+    if record.values_are_keys:
+        if not same_tensor(k, v):
+            raise ValueError(
+                f"session {record.session_id!r}: its model's values are its keys and its "
+                "record holds K alone, so v must be the k tensor itself, not a V of its own"
+            )
+        tensors = {"k": k.contiguous()}
+    else:
+        tensors = {"k": k.contiguous(), "v": v.contiguous()}
+    checksum = _checksum(*tensors.values())  # k's bytes, then v's (a dict keeps its order)
+    header = dataclasses.asdict(dataclasses.replace(record, checksum=checksum))
+    del header["values_are_keys"]  # (the format says it)
+    metadata = {
+        "format": FORMAT_KEYS if record.values_are_keys else FORMAT,
+        "session": json.dumps(header),
+    }
+    return save_tensors(tensors, metadata=metadata)
 
 
 def read_header(data: bytes, source: str) -> SessionRecord:
@@ -116,10 +145,13 @@ def read_header(data: bytes, source: str) -> SessionRecord:
     try:
         header = json.loads(data[_HEADER_LEN.size : _HEADER_LEN.size + size])
         metadata = header["__metadata__"]
-        if metadata.get("format") != FORMAT:
-            raise BadRecord(f"{source}: format {metadata.get('format')!r}, not {FORMAT!r}")
+        form = metadata.get("format")
+        if form not in (FORMAT, FORMAT_KEYS):
+            raise BadRecord(f"{source}: format {form!r}, not {FORMAT!r} or {FORMAT_KEYS!r}")
         fields = json.loads(metadata["session"])
-        record = SessionRecord(**fields)
+        if "values_are_keys" in fields:  # (the format says it, never the header)
+            raise BadRecord(f"{source}: a header field values_are_keys, which no record has")
+        record = SessionRecord(**fields, values_are_keys=form == FORMAT_KEYS)
     except BadRecord:
         raise
     except Exception as e:  # not JSON, fields missing or extra
@@ -132,18 +164,23 @@ def decode(
     data: bytes, source: str, expected: Expected
 ) -> tuple[SessionRecord, torch.Tensor, torch.Tensor]:
     """(record, k, v) of a file's bytes, checked whole against `expected`: header, model and
-    fingerprint, shapes, dtype, checksum, finite values, sizes. BadRecord says what failed."""
+    fingerprint, shapes, dtype, checksum, finite values, sizes. BadRecord says what failed.
+    Where expected.values_are_keys, v is k (one tensor) and the record says values_are_keys,
+    a record of the older layout (k and v, equal) included."""
     record = read_header(data, source)
     check(record, expected, source)
     try:
         tensors = load_tensors(data)
     except Exception as e:  # safetensors refuses truncated or inconsistent bytes
         raise BadRecord(f"{source}: its tensors cannot be read ({e})") from None
-    if set(tensors) != {"k", "v"}:
-        raise BadRecord(f"{source}: holds tensors {sorted(tensors)}, not k and v")
-    k, v = tensors["k"], tensors["v"]
+    names = {"k"} if record.values_are_keys else {"k", "v"}
+    if set(tensors) != names:
+        what = "k alone (its format: values are keys)" if record.values_are_keys else "k and v"
+        raise BadRecord(f"{source}: holds tensors {sorted(tensors)}, not {what}")
+    k = tensors["k"]
+    v = k if record.values_are_keys else tensors["v"]
     want = (record.num_kv_heads, record.held, record.head_dim)
-    for name, t in (("k", k), ("v", v)):
+    for name, t in tensors.items():
         if tuple(t.shape) != want or t.dtype != expected.dtype:
             raise BadRecord(
                 f"{source}: {name} is {str(t.dtype).removeprefix('torch.')} "
@@ -156,10 +193,17 @@ def decode(
             f"{expected.block_size} here (it was written with another kv_block_size): its "
             "first block cannot be rebuilt"
         )
-    if _checksum(k, v) != record.checksum:
+    if _checksum(*((k,) if record.values_are_keys else (k, v))) != record.checksum:
         raise BadRecord(f"{source}: its K/V do not match their checksum (a damaged file)")
-    if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
+    if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
         raise BadRecord(f"{source}: its K/V hold NaN or Inf values")
+    if expected.values_are_keys and not record.values_are_keys:  # the older layout
+        if not torch.equal(k, v):
+            raise BadRecord(
+                f"{source}: its values differ from its keys, but model {record.model!r}'s "
+                "values are its keys (its cache stores K alone): not a session of it"
+            )
+        record, v = dataclasses.replace(record, values_are_keys=True), k
     return record, k, v
 
 
@@ -188,7 +232,13 @@ def check(record: SessionRecord, expected: Expected, source: str) -> None:
             f"{source}: {record.num_tokens} tokens, past the max_seq_len {expected.max_len} "
             f"of model {record.model!r}"
         )
-    nbytes = 2 * record.held * record.num_kv_heads * record.head_dim * expected.dtype.itemsize
+    if record.values_are_keys and not expected.values_are_keys:
+        raise BadRecord(
+            f"{source}: holds K alone ({FORMAT_KEYS}: its model's values are its keys), but "
+            f"the cache of model {record.model!r} here stores K and V apart"
+        )
+    planes = 1 if expected.values_are_keys else 2  # what the cache here would hold
+    nbytes = planes * record.held * record.num_kv_heads * record.head_dim * expected.dtype.itemsize
     if nbytes > expected.max_bytes:
         raise BadRecord(
             f"{source}: {nbytes} bytes of K/V, more than the whole KV cache of model "
@@ -222,9 +272,10 @@ def _check_fields(r: SessionRecord, source: str) -> None:
         raise BadRecord(f"{source}: no session id")
 
 
-def _checksum(k: torch.Tensor, v: torch.Tensor) -> str:
+def _checksum(*tensors: torch.Tensor) -> str:
+    """sha256 of k's bytes, then v's (where the file holds it)."""
     digest = hashlib.sha256()
-    for t in (k, v):
+    for t in tensors:
         raw = t.contiguous()
         raw = raw.view(torch.int16) if raw.dtype == torch.bfloat16 else raw  # numpy has no bf16
         digest.update(raw.numpy().reshape(-1).view("u1"))
