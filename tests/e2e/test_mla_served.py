@@ -2,7 +2,7 @@
 (its config in the file's metadata), one from a TOML [models.mla] table (seeded weights),
 each answering Attend (with weights) and a session's prefill and decode steps as the float64
 decompressed reference of tests/model/test_mla.py computes them, and reporting the KV cache's
-2 (R + C) values per token; the Open Inference Protocol's ModelConfig names its shape."""
+R + C values per token (K alone); the Open Inference Protocol's ModelConfig names its shape."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_attend_and_a_session_equal_the_decompressed_reference(served, name):
 
     info = client.model_info(name)
     assert (info.num_kv_heads, info.head_dim, info.variant) == (1, R + C, "mqa")
-    assert info.kv_cache.bytes_per_token == 2 * (R + C) * 4
+    assert info.kv_cache.bytes_per_token == (R + C) * 4  # K alone: its values are its keys
 
 
 def test_the_oip_model_config_names_the_latent_shape(served):

@@ -2,8 +2,9 @@
 float64 reference written here from Hugging Face's DeepseekV3Attention in its DECOMPRESSED
 form (k_nope and v of every head from kv_b, k = [k_nope; rope(k_rope)], a plain softmax):
 stateless (causal or not, padded, batched), weights (heads, a query range), head_mask,
-session steps over the cache's layout, the state dict, checkpoints, the KV bytes per token,
-and what MLA declines (decode_one, static overflow bounds, CUDA graphs, pruning, pooling)."""
+session steps over the cache's layout, the state dict, checkpoints, the KV bytes per token
+(K alone: its values are its keys), and what MLA declines (decode_one, static overflow
+bounds, CUDA graphs, pruning, pooling)."""
 
 from __future__ import annotations
 
@@ -304,13 +305,18 @@ def test_checkpoint_round_trip_and_shape_checks_name_the_key(tmp_path):
 
 
 def test_the_cache_holds_one_kv_head_of_rope_plus_latent_dims_per_token():
-    """MLA's point: per token and layer 2 (R + C) cached values (K and V, one kv head of
-    R + C), where HF's decompressed K/V would be H (N + R) + H V: here 64 vs 120."""
+    """MLA's point: per token and layer R + C cached values (one kv head of R + C, K alone:
+    its values are its keys), where HF's decompressed K/V would be H (N + R) + H V: here 32
+    vs 120; the same budget holds twice the tokens of a cache that kept V apart."""
     from mha_serve.cache.kv_cache import KVCache
 
+    assert config().values_are_keys and not AttentionConfig(E, H).values_are_keys
     cache = KVCache.from_config(config(), budget_bytes=2**16, block_size=4)
-    assert cache.bytes_per_token == 2 * (R + C) * 4
+    assert cache.values_are_keys and cache.v is cache.k
+    assert cache.bytes_per_token == (R + C) * 4
     assert cache.bytes_per_token < (H * (N + R) + H * V) * 4
+    apart = KVCache(num_kv_heads=1, head_dim=R + C, budget_bytes=2**16, block_size=4)
+    assert cache.num_blocks == 2 * apart.num_blocks and cache.nbytes == apart.nbytes
 
 
 def test_what_mla_declines():

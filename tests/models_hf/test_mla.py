@@ -145,9 +145,10 @@ def test_kimi_k2_is_served_as_deepseek_v3(tmp_path):
 
 
 def test_a_session_caches_one_latent_per_token_not_the_expanded_heads(hf_dirs):
-    """DeepSeek-V3's session holds 2 x (rope dims + latent) values per token (K and V, the
-    same values), where transformers' expanded heads would be H x (nope + rope + v): the
-    point of MLA (here 2 x 20 against 4 x 24)."""
+    """DeepSeek-V3's session holds rope dims + latent values per token (K alone: its values
+    are its keys, read back as the same tensor), C + R as transformers 5's own latent cache,
+    where its expanded heads would be H x (nope + rope + v): the point of MLA (here 20
+    against 4 x 24)."""
     directory = hf_dirs["deepseek_v3"]
     attention = read_hf_layer(directory, 1).attention
     spec = ModelSpec("v3", attention, checkpoint=str(directory), layer=1)
@@ -156,9 +157,10 @@ def test_a_session_caches_one_latent_per_token_not_the_expanded_heads(hf_dirs):
     )
     cache = engine.sessions.cache("v3")
     k, v = cache.read(*_one_session(engine, cache))
-    assert k.shape[1:] == (1, 5, 4 + 16) and v.shape == k.shape
+    assert k.shape[1:] == (1, 5, 4 + 16) and v is k
+    assert cache.bytes_per_token == (4 + 16) * 4  # float32
     expanded = attention.num_heads * (8 + 4 + 12)
-    assert expanded > 2 * (4 + 16)
+    assert expanded > 4 + 16
 
 
 def _one_session(engine, cache):

@@ -3,6 +3,9 @@
 Layout (one model, all sessions):
     k, v: (KVH, num_blocks, block_size, D)    device of the model; dtype the model's, or
                                               narrower (the model's kv_cache_dtype)
+With values_are_keys (a config whose values are its keys: MLA's k' = [rope; c]) only k is
+allocated and v is k: half the bytes a token, every write stores K alone (and refuses a V
+that is not that K), every read returns the one tensor as both (k, k).
 A token's slot is block_id * block_size + offset; viewed flat, k is (KVH, num_slots, D).
 Head-major so that a run of consecutive slots is, per head, one contiguous (P, D) matrix:
 attention reads a session with consecutive blocks in place, at full speed.
@@ -37,7 +40,10 @@ class KVCache(Reading):
         block_size: int = DEFAULT_BLOCK_SIZE,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        values_are_keys: bool = False,
     ) -> None:
+        if not isinstance(values_are_keys, bool):
+            raise ValueError(f"values_are_keys must be a bool, got {values_are_keys!r}")
         for name, value in (
             ("num_kv_heads", num_kv_heads),
             ("head_dim", head_dim),
@@ -51,15 +57,19 @@ class KVCache(Reading):
         self.block_size = block_size
         self.budget_bytes = budget_bytes
         self.dtype = dtype
+        self.values_are_keys = values_are_keys
         itemsize = torch.empty((), dtype=dtype).element_size()
-        # 2: K and V. Exactly proportional to num_kv_heads: MQA holds 1/H of MHA's.
-        self.bytes_per_token = 2 * num_kv_heads * head_dim * itemsize
+        # Planes a token fills: K and V, or K alone when the values are the keys (v is k).
+        planes = 1 if values_are_keys else 2
+        # Exactly proportional to num_kv_heads: MQA holds 1/H of MHA's.
+        self.bytes_per_token = planes * num_kv_heads * head_dim * itemsize
         self.bytes_per_block = block_size * self.bytes_per_token
         self.num_blocks = budget_bytes // self.bytes_per_block
         if self.num_blocks < 1:
+            what = "K alone: its values are its keys" if values_are_keys else "2: K and V"
             raise ValueError(
                 f"KV cache budget {budget_bytes} bytes holds no block: one block is "
-                f"{self.bytes_per_block} bytes (2 (K and V) x block_size {block_size} x "
+                f"{self.bytes_per_block} bytes ({what}, x block_size {block_size} x "
                 f"num_kv_heads {num_kv_heads} x head_dim {head_dim} x {itemsize} bytes of "
                 f"{dtype}); set the budget to at least {self.bytes_per_block} bytes"
             )
@@ -69,19 +79,22 @@ class KVCache(Reading):
         # session's length).
         # K and V in one allocation, K's heads then V's: the new token's K and V of a lone
         # decode step are then one copy, and the session's K/V one view (step_views).
-        kv = torch.empty((2, *shape), dtype=dtype, device=device)
-        self.k, self.v = kv[0], kv[1]  # (each contiguous)
+        # Values that are the keys: K's plane alone, and v the same tensor as k.
+        kv = torch.empty((planes, *shape), dtype=dtype, device=device)
+        self.k = kv[0]  # (each contiguous)
+        self.v = self.k if values_are_keys else kv[1]
         # The same memory by slot, batch axis first: a session read is one view of each, one
         # as_strided (read() runs once per session per step, so its few torch calls add up).
         slots = self.num_blocks * block_size
         self._k_slots = self.k.view(1, num_kv_heads, slots, head_dim)
         self._v_slots = self.v.view(1, num_kv_heads, slots, head_dim)
-        self._kv_slots = kv.view(1, 2 * num_kv_heads, slots, head_dim)  # K's heads, V's
+        self._kv_slots = kv.view(1, planes * num_kv_heads, slots, head_dim)  # K's heads, V's
         # step_views' views of it, each one as_strided (a narrow is three dispatches)
         self._strides = self._kv_slots.stride()
         self._slot_strides = self._k_slots.stride()  # read()'s views (a narrow's strides)
         self._k_at = self._kv_slots.storage_offset()  # position 0 of K's first head
-        self._v_at = self._k_at + num_kv_heads * slots * head_dim  # and of V's
+        # and of V's (K's own when the values are the keys)
+        self._v_at = self._k_at + (planes - 1) * num_kv_heads * slots * head_dim
         # gather()'s output buffers, one pair per thread that gathers (the compute thread and
         # the event loop's may both run steps): kept, because on the CPU a fresh buffer of a
         # batch's K/V costs more in page faults than the copy itself (32 ms against 6 ms for
@@ -105,6 +118,7 @@ class KVCache(Reading):
             block_size=block_size,
             dtype=dtype,
             device=device,
+            values_are_keys=config.values_are_keys,
         )
 
     @property
@@ -117,12 +131,14 @@ class KVCache(Reading):
 
     @property
     def nbytes(self) -> int:
-        """Bytes the K and V tensors hold; never more than budget_bytes."""
-        return self.k.nbytes + self.v.nbytes
+        """Bytes the K and V tensors hold (K's alone when v is k); never more than
+        budget_bytes."""
+        return self.k.nbytes if self.values_are_keys else self.k.nbytes + self.v.nbytes
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store new K/V for a batch: k, v (B, KVH, T, D) as `project` returns them;
-        slot_mapping (B, T) int64, PAD_SLOT (-1) at padded tokens (not written)."""
+        """Store new K/V for a batch: k, v (B, KVH, T, D) as `project` returns them (v the
+        k tensor itself where the values are the keys); slot_mapping (B, T) int64, PAD_SLOT
+        (-1) at padded tokens (not written)."""
         KVH, D = self.num_kv_heads, self.head_dim
         B, T = slot_mapping.shape
         self._check_new(k, v, B, T, f"slot_mapping {tuple(slot_mapping.shape)}")
@@ -132,16 +148,18 @@ class KVCache(Reading):
         if slots.numel():
             self._check_slots(int(slots.min()), int(slots.max()))
         k_rows = k.transpose(0, 1).reshape(KVH, B * T, D)[:, keep]  # (KVH, N, D)
-        v_rows = v.transpose(0, 1).reshape(KVH, B * T, D)[:, keep]  # (KVH, N, D)
         self.k.view(KVH, self.num_slots, D).index_copy_(1, slots, k_rows.to(self.device))
-        self.v.view(KVH, self.num_slots, D).index_copy_(1, slots, v_rows.to(self.device))
+        if not self.values_are_keys:
+            v_rows = v.transpose(0, 1).reshape(KVH, B * T, D)[:, keep]  # (KVH, N, D)
+            self.v.view(KVH, self.num_slots, D).index_copy_(1, slots, v_rows.to(self.device))
 
     def append(self, k: torch.Tensor, v: torch.Tensor, slots: Sequence[Sequence[int]]) -> None:
-        """Store one step's new K/V: k, v (B, KVH, T, D) as `project` returns them; sequence
-        b's first len(slots[b]) tokens go to slots[b], later ones are padding (not written).
+        """Store one step's new K/V: k, v (B, KVH, T, D) as `project` returns them (v the k
+        tensor itself where the values are the keys); sequence b's first len(slots[b])
+        tokens go to slots[b], later ones are padding (not written).
 
         A lone sequence whose slots are consecutive (every decode step, and any append
-        inside its session's blocks) is two slice copies, no index tensors.
+        inside its session's blocks) is two slice copies (one: K alone), no index tensors.
         """
         T = k.shape[2]
         if len(slots) == 1:
@@ -155,10 +173,12 @@ class KVCache(Reading):
                 and (n == 1 or _consecutive(run))
                 and k.shape == v.shape == (1, self.num_kv_heads, T, self.head_dim)
                 and k.dtype == v.dtype == self.dtype
+                and (v is k or not self.values_are_keys)  # (else _check_new says why)
             ):
                 # narrow: one view op each side (a slice is two), a copy each
                 self._k_slots.narrow(2, first, n).copy_(k if n == T else k.narrow(2, 0, n))
-                self._v_slots.narrow(2, first, n).copy_(v if n == T else v.narrow(2, 0, n))
+                if not self.values_are_keys:
+                    self._v_slots.narrow(2, first, n).copy_(v if n == T else v.narrow(2, 0, n))
                 return
         self._append_rows(k, v, slots)
 
@@ -188,12 +208,12 @@ class KVCache(Reading):
         self._check_slots(min(flat), max(flat))
         index = list_tensor(flat if every else [flat, rows], self.device)  # (N,) | (2, N)
         slot_index = index if every else index[0]
-        k_rows = k.transpose(0, 1).reshape(KVH, B * T, D)  # (KVH, B*T, D)
-        v_rows = v.transpose(0, 1).reshape(KVH, B * T, D)
-        if not every:
-            k_rows, v_rows = k_rows.index_select(1, index[1]), v_rows.index_select(1, index[1])
-        self.k.view(KVH, self.num_slots, D).index_copy_(1, slot_index, k_rows)
-        self.v.view(KVH, self.num_slots, D).index_copy_(1, slot_index, v_rows)
+        planes = ((self.k, k),) if self.values_are_keys else ((self.k, k), (self.v, v))
+        for store, new in planes:
+            rows = new.transpose(0, 1).reshape(KVH, B * T, D)  # (KVH, B*T, D)
+            if not every:
+                rows = rows.index_select(1, index[1])  # (KVH, N, D)
+            store.view(KVH, self.num_slots, D).index_copy_(1, slot_index, rows)
 
     def _check_new(self, k: torch.Tensor, v: torch.Tensor, B: int, T: int, what: str) -> None:
         KVH, D = self.num_kv_heads, self.head_dim
@@ -205,6 +225,11 @@ class KVCache(Reading):
                 )
             if t.dtype != self.dtype:
                 raise ValueError(f"{name} has dtype {t.dtype} but the cache holds {self.dtype}")
+        if self.values_are_keys and not same_tensor(k, v):
+            raise ValueError(
+                "this cache stores K alone (the model's values are its keys), so v must be "
+                "the k tensor itself; a v of its own would be dropped, not stored"
+            )
 
     def _check_slots(self, lo: int, hi: int) -> None:
         if lo < 0 or hi >= self.num_slots:
@@ -217,10 +242,12 @@ class KVCache(Reading):
         self, block_table: Sequence[int], num_tokens: int, first_block: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A session's K and V as it holds them, positions first_block * block_size ..
-        num_tokens - 1: host copies (KVH, n, D) that outlive its blocks (a spill)."""
+        num_tokens - 1: host copies (KVH, n, D) that outlive its blocks (a spill); one
+        copy, returned as both, where the values are the keys."""
         start = first_block * self.block_size
         k, v = self.read(block_table, num_tokens, start=start, first_block=first_block)
-        return k[0].to("cpu", copy=True).contiguous(), v[0].to("cpu", copy=True).contiguous()
+        k = k[0].to("cpu", copy=True).contiguous()
+        return (k, k) if self.values_are_keys else (k, v[0].to("cpu", copy=True).contiguous())
 
     def load(
         self,
@@ -231,7 +258,8 @@ class KVCache(Reading):
         v: torch.Tensor,
     ) -> None:
         """Writes K and V (KVH, n, D) of positions first_position .. into a session's blocks:
-        block_ids[i] is its logical block first_block + i (a restore)."""
+        block_ids[i] is its logical block first_block + i (a restore). v is k where the
+        values are the keys."""
         n, bs = k.shape[1], self.block_size
         if n == 0:
             return
@@ -240,7 +268,9 @@ class KVCache(Reading):
             for p in range(first_position, first_position + n)
         ]
         mapping = torch.tensor([slots], dtype=torch.int64)  # (1, n)
-        self.write(k.unsqueeze(0).to(self.device), v.unsqueeze(0).to(self.device), mapping)
+        k_new = k.unsqueeze(0).to(self.device)  # (1, KVH, n, D)
+        v_new = k_new if self.values_are_keys and same_tensor(k, v) else v.unsqueeze(0)
+        self.write(k_new, v_new.to(self.device), mapping)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: dst gets src's K and V (all block_size slots)."""
@@ -248,7 +278,8 @@ class KVCache(Reading):
             if not 0 <= i < self.num_blocks:
                 raise ValueError(f"block id {i} is out of range 0..{self.num_blocks - 1}")
         self.k[:, dst].copy_(self.k[:, src])
-        self.v[:, dst].copy_(self.v[:, src])
+        if not self.values_are_keys:
+            self.v[:, dst].copy_(self.v[:, src])
 
 
 def same_tensor(k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -2,7 +2,9 @@
 are consecutive (read, step_views), the whole cache token-major (by_token), where reads lie
 (runs), and several sessions' K and V padded into one batch (gather). Part of KVCache
 (kv_cache.py), kept in a file of its own; its state (the tensors, their views and strides,
-the gather buffers) is KVCache's."""
+the gather buffers) is KVCache's. Where the values are the keys (values_are_keys: v is k),
+every read returns K as both, the same tensor: read, gather and by_token read K once, and
+step_views, whose slot holds K then V, declines."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ class Reading:
         each, where block_table[i] holds positions (first_block + i) * block_size onwards
         (a sliding-window session's earlier blocks are gone): views into the cache (read
         them, never write) when those blocks are consecutive, as a session's usually are;
-        else one copy of them."""
+        else one copy of them. (k, k), one tensor, where the values are the keys."""
         KVH, D, bs = self.num_kv_heads, self.head_dim, self.block_size
         lo = start // bs - first_block  # block_table index of the block holding `start`
         hi = -(-length // bs) - first_block  # one past the block holding length - 1
@@ -45,12 +47,17 @@ class Reading:
             at = (ids[0] * bs + offset) * D if ids else 0
             shape, strides = (1, KVH, n, D), self._slot_strides
             k = self._k_slots.as_strided(shape, strides, self._k_at + at)  # (1, KVH, n, D)
+            if self.values_are_keys:
+                return k, k
             v = self._v_slots.as_strided(shape, strides, self._v_at + at)
             return k, v
         table = torch.tensor(list(ids), dtype=torch.int64, device=self.device)
         k = self.k.index_select(1, table).view(KVH, len(ids) * bs, D)[:, offset : offset + n]
+        k = k.unsqueeze(0)  # (1, KVH, n, D)
+        if self.values_are_keys:
+            return k, k
         v = self.v.index_select(1, table).view(KVH, len(ids) * bs, D)[:, offset : offset + n]
-        return k.unsqueeze(0), v.unsqueeze(0)
+        return k, v.unsqueeze(0)
 
     def step_views(
         self, block_table: Sequence[int], slot: int, length: int
@@ -60,7 +67,10 @@ class Reading:
         and V at positions 0..length-1 (1, KVH, length, D) each, to read once written (as
         read() returns them), where block_table holds positions 0.. in consecutive blocks
         and `slot` is position length - 1's (what append() and read() do for such a step,
-        in three view ops). None otherwise, nothing done: append() and read() then."""
+        in three view ops). None otherwise, nothing done: append() and read() then; always
+        where the values are the keys (the cache holds no V's heads to write)."""
+        if self.values_are_keys:
+            return None
         bs = self.block_size
         needed = -(-length // bs)
         ids = block_table[:needed]
@@ -82,12 +92,12 @@ class Reading:
     def by_token(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V token-major, (num_slots, KVH, D) each: views of the same memory (strides
         D, num_slots * D, 1), for kernels that take a sequence as rows of (KVH, D) (flash
-        attention's varlen forward, engine/attend.py)."""
+        attention's varlen forward, engine/attend.py). (k, k) where the values are the keys."""
         KVH, D = self.num_kv_heads, self.head_dim
-        return (
-            self.k.view(KVH, self.num_slots, D).transpose(0, 1),
-            self.v.view(KVH, self.num_slots, D).transpose(0, 1),
-        )
+        k = self.k.view(KVH, self.num_slots, D).transpose(0, 1)
+        if self.values_are_keys:
+            return k, k
+        return k, self.v.view(KVH, self.num_slots, D).transpose(0, 1)
 
     def runs(self, reads: Sequence[tuple[Sequence[int], int, int, int]]) -> list[int | None]:
         """Where each read lies in one run of slots: reads[b] = (block_table, start, length,
@@ -134,7 +144,8 @@ class Reading:
         0..length-start-1, its later columns a copy of its last key and value (finite: never
         an unwritten slot nor another session's), so masked padding cannot turn an output
         into NaN. width >= every length - start. The tensors live in this thread's scratch
-        buffers: read them before this thread's next gather, never write them."""
+        buffers: read them before this thread's next gather, never write them. Where the
+        values are the keys, one index_select and (k, k), one tensor."""
         KVH, D, bs = self.num_kv_heads, self.head_dim, self.block_size
         B = len(reads)
         bases, counts, scattered = [], [], []  # scattered: rows whose blocks are not consecutive
@@ -171,17 +182,21 @@ class Reading:
         index = (heads[None, :, None] + slots[:, None, :]).view(-1)  # (B * KVH * width,)
         k_out, v_out = self._buffers(B * KVH * width)
         torch.index_select(self.k.view(KVH * self.num_slots, D), 0, index, out=k_out)
+        keys = k_out.view(B, KVH, width, D)
+        if self.values_are_keys:
+            return keys, keys
         torch.index_select(self.v.view(KVH * self.num_slots, D), 0, index, out=v_out)
-        return k_out.view(B, KVH, width, D), v_out.view(B, KVH, width, D)
+        return keys, v_out.view(B, KVH, width, D)
 
-    def _buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This thread's gather buffers, (rows, D) each, grown when too small."""
+    def _buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This thread's gather buffers, (rows, D) each, grown when too small: K's alone
+        (and None) where the values are the keys."""
         held = getattr(self._scratch, "kv", None)
         if held is None or held[0].shape[0] < rows:
-            D = self.head_dim
-            held = tuple(torch.empty(rows, D, dtype=self.dtype, device=self.device) for _ in "kv")
+            D, planes = self.head_dim, "k" if self.values_are_keys else "kv"
+            held = tuple(torch.empty(rows, D, dtype=self.dtype, device=self.device) for _ in planes)
             self._scratch.kv = held
-        return held[0][:rows], held[1][:rows]
+        return held[0][:rows], (held[1][:rows] if len(held) > 1 else None)
 
 
 def _consecutive(ids: Sequence[int]) -> bool:

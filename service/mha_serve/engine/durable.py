@@ -41,6 +41,7 @@ class Expectations(Mapping[str, Expected]):
                     max_len=hosted.spec.max_seq_len,
                     max_bytes=cache.budget_bytes,
                     block_size=cache.block_size,
+                    values_are_keys=cache.values_are_keys,
                 )
             return known
 

@@ -294,7 +294,9 @@ def project_and_append(
             positions = starts[:, None] + torch.arange(T, device=x.device)  # (B, T)
     q, k_new, v_new = hosted.module.project(x, positions)
     if k_new.dtype != cache.dtype:
-        k_new, v_new = k_new.to(cache.dtype), v_new.to(cache.dtype)
+        same = v_new is k_new  # values that are the keys (mla): still one tensor, rounded once
+        k_new = k_new.to(cache.dtype)
+        v_new = k_new if same else v_new.to(cache.dtype)
     cache.append(k_new, v_new, [r.slots for r in reservations])
     return q, k_new, v_new
 

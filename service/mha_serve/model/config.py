@@ -351,6 +351,12 @@ class AttentionConfig:
         return self.num_heads // self.num_kv_heads
 
     @property
+    def values_are_keys(self) -> bool:
+        """Whether project's values are its keys, the same tensor (mla: k' = [rope; c] is
+        both): the KV cache then stores K alone (KVCache's values_are_keys)."""
+        return self.mla is not None
+
+    @property
     def qkv_dim(self) -> int:
         """Output width of the fused QKV projection."""
         return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim

@@ -7,7 +7,8 @@ Per head h, Hugging Face's DeepseekV3Attention computes q_h = [q_nope_h (N); q_r
 [k_nope_h (N); v_h (V)] = kv_b(c) for each head. Since q_nope_h . (W_uk_h c) = (W_uk_h^T
 q_nope_h) . c and softmax @ (W_uv_h c) = W_uv_h (softmax @ c), the same attention is MQA over
 q_h' = [rope(q_rope_h); W_uk_h^T q_nope_h] and one k' = [rope(k_rope); c], whose values are k'
-itself (their R rope dims dropped by the merge): the cache holds 2 (R + C) values per token."""
+itself (their R rope dims dropped by the merge): the cache holds R + C values per token
+(K alone: AttentionConfig.values_are_keys)."""
 
 from __future__ import annotations
 
