@@ -13,6 +13,8 @@ from transformers import (
     ApertusModel,
     ArceeConfig,
     ArceeModel,
+    AXK1Config,
+    AXK1Model,
     BertModel,
     BloomConfig,
     BloomModel,
@@ -143,6 +145,8 @@ from transformers import (
     Starcoder2Model,
     VaultGemmaConfig,
     VaultGemmaModel,
+    YoutuConfig,
+    YoutuModel,
 )
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.models.bloom.modeling_bloom import build_alibi_tensor
@@ -853,6 +857,32 @@ CHECKPOINTS = {
         MiniCPM3Model,
         MiniCPM3Config(q_lora_rank=24, **{k: v for k, v in MLA.items() if "first_k" not in k}),
         0,
+    ),
+    # Youtu-LLM: DeepSeek-V3's attention in a dense Llama decoder; RoPE by pairs, biases
+    "youtu": (
+        YoutuModel,
+        YoutuConfig(
+            q_lora_rank=24,
+            v_head_dim=10,
+            attention_bias=True,
+            **{k: v for k, v in MLA.items() if "first_k" not in k},
+        ),
+        0,
+    ),
+    # A.X-K1: DeepSeek-V3's, always through its q latent; RoPE by halves (rope_interleave
+    # false) here
+    "axk1": (
+        AXK1Model,
+        AXK1Config(
+            q_lora_rank=24,
+            v_head_dim=12,
+            rope_interleave=False,
+            n_group=1,
+            topk_group=1,
+            **MLA_MOE,
+            **MLA,
+        ),
+        1,
     ),
     # Gated attention: q_proj's rows per head [query; gate], sigmoid(gate) on the heads'
     # output; q/k norm per head (1 + w); RoPE by halves over part of each head

@@ -66,7 +66,7 @@ OWN_KEYS = {
 # The MLA families: Llama's keys (most of which they never read) and their latents' sizes
 OWN_KEYS.update(
     dict.fromkeys(
-        ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3"),
+        ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu", "axk1"),
         (
             *OWN_KEYS["rotary"],
             *("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"),

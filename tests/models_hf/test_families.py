@@ -993,6 +993,12 @@ REFUSED_FAMILIES = {
     "falcon_h1": "attention and Mamba-2 side by side",
     "zamba": "a shared attention block",
     "zamba2": "a shared attention block",
+    # multi-head latent attention beside what the module does not compute (test_mla serves
+    # the rest), and MiMo-V2-Flash (no MLA)
+    **dict.fromkeys(("axk2", "hy_v4"), "a lightning indexer"),
+    **dict.fromkeys(("dots3_note", "dots3_note_text"), "(k_rope_only_layernorm)"),
+    "bailing_hybrid": "sigmoid(g_proj(x))",
+    "mimo_v2_flash": "v heads of v_head_dim (128)",
 }
 
 

@@ -1,5 +1,5 @@
 """The multi-head latent attention families (DeepSeek-V2 and V3, Kimi K2, GLM-4.7-Flash,
-MiniCPM3): config.json read as their config classes read it, each variant of the layer
+MiniCPM3, Youtu-LLM, A.X-K1): config.json read as their config classes read it, each variant of the layer
 (q through its latent or not, RoPE by pairs or by halves, YaRN's softmax factor, biases)
 served equal to transformers' own attention from the same directory, and what transformers
 builds no layer from, or computes otherwise, refused by name. (The reference checkpoints'
@@ -14,6 +14,8 @@ import math
 import pytest
 import torch
 from transformers import (
+    AXK1Config,
+    AXK1Model,
     DeepseekV2Config,
     DeepseekV2Model,
     DeepseekV3Config,
@@ -22,6 +24,8 @@ from transformers import (
     Glm4MoeLiteModel,
     MiniCPM3Config,
     MiniCPM3Model,
+    YoutuConfig,
+    YoutuModel,
 )
 
 from mha_serve.engine import Engine
@@ -32,6 +36,7 @@ from tests.models_hf.reference import MLA, MLA_MOE, reference_attention
 from tests.models_hf.test_config_json import assert_served_as_transformers, checkpoint
 from tests.models_hf.test_families import _config_only
 
+YOUTU = {k: v for k, v in MLA.items() if not k.startswith("first_k")}  # (a dense decoder)
 V3 = {"q_lora_rank": 24, "v_head_dim": 12, "n_group": 1, "topk_group": 1, **MLA_MOE, **MLA}
 YARN = {
     "rope_type": "yarn",
@@ -97,10 +102,25 @@ YARN = {
             {},
             1,
         ),
+        # Youtu-LLM (DeepseekV3Attention): a null rope_interleave, by halves as V3's
+        (
+            YoutuModel,
+            YoutuConfig(q_lora_rank=24, v_head_dim=12, **YOUTU),
+            {"rope_interleave": None},
+            1,
+        ),
+        # A.X-K1: V3's with YaRN's mscale, biases on q_a_proj, kv_a and o_proj, by pairs
+        (
+            AXK1Model,
+            AXK1Config(rope_parameters=YARN, attention_bias=True, **V3),
+            {},
+            1,
+        ),
     ],
     ids=[
         *("v3", "v3_halves", "v3_interleave_null", "v3_yarn", "v3_q_proj_bias", "v3_norm_eps"),
         *("v2_q_latent", "glm4_moe_lite_head_dim", "minicpm3_q_proj"),
+        *("youtu_interleave_null", "axk1_yarn_bias"),
     ],
 )
 def test_each_mla_variant_is_served_as_transformers_computes_it(
@@ -196,10 +216,15 @@ def _one_session(engine, cache):
         (DeepseekV3Config(**V3), {"model_type": "glm_moe_dsa"}, "lightning indexer"),
         (DeepseekV3Config(**V3), {"model_type": "longcat_flash"}, "two attention modules"),
         (DeepseekV3Config(**V3), {"model_type": "deepseek_v4"}, "shared K/V head"),
+        # A.X-K1's attention always takes q through its latent (AXK1Config types it int)
+        (AXK1Config(**V3), {"q_lora_rank": None}, "axk1 config.json sets q_lora_rank to null"),
+        # Youtu's num_key_value_heads is typed int (V3's takes a null: the heads)
+        (YoutuConfig(**YOUTU), {"num_key_value_heads": None}, "sets num_key_value_heads to null"),
     ],
     ids=[
         *("kv_heads", "partial_rotary", "kv_lora_rank_0", "v_head_dim_null", "mistral4"),
         *("deepseek_v32", "glm_moe_dsa", "longcat_flash", "deepseek_v4"),
+        *("axk1_q_lora_rank_null", "youtu_kv_heads_null"),
     ],
 )
 def test_what_mla_families_cannot_serve_exactly_is_refused_by_name(tmp_path, config, edits, piece):

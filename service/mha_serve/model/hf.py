@@ -29,7 +29,7 @@ What is served, per family (transformers' module names):
            use_qkv_bias (o_proj none: a zero bias); partial RoPE by halves (0.25)
   nemotron NemotronAttention (Nemotron-3, Nemotron-4, Minitron): as Llama (q/k/v/o biases by
            attention_bias, head_dim of its own); partial RoPE by halves (0.5 by default)
-  deepseek_v2, deepseek_v3, glm4_moe_lite, minicpm3
+  deepseek_v2, deepseek_v3, glm4_moe_lite, minicpm3, youtu, axk1
            DeepseekV2/V3Attention and theirs (multi-head latent attention): q_a_proj,
            q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj
            and o_proj as they are, the module's MLA (an MQA layer over one latent per token)

@@ -433,7 +433,8 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
 
 def _mla(cfg: dict[str, Any], family: str, layer: int, where: Path) -> AttentionConfig:
     """Multi-head latent attention as DeepseekV2Attention, DeepseekV3Attention,
-    Glm4MoeLiteAttention and MiniCPM3Attention compute it (transformers 5.23): q from
+    Glm4MoeLiteAttention and MiniCPM3Attention compute it (transformers 5.23; YoutuAttention
+    and AXK1Attention are DeepseekV3Attention's, A.X-K1's always with q_lora_rank): q from
     q_b_proj(RMSNorm(q_a_proj(x))) (q_proj(x) with q_lora_rank null), K and V from one
     latent per token, kv_a_proj_with_mqa's first kv_lora_rank values, RMS-normed and
     expanded per head by kv_b_proj; qk_rope_head_dim more values of it, rotated, shared by

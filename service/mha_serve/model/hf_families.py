@@ -81,6 +81,8 @@ FAMILIES = (
     "glm4_moe_lite",
     "minicpm3",
     "kimi_k25",  # (Kimi K2.5's language model: DeepSeek-V3's, MULTIMODAL)
+    "youtu",  # (Youtu-LLM: YoutuAttention is DeepseekV3Attention)
+    "axk1",  # (A.X-K1: DeepseekV3Attention, always with its q latent)
     # gated attention (OUTPUT_GATE: Qwen3-Next's, an output gate split from q_proj), its
     # full_attention layers (the others are linear attention, not served)
     "qwen3_next",
@@ -90,15 +92,15 @@ FAMILIES = (
     "qwen3_5_moe",
 )
 # The MLA families (FAMILIES' last), read by hf_config._mla, not as Llama's.
-MLA = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "kimi_k25")
+MLA = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "kimi_k25", "youtu", "axk1")
 # Their RoPE by interleaved pairs, or by halves: DeepSeek-V2's always by pairs (complex
 # numbers), MiniCPM3's by halves; the families of MLA_INTERLEAVE_KEY by rope_interleave,
 # pairs when config.json leaves it out (a null: halves).
 MLA_INTERLEAVED = {
-    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite"), True),
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "axk1"), True),
     "minicpm3": False,
 }
-MLA_INTERLEAVE_KEY = ("deepseek_v3", "glm4_moe_lite")
+MLA_INTERLEAVE_KEY = ("deepseek_v3", "glm4_moe_lite", "youtu", "axk1")
 # Families whose attention gates its output (Qwen3NextAttention, Qwen3_5Attention): q_proj's
 # rows per head [query (head_dim); gate (head_dim)], the heads' output times sigmoid(gate)
 # before o_proj (hf.py splits the rows into wqkv's and wgate's); q/k RMSNorm per head with
@@ -262,6 +264,25 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "v_head_dim": 256,
         "rms_norm_eps": 1e-5,
     },
+    # (Youtu-LLM-2B's and A.X-K1's sizes: DeepSeek-V3's latents, fewer heads)
+    "youtu": {
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+    },
+    "axk1": {
+        "num_attention_heads": 64,
+        "num_key_value_heads": 64,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+    },
     "minicpm3": {
         "num_attention_heads": 40,
         "num_key_value_heads": 40,
@@ -376,9 +397,10 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("stablelm", "glm4_moe", "ernie4_5_moe", "minimax_m2", "exaone_moe", "lfm2"),
         *("solar_open", "phimoe", "cwm", "hy_v3"),
         *("stablelm", "glm4_moe_lite", *OUTPUT_GATE),
+        *("youtu", "axk1"),  # (typed int, not int | None as DeepSeek-V3's)
     ),
     "attention_bias": (
-        *("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3"),
+        *("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu", "axk1"),
         *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
         *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
@@ -390,6 +412,8 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     "norm_eps": ("nemotron", "lfm2"),  # (typed float: NemotronConfig, Lfm2Config reject it)
     "use_bias": ("starcoder2",),
     "rope_interleave": ("glm4_moe_lite",),  # (DeepSeek-V3's takes a null: by halves)
+    # (AXK1Config types them int: its attention always takes q through its latent)
+    **dict.fromkeys(("q_lora_rank", "v_head_dim"), ("axk1",)),
     "qkv_bias": ("qwen2_moe",),
     "qk_layernorm": ("phi", "stablelm"),
     "use_qkv_bias": ("stablelm",),
@@ -597,6 +621,23 @@ UNSERVED = {
     "layer type",
     "longcat_flash": "two attention modules per decoder layer (self_attn.0 and .1), which a "
     "layer index does not name",
+    # MLA beside something the module does not compute (transformers 5.23's classes)
+    "axk2": "sparse attention: a lightning indexer picks each query's top-k keys (as "
+    "DeepSeek-V3.2's), and its q_gate_proj reads [q_a_layernorm(q_a); q_a] for the queries "
+    "and an output gate",
+    "hy_v4": "sparse attention: a lightning indexer picks each query's top-k keys, with an "
+    "output gate (gate_proj), attention sinks and hyper-connections around the layer",
+    **dict.fromkeys(
+        ("dots3_note", "dots3_note_text"),
+        "an RMSNorm on the shared RoPE key (k_rope_only_layernorm), a per-head output gate "
+        "(g_proj) and a lightning indexer on its indexed_attention layers",
+    ),
+    "bailing_hybrid": "hybrid: its MLA layers gate each head's output by sigmoid(g_proj(x)) "
+    "(a gate per head from a projection of its own, not mapped onto the module's output gate "
+    "yet), KDA linear attention on the others",
+    "mimo_v2_flash": "no MLA: v heads of v_head_dim (128) beside q/k heads of head_dim (192), "
+    "which the module's one head_dim does not hold, values scaled by attention_value_scale, "
+    "and sliding layers with twice the KV heads and attention sinks",
     "persimmon": "its q/k norm is a LayerNorm (qk_layernorm, on by default and in Persimmon-8B)",
     "llama4_text": "chunked attention, L2 q/k norm and NoPE layers with temperature tuning",
     # an output gate not (yet) read as the gated families' (OUTPUT_GATE: from q_proj's rows)
