@@ -152,12 +152,19 @@ def test_mla_resolves_to_one_kv_head_of_rope_plus_latent_dims():
     assert MLAConfig(32, 8, 16, 12).q_lora_rank is None
 
 
+def test_mla_without_rope_keeps_its_rope_dims_unrotated():
+    """Kimi Linear's MLA has no RoPE (NoPE): its rope_dim dims are still in q and k (one
+    k_rope shared by every head), not rotated; an odd count then turns no pairs."""
+    c = AttentionConfig(64, 4, mla={**MLA, "rope_dim": 7})
+    assert c.rope is None and (c.num_kv_heads, c.head_dim, c.rope_dim) == (1, 39, 7)
+    assert c.scale == (16 + 7) ** -0.5
+
+
 @pytest.mark.parametrize(
     ("kwargs", "pieces"),
     [
         ({"num_kv_heads": 4}, ["num_kv_heads 4", "mla", "1", "leave num_kv_heads out"]),
         ({"head_dim": 16}, ["head_dim 16", "rope_dim + kv_lora_rank = 40"]),
-        ({"rope": None}, ["mla needs rope"]),
         ({"rope": {"partial": 0.5}}, ["rope partial must be 1", "0.5"]),
         ({"qk_norm": {}}, ["mla with qk_norm is not supported"]),
         ({"sinks": True}, ["mla with sinks is not supported"]),

@@ -28,11 +28,13 @@ THETA = 50.0  # short wavelengths: a wrong rotation or position shows far above 
 RTOL, ATOL = 1e-5, 1e-5
 
 
-def config(*, q_lora: bool = True, bias: bool = True, interleaved: bool = False, **kw):
+def config(
+    *, q_lora: bool = True, bias: bool = True, interleaved: bool = False, nope: bool = False, **kw
+):
     mla = {"kv_lora_rank": C, "rope_dim": R, "nope_dim": N, "v_head_dim": V}
     if q_lora:
         mla["q_lora_rank"] = Q
-    rope = {"theta": THETA, "interleaved": interleaved}
+    rope = None if nope else {"theta": THETA, "interleaved": interleaved}
     return AttentionConfig(E, H, bias=bias, rope=rope, mla={**mla, "eps": 1e-5}, **kw)
 
 
@@ -95,9 +97,11 @@ def reference(
     latent, k_rope = rms(kv[..., :C], p["kv_a_norm"]), kv[..., C:]
     kv = linear("kv_b", latent).view(B, L, H, N + V).transpose(1, 2)  # (B, H, L, N + V)
     k_nope, v = kv[..., :N], kv[..., N:]
-    interleaved = cfg.rope.interleaved
-    k_rope = _rope(k_rope[:, None], interleaved).expand(B, H, L, R)  # shared by every head
-    q = torch.cat([q_nope, _rope(q_rope, interleaved)], dim=-1)
+    k_rope = k_rope[:, None]  # (B, 1, L, R): without rope (NoPE), not rotated
+    if cfg.rope is not None:
+        q_rope, k_rope = _rope(q_rope, cfg.rope.interleaved), _rope(k_rope, cfg.rope.interleaved)
+    k_rope = k_rope.expand(B, H, L, R)  # shared by every head
+    q = torch.cat([q_nope, q_rope], dim=-1)
     k = torch.cat([k_nope, k_rope], dim=-1)  # (B, H, L, N + R)
     scores = q @ k.transpose(-1, -2) * (N + R) ** -0.5  # (B, H, L, L)
     allowed = torch.ones(B, 1, L, L, dtype=torch.bool)
@@ -128,6 +132,7 @@ VARIANTS = {
     "q_lora_no_bias_pairs": {"bias": False, "interleaved": True},  # DeepSeek V3's layout
     "no_q_lora_bias_pairs": {"q_lora": False, "interleaved": True},
     "no_q_lora_no_bias_halves": {"q_lora": False, "bias": False},  # DeepSeek-V2-Lite's
+    "no_q_lora_nope": {"q_lora": False, "bias": False, "nope": True},  # Kimi Linear's
 }
 
 

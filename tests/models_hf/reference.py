@@ -86,6 +86,8 @@ from transformers import (
     HYV3Model,
     Jais2Config,
     Jais2Model,
+    KimiLinearConfig,
+    KimiLinearModel,
     Lfm2Config,
     Lfm2Model,
     LlamaConfig,
@@ -884,6 +886,24 @@ CHECKPOINTS = {
         ),
         1,
     ),
+    # Kimi Linear: a KDA (linear attention) layer, then the MLA one served, without RoPE
+    # (its rope dims unrotated) and without a q latent (its default); MoE experts of 2
+    "kimi_linear": (
+        KimiLinearModel,
+        KimiLinearConfig(
+            q_lora_rank=None,
+            v_head_dim=12,
+            pad_token_id=None,  # (its default, 163839, is past a vocabulary of 64)
+            layer_types=["linear_attention", "full_attention"],
+            linear_head_dim=8,
+            linear_num_heads=2,
+            moe_intermediate_size=32,
+            num_experts=2,
+            num_experts_per_token=1,
+            **MLA,
+        ),
+        1,
+    ),
     # Gated attention: q_proj's rows per head [query; gate], sigmoid(gate) on the heads'
     # output; q/k norm per head (1 + w); RoPE by halves over part of each head
     "qwen3_next": (  # GQA 8:2, head_dim 16, biases (attention_bias), a quarter rotated
@@ -976,9 +996,12 @@ def attention_module(base, layer: int):
 
 def rotation_kwargs(base, layer: int, x: torch.Tensor, positions: torch.Tensor) -> dict:
     """How the layer's attention module takes its positions (positions (1, L)): GPT-J's and
-    CodeGen's as position_ids (they rotate by their own table), the others' as cos, sin."""
+    CodeGen's as position_ids (they rotate by their own table), the others' as cos, sin;
+    Kimi Linear's (MLA without RoPE, no rotary embedding) none."""
     if isinstance(base, GPTJModel | CodeGenModel):
         return {"position_ids": positions}
+    if isinstance(base, KimiLinearModel):
+        return {}
     return {"position_embeddings": rotary(base, layer, x, positions)}
 
 

@@ -1,5 +1,5 @@
 """The multi-head latent attention families (DeepSeek-V2 and V3, Kimi K2, GLM-4.7-Flash,
-MiniCPM3, Youtu-LLM, A.X-K1): config.json read as their config classes read it, each variant of the layer
+MiniCPM3, Youtu-LLM, A.X-K1; Kimi Linear's MLA layers, without RoPE): config.json read as their config classes read it, each variant of the layer
 (q through its latent or not, RoPE by pairs or by halves, YaRN's softmax factor, biases)
 served equal to transformers' own attention from the same directory, and what transformers
 builds no layer from, or computes otherwise, refused by name. (The reference checkpoints'
@@ -22,6 +22,8 @@ from transformers import (
     DeepseekV3Model,
     Glm4MoeLiteConfig,
     Glm4MoeLiteModel,
+    KimiLinearConfig,
+    KimiLinearModel,
     MiniCPM3Config,
     MiniCPM3Model,
     YoutuConfig,
@@ -37,6 +39,10 @@ from tests.models_hf.test_config_json import assert_served_as_transformers, chec
 from tests.models_hf.test_families import _config_only
 
 YOUTU = {k: v for k, v in MLA.items() if not k.startswith("first_k")}  # (a dense decoder)
+# Kimi Linear: a KDA layer, then an MLA one (NoPE); its experts of 2
+KIMI = {**MLA, "layer_types": ["linear_attention", "full_attention"], "pad_token_id": None}
+KIMI.update({"linear_head_dim": 8, "linear_num_heads": 2, "moe_intermediate_size": 32})
+KIMI.update({"num_experts": 2, "num_experts_per_token": 1, "v_head_dim": 12})
 V3 = {"q_lora_rank": 24, "v_head_dim": 12, "n_group": 1, "topk_group": 1, **MLA_MOE, **MLA}
 YARN = {
     "rope_type": "yarn",
@@ -116,11 +122,23 @@ YARN = {
             {},
             1,
         ),
+        # Kimi Linear through its q latent, its layer kinds from linear_attn_config (layers
+        # numbered from 1), a RoPE table beside it that its config never reads: no rotation
+        (
+            KimiLinearModel,
+            KimiLinearConfig(q_lora_rank=24, **KIMI),
+            {
+                "layer_types": None,
+                "linear_attn_config": {"full_attn_layers": [2], "kda_layers": [1]},
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10.0},
+            },
+            1,
+        ),
     ],
     ids=[
         *("v3", "v3_halves", "v3_interleave_null", "v3_yarn", "v3_q_proj_bias", "v3_norm_eps"),
         *("v2_q_latent", "glm4_moe_lite_head_dim", "minicpm3_q_proj"),
-        *("youtu_interleave_null", "axk1_yarn_bias"),
+        *("youtu_interleave_null", "axk1_yarn_bias", "kimi_linear_q_latent_nope"),
     ],
 )
 def test_each_mla_variant_is_served_as_transformers_computes_it(
@@ -132,6 +150,7 @@ def test_each_mla_variant_is_served_as_transformers_computes_it(
         path.write_text(json.dumps({**json.loads(path.read_text()), **edits}))
     read = read_hf_layer(directory, layer).attention
     assert read.mla is not None and read.num_kv_heads == 1
+    assert (read.rope is None) == (config.model_type == "kimi_linear")
     assert read.head_dim == read.mla.rope_dim + read.mla.kv_lora_rank
     assert_served_as_transformers(directory, cls, config.model_type, layer)
 
@@ -220,11 +239,20 @@ def _one_session(engine, cache):
         (AXK1Config(**V3), {"q_lora_rank": None}, "axk1 config.json sets q_lora_rank to null"),
         # Youtu's num_key_value_heads is typed int (V3's takes a null: the heads)
         (YoutuConfig(**YOUTU), {"num_key_value_heads": None}, "sets num_key_value_heads to null"),
+        # Kimi Linear's KDA layers (linear attention), naming its MLA ones; without
+        # layer_types nor linear_attn_config every 4th from layer 4 is MLA: none of 2
+        (
+            KimiLinearConfig(**KIMI),
+            {},
+            "layer 0 of kimi_linear is a 'linear_attention' layer (Kimi Delta Attention",
+        ),
+        (KimiLinearConfig(**KIMI), {"layer_types": None}, "full_attention layers are none"),
     ],
     ids=[
         *("kv_heads", "partial_rotary", "kv_lora_rank_0", "v_head_dim_null", "mistral4"),
         *("deepseek_v32", "glm_moe_dsa", "longcat_flash", "deepseek_v4"),
-        *("axk1_q_lora_rank_null", "youtu_kv_heads_null"),
+        *("axk1_q_lora_rank_null", "youtu_kv_heads_null", "kimi_linear_kda"),
+        "kimi_linear_default_kinds",
     ],
 )
 def test_what_mla_families_cannot_serve_exactly_is_refused_by_name(tmp_path, config, edits, piece):

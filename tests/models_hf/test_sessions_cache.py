@@ -53,7 +53,8 @@ def test_steps_and_cache_equal_transformers_incremental_decode(hf_dirs, name):
     if spec.attention.mla is not None:  # (theirs: the normed latent as keys, the rotated
         R = spec.attention.mla.rope_dim  # shared key as values; ours: [rotated; latent] as
         rotated = k[..., :R]  # both, the rotated pairs in place where theirs come by halves)
-        if spec.attention.rope.interleaved and checkpoint != "deepseek_v2":
+        rope = spec.attention.rope  # (Kimi Linear's: none, its R dims unrotated)
+        if rope is not None and rope.interleaved and checkpoint != "deepseek_v2":
             rotated = torch.cat([rotated[..., 0::2], rotated[..., 1::2]], dim=-1)
         assert v is k, f"{name}: MLA's cached V is its K, stored once and read as both"
         pairs = (("latent", k[..., R:], their.keys), ("rotated key", rotated, their.values))

@@ -253,7 +253,10 @@ class MultiHeadAttention(nn.Module):
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
         B, L, _ = x.shape
         if c.mla is not None:  # the absorbed q (B, H, L, R + C), k = v (B, 1, L, R + C)
-            return mla.project(self, x, *self._cos_sin(x, positions, B, L))
+            cos_sin = (None, None)  # (NoPE: Kimi Linear's)
+            if self.rope_freq is not None:
+                cos_sin = self._cos_sin(x, positions, B, L)
+            return mla.project(self, x, *cos_sin)
         # F.linear, not self.wqkv(x), and the parameters from the modules' own dicts, not
         # nn.Module's __getattr__ (a Python call each): a decode step is small enough for
         # each to show.

@@ -123,13 +123,15 @@ class QKNormConfig:
 
 @dataclass(frozen=True)
 class MLAConfig:
-    """Multi-head latent attention (DeepSeek V2/V3, Kimi K2, GLM-4.7-Flash, MiniCPM3), served
+    """Multi-head latent attention (DeepSeek V2/V3, Kimi K2, GLM-4.7-Flash, MiniCPM3; Kimi
+    Linear's without RoPE: its R dims are shared by every head unrotated), served
     absorbed into MQA: one kv head of head_dim R + C per token, [rope(k_rope) (R); latent c
     (C)], its values the same tensor; each query head's q_nope folded through its W_uk, and
     its output's C dims through its W_uv (docs/models.md "Multi-head latent attention")."""
 
     kv_lora_rank: int  # C: the latent each token caches (kv_a's first C rows, normalised)
-    rope_dim: int  # R: qk_rope_head_dim, the rotary dims of q and k (one k_rope for all heads)
+    rope_dim: int  # R: qk_rope_head_dim, the rotary dims of q and k (one k_rope for all heads;
+    # without rope, NoPE, the same dims unrotated)
     nope_dim: int  # N: qk_nope_head_dim, each head's non-rotary q and k dims
     v_head_dim: int  # V: each head's value dims
     q_lora_rank: int | None = None  # Q: q through a rank-Q bottleneck; None: one projection
@@ -140,8 +142,6 @@ class MLAConfig:
             _check_positive_int(f"mla {name}", getattr(self, name))
         if self.q_lora_rank is not None:
             _check_positive_int("mla q_lora_rank", self.q_lora_rank)
-        if self.rope_dim % 2:
-            raise ValueError(f"mla rope_dim must be even (RoPE turns pairs), got {self.rope_dim}")
         eps = self.eps
         if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 <= eps < math.inf:
             raise ValueError(f"mla eps must be a finite number >= 0, got {eps!r}")
@@ -304,11 +304,9 @@ class AttentionConfig:
                     f"rope_dim + kv_lora_rank = {width}; leave {name} out"
                 )
             object.__setattr__(self, name, value)
-        if self.rope is None:
-            raise ValueError(
-                "mla needs rope: its rope_dim dims of q and k are rotary; add a rope table"
-            )
-        if self.rope.partial != 1:
+        if self.rope is not None and m.rope_dim % 2:  # (without rope: NoPE, not rotated)
+            raise ValueError(f"mla rope_dim must be even (RoPE turns pairs), got {m.rope_dim}")
+        if self.rope is not None and self.rope.partial != 1:
             raise ValueError(
                 f"mla rotates all of its rope_dim {m.rope_dim} dims: rope partial must be 1 "
                 f"(left out), got {self.rope.partial}"

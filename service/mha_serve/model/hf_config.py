@@ -30,6 +30,7 @@ from .hf_families import (
     MLA,
     MLA_INTERLEAVE_KEY,
     MLA_INTERLEAVED,
+    MLA_NOPE,
     MPT_ATTN_DEFAULTS,
     MPT_ATTN_IMPLS,
     MPT_ATTN_NOT_NULL,
@@ -434,7 +435,8 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
 def _mla(cfg: dict[str, Any], family: str, layer: int, where: Path) -> AttentionConfig:
     """Multi-head latent attention as DeepseekV2Attention, DeepseekV3Attention,
     Glm4MoeLiteAttention and MiniCPM3Attention compute it (transformers 5.23; YoutuAttention
-    and AXK1Attention are DeepseekV3Attention's, A.X-K1's always with q_lora_rank): q from
+    and AXK1Attention are DeepseekV3Attention's, A.X-K1's always with q_lora_rank;
+    KimiLinearAttention's rotates nothing, MLA_NOPE, on its full_attention layers): q from
     q_b_proj(RMSNorm(q_a_proj(x))) (q_proj(x) with q_lora_rank null), K and V from one
     latent per token, kv_a_proj_with_mqa's first kv_lora_rank values, RMS-normed and
     expanded per head by kv_b_proj; qk_rope_head_dim more values of it, rotated, shared by
@@ -469,22 +471,11 @@ def _mla(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attention
     for key in ("use_bidirectional_attention", "attention_chunk_size", "clip_qkv"):
         if cfg.get(key):
             raise ValueError(f"{where}: {family} {key} {cfg[key]!r} is not supported")
-    check_rope_nulls(cfg, family, where)
-    interleave = MLA_INTERLEAVED[family]  # (a null rope_interleave: by halves)
-    if family in MLA_INTERLEAVE_KEY and "rope_interleave" in cfg:
-        interleave = bool(cfg["rope_interleave"])
-    rope = replace(read_rope(cfg, "full_attention", where), interleaved=interleave)
-    # DeepseekV3Attention's scaling: qk_head_dim ** -0.5, times mscale squared where the RoPE
-    # table has mscale_all_dim and a type but default (yarn_apply_mscale, yarn_get_mscale)
-    scale = (sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"]) ** -0.5
-    name = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
-    table = cfg.get(name) or {}
-    all_dim = table.get("mscale_all_dim") if isinstance(table, dict) else None
-    if rope.type != "default" and all_dim and "factor" in table and table["factor"] is None:
-        refuse_null(where, family, f"{name}.factor", "its softmax scale takes yarn's mscale of it")
-    if rope.type != "default" and all_dim and rope.factor > 1:
-        mscale = 0.1 * float(all_dim) * math.log(rope.factor) + 1.0
-        scale *= mscale * mscale
+    if family in HYBRID_LAYERS:  # (refuses a linear-attention layer, naming the MLA ones)
+        _hybrid_layer(cfg, family, layer, where)
+    rope = scale = None  # (NoPE: its config reads no RoPE table, null or not; scale
+    if family not in MLA_NOPE:  # (N + R) ** -0.5, the module's, with no YaRN mscale)
+        rope, scale = _mla_rope(cfg, family, sizes, where)
     try:
         return AttentionConfig(
             E,
@@ -506,6 +497,29 @@ def _mla(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attention
         )
     except ValueError as e:
         raise ValueError(f"{where}: layer {layer}: {e}") from None
+
+
+def _mla_rope(
+    cfg: dict[str, Any], family: str, sizes: dict[str, int], where: Path
+) -> tuple[RopeConfig, float]:
+    """An MLA family's RoPE over its qk_rope_head_dim dims, and its softmax scale."""
+    check_rope_nulls(cfg, family, where)
+    interleave = MLA_INTERLEAVED[family]  # (a null rope_interleave: by halves)
+    if family in MLA_INTERLEAVE_KEY and "rope_interleave" in cfg:
+        interleave = bool(cfg["rope_interleave"])
+    rope = replace(read_rope(cfg, "full_attention", where), interleaved=interleave)
+    # DeepseekV3Attention's scaling: qk_head_dim ** -0.5, times mscale squared where the RoPE
+    # table has mscale_all_dim and a type but default (yarn_apply_mscale, yarn_get_mscale)
+    scale = (sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"]) ** -0.5
+    name = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    table = cfg.get(name) or {}
+    all_dim = table.get("mscale_all_dim") if isinstance(table, dict) else None
+    if rope.type != "default" and all_dim and "factor" in table and table["factor"] is None:
+        refuse_null(where, family, f"{name}.factor", "its softmax scale takes yarn's mscale of it")
+    if rope.type != "default" and all_dim and rope.factor > 1:
+        mscale = 0.1 * float(all_dim) * math.log(rope.factor) + 1.0
+        scale *= mscale * mscale
+    return rope, scale
 
 
 def _falcon_kv_heads(cfg: dict[str, Any], H: int, where: Path) -> int:
@@ -570,7 +584,7 @@ def _layer_type(cfg: dict[str, Any], family: str, layer: int, where: Path) -> st
 def _hybrid_layer(cfg: dict[str, Any], family: str, layer: int, where: Path) -> str:
     """A hybrid's layer (HYBRID_LAYERS): full_attention, or refused saying what it is and which
     layers are attention. Its other layer types are not attention layers we serve."""
-    other, derive = HYBRID_LAYERS[family]
+    other, what, derive = HYBRID_LAYERS[family]
     n = cfg["num_hidden_layers"]
     kinds = cfg.get("layer_types")
     if kinds is None:
@@ -586,7 +600,7 @@ def _hybrid_layer(cfg: dict[str, Any], family: str, layer: int, where: Path) -> 
     if kinds[layer] == "full_attention":
         return "full_attention"
     attention = [i for i, kind in enumerate(kinds) if kind == "full_attention"]
-    what = f"{other}, not attention" if kinds[layer] == "conv" else "not supported"
+    what = what if kinds[layer] == other else "not supported"
     raise ValueError(
         f"{where}: layer {layer} of {family} is a {kinds[layer]!r} layer ({what}); its "
         f"full_attention layers are {attention or 'none'}: set layer to one of them"

@@ -83,6 +83,7 @@ FAMILIES = (
     "kimi_k25",  # (Kimi K2.5's language model: DeepSeek-V3's, MULTIMODAL)
     "youtu",  # (Youtu-LLM: YoutuAttention is DeepseekV3Attention)
     "axk1",  # (A.X-K1: DeepseekV3Attention, always with its q latent)
+    "kimi_linear",  # hybrid: its full_attention layers (MLA without RoPE); KDA ones refused
     # gated attention (OUTPUT_GATE: Qwen3-Next's, an output gate split from q_proj), its
     # full_attention layers (the others are linear attention, not served)
     "qwen3_next",
@@ -92,7 +93,13 @@ FAMILIES = (
     "qwen3_5_moe",
 )
 # The MLA families (FAMILIES' last), read by hf_config._mla, not as Llama's.
-MLA = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "kimi_k25", "youtu", "axk1")
+MLA = (
+    *("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "kimi_k25", "youtu", "axk1"),
+    "kimi_linear",
+)
+# MLA without RoPE (KimiLinearAttention: NoPE, its qk_rope_head_dim dims of q and of the
+# shared key unrotated; its config has no RoPE table, and its scale no YaRN mscale).
+MLA_NOPE = ("kimi_linear",)
 # Their RoPE by interleaved pairs, or by halves: DeepSeek-V2's always by pairs (complex
 # numbers), MiniCPM3's by halves; the families of MLA_INTERLEAVE_KEY by rope_interleave,
 # pairs when config.json leaves it out (a null: halves).
@@ -127,15 +134,24 @@ CODEGEN_GROUPS = 4
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Hybrids: the kind of each layer (layer_types, else how their config derives it), those that
 # are not attention refused naming what they are; their attention layers are full ones.
+# {family: (its other layers' kind, what they are, how its config derives a layer's kind)}.
 # LFM2: layer_types, else full_attn_idxs ("conv": a short convolution, LFM2's other layers).
-HYBRID_LAYERS: dict[str, tuple[str, Callable[[dict[str, Any], int], str]]] = {
+HYBRID_LAYERS: dict[str, tuple[str, str, Callable[[dict[str, Any], int], str | None]]] = {
     "lfm2": (
-        "a short convolution (Lfm2ShortConv)",
+        "conv",
+        "a short convolution (Lfm2ShortConv), not attention",
         lambda c, i: (
             "full_attention"
             if c.get("full_attn_idxs") is None or i in c["full_attn_idxs"]
             else "conv"
         ),
+    ),
+    # Kimi Linear: layer_types, else linear_attn_config's full_attn_layers and kda_layers
+    # (numbered from 1; a layer in neither has none), else every 4th from layer 4
+    "kimi_linear": (
+        "linear_attention",
+        "Kimi Delta Attention (KDA): linear attention, no softmax over a KV cache",
+        lambda c, i: kimi_linear_layer(c, i),
     ),
 }
 # transformers' defaults (its configuration_<family>.py) for the keys we read whose absence
@@ -283,6 +299,16 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "qk_rope_head_dim": 64,
         "v_head_dim": 128,
     },
+    "kimi_linear": {  # (KimiLinearConfig's; no q latent by default)
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "rms_norm_eps": 1e-5,
+    },
     "minicpm3": {
         "num_attention_heads": 40,
         "num_key_value_heads": 40,
@@ -360,6 +386,7 @@ _HEAD_DIM_FILLED = (
     # DeepSeek-V3's rotary embedding fails on a null one first; GLM-4.7-Flash's head_dim is
     # another name of qk_rope_head_dim, ALIASES', and a null one nulls that)
     *("deepseek_v2", "minicpm3"),
+    "kimi_linear",  # (the same, and no rotary embedding to fail on a null)
 )
 NOT_NULL: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
@@ -401,6 +428,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     ),
     "attention_bias": (
         *("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu", "axk1"),
+        "kimi_linear",
         *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
         *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
@@ -414,6 +442,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     "rope_interleave": ("glm4_moe_lite",),  # (DeepSeek-V3's takes a null: by halves)
     # (AXK1Config types them int: its attention always takes q through its latent)
     **dict.fromkeys(("q_lora_rank", "v_head_dim"), ("axk1",)),
+    "linear_attn_config": ("kimi_linear",),  # (KimiLinearConfig calls .get on it)
     "qkv_bias": ("qwen2_moe",),
     "qk_layernorm": ("phi", "stablelm"),
     "use_qkv_bias": ("stablelm",),
@@ -571,6 +600,8 @@ PROPERTIES = {"falcon": ("head_dim", "rotary")}
 ALIASES = {
     "falcon": {"n_embed": "hidden_size"},
     "glm4_moe_lite": {"head_dim": "qk_rope_head_dim"},  # (Glm4MoeLiteConfig's attribute_map)
+    # (KimiLinearConfig's attribute_map: config.json says model_max_length)
+    "kimi_linear": {"model_max_length": "max_position_embeddings"},
     "mpt": {
         "hidden_size": "d_model",
         "num_attention_heads": "n_heads",
@@ -731,6 +762,18 @@ SCALED_CONTEXT = ("llama3", "yarn")
 
 def window_on(cfg: dict[str, Any]) -> bool:
     return bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window") is not None
+
+
+def kimi_linear_layer(cfg: dict[str, Any], layer: int) -> str | None:
+    """Kimi Linear's layer kind without layer_types, as KimiLinearConfig derives it."""
+    table = cfg.get("linear_attn_config", {})
+    if not isinstance(table, dict):  # (hf_config._hybrid_layer refuses it, as its config)
+        raise TypeError(f"linear_attn_config must be a table, got {table!r}")
+    if "full_attn_layers" in table and "kda_layers" in table:
+        if layer + 1 in table["kda_layers"]:  # (assigned after full_attn_layers: it wins)
+            return "linear_attention"
+        return "full_attention" if layer + 1 in table["full_attn_layers"] else None
+    return "full_attention" if layer and layer % 4 == 0 else "linear_attention"
 
 
 def smollm3_rope(cfg: dict[str, Any], layer: int) -> bool:

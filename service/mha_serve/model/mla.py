@@ -8,7 +8,8 @@ Per head h, Hugging Face's DeepseekV3Attention computes q_h = [q_nope_h (N); q_r
 q_nope_h) . c and softmax @ (W_uv_h c) = W_uv_h (softmax @ c), the same attention is MQA over
 q_h' = [rope(q_rope_h); W_uk_h^T q_nope_h] and one k' = [rope(k_rope); c], whose values are k'
 itself (their R rope dims dropped by the merge): the cache holds R + C values per token
-(K alone: AttentionConfig.values_are_keys)."""
+(K alone: AttentionConfig.values_are_keys). Without RoPE (Kimi Linear's NoPE MLA) the R dims
+are the same, unrotated."""
 
 from __future__ import annotations
 
@@ -71,10 +72,10 @@ def add_parameters(
 
 
 def project(
-    module: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    module: nn.Module, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The absorbed q (B, H, L, R + C) and k = v (B, 1, L, R + C) of x (B, L, E), their
-    first R dims rotated by cos, sin (B|1, 1, L, R)."""
+    first R dims rotated by cos, sin (B|1, 1, L, R); None without RoPE (NoPE: not rotated)."""
     c = module.config
     m, H = c.mla, c.num_heads
     C, R, N = m.kv_lora_rank, m.rope_dim, m.nope_dim
@@ -93,9 +94,10 @@ def project(
     latent = rms_norm(latent, params["kv_a_norm"], m.eps)  # (B, L, C)
     w_uk = mods["kv_b"]._parameters["weight"].view(H, -1, C)[:, :N]  # (H, N, C)
     q_latent = torch.einsum("blhn,hnc->bhlc", q_nope, w_uk)  # (B, H, L, C): W_uk_h^T q_nope
-    turn = rotate_pairs if c.rope.interleaved else rotate
-    q_rope = turn(q_rope.transpose(1, 2), cos, sin)  # (B, H, L, R)
-    k_rope = turn(k_rope[:, None], cos, sin)  # (B, 1, L, R)
+    q_rope, k_rope = q_rope.transpose(1, 2), k_rope[:, None]  # (B, H, L, R), (B, 1, L, R)
+    if c.rope is not None:
+        turn = rotate_pairs if c.rope.interleaved else rotate
+        q_rope, k_rope = turn(q_rope, cos, sin), turn(k_rope, cos, sin)
     q = torch.cat([q_rope, q_latent], dim=-1)  # (B, H, L, R + C)
     k = torch.cat([k_rope, latent[:, None]], dim=-1)  # (B, 1, L, R + C)
     return q, k, k
