@@ -49,8 +49,8 @@ MODELS = [
 ]
 NAMES = [m.name for m in MODELS]
 # Multi-head latent attention, absorbed: MQA over one kv head of rope_dim + kv_lora_rank.
-# Here alone: no bound from its weights clears a step (overflow.NO_BOUNDS), so its steps
-# never take the lone-step paths that the modules importing MODELS test.
+# Kept out of MODELS, which other modules import for paths MLA declines (decode_one, CUDA
+# graphs); tests/engine/test_lone_step.py runs its lone steps and decode_now.
 MLA_MODEL = ModelSpec(
     "mla",
     AttentionConfig(64, 4, rope={"theta": 100.0, "interleaved": True}, mla=MLA),

@@ -2,7 +2,7 @@
 or a head mask, whose bounds clear it) answers as the batch's path does: the same outputs as
 the same steps batched with another session's, and as a recompute of the whole sequence, for
 every family the engine hosts (MHA, GQA, MQA, RoPE with and without a sliding window,
-soft-capped scores, q/k norm, a narrower cache); the same outcome (a batch of one, its session's stats); and it is
+soft-capped scores, q/k norm, a narrower cache, multi-head latent attention); the same outcome (a batch of one, its session's stats); and it is
 the path such steps take, while any other lone step takes the batch's. The one-token views
 the lone step's projection takes (MultiHeadAttention.project, _merge_heads) equal the
 general transposes."""
@@ -17,6 +17,8 @@ from mha_serve.cache import Reservation, SessionBusy
 from mha_serve.engine import Abandoned, Engine, ModelSpec
 from mha_serve.engine import sessions as engine_sessions
 from mha_serve.engine import settle as engine_settle
+from mha_serve.engine.bounds import cleared
+from mha_serve.engine.types import tensor_of
 from mha_serve.model import AttentionConfig, MultiHeadAttention
 from tests.engine.test_attend import MLA_MODEL, MODELS, close
 from tests.engine_calls import State, req, run, run_batch
@@ -37,6 +39,7 @@ LONE_MODELS = [
     ModelSpec(  # GLM's: RoPE by interleaved pairs over half of each head, in decode_one
         "glm", AttentionConfig(64, 4, 2, rope={"interleaved": True, "partial": 0.5}), seed=12
     ),
+    MLA_MODEL,  # multi-head latent attention: its own bounds (overflow.LatentBounds)
 ]
 NAMES = [m.name for m in LONE_MODELS]
 
@@ -264,28 +267,69 @@ def test_a_lone_decode_token_of_a_plain_or_rotary_model_runs_in_one_call(engine,
     engine.sessions.close(sid)
 
 
-def test_an_mla_step_is_measured_on_the_batch_path_and_decode_now_leaves_it(paths):
-    """Multi-head latent attention has no bound from its weights (overflow.NO_BOUNDS: its q
-    and k pass norms and W_uk, which wqkv's row norms do not describe), so no lone step or
-    decode_now takes its steps: each runs as a measured batch of one, equal to a recompute,
-    and decode_now answers None keeping nothing."""
-    engine = Engine(
-        [MLA_MODEL], device=suite_torch_device(), dtype=torch.float32, max_response_bytes=2**28
-    )
+def mla_engine(dtype: torch.dtype, kv_b_scale: float = 1.0) -> Engine:
+    engine = Engine([MLA_MODEL], device=suite_torch_device(), dtype=dtype, max_response_bytes=2**28)
+    with torch.no_grad():  # W_uk and W_uv: q's latent dims and the merge grow with them
+        engine.get(MLA_MODEL.name).module.kv_b.weight.mul_(kv_b_scale)
+    return engine
+
+
+def mla_steps(engine: Engine, x: torch.Tensor) -> tuple[list[torch.Tensor], object]:
+    """A prompt of 5 of x's tokens, 2 single steps, then decode_now of the 8th: the steps'
+    outputs, and decode_now's outcome (None where it left the step, which then runs as
+    any step), the session closed after."""
     name, hosted = MLA_MODEL.name, engine.get(MLA_MODEL.name)
-    x = tokens(engine, name, 8, seed=4)
     sid = engine.sessions.create(name, None, None).session_id
     outs = [run(engine, hosted, req(name, x[:, :5], session_id=sid)).output]
     for p in range(5, 7):
         outs.append(run(engine, hosted, req(name, x[:, p : p + 1], session_id=sid)).output)
-    assert paths == ["batch"] * 3
     engine.sessions.claim(sid)
     try:
-        left = engine.decode_now(req("", x[:, 7:8], session_id=sid), name, State(claimed=True))
+        now = engine.decode_now(req("", x[:, 7:8], session_id=sid), name, State(claimed=True))
     finally:
         engine.sessions.release(sid)
-    assert left is None and engine.sessions.table.session_stats(sid).num_tokens == 7
-    outs.append(run(engine, hosted, req(name, x[:, 7:8], session_id=sid)).output)
-    ref = run(engine, hosted, req(name, x, causal=True)).output
-    close(torch.cat(outs, dim=1), ref, "mla: steps vs recompute")
+    if now is None:
+        assert engine.sessions.table.session_stats(sid).num_tokens == 7  # nothing kept
+        outs.append(run(engine, hosted, req(name, x[:, 7:8], session_id=sid)).output)
+    else:
+        assert now.session.num_tokens == 8 and now.batch_size == 1
+        outs.append(tensor_of(now.output))
     engine.sessions.close(sid)
+    return outs, now
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_an_mla_step_its_bounds_clear_runs_alone_and_decode_now_takes_it(paths, dtype):
+    """Multi-head latent attention's bounds (overflow.LatentBounds) clear a plain input's
+    steps, in float16 too: each is a lone step, decode_now answers the next, and all equal
+    a recompute (float32; float16's within its rounding)."""
+    engine = mla_engine(dtype)
+    x = tokens(engine, MLA_MODEL.name, 8, seed=4).to(dtype)
+    outs, now = mla_steps(engine, x)
+    assert paths == ["alone"] * 3 and now is not None
+    hosted = engine.get(MLA_MODEL.name)
+    ref = run(engine, hosted, req(MLA_MODEL.name, x, causal=True)).output
+    got = torch.cat(outs, dim=1)
+    close(
+        got.float(),
+        ref.float(),
+        f"mla {dtype}: steps vs recompute",
+        1e-5 if dtype == torch.float32 else 2e-2,
+    )
+
+
+def test_an_mla_step_past_float16s_bound_is_measured_and_decode_now_leaves_it(paths):
+    """W_uk and W_uv 30 times larger: the score bound passes float16's limit, so no step is
+    cleared: each runs as a measured batch of one (whose exact check passes it: its actual
+    scores are far smaller), decode_now leaves the 8th keeping nothing, and the answers
+    equal the same weights' in float32 (to float16's rounding)."""
+    x = tokens(mla_engine(torch.float32), MLA_MODEL.name, 8, seed=4)
+    engine = mla_engine(torch.float16, kv_b_scale=30.0)
+    hosted = engine.get(MLA_MODEL.name)
+    assert cleared(hosted, torch.float16, float(x.abs().max()), 0.0, 1.0) is None
+    outs, now = mla_steps(engine, x.half())
+    assert paths == ["batch"] * 4 and now is None
+    want, _ = mla_steps(mla_engine(torch.float32, kv_b_scale=30.0), x)
+    for got, ref in zip(outs, want, strict=True):
+        assert torch.isfinite(got).all()  # (float16's rounding: 3e-3 of the largest here)
+        close(got.float(), ref, "mla float16 vs float32", 5e-3 * float(ref.abs().max()))

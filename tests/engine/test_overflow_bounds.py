@@ -250,3 +250,42 @@ def test_a_sink_that_is_not_finite_clears_nothing_and_no_nan_is_answered(bad):
     answer_is_finite_or_refused(engine, req("m", x, session_id=sid))
     with pytest.raises(InvalidRequest):
         attend(engine, req("m", x))
+
+
+def mla_engine(dtype: torch.dtype) -> Engine:
+    from tests.engine.test_attend import MLA_MODEL
+
+    return engine_of(MLA_MODEL, dtype)
+
+
+def test_an_mla_merge_past_float16_is_not_cleared_by_the_output_bound():
+    """Multi-head latent attention merges each head's latent output through its W_uv before
+    wo: W_uv 1e5 times larger makes that merge inf in float16, although wo 1e-4 times
+    smaller keeps the output's bound (||wo||_1 times the merge's) far below the limit. A
+    step or a stateless call must be refused or finite, never NaN answered as OK."""
+    engine = mla_engine(torch.float16)
+    module = engine.get("mla").module
+    mla = module.config.mla
+    H, N, V = module.config.num_heads, mla.nope_dim, mla.v_head_dim
+    with torch.no_grad():
+        module.kv_b.weight.view(H, N + V, -1)[:, N:] *= 1e5  # (at most 2.3e4 each)
+        module.wo.weight.mul_(1e-4)
+    x = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(0)).half()
+    sid = engine.sessions.create("mla", None, None).session_id
+    answer_is_finite_or_refused(engine, req("mla", x, session_id=sid))
+    with pytest.raises(InvalidRequest):
+        attend(engine, req("mla", x, output_dtype=torch.float16))
+
+
+def test_mla_bounds_follow_each_of_its_weights():
+    """Each of MLA's weights, biases and norm gains counts in its bounds' key: 1024 times
+    larger in place, or through .data, none is still cleared by the old bounds."""
+    engine = mla_engine(torch.float32)
+    module = engine.get("mla").module
+    for name, p in module.named_parameters():
+        before = weight_bounds(module).latent
+        with torch.no_grad():
+            p.mul_(1024)
+        assert weight_bounds(module).latent != before, name
+        p.data = p.data / 1024
+        assert weight_bounds(module).latent == before, name

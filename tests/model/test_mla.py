@@ -3,7 +3,7 @@ float64 reference written here from Hugging Face's DeepseekV3Attention in its DE
 form (k_nope and v of every head from kv_b, k = [k_nope; rope(k_rope)], a plain softmax):
 stateless (causal or not, padded, batched), weights (heads, a query range), head_mask,
 session steps over the cache's layout, the state dict, checkpoints, the KV bytes per token
-(K alone: its values are its keys), and what MLA declines (decode_one, static overflow
+(K alone: its values are its keys), and what MLA declines (decode_one, the plain overflow
 bounds, CUDA graphs, pruning, pooling)."""
 
 from __future__ import annotations
@@ -325,9 +325,10 @@ def test_the_cache_holds_one_kv_head_of_rope_plus_latent_dims_per_token():
 
 
 def test_what_mla_declines():
-    """decode_one (its projection is not wqkv's), the static overflow bounds (which describe
-    wqkv's rows: every MLA step is measured instead), CUDA graphs, head pruning and kv-head
-    pooling: each declines rather than compute something else."""
+    """decode_one (its projection is not wqkv's), the plain overflow bounds (which describe
+    wqkv's rows: inf, bounding nothing; its own are WeightBounds.latent,
+    tests/model/test_mla_bounds.py), CUDA graphs, head pruning and kv-head pooling: each
+    declines rather than compute something else."""
     from mha_serve.engine.graphs import StaticDecode
     from mha_serve.model.convert import pool_kv_heads
     from mha_serve.model.prune import prune_heads
@@ -338,7 +339,8 @@ def test_what_mla_declines():
     slot = torch.zeros(1, 2, 1, R + C)
     assert module.decode_one(x, slot, torch.zeros(1, 1, 1, R + C), slot[:, 1:]) is None
     bounds = weight_bounds(module)
-    assert bounds.q_norm == bounds.k_norm == bounds.q_row == math.inf
+    assert bounds.q_norm == bounds.k_norm == bounds.q_row == bounds.o_row_l1 == math.inf
+    assert bounds.latent is not None
     assert not StaticDecode.supports(module.config)
     with pytest.raises(ValueError, match="multi-head latent attention .* head_mask instead"):
         prune_heads(module, [1])

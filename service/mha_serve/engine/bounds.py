@@ -12,7 +12,14 @@ from dataclasses import dataclass
 import torch
 
 from mha_serve.engine.types import HostedModel
-from mha_serve.model.overflow import MARGIN, WeightBounds, score_limit, weight_bounds
+from mha_serve.model.overflow import (
+    MARGIN,
+    WeightBounds,
+    latent_maxima,
+    score_limit,
+    weight_bounds,
+    worst,
+)
 
 
 @dataclass(slots=True)
@@ -82,6 +89,8 @@ def clearance(
 
 def clears(c: tuple, input_absmax: float, cached_absmax: float, gate: float) -> float | None:
     """cleared() with its constants c (clearance)."""
+    if c[2] is None:  # multi-head latent attention: its own bounds
+        return latent_cleared(c, input_absmax, cached_absmax, gate)
     _, _, sqrt_e, turn, q_fixed, q_row, q_bias, k_fixed, k_row, k_bias, v_row, v_bias = c[:12]
     limit, crossed_at, out_limit, head_dim, o_row, o_bias = c[12:]
     x_norm = sqrt_e * input_absmax
@@ -103,6 +112,35 @@ def clears(c: tuple, input_absmax: float, cached_absmax: float, gate: float) -> 
     return max(k_b, v_b)
 
 
+def latent_cleared(
+    c: tuple, input_absmax: float, cached_absmax: float, gate: float
+) -> float | None:
+    """clears() of multi-head latent attention (c: its clearance, whose third element is
+    None): the same checks over its own tensors (overflow.LatentBounds): the hidden ones
+    before q' (q_a(x) or q(x), kv_a(x), the normed q and q_b's output) in the model's dtype,
+    q' and k' = v in the model's and the cache's, every score against the new and the
+    cached keys, the gated heads, their merge through W_uv, and the output."""
+    _, _, _, lb, embed_dim, limit, out_limit = c
+    b = latent_maxima(input_absmax, embed_dim, lb)
+    k_b = b.k
+    v_all = worst(k_b, cached_absmax)  # the output averages every value the query sees
+    merged = lb.uv_l1 * gate * v_all  # each head's W_uv y_lat
+    # (each compared on its own: a NaN, inf * 0 of a bound that bounds nothing, fails)
+    if not (
+        b.q < limit
+        and k_b < limit
+        and input_absmax < out_limit
+        and b.hidden < out_limit
+        and gate < out_limit
+        and gate * v_all < out_limit
+        and merged < out_limit
+        and b.score(cached_absmax) < limit
+        and lb.o_row_l1 * merged + lb.o_bias < out_limit
+    ):
+        return None
+    return k_b
+
+
 def _constants(hosted: HostedModel, cache_dtype: torch.dtype, wb: WeightBounds) -> tuple:
     """cleared()'s constants for the module's weights (wb), its dtype and cache_dtype, kept
     on the module per cache dtype until its weights change."""
@@ -110,6 +148,9 @@ def _constants(hosted: HostedModel, cache_dtype: torch.dtype, wb: WeightBounds) 
     # A scale above 1, or a soft-cap below 1, grows the scores.
     limit = score_limit(hosted.dtype, cache_dtype) / MARGIN / cfg.score_factor
     out_limit = torch.finfo(hosted.dtype).max / MARGIN
+    if wb.latent is not None:  # (latent_cleared's)
+        c = (wb, hosted.dtype, None, wb.latent, cfg.embed_dim, limit, out_limit)
+        return _keep(hosted, cache_dtype, c)
     c = (
         wb,
         hosted.dtype,
@@ -130,6 +171,11 @@ def _constants(hosted: HostedModel, cache_dtype: torch.dtype, wb: WeightBounds) 
         wb.o_row_l1,
         wb.o_bias,
     )
+    return _keep(hosted, cache_dtype, c)
+
+
+def _keep(hosted: HostedModel, cache_dtype: torch.dtype, c: tuple) -> tuple:
+    """c kept on the module for cache_dtype (clearance reads it back)."""
     module = hosted.module
     held = module.__dict__.get("_clearance")
     if held is None:
