@@ -2,7 +2,8 @@
 end with tiny counts: a window session's KV bytes flat across lengths (the full one's in
 proportion), pruned models' KV bytes in proportion to their heads and the unpruned row's
 error 0, both attention paths of a batch of sessions decoding, and engine_step.py's profile of both
-sides, and bench/decode_attention.py's rows. Timings are not asserted."""
+sides, bench/decode_attention.py's rows, and bench/mla_decode.py's four sides. Timings are
+not asserted."""
 
 from __future__ import annotations
 
@@ -154,3 +155,25 @@ def test_alibi_prompt_bench_rows_agree_between_the_two_kernels(tmp_path):
     assert all(r["max_diff"] < (1e-5 if r["dtype"] == "float32" else 0.05) for r in rows)
     assert [r["picked"] for r in rows[:3]] == ["fused", "fused", "explicit"]
     assert all(r["explicit_ms"] > 0 and r["fused_ms"] > 0 for r in rows)
+
+
+def test_mla_decode_bench_sides_agree_and_only_the_bounds_differ(tmp_path):
+    """bench/mla_decode.py with a tiny layer: a row per context, every side timed, the served
+    MLA's steps within float32 rounding of transformers' DeepseekV3Attention and equal to
+    the same engine's measured ones (mla_before), whose bounds clear nothing while the
+    others' clear their steps."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "mla.json"
+    run(
+        "mla_decode.py",
+        *("--embed-dim", "64", "--heads", "4", "--kv-lora-rank", "24", "--rope-dim", "8"),
+        *("--nope-dim", "12", "--v-head-dim", "10", "--q-lora-rank", "20"),
+        *("--contexts", "8,20", "--steps", "2", "--rounds", "1", "--json-out", str(out)),
+    )
+    result = json.loads(out.read_text())
+    assert result["cleared"] == {"mla": True, "mla_before": False, "mqa": True}
+    rows = result["rows"]
+    assert [r["context"] for r in rows] == [8, 20]
+    for r in rows:
+        assert set(r["step_ms"]) == {"mla", "mla_before", "mqa", "hf"}
+        assert r["max_abs_diff_hf"] < 1e-5 and r["max_abs_diff_before"] < 1e-5
