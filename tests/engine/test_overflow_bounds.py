@@ -289,3 +289,24 @@ def test_mla_bounds_follow_each_of_its_weights():
         assert weight_bounds(module).latent != before, name
         p.data = p.data / 1024
         assert weight_bounds(module).latent == before, name
+
+
+@pytest.mark.parametrize("scope", ["head", "projection"])
+def test_a_qk_norm_with_eps_0_clears_nothing_and_a_zero_token_is_refused(scope):
+    """With eps 0 a zero token (q and k biases 0) is normed 0 / 0 = NaN whatever the gains:
+    its scores are NaN, which this CPU's fused kernel turns into zero attention, a finite
+    answer that is not the layer's (transformers' is NaN). The norms then bound nothing, so
+    the step is measured and refused, never answered OK."""
+    spec = ModelSpec("m", AttentionConfig(32, 4, 2, qk_norm={"eps": 0.0, "scope": scope}), seed=1)
+    engine = engine_of(spec, torch.float32)
+    hosted = engine.get("m")
+    with torch.no_grad():
+        hosted.module.wqkv.bias[:48] = 0  # q's and k's; v's stay
+    assert cleared(hosted, torch.float32, 0.0, 0.0, 1.0) is None
+    sid = engine.sessions.create("m", None, None).session_id
+    x = torch.zeros(1, 2, 32)
+    with pytest.raises(InvalidRequest):
+        attend(engine, req("m", x, session_id=sid))
+    assert engine.sessions.table.get(sid).num_tokens == 0
+    with pytest.raises(InvalidRequest):
+        attend(engine, req("m", x))

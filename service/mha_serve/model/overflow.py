@@ -372,7 +372,7 @@ def _plain_bounds(module: torch.nn.Module, rotation: float) -> WeightBounds:
             ((module.q_norm, c.num_heads), (module.k_norm, c.num_kv_heads))
         ):
             n = (heads if whole else 1) * c.head_dim
-            norms[i] = NORM_SLACK * math.sqrt(n) * float(w.double().abs().max())
+            norms[i] = float(_norm_bound(w, n, c.qk_norm.eps))
     return WeightBounds(
         *(float(r.max()) for r in rows),
         *(float(b) for b in biases),
@@ -381,6 +381,16 @@ def _plain_bounds(module: torch.nn.Module, rotation: float) -> WeightBounds:
         rotation,
         *norms,
     )
+
+
+def _norm_bound(gain: torch.Tensor, n: int, eps: float) -> torch.Tensor:
+    """max |rms(z) * gain| over n values whatever z, float64: |z_i| / sqrt(mean(z^2) + eps)
+    <= sqrt(n), times max |gain| (NORM_SLACK over it for the float32 norm's rounding); inf
+    where eps is 0 in float32: z = 0 (a zero token without bias) is then 0 / 0, NaN whatever
+    the gain, which a kernel may turn into zero attention and a finite, wrong answer."""
+    if not torch.tensor(eps, dtype=torch.float32) > 0:
+        return gain.new_tensor(math.inf, dtype=torch.float64)
+    return NORM_SLACK * math.sqrt(n) * gain.double().abs().max()
 
 
 def _latent_bounds(module: torch.nn.Module, rotation: float) -> LatentBounds:
@@ -398,12 +408,8 @@ def _latent_bounds(module: torch.nn.Module, rotation: float) -> LatentBounds:
     def top(*tensors: torch.Tensor) -> torch.Tensor:
         return torch.stack([t.max() for t in tensors]).max()
 
-    def norm_bound(gain: torch.Tensor) -> torch.Tensor:
-        """max |rms(z) * gain| (and ||.||_2) whatever z; inf where eps is 0 in float32 (z = 0
-        is then 0 / 0)."""
-        if not torch.tensor(m.eps, dtype=torch.float32) > 0:
-            return gain.new_tensor(math.inf, dtype=torch.float64)
-        return NORM_SLACK * math.sqrt(gain.numel()) * gain.double().abs().max()
+    def norm_bound(gain: torch.Tensor) -> torch.Tensor:  # (and ||.||_2 of the normed)
+        return _norm_bound(gain, gain.numel(), m.eps)
 
     kv_row, kv_bias = rows("kv_a")  # (C + R,)
     if m.q_lora_rank is None:
