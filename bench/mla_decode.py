@@ -7,7 +7,7 @@ float32), written as a Hugging Face DeepseekV3 checkpoint and decoded four ways,
 session prefilled to the same context (256, 1024, 4096) with the same tokens:
 
 - mla: the engine (Engine.attend of one session step, as a front door calls it) serving that
-  layer: its overflow bounds (overflow.LatentBounds) clear each step, which then runs
+  layer: its overflow bounds (mla_bounds.LatentBounds) clear each step, which then runs
   alone (the lone-step path: no maxima, no exact check);
 - mla_before: the same layer, the same engine, its bounds those of the commit before them
   (overflow.NO_BOUNDS for its module, patched in here: nothing clears, so each step is a

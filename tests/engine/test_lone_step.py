@@ -39,7 +39,7 @@ LONE_MODELS = [
     ModelSpec(  # GLM's: RoPE by interleaved pairs over half of each head, in decode_one
         "glm", AttentionConfig(64, 4, 2, rope={"interleaved": True, "partial": 0.5}), seed=12
     ),
-    MLA_MODEL,  # multi-head latent attention: its own bounds (overflow.LatentBounds)
+    MLA_MODEL,  # multi-head latent attention: its own bounds (mla_bounds.LatentBounds)
 ]
 NAMES = [m.name for m in LONE_MODELS]
 
@@ -300,7 +300,7 @@ def mla_steps(engine: Engine, x: torch.Tensor) -> tuple[list[torch.Tensor], obje
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_an_mla_step_its_bounds_clear_runs_alone_and_decode_now_takes_it(paths, dtype):
-    """Multi-head latent attention's bounds (overflow.LatentBounds) clear a plain input's
+    """Multi-head latent attention's bounds (mla_bounds.LatentBounds) clear a plain input's
     steps, in float16 too: each is a lone step, decode_now answers the next, and all equal
     a recompute (float32; float16's within its rounding)."""
     engine = mla_engine(dtype)

@@ -1,4 +1,4 @@
-"""Multi-head latent attention's static bounds (overflow.LatentBounds): no tensor its
+"""Multi-head latent attention's static bounds (mla_bounds.LatentBounds): no tensor its
 projection, attention or merge makes exceeds them, for random weights and norm gains (with
 and without q_lora_rank, biases, RoPE by halves or pairs, yarn's attention factor on cos and
 sin) and adversarial inputs at the validated max |x|: the signs of the weights' top singular
@@ -15,8 +15,9 @@ import torch.nn.functional as F
 
 from mha_serve.model import AttentionConfig, MultiHeadAttention, init_weights
 from mha_serve.model.mla import merge
-from mha_serve.model.norm import rms_norm
-from mha_serve.model.overflow import NORM_SLACK, latent_maxima, weight_bounds
+from mha_serve.model.mla_bounds import latent_maxima
+from mha_serve.model.norm import NORM_SLACK, rms_norm
+from mha_serve.model.overflow import weight_bounds
 from tests.model.test_mla import C, E, H, N, Q, R, V
 
 A = 3.0  # the validated max |x| of every adversarial token

@@ -12,14 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from mha_serve.engine.types import HostedModel
-from mha_serve.model.overflow import (
-    MARGIN,
-    WeightBounds,
-    latent_maxima,
-    score_limit,
-    weight_bounds,
-    worst,
-)
+from mha_serve.model.mla_bounds import latent_maxima, worst
+from mha_serve.model.overflow import MARGIN, WeightBounds, score_limit, weight_bounds
 
 
 @dataclass(slots=True)
@@ -116,7 +110,7 @@ def latent_cleared(
     c: tuple, input_absmax: float, cached_absmax: float, gate: float
 ) -> float | None:
     """clears() of multi-head latent attention (c: its clearance, whose third element is
-    None): the same checks over its own tensors (overflow.LatentBounds): the hidden ones
+    None): the same checks over its own tensors (model/mla_bounds.py LatentBounds): the hidden ones
     before q' (q_a(x) or q(x), kv_a(x), the normed q and q_b's output) in the model's dtype,
     q' and k' = v in the model's and the cache's, every score against the new and the
     cached keys, the gated heads, their merge through W_uv, and the output."""

@@ -1,9 +1,15 @@
-"""The RMSNorm of q and k (Qwen3, OLMo-2, Gemma 3), in float32 as transformers computes it."""
+"""The RMSNorm of q and k (Qwen3, OLMo-2, Gemma 3) and of MLA's latents, in float32 as
+transformers computes it, and the bound on its output whatever its input (the overflow
+bounds')."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+# Over the norm's bound sqrt(n) max|w| (norm_bound), for the rounding of the float32 norm.
+NORM_SLACK = 1.001
 # Past this max |x| the sum of squares could overflow float32 (x^2 does from |x| ~ 1.8e19, the
 # sum over n values sooner), and 1 / sqrt(inf) would make the normed q or k all zeros: finite,
 # uniform attention, a wrong answer. Such rows are divided by a power of two first.
@@ -21,3 +27,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = xf / scale
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps / scale.square())
     return (normed * weight.float()).to(x.dtype)
+
+
+def norm_bound(gain: torch.Tensor, n: int, eps: float) -> torch.Tensor:
+    """max |rms(z) * gain| over n values whatever z, float64: |z_i| / sqrt(mean(z^2) + eps)
+    <= sqrt(n), times max |gain| (NORM_SLACK over it for the float32 norm's rounding); inf
+    where eps is 0 in float32: z = 0 (a zero token without bias) is then 0 / 0, NaN whatever
+    the gain, which a kernel may turn into zero attention and a finite, wrong answer."""
+    if not torch.tensor(eps, dtype=torch.float32) > 0:
+        return gain.new_tensor(math.inf, dtype=torch.float64)
+    return NORM_SLACK * math.sqrt(n) * gain.double().abs().max()
