@@ -145,7 +145,7 @@ def main() -> None:
         checkpoint(args, directory)
         mla = read_hf_layer(directory, 0).attention
         longest = max(args.contexts) + args.steps + PREFILL_CHUNK
-        budget = 2 * longest * 2 * width * 4  # K and V of R + C, float32, twice over
+        budget = 2 * longest * 2 * width * 4  # K and V of R + C, float32, twice over (ample)
         common = {"max_seq_len": longest, "kv_cache_bytes": budget}
         mqa = AttentionConfig(
             E, args.heads, 1, head_dim=width, bias=False, causal=True, rope=mla.rope
@@ -171,8 +171,8 @@ def main() -> None:
         }
     print(
         f"MLA E {E}, H {args.heads}, C {args.kv_lora_rank}, R {args.rope_dim}, N "
-        f"{args.nope_dim}, V {args.v_head_dim}, q_lora {args.q_lora_rank}, float32 (cache "
-        f"{2 * width} values a token; mqa: 1 kv head of {width}); decode step ms = median of "
+        f"{args.nope_dim}, V {args.v_head_dim}, q_lora {args.q_lora_rank}, float32 (one kv "
+        f"head of {width}; mqa: 1 kv head of {width} too); decode step ms = median of "
         f"{args.rounds} rounds x {args.steps} steps, {torch.get_num_threads()} torch threads"
     )
     print(
