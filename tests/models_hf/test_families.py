@@ -1010,3 +1010,18 @@ def test_families_needing_a_feature_we_lack_are_refused_naming_it(tmp_path, mode
         read_hf_layer(tmp_path, 0)
     message = str(err.value)
     assert f"model_type {model_type!r}" in message and piece in message, message
+
+
+def test_hy_v3_without_rms_norm_eps_norms_q_and_k_with_its_configs_default(tmp_path):
+    # HYV3Config's rms_norm_eps is 1e-5 (its q_norm and k_norm take it), not the 1e-6 read
+    # where config.json leaves the key out; inputs small enough that the eps shows.
+    config = HYV3Config(num_key_value_heads=2, head_dim=16, **MOE, **SMALL)
+    directory = checkpoint(tmp_path, HYV3Model, config, rms_norm_eps=None)
+    assert read_hf_layer(directory, 0).attention.qk_norm.eps == HYV3Config().rms_norm_eps
+    base = HYV3Model.from_pretrained(directory, attn_implementation="eager").eval()
+    module, _ = load_hf_layer(directory, 0)
+    x = 1e-3 * torch.randn(1, 12, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, _ = reference_attention("hy_v3", base, 0, x)
+        got = module(x).output
+    torch.testing.assert_close(got, want, atol=1e-7, rtol=1e-5)

@@ -237,7 +237,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "flex_olmo": {"rope_theta": 500_000.0},
     "phimoe": {"num_key_value_heads": 8, "rope_theta": 1_000_000.0},
     "jais2": {"attention_bias": True},
-    "hy_v3": {"num_key_value_heads": 8, "head_dim": 128, "rope_theta": 11_158_840.0},
+    "hy_v3": {
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-5,  # (its q_norm and k_norm take it)
+        "rope_theta": 11_158_840.0,
+    },
     "cwm": {
         "num_key_value_heads": 8,
         "head_dim": 128,
