@@ -458,12 +458,17 @@ def test_the_suite_runner_sums_up_a_run_and_an_interrupted_one(tmp_path):
     (tests / "test_some.py").write_text(
         "import threading\ndef test_passes(): pass\ndef test_waits(): threading.Event().wait(120)\n"
     )
+    # (a limit well past pytest's start on a loaded 2-core machine, so test_passes has run;
+    # where the SIGINT lands in test_waits decides whether pytest reports it failed or not
+    # at all, so either is accepted: it was failed once in CI under load, never passed)
     run = subprocess.run(
-        [*args, "--timeout", "2", "--", str(tests)], capture_output=True, text=True, timeout=120
+        [*args, "--timeout", "15", "--", str(tests)], capture_output=True, text=True, timeout=120
     )
     summary = json.loads(out.read_text())
     assert summary["timed_out"] and run.returncode != 0, run.stdout + run.stderr
-    assert summary["counts"]["passed"] == 1 and summary["counts"]["failed"] == 0
+    assert summary["counts"]["passed"] == 1, summary
+    failed = [f["test"].rsplit("::", 1)[1] for f in summary["failures"]]
+    assert failed in ([], ["test_waits"]) and summary["counts"]["failed"] == len(failed), summary
 
 
 def test_a_row_records_what_it_could_not_measure_and_the_page_says_so():
