@@ -100,8 +100,15 @@ def run_pytest(args: list[str], log, timeout_s: float) -> tuple[int, bool, str]:
     time limit."""
     cmd, env = pytest_command(args)
     log.write(f"$ {' '.join(cmd)}\n".encode())
+    # (SIGINT back to its default in the child: a shell's background job inherits it ignored,
+    # and a Python started so never raises KeyboardInterrupt, so the limit could only kill)
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
     timed_out = False
@@ -145,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     left_out = missing_modules(collect.stdout)
     for path, module in left_out.items():
         print(f"gpu_suite: leaving out {path}: needs {module!r}, not installed here", flush=True)
+    junit.unlink(missing_ok=True)  # (a killed run writes none: never sum up an older run's)
     run_args = ["-q", "-rfEs", f"--junitxml={junit}", *args.pytest_args]
     run_args += [f"--ignore={path}" for path in left_out]
     limit = 0.0  # what the collection left of the time limit, at least a little
