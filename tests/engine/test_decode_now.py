@@ -15,6 +15,7 @@ from mha_serve.cache import SessionBusy
 from mha_serve.engine import Abandoned, DeadlinePassed, Engine
 from mha_serve.engine import compute as engine_compute
 from mha_serve.engine.faults import DeviceOutOfMemory, out_of_memory_is_exhausted
+from mha_serve.engine.graphs import StaticDecode
 from mha_serve.model import MultiHeadAttention
 from tests.engine.test_lone_step import LONE_MODELS, NAMES, tokens
 from tests.engine_calls import State, req, run, torched
@@ -168,22 +169,57 @@ def test_a_step_over_the_inline_size_bounds_that_cannot_clear_or_a_busy_session_
     engine.sessions.close(sid)
 
 
-def test_the_static_decode_takes_every_plain_step_itself():
-    """With static_decode on, plain decode steps are the static path's (engine/graphs.py):
-    decode_now leaves them, and the engine says so (decodes_now)."""
-    engine = Engine(
-        LONE_MODELS[:1],
+def static_engine(models) -> Engine:
+    return Engine(
+        models,
         device=suite_torch_device(),
         dtype=torch.float32,
         max_response_bytes=2**28,
         static_decode="eager",
     )
+
+
+def test_the_static_decode_takes_every_plain_step_of_a_model_it_supports():
+    """With static_decode on, plain decode steps of a model it supports are the static
+    path's (engine/graphs.py): decode_now leaves them, and the engine says so (decodes_now)."""
+    engine = static_engine(LONE_MODELS[:1])
     name = LONE_MODELS[0].name
     sid = engine.sessions.create(name, None, None).session_id
     x = tokens(engine, name, 2, seed=14)
     run(engine, engine.get(name), req(name, x[:, :1], session_id=sid))
     assert now(engine, name, x[:, 1:], sid) is None and held(engine, sid) == 1
-    assert not engine.decodes_now  # (serving does not even ask: AsyncEngine._steps_now)
+    assert not engine.decodes_now(name)  # (serving does not even ask: AsyncEngine._steps_now)
+
+
+UNFIXED = [m for m in LONE_MODELS if not StaticDecode.supports(m.attention)]
+
+
+@pytest.mark.parametrize("spec", UNFIXED, ids=[m.name for m in UNFIXED])
+def test_a_model_the_static_decode_declines_keeps_decode_now(spec):
+    """With static_decode on, a model it does not support (a q/k norm, MLA) runs its plain
+    steps as any step: decode_now takes them as with it off (it left every one to the
+    lanes before), the same outputs bit for bit as the lanes' path, and the engine says
+    so. Its lone steps take the lone-step path too (run_steps)."""
+    assert UNFIXED, "LONE_MODELS has no model the static decode declines"
+    engine = static_engine([spec])
+    name = spec.name
+    hosted = engine.get(name)
+    x = tokens(engine, name, 8, seed=16)
+    a, b = (engine.sessions.create(name, None, None).session_id for _ in range(2))
+    for sid in (a, b):
+        run(engine, hosted, req(name, x[:, :5], session_id=sid))
+    assert engine.decodes_now(name)
+    for p in range(5, 8):
+        mine = now(engine, name, x[:, p : p + 1], a)
+        theirs = run(engine, hosted, req(name, x[:, p : p + 1], session_id=b))
+        assert mine is not None, f"{name}: decode_now left token {p} to the lanes"
+        assert torch.equal(mine.output, theirs.output), f"{name}: token {p}"
+    assert held(engine, a) == held(engine, b) == 8
+    batched = []  # the batch's forward, which the lone-step path skips
+    real_forward = engine.sessions._forward
+    engine.sessions._forward = lambda *a, **k: batched.append(1) or real_forward(*a, **k)
+    run(engine, hosted, req(name, x[:, 7:8], session_id=b))
+    assert not batched, f"{name}: a lone plain step took the batch's forward"
 
 
 @pytest.mark.parametrize(

@@ -208,7 +208,7 @@ async def test_a_plain_step_the_lanes_refuse_gets_their_error_whichever_path(wha
         )  # fmt: skip
         compute = ComputeThreads(1, 1)
         serving = AsyncEngine(eng, compute)
-        serving._steps_now = now
+        serving._steps_now = set(serving.lanes) if now else set()
         try:
             sid = (await serving.create_session("m", None, None, "me")).session_id
             request, deadline, _ = _bad_steps(sid)[what]

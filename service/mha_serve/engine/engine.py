@@ -162,11 +162,12 @@ class Engine(Preparing, Computing, SessionAPI):
         )
         return HostedModel(spec, module, device, dtype)
 
-    @property
-    def decodes_now(self) -> bool:
-        """Whether decode_now may take plain decode steps: not while the static decode
-        (decode_graphs) takes them all."""
-        return self.sessions.static_decode == "off"
+    def decodes_now(self, model: str) -> bool:
+        """Whether decode_now may take plain decode steps of the model's sessions: not
+        where the static decode (decode_graphs) takes them (Sessions.decodes_fixed); a
+        model it does not support (MLA, a q/k norm, an output gate) or a CPU under graphs
+        keeps decode_now."""
+        return not self.sessions.decodes_fixed(self.get(model))
 
     def get(self, name: str) -> HostedModel:
         hosted = self.models.get(name)

@@ -83,6 +83,19 @@ class BatchForward:
             return None
         return held if held[1].acquire(blocking=False) else None
 
+    def decodes_fixed(self, hosted: HostedModel) -> bool:
+        """Whether the static decode takes hosted's plain decode steps: it is on, it supports
+        the model (StaticDecode.supports), graphs have their CUDA device, and it has not
+        been switched off for the model (buffers it could not make, a graph that failed).
+        Where it does not, the model's plain steps run as any step: the lone-step path and
+        decode_now take them as with the static decode off."""
+        if self.static_decode == "off" or not StaticDecode.supports(hosted.spec.attention):
+            return False
+        if self.static_decode == "graphs" and hosted.device.type != "cuda":
+            return False
+        name = hosted.spec.name
+        return name not in self._static or self._static[name] is not None
+
     def _make_static(self, hosted: HostedModel, cache: KVCache) -> None:
         """The model's StaticDecode and its lock into _static (None where it cannot run),
         unless another thread made it first."""

@@ -65,7 +65,7 @@ class LoneStep:
         to take it instead (the static decode on, another model's session, more than
         max_keys keys (None: any), no room at once, bounds that cannot clear it): prepare and
         run_steps then take it, with their errors and waits. Its other errors are raised."""
-        if self.static_decode != "off":
+        if self.decodes_fixed(hosted):
             return None
         start = time.perf_counter()
         table = self.table

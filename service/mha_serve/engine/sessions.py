@@ -312,7 +312,7 @@ class Sessions(LoneStep, BatchForward, Settling):
         """
         start = time.perf_counter()
         handed: Reservation | None = None  # a lone step's, reserved by _run_alone
-        if len(calls) == 1 and (self.static_decode == "off" or calls[0].inputs.shape[1] != 1):
+        if len(calls) == 1 and (calls[0].inputs.shape[1] != 1 or not self.decodes_fixed(hosted)):
             outcome = self._run_alone(hosted, calls[0])
             if isinstance(outcome, Reservation):  # bounds that cannot clear it: measured here
                 handed = outcome

@@ -74,7 +74,8 @@ class AsyncEngine(Retrying, SessionCalls):
         # A plain decode step on the event loop's thread (_step_now): as the lanes run a lone
         # step inline (lanes_for), single-threaded, a device out-of-memory RESOURCE_EXHAUSTED.
         self._decode_now = compute.on_caller(out_of_memory_is_exhausted(engine.decode_now))
-        self._steps_now = inline and engine.decodes_now  # (else every plain step is the lanes')
+        # The models whose plain decode steps decode_now may take (the others': the lanes').
+        self._steps_now = {m for m in self.lanes if inline and engine.decodes_now(m)}
         for name in engine.models:
             if engine.cache_info(name) is not None:
                 metrics.watch_kv_cache(name, functools.partial(engine.cache_info, name))
@@ -229,7 +230,7 @@ class AsyncEngine(Retrying, SessionCalls):
         except (CacheError, RequestError):  # _compute answers why
             return None
         lanes = self.lanes.get(model)
-        if lanes is None:
+        if lanes is None or model not in self._steps_now:
             return None
         if self._abandoned and session_id in self._abandoned:
             return None  # (its last step, cancelled, still computes: _compute waits for it)
