@@ -17,10 +17,10 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
+from _timing import alternating_best
 
 from mha_serve.model import cached
 from mha_serve.model.alibi import AlibiSlopes, alibi_slopes, positions
@@ -62,13 +62,6 @@ def sides(rows: int, keys: int, dtype: torch.dtype, heads: int):
     return explicit, fused
 
 
-def timed(fn, calls: int) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
@@ -93,12 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             for rows, keys in shapes:
                 explicit, fused = sides(rows, keys, dtype, heads)
                 diff = (explicit().float() - fused().float()).abs().max().item()
-                calls = max(1, int(budget_s / max(timed(explicit, 1), 1e-6)))
-                best = {"explicit": float("inf"), "fused": float("inf")}
-                for r in range(rounds):
-                    order = (("explicit", explicit), ("fused", fused))
-                    for name, fn in order if r % 2 == 0 else order[::-1]:
-                        best[name] = min(best[name], timed(fn, calls))
+                best = alternating_best({"explicit": explicit, "fused": fused}, rounds, budget_s)
                 row = {
                     "dtype": str(dtype).removeprefix("torch."),
                     "rows": rows,

@@ -15,11 +15,11 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _timing import alternating_best
 
 from mha_serve.model.cached import attend_token
 
@@ -39,13 +39,6 @@ def sides(kvh: int, keys: int, dtype: torch.dtype):
         return attend_token(q, k, v, SCALE)
 
     return before, now
-
-
-def timed(fn, calls: int) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,12 +66,9 @@ def main(argv: list[str] | None = None) -> int:
                     diff = (before().float() - now().float()).abs().max().item()
                     for fn in (before, now):  # warm, and the calls per round
                         fn()
-                    calls = max(5, int(budget_s / max(timed(before, 5), 1e-6)))
-                    best = {"before": float("inf"), "now": float("inf")}
-                    for r in range(rounds):
-                        order = (("before", before), ("now", now))
-                        for name, fn in order if r % 2 == 0 else order[::-1]:
-                            best[name] = min(best[name], timed(fn, calls))
+                    best = alternating_best(
+                        {"before": before, "now": now}, rounds, budget_s, probe_calls=5, min_calls=5
+                    )
                     row = {
                         "dtype": str(dtype).removeprefix("torch."),
                         "kv_heads": kvh,

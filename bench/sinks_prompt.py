@@ -15,10 +15,10 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
+from _timing import alternating_best
 
 from mha_serve.model import cached
 
@@ -51,13 +51,6 @@ def sides(rows: int, keys: int, dtype: torch.dtype, heads: int, kv_heads: int):
     return explicit, fused
 
 
-def timed(fn, calls: int) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls
-
-
 def picked(rows: int, keys: int, heads: int, kv_heads: int) -> str:
     fused = rows > 1 and (heads == kv_heads or rows * keys >= cached.SINKS_BY_SDPA_MIN_SCORES)
     return "fused" if fused else "explicit"
@@ -87,12 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             for rows, keys in shapes:
                 explicit, fused = sides(rows, keys, dtype, heads, kv_heads)
                 diff = (explicit().float() - fused().float()).abs().max().item()
-                calls = max(1, int(budget_s / max(timed(explicit, 1), 1e-6)))
-                best = {"explicit": float("inf"), "fused": float("inf")}
-                for r in range(rounds):
-                    order = (("explicit", explicit), ("fused", fused))
-                    for name, fn in order if r % 2 == 0 else order[::-1]:
-                        best[name] = min(best[name], timed(fn, calls))
+                best = alternating_best({"explicit": explicit, "fused": fused}, rounds, budget_s)
                 row = {
                     "dtype": str(dtype).removeprefix("torch."),
                     "rows": rows,
