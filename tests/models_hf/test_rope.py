@@ -13,6 +13,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.gpt_oss import modeling_gpt_oss as gpt_oss
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from mha_serve.model.config import RopeConfig
 from mha_serve.model.hf_config import read_hf_layer
 from mha_serve.model.rope import cos_sin, doubled, inv_freq, rotate
 
@@ -175,3 +176,17 @@ def test_gpt_oss_rope_equals_transformers(tmp_path, keys):
     q, k = torch.randn(2, 4, 5, 32), torch.randn(2, 2, 5, 32)
     want_q, want_k = gpt_oss.apply_rotary_pos_emb(q, k, their_cos, their_sin)
     assert torch.equal(rotate(q, cos, sin), want_q) and torch.equal(rotate(k, cos, sin), want_k)
+
+
+@pytest.mark.parametrize(("partial", "factor"), [(0.25, 1.0), (0.5, 2.0), (1.0, 1.0)])
+def test_proportional_frequencies_equal_transformers(partial, factor):
+    """Gemma 4's global layers' RoPE: frequencies over the whole head, theta ** (-2i /
+    head_dim) for the first int(partial * head_dim // 2) and 0 past them, divided by factor."""
+    params = {"rope_type": "proportional", "rope_theta": 1e4}
+    params.update({"partial_rotary_factor": partial, "factor": factor})
+    theirs, their_scaling = ROPE_INIT_FUNCTIONS["proportional"](llama_config(params), "cpu")
+    rope = RopeConfig(theta=1e4, type="proportional", partial=partial, factor=factor)
+    ours, scaling = inv_freq(rope, 32)
+    assert torch.equal(ours, theirs.float()), (ours - theirs).abs().max()
+    assert scaling == their_scaling == 1.0
+    assert int((ours != 0).sum()) == int(partial * 32 // 2)

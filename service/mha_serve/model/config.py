@@ -17,7 +17,10 @@ _BOOL_FIELDS = ("bias", "causal", "sinks", "alibi", "alibi_bfloat16", "output_ga
 _SET_ONLY = ("sinks", "alibi", "alibi_bfloat16", "output_gate")
 # RoPE variants whose frequencies are fixed at load time, so that keys rotated once and
 # cached stay right. "dynamic" and "longrope" change frequencies with the sequence length.
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# "proportional" (Gemma 4's global layers): halves over the whole head, the first
+# int(partial * head_dim // 2) frequencies theta ** (-2i / head_dim), the others 0 (those
+# dims pass through), all divided by factor.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 # Over what a q/k RMSNorm normalises: each head's head_dim values (Qwen3, Gemma 3), or the
 # whole projection, all heads' values together (OLMo-2: q over H*D, k over KVH*D).
 QK_NORM_SCOPES = ("head", "projection")
@@ -32,7 +35,7 @@ class RopeConfig:
 
     theta: float = 10000.0  # base wavelength (rope_theta)
     type: str = "default"  # one of ROPE_TYPES
-    factor: float = 1.0  # linear, llama3, yarn: context extension factor
+    factor: float = 1.0  # linear, llama3, yarn, proportional: context extension factor
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     original_max_position_embeddings: int = 0  # llama3, yarn: the pretraining context
@@ -47,6 +50,8 @@ class RopeConfig:
     interleaved: bool = False
     # The fraction of each head's dims rotated, the first ones; the rest pass through (GLM's
     # partial_rotary_factor). Frequencies over those dims only, as transformers computes them.
+    # With type "proportional": the fraction of each head's frequencies that are not 0, over
+    # the whole head (rope_dim is head_dim).
     partial: float = 1.0
 
     def __post_init__(self) -> None:
@@ -338,9 +343,12 @@ class AttentionConfig:
     @property
     def rope_dim(self) -> int:
         """The dims of each head that RoPE rotates (the first ones): int(head_dim * partial),
-        as transformers counts them; 0 without RoPE. With mla: its rope_dim."""
+        as transformers counts them; 0 without RoPE. With mla: its rope_dim. Proportional
+        RoPE turns the whole head (the dims past its proportion at frequency 0)."""
         if self.mla is not None:
             return self.mla.rope_dim
+        if self.rope is not None and self.rope.type == "proportional":
+            return self.head_dim  # (its frequencies past the proportion are 0)
         return 0 if self.rope is None else int(self.head_dim * self.rope.partial)
 
     @property

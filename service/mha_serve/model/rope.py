@@ -1,7 +1,7 @@
 """Rotary position embeddings (RoPE) as Hugging Face's Llama, Mistral and Qwen2 apply them:
 frequencies from a RopeConfig, fixed at load time, and the rotation of q and k at absolute
 positions. Frequencies follow transformers' modeling_rope_utils (default, linear, llama3,
-yarn) step for step, in float32, so served outputs match transformers to rounding."""
+yarn, proportional) step for step, in float32, so served outputs match transformers to rounding."""
 
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ def inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
         return freq / rope.factor, 1.0
     if rope.type == "llama3":
         return _llama3(freq, rope), 1.0
+    if rope.type == "proportional":  # (_compute_proportional_rope_parameters)
+        turned = int(rope.partial * dim // 2)  # frequencies that turn; the rest are 0
+        freq = torch.cat([freq[:turned], torch.zeros(dim // 2 - turned)])
+        return freq / rope.factor, 1.0
     return _yarn(base, rope, dim)
 
 
