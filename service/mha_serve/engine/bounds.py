@@ -88,9 +88,15 @@ def clears(c: tuple, input_absmax: float, cached_absmax: float, gate: float) -> 
     _, _, sqrt_e, turn, q_fixed, q_row, q_bias, k_fixed, k_row, k_bias, v_row, v_bias = c[:12]
     limit, crossed_at, out_limit, head_dim, o_row, o_bias = c[12:]
     x_norm = sqrt_e * input_absmax
-    q_b = turn * (q_fixed or x_norm * q_row + q_bias)
-    k_b = turn * (k_fixed or x_norm * k_row + k_bias)
+    q_raw, k_raw = x_norm * q_row + q_bias, x_norm * k_row + k_bias
+    q_b = turn * (q_fixed or q_raw)
+    k_b = turn * (k_fixed or k_raw)
     v_b = x_norm * v_row + v_bias
+    # A norm's bound holds only for a finite projection: an inf in the model's dtype before
+    # a q/k norm is NaN after it (NaN scores, which a fused kernel may turn into zero
+    # attention: a finite, wrong answer).
+    if (q_fixed or k_fixed) and not max(q_raw, k_raw) < out_limit:
+        return None
     # Every tensor on the way must fit too, not only K/V and the output: the input in the
     # model's dtype, q in the model's and the cache's (the kernels round it to the cache's),
     # the gate and the gated heads (a huge gate on tiny values times a small Wo clears the
