@@ -266,14 +266,21 @@ def _decode_pair(config, num_kv_heads, dtype, kv_dtype, num_blocks):
         {"rope": {"theta": 100.0}, "qk_norm": {"scope": "head"}},
         {"rope": {"theta": 100.0}, "sliding_window": 1101},  # every key still in view
         {"rope": {"theta": 100.0, "interleaved": True, "partial": 0.5}},  # GLM's
+        # Gemma 4's global layers: proportional RoPE, q/k norm, V normed as it is written
+        {
+            "rope": {"theta": 100.0, "type": "proportional", "partial": 0.25},
+            "qk_norm": {"scope": "head"},
+            "v_norm": True,
+        },
     ],
-    ids=["plain", "rope", "rope_qk_norm", "rope_window", "rope_partial_pairs"],
+    ids=["plain", "rope", "rope_qk_norm", "rope_window", "rope_partial_pairs", "v_norm"],
 )
 def test_decode_one_is_the_plain_lone_step_exactly(variant, dtype, bias, past, family):
     """KVCache.step_views + MultiHeadAttention.decode_one (the engine's lone decode step in
     one call) against project -> append -> read -> attend_step: the same output and the
     same cache, bit for bit; with RoPE, q and K rotated at the token's position; with a
-    q/k norm per head (Qwen3's), q's and K's heads normed by their own gains first."""
+    q/k norm per head (Qwen3's), q's and K's heads normed by their own gains first; with a
+    value norm (Gemma 4's), V's heads normed before they are written."""
     num_blocks = 300
     module, (fast, plain) = _decode_pair(
         {"bias": bias, **family}, VARIANTS[variant], dtype, dtype, num_blocks

@@ -174,9 +174,9 @@ def plain_cleared(hosted, cache_dtype, input_absmax, cached_absmax, gate):
     out_limit = torch.finfo(hosted.dtype).max / MARGIN
     q_b, k_b, v_b = projected_bounds(input_absmax, cfg.embed_dim, wb, rotary=cfg.rope is not None)
     # (a norm's bound holds for a finite projection only: the projections before the norms)
-    unnormed = dataclasses.replace(wb, q_norm=0.0, k_norm=0.0)
+    unnormed = dataclasses.replace(wb, q_norm=0.0, k_norm=0.0, v_norm=0.0)
     raw = projected_bounds(input_absmax, cfg.embed_dim, unnormed, rotary=False)
-    if (wb.q_norm or wb.k_norm) and not max(raw[:2]) < out_limit:
+    if (wb.q_norm or wb.k_norm or wb.v_norm) and not max(raw) < out_limit:
         return None
     v_all = max(v_b, cached_absmax)
     if (
@@ -329,6 +329,29 @@ def test_a_qk_norm_over_a_projection_past_float16_is_not_cleared():
     hosted = engine.get("m")
     with torch.no_grad():
         hosted.module.wqkv.weight[32:48].mul_(1e3)  # k_proj's rows (H D = 32; KVH D = 16)
+    assert cleared(hosted, torch.float16, 1.0, 0.0, 1.0) is not None
+    assert cleared(hosted, torch.float16, 100.0, 0.0, 1.0) is None
+    for x in (0.0, 1e-3, 1.0, 100.0, 4e4, 1e20):  # (the bounds written plainly agree)
+        for cache_dtype in (torch.float16, torch.bfloat16):
+            want = plain_cleared(hosted, cache_dtype, x, 2.0, 1.0)
+            assert cleared(hosted, cache_dtype, x, 2.0, 1.0) == want
+    sid = engine.sessions.create("m", None, None).session_id
+    x = torch.full((1, 2, 32), 100.0, dtype=torch.float16)
+    answer_is_finite_or_refused(engine, req("m", x, session_id=sid))
+    with pytest.raises(InvalidRequest):
+        attend(engine, req("m", x))
+
+
+def test_a_value_norm_over_a_projection_past_float16_is_not_cleared():
+    """A value norm bounds |v| by sqrt(head_dim) whatever the input, but only for a finite
+    projection: v_proj's rows 1e3 times larger make it inf in float16 for an input of 100,
+    and the norm of inf is NaN (a value kept in the cache would poison the session). Such a
+    step is measured and refused, never cleared by the norm's bound."""
+    cfg = AttentionConfig(32, 4, 2, bias=False, qk_norm=QKNormConfig(), v_norm=True)
+    engine = engine_of(ModelSpec("m", cfg, seed=1), torch.float16)
+    hosted = engine.get("m")
+    with torch.no_grad():
+        hosted.module.wqkv.weight[48:64].mul_(1e3)  # v_proj's rows (H D = 32; KVH D = 16)
     assert cleared(hosted, torch.float16, 1.0, 0.0, 1.0) is not None
     assert cleared(hosted, torch.float16, 100.0, 0.0, 1.0) is None
     for x in (0.0, 1e-3, 1.0, 100.0, 4e4, 1e20):  # (the bounds written plainly agree)

@@ -65,6 +65,14 @@ FAMILIES = {
     "rope+window": {"rope": {"theta": 100.0}, "sliding_window": 6},
     "softcap": {"softcap": 5.0},
     "sinks+window": {"sinks": True, "rope": {"theta": 100.0}, "sliding_window": 6},
+    # Gemma 4's local layers: q/k norm, values normed when projected, scale 1, a window
+    "v_norm+window": {
+        "rope": {"theta": 100.0},
+        "qk_norm": {"scope": "head"},
+        "v_norm": True,
+        "softmax_scale": 1.0,
+        "sliding_window": 6,
+    },
 }
 
 

@@ -85,17 +85,17 @@ def clears(c: tuple, input_absmax: float, cached_absmax: float, gate: float) -> 
     """cleared() with its constants c (clearance)."""
     if c[2] is None:  # multi-head latent attention: its own bounds
         return latent_cleared(c, input_absmax, cached_absmax, gate)
-    _, _, sqrt_e, turn, q_fixed, q_row, q_bias, k_fixed, k_row, k_bias, v_row, v_bias = c[:12]
-    limit, crossed_at, out_limit, head_dim, o_row, o_bias = c[12:]
+    _, _, sqrt_e, turn, q_fixed, q_row, q_bias, k_fixed, k_row, k_bias = c[:10]
+    v_fixed, v_row, v_bias, limit, crossed_at, out_limit, head_dim, o_row, o_bias = c[10:]
     x_norm = sqrt_e * input_absmax
-    q_raw, k_raw = x_norm * q_row + q_bias, x_norm * k_row + k_bias
+    q_raw, k_raw, v_raw = x_norm * q_row + q_bias, x_norm * k_row + k_bias, x_norm * v_row + v_bias
     q_b = turn * (q_fixed or q_raw)
     k_b = turn * (k_fixed or k_raw)
-    v_b = x_norm * v_row + v_bias
+    v_b = v_fixed or v_raw
     # A norm's bound holds only for a finite projection: an inf in the model's dtype before
-    # a q/k norm is NaN after it (NaN scores, which a fused kernel may turn into zero
-    # attention: a finite, wrong answer).
-    if (q_fixed or k_fixed) and not max(q_raw, k_raw) < out_limit:
+    # a q, k or v norm is NaN after it (NaN scores, which a fused kernel may turn into zero
+    # attention: a finite, wrong answer; NaN values in the cache).
+    if (q_fixed or k_fixed or v_fixed) and not max(q_raw, k_raw, v_raw) < out_limit:
         return None
     # Every tensor on the way must fit too, not only K/V and the output: the input in the
     # model's dtype, q in the model's and the cache's (the kernels round it to the cache's),
@@ -162,6 +162,7 @@ def _constants(hosted: HostedModel, cache_dtype: torch.dtype, wb: WeightBounds) 
         wb.k_norm,
         wb.k_row,
         wb.k_bias,
+        wb.v_norm,
         wb.v_row,
         wb.v_bias,
         limit,

@@ -31,6 +31,8 @@ def model_fingerprint(hosted: HostedModel) -> str:
         del config["mla"]
     if not config["output_gate"]:  # (likewise the output gate)
         del config["output_gate"]
+    if not config["v_norm"]:  # (likewise the value norm)
+        del config["v_norm"]
     rope = config["rope"]
     if rope is not None:  # (likewise RoPE's interleaved pairs and partial rotation)
         for name, default in (("interleaved", False), ("partial", 1.0)):

@@ -1,6 +1,7 @@
 """The attention module: one class for MHA, GQA and MQA, and for the families' options
-(RoPE, q/k RMSNorm, sliding window, soft-capping, attention sinks, ALiBi, multi-head latent
-attention served as MQA (model/mla.py), an output gate: all read from the config).
+(RoPE, q/k RMSNorm, a value RMSNorm, sliding window, soft-capping, attention sinks, ALiBi,
+multi-head latent attention served as MQA (model/mla.py), an output gate: all read from the
+config).
 Embeddings come from fused SDPA (from the explicit float32 kernel where scores are
 soft-capped, sinks join the softmax or ALiBi biases the scores, which SDPA cannot do alone;
 on the CPU a prompt with sinks or ALiBi runs SDPA again, cached.sinks_by_sdpa and
@@ -245,7 +246,8 @@ class MultiHeadAttention(nn.Module):
     def project(
         self, x: torch.Tensor, positions: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of x (B, L, E); with q/k norm, q and k are RMS-normalised first; for a
+        """q, k, v of x (B, L, E); with q/k norm, q and k are RMS-normalised first (with
+        v_norm, v too: each head over its head_dim, without a gain); for a
         rotary model q and k are then rotated at `positions` (B, L) or (L,) absolute
         positions (None: 0..L-1), so cached keys need no more work. Without RoPE, positions
         are ignored. With mla: its absorbed q, and k = v, one kv head (model/mla.py)."""
@@ -263,13 +265,15 @@ class MultiHeadAttention(nn.Module):
         wqkv = self._modules["wqkv"]._parameters
         qkv = F.linear(x, wqkv["weight"], wqkv["bias"])  # (B, L, (H + 2 KVH) * D)
         norm = c.qk_norm
-        if L == 1 and norm is None and self.rope_freq is None:  # one token: no transpose
+        if L == 1 and norm is None and self.rope_freq is None and not c.v_norm:  # no transpose
             # (B, H + 2 KVH, 1, D) split by heads: two view ops, not four
             return qkv.view(B, H + 2 * KVH, 1, D).split_with_sizes([H, KVH, KVH], dim=1)
         q, k, v = qkv.split_with_sizes([H * D, KVH * D, KVH * D], dim=-1)  # (B, L, H*D | KVH*D)
         if norm is not None and norm.scope == "projection":  # OLMo-2: over all heads at once
             q, k = rms_norm(q, self.q_norm, norm.eps), rms_norm(k, self.k_norm, norm.eps)
         v = v.view(B, L, KVH, D).transpose(1, 2)  # (B, KVH, L, D)
+        if c.v_norm:  # Gemma 3n, Gemma 4: each value head RMS-normed, no gain
+            v = rms_norm(v, None, norm.eps)
         if norm is None and self.rope_freq is not None:  # q and k rotated in one call
             qk = qkv[..., : (H + KVH) * D].view(B, L, H + KVH, D).transpose(1, 2)
             qk = self.rotate(qk, *self._cos_sin(x, positions, B, L))  # (B, H + KVH, L, D)

@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 Variant = Literal["mha", "gqa", "mqa"]
 
-_BOOL_FIELDS = ("bias", "causal", "sinks", "alibi", "alibi_bfloat16", "output_gate")
+_BOOL_FIELDS = ("bias", "causal", "sinks", "alibi", "alibi_bfloat16", "output_gate", "v_norm")
 # Boolean options written out (to_dict) only when true: a config without them reads as before.
-_SET_ONLY = ("sinks", "alibi", "alibi_bfloat16", "output_gate")
+_SET_ONLY = ("sinks", "alibi", "alibi_bfloat16", "output_gate", "v_norm")
 # RoPE variants whose frequencies are fixed at load time, so that keys rotated once and
 # cached stay right. "dynamic" and "longrope" change frequencies with the sequence length.
 # "proportional" (Gemma 4's global layers): halves over the whole head, the first
@@ -213,6 +213,10 @@ class AttentionConfig:
     # multiplied by sigmoid(wgate x) before wo (the `wgate` Linear, H*D <- E, biased as the
     # projections are; Qwen's q_proj rows per head [query; gate], split at load). False: none.
     output_gate: bool = False
+    # RMSNorm of each value head over its head_dim values, without a gain (Gemma 3n's and
+    # Gemma 4's v_norm): v / sqrt(mean(v^2) + eps), eps the q/k norm's, before the values are
+    # cached. Needs qk_norm per head (its eps). False: values as projected.
+    v_norm: bool = False
 
     def __post_init__(self) -> None:
         # Values often come from TOML or safetensors metadata, so check types
@@ -242,6 +246,12 @@ class AttentionConfig:
             )
         if self.sliding_window is not None:
             _check_positive_int("sliding_window", self.sliding_window)
+        if self.v_norm and (self.qk_norm is None or self.qk_norm.scope != "head"):
+            raise ValueError(
+                "v_norm needs qk_norm with scope 'head': the value norm takes the q/k norm's "
+                "eps (as Gemma 3n and Gemma 4 norm q, k and v with one rms_norm_eps); set "
+                'qk_norm = { scope = "head", eps = ... }, or leave v_norm out'
+            )
         if isinstance(self.mla, dict):
             object.__setattr__(self, "mla", MLAConfig.from_dict(self.mla))
         if self.mla is not None:
@@ -324,6 +334,7 @@ class AttentionConfig:
                 ("alibi", self.alibi),
                 ("softcap", self.softcap is not None),
                 ("output_gate", self.output_gate),
+                ("v_norm", self.v_norm),
             )
             if on
         ]
@@ -390,8 +401,9 @@ class AttentionConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, resolved (no None: the options only when set, sinks, alibi,
-        alibi_bfloat16 and output_gate only when True, alibi_bias_max only with alibi; rope, qk_norm and mla as
-        dicts of their fields), so the dict is the config on its own."""
+        alibi_bfloat16, output_gate and v_norm only when True, alibi_bias_max only with alibi;
+        rope, qk_norm and mla as dicts of their fields), so the dict is the config on its
+        own."""
         d = asdict(self)
         if not self.alibi:
             del d["alibi_bias_max"]

@@ -197,13 +197,17 @@ class WeightBounds:
     # values, |x_i| / sqrt(mean(x^2) + eps) <= sqrt(n), times max |weight|.
     q_norm: float = 0.0
     k_norm: float = 0.0
+    # With v_norm, the bound on max |v| whatever the input: each value head's RMSNorm without a
+    # gain, |v_i| <= sqrt(head_dim) (0: no value norm). Only for a v that the projection
+    # leaves finite: an inf or NaN before the norm is NaN after it (engine/bounds.py checks).
+    v_norm: float = 0.0
     # Multi-head latent attention's own (its other fields are then inf: bounds that bound
     # nothing, for any reader that does not know it); None without mla.
     latent: LatentBounds | None = None
 
 
 # Bounds that bound nothing: nothing clears them, so every step is measured (OverflowCheck).
-NO_BOUNDS = WeightBounds(*[math.inf] * 8, q_norm=math.inf, k_norm=math.inf)
+NO_BOUNDS = WeightBounds(*[math.inf] * 8, q_norm=math.inf, k_norm=math.inf, v_norm=math.inf)
 
 
 def weight_bounds(module: torch.nn.Module) -> WeightBounds:
@@ -278,6 +282,9 @@ def _plain_bounds(module: torch.nn.Module, rotation: float) -> WeightBounds:
         ):
             n = (heads if whole else 1) * c.head_dim
             norms[i] = float(norm_bound(w, n, c.qk_norm.eps))
+    v_norm = 0.0
+    if c.v_norm:  # a gain of 1: sqrt(head_dim) (inf where eps is 0 in float32, as q/k's)
+        v_norm = float(norm_bound(torch.ones(1, dtype=torch.float64), c.head_dim, c.qk_norm.eps))
     return WeightBounds(
         *(float(r.max()) for r in rows),
         *(float(b) for b in biases),
@@ -285,6 +292,7 @@ def _plain_bounds(module: torch.nn.Module, rotation: float) -> WeightBounds:
         float(o_bias),
         rotation,
         *norms,
+        v_norm=v_norm,
     )
 
 
@@ -292,14 +300,15 @@ def projected_bounds(
     x_absmax: float, embed_dim: int, wb: WeightBounds, *, rotary: bool
 ) -> tuple[float, float, float]:
     """Bounds on max |q|, |k|, |v| from max |x| alone: ||x||_2 <= sqrt(E) max|x|; after a
-    q/k RMSNorm, the norm's own bound (the input drops out). A rotation (RoPE) mixes element
-    pairs: |a cos - b sin| <= |a| + |b|, so q and k bounds double, times the attention
-    factor its cos and sin carry (wb.rotation)."""
+    q/k RMSNorm (a value norm), the norm's own bound (the input drops out: the projection
+    before it must still be finite, which the caller checks, engine/bounds.py). A rotation
+    (RoPE) mixes element pairs: |a cos - b sin| <= |a| + |b|, so q and k bounds double,
+    times the attention factor its cos and sin carry (wb.rotation)."""
     x_norm = math.sqrt(embed_dim) * x_absmax
     turn = wb.rotation if rotary else 1.0
     q = wb.q_norm or x_norm * wb.q_row + wb.q_bias
     k = wb.k_norm or x_norm * wb.k_row + wb.k_bias
-    return turn * q, turn * k, x_norm * wb.v_row + wb.v_bias
+    return turn * q, turn * k, wb.v_norm or x_norm * wb.v_row + wb.v_bias
 
 
 def output_bound(v_absmax: float, gate_absmax: float, wb: WeightBounds) -> float:

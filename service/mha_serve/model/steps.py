@@ -198,8 +198,8 @@ def decode_one(
     """A lone session step of one token x (1, 1, E) for a config without soft-cap, sinks,
     ALiBi, an output gate or a q/k norm over the whole projection, over a cache in x's dtype: project writes its
     K/V (K normed per head and rotated at position S - 1 as the config has them) into
-    kv_slot (1, 2 KVH, 1, D: K's heads, then V's), then attend_step's output (1, 1, E)
-    over keys, values (1, KVH, S, D), positions 0..S-1 with the new token's last
+    kv_slot (1, 2 KVH, 1, D: K's heads, then V's, normed with v_norm), then attend_step's
+    output (1, 1, E) over keys, values (1, KVH, S, D), positions 0..S-1 with the new token's last
     (KVCache.step_views): the same ops on the same tensors as project, KVCache.append,
     KVCache.read and attend_step, in one call without their checks, which such views
     pass by construction (tests/cache/test_incremental_cache.py). None, nothing
@@ -234,9 +234,10 @@ def decode_one(
             qk = self.rotate(qk, *cos_sin(self.rope_freq, self.rope_scaling, position, x.dtype))
         q = qk[:, :H]
         kv_slot[:, :KVH].copy_(qk[:, H:])
-        kv_slot[:, KVH:].copy_(
-            qkv.as_strided((1, KVH, 1, D), strides, qkv.storage_offset() + (H + KVH) * D)
-        )
+        v = qkv.as_strided((1, KVH, 1, D), strides, qkv.storage_offset() + (H + KVH) * D)
+        if c.v_norm:  # (project's value norm: each head, no gain)
+            v = rms_norm(v, None, norm.eps)
+        kv_slot[:, KVH:].copy_(v)
     y = attend_token(q, keys, values, self.scale)  # (attend_one's call for it)
     wo = linears["wo"]._parameters
     return F.linear(y.reshape(1, 1, H * D), wo["weight"], wo["bias"])  # (1, 1, E)

@@ -254,6 +254,8 @@ def model_config(hosted: ModelView, *, sessions: bool, session_ttl_s: float) -> 
         described["sinks"] = "true"
     if cfg.output_gate:
         described["output_gate"] = "true"
+    if cfg.v_norm:
+        described["v_norm"] = "true"
     if cfg.alibi:
         described["alibi"] = f"bias_max {cfg.alibi_bias_max:g}"
         if cfg.alibi_scale is not None:
