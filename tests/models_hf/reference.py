@@ -49,8 +49,12 @@ from transformers import (
     FlexOlmoModel,
     Gemma2Config,
     Gemma2Model,
+    Gemma3nTextConfig,
+    Gemma3nTextModel,
     Gemma3TextConfig,
     Gemma3TextModel,
+    Gemma4TextConfig,
+    Gemma4TextModel,
     GemmaConfig,
     GemmaModel,
     Glm4Config,
@@ -190,6 +194,13 @@ GATED_MOE["shared_expert_intermediate_size"] = 32
 # Checkpoints whose q/k norm gains are drawn at random too (zero-centred gains, 1 + w: at
 # their init of 0 a norm read as w, not 1 + w, would go unseen).
 RANDOM_NORMS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+# Checkpoints whose q/k norm gains (weight itself, initialised to 1) are drawn around 1, so
+# that a gain read wrongly (as 1 + w, or as none) would show.
+RANDOM_GAINS = ("gemma4", "gemma3n")
+# Gemma 3n and Gemma 4, small: a local layer (served by the test of its name), then a global
+# one (SERVED's *_global); no per-layer inputs (PLE) nor KV sharing (refused: test_gemma)
+GEMMA_V_NORM = {**ROTARY, "layer_types": ["sliding_attention", "full_attention"]}
+GEMMA_V_NORM.update({"num_kv_shared_layers": 0, "sliding_window": 6})
 WINDOW = 8  # Mistral's; the other windowed layers use other sizes (6, 10, 12)
 CHECKPOINTS = {
     # name: (model class, config, layer served by the test of that name; SERVED adds more)
@@ -934,6 +945,46 @@ CHECKPOINTS = {
         Qwen3_5MoeTextConfig(num_key_value_heads=1, head_dim=8, **GATED_MOE, **GATED),
         1,
     ),
+    # Values RMS-normed per head without a gain (v_norm), q/k norm per head (gain weight),
+    # scale 1.0. Gemma 4: GQA 8:2 over heads of 16 on the local layer; the global one with
+    # heads of 32, one KV head, values from k_proj (attention_k_eq_v) and proportional RoPE
+    # (a quarter of its frequencies non-zero); biases on all four (attention_bias)
+    "gemma4": (
+        Gemma4TextModel,
+        Gemma4TextConfig(
+            num_key_value_heads=2,
+            head_dim=16,
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            attention_bias=True,
+            hidden_size_per_layer_input=0,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {
+                    "rope_type": "proportional",
+                    "partial_rotary_factor": 0.25,
+                    "rope_theta": 10_000.0,
+                },
+            },
+            **GEMMA_V_NORM,
+        ),
+        0,
+    ),
+    # Gemma 3n: MQA over heads of 16, RoPE per layer type (4.x's rope_local_base_freq)
+    "gemma3n": (
+        Gemma3nTextModel,
+        Gemma3nTextConfig(
+            num_key_value_heads=1,
+            head_dim=16,
+            hidden_size_per_layer_input=8,
+            laurel_rank=4,
+            altup_num_inputs=2,
+            rope_local_base_freq=100.0,
+            **GEMMA_V_NORM,
+        ),
+        0,
+    ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,
 # SmolLM3's NoPE one.
@@ -951,6 +1002,8 @@ SERVED.update(
         "vaultgemma_global": ("vaultgemma", 1),
         "exaone_moe_global": ("exaone_moe", 1),
         "cwm_global": ("cwm", 0),
+        "gemma4_global": ("gemma4", 1),
+        "gemma3n_global": ("gemma3n", 1),
     }
 )
 
@@ -969,6 +1022,8 @@ def write_checkpoints(root: Path) -> dict[str, Path]:  # keyed by checkpoint nam
                     parameter.normal_(0.0, INIT)
                 if name in RANDOM_NORMS and key.endswith(("q_norm.weight", "k_norm.weight")):
                     parameter.normal_(0.0, INIT)
+                if name in RANDOM_GAINS and key.endswith(("q_norm.weight", "k_norm.weight")):
+                    parameter.normal_(1.0, INIT)
         dirs[name] = root / name
         model.save_pretrained(dirs[name], safe_serialization=True)
     return dirs
@@ -1021,7 +1076,7 @@ def layer_window(base, layer: int) -> int | None:
 def rotary(base, layer: int, x: torch.Tensor, positions: torch.Tensor):
     """cos, sin of the layer (Gemma 3, OLMo 3: of its layer type) at positions (1, L)."""
     types = getattr(base.config, "layer_types", None)
-    if isinstance(base, Gemma3TextModel | Olmo3Model):
+    if isinstance(base, Gemma3TextModel | Olmo3Model | Gemma4TextModel | Gemma3nTextModel):
         return base.rotary_emb(x, positions, types[layer])
     return base.rotary_emb(x, positions)
 
@@ -1052,7 +1107,10 @@ ABSOLUTE = ("gpt2", "gpt_bigcode")
 
 
 def _own_arguments(base) -> dict:
-    """FalconAttention's alibi argument (no default): None, its rotary layers."""
+    """FalconAttention's alibi argument (no default): None, its rotary layers; Gemma 4's
+    shared_kv_states (no default; no layer of these checkpoints reads or stores one)."""
+    if isinstance(base, Gemma4TextModel):
+        return {"shared_kv_states": {}}
     return {"alibi": None} if isinstance(base, FalconModel) else {}
 
 

@@ -971,11 +971,6 @@ REFUSED_FAMILIES = {
         ("qwen4_exp", "qwen4_exp_text", "afmoe", "hrm_text", "beam", "laguna", "lfm3"),
         "an output gate",
     ),
-    **dict.fromkeys(
-        ("gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified"),
-        "RMS-normed (v_norm)",
-    ),
-    "gemma4_unified_text": "(KV sharing)",
     "diffllama": "differential attention",
     "bitnet": "(attn_sub_norm)",
     "nanochat": "comes after RoPE",

@@ -103,3 +103,12 @@ def test_qwen3_next_infer_and_a_sequence_and_its_config_names_the_output_gate(se
         params = {k: v.string_value for k, v in config.parameters.items()}
         assert (params.get("output_gate") == "true") == gated, (name, params)
         assert params["rope"].endswith(", partial 0.25") == gated, (name, params)
+
+
+def test_gemma4_config_names_the_value_norm(served, oip):
+    """ModelConfig says v_norm (with its q/k norm's eps), and only for a model that has it."""
+    for name, normed in (("gemma4_global", True), ("gemma3n", True), ("qwen3", False)):
+        config = oip.ModelConfig(ip.ModelConfigRequest(name=name)).config
+        params = {k: v.string_value for k, v in config.parameters.items()}
+        assert (params.get("v_norm") == "true") == normed, (name, params)
+        assert "qk_norm" in params, (name, params)

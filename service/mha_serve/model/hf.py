@@ -38,6 +38,11 @@ What is served, per family (transformers' module names):
            linear attention, refused): as Qwen3's, but q_proj's rows per head [query; gate],
            split here into wqkv's query rows and wgate (the module's output gate); their
            q/k norm's gain is 1 + weight (folded in here); partial RoPE by halves
+  gemma3n(_text), gemma4(_text), gemma4_unified(_text)
+           Gemma3nTextAttention, Gemma4TextAttention, Gemma4UnifiedTextAttention: as Llama's
+           with q_norm/k_norm (gain: weight) and a value norm (v_norm, no gain, no tensor);
+           Gemma 4's global layers with attention_k_eq_v have no v_proj: k_proj's rows serve
+           as the value rows too (v = v_norm(k_proj(x)))
   llama, mistral, qwen2, qwen3, olmo2, gemma2, gemma3(_text), phi3, gpt_oss and the families whose
   attention is one of theirs (hf_families.FAMILIES: Mixtral, Qwen-MoE, OLMoE, Granite, ...)
            q_proj/k_proj/v_proj/o_proj (Phi-3: one qkv_proj) with GQA (num_key_value_heads)
@@ -182,7 +187,12 @@ def load_hf_layer(
         shapes = {"q": (H * D, E), "k": (KVH * D, E), "v": (KVH * D, E), "o": (E, H * D)}
         if c.output_gate:  # q_proj's rows per head [query (D); gate (D)]: split below
             shapes["q"] = (2 * H * D, E)
-        got = {p: _get(tensors, names[p] + ".weight", shapes[p]) for p in "qkvo"}
+        # Gemma 4's attention_k_eq_v (global layers): no v_proj, the values are k_proj's
+        # output (normed by v_norm, not k_norm, and not rotated): its rows serve as both
+        parts = "qko" if info.values_from_keys else "qkvo"
+        got = {p: _get(tensors, names[p] + ".weight", shapes[p]) for p in parts}
+        if info.values_from_keys:
+            got["v"] = got["k"]
         if c.output_gate:
             got["q"], gate = _split_gate(got["q"], H, D)
         w = torch.cat([got[p] for p in "qkv"])
@@ -191,7 +201,9 @@ def load_hf_layer(
         if c.bias:
             for p in info.zero_biases:  # Qwen2's o_proj has none
                 tensors.setdefault(names[p] + ".bias", torch.zeros(shapes[p][0], dtype=wo.dtype))
-            got = {p: _get(tensors, names[p] + ".bias", shapes[p][:1]) for p in "qkv"}
+            got = {p: _get(tensors, names[p] + ".bias", shapes[p][:1]) for p in parts[:-1]}
+            if info.values_from_keys:
+                got["v"] = got["k"]
             if c.output_gate:
                 got["q"], gate_bias = _split_gate(got["q"], H, D)
             b = torch.cat([got[p] for p in "qkv"])

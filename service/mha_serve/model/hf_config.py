@@ -54,6 +54,7 @@ from .hf_families import (
     WINDOW_SWITCH,
     window_on,
 )
+from .hf_gemma import GEMMA_V_NORM, gemma_layer
 from .hf_rope import check_rope_nulls, read_rope, refuse_null, refuse_partial
 
 
@@ -75,6 +76,9 @@ class HFLayer:
     # Projections whose bias the checkpoint has none of while others have ("o": Qwen2's
     # o_proj): served as a zero bias.
     zero_biases: tuple[str, ...] = ()
+    # Values from the keys' projection (Gemma 4's attention_k_eq_v, global layers: no v_proj,
+    # v = v_norm(k_proj(x))): k_proj's rows are served as the value rows too.
+    values_from_keys: bool = False
 
     @property
     def sliding_window(self) -> int | None:
@@ -151,6 +155,7 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
             f"{num_layers} layers), got {layer!r}; set layer = N in the [[models]] table "
             "(--layer N for the convert command)"
         )
+    values_from_keys = False
     if family == "bert":
         attention = _bert(cfg, config_path)
     elif family in ("gptj", "codegen"):
@@ -163,6 +168,8 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
         attention = _mpt(cfg, config_path)
     elif kind in MLA:
         attention = _mla(cfg, kind, layer, config_path)
+    elif kind in GEMMA_V_NORM:
+        attention, values_from_keys = gemma_layer(cfg, kind, layer, config_path)
     else:
         attention = _rotary(cfg, kind, layer, config_path)
     context_key = "max_position_embeddings"
@@ -176,7 +183,17 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
     if family in ROTARY and attention.bias:
         qkv, o = _biases(cfg, kind)
         zero = ("o",) if not o else ("q", "k", "v") if not qkv else ()
-    return HFLayer(directory, family, layer, num_layers, attention, context, scope, zero)
+    return HFLayer(
+        directory,
+        family,
+        layer,
+        num_layers,
+        attention,
+        context,
+        scope,
+        zero,
+        values_from_keys=kind in GEMMA_V_NORM and values_from_keys,
+    )
 
 
 def _bert(cfg: dict[str, Any], where: Path) -> AttentionConfig:

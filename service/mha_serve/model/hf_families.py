@@ -91,6 +91,15 @@ FAMILIES = (
     "qwen3_5",
     "qwen3_5_moe_text",
     "qwen3_5_moe",
+    # q/k norm per head (gain weight), values RMS-normed without a gain (v_norm), scale 1.0,
+    # local and global layers (hf_gemma.py); KV-shared layers refused: Gemma 3n, Gemma 4
+    # (its global layers' own head_dim and KV heads, proportional RoPE, values from k_proj)
+    "gemma3n_text",
+    "gemma3n",
+    "gemma4_text",
+    "gemma4",
+    "gemma4_unified_text",
+    "gemma4_unified",
 )
 # The MLA families (FAMILIES' last), read by hf_config._mla, not as Llama's.
 MLA = (
@@ -323,6 +332,23 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "qk_rope_head_dim": 32,
         "rms_norm_eps": 1e-5,
     },
+    # (Gemma 3n's and Gemma 4's: their text config classes' defaults)
+    "gemma3n_text": {
+        **{"hidden_size": 2048, "num_hidden_layers": 35, "max_position_embeddings": 32_768},
+        **{"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256},
+        **{"sliding_window": 512, "num_kv_shared_layers": 15},
+    },
+    "gemma4_text": {
+        **{"hidden_size": 2304, "num_hidden_layers": 30, "max_position_embeddings": 131_072},
+        **{"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256},
+        **{"sliding_window": 512, "num_kv_shared_layers": 0},
+    },
+    "gemma4_unified_text": {
+        **{"hidden_size": 2304, "num_hidden_layers": 30, "max_position_embeddings": 262_144},
+        **{"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256},
+        **{"sliding_window": 1024, "num_kv_shared_layers": 0},
+        "use_bidirectional_attention": "vision",
+    },
     # (the gated families' sizes: their config classes' defaults)
     "qwen3_next": {
         **{"hidden_size": 2048, "num_hidden_layers": 48, "max_position_embeddings": 32768},
@@ -473,6 +499,9 @@ MULTIMODAL = {
     "kimi_k25": ("deepseek_v3", "language_model"),  # (its text_config says kimi_k2: RENAMED)
     "qwen3_5": ("qwen3_5_text", "language_model"),
     "qwen3_5_moe": ("qwen3_5_moe_text", "language_model"),
+    "gemma3n": ("gemma3n_text", "language_model"),
+    "gemma4": ("gemma4_text", "language_model"),
+    "gemma4_unified": ("gemma4_unified_text", "language_model"),
 }
 # Where each rotary family's attention differs from Llama's (transformers 5's
 # modeling_<family>.py); a family a table leaves out has Llama's there.
@@ -687,13 +716,6 @@ UNSERVED = {
         "an output gate: a sigmoid of its own gate projection (gate_proj, g_proj; not q_proj's "
         "rows as Qwen3-Next's) multiplies the attention output",
     ),
-    **dict.fromkeys(
-        ("gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified"),
-        "its values are RMS-normed (v_norm) and some layers reuse another layer's keys and "
-        "values (KV sharing)",
-    ),
-    "gemma4_unified_text": "its values are RMS-normed (v_norm) and some layers reuse another "
-    "layer's keys and values (KV sharing)",
     "diffllama": "differential attention (two softmax maps subtracted, weighted by lambda)",
     "bitnet": "an RMSNorm on the attention output before o_proj (attn_sub_norm), and "
     "ternary-quantized projections",
@@ -731,6 +753,7 @@ UNSERVED = {
 # theta default, the local layers' theta key (None: the default only), its default).
 PER_TYPE_ROPE = {
     "gemma3_text": (1_000_000.0, "rope_local_base_freq", 10_000.0),
+    "gemma3n_text": (1_000_000.0, "rope_local_base_freq", 10_000.0),  # (Gemma 4's: hf_gemma)
     "olmo3": (500_000.0, None, 500_000.0),
 }
 # A family's RoPE table when config.json sets neither rope_parameters nor rope_scaling (its
