@@ -19,13 +19,12 @@ from .hf_families import (
     DEFAULTS,
     DERIVED_SLIDING,
     FAMILIES,
-    FULL_ATTENTION_INTERVAL,
-    GATED_LAYER_TYPES,
     GPT2_NAMES,
     HEADS_BY_HIDDEN,
-    HYBRID_LAYERS,
+    HYBRIDS,
     LAYER_TYPES,
     LAYERNORM_QK,
+    LEGACY_LAYER_TYPES,
     MHA_ONLY,
     MLA,
     MLA_INTERLEAVE_KEY,
@@ -388,8 +387,6 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
             raise ValueError(f"{where}: no_rope_layers must list one 0 or 1 per layer")
     check_rope_nulls(cfg, family, where)
     _null_window(cfg, family, where)
-    if family in OUTPUT_GATE:  # (refuses a linear_attention layer, naming the servable ones)
-        _gated_layer(cfg, family, layer, where)
     layer_type = _layer_type(cfg, family, layer, where)
     sliding = None
     if layer_type == "sliding_attention":
@@ -488,7 +485,7 @@ def _mla(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attention
     for key in ("use_bidirectional_attention", "attention_chunk_size", "clip_qkv"):
         if cfg.get(key):
             raise ValueError(f"{where}: {family} {key} {cfg[key]!r} is not supported")
-    if family in HYBRID_LAYERS:  # (refuses a linear-attention layer, naming the MLA ones)
+    if family in HYBRIDS:  # (refuses a linear-attention layer, naming the MLA ones)
         _hybrid_layer(cfg, family, layer, where)
     rope = scale = None  # (NoPE: its config reads no RoPE table, null or not; scale
     if family not in MLA_NOPE:  # (N + R) ** -0.5, the module's, with no YaRN mscale)
@@ -570,7 +567,7 @@ def _layer_type(cfg: dict[str, Any], family: str, layer: int, where: Path) -> st
     """full_attention or sliding_attention, as transformers decides it for the family: from
     layer_types where it reads them (its configuration_<family>.py derives them when
     config.json has none); Mistral, Phi-3 and others apply sliding_window to every layer."""
-    if family in HYBRID_LAYERS:
+    if family in HYBRIDS:
         return _hybrid_layer(cfg, family, layer, where)
     if family in WINDOW_EVERY_LAYER:
         on = window_on(cfg) if family in WINDOW_SWITCH else cfg.get("sliding_window") is not None
@@ -598,61 +595,44 @@ def _layer_type(cfg: dict[str, Any], family: str, layer: int, where: Path) -> st
     return "sliding_attention" if sliding else "full_attention"
 
 
-def _hybrid_layer(cfg: dict[str, Any], family: str, layer: int, where: Path) -> str:
-    """A hybrid's layer (HYBRID_LAYERS): full_attention, or refused saying what it is and which
-    layers are attention. Its other layer types are not attention layers we serve."""
-    other, what, derive = HYBRID_LAYERS[family]
-    n = cfg["num_hidden_layers"]
-    kinds = cfg.get("layer_types")
+def hybrid_kinds(cfg: dict[str, Any], family: str, where: Path) -> list[str | None]:
+    """A hybrid's layer kinds (HYBRIDS): its key's list (legacy names read as transformers
+    reads them), else derived as its config derives them."""
+    hybrid, n = HYBRIDS[family], cfg["num_hidden_layers"]
+    kinds = cfg.get(hybrid.key)
     if kinds is None:
         try:
-            kinds = [derive(cfg, i) for i in range(n)]
-        except TypeError as e:  # (full_attn_idxs not a list of ints: its config fails too)
+            kinds = [hybrid.derive(cfg, i) for i in range(n)]
+        except (TypeError, KeyError, ValueError) as e:  # (its config fails on them too)
             raise ValueError(
-                f"{where}: {family} without layer_types derives them from keys this config.json "
-                f"sets otherwise ({type(e).__name__}: {e}); give layer_types"
+                f"{where}: {family} without {hybrid.key} derives them from keys this config.json "
+                f"sets otherwise ({type(e).__name__}: {e}); give {hybrid.key}"
             ) from None
     if not isinstance(kinds, list) or len(kinds) != n:
-        raise ValueError(f"{where}: layer_types must list {n} entries, one per layer")
-    if kinds[layer] == "full_attention":
-        return "full_attention"
-    attention = [i for i, kind in enumerate(kinds) if kind == "full_attention"]
-    what = what if kinds[layer] == other else "not supported"
-    raise ValueError(
-        f"{where}: layer {layer} of {family} is a {kinds[layer]!r} layer ({what}); its "
-        f"full_attention layers are {attention or 'none'}: set layer to one of them"
-    )
+        raise ValueError(f"{where}: {hybrid.key} must list {n} entries, one per layer")
+    return [LEGACY_LAYER_TYPES.get(kind, kind) if isinstance(kind, str) else kind for kind in kinds]
 
 
-def _gated_layer(cfg: dict[str, Any], family: str, layer: int, where: Path) -> None:
-    """A gated family's layer, refused unless it is full attention: layer_types, else every
-    full_attention_interval-th layer (default FULL_ATTENTION_INTERVAL; Qwen3NextConfig and
-    Qwen3_5TextConfig derive them so) is; the others are linear attention (gated DeltaNet),
-    not served."""
-    n = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types")
-    if types is None:
-        interval = cfg.get("full_attention_interval", FULL_ATTENTION_INTERVAL)
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise ValueError(
-                f"{where}: {family} full_attention_interval must be a positive int (every "
-                f"full_attention_interval-th layer is full attention), got {interval!r}; or "
-                "give layer_types"
-            )
-        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
-    if not isinstance(types, list) or len(types) != n:
-        raise ValueError(f"{where}: layer_types must list {n} entries, one per layer")
-    if types[layer] == "full_attention":
-        return
-    full = [i for i, kind in enumerate(types) if kind == "full_attention"]
-    why = (
-        "linear attention (gated DeltaNet), which is no softmax attention over a KV cache"
-        if types[layer] == "linear_attention"
-        else f"not one of {', '.join(GATED_LAYER_TYPES)}"
-    )
+def _hybrid_layer(cfg: dict[str, Any], family: str, layer: int, where: Path) -> str:
+    """A hybrid's layer (HYBRIDS): one of its served kinds, or refused saying what it is and
+    which layers are served."""
+    hybrid = HYBRIDS[family]
+    kinds = hybrid_kinds(cfg, family, where)
+    kind = kinds[layer]
+    if kind in hybrid.served:
+        return kind
+    served = [i for i, k in enumerate(kinds) if k in hybrid.served]
+    what = hybrid.others.get(kind, "not supported")
+    named = "/".join(hybrid.served)
+    if family in OUTPUT_GATE:  # (their refusal as it was worded before the tables merged)
+        what = hybrid.others.get(kind, f"not one of {', '.join((*hybrid.served, *hybrid.others))}")
+        raise ValueError(
+            f"{where}: layer {layer} of {family} is a {kind!r} layer: {what}, and is not "
+            f"served; its {named} layers are: {', '.join(map(str, served)) or 'none'}"
+        )
     raise ValueError(
-        f"{where}: layer {layer} of {family} is a {types[layer]!r} layer: {why}, and is not "
-        f"served; its full_attention layers are: {', '.join(map(str, full)) or 'none'}"
+        f"{where}: layer {layer} of {family} is a {kind!r} layer ({what}); its {named} layers "
+        f"are {served or 'none'}: set layer to one of them"
     )
 
 

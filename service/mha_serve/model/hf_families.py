@@ -6,6 +6,7 @@ torch loads)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 FAMILIES = (
@@ -121,13 +122,9 @@ MLA_INTERLEAVE_KEY = ("deepseek_v3", "glm4_moe_lite", "youtu", "axk1")
 # rows per head [query (head_dim); gate (head_dim)], the heads' output times sigmoid(gate)
 # before o_proj (hf.py splits the rows into wqkv's and wgate's); q/k RMSNorm per head with
 # a gain of 1 + weight (OFFSET_NORM); partial RoPE by halves (PARTIAL_ROPE: 0.25); no window.
-# Their other layers are linear attention (gated DeltaNet), not served: layer_types says
-# which, else every full_attention_interval-th layer (FULL_ATTENTION_INTERVAL by default)
-# is full attention, as their configs derive them (hf_config._gated_layer).
+# Their other layers are linear attention (gated DeltaNet), not served (HYBRIDS).
 OUTPUT_GATE = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 FULL_ATTENTION_INTERVAL = 4
-# The per-layer kinds of their layer_types (the second not served).
-GATED_LAYER_TYPES = ("full_attention", "linear_attention")
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (the MLA families' projections are theirs;
 # phi3: one qkv_proj; gpt_neox, falcon: one
 # query_key_value, laid out per KV head, and dense; phi: dense for o_proj) and GQA, read from
@@ -141,26 +138,51 @@ GPT2_NAMES = ("gpt2", "gpt_bigcode", "gptj", "codegen")
 CODEGEN_GROUPS = 4
 # The per-layer attention kinds of config.json's layer_types that we serve.
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# Hybrids: the kind of each layer (layer_types, else how their config derives it), those that
-# are not attention refused naming what they are; their attention layers are full ones.
-# {family: (its other layers' kind, what they are, how its config derives a layer's kind)}.
-# LFM2: layer_types, else full_attn_idxs ("conv": a short convolution, LFM2's other layers).
-HYBRID_LAYERS: dict[str, tuple[str, str, Callable[[dict[str, Any], int], str | None]]] = {
-    "lfm2": (
-        "conv",
-        "a short convolution (Lfm2ShortConv), not attention",
+
+
+@dataclass(frozen=True)
+class Hybrid:
+    """A family with attention on some layers only: how its config gives each layer's kind,
+    which kinds are the attention we serve, and what each other kind is (hf_config refuses
+    those layers, naming what they are and the layers it serves)."""
+
+    # A layer's kind where config.json has no `key`, as the family's config derives it:
+    # (cfg, layer) -> kind (None: a layer of no kind). It may raise TypeError, KeyError or
+    # ValueError where its config fails too.
+    derive: Callable[[dict[str, Any], int], str | None]
+    others: dict[str, str]  # {kind not served: what it is}
+    served: tuple[str, ...] = ("full_attention",)
+    key: str = "layer_types"  # the config.json key listing each layer's kind
+
+
+# transformers' remap_legacy_layer_types (every config's layer_types): older names of kinds.
+LEGACY_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
+_GATED_DELTANET = "linear attention (gated DeltaNet), which is no softmax attention over a KV cache"
+HYBRIDS: dict[str, Hybrid] = {
+    # LFM2: layer_types, else full_attn_idxs ("conv": a short convolution, LFM2's other layers)
+    "lfm2": Hybrid(
         lambda c, i: (
             "full_attention"
             if c.get("full_attn_idxs") is None or i in c["full_attn_idxs"]
             else "conv"
         ),
+        {"conv": "a short convolution (Lfm2ShortConv), not attention"},
     ),
     # Kimi Linear: layer_types, else linear_attn_config's full_attn_layers and kda_layers
     # (numbered from 1; a layer in neither has none), else every 4th from layer 4
-    "kimi_linear": (
-        "linear_attention",
-        "Kimi Delta Attention (KDA): linear attention, no softmax over a KV cache",
+    "kimi_linear": Hybrid(
         lambda c, i: kimi_linear_layer(c, i),
+        {
+            "linear_attention": "Kimi Delta Attention (KDA): linear attention, no softmax "
+            "over a KV cache"
+        },
+    ),
+    # The gated families (OUTPUT_GATE): layer_types, else every full_attention_interval-th
+    # layer (FULL_ATTENTION_INTERVAL by default) is full attention (Qwen3NextConfig,
+    # Qwen3_5TextConfig)
+    **dict.fromkeys(
+        OUTPUT_GATE,
+        Hybrid(lambda c, i: gated_layer(c, i), {"linear_attention": _GATED_DELTANET}),
     ),
 }
 # transformers' defaults (its configuration_<family>.py) for the keys we read whose absence
@@ -790,6 +812,17 @@ SCALED_CONTEXT = ("llama3", "yarn")
 
 def window_on(cfg: dict[str, Any]) -> bool:
     return bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window") is not None
+
+
+def gated_layer(cfg: dict[str, Any], layer: int) -> str:
+    """A gated family's layer kind without layer_types, as Qwen3NextConfig derives it."""
+    interval = cfg.get("full_attention_interval", FULL_ATTENTION_INTERVAL)
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        raise ValueError(
+            f"full_attention_interval must be a positive int (every full_attention_interval-th "
+            f"layer is full attention), got {interval!r}"
+        )
+    return "linear_attention" if (layer + 1) % interval else "full_attention"
 
 
 def kimi_linear_layer(cfg: dict[str, Any], layer: int) -> str | None:
