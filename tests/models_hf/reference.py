@@ -90,6 +90,8 @@ from transformers import (
     HYV3Model,
     Jais2Config,
     Jais2Model,
+    JambaConfig,
+    JambaModel,
     KimiLinearConfig,
     KimiLinearModel,
     Lfm2Config,
@@ -821,6 +823,23 @@ CHECKPOINTS = {
         ),
         1,
     ),
+    # Jamba (a hybrid): a Mamba layer (refused), then the attention layer served
+    # (attn_layer_period 2, offset 1): Llama's without RoPE nor biases, GQA 8:2, head_dim 16
+    # != 64 / 8 (JambaAttention reads a head_dim config.json sets); experts on layer 1
+    "jamba": (
+        JambaModel,
+        JambaConfig(
+            num_key_value_heads=2,
+            head_dim=16,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            num_experts=2,
+            num_experts_per_tok=1,
+            mamba_d_state=4,
+            **ROTARY,
+        ),
+        1,
+    ),
     # Multi-head latent attention. DeepSeek-V3 (Kimi K2): q through its latent, RoPE by
     # pairs (rope_interleave), yarn with mscale_all_dim (its softmax scale times mscale^2),
     # biases on q_a_proj, kv_a_proj_with_mqa and o_proj
@@ -1052,10 +1071,11 @@ def attention_module(base, layer: int):
 def rotation_kwargs(base, layer: int, x: torch.Tensor, positions: torch.Tensor) -> dict:
     """How the layer's attention module takes its positions (positions (1, L)): GPT-J's and
     CodeGen's as position_ids (they rotate by their own table), the others' as cos, sin;
-    Kimi Linear's (MLA without RoPE, no rotary embedding) none."""
+    Kimi Linear's (MLA without RoPE, no rotary embedding) and the other models without a
+    rotary embedding (Jamba's) none."""
     if isinstance(base, GPTJModel | CodeGenModel):
         return {"position_ids": positions}
-    if isinstance(base, KimiLinearModel):
+    if isinstance(base, KimiLinearModel) or getattr(base, "rotary_emb", None) is None:
         return {}
     return {"position_embeddings": rotary(base, layer, x, positions)}
 

@@ -44,6 +44,8 @@ from transformers import (
     HYV3Model,
     Jais2Config,
     Jais2Model,
+    JambaConfig,
+    JambaModel,
     Lfm2Config,
     Lfm2Model,
     MiniMaxM2Config,
@@ -517,6 +519,20 @@ LLAMA_ROPE = {
             {"rope_parameters": None},
             0,
         ),
+        # Jamba without attn_layer_period (8) nor attn_layer_offset (4): layer 4 of 5 is its
+        # attention layer; num_key_value_heads 8 left out too
+        (
+            JambaModel,
+            JambaConfig(
+                num_experts=2,
+                num_experts_per_tok=1,
+                mamba_d_state=4,
+                **{**SMALL, "num_hidden_layers": 5},
+            ),
+            "jamba",
+            {"attn_layer_period": None, "attn_layer_offset": None, "num_key_value_heads": None},
+            4,
+        ),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -567,6 +583,7 @@ LLAMA_ROPE = {
         "cwm_defaults_local",
         "jais2_defaults",
         "hy_v3_default_theta",
+        "jamba_defaults",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(
@@ -917,6 +934,28 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
             1,
             "layer 1 of lfm2 is a 'sliding_attention' layer (not supported)",
         ),
+        # Jamba's Mamba layers: refused naming its attention layers (every attn_layer_period-th
+        # from attn_layer_offset; JambaConfig computes them, and loads no config.json that
+        # lists them, nor one whose offset is not below the period)
+        (
+            JambaConfig(attn_layer_period=2, attn_layer_offset=1, **SMALL),
+            {},
+            0,
+            "layer 0 of jamba is a 'linear_attention' layer (a Mamba block (JambaMambaMixer), "
+            "not attention); its full_attention layers are [1]",
+        ),
+        (
+            JambaConfig(**SMALL),
+            {"layer_types": ["linear_attention", "full_attention"]},
+            1,
+            "jamba config.json sets layer_types",
+        ),
+        (
+            JambaConfig(attn_layer_period=2, attn_layer_offset=1, **SMALL),
+            {"attn_layer_offset": 2},
+            1,
+            "attn_layer_offset 2 must be smaller than attn_layer_period 2",
+        ),
         # PhiMoE's scaled RoPE is Phi-3's longrope (its config validates any other table as
         # longrope's): refused as Phi-3's
         (
@@ -953,6 +992,9 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
         "lfm2_conv_layer",
         "lfm2_conv_layer_by_full_attn_idxs",
         "lfm2_sliding_layer_type",
+        "jamba_mamba_layer",
+        "jamba_layer_types",
+        "jamba_offset_past_period",
         "phimoe_rope_scaling",
     ],
 )
@@ -977,7 +1019,6 @@ REFUSED_FAMILIES = {
     "doge": "a dynamic mask",
     "jetmoe": "a mixture of attention heads",
     "llama4_text": "chunked attention",
-    "jamba": "hybrid: attention only on every attn_layer_period-th layer",
     "bamba": "hybrid: attention only on attn_layer_indices",
     "nemotron_h": "hybrid: attention only where layers_block_type",
     "granitemoehybrid": "hybrid: attention only where layer_types",

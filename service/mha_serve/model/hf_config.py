@@ -35,6 +35,7 @@ from .hf_families import (
     MPT_ATTN_NOT_NULL,
     MULTIMODAL,
     NO_ROPE,
+    NOPE,
     NOT_NULL,
     O_BIAS,
     OUTPUT_GATE,
@@ -368,7 +369,9 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
             "head_dim; leave head_dim out"
         )
     bias = any(_biases(cfg, family))
-    if family not in PARTIAL_ROPE and cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
+    rotates = family not in NOPE  # (NOPE: no RoPE key is read)
+    partial = cfg.get("partial_rotary_factor")
+    if rotates and family not in PARTIAL_ROPE and partial not in (None, 1, 1.0):
         refuse_partial(where, family, "partial_rotary_factor", cfg["partial_rotary_factor"])
     if family in LAYERNORM_QK and cfg.get(LAYERNORM_QK[family]):
         raise ValueError(
@@ -385,7 +388,8 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
             not isinstance(flags, list) or len(flags) != cfg["num_hidden_layers"]
         ):
             raise ValueError(f"{where}: no_rope_layers must list one 0 or 1 per layer")
-    check_rope_nulls(cfg, family, where)
+    if rotates:
+        check_rope_nulls(cfg, family, where)
     _null_window(cfg, family, where)
     layer_type = _layer_type(cfg, family, layer, where)
     sliding = None
@@ -400,7 +404,7 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
             )
     rope = None
     nope = NO_ROPE.get(family)
-    if nope is None or not nope(cfg, layer, layer_type):
+    if rotates and (nope is None or not nope(cfg, layer, layer_type)):
         rope = read_rope(cfg, layer_type, where)
     qk_norm = None
     switch = QK_NORM_SWITCH.get(family)  # (GLM-4-MoE's use_qk_norm: off by default)
@@ -599,11 +603,16 @@ def hybrid_kinds(cfg: dict[str, Any], family: str, where: Path) -> list[str | No
     """A hybrid's layer kinds (HYBRIDS): its key's list (legacy names read as transformers
     reads them), else derived as its config derives them."""
     hybrid, n = HYBRIDS[family], cfg["num_hidden_layers"]
-    kinds = cfg.get(hybrid.key)
+    kinds = cfg.get(hybrid.key) if hybrid.key else None
     if kinds is None:
         try:
             kinds = [hybrid.derive(cfg, i) for i in range(n)]
-        except (TypeError, KeyError, ValueError) as e:  # (its config fails on them too)
+        except (TypeError, KeyError, ValueError, ZeroDivisionError) as e:  # (as its config)
+            if hybrid.key is None:
+                raise ValueError(
+                    f"{where}: {family} derives its layer kinds from keys this config.json sets "
+                    f"otherwise ({type(e).__name__}: {e})"
+                ) from None
             raise ValueError(
                 f"{where}: {family} without {hybrid.key} derives them from keys this config.json "
                 f"sets otherwise ({type(e).__name__}: {e}); give {hybrid.key}"

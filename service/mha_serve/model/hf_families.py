@@ -75,6 +75,8 @@ FAMILIES = (
     "cwm",  # Llama's, three local layers after each global one, its own llama3 RoPE
     "jais2",  # Llama's, biases on all four by default
     "hy_v3",  # Qwen3's (q/k norm per head before RoPE), unlike Hunyuan v1's (after it)
+    # hybrids: their attention layers (HYBRIDS says which), the others refused naming them
+    "jamba",  # Llama's without RoPE nor biases; Mamba on the other layers
     # multi-head latent attention (MLA: low-rank q and kv projections, one latent per token;
     # hf_config._mla): DeepSeek-V2/V3 (and Kimi K2), GLM-4.7-Flash, MiniCPM3
     "deepseek_v2",
@@ -152,7 +154,9 @@ class Hybrid:
     derive: Callable[[dict[str, Any], int], str | None]
     others: dict[str, str]  # {kind not served: what it is}
     served: tuple[str, ...] = ("full_attention",)
-    key: str = "layer_types"  # the config.json key listing each layer's kind
+    # The config.json key listing each layer's kind; None where its config computes them
+    # (a property: PROPERTIES refuses a config.json that sets them).
+    key: str | None = "layer_types"
 
 
 # transformers' remap_legacy_layer_types (every config's layer_types): older names of kinds.
@@ -176,6 +180,13 @@ HYBRIDS: dict[str, Hybrid] = {
             "linear_attention": "Kimi Delta Attention (KDA): linear attention, no softmax "
             "over a KV cache"
         },
+    ),
+    # Jamba: attention on every attn_layer_period-th layer from attn_layer_offset (JambaConfig's
+    # layers_block_type, a property: no config.json key lists them), Mamba on the others
+    "jamba": Hybrid(
+        lambda c, i: jamba_layer(c, i),
+        {"linear_attention": "a Mamba block (JambaMambaMixer), not attention"},
+        key=None,
     ),
     # The gated families (OUTPUT_GATE): layer_types, else every full_attention_interval-th
     # layer (FULL_ATTENTION_INTERVAL by default) is full attention (Qwen3NextConfig,
@@ -283,6 +294,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "minimax_m2": {"num_key_value_heads": 8, "head_dim": 128, "rope_theta": 5_000_000.0},
     "stablelm": {"num_key_value_heads": 32},
     "falcon": {"multi_query": True},
+    "jamba": {"num_key_value_heads": 8, "attn_layer_period": 8, "attn_layer_offset": 4},
     "gpt_bigcode": {"multi_query": True},
     **dict.fromkeys(
         ("gptj", "codegen"),
@@ -478,6 +490,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("solar_open", "phimoe", "cwm", "hy_v3"),
         *("stablelm", "glm4_moe_lite", *OUTPUT_GATE),
         *("youtu", "axk1"),  # (typed int, not int | None as DeepSeek-V3's)
+        "jamba",
     ),
     "attention_bias": (
         *("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu", "axk1"),
@@ -495,7 +508,10 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     "rope_interleave": ("glm4_moe_lite",),  # (DeepSeek-V3's takes a null: by halves)
     # (AXK1Config types them int: its attention always takes q through its latent)
     **dict.fromkeys(("q_lora_rank", "v_head_dim"), ("axk1",)),
-    "linear_attn_config": ("kimi_linear",),  # (KimiLinearConfig calls .get on it)
+    "linear_attn_config": ("kimi_linear",),
+    **dict.fromkeys(
+        ("attn_layer_period", "attn_layer_offset"), ("jamba",)
+    ),  # (KimiLinearConfig calls .get on it)
     "qkv_bias": ("qwen2_moe",),
     "qk_layernorm": ("phi", "stablelm"),
     "use_qkv_bias": ("stablelm",),
@@ -541,6 +557,7 @@ BIAS: dict[str, str | bool] = {
         ("mistral", "mixtral", "ministral", "phi3", "minimax_m2", "exaone_moe", "lfm2", "cwm"),
         False,
     ),
+    "jamba": False,  # (JambaAttention builds its projections without biases, whatever it says)
 }
 # o_proj's bias where it is not q/k/v's: its key, or fixed (a missing one is served as 0).
 O_BIAS: dict[str, str | bool] = {
@@ -605,6 +622,9 @@ DERIVED_SLIDING: dict[str, Callable[[dict[str, Any], int], bool]] = {
     "dots1": lambda c, i: c.get("sliding_window") is not None and i >= c["max_window_layers"],
 }
 # Layers that apply no RoPE (NoPE): SmolLM3's no_rope_layers, Cohere 2's global layers.
+# Families whose attention applies no RoPE on any layer: their configs read no RoPE table
+# (its keys are not read, null or not; JambaAttention rotates nothing).
+NOPE = ("jamba",)
 NO_ROPE: dict[str, Callable[[dict[str, Any], int, str], bool]] = {
     "smollm3": lambda c, i, kind: not smollm3_rope(c, i),
     "cohere2": lambda c, i, kind: kind == "full_attention",
@@ -648,7 +668,11 @@ LAYERNORM_QK = {"cohere": "use_qk_norm", "phi": "qk_layernorm", "stablelm": "qk_
 # Keys a family's config computes (a property without a setter): transformers loads no
 # config.json that sets them, null included (FalconConfig: head_dim from hidden_size /
 # num_attention_heads, rotary from alibi).
-PROPERTIES = {"falcon": ("head_dim", "rotary")}
+PROPERTIES = {
+    "falcon": ("head_dim", "rotary"),
+    # (JambaConfig computes its layer kinds from attn_layer_period and attn_layer_offset)
+    "jamba": ("layer_types", "layers_block_type"),
+}
 # Keys a family's config reads in place of another when set, not null: {family: {key: the
 # key it replaces}} (FalconConfig: n_embed, its old name for hidden_size;
 # GPT2Config's and GPTBigCodeConfig's attribute_map: hidden_size, ... beside n_embd, ... win,
@@ -746,8 +770,6 @@ UNSERVED = {
     "jetmoe": "a mixture of attention heads (per-token expert query and output projections)",
     # hybrids: attention on some layers only, the others recurrent or convolutional; which
     # layer is attention is not read yet (see docs/models.md's survey)
-    "jamba": "hybrid: attention only on every attn_layer_period-th layer from attn_layer_offset, "
-    "Mamba on the others (attention layers not mapped yet)",
     "bamba": "hybrid: attention only on attn_layer_indices, Mamba-2 on the others (attention "
     "layers not mapped yet)",
     "nemotron_h": "hybrid: attention only where layers_block_type (hybrid_override_pattern) "
@@ -823,6 +845,20 @@ def gated_layer(cfg: dict[str, Any], layer: int) -> str:
             f"layer is full attention), got {interval!r}"
         )
     return "linear_attention" if (layer + 1) % interval else "full_attention"
+
+
+def jamba_layer(cfg: dict[str, Any], layer: int) -> str:
+    """Jamba's layer kind, as JambaConfig derives it (it validates offset < period)."""
+    period, offset = cfg["attn_layer_period"], cfg["attn_layer_offset"]
+    for key, value in (("attn_layer_period", period), ("attn_layer_offset", offset)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TypeError(f"{key} must be an int, got {value!r}")
+    if offset >= period:
+        raise ValueError(
+            f"attn_layer_offset {offset} must be smaller than attn_layer_period {period} "
+            "(JambaConfig loads no config otherwise)"
+        )
+    return "full_attention" if layer % period == offset else "linear_attention"
 
 
 def kimi_linear_layer(cfg: dict[str, Any], layer: int) -> str | None:
