@@ -15,6 +15,8 @@ from transformers import (
     ArceeModel,
     AXK1Config,
     AXK1Model,
+    BambaConfig,
+    BambaModel,
     BertModel,
     BloomConfig,
     BloomModel,
@@ -836,6 +838,24 @@ CHECKPOINTS = {
             num_experts=2,
             num_experts_per_tok=1,
             mamba_d_state=4,
+            **ROTARY,
+        ),
+        1,
+    ),
+    # Bamba (a hybrid): a Mamba-2 layer (refused), then the attention layer served
+    # (attn_layer_indices): Llama's with q/k/v/o biases here (attention_bias), RoPE by halves
+    # over half of each head (BambaConfig's fixed partial_rotary_factor), GQA 8:2
+    "bamba": (
+        BambaModel,
+        BambaConfig(
+            num_key_value_heads=2,
+            attention_bias=True,
+            attn_layer_indices=[1],
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_d_state=8,
+            mamba_chunk_size=16,
             **ROTARY,
         ),
         1,

@@ -78,6 +78,7 @@ OWN_KEYS.update(
 OWN_KEYS["kimi_linear"] = (*OWN_KEYS["axk1"], "model_max_length", "linear_attn_config")
 # (the hybrids' keys that say which layers are attention)
 OWN_KEYS["jamba"] = (*OWN_KEYS["rotary"], "attn_layer_period", "attn_layer_offset")
+OWN_KEYS["bamba"] = (*OWN_KEYS["rotary"], "attn_layer_indices")
 ABSOLUTE = ("gpt2", "bert", "gpt_bigcode")  # (no RoPE)
 OWN_KEYS["codegen"] = OWN_KEYS["gptj"]
 # Nulls inside the RoPE tables (set only where the key is there), and transformers 4's

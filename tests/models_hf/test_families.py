@@ -15,6 +15,8 @@ from transformers import (
     ApertusConfig,
     ApertusModel,
     AutoConfig,
+    BambaConfig,
+    BambaModel,
     CodeGenConfig,
     CodeGenModel,
     Cohere2Config,
@@ -533,6 +535,19 @@ LLAMA_ROPE = {
             {"attn_layer_period": None, "attn_layer_offset": None, "num_key_value_heads": None},
             4,
         ),
+        # Bamba with a partial_rotary_factor beside its RoPE table (BambaConfig overwrites
+        # it: half of each head turns) and without num_key_value_heads (8)
+        (
+            BambaModel,
+            BambaConfig(attn_layer_indices=[0], mamba_n_heads=8, mamba_d_head=16, **SMALL),
+            "bamba",
+            {
+                "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
+                "partial_rotary_factor": 1.0,
+                "num_key_value_heads": None,
+            },
+            0,
+        ),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -584,6 +599,7 @@ LLAMA_ROPE = {
         "jais2_defaults",
         "hy_v3_default_theta",
         "jamba_defaults",
+        "bamba_partial_rotary_factor_beside_its_table",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(
@@ -956,6 +972,25 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
             1,
             "attn_layer_offset 2 must be smaller than attn_layer_period 2",
         ),
+        # Bamba's Mamba-2 layers, and all of them without attn_layer_indices; BambaConfig
+        # computes its layer kinds (layer_types is its name of them): a config.json listing
+        # them it loads not
+        *[
+            (
+                BambaConfig(attn_layer_indices=indices, **SMALL),
+                {},
+                0,
+                "layer 0 of bamba is a 'linear_attention' layer (a Mamba-2 block (BambaMixer), "
+                f"not attention); its full_attention layers are {served}",
+            )
+            for indices, served in (([1], "[1]"), (None, "none"))
+        ],
+        (
+            BambaConfig(attn_layer_indices=[1], **SMALL),
+            {"layer_types": ["linear_attention", "full_attention"]},
+            1,
+            "bamba config.json sets layer_types",
+        ),
         # PhiMoE's scaled RoPE is Phi-3's longrope (its config validates any other table as
         # longrope's): refused as Phi-3's
         (
@@ -995,6 +1030,9 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
         "jamba_mamba_layer",
         "jamba_layer_types",
         "jamba_offset_past_period",
+        "bamba_mamba_layer",
+        "bamba_no_attention_layers",
+        "bamba_layer_types",
         "phimoe_rope_scaling",
     ],
 )
@@ -1019,7 +1057,6 @@ REFUSED_FAMILIES = {
     "doge": "a dynamic mask",
     "jetmoe": "a mixture of attention heads",
     "llama4_text": "chunked attention",
-    "bamba": "hybrid: attention only on attn_layer_indices",
     "nemotron_h": "hybrid: attention only where layers_block_type",
     "granitemoehybrid": "hybrid: attention only where layer_types",
     "lfm2_moe": "short convolutions",

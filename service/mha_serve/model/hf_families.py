@@ -77,6 +77,7 @@ FAMILIES = (
     "hy_v3",  # Qwen3's (q/k norm per head before RoPE), unlike Hunyuan v1's (after it)
     # hybrids: their attention layers (HYBRIDS says which), the others refused naming them
     "jamba",  # Llama's without RoPE nor biases; Mamba on the other layers
+    "bamba",  # Llama's, RoPE by halves over half of each head; Mamba-2 on the other layers
     # multi-head latent attention (MLA: low-rank q and kv projections, one latent per token;
     # hf_config._mla): DeepSeek-V2/V3 (and Kimi K2), GLM-4.7-Flash, MiniCPM3
     "deepseek_v2",
@@ -188,6 +189,17 @@ HYBRIDS: dict[str, Hybrid] = {
         {"linear_attention": "a Mamba block (JambaMambaMixer), not attention"},
         key=None,
     ),
+    # Bamba: attention on attn_layer_indices (null: none; BambaConfig's layers_block_type, a
+    # property), Mamba-2 on the others
+    "bamba": Hybrid(
+        lambda c, i: (
+            "full_attention"
+            if c.get("attn_layer_indices") and i in c["attn_layer_indices"]
+            else "linear_attention"
+        ),
+        {"linear_attention": "a Mamba-2 block (BambaMixer), not attention"},
+        key=None,
+    ),
     # The gated families (OUTPUT_GATE): layer_types, else every full_attention_interval-th
     # layer (FULL_ATTENTION_INTERVAL by default) is full attention (Qwen3NextConfig,
     # Qwen3_5TextConfig)
@@ -295,6 +307,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "stablelm": {"num_key_value_heads": 32},
     "falcon": {"multi_query": True},
     "jamba": {"num_key_value_heads": 8, "attn_layer_period": 8, "attn_layer_offset": 4},
+    "bamba": {"num_key_value_heads": 8},
     "gpt_bigcode": {"multi_query": True},
     **dict.fromkeys(
         ("gptj", "codegen"),
@@ -500,6 +513,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
         *("gpt_neox", "nemotron", "glm4_moe", "apertus", "dots1", "vaultgemma", "solar_open"),
         *("flex_olmo", "hyperclovax", "phimoe", "jais2", "hy_v3"),
+        "bamba",
         *("gpt_neox", "nemotron", *OUTPUT_GATE),
     ),
     "use_qk_norm": ("glm4_moe",),
@@ -643,12 +657,16 @@ PARTIAL_ROPE = {
     "nemotron": 0.5,
     "glm4_moe": 0.5,  # (Glm4MoeConfig's default, by halves where GLM and GLM-4 interleave)
     "minimax_m2": 1.0,  # (without rotary_dim: PARTIAL_BY_ROTARY_DIM)
+    "bamba": 0.5,  # (PARTIAL_IN_TABLE_ONLY)
     **dict.fromkeys(OUTPUT_GATE, 0.25),
 }
 # Families whose config reads a legacy rotary_dim (the dims turned, of head_dim) as the partial
 # factor rotary_dim / head_dim where neither rope_parameters nor config.json gives one
 # (MiniMaxM2Config: the released MiniMax-M2 checkpoints' 64 of 128).
 PARTIAL_BY_ROTARY_DIM = ("minimax_m2",)
+# Families whose config reads the factor from the RoPE table only: a partial_rotary_factor
+# beside the table is overwritten by their default (BambaConfig hardcodes 0.5 there).
+PARTIAL_IN_TABLE_ONLY = ("bamba",)
 # Families whose config reads RoPE's theta and partial factor beside the table under other
 # names (GPTNeoXConfig: rotary_emb_base, rotary_pct; it ignores config.json's rope_theta and
 # partial_rotary_factor there), and whose table takes a null of them as is (no layer built).
@@ -672,6 +690,9 @@ PROPERTIES = {
     "falcon": ("head_dim", "rotary"),
     # (JambaConfig computes its layer kinds from attn_layer_period and attn_layer_offset)
     "jamba": ("layer_types", "layers_block_type"),
+    # (BambaConfig: layer_types is its alias of layers_block_type, computed from
+    # attn_layer_indices)
+    "bamba": ("layer_types", "layers_block_type"),
 }
 # Keys a family's config reads in place of another when set, not null: {family: {key: the
 # key it replaces}} (FalconConfig: n_embed, its old name for hidden_size;
@@ -770,8 +791,6 @@ UNSERVED = {
     "jetmoe": "a mixture of attention heads (per-token expert query and output projections)",
     # hybrids: attention on some layers only, the others recurrent or convolutional; which
     # layer is attention is not read yet (see docs/models.md's survey)
-    "bamba": "hybrid: attention only on attn_layer_indices, Mamba-2 on the others (attention "
-    "layers not mapped yet)",
     "nemotron_h": "hybrid: attention only where layers_block_type (hybrid_override_pattern) "
     "names it, Mamba-2 or MLP on the others, and no RoPE (attention layers not mapped yet)",
     "granitemoehybrid": "hybrid: attention only where layer_types names it, Mamba-2 on the "

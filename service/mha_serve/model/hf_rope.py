@@ -14,6 +14,7 @@ from .hf_families import (
     INTERLEAVED_ROPE,
     LAYER_TYPES,
     PARTIAL_BY_ROTARY_DIM,
+    PARTIAL_IN_TABLE_ONLY,
     PARTIAL_NOT_NULL,
     PARTIAL_ROPE,
     PER_TYPE_ROPE,
@@ -165,7 +166,7 @@ def _partial(cfg: dict[str, Any], params: dict[str, Any], family: str, where: Pa
     key = rope_keys(family)[1]
     if "partial_rotary_factor" in params:
         value, name = params["partial_rotary_factor"], "rope_parameters.partial_rotary_factor"
-    elif key in cfg:
+    elif key in cfg and family not in PARTIAL_IN_TABLE_ONLY:
         value, name = cfg[key], key
         if value is None and family in PARTIAL_NOT_NULL:
             refuse_null(where, family, key, "its attention computes with the factor")
