@@ -115,6 +115,8 @@ from transformers import (
     MptModel,
     NemotronConfig,
     NemotronForCausalLM,
+    NemotronHConfig,
+    NemotronHModel,
     Olmo2Config,
     Olmo2Model,
     Olmo3Config,
@@ -188,6 +190,10 @@ MOE = {"num_local_experts": 2, "num_experts_per_tok": 1}
 MLA = {**ROTARY, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16}
 MLA.update({"qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "first_k_dense_replace": 1})
 MLA_MOE = {"moe_intermediate_size": 32, "n_routed_experts": 2, "num_experts_per_tok": 1}
+# Nemotron-H's Mamba-2 and MoE blocks, small (they are run, never served)
+NEMOTRON_H = {"mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 8, "n_groups": 1}
+NEMOTRON_H.update({"chunk_size": 16, "n_routed_experts": 2, "num_experts_per_tok": 1})
+NEMOTRON_H.update({"moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32})
 # Gated attention (Qwen3-Next, Qwen3.5): a linear-attention layer (gated DeltaNet, small),
 # then the full-attention layer served; MoE: two tiny experts and a shared one
 GATED = {**ROTARY, "layer_types": ["linear_attention", "full_attention"]}
@@ -860,6 +866,20 @@ CHECKPOINTS = {
         ),
         1,
     ),
+    # Nemotron-H (a hybrid): a Mamba-2 block (refused), then the attention block served
+    # (layers_block_type; its layers.{i}.mixer): Llama's without RoPE nor biases, GQA 8:2,
+    # head_dim 16 != 64 / 8
+    "nemotron_h": (
+        NemotronHModel,
+        NemotronHConfig(
+            num_key_value_heads=2,
+            head_dim=16,
+            layers_block_type=["linear_attention", "full_attention"],
+            **NEMOTRON_H,
+            **{k: v for k, v in ROTARY.items() if k != "num_hidden_layers"},
+        ),
+        1,
+    ),
     # Multi-head latent attention. DeepSeek-V3 (Kimi K2): q through its latent, RoPE by
     # pairs (rope_interleave), yarn with mscale_all_dim (its softmax scale times mscale^2),
     # biases on q_a_proj, kv_a_proj_with_mqa and o_proj
@@ -1077,7 +1097,8 @@ def load_reference(name: str, directory: Path):
 
 def attention_module(base, layer: int):
     """The layer's attention module (GPT-NeoX: .attention; Falcon, BLOOM: h[i].self_attention;
-    GPT-J, CodeGen: h[i].attn; MPT: blocks[i].attn; the others: .self_attn)."""
+    GPT-J, CodeGen: h[i].attn; MPT: blocks[i].attn; Nemotron-H: .mixer; the others:
+    .self_attn)."""
     if isinstance(base, (FalconModel, BloomModel)):
         return base.h[layer].self_attention
     if isinstance(base, GPTJModel | CodeGenModel):
@@ -1085,6 +1106,8 @@ def attention_module(base, layer: int):
     if isinstance(base, MptModel):
         return base.blocks[layer].attn
     block = base.layers[layer]
+    if isinstance(base, NemotronHModel):
+        return block.mixer
     return block.attention if isinstance(base, GPTNeoXModel) else block.self_attn
 
 

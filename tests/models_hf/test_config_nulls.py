@@ -79,6 +79,7 @@ OWN_KEYS["kimi_linear"] = (*OWN_KEYS["axk1"], "model_max_length", "linear_attn_c
 # (the hybrids' keys that say which layers are attention)
 OWN_KEYS["jamba"] = (*OWN_KEYS["rotary"], "attn_layer_period", "attn_layer_offset")
 OWN_KEYS["bamba"] = (*OWN_KEYS["rotary"], "attn_layer_indices")
+OWN_KEYS["nemotron_h"] = (*OWN_KEYS["rotary"], "layers_block_type", "hybrid_override_pattern")
 ABSOLUTE = ("gpt2", "bert", "gpt_bigcode")  # (no RoPE)
 OWN_KEYS["codegen"] = OWN_KEYS["gptj"]
 # Nulls inside the RoPE tables (set only where the key is there), and transformers 4's
@@ -98,6 +99,8 @@ NESTED = (
 REFUSED_OTHERWISE: set[tuple[str, str, int]] = {
     (family, "layer_types", 1) for family in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 }
+# (Nemotron-H without its list: NemotronHConfig's four blocks, layer 1 an MoE one)
+REFUSED_OTHERWISE.add(("nemotron_h", "layers_block_type", 1))
 
 FAMILIES = {name: (cls, config) for name, (cls, config, _) in CHECKPOINTS.items()}
 FAMILIES["bert"] = (
@@ -151,11 +154,13 @@ def transformers_runs(cls, directory):
             else getattr(base, "layers", None) or getattr(base, "blocks", None) or []
         )
         for i, block in enumerate(blocks):
+            mixer = getattr(block, "mixer", None)  # (Nemotron-H's: attention on some blocks)
             attention = (  # (GPT-2's attn, GPT-NeoX's attention, Falcon's and BLOOM's self_attention)
                 getattr(block, "attn", None)
                 or getattr(block, "attention", None)
                 or getattr(block, "self_attention", None)
                 or getattr(block, "self_attn", None)
+                or (mixer if type(mixer).__name__.endswith("Attention") else None)
             )
             if attention is None:  # (a hybrid's other layers: Qwen3-Next's linear attention,
                 # LFM2's short convolutions)

@@ -60,6 +60,8 @@ from transformers import (
     MixtralConfig,
     MixtralForCausalLM,
     NemotronConfig,
+    NemotronHConfig,
+    NemotronHModel,
     NemotronModel,
     Olmo3Config,
     Olmo3Model,
@@ -90,7 +92,7 @@ from transformers import (
 
 from mha_serve.model.hf import load_hf_layer
 from mha_serve.model.hf_config import read_hf_layer
-from tests.models_hf.reference import reference_attention
+from tests.models_hf.reference import NEMOTRON_H, reference_attention
 from tests.models_hf.test_config_json import SMALL, assert_served_as_transformers, checkpoint
 
 MOE = {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 32}
@@ -548,6 +550,35 @@ LLAMA_ROPE = {
             },
             0,
         ),
+        # Nemotron-H without layers_block_type nor hybrid_override_pattern: NemotronHConfig's
+        # four blocks (Mamba-2, MoE, attention, MLP), num_hidden_layers not read;
+        # num_key_value_heads 8 and head_dim 128 left out too
+        (
+            NemotronHModel,
+            NemotronHConfig(**NEMOTRON_H, **{**SMALL, "initializer_range": 0.05}),
+            "nemotron_h",
+            {
+                "layers_block_type": None,
+                "num_key_value_heads": None,
+                "head_dim": None,
+                "num_hidden_layers": 9,
+            },
+            2,
+        ),
+        # Nemotron-H's released configs: hybrid_override_pattern (M: Mamba-2, *: attention)
+        (
+            NemotronHModel,
+            NemotronHConfig(
+                num_key_value_heads=2,
+                head_dim=16,
+                layers_block_type=["linear_attention", "full_attention"],
+                **NEMOTRON_H,
+                **SMALL,
+            ),
+            "nemotron_h",
+            {"layers_block_type": None, "hybrid_override_pattern": "M*"},
+            1,
+        ),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -600,6 +631,8 @@ LLAMA_ROPE = {
         "hy_v3_default_theta",
         "jamba_defaults",
         "bamba_partial_rotary_factor_beside_its_table",
+        "nemotron_h_defaults",
+        "nemotron_h_hybrid_override_pattern",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(
@@ -991,6 +1024,53 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
             1,
             "bamba config.json sets layer_types",
         ),
+        # Nemotron-H's other blocks (Mamba-2, MoE, MLP) refused naming its attention ones,
+        # from layers_block_type or its legacy names, or hybrid_override_pattern; a kind or a
+        # letter NemotronHConfig does not know loads no config
+        *[
+            (
+                NemotronHConfig(layers_block_type=["linear_attention", "full_attention"]),
+                edits,
+                layer,
+                f"layer {layer} of nemotron_h is a {kind!r} layer ({what}); its full_attention "
+                f"layers are {served}",
+            )
+            for edits, layer, kind, what, served in (
+                (
+                    {},
+                    0,
+                    "linear_attention",
+                    "a Mamba-2 block (NemotronHMamba2Mixer), not attention",
+                    "[1]",
+                ),
+                (
+                    {"layers_block_type": ["mamba", "attention", "mlp"]},
+                    2,
+                    "mlp",
+                    "an MLP block (NemotronHMLP), not attention",
+                    "[1]",
+                ),
+                (
+                    {"layers_block_type": None, "hybrid_override_pattern": "M*E*"},
+                    2,
+                    "moe",
+                    "a mixture-of-experts MLP block (NemotronHMoE), not attention",
+                    "[1, 3]",
+                ),
+            )
+        ],
+        (
+            NemotronHConfig(layers_block_type=["linear_attention", "full_attention"]),
+            {"layers_block_type": None, "hybrid_override_pattern": "M*X"},
+            1,
+            "hybrid_override_pattern must be a string of ME*-, got 'M*X'",
+        ),
+        (
+            NemotronHConfig(layers_block_type=["linear_attention", "full_attention"]),
+            {"layers_block_type": ["full_attention", "conv"]},
+            0,
+            "layers_block_type has 'conv', not one of",
+        ),
         # PhiMoE's scaled RoPE is Phi-3's longrope (its config validates any other table as
         # longrope's): refused as Phi-3's
         (
@@ -1033,6 +1113,11 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
         "bamba_mamba_layer",
         "bamba_no_attention_layers",
         "bamba_layer_types",
+        "nemotron_h_mamba_block",
+        "nemotron_h_mlp_block_legacy_names",
+        "nemotron_h_moe_block_by_pattern",
+        "nemotron_h_pattern_letter",
+        "nemotron_h_kind",
         "phimoe_rope_scaling",
     ],
 )
@@ -1057,7 +1142,6 @@ REFUSED_FAMILIES = {
     "doge": "a dynamic mask",
     "jetmoe": "a mixture of attention heads",
     "llama4_text": "chunked attention",
-    "nemotron_h": "hybrid: attention only where layers_block_type",
     "granitemoehybrid": "hybrid: attention only where layer_types",
     "lfm2_moe": "short convolutions",
     "olmo_hybrid": "Gated DeltaNet",

@@ -104,6 +104,12 @@ _NAMES = {
         "v": "layers.{i}.self_attn.v_proj",
         "o": "layers.{i}.self_attn.out_proj",
     },
+    "nemotron_h": {  # (NemotronHBlock's mixer: its attention on the attention layers)
+        "q": "layers.{i}.mixer.q_proj",
+        "k": "layers.{i}.mixer.k_proj",
+        "v": "layers.{i}.mixer.v_proj",
+        "o": "layers.{i}.mixer.o_proj",
+    },
     "mla": {
         "q_a": "layers.{i}.self_attn.q_a_proj",
         "q_a_norm": "layers.{i}.self_attn.q_a_layernorm",

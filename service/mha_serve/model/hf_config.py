@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,8 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
     for alias, key in ALIASES.get(kind, {}).items():
         if cfg.get(alias) is not None:
             cfg[key] = cfg[alias]
+    if kind in HYBRIDS and HYBRIDS[kind].count is not None:  # (Nemotron-H's, from its kinds)
+        cfg["num_hidden_layers"] = _hybrid_call(HYBRIDS[kind].count, cfg, kind, config_path)
     gpt2_names = family in GPT2_NAMES
     layers_key = "num_hidden_layers"
     if gpt2_names or (family == "bloom" and layers_key not in cfg):  # (BloomConfig:
@@ -605,21 +608,30 @@ def hybrid_kinds(cfg: dict[str, Any], family: str, where: Path) -> list[str | No
     hybrid, n = HYBRIDS[family], cfg["num_hidden_layers"]
     kinds = cfg.get(hybrid.key) if hybrid.key else None
     if kinds is None:
-        try:
-            kinds = [hybrid.derive(cfg, i) for i in range(n)]
-        except (TypeError, KeyError, ValueError, ZeroDivisionError) as e:  # (as its config)
-            if hybrid.key is None:
-                raise ValueError(
-                    f"{where}: {family} derives its layer kinds from keys this config.json sets "
-                    f"otherwise ({type(e).__name__}: {e})"
-                ) from None
-            raise ValueError(
-                f"{where}: {family} without {hybrid.key} derives them from keys this config.json "
-                f"sets otherwise ({type(e).__name__}: {e}); give {hybrid.key}"
-            ) from None
+        kinds = _hybrid_call(lambda c: [hybrid.derive(c, i) for i in range(n)], cfg, family, where)
     if not isinstance(kinds, list) or len(kinds) != n:
         raise ValueError(f"{where}: {hybrid.key} must list {n} entries, one per layer")
     return [LEGACY_LAYER_TYPES.get(kind, kind) if isinstance(kind, str) else kind for kind in kinds]
+
+
+def _hybrid_call(
+    derive: Callable[[dict[str, Any]], Any], cfg: dict[str, Any], family: str, where: Path
+) -> Any:
+    """derive(cfg), a hybrid's layer kinds or count as its config derives them; its failure
+    (as its config's) a ValueError saying so."""
+    key = HYBRIDS[family].key
+    try:
+        return derive(cfg)
+    except (TypeError, KeyError, ValueError, ZeroDivisionError) as e:
+        if key is None:
+            raise ValueError(
+                f"{where}: {family} derives its layer kinds from keys this config.json sets "
+                f"otherwise ({type(e).__name__}: {e})"
+            ) from None
+        raise ValueError(
+            f"{where}: {family} without {key} derives them from keys this config.json sets "
+            f"otherwise ({type(e).__name__}: {e}); give {key}"
+        ) from None
 
 
 def _hybrid_layer(cfg: dict[str, Any], family: str, layer: int, where: Path) -> str:

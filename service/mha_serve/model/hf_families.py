@@ -78,6 +78,7 @@ FAMILIES = (
     # hybrids: their attention layers (HYBRIDS says which), the others refused naming them
     "jamba",  # Llama's without RoPE nor biases; Mamba on the other layers
     "bamba",  # Llama's, RoPE by halves over half of each head; Mamba-2 on the other layers
+    "nemotron_h",  # Llama's without RoPE nor biases (layers.{i}.mixer); Mamba-2, MLP, MoE
     # multi-head latent attention (MLA: low-rank q and kv projections, one latent per token;
     # hf_config._mla): DeepSeek-V2/V3 (and Kimi K2), GLM-4.7-Flash, MiniCPM3
     "deepseek_v2",
@@ -158,6 +159,9 @@ class Hybrid:
     # The config.json key listing each layer's kind; None where its config computes them
     # (a property: PROPERTIES refuses a config.json that sets them).
     key: str | None = "layer_types"
+    # The number of layers, where its config counts them from their kinds (num_hidden_layers
+    # is then not read); None: num_hidden_layers.
+    count: Callable[[dict[str, Any]], int] | None = None
 
 
 # transformers' remap_legacy_layer_types (every config's layer_types): older names of kinds.
@@ -199,6 +203,18 @@ HYBRIDS: dict[str, Hybrid] = {
         ),
         {"linear_attention": "a Mamba-2 block (BambaMixer), not attention"},
         key=None,
+    ),
+    # Nemotron-H: layer_types (its alias), else layers_block_type, else hybrid_override_pattern
+    # (M: Mamba-2, *: attention, -: MLP, E: MoE), else NemotronHConfig's four; one block each
+    "nemotron_h": Hybrid(
+        lambda c, i: nemotron_h_kinds(c)[i],
+        {
+            "linear_attention": "a Mamba-2 block (NemotronHMamba2Mixer), not attention",
+            "moe": "a mixture-of-experts MLP block (NemotronHMoE), not attention",
+            "mlp": "an MLP block (NemotronHMLP), not attention",
+        },
+        key=None,
+        count=lambda c: len(nemotron_h_kinds(c)),
     ),
     # The gated families (OUTPUT_GATE): layer_types, else every full_attention_interval-th
     # layer (FULL_ATTENTION_INTERVAL by default) is full attention (Qwen3NextConfig,
@@ -308,6 +324,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "falcon": {"multi_query": True},
     "jamba": {"num_key_value_heads": 8, "attn_layer_period": 8, "attn_layer_offset": 4},
     "bamba": {"num_key_value_heads": 8},
+    "nemotron_h": {"num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 4096},
     "gpt_bigcode": {"multi_query": True},
     **dict.fromkeys(
         ("gptj", "codegen"),
@@ -438,6 +455,7 @@ _NORM_EPS_FREE = (
     *("falcon", "gpt_bigcode", "bloom", "gptj", "codegen", "mpt"),
     *("nemotron", "lfm2"),  # (their norm_eps)
     "jais2",  # (its layer_norm_eps)
+    "nemotron_h",  # (its layer_norm_epsilon, outside the attention)
 )
 _HEAD_DIM_FILLED = (
     "bert",
@@ -468,9 +486,13 @@ _HEAD_DIM_FILLED = (
 )
 NOT_NULL: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
-        ("hidden_size", "num_attention_heads", "num_hidden_layers"),
+        ("hidden_size", "num_attention_heads"),
         ALL,
     ),
+    # (NemotronHConfig counts its layers from their kinds, whatever num_hidden_layers says)
+    "num_hidden_layers": tuple(f for f in FAMILIES if f != "nemotron_h"),
+    # (its alias of layers_block_type, set after it: a null one leaves no kinds to build from)
+    "layer_types": ("nemotron_h",),
     # (BLOOM has no context: ALiBi sets none, and BloomConfig keeps a null it does not read;
     # MPT's is max_seq_len)
     "max_position_embeddings": tuple(f for f in FAMILIES if f not in ("bloom", "mpt")),
@@ -504,6 +526,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("stablelm", "glm4_moe_lite", *OUTPUT_GATE),
         *("youtu", "axk1"),  # (typed int, not int | None as DeepSeek-V3's)
         "jamba",
+        "nemotron_h",
     ),
     "attention_bias": (
         *("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu", "axk1"),
@@ -513,12 +536,12 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
         *("gpt_neox", "nemotron", "glm4_moe", "apertus", "dots1", "vaultgemma", "solar_open"),
         *("flex_olmo", "hyperclovax", "phimoe", "jais2", "hy_v3"),
-        "bamba",
+        *("bamba", "nemotron_h"),
         *("gpt_neox", "nemotron", *OUTPUT_GATE),
     ),
     "use_qk_norm": ("glm4_moe",),
     "norm_eps": ("nemotron", "lfm2"),  # (typed float: NemotronConfig, Lfm2Config reject it)
-    "use_bias": ("starcoder2",),
+    "use_bias": ("starcoder2", "nemotron_h"),  # (NemotronHConfig's: typed, not read here)
     "rope_interleave": ("glm4_moe_lite",),  # (DeepSeek-V3's takes a null: by halves)
     # (AXK1Config types them int: its attention always takes q through its latent)
     **dict.fromkeys(("q_lora_rank", "v_head_dim"), ("axk1",)),
@@ -571,7 +594,9 @@ BIAS: dict[str, str | bool] = {
         ("mistral", "mixtral", "ministral", "phi3", "minimax_m2", "exaone_moe", "lfm2", "cwm"),
         False,
     ),
-    "jamba": False,  # (JambaAttention builds its projections without biases, whatever it says)
+    # (JambaAttention and NemotronHAttention build their projections without biases, whatever
+    # attention_bias says)
+    **dict.fromkeys(("jamba", "nemotron_h"), False),
 }
 # o_proj's bias where it is not q/k/v's: its key, or fixed (a missing one is served as 0).
 O_BIAS: dict[str, str | bool] = {
@@ -638,7 +663,7 @@ DERIVED_SLIDING: dict[str, Callable[[dict[str, Any], int], bool]] = {
 # Layers that apply no RoPE (NoPE): SmolLM3's no_rope_layers, Cohere 2's global layers.
 # Families whose attention applies no RoPE on any layer: their configs read no RoPE table
 # (its keys are not read, null or not; JambaAttention rotates nothing).
-NOPE = ("jamba",)
+NOPE = ("jamba", "nemotron_h")
 NO_ROPE: dict[str, Callable[[dict[str, Any], int, str], bool]] = {
     "smollm3": lambda c, i, kind: not smollm3_rope(c, i),
     "cohere2": lambda c, i, kind: kind == "full_attention",
@@ -791,8 +816,6 @@ UNSERVED = {
     "jetmoe": "a mixture of attention heads (per-token expert query and output projections)",
     # hybrids: attention on some layers only, the others recurrent or convolutional; which
     # layer is attention is not read yet (see docs/models.md's survey)
-    "nemotron_h": "hybrid: attention only where layers_block_type (hybrid_override_pattern) "
-    "names it, Mamba-2 or MLP on the others, and no RoPE (attention layers not mapped yet)",
     "granitemoehybrid": "hybrid: attention only where layer_types names it, Mamba-2 on the "
     "others (attention layers not mapped yet)",
     "lfm2_moe": "hybrid: attention only where layer_types says full_attention, short "
@@ -878,6 +901,36 @@ def jamba_layer(cfg: dict[str, Any], layer: int) -> str:
             "(JambaConfig loads no config otherwise)"
         )
     return "full_attention" if layer % period == offset else "linear_attention"
+
+
+# NemotronHConfig's hybrid_override_pattern letters, and the kinds it validates.
+NEMOTRON_H_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+
+
+def nemotron_h_kinds(cfg: dict[str, Any]) -> list[str]:
+    """Nemotron-H's layer kinds as NemotronHConfig reads them (legacy names remapped); it
+    loads no config whose kinds are not all of NEMOTRON_H_PATTERN's."""
+    kinds = cfg.get("layer_types") or cfg.get("layers_block_type")
+    if kinds is None and "hybrid_override_pattern" in cfg:
+        pattern = cfg["hybrid_override_pattern"]
+        if not isinstance(pattern, str) or not set(pattern) <= set(NEMOTRON_H_PATTERN):
+            raise ValueError(
+                f"hybrid_override_pattern must be a string of {''.join(NEMOTRON_H_PATTERN)}, "
+                f"got {pattern!r}"
+            )
+        kinds = [NEMOTRON_H_PATTERN[c] for c in pattern]
+    if kinds is None:
+        kinds = ["linear_attention", "moe", "full_attention", "mlp"]
+    if not isinstance(kinds, list):
+        raise TypeError(f"layers_block_type must be a list, got {kinds!r}")
+    kinds = [LEGACY_LAYER_TYPES.get(k, k) if isinstance(k, str) else k for k in kinds]
+    wrong = [k for k in kinds if k not in NEMOTRON_H_PATTERN.values()]
+    if wrong:
+        raise ValueError(
+            f"layers_block_type has {wrong[0]!r}, not one of "
+            f"{', '.join(NEMOTRON_H_PATTERN.values())} (NemotronHConfig loads no such config)"
+        )
+    return kinds
 
 
 def kimi_linear_layer(cfg: dict[str, Any], layer: int) -> str | None:
