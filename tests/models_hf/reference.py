@@ -81,6 +81,8 @@ from transformers import (
     GraniteConfig,
     GraniteModel,
     GraniteMoeConfig,
+    GraniteMoeHybridConfig,
+    GraniteMoeHybridModel,
     GraniteMoeModel,
     GraniteMoeSharedConfig,
     GraniteMoeSharedModel,
@@ -877,6 +879,27 @@ CHECKPOINTS = {
             layers_block_type=["linear_attention", "full_attention"],
             **NEMOTRON_H,
             **{k: v for k, v in ROTARY.items() if k != "num_hidden_layers"},
+        ),
+        1,
+    ),
+    # Granite 4.0's hybrid (granitemoehybrid): a Mamba-2 layer (refused), then the attention
+    # layer served: Granite's scale (attention_multiplier), RoPE (position_embedding_type
+    # "rope"; Granite 4.0 H's "nope" is test_families'), q/k/v/o biases here, GQA 8:2
+    "granitemoehybrid": (
+        GraniteMoeHybridModel,
+        GraniteMoeHybridConfig(
+            num_key_value_heads=2,
+            attention_bias=True,
+            attention_multiplier=0.07,
+            position_embedding_type="rope",
+            layer_types=["mamba", "attention"],
+            mamba_n_heads=8,
+            mamba_d_state=8,
+            mamba_chunk_size=16,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            shared_intermediate_size=32,
+            **ROTARY,
         ),
         1,
     ),

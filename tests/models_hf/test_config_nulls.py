@@ -80,6 +80,7 @@ OWN_KEYS["kimi_linear"] = (*OWN_KEYS["axk1"], "model_max_length", "linear_attn_c
 OWN_KEYS["jamba"] = (*OWN_KEYS["rotary"], "attn_layer_period", "attn_layer_offset")
 OWN_KEYS["bamba"] = (*OWN_KEYS["rotary"], "attn_layer_indices")
 OWN_KEYS["nemotron_h"] = (*OWN_KEYS["rotary"], "layers_block_type", "hybrid_override_pattern")
+OWN_KEYS["granitemoehybrid"] = (*OWN_KEYS["rotary"], "layers_block_type", "position_embedding_type")
 ABSOLUTE = ("gpt2", "bert", "gpt_bigcode")  # (no RoPE)
 OWN_KEYS["codegen"] = OWN_KEYS["gptj"]
 # Nulls inside the RoPE tables (set only where the key is there), and transformers 4's

@@ -40,6 +40,8 @@ from transformers import (
     GPTNeoXModel,
     GraniteConfig,
     GraniteModel,
+    GraniteMoeHybridConfig,
+    GraniteMoeHybridModel,
     HyperCLOVAXConfig,
     HyperCLOVAXModel,
     HYV3Config,
@@ -579,6 +581,28 @@ LLAMA_ROPE = {
             {"layers_block_type": None, "hybrid_override_pattern": "M*"},
             1,
         ),
+        # Granite 4.0 H: no position_embedding_type (NoPE: its attention rotates nothing), no
+        # attention_multiplier (1.0), no num_key_value_heads (the heads); layer_types in the
+        # legacy names its checkpoints ship (mamba, attention)
+        (
+            GraniteMoeHybridModel,
+            GraniteMoeHybridConfig(
+                layer_types=["attention", "mamba"],
+                mamba_n_heads=8,
+                num_local_experts=2,
+                num_experts_per_tok=1,
+                shared_intermediate_size=32,
+                **SMALL,
+            ),
+            "granitemoehybrid",
+            {
+                "position_embedding_type": None,
+                "attention_multiplier": None,
+                "num_key_value_heads": None,
+                "layer_types": ["attention", "mamba"],
+            },
+            0,
+        ),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -633,6 +657,7 @@ LLAMA_ROPE = {
         "bamba_partial_rotary_factor_beside_its_table",
         "nemotron_h_defaults",
         "nemotron_h_hybrid_override_pattern",
+        "granitemoehybrid_nope_defaults",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(
@@ -1071,6 +1096,19 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
             0,
             "layers_block_type has 'conv', not one of",
         ),
+        # Granite 4.0's hybrids: Mamba-2 layers refused naming the attention ones (layer_types,
+        # legacy names read as transformers remaps them; none without it)
+        *[
+            (
+                GraniteMoeHybridConfig(**SMALL),
+                {"layer_types": kinds},
+                0,
+                "layer 0 of granitemoehybrid is a 'linear_attention' layer (a Mamba-2 block "
+                f"(GraniteMoeHybridMambaLayer), not attention); its full_attention layers are "
+                f"{served}",
+            )
+            for kinds, served in ((["mamba", "attention"], "[1]"), (None, "none"))
+        ],
         # PhiMoE's scaled RoPE is Phi-3's longrope (its config validates any other table as
         # longrope's): refused as Phi-3's
         (
@@ -1118,6 +1156,8 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
         "nemotron_h_moe_block_by_pattern",
         "nemotron_h_pattern_letter",
         "nemotron_h_kind",
+        "granitemoehybrid_mamba_layer",
+        "granitemoehybrid_no_attention_layers",
         "phimoe_rope_scaling",
     ],
 )
@@ -1142,7 +1182,6 @@ REFUSED_FAMILIES = {
     "doge": "a dynamic mask",
     "jetmoe": "a mixture of attention heads",
     "llama4_text": "chunked attention",
-    "granitemoehybrid": "hybrid: attention only where layer_types",
     "lfm2_moe": "short convolutions",
     "olmo_hybrid": "Gated DeltaNet",
     "minimax": "lightning (linear) attention",

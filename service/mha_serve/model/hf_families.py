@@ -79,6 +79,7 @@ FAMILIES = (
     "jamba",  # Llama's without RoPE nor biases; Mamba on the other layers
     "bamba",  # Llama's, RoPE by halves over half of each head; Mamba-2 on the other layers
     "nemotron_h",  # Llama's without RoPE nor biases (layers.{i}.mixer); Mamba-2, MLP, MoE
+    "granitemoehybrid",  # Granite's scale, RoPE by position_embedding_type; Mamba-2 layers
     # multi-head latent attention (MLA: low-rank q and kv projections, one latent per token;
     # hf_config._mla): DeepSeek-V2/V3 (and Kimi K2), GLM-4.7-Flash, MiniCPM3
     "deepseek_v2",
@@ -216,6 +217,12 @@ HYBRIDS: dict[str, Hybrid] = {
         key=None,
         count=lambda c: len(nemotron_h_kinds(c)),
     ),
+    # Granite 4.0's hybrids: layer_types (null: every layer Mamba-2; legacy "mamba" and
+    # "attention" as transformers remaps them); its model masks no other kind
+    "granitemoehybrid": Hybrid(
+        lambda c, i: "linear_attention",
+        {"linear_attention": "a Mamba-2 block (GraniteMoeHybridMambaLayer), not attention"},
+    ),
     # The gated families (OUTPUT_GATE): layer_types, else every full_attention_interval-th
     # layer (FULL_ATTENTION_INTERVAL by default) is full attention (Qwen3NextConfig,
     # Qwen3_5TextConfig)
@@ -268,7 +275,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "qwen3_moe": {"num_key_value_heads": 4, "sliding_window": 4096},
     "olmoe": {"rms_norm_eps": 1e-5},
-    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared"), {"attention_multiplier": 1.0}),
+    **dict.fromkeys(
+        ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid"),
+        {"attention_multiplier": 1.0},
+    ),
     "smollm3": {"num_key_value_heads": 4, "no_rope_layer_interval": 4, "rope_theta": 2_000_000.0},
     "cohere2": {"sliding_window": 4096, "sliding_window_pattern": 4},
     **dict.fromkeys(
@@ -493,6 +503,8 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     "num_hidden_layers": tuple(f for f in FAMILIES if f != "nemotron_h"),
     # (its alias of layers_block_type, set after it: a null one leaves no kinds to build from)
     "layer_types": ("nemotron_h",),
+    # (GraniteMoeHybridConfig's alias of layer_types, set after its default is filled in)
+    "layers_block_type": ("granitemoehybrid",),
     # (BLOOM has no context: ALiBi sets none, and BloomConfig keeps a null it does not read;
     # MPT's is max_seq_len)
     "max_position_embeddings": tuple(f for f in FAMILIES if f not in ("bloom", "mpt")),
@@ -536,7 +548,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
         *("gpt_neox", "nemotron", "glm4_moe", "apertus", "dots1", "vaultgemma", "solar_open"),
         *("flex_olmo", "hyperclovax", "phimoe", "jais2", "hy_v3"),
-        *("bamba", "nemotron_h"),
+        *("bamba", "nemotron_h", "granitemoehybrid"),
         *("gpt_neox", "nemotron", *OUTPUT_GATE),
     ),
     "use_qk_norm": ("glm4_moe",),
@@ -556,7 +568,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     "use_sliding_window": ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3"),
     "max_window_layers": ("qwen2", "qwen3", "qwen2_moe"),
     "query_pre_attn_scalar": ("gemma2", "gemma3_text", "vaultgemma"),
-    "attention_multiplier": ("granite", "granitemoe", "granitemoeshared"),
+    "attention_multiplier": ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid"),
     "no_rope_layer_interval": ("smollm3",),
     "original_max_position_embeddings": ("phi3",),  # (elsewhere: where RoPE reads it)
     "attention_dropout": ("falcon",),  # (FalconAttention builds nn.Dropout(None): no layer)
@@ -622,7 +634,8 @@ QK_NORM_EPS = {"lfm2": "norm_eps"}
 SCALE = {
     **dict.fromkeys(("gemma2", "gemma3_text", "vaultgemma"), ("query_pre_attn_scalar", -0.5)),
     **dict.fromkeys(
-        ("granite", "granitemoe", "granitemoeshared", "hyperclovax"), ("attention_multiplier", 1)
+        ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "hyperclovax"),
+        ("attention_multiplier", 1),
     ),
 }
 # Families whose SCALE key may be null or left out: head_dim ** -0.5 then (HyperCLOVAXConfig).
@@ -672,6 +685,9 @@ NO_ROPE: dict[str, Callable[[dict[str, Any], int, str], bool]] = {
         lambda c, i, kind: kind == "full_attention" and c.get("sliding_window") is not None,
     ),
     "falcon": lambda c, i, kind: bool(c.get("alibi")),  # (Falcon-RW: ALiBi instead)
+    # (GraniteMoeHybridModel builds its rotary embedding only for position_embedding_type
+    # "rope"; Granite 4.0's hybrids say "nope")
+    "granitemoehybrid": lambda c, i, kind: c.get("position_embedding_type") != "rope",
 }
 # Families whose RoPE rotates interleaved pairs (x[0::2], x[1::2]), not the two halves.
 INTERLEAVED_ROPE = ("cohere", "cohere2", "helium", "ernie4_5", "ernie4_5_moe", "glm", "glm4")
@@ -726,6 +742,7 @@ PROPERTIES = {
 ALIASES = {
     "falcon": {"n_embed": "hidden_size"},
     "glm4_moe_lite": {"head_dim": "qk_rope_head_dim"},  # (Glm4MoeLiteConfig's attribute_map)
+    "granitemoehybrid": {"layers_block_type": "layer_types"},  # (its attribute_map)
     # (KimiLinearConfig's attribute_map: config.json says model_max_length)
     "kimi_linear": {"model_max_length": "max_position_embeddings"},
     "mpt": {
@@ -816,8 +833,6 @@ UNSERVED = {
     "jetmoe": "a mixture of attention heads (per-token expert query and output projections)",
     # hybrids: attention on some layers only, the others recurrent or convolutional; which
     # layer is attention is not read yet (see docs/models.md's survey)
-    "granitemoehybrid": "hybrid: attention only where layer_types names it, Mamba-2 on the "
-    "others (attention layers not mapped yet)",
     "lfm2_moe": "hybrid: attention only where layer_types says full_attention, short "
     "convolutions on the others (attention layers not mapped yet)",
     "olmo_hybrid": "hybrid: attention only where layer_types names it, Gated DeltaNet on the "
