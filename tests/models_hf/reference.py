@@ -100,6 +100,8 @@ from transformers import (
     KimiLinearModel,
     Lfm2Config,
     Lfm2Model,
+    Lfm2MoeConfig,
+    Lfm2MoeModel,
     LlamaConfig,
     LlamaForCausalLM,
     MiniCPM3Config,
@@ -742,6 +744,22 @@ CHECKPOINTS = {
         ),
         1,
     ),
+    # LFM2-MoE (a hybrid): LFM2's attention on layer 1 (its experts there too), a short
+    # convolution on layer 0 (refused); GQA 8:2, q/k norm eps norm_eps
+    "lfm2_moe": (
+        Lfm2MoeModel,
+        Lfm2MoeConfig(
+            num_key_value_heads=2,
+            norm_eps=1e-4,
+            layer_types=["conv", "full_attention"],
+            num_dense_layers=1,
+            num_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=32,
+            **ROTARY,
+        ),
+        1,
+    ),
     # Solar Open: Llama's with q/k/v biases (attention_bias) and none on o_proj (a zero
     # bias), GQA 8:2, head_dim 16 != 64 / 8; its experts (never read) as few as they go
     "solar_open": (
@@ -1141,7 +1159,7 @@ def rotation_kwargs(base, layer: int, x: torch.Tensor, positions: torch.Tensor) 
     rotary embedding (Jamba's) none."""
     if isinstance(base, GPTJModel | CodeGenModel):
         return {"position_ids": positions}
-    if isinstance(base, KimiLinearModel) or getattr(base, "rotary_emb", None) is None:
+    if isinstance(base, KimiLinearModel) or rotary_embedding(base) is None:
         return {}
     return {"position_embeddings": rotary(base, layer, x, positions)}
 
@@ -1164,7 +1182,12 @@ def rotary(base, layer: int, x: torch.Tensor, positions: torch.Tensor):
     types = getattr(base.config, "layer_types", None)
     if isinstance(base, Gemma3TextModel | Olmo3Model | Gemma4TextModel | Gemma3nTextModel):
         return base.rotary_emb(x, positions, types[layer])
-    return base.rotary_emb(x, positions)
+    return rotary_embedding(base)(x, positions)
+
+
+def rotary_embedding(base):
+    """The model's rotary embedding (LFM2-MoE's is pos_emb), or None (Jamba has none)."""
+    return getattr(base, "rotary_emb", None) or getattr(base, "pos_emb", None)
 
 
 def layer_mask(base, layer: int, x: torch.Tensor, positions: torch.Tensor, cache=None):

@@ -52,6 +52,7 @@ from transformers import (
     JambaModel,
     Lfm2Config,
     Lfm2Model,
+    Lfm2MoeConfig,
     MiniMaxM2Config,
     MiniMaxM2Model,
     MinistralConfig,
@@ -1109,6 +1110,21 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
             )
             for kinds, served in ((["mamba", "attention"], "[1]"), (None, "none"))
         ],
+        # LFM2-MoE's short convolutions, refused naming its attention layers; without
+        # layer_types (Lfm2MoeConfig derives none, its model builds no layer) refused
+        (
+            Lfm2MoeConfig(layer_types=["conv", "full_attention"], **SMALL),
+            {},
+            0,
+            "layer 0 of lfm2_moe is a 'conv' layer (a short convolution (Lfm2MoeShortConv), "
+            "not attention); its full_attention layers are [1]",
+        ),
+        (
+            Lfm2MoeConfig(**SMALL),
+            {},
+            1,
+            "lfm2_moe config.json has no layer_types (or it is null)",
+        ),
         # PhiMoE's scaled RoPE is Phi-3's longrope (its config validates any other table as
         # longrope's): refused as Phi-3's
         (
@@ -1158,6 +1174,8 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
         "nemotron_h_kind",
         "granitemoehybrid_mamba_layer",
         "granitemoehybrid_no_attention_layers",
+        "lfm2_moe_conv_layer",
+        "lfm2_moe_without_layer_types",
         "phimoe_rope_scaling",
     ],
 )
@@ -1182,7 +1200,6 @@ REFUSED_FAMILIES = {
     "doge": "a dynamic mask",
     "jetmoe": "a mixture of attention heads",
     "llama4_text": "chunked attention",
-    "lfm2_moe": "short convolutions",
     "olmo_hybrid": "Gated DeltaNet",
     "minimax": "lightning (linear) attention",
     "recurrent_gemma": "RG-LRU",

@@ -98,12 +98,15 @@ _NAMES = {
         "qkv": "h.{i}.self_attention.query_key_value",
         "o": "h.{i}.self_attention.dense",
     },
-    "lfm2": {
-        "q": "layers.{i}.self_attn.q_proj",
-        "k": "layers.{i}.self_attn.k_proj",
-        "v": "layers.{i}.self_attn.v_proj",
-        "o": "layers.{i}.self_attn.out_proj",
-    },
+    **dict.fromkeys(
+        ("lfm2", "lfm2_moe"),
+        {
+            "q": "layers.{i}.self_attn.q_proj",
+            "k": "layers.{i}.self_attn.k_proj",
+            "v": "layers.{i}.self_attn.v_proj",
+            "o": "layers.{i}.self_attn.out_proj",
+        },
+    ),
     "nemotron_h": {  # (NemotronHBlock's mixer: its attention on the attention layers)
         "q": "layers.{i}.mixer.q_proj",
         "k": "layers.{i}.mixer.k_proj",
@@ -134,10 +137,13 @@ _GROUPED = ("gpt_neox", "falcon", "gpt_bigcode", "bloom")
 _NORM_NAMES = {"q_norm": "layers.{i}.self_attn.q_norm", "k_norm": "layers.{i}.self_attn.k_norm"}
 # Families whose q/k norms have other names (LFM2's q_layernorm, k_layernorm: RMSNorms).
 _OWN_NORM_NAMES = {
-    "lfm2": {
-        "q_norm": "layers.{i}.self_attn.q_layernorm",
-        "k_norm": "layers.{i}.self_attn.k_layernorm",
-    },
+    **dict.fromkeys(
+        ("lfm2", "lfm2_moe"),
+        {
+            "q_norm": "layers.{i}.self_attn.q_layernorm",
+            "k_norm": "layers.{i}.self_attn.k_layernorm",
+        },
+    ),
 }
 # GPT-OSS's attention sinks (H,): a bare tensor, no .weight/.bias suffix.
 _SINKS_NAME = "layers.{i}.self_attn.sinks"

@@ -80,6 +80,7 @@ FAMILIES = (
     "bamba",  # Llama's, RoPE by halves over half of each head; Mamba-2 on the other layers
     "nemotron_h",  # Llama's without RoPE nor biases (layers.{i}.mixer); Mamba-2, MLP, MoE
     "granitemoehybrid",  # Granite's scale, RoPE by position_embedding_type; Mamba-2 layers
+    "lfm2_moe",  # LFM2's (Qwen3's q/k norm, out_proj); short convolutions on the other layers
     # multi-head latent attention (MLA: low-rank q and kv projections, one latent per token;
     # hf_config._mla): DeepSeek-V2/V3 (and Kimi K2), GLM-4.7-Flash, MiniCPM3
     "deepseek_v2",
@@ -177,6 +178,12 @@ HYBRIDS: dict[str, Hybrid] = {
             else "conv"
         ),
         {"conv": "a short convolution (Lfm2ShortConv), not attention"},
+    ),
+    # LFM2-MoE: layer_types (required: Lfm2MoeConfig derives none, and its model builds no
+    # layer without them)
+    "lfm2_moe": Hybrid(
+        lambda c, i: None,
+        {"conv": "a short convolution (Lfm2MoeShortConv), not attention"},
     ),
     # Kimi Linear: layer_types, else linear_attn_config's full_attn_layers and kda_layers
     # (numbered from 1; a layer in neither has none), else every 4th from layer 4
@@ -312,7 +319,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "apertus": {"rms_norm_eps": 1e-5, "rope_theta": 12_000_000.0},
     "ernie4_5_moe": {"num_key_value_heads": 4, "rope_theta": 500_000.0},
     "dots1": {"num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 62},
-    "lfm2": {"num_key_value_heads": 8, "norm_eps": 1e-5, "rope_theta": 1_000_000.0},
+    **dict.fromkeys(
+        ("lfm2", "lfm2_moe"),
+        {"num_key_value_heads": 8, "norm_eps": 1e-5, "rope_theta": 1_000_000.0},
+    ),
     "solar_open": {"num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1_000_000.0},
     "flex_olmo": {"rope_theta": 500_000.0},
     "phimoe": {"num_key_value_heads": 8, "rope_theta": 1_000_000.0},
@@ -445,6 +455,10 @@ REQUIRED: dict[str, dict[str, str]] = {
         "(it fails to build the layer; it does not fall back to hidden_size / "
         "num_attention_heads)",
     },
+    "lfm2_moe": {
+        "layer_types": "Lfm2MoeConfig leaves it null and derives none, and its model reads each "
+        "layer's kind from it (it fails to build the layers)",
+    },
     "nemotron": {
         "num_key_value_heads": "NemotronConfig leaves it null and NemotronAttention divides "
         "num_attention_heads by it (it fails to build the layer; it does not fall back to "
@@ -463,7 +477,7 @@ ALL = ("*",)
 _NORM_EPS_FREE = (
     *("bert", "gpt2", "olmo", "starcoder2", "cohere2", "cohere", "gpt_neox", "phi", "stablelm"),
     *("falcon", "gpt_bigcode", "bloom", "gptj", "codegen", "mpt"),
-    *("nemotron", "lfm2"),  # (their norm_eps)
+    *("nemotron", "lfm2", "lfm2_moe"),  # (their norm_eps)
     "jais2",  # (its layer_norm_eps)
     "nemotron_h",  # (its layer_norm_epsilon, outside the attention)
 )
@@ -534,6 +548,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("gemma", "gemma2", "gemma3_text", "exaone4", "gpt_oss", "helium", "glm", "glm4"),
         "vaultgemma",
         *("stablelm", "glm4_moe", "ernie4_5_moe", "minimax_m2", "exaone_moe", "lfm2"),
+        "lfm2_moe",
         *("solar_open", "phimoe", "cwm", "hy_v3"),
         *("stablelm", "glm4_moe_lite", *OUTPUT_GATE),
         *("youtu", "axk1"),  # (typed int, not int | None as DeepSeek-V3's)
@@ -552,7 +567,8 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("gpt_neox", "nemotron", *OUTPUT_GATE),
     ),
     "use_qk_norm": ("glm4_moe",),
-    "norm_eps": ("nemotron", "lfm2"),  # (typed float: NemotronConfig, Lfm2Config reject it)
+    # (typed float: NemotronConfig, Lfm2Config, Lfm2MoeConfig reject it)
+    "norm_eps": ("nemotron", "lfm2", "lfm2_moe"),
     "use_bias": ("starcoder2", "nemotron_h"),  # (NemotronHConfig's: typed, not read here)
     "rope_interleave": ("glm4_moe_lite",),  # (DeepSeek-V3's takes a null: by halves)
     # (AXK1Config types them int: its attention always takes q through its latent)
@@ -606,6 +622,7 @@ BIAS: dict[str, str | bool] = {
         ("mistral", "mixtral", "ministral", "phi3", "minimax_m2", "exaone_moe", "lfm2", "cwm"),
         False,
     ),
+    "lfm2_moe": False,
     # (JambaAttention and NemotronHAttention build their projections without biases, whatever
     # attention_bias says)
     **dict.fromkeys(("jamba", "nemotron_h"), False),
@@ -621,7 +638,7 @@ O_BIAS: dict[str, str | bool] = {
 QK_NORM = {
     **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "glm4_moe"), "head"),
     "exaone_moe": "head",
-    **dict.fromkeys(("apertus", "dots1", "lfm2", "hy_v3"), "head"),
+    **dict.fromkeys(("apertus", "dots1", "lfm2", "lfm2_moe", "hy_v3"), "head"),
     **dict.fromkeys(("olmo2", "olmoe", "olmo3", "minimax_m2", "flex_olmo"), "projection"),
     **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4", *OUTPUT_GATE), "head"),
     **dict.fromkeys(("olmo2", "olmoe", "olmo3"), "projection"),
@@ -629,7 +646,7 @@ QK_NORM = {
 # Families whose q/k norm (QK_NORM's) is there only when a config.json key turns it on.
 QK_NORM_SWITCH = {"glm4_moe": "use_qk_norm"}
 # The key of the q/k norm's eps where it is not rms_norm_eps (Lfm2Config's norm_eps).
-QK_NORM_EPS = {"lfm2": "norm_eps"}
+QK_NORM_EPS = {"lfm2": "norm_eps", "lfm2_moe": "norm_eps"}
 # The softmax scale: (config key, power) -> value ** power; default head_dim ** -0.5.
 SCALE = {
     **dict.fromkeys(("gemma2", "gemma3_text", "vaultgemma"), ("query_pre_attn_scalar", -0.5)),
@@ -833,8 +850,6 @@ UNSERVED = {
     "jetmoe": "a mixture of attention heads (per-token expert query and output projections)",
     # hybrids: attention on some layers only, the others recurrent or convolutional; which
     # layer is attention is not read yet (see docs/models.md's survey)
-    "lfm2_moe": "hybrid: attention only where layer_types says full_attention, short "
-    "convolutions on the others (attention layers not mapped yet)",
     "olmo_hybrid": "hybrid: attention only where layer_types names it, Gated DeltaNet on the "
     "others (attention layers not mapped yet)",
     "minimax": "hybrid: lightning (linear) attention on most layers, softmax attention on the "
