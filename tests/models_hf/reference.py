@@ -128,6 +128,8 @@ from transformers import (
     OlmoConfig,
     OlmoeConfig,
     OlmoeModel,
+    OlmoHybridConfig,
+    OlmoHybridModel,
     OlmoModel,
     Phi3Config,
     Phi3Model,
@@ -194,6 +196,9 @@ MOE = {"num_local_experts": 2, "num_experts_per_tok": 1}
 MLA = {**ROTARY, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16}
 MLA.update({"qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "first_k_dense_replace": 1})
 MLA_MOE = {"moe_intermediate_size": 32, "n_routed_experts": 2, "num_experts_per_tok": 1}
+# OLMo Hybrid's Gated DeltaNet layers, small
+OLMO_HYBRID = {"linear_num_key_heads": 2, "linear_num_value_heads": 2, "pad_token_id": None}
+OLMO_HYBRID.update({"linear_key_head_dim": 8, "linear_value_head_dim": 8})
 # Nemotron-H's Mamba-2 and MoE blocks, small (they are run, never served)
 NEMOTRON_H = {"mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 8, "n_groups": 1}
 NEMOTRON_H.update({"chunk_size": 16, "n_routed_experts": 2, "num_experts_per_tok": 1})
@@ -921,6 +926,21 @@ CHECKPOINTS = {
         ),
         1,
     ),
+    # OLMo Hybrid: a Gated DeltaNet layer (refused), then the attention layer served: OLMo-2's
+    # q/k RMSNorm over the whole projection, RoPE here (theta 500; null: NoPE, test_families'),
+    # q/k/v/o biases (attention_bias), GQA 8:2
+    "olmo_hybrid": (
+        OlmoHybridModel,
+        OlmoHybridConfig(
+            num_key_value_heads=2,
+            attention_bias=True,
+            layer_types=["linear_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+            **OLMO_HYBRID,
+            **ROTARY,
+        ),
+        1,
+    ),
     # Multi-head latent attention. DeepSeek-V3 (Kimi K2): q through its latent, RoPE by
     # pairs (rope_interleave), yarn with mscale_all_dim (its softmax scale times mscale^2),
     # biases on q_a_proj, kv_a_proj_with_mqa and o_proj
@@ -1155,12 +1175,14 @@ def attention_module(base, layer: int):
 def rotation_kwargs(base, layer: int, x: torch.Tensor, positions: torch.Tensor) -> dict:
     """How the layer's attention module takes its positions (positions (1, L)): GPT-J's and
     CodeGen's as position_ids (they rotate by their own table), the others' as cos, sin;
-    Kimi Linear's (MLA without RoPE, no rotary embedding) and the other models without a
-    rotary embedding (Jamba's) none."""
+    Kimi Linear's (MLA without RoPE, no rotary embedding) none; the other models without a
+    rotary embedding (Jamba's, NoPE OLMo Hybrid's) None."""
     if isinstance(base, GPTJModel | CodeGenModel):
         return {"position_ids": positions}
-    if isinstance(base, KimiLinearModel) or rotary_embedding(base) is None:
+    if isinstance(base, KimiLinearModel):
         return {}
+    if rotary_embedding(base) is None:
+        return {"position_embeddings": None}
     return {"position_embeddings": rotary(base, layer, x, positions)}
 
 

@@ -70,6 +70,8 @@ from transformers import (
     Olmo3Model,
     OlmoConfig,
     OlmoeConfig,
+    OlmoHybridConfig,
+    OlmoHybridModel,
     PhiConfig,
     PhiModel,
     PhimoeConfig,
@@ -95,7 +97,7 @@ from transformers import (
 
 from mha_serve.model.hf import load_hf_layer
 from mha_serve.model.hf_config import read_hf_layer
-from tests.models_hf.reference import NEMOTRON_H, reference_attention
+from tests.models_hf.reference import NEMOTRON_H, OLMO_HYBRID, reference_attention
 from tests.models_hf.test_config_json import SMALL, assert_served_as_transformers, checkpoint
 
 MOE = {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 32}
@@ -604,6 +606,19 @@ LLAMA_ROPE = {
             },
             0,
         ),
+        # OLMo Hybrid as released: rope_theta null (OlmoHybridModel builds no rotary embedding:
+        # NoPE), no layer_types (every 4th layer from layer 3), num_key_value_heads (the heads)
+        (
+            OlmoHybridModel,
+            OlmoHybridConfig(**OLMO_HYBRID, **{**SMALL, "num_hidden_layers": 4}),
+            "olmo_hybrid",
+            {
+                "rope_parameters": {"rope_type": "default", "rope_theta": None},
+                "layer_types": None,
+                "num_key_value_heads": None,
+            },
+            3,
+        ),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -659,6 +674,7 @@ LLAMA_ROPE = {
         "nemotron_h_defaults",
         "nemotron_h_hybrid_override_pattern",
         "granitemoehybrid_nope_defaults",
+        "olmo_hybrid_nope_as_released",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(
@@ -1125,6 +1141,28 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
             1,
             "lfm2_moe config.json has no layer_types (or it is null)",
         ),
+        # OLMo Hybrid's Gated DeltaNet layers, refused naming its attention ones (without
+        # layer_types: every 4th from layer 3, the last where none is); a list without both
+        # kinds OlmoHybridConfig loads not
+        *[
+            (
+                OlmoHybridConfig(**OLMO_HYBRID, **SMALL),
+                edits,
+                0,
+                "layer 0 of olmo_hybrid is a 'linear_attention' layer (Gated DeltaNet: linear "
+                f"attention, no softmax over a KV cache); its full_attention layers are {served}",
+            )
+            for edits, served in (
+                ({"layer_types": None, "num_hidden_layers": 8}, "[3, 7]"),
+                ({"layer_types": None, "num_hidden_layers": 3}, "[2]"),
+            )
+        ],
+        (
+            OlmoHybridConfig(**OLMO_HYBRID, **SMALL),
+            {"layer_types": ["full_attention", "full_attention"]},
+            0,
+            "OlmoHybridConfig expects at least one linear_attention and one attention layer",
+        ),
         # PhiMoE's scaled RoPE is Phi-3's longrope (its config validates any other table as
         # longrope's): refused as Phi-3's
         (
@@ -1176,6 +1214,9 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
         "granitemoehybrid_no_attention_layers",
         "lfm2_moe_conv_layer",
         "lfm2_moe_without_layer_types",
+        "olmo_hybrid_deltanet_layer",
+        "olmo_hybrid_deltanet_layer_few",
+        "olmo_hybrid_no_deltanet",
         "phimoe_rope_scaling",
     ],
 )
@@ -1200,7 +1241,6 @@ REFUSED_FAMILIES = {
     "doge": "a dynamic mask",
     "jetmoe": "a mixture of attention heads",
     "llama4_text": "chunked attention",
-    "olmo_hybrid": "Gated DeltaNet",
     "minimax": "lightning (linear) attention",
     "recurrent_gemma": "RG-LRU",
     "falcon_h1": "attention and Mamba-2 side by side",

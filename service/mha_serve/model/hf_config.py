@@ -37,6 +37,7 @@ from .hf_families import (
     MULTIMODAL,
     NO_ROPE,
     NOPE,
+    NOPE_BY_NULL_THETA,
     NOT_NULL,
     O_BIAS,
     OUTPUT_GATE,
@@ -373,6 +374,8 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
         )
     bias = any(_biases(cfg, family))
     rotates = family not in NOPE  # (NOPE: no RoPE key is read)
+    if family in NOPE_BY_NULL_THETA and _null_theta(cfg):
+        rotates = False
     partial = cfg.get("partial_rotary_factor")
     if rotates and family not in PARTIAL_ROPE and partial not in (None, 1, 1.0):
         refuse_partial(where, family, "partial_rotary_factor", cfg["partial_rotary_factor"])
@@ -611,7 +614,13 @@ def hybrid_kinds(cfg: dict[str, Any], family: str, where: Path) -> list[str | No
         kinds = _hybrid_call(lambda c: [hybrid.derive(c, i) for i in range(n)], cfg, family, where)
     if not isinstance(kinds, list) or len(kinds) != n:
         raise ValueError(f"{where}: {hybrid.key} must list {n} entries, one per layer")
-    return [LEGACY_LAYER_TYPES.get(kind, kind) if isinstance(kind, str) else kind for kind in kinds]
+    kinds = [
+        LEGACY_LAYER_TYPES.get(kind, kind) if isinstance(kind, str) else kind for kind in kinds
+    ]
+    wrong = hybrid.check(kinds) if hybrid.check else None
+    if wrong:
+        raise ValueError(f"{where}: {family} layer kinds {kinds} are not supported: {wrong}")
+    return kinds
 
 
 def _hybrid_call(
@@ -655,6 +664,15 @@ def _hybrid_layer(cfg: dict[str, Any], family: str, layer: int, where: Path) -> 
         f"{where}: layer {layer} of {family} is a {kind!r} layer ({what}); its {named} layers "
         f"are {served or 'none'}: set layer to one of them"
     )
+
+
+def _null_theta(cfg: dict[str, Any]) -> bool:
+    """Whether config.json's RoPE theta is null, where transformers reads it: the table's
+    (rope_scaling over rope_parameters), else rope_theta beside it."""
+    table = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if isinstance(table, dict) and "rope_theta" in table:
+        return table["rope_theta"] is None
+    return "rope_theta" in cfg and cfg["rope_theta"] is None
 
 
 def _null_window(cfg: dict[str, Any], family: str, where: Path) -> None:

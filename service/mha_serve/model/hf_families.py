@@ -81,6 +81,7 @@ FAMILIES = (
     "nemotron_h",  # Llama's without RoPE nor biases (layers.{i}.mixer); Mamba-2, MLP, MoE
     "granitemoehybrid",  # Granite's scale, RoPE by position_embedding_type; Mamba-2 layers
     "lfm2_moe",  # LFM2's (Qwen3's q/k norm, out_proj); short convolutions on the other layers
+    "olmo_hybrid",  # OLMo-2's q/k norm, NoPE where theta is null; Gated DeltaNet layers
     # multi-head latent attention (MLA: low-rank q and kv projections, one latent per token;
     # hf_config._mla): DeepSeek-V2/V3 (and Kimi K2), GLM-4.7-Flash, MiniCPM3
     "deepseek_v2",
@@ -164,6 +165,8 @@ class Hybrid:
     # The number of layers, where its config counts them from their kinds (num_hidden_layers
     # is then not read); None: num_hidden_layers.
     count: Callable[[dict[str, Any]], int] | None = None
+    # Why its config loads no such list of kinds (None: it does), where it validates them.
+    check: Callable[[list[Any]], str | None] | None = None
 
 
 # transformers' remap_legacy_layer_types (every config's layer_types): older names of kinds.
@@ -229,6 +232,21 @@ HYBRIDS: dict[str, Hybrid] = {
     "granitemoehybrid": Hybrid(
         lambda c, i: "linear_attention",
         {"linear_attention": "a Mamba-2 block (GraniteMoeHybridMambaLayer), not attention"},
+    ),
+    # OLMo Hybrid: layer_types, else every 4th layer from layer 3 (the last where none is);
+    # OlmoHybridConfig loads no list without both kinds
+    "olmo_hybrid": Hybrid(
+        lambda c, i: (
+            "full_attention"
+            if i % 4 == 3 or (c["num_hidden_layers"] < 4 and i == c["num_hidden_layers"] - 1)
+            else "linear_attention"
+        ),
+        {"linear_attention": "Gated DeltaNet: linear attention, no softmax over a KV cache"},
+        check=lambda kinds: (
+            None
+            if "linear_attention" in kinds and any(k != "linear_attention" for k in kinds)
+            else "OlmoHybridConfig expects at least one linear_attention and one attention layer"
+        ),
     ),
     # The gated families (OUTPUT_GATE): layer_types, else every full_attention_interval-th
     # layer (FULL_ATTENTION_INTERVAL by default) is full attention (Qwen3NextConfig,
@@ -563,7 +581,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
         *("gpt_neox", "nemotron", "glm4_moe", "apertus", "dots1", "vaultgemma", "solar_open"),
         *("flex_olmo", "hyperclovax", "phimoe", "jais2", "hy_v3"),
-        *("bamba", "nemotron_h", "granitemoehybrid"),
+        *("bamba", "nemotron_h", "granitemoehybrid", "olmo_hybrid"),
         *("gpt_neox", "nemotron", *OUTPUT_GATE),
     ),
     "use_qk_norm": ("glm4_moe",),
@@ -639,7 +657,9 @@ QK_NORM = {
     **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "glm4_moe"), "head"),
     "exaone_moe": "head",
     **dict.fromkeys(("apertus", "dots1", "lfm2", "lfm2_moe", "hy_v3"), "head"),
-    **dict.fromkeys(("olmo2", "olmoe", "olmo3", "minimax_m2", "flex_olmo"), "projection"),
+    **dict.fromkeys(
+        ("olmo2", "olmoe", "olmo3", "minimax_m2", "flex_olmo", "olmo_hybrid"), "projection"
+    ),
     **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4", *OUTPUT_GATE), "head"),
     **dict.fromkeys(("olmo2", "olmoe", "olmo3"), "projection"),
 }
@@ -694,6 +714,10 @@ DERIVED_SLIDING: dict[str, Callable[[dict[str, Any], int], bool]] = {
 # Families whose attention applies no RoPE on any layer: their configs read no RoPE table
 # (its keys are not read, null or not; JambaAttention rotates nothing).
 NOPE = ("jamba", "nemotron_h")
+# Families whose model builds no rotary embedding where its RoPE theta is null (the table's,
+# else rope_theta beside it): NoPE then (OlmoHybridModel; its released checkpoints'), where
+# the others' fail on it.
+NOPE_BY_NULL_THETA = ("olmo_hybrid",)
 NO_ROPE: dict[str, Callable[[dict[str, Any], int, str], bool]] = {
     "smollm3": lambda c, i, kind: not smollm3_rope(c, i),
     "cohere2": lambda c, i, kind: kind == "full_attention",
@@ -850,8 +874,6 @@ UNSERVED = {
     "jetmoe": "a mixture of attention heads (per-token expert query and output projections)",
     # hybrids: attention on some layers only, the others recurrent or convolutional; which
     # layer is attention is not read yet (see docs/models.md's survey)
-    "olmo_hybrid": "hybrid: attention only where layer_types names it, Gated DeltaNet on the "
-    "others (attention layers not mapped yet)",
     "minimax": "hybrid: lightning (linear) attention on most layers, softmax attention on the "
     "others (attention layers not mapped yet)",
     "recurrent_gemma": "hybrid: local attention blocks among RG-LRU recurrent blocks "
