@@ -106,8 +106,10 @@ from transformers import (
     LlamaForCausalLM,
     MiniCPM3Config,
     MiniCPM3Model,
+    MiniMaxConfig,
     MiniMaxM2Config,
     MiniMaxM2Model,
+    MiniMaxModel,
     MinistralConfig,
     MinistralModel,
     MistralConfig,
@@ -941,6 +943,23 @@ CHECKPOINTS = {
         ),
         1,
     ),
+    # MiniMax-01: a lightning attention layer (refused), then the softmax attention layer
+    # served: Mixtral's (no biases), a window of 6 (MiniMaxModel masks its attention layers by
+    # sliding_window), GQA 8:2, head_dim 16; experts as few as they go
+    "minimax": (
+        MiniMaxModel,
+        MiniMaxConfig(
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=6,
+            layer_types=["linear_attention", "full_attention"],
+            block_size=16,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            **ROTARY,
+        ),
+        1,
+    ),
     # Multi-head latent attention. DeepSeek-V3 (Kimi K2): q through its latent, RoPE by
     # pairs (rope_interleave), yarn with mscale_all_dim (its softmax scale times mscale^2),
     # biases on q_a_proj, kv_a_proj_with_mqa and o_proj
@@ -1191,6 +1210,8 @@ def layer_window(base, layer: int) -> int | None:
     and Gemma keep it on the attention module of sliding layers only; Mistral, Phi-3,
     Mixtral and Starcoder2 read the config's for every layer."""
     types = getattr(base.config, "layer_types", None)  # what the models mask by, where
+    if isinstance(base, MiniMaxModel):  # (its softmax layers, all masked by sliding_window)
+        return base.config.sliding_window if types[layer] == "full_attention" else None
     if types is not None:  # they have them (EXAONE 4's global layers keep the attribute)
         return base.config.sliding_window if types[layer] == "sliding_attention" else None
     attention = attention_module(base, layer)

@@ -102,6 +102,8 @@ REFUSED_OTHERWISE: set[tuple[str, str, int]] = {
 }
 # (Nemotron-H without its list: NemotronHConfig's four blocks, layer 1 an MoE one)
 REFUSED_OTHERWISE.add(("nemotron_h", "layers_block_type", 1))
+# (MiniMax-01 without layer_types: its layer 1 is a lightning attention one)
+REFUSED_OTHERWISE.add(("minimax", "layer_types", 1))
 
 FAMILIES = {name: (cls, config) for name, (cls, config, _) in CHECKPOINTS.items()}
 FAMILIES["bert"] = (

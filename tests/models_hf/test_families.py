@@ -53,8 +53,10 @@ from transformers import (
     Lfm2Config,
     Lfm2Model,
     Lfm2MoeConfig,
+    MiniMaxConfig,
     MiniMaxM2Config,
     MiniMaxM2Model,
+    MiniMaxModel,
     MinistralConfig,
     MinistralModel,
     Mistral3Config,
@@ -619,6 +621,20 @@ LLAMA_ROPE = {
             },
             3,
         ),
+        # MiniMax-01 without layer_types (softmax attention on every other layer from 0), a
+        # RoPE table (theta 1e6), num_key_value_heads (8) nor head_dim (hidden_size / heads)
+        (
+            MiniMaxModel,
+            MiniMaxConfig(block_size=16, num_local_experts=2, num_experts_per_tok=1, **SMALL),
+            "minimax",
+            {
+                "layer_types": None,
+                "rope_parameters": None,
+                "num_key_value_heads": None,
+                "head_dim": None,
+            },
+            0,
+        ),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -675,6 +691,7 @@ LLAMA_ROPE = {
         "nemotron_h_hybrid_override_pattern",
         "granitemoehybrid_nope_defaults",
         "olmo_hybrid_nope_as_released",
+        "minimax_defaults",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(
@@ -1163,6 +1180,15 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
             0,
             "OlmoHybridConfig expects at least one linear_attention and one attention layer",
         ),
+        # MiniMax-01's lightning attention layers, refused naming its softmax ones
+        (
+            MiniMaxConfig(**SMALL),
+            {"layer_types": None},
+            1,
+            "layer 1 of minimax is a 'linear_attention' layer (lightning attention "
+            "(MiniMaxLightningAttention): linear attention, no softmax over a KV cache); its "
+            "full_attention layers are [0]",
+        ),
         # PhiMoE's scaled RoPE is Phi-3's longrope (its config validates any other table as
         # longrope's): refused as Phi-3's
         (
@@ -1217,6 +1243,7 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
         "olmo_hybrid_deltanet_layer",
         "olmo_hybrid_deltanet_layer_few",
         "olmo_hybrid_no_deltanet",
+        "minimax_lightning_layer",
         "phimoe_rope_scaling",
     ],
 )
@@ -1241,7 +1268,6 @@ REFUSED_FAMILIES = {
     "doge": "a dynamic mask",
     "jetmoe": "a mixture of attention heads",
     "llama4_text": "chunked attention",
-    "minimax": "lightning (linear) attention",
     "recurrent_gemma": "RG-LRU",
     "falcon_h1": "attention and Mamba-2 side by side",
     "zamba": "a shared attention block",

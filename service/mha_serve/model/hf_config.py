@@ -578,7 +578,9 @@ def _layer_type(cfg: dict[str, Any], family: str, layer: int, where: Path) -> st
     layer_types where it reads them (its configuration_<family>.py derives them when
     config.json has none); Mistral, Phi-3 and others apply sliding_window to every layer."""
     if family in HYBRIDS:
-        return _hybrid_layer(cfg, family, layer, where)
+        kind = _hybrid_layer(cfg, family, layer, where)
+        if family not in WINDOW_EVERY_LAYER:  # (MiniMax's: a window on its attention layers)
+            return kind
     if family in WINDOW_EVERY_LAYER:
         on = window_on(cfg) if family in WINDOW_SWITCH else cfg.get("sliding_window") is not None
         return "sliding_attention" if on else "full_attention"

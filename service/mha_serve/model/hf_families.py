@@ -82,6 +82,7 @@ FAMILIES = (
     "granitemoehybrid",  # Granite's scale, RoPE by position_embedding_type; Mamba-2 layers
     "lfm2_moe",  # LFM2's (Qwen3's q/k norm, out_proj); short convolutions on the other layers
     "olmo_hybrid",  # OLMo-2's q/k norm, NoPE where theta is null; Gated DeltaNet layers
+    "minimax",  # MiniMax-01: Mixtral's on its softmax layers; lightning attention on the others
     # multi-head latent attention (MLA: low-rank q and kv projections, one latent per token;
     # hf_config._mla): DeepSeek-V2/V3 (and Kimi K2), GLM-4.7-Flash, MiniCPM3
     "deepseek_v2",
@@ -248,6 +249,14 @@ HYBRIDS: dict[str, Hybrid] = {
             else "OlmoHybridConfig expects at least one linear_attention and one attention layer"
         ),
     ),
+    # MiniMax-01: layer_types, else softmax attention on every other layer from layer 0
+    "minimax": Hybrid(
+        lambda c, i: "linear_attention" if i % 2 else "full_attention",
+        {
+            "linear_attention": "lightning attention (MiniMaxLightningAttention): linear "
+            "attention, no softmax over a KV cache"
+        },
+    ),
     # The gated families (OUTPUT_GATE): layer_types, else every full_attention_interval-th
     # layer (FULL_ATTENTION_INTERVAL by default) is full attention (Qwen3NextConfig,
     # Qwen3_5TextConfig)
@@ -363,6 +372,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "jamba": {"num_key_value_heads": 8, "attn_layer_period": 8, "attn_layer_offset": 4},
     "bamba": {"num_key_value_heads": 8},
     "nemotron_h": {"num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 4096},
+    "minimax": {
+        "num_key_value_heads": 8,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 131072,
+    },
     "gpt_bigcode": {"multi_query": True},
     **dict.fromkeys(
         ("gptj", "codegen"),
@@ -520,6 +534,7 @@ _HEAD_DIM_FILLED = (
     "nemotron",
     "hyperclovax",  # (HyperCLOVAXConfig fills it: hidden_size / num_attention_heads)
     "jais2",  # (Jais2Config too)
+    "minimax",  # (MiniMaxAttention: head_dim or hidden_size / num_attention_heads)
     # (not read: their configs set head_dim to qk_rope_head_dim, whatever config.json says;
     # DeepSeek-V3's rotary embedding fails on a null one first; GLM-4.7-Flash's head_dim is
     # another name of qk_rope_head_dim, ALIASES', and a null one nulls that)
@@ -570,8 +585,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("solar_open", "phimoe", "cwm", "hy_v3"),
         *("stablelm", "glm4_moe_lite", *OUTPUT_GATE),
         *("youtu", "axk1"),  # (typed int, not int | None as DeepSeek-V3's)
-        "jamba",
-        "nemotron_h",
+        *("jamba", "nemotron_h", "minimax"),
     ),
     "attention_bias": (
         *("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu", "axk1"),
@@ -641,6 +655,7 @@ BIAS: dict[str, str | bool] = {
         False,
     ),
     "lfm2_moe": False,
+    "minimax": False,
     # (JambaAttention and NemotronHAttention build their projections without biases, whatever
     # attention_bias says)
     **dict.fromkeys(("jamba", "nemotron_h"), False),
@@ -679,6 +694,7 @@ SCALE = {
 SCALE_OPTIONAL = ("hyperclovax",)
 # sliding_window on every layer where it is set (Qwen3-MoE: with use_sliding_window).
 WINDOW_EVERY_LAYER = ("mistral", "mixtral", "phi3", "starcoder2", "qwen3_moe", "phimoe")
+WINDOW_EVERY_LAYER += ("minimax",)  # (MiniMaxModel: on each of its softmax attention layers)
 # Families whose sliding_window counts only with use_sliding_window (their configs drop it).
 WINDOW_SWITCH = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3")
 # Families that read layer_types, and how their configs derive them when config.json has
@@ -874,8 +890,6 @@ UNSERVED = {
     "jetmoe": "a mixture of attention heads (per-token expert query and output projections)",
     # hybrids: attention on some layers only, the others recurrent or convolutional; which
     # layer is attention is not read yet (see docs/models.md's survey)
-    "minimax": "hybrid: lightning (linear) attention on most layers, softmax attention on the "
-    "others (attention layers not mapped yet)",
     "recurrent_gemma": "hybrid: local attention blocks among RG-LRU recurrent blocks "
     "(attention layers not mapped yet)",
     "falcon_h1": "hybrid: every layer runs attention and Mamba-2 side by side, with its own "
