@@ -153,6 +153,8 @@ from transformers import (
     Qwen3MoeModel,
     Qwen3NextConfig,
     Qwen3NextModel,
+    RecurrentGemmaConfig,
+    RecurrentGemmaModel,
     SeedOssConfig,
     SeedOssModel,
     SmolLM3Config,
@@ -960,6 +962,21 @@ CHECKPOINTS = {
         ),
         1,
     ),
+    # RecurrentGemma: an RG-LRU block (refused), then its local attention served: MQA, RoPE by
+    # halves over half of each head, a window of 6 (attention_window_size), o_proj's bias
+    # always and q/k/v's by attention_bias (here)
+    "recurrent_gemma": (
+        RecurrentGemmaModel,
+        RecurrentGemmaConfig(
+            num_key_value_heads=1,
+            attention_bias=True,
+            attention_window_size=6,
+            block_types=["recurrent", "attention"],
+            lru_width=32,
+            **{k: v for k, v in ROTARY.items() if k != "max_position_embeddings"},
+        ),
+        1,
+    ),
     # Multi-head latent attention. DeepSeek-V3 (Kimi K2): q through its latent, RoPE by
     # pairs (rope_interleave), yarn with mscale_all_dim (its softmax scale times mscale^2),
     # biases on q_a_proj, kv_a_proj_with_mqa and o_proj
@@ -1188,6 +1205,8 @@ def attention_module(base, layer: int):
     block = base.layers[layer]
     if isinstance(base, NemotronHModel):
         return block.mixer
+    if isinstance(base, RecurrentGemmaModel):
+        return block.temporal_block
     return block.attention if isinstance(base, GPTNeoXModel) else block.self_attn
 
 
@@ -1196,7 +1215,7 @@ def rotation_kwargs(base, layer: int, x: torch.Tensor, positions: torch.Tensor) 
     CodeGen's as position_ids (they rotate by their own table), the others' as cos, sin;
     Kimi Linear's (MLA without RoPE, no rotary embedding) none; the other models without a
     rotary embedding (Jamba's, NoPE OLMo Hybrid's) None."""
-    if isinstance(base, GPTJModel | CodeGenModel):
+    if isinstance(base, GPTJModel | CodeGenModel | RecurrentGemmaModel):
         return {"position_ids": positions}
     if isinstance(base, KimiLinearModel):
         return {}

@@ -80,6 +80,7 @@ OWN_KEYS["kimi_linear"] = (*OWN_KEYS["axk1"], "model_max_length", "linear_attn_c
 OWN_KEYS["jamba"] = (*OWN_KEYS["rotary"], "attn_layer_period", "attn_layer_offset")
 OWN_KEYS["bamba"] = (*OWN_KEYS["rotary"], "attn_layer_indices")
 OWN_KEYS["nemotron_h"] = (*OWN_KEYS["rotary"], "layers_block_type", "hybrid_override_pattern")
+OWN_KEYS["recurrent_gemma"] = (*OWN_KEYS["rotary"], "attention_window_size", "block_types")
 OWN_KEYS["granitemoehybrid"] = (*OWN_KEYS["rotary"], "layers_block_type", "position_embedding_type")
 ABSOLUTE = ("gpt2", "bert", "gpt_bigcode")  # (no RoPE)
 OWN_KEYS["codegen"] = OWN_KEYS["gptj"]
@@ -157,7 +158,8 @@ def transformers_runs(cls, directory):
             else getattr(base, "layers", None) or getattr(base, "blocks", None) or []
         )
         for i, block in enumerate(blocks):
-            mixer = getattr(block, "mixer", None)  # (Nemotron-H's: attention on some blocks)
+            # (Nemotron-H's mixer, RecurrentGemma's temporal_block: attention on some blocks)
+            mixer = getattr(block, "mixer", None) or getattr(block, "temporal_block", None)
             attention = (  # (GPT-2's attn, GPT-NeoX's attention, Falcon's and BLOOM's self_attention)
                 getattr(block, "attn", None)
                 or getattr(block, "attention", None)

@@ -83,6 +83,8 @@ from transformers import (
     Qwen2MoeModel,
     Qwen3MoeConfig,
     Qwen3MoeModel,
+    RecurrentGemmaConfig,
+    RecurrentGemmaModel,
     SeedOssConfig,
     SeedOssModel,
     SmolLM3Config,
@@ -635,6 +637,22 @@ LLAMA_ROPE = {
             },
             0,
         ),
+        # RecurrentGemma with its defaults: block_types (two recurrent, then attention: layer 2),
+        # the heads' KV heads (MHA), q/k/v without biases (o_proj's), a window of 2048 (longer
+        # than the input: its mask is causal here), half of each head rotated
+        (
+            RecurrentGemmaModel,
+            RecurrentGemmaConfig(lru_width=32, **{**SMALL, "num_hidden_layers": 3}),
+            "recurrent_gemma",
+            {
+                "block_types": None,
+                "num_key_value_heads": None,
+                "attention_bias": None,
+                "attention_window_size": None,
+                "partial_rotary_factor": None,
+            },
+            2,
+        ),
     ],
     ids=[
         "qwen3_moe_head_dim",
@@ -692,6 +710,7 @@ LLAMA_ROPE = {
         "granitemoehybrid_nope_defaults",
         "olmo_hybrid_nope_as_released",
         "minimax_defaults",
+        "recurrent_gemma_defaults",
     ],
 )
 def test_keys_left_out_are_read_with_the_familys_defaults(
@@ -1189,6 +1208,22 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
             "(MiniMaxLightningAttention): linear attention, no softmax over a KV cache); its "
             "full_attention layers are [0]",
         ),
+        # RecurrentGemma's RG-LRU blocks, refused naming its attention layers; its rotary
+        # embedding takes the default RoPE only
+        (
+            RecurrentGemmaConfig(**SMALL),
+            {"block_types": ["recurrent", "attention"]},
+            0,
+            "layer 0 of recurrent_gemma is a 'linear_attention' layer (an RG-LRU recurrent "
+            "block (RecurrentGemmaRecurrentBlock), not attention); its sliding_attention layers "
+            "are [1]",
+        ),
+        (
+            RecurrentGemmaConfig(block_types=["recurrent", "attention"], **SMALL),
+            {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+            1,
+            "recurrent_gemma rope type 'linear' is not supported",
+        ),
         # PhiMoE's scaled RoPE is Phi-3's longrope (its config validates any other table as
         # longrope's): refused as Phi-3's
         (
@@ -1244,6 +1279,8 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
         "olmo_hybrid_deltanet_layer_few",
         "olmo_hybrid_no_deltanet",
         "minimax_lightning_layer",
+        "recurrent_gemma_rg_lru_block",
+        "recurrent_gemma_rope_type",
         "phimoe_rope_scaling",
     ],
 )
@@ -1268,7 +1305,6 @@ REFUSED_FAMILIES = {
     "doge": "a dynamic mask",
     "jetmoe": "a mixture of attention heads",
     "llama4_text": "chunked attention",
-    "recurrent_gemma": "RG-LRU",
     "falcon_h1": "attention and Mamba-2 side by side",
     "zamba": "a shared attention block",
     "zamba2": "a shared attention block",

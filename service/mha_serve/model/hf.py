@@ -113,6 +113,12 @@ _NAMES = {
         "v": "layers.{i}.mixer.v_proj",
         "o": "layers.{i}.mixer.o_proj",
     },
+    "recurrent_gemma": {  # (its decoder layer's temporal_block, on the attention layers)
+        "q": "layers.{i}.temporal_block.q_proj",
+        "k": "layers.{i}.temporal_block.k_proj",
+        "v": "layers.{i}.temporal_block.v_proj",
+        "o": "layers.{i}.temporal_block.o_proj",
+    },
     "mla": {
         "q_a": "layers.{i}.self_attn.q_a_proj",
         "q_a_norm": "layers.{i}.self_attn.q_a_layernorm",

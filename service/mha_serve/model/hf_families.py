@@ -83,6 +83,7 @@ FAMILIES = (
     "lfm2_moe",  # LFM2's (Qwen3's q/k norm, out_proj); short convolutions on the other layers
     "olmo_hybrid",  # OLMo-2's q/k norm, NoPE where theta is null; Gated DeltaNet layers
     "minimax",  # MiniMax-01: Mixtral's on its softmax layers; lightning attention on the others
+    "recurrent_gemma",  # local attention (MQA, half-head RoPE, a window) among RG-LRU blocks
     # multi-head latent attention (MLA: low-rank q and kv projections, one latent per token;
     # hf_config._mla): DeepSeek-V2/V3 (and Kimi K2), GLM-4.7-Flash, MiniCPM3
     "deepseek_v2",
@@ -257,6 +258,21 @@ HYBRIDS: dict[str, Hybrid] = {
             "attention, no softmax over a KV cache"
         },
     ),
+    # RecurrentGemma: block_types repeated over the layers ("recurrent": an RG-LRU block; any
+    # other: local attention, its sliding_attention layers)
+    "recurrent_gemma": Hybrid(
+        lambda c, i: (
+            "linear_attention"
+            if (list(c["block_types"]) * c["num_hidden_layers"])[i] == "recurrent"
+            else "sliding_attention"
+        ),
+        {
+            "linear_attention": "an RG-LRU recurrent block (RecurrentGemmaRecurrentBlock), not "
+            "attention"
+        },
+        served=("sliding_attention",),
+        key=None,
+    ),
     # The gated families (OUTPUT_GATE): layer_types, else every full_attention_interval-th
     # layer (FULL_ATTENTION_INTERVAL by default) is full attention (Qwen3NextConfig,
     # Qwen3_5TextConfig)
@@ -372,6 +388,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "jamba": {"num_key_value_heads": 8, "attn_layer_period": 8, "attn_layer_offset": 4},
     "bamba": {"num_key_value_heads": 8},
     "nemotron_h": {"num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 4096},
+    "recurrent_gemma": {
+        "attention_window_size": 2048,
+        "block_types": ["recurrent"] * 2 + ["attention"],
+    },
     "minimax": {
         "num_key_value_heads": 8,
         "rope_theta": 1_000_000.0,
@@ -554,7 +574,14 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     "layers_block_type": ("granitemoehybrid",),
     # (BLOOM has no context: ALiBi sets none, and BloomConfig keeps a null it does not read;
     # MPT's is max_seq_len)
-    "max_position_embeddings": tuple(f for f in FAMILIES if f not in ("bloom", "mpt")),
+    # (RecurrentGemmaConfig has none: its window bounds what a layer sees)
+    "max_position_embeddings": tuple(
+        f for f in FAMILIES if f not in ("bloom", "mpt", "recurrent_gemma")
+    ),
+    # (RecurrentGemmaConfig's attention_window_size, typed int; sliding_window its alias)
+    **dict.fromkeys(
+        ("attention_window_size", "sliding_window", "block_types"), ("recurrent_gemma",)
+    ),
     # GPT-2's names (hidden_size, ... above are aliases of them; GPT-J's too) and flags
     **dict.fromkeys(("n_embd", "n_positions"), GPT2_NAMES),
     **dict.fromkeys(("n_head", "n_layer"), (*GPT2_NAMES, "bloom")),
@@ -595,7 +622,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
         *("gpt_neox", "nemotron", "glm4_moe", "apertus", "dots1", "vaultgemma", "solar_open"),
         *("flex_olmo", "hyperclovax", "phimoe", "jais2", "hy_v3"),
-        *("bamba", "nemotron_h", "granitemoehybrid", "olmo_hybrid"),
+        *("bamba", "nemotron_h", "granitemoehybrid", "olmo_hybrid", "recurrent_gemma"),
         *("gpt_neox", "nemotron", *OUTPUT_GATE),
     ),
     "use_qk_norm": ("glm4_moe",),
@@ -666,6 +693,7 @@ O_BIAS: dict[str, str | bool] = {
     "qwen2_moe": False,
     "seed_oss": "attention_out_bias",
     **dict.fromkeys(("helium", "glm", "glm4", "stablelm", "glm4_moe", "solar_open"), False),
+    "recurrent_gemma": True,  # (RecurrentGemmaAttention's o_proj always; q/k/v by attention_bias)
 }
 # q/k RMSNorm: per head (over head_dim) or over the whole projection (all heads together).
 QK_NORM = {
@@ -755,6 +783,7 @@ PARTIAL_ROPE = {
     "nemotron": 0.5,
     "glm4_moe": 0.5,  # (Glm4MoeConfig's default, by halves where GLM and GLM-4 interleave)
     "minimax_m2": 1.0,  # (without rotary_dim: PARTIAL_BY_ROTARY_DIM)
+    "recurrent_gemma": 0.5,
     "bamba": 0.5,  # (PARTIAL_IN_TABLE_ONLY)
     **dict.fromkeys(OUTPUT_GATE, 0.25),
 }
@@ -772,11 +801,14 @@ ROPE_KEYS = {"gpt_neox": ("rotary_emb_base", "rotary_pct")}
 # Families whose attention computes with the factor as the config has it: a null builds no
 # layer (GPT-NeoX's config keeps it, Phi's, StableLM's and Nemotron's drop it and their
 # attention reads it from the table; GLM's drops it and rotates every dim).
-PARTIAL_NOT_NULL = ("gpt_neox", "phi", "stablelm", "nemotron")
+PARTIAL_NOT_NULL = ("gpt_neox", "phi", "stablelm", "nemotron", "recurrent_gemma")
 # Families whose attention sizes its heads hidden_size / num_attention_heads whatever head_dim
 # says (their rotary embedding reads head_dim: one that differs builds no consistent layer),
 # and the families without GQA (num_key_value_heads is not read).
 HEADS_BY_HIDDEN = ("gpt_neox", "stablelm", "falcon")
+# Families whose rotary embedding takes the default RoPE only (RecurrentGemma's raises on
+# any other type).
+ROPE_DEFAULT_ONLY = ("recurrent_gemma",)
 MHA_ONLY = ("gpt_neox",)
 # q/k norms that are LayerNorms (the mean subtracted, then scaled), not the RMSNorm we apply:
 # the key that turns them on, refused when set.
@@ -788,6 +820,8 @@ PROPERTIES = {
     "falcon": ("head_dim", "rotary"),
     # (JambaConfig computes its layer kinds from attn_layer_period and attn_layer_offset)
     "jamba": ("layer_types", "layers_block_type"),
+    # (RecurrentGemmaConfig computes its layer kinds from block_types)
+    "recurrent_gemma": ("layer_types", "layers_block_type"),
     # (BambaConfig: layer_types is its alias of layers_block_type, computed from
     # attn_layer_indices)
     "bamba": ("layer_types", "layers_block_type"),
@@ -802,6 +836,8 @@ ALIASES = {
     "granitemoehybrid": {"layers_block_type": "layer_types"},  # (its attribute_map)
     # (KimiLinearConfig's attribute_map: config.json says model_max_length)
     "kimi_linear": {"model_max_length": "max_position_embeddings"},
+    # (RecurrentGemmaConfig's attribute_map: sliding_window is its name of the window)
+    "recurrent_gemma": {"attention_window_size": "sliding_window"},
     "mpt": {
         "hidden_size": "d_model",
         "num_attention_heads": "n_heads",
@@ -890,8 +926,6 @@ UNSERVED = {
     "jetmoe": "a mixture of attention heads (per-token expert query and output projections)",
     # hybrids: attention on some layers only, the others recurrent or convolutional; which
     # layer is attention is not read yet (see docs/models.md's survey)
-    "recurrent_gemma": "hybrid: local attention blocks among RG-LRU recurrent blocks "
-    "(attention layers not mapped yet)",
     "falcon_h1": "hybrid: every layer runs attention and Mamba-2 side by side, with its own "
     "multipliers (key_multiplier, attention_in_multiplier, attention_out_multiplier)",
     **dict.fromkeys(

@@ -18,6 +18,7 @@ from .hf_families import (
     PARTIAL_NOT_NULL,
     PARTIAL_ROPE,
     PER_TYPE_ROPE,
+    ROPE_DEFAULT_ONLY,
     ROPE_KEYS,
     SCALED_CONTEXT,
 )
@@ -113,6 +114,11 @@ def read_rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
             f"{where}: rope type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)} "
             "(dynamic and longrope change frequencies with the sequence length, which keys "
             "rotated once and cached cannot follow)"
+        )
+    if family in ROPE_DEFAULT_ONLY and kind != "default":
+        raise ValueError(
+            f"{where}: {family} rope type {kind!r} is not supported: transformers' {family} "
+            "rotary embedding takes the default type only (it raises on any other)"
         )
     if cfg["model_type"] in ("phi3", "phimoe") and kind != "default":
         raise ValueError(
