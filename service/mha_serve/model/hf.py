@@ -43,6 +43,10 @@ What is served, per family (transformers' module names):
            with q_norm/k_norm (gain: weight) and a value norm (v_norm, no gain, no tensor);
            Gemma 4's global layers with attention_k_eq_v have no v_proj: k_proj's rows serve
            as the value rows too (v = v_norm(k_proj(x)))
+  nemotron_h, recurrent_gemma
+           NemotronHAttention (layers.{i}.mixer), RecurrentGemmaAttention
+           (layers.{i}.temporal_block): q_proj/k_proj/v_proj/o_proj as Llama's, on their
+           attention layers (the hybrids' others are refused: hf_families.HYBRIDS)
   llama, mistral, qwen2, qwen3, olmo2, gemma2, gemma3(_text), phi3, gpt_oss and the families whose
   attention is one of theirs (hf_families.FAMILIES: Mixtral, Qwen-MoE, OLMoE, Granite, ...)
            q_proj/k_proj/v_proj/o_proj (Phi-3: one qkv_proj) with GQA (num_key_value_heads)

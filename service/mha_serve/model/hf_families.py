@@ -924,8 +924,7 @@ UNSERVED = {
     "nanochat": "its q/k norm (a parameter-free RMSNorm) comes after RoPE",
     "doge": "a dynamic mask computed from its values (dt_proj, A) is added to the scores",
     "jetmoe": "a mixture of attention heads (per-token expert query and output projections)",
-    # hybrids: attention on some layers only, the others recurrent or convolutional; which
-    # layer is attention is not read yet (see docs/models.md's survey)
+    # hybrids whose attention is no layer of its own (the others are HYBRIDS': served)
     "falcon_h1": "hybrid: every layer runs attention and Mamba-2 side by side, with its own "
     "multipliers (key_multiplier, attention_in_multiplier, attention_out_multiplier)",
     **dict.fromkeys(
