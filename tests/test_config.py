@@ -170,7 +170,7 @@ def test_example_config_shows_every_key_and_the_server_defaults(tmp_path):
         "head",
         10000.0,
     )
-    assert gqa.output_gate
+    assert gqa.output_gate and gqa.output_gate_per_head
     gqa = uncommented(alibi)
     assert (gqa.alibi, gqa.alibi_bias_max, gqa.alibi_scale, gqa.alibi_bfloat16) == (
         True,

@@ -4,7 +4,9 @@ form (k_nope and v of every head from kv_b, k = [k_nope; rope(k_rope)], a plain 
 stateless (causal or not, padded, batched), weights (heads, a query range), head_mask,
 session steps over the cache's layout, the state dict, checkpoints, the KV bytes per token
 (K alone: its values are its keys), and what MLA declines (decode_one, the plain overflow
-bounds, CUDA graphs, pruning, pooling)."""
+bounds, CUDA graphs, pruning, pooling). With an output gate (Ling 3.0's
+BailingHybridAttention: each head's output after its W_uv times sigmoid(wgate x), one value
+per head or per dim, before wo) on every one of those paths."""
 
 from __future__ import annotations
 
@@ -45,6 +47,8 @@ def make(seed: int = 0, **kw) -> MultiHeadAttention:
         for name, p in module.named_parameters():
             if name.endswith("bias"):
                 p.uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(len(name)))
+        if module.wgate is not None:  # a gate far from 1/2: a gate on the wrong dims shows
+            module.wgate.weight.mul_(8.0)
     return module.eval()
 
 
@@ -113,7 +117,10 @@ def reference(
     y = weights @ v  # (B, H, L, V)
     if head_mask is not None:
         y = y * head_mask.double().view(1, H, 1, 1)
-    out = linear("wo", y.transpose(1, 2).reshape(B, L, H * V))
+    y = y.transpose(1, 2)  # (B, L, H, V)
+    if cfg.output_gate:  # BailingHybridAttention's: attn_output * sigmoid(g_proj(x)), per head
+        y = y * torch.sigmoid(linear("wgate", x)).view(B, L, H, -1)  # (.., 1 | V): per dim
+    out = linear("wo", y.reshape(B, L, H * V))
     if lengths is not None:
         real = torch.arange(L)[None, :] < lengths[:, None]  # (B, L)
         out = out.masked_fill(~real[:, :, None], 0.0)
@@ -133,7 +140,20 @@ VARIANTS = {
     "no_q_lora_bias_pairs": {"q_lora": False, "interleaved": True},
     "no_q_lora_no_bias_halves": {"q_lora": False, "bias": False},  # DeepSeek-V2-Lite's
     "no_q_lora_nope": {"q_lora": False, "bias": False, "nope": True},  # Kimi Linear's
+    # Ling 3.0's (BailingHybridAttention): q_proj, pairs, a sigmoid gate per head
+    "gate_per_head": {
+        "q_lora": False,
+        "interleaved": True,
+        "output_gate": True,
+        "output_gate_per_head": True,
+    },
+    "gate_per_dim_q_lora": {"output_gate": True},  # (H * V gate values, biased)
 }
+
+
+def gate_of(module: MultiHeadAttention, x: torch.Tensor) -> dict:
+    """The out_gate argument of a merge of tokens x: {} for a module without a gate."""
+    return {} if module.wgate is None else {"out_gate": module.output_gate(x)}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -200,19 +220,26 @@ def test_a_session_grown_token_by_token_equals_the_stateless_answer(variant):
                 keys[b] = torch.cat([keys[b], k], dim=2)
                 values[b] = torch.cat([values[b], v], dim=2)
                 qs.append(q)
-                step = module.attend_step(q, keys[b], values[b], t)
+                gate = gate_of(module, x[b : b + 1, t : t + 1])
+                step = module.attend_step(q, keys[b], values[b], t, **gate)
                 close(step[0, 0], want[b, t])
             q = torch.cat(qs)
+            gate = gate_of(module, x[:, t : t + 1])
             kv = list(zip(keys, values, strict=True))
-            out = module.attend_cached(q, kv, past_lengths=[t, t], new_lengths=[1, 1])
+            out = module.attend_cached(q, kv, past_lengths=[t, t], new_lengths=[1, 1], **gate)
             close(out.output[:, 0], want[:, t])
             out = module.attend_cached(
-                q, kv, past_lengths=[t, t], new_lengths=[1, 1], need_weights=True
+                q, kv, past_lengths=[t, t], new_lengths=[1, 1], need_weights=True, **gate
             )
             close(out.output[:, 0], want[:, t])
             close(out.weights[:, :, 0], want_w[:, :, t, : t + 1])
             padded = module.attend_padded(
-                q, torch.cat(keys), torch.cat(values), past_lengths=[t, t], new_lengths=[1, 1]
+                q,
+                torch.cat(keys),
+                torch.cat(values),
+                past_lengths=[t, t],
+                new_lengths=[1, 1],
+                **gate,
             )
             close(padded.output[:, 0], want[:, t])
 
@@ -346,3 +373,46 @@ def test_what_mla_declines():
         prune_heads(module, [1])
     with pytest.raises(ValueError, match="already share one latent K/V head"):
         pool_kv_heads(module, 1)
+
+
+@pytest.mark.parametrize("per_head", [True, False], ids=["per_head", "per_dim"])
+def test_a_gated_mla_saves_its_gate_and_merges_only_with_it(tmp_path, per_head):
+    """wgate beside MLA's own keys, (H, E) per head or (H * V, E) per dim of each merged
+    head (not H * (R + C), the absorbed head_dim), its bias with bias; the checkpoint round
+    trip; a merge without the gate refused; the gate matters (a gate of zeros, sigmoid 1/2,
+    answers otherwise)."""
+    module = make(output_gate=True, output_gate_per_head=per_head)
+    rows = H if per_head else H * V
+    assert module.config.gate_width == rows
+    state = module.state_dict()
+    assert state["wgate.weight"].shape == (rows, E) and state["wgate.bias"].shape == (rows,)
+    path = tmp_path / "gated_mla.safetensors"
+    save_checkpoint(module, path)
+    loaded = load_checkpoint(path)
+    assert loaded.config == module.config
+    x = tokens(1, 6, seed=7)
+    with torch.no_grad():
+        want = module(x, causal=True).output
+        assert torch.equal(loaded(x, causal=True).output, want)
+        q, k, v = module.project(x)
+        with pytest.raises(ValueError, match=r"has an output gate .* out_gate is None"):
+            module.attend_step(q, k, v, 0)
+        module.wgate.weight.zero_()
+        module.wgate.bias.zero_()
+        assert (module(x, causal=True).output - want).abs().max() > 0.05
+
+
+def test_a_per_head_gate_equals_a_per_dim_gate_of_each_heads_row_repeated():
+    """The per-head gate is exact, not an approximation: the same module with a per-dim
+    gate whose rows repeat each head's row V times answers the same."""
+    per_head = make(q_lora=False, interleaved=True, output_gate=True, output_gate_per_head=True)
+    per_dim = MultiHeadAttention(config(q_lora=False, interleaved=True, output_gate=True))
+    state = dict(per_head.state_dict())
+    state["wgate.weight"] = state["wgate.weight"].repeat_interleave(V, dim=0)
+    state["wgate.bias"] = state["wgate.bias"].repeat_interleave(V, dim=0)
+    per_dim.load_state_dict(state)
+    x = tokens(2, 7, seed=8)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            per_head(x, causal=True).output, per_dim(x, causal=True).output, rtol=0, atol=1e-6
+        )

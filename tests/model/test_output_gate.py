@@ -1,4 +1,5 @@
-"""The output gate (Qwen3-Next, Qwen3.5: AttentionConfig.output_gate): each query head's
+"""The output gate (Qwen3-Next, Qwen3.5: AttentionConfig.output_gate; one value per head with
+output_gate_per_head, LFM3's): each query head's
 output times sigmoid(wgate x) before wo, against a float64 reference written here, on every
 path of the module (stateless causal and not, padded, with weights and a head mask; session
 steps token by token, in chunks, ragged and padded, equal to the stateless answer; batched
@@ -97,6 +98,8 @@ def reference(
         y = y * head_mask.double().view(1, H, 1, 1)
     y = y.transpose(1, 2).reshape(B, L, H * D)
     gate = torch.sigmoid(x @ p["wgate.weight"].T + p.get("wgate.bias", 0))  # (B, L, H*D)
+    if c.output_gate_per_head:  # LFM3's: one value per head, on every dim of its output
+        gate = gate.repeat_interleave(D, dim=-1)  # (B, L, H) -> (B, L, H*D)
     out = (y * gate) @ p["wo.weight"].T + p.get("wo.bias", 0)
     out = out * valid[..., None]
     weights = weights * valid[:, None, :, None]
@@ -108,10 +111,15 @@ def close(a: torch.Tensor, b: torch.Tensor, what: str, atol: float = ATOL) -> No
     assert diff.max() <= atol, f"{what}: max {diff.max():.2e} mean {diff.mean():.2e}"
 
 
+PER_HEAD = dataclasses.replace(GATED, output_gate_per_head=True)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
-def test_stateless_equals_the_reference_and_the_gate_matters(causal, bias):
-    module = gated_module(dataclasses.replace(GATED, bias=bias))
+@pytest.mark.parametrize("per_head", [False, True], ids=["per_dim", "per_head"])
+def test_stateless_equals_the_reference_and_the_gate_matters(causal, bias, per_head):
+    module = gated_module(dataclasses.replace(GATED, bias=bias, output_gate_per_head=per_head))
+    assert module.wgate.weight.shape == ((4 if per_head else 64), 48)
     x = inputs(2, 9)
     out = module(x, causal=causal, need_weights=True)
     want, weights = reference(module, x, causal=causal)
@@ -166,17 +174,19 @@ def _session(module: MultiHeadAttention, x: torch.Tensor, cuts: list[int]) -> to
 
 
 @pytest.mark.parametrize("cuts", [list(range(11)), [0, 4, 5, 10]], ids=["tokens", "chunks"])
-def test_session_steps_equal_the_stateless_answer(cuts):
-    module = gated_module()
+@pytest.mark.parametrize("config", [GATED, PER_HEAD], ids=["per_dim", "per_head"])
+def test_session_steps_equal_the_stateless_answer(cuts, config):
+    module = gated_module(config)
     x = inputs(1, 10, seed=4)
     close(_session(module, x, cuts), module(x).output, f"steps {cuts}", atol=1e-5)
 
 
-def test_ragged_and_padded_steps_equal_the_stateless_answer():
+@pytest.mark.parametrize("config", [GATED, PER_HEAD], ids=["per_dim", "per_head"])
+def test_ragged_and_padded_steps_equal_the_stateless_answer(config):
     """Two sessions stepped together with unequal new tokens: attend_cached's per-row loop
     (with a head mask), attend_step, and attend_padded's one kernel, each gated by the rows'
     own gates."""
-    module = gated_module()
+    module = gated_module(config)
     xs = [inputs(1, 9, seed=5), inputs(1, 7, seed=6)]
     past, new = [6, 3], [3, 2]
     T = max(new)
@@ -233,29 +243,50 @@ def test_a_merge_without_the_gate_or_with_one_it_has_not_is_refused():
         plain.merge_heads(torch.zeros(1, 4, 4, 16), torch.ones(1, 4, 64))
 
 
-def test_decode_one_declines_and_mla_with_a_gate_is_refused():
+def test_decode_one_declines_and_a_gate_with_mla_is_sized_by_its_value_heads():
     module = gated_module()
     assert not module.decodes_in_one
     x = inputs(1, 1)
     slot = torch.zeros(1, 4, 1, 16)
     assert module.decode_one(x, slot, torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16)) is None
     assert not slot.any(), "nothing written"
-    with pytest.raises(ValueError, match="mla with output_gate is not supported"):
-        AttentionConfig(
-            64,
-            4,
-            rope={},
-            output_gate=True,
-            mla={"kv_lora_rank": 16, "rope_dim": 4, "nope_dim": 8, "v_head_dim": 8},
-        )
+    # (refused before Ling 3.0's MLA layers were served: tests/model/test_mla.py computes it)
+    mla = {"kv_lora_rank": 16, "rope_dim": 4, "nope_dim": 8, "v_head_dim": 6}
+    gated = AttentionConfig(64, 4, rope={}, output_gate=True, mla=mla)
+    assert gated.gate_width == 4 * 6  # each head's V merged dims, not its R + C
+    assert dataclasses.replace(gated, output_gate_per_head=True).gate_width == 4
 
 
 def test_config_round_trips_and_leaves_ungated_configs_as_they_were():
     assert GATED.to_dict()["output_gate"] is True
     assert AttentionConfig.from_dict(GATED.to_dict()) == GATED
     assert "output_gate" not in dataclasses.replace(GATED, output_gate=False).to_dict()
+    assert "output_gate_per_head" not in GATED.to_dict()
+    assert AttentionConfig.from_dict(PER_HEAD.to_dict()) == PER_HEAD
+    assert PER_HEAD.to_dict()["output_gate_per_head"] is True
     with pytest.raises(ValueError, match="output_gate must be a bool"):
         AttentionConfig(48, 4, output_gate="yes")
+    with pytest.raises(ValueError, match="output_gate_per_head is set but output_gate is not"):
+        AttentionConfig(48, 4, output_gate_per_head=True)
+
+
+def test_a_per_head_gate_equals_a_per_dim_gate_of_each_heads_row_repeated():
+    """Exact, not an approximation: one value per head is the per-dim gate whose rows repeat
+    each head's row head_dim times; and its projection costs 1/head_dim of theirs."""
+    module = gated_module(PER_HEAD)
+    wide = MultiHeadAttention(GATED)
+    state = dict(module.state_dict())
+    state["wgate.weight"] = state["wgate.weight"].repeat_interleave(16, dim=0)
+    state["wgate.bias"] = state["wgate.bias"].repeat_interleave(16, dim=0)
+    wide.load_state_dict(state)
+    x = inputs(2, 7, seed=9)
+    close(module(x).output, wide(x).output, "per head vs repeated rows", atol=1e-6)
+    plain = cost_per_token(dataclasses.replace(GATED, output_gate=False), 4)["projection_flops"]
+    assert cost_per_token(PER_HEAD, 4)["projection_flops"] - plain == 2 * 4 * 48
+    pruned = prune_heads(module, [1, 3])  # the kept heads' one row each
+    assert pruned.wgate.weight.shape == (2, 48)
+    mask = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    close(pruned(x).output, module(x, head_mask=mask).output, "pruned per head", atol=1e-5)
 
 
 def test_saved_and_loaded_with_its_gate_named_in_shape_errors(tmp_path):

@@ -159,7 +159,7 @@ def attend_steps(
     out_gate: torch.Tensor | None = None,
 ) -> AttentionOutput:
     """The steps' attention over their sessions' cached K/V (the step's own already
-    written): q (B, H, T, D) as `project` returns it, out_gate (B, T, H*D) as
+    written): q (B, H, T, D) as `project` returns it, out_gate (B, T, gate_width) as
     `output_gate` returns it (a model with an output gate); output (B, T, E), padded
     tokens' rows zero. batched: in padded groups (plan_groups, min_fill) where a step asks for no
     weights; flash (flash_varlen, for a model flash_decode_unsupported clears): one token
@@ -216,7 +216,7 @@ def attend_steps(
     for rows, attend in parts:
         index = indices.narrow(0, at, len(rows))
         at += len(rows)
-        gate = None if out_gate is None else out_gate.index_select(0, index)  # (n, T, H*D)
+        gate = None if out_gate is None else out_gate.index_select(0, index)  # (n, T, gate_width)
         if attend is None:  # rows read in place
             sub = [firsts[i] for i in rows], [counts[i] for i in rows]
             y = _in_place(module, q.index_select(0, index), cache, *sub, flash, gate).output

@@ -33,6 +33,8 @@ def model_fingerprint(hosted: HostedModel) -> str:
         del config["output_gate"]
     if not config["v_norm"]:  # (likewise the value norm)
         del config["v_norm"]
+    if not config["output_gate_per_head"]:  # (likewise its one value per head)
+        del config["output_gate_per_head"]
     rope = config["rope"]
     if rope is not None:  # (likewise RoPE's interleaved pairs and partial rotation)
         for name, default in (("interleaved", False), ("partial", 1.0)):

@@ -169,7 +169,7 @@ class BatchForward:
             # step's window on (read_start): batched (padded groups, one kernel each) or one
             # kernel per session over its blocks in place (engine/attend.py).
             q, k_new, v_new = project_and_append(hosted, cache, x, reservations)
-            out_gate = hosted.module.output_gate(x)  # (B, T, H*D); None: no output gate
+            out_gate = hosted.module.output_gate(x)  # (B, T, gate_width); None: no gate
             # An inf key need not show in this step's output (a -inf score is just a zero
             # weight) but would poison every later step of its session, so the K/V
             # themselves are checked: those rows' steps are refused, not kept. float16 (a

@@ -127,7 +127,7 @@ class LoneStep:
                         r.block_table, end, start=r.read_start, first_block=r.first_block
                     )
                     # (1, T, E): attend_cached's answer for one sequence, without its tuples
-                    gate = module.output_gate(x)  # (1, T, H*D); None: no output gate
+                    gate = module.output_gate(x)  # (1, T, gate_width); None: no gate
                     y = module.attend_step(q, keys, values, r.start, r.read_start, gate)
             compute_ms = (time.perf_counter() - start) * 1e3
             try:

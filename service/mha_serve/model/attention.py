@@ -110,13 +110,14 @@ class MultiHeadAttention(nn.Module):
         self.sinks = None
         if config.sinks:
             self.sinks = nn.Parameter(torch.zeros(config.num_heads, device=device, dtype=dtype))
-        # The output gate's projection (Qwen3-Next, Qwen3.5), in the state dict as wgate:
-        # rows by query head as wo's columns, (H*D, E), biased as wqkv.
+        # The output gate's projection (Qwen3-Next, Qwen3.5, AFMoE; LFM3 one row per head),
+        # in the state dict as wgate: rows by query head as wo's columns, (gate_width, E),
+        # biased as the projections.
         self.wgate = None
         if config.output_gate:
             self.wgate = nn.Linear(
                 config.embed_dim,
-                config.num_heads * config.head_dim,
+                config.gate_width,
                 bias=config.bias,
                 device=device,
                 dtype=dtype,
@@ -306,18 +307,18 @@ class MultiHeadAttention(nn.Module):
         return cos_sin(self.rope_freq, self.rope_scaling, positions, x.dtype)
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The output gate of tokens x (B, L, E), sigmoid(wgate x) (B, L, H*D) in x's dtype
-        (as Qwen3-Next's torch.sigmoid(gate)), which the merge multiplies the heads' output
-        by; None for a config without one (output_gate false). Every merge of a gated
+        """The output gate of tokens x (B, L, E), sigmoid(wgate x) (B, L, gate_width: H*D,
+        H*V with mla, H per head) in x's dtype (as Qwen3-Next's torch.sigmoid(gate)), which
+        the merge multiplies the heads' output by; None for a config without one. Every merge of a gated
         model takes it (out_gate): attend_cached, attend_step, attend_padded, merge_heads."""
         if self.wgate is None:
             return None
         wgate = self._modules["wgate"]._parameters  # (as in project)
-        return torch.sigmoid(F.linear(x, wgate["weight"], wgate["bias"]))  # (B, L, H*D)
+        return torch.sigmoid(F.linear(x, wgate["weight"], wgate["bias"]))  # (B, L, gate_width)
 
     def merge_heads(self, y: torch.Tensor, out_gate: torch.Tensor | None = None) -> torch.Tensor:
         """Attention's per-head output y (B, H, L, D) as the module's output (B, L, E): heads
-        merged, gated by out_gate (B, L, H*D) (output_gate(x) of the same tokens; required
+        merged, gated by out_gate (B, L, gate_width) (output_gate(x) of the same tokens; required
         with output_gate), then wo (for a kernel run outside the module, engine/attend.py)."""
         return self._merge_heads(y, None, None, out_gate)
 
@@ -329,7 +330,7 @@ class MultiHeadAttention(nn.Module):
         out_gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """y (B, H, L, D) through the head mask gate (H,), the output gate out_gate
-        (B, L, H*D) and wo; rows not valid (B, L) zero."""
+        (B, L, gate_width) and wo; rows not valid (B, L) zero."""
         B, H, L, D = y.shape
         if gate is not None:
             y = y * gate.view(1, H, 1, 1)
@@ -341,8 +342,9 @@ class MultiHeadAttention(nn.Module):
             y = y.reshape(B, 1, H * D)
         else:
             y = y.transpose(1, 2).reshape(B, L, H * D)  # (B, L, H*D)
-        if out_gate is not None:
-            y = y * out_gate  # (B, L, H*D): each head's dims by its own gate
+        if out_gate is not None:  # each head's dims (D; V with mla) by its own gate values
+            y = y.reshape(B, L, H, -1) * out_gate.view(B, L, H, -1)  # (B, L, H, D|V)
+            y = y.reshape(B, L, -1)  # (B, L, H*D|H*V)
         wo = self._modules["wo"]._parameters  # (as in project)
         out = F.linear(y, wo["weight"], wo["bias"])  # (B, L, E)
         if valid is not None:

@@ -211,12 +211,10 @@ def check_out_gate(
             f"out_gate is {'None' if out_gate is None else 'given'}: pass "
             "out_gate=module.output_gate(x) of the same tokens x, and only then"
         )
-    want = (B, L, config.num_heads * config.head_dim)
+    want = (B, L, config.gate_width)
     if not isinstance(out_gate, torch.Tensor) or tuple(out_gate.shape) != want:
         shape = tuple(out_gate.shape) if isinstance(out_gate, torch.Tensor) else out_gate
-        raise ValueError(
-            f"out_gate must be (batch, new_len, num_heads * head_dim) = {want}, got {shape}"
-        )
+        raise ValueError(f"out_gate must be (batch, new_len, gate_width) = {want}, got {shape}")
     if out_gate.device != y.device:
         raise ValueError(f"out_gate is on {out_gate.device}; the queries are on {y.device}")
 

@@ -12,9 +12,12 @@ from typing import Any, Literal
 
 Variant = Literal["mha", "gqa", "mqa"]
 
-_BOOL_FIELDS = ("bias", "causal", "sinks", "alibi", "alibi_bfloat16", "output_gate", "v_norm")
+_BOOL_FIELDS = (
+    *("bias", "causal", "sinks", "alibi", "alibi_bfloat16", "output_gate"),
+    *("output_gate_per_head", "v_norm"),
+)
 # Boolean options written out (to_dict) only when true: a config without them reads as before.
-_SET_ONLY = ("sinks", "alibi", "alibi_bfloat16", "output_gate", "v_norm")
+_SET_ONLY = ("sinks", "alibi", "alibi_bfloat16", "output_gate", "output_gate_per_head", "v_norm")
 # RoPE variants whose frequencies are fixed at load time, so that keys rotated once and
 # cached stay right. "dynamic" and "longrope" change frequencies with the sequence length.
 # "proportional" (Gemma 4's global layers): halves over the whole head, the first
@@ -209,14 +212,19 @@ class AttentionConfig:
     # q_a/q_b pair, k and v from one shared latent per token, served as MQA over head_dim
     # R + C (num_kv_heads 1, head_dim R + C, RoPE over all R dims required). None: none.
     mla: MLAConfig | None = None
-    # An output gate (Qwen3-Next, Qwen3.5): each query head's output, per token and dim,
+    # An output gate (Qwen3-Next, Qwen3.5, AFMoE): each query head's output, per token and dim,
     # multiplied by sigmoid(wgate x) before wo (the `wgate` Linear, H*D <- E, biased as the
-    # projections are; Qwen's q_proj rows per head [query; gate], split at load). False: none.
+    # projections are; Qwen's q_proj rows per head [query; gate], split at load; with mla
+    # H*V: each head's output after its W_uv). False: none.
     output_gate: bool = False
     # RMSNorm of each value head over its head_dim values, without a gain (Gemma 3n's and
     # Gemma 4's v_norm): v / sqrt(mean(v^2) + eps), eps the q/k norm's, before the values are
     # cached. Needs qk_norm per head (its eps). False: values as projected.
     v_norm: bool = False
+    # With output_gate: one gate value per head (wgate H <- E; LFM3, Ling 3.0's MLA layers),
+    # multiplying every dim of that head's output. (The same as a per-dim gate whose rows
+    # repeat each head's head_dim times, at 1/head_dim of its projection's cost.)
+    output_gate_per_head: bool = False
 
     def __post_init__(self) -> None:
         # Values often come from TOML or safetensors metadata, so check types
@@ -256,6 +264,11 @@ class AttentionConfig:
             object.__setattr__(self, "mla", MLAConfig.from_dict(self.mla))
         if self.mla is not None:
             self._resolve_mla()
+        if self.output_gate_per_head and not self.output_gate:
+            raise ValueError(
+                "output_gate_per_head is set but output_gate is not: it shapes the output "
+                "gate; set output_gate = true, or leave output_gate_per_head out"
+            )
         for name in ("softcap", "alibi_bias_max", "alibi_scale"):  # (the first and last: None
             value = getattr(self, name)  # is off; alibi_bias_max has no None)
             if value is not None or name == "alibi_bias_max":
@@ -333,7 +346,6 @@ class AttentionConfig:
                 ("sinks", self.sinks),
                 ("alibi", self.alibi),
                 ("softcap", self.softcap is not None),
-                ("output_gate", self.output_gate),
                 ("v_norm", self.v_norm),
             )
             if on
@@ -361,6 +373,17 @@ class AttentionConfig:
         if self.rope is not None and self.rope.type == "proportional":
             return self.head_dim  # (its frequencies past the proportion are 0)
         return 0 if self.rope is None else int(self.head_dim * self.rope.partial)
+
+    @property
+    def gate_width(self) -> int:
+        """The output gate's width, wgate's rows (0 without one): one per head with
+        output_gate_per_head, else one per dim of each head's output (H * head_dim; with mla
+        H * v_head_dim, the merged heads' width)."""
+        if not self.output_gate:
+            return 0
+        if self.output_gate_per_head:
+            return self.num_heads
+        return self.num_heads * (self.head_dim if self.mla is None else self.mla.v_head_dim)
 
     @property
     def group_size(self) -> int:
@@ -401,9 +424,9 @@ class AttentionConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, resolved (no None: the options only when set, sinks, alibi,
-        alibi_bfloat16, output_gate and v_norm only when True, alibi_bias_max only with alibi;
-        rope, qk_norm and mla as dicts of their fields), so the dict is the config on its
-        own."""
+        alibi_bfloat16, output_gate, output_gate_per_head and v_norm only when True,
+        alibi_bias_max only with alibi; rope, qk_norm and mla as dicts of their fields), so the
+        dict is the config on its own."""
         d = asdict(self)
         if not self.alibi:
             del d["alibi_bias_max"]

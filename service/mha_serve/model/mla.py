@@ -105,7 +105,10 @@ def project(
 
 def merge(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
     """Each head's attention output y (B, H, L, R + C) (over the values k' = [rope; c]) as
-    HF's concatenated heads (B, L, H * V): its C latent dims through the head's W_uv."""
+    HF's concatenated heads (B, L, H * V): its C latent dims through the head's W_uv. An
+    output gate multiplies these, each head's V dims (BailingHybridAttention's
+    attn_output * sigmoid(g_proj(x)), after its kv_b's values), then wo (the module's
+    _merge_heads)."""
     m = module.config.mla
     B, H, L, _ = y.shape
     N, V, C = m.nope_dim, m.v_head_dim, m.kv_lora_rank

@@ -44,7 +44,9 @@ class LatentBounds:
       max|k'| <= K is known: <= (||.||_1 + ||.||_1) K.
     - Attention weights sum to 1, so each head's output y_h has |y_h,i| <= max|v| over the
       values it sees; the merge is W_uv_h y_lat (V x C): |.| <= max_row ||W_uv_h,v||_1 max|y|
-      (`uv_l1`), and wo after it ||wo_i||_1 max|merged| + |b_o| (`o_row_l1`, `o_bias`).
+      (`uv_l1`), and wo after it ||wo_i||_1 max|merged| + |b_o| (`o_row_l1`, `o_bias`). An
+      output gate (Ling 3.0's) multiplies the merged heads by sigmoid(wgate x) in [0, 1]
+      before wo, so max|merged| bounds the gated ones too: its weights are not read.
     Every bound is a sum of absolute values of the very products the kernels sum, so it
     bounds them in any order and their partial sums; MARGIN covers their rounding. A weight
     that is not finite makes its bounds inf (never NaN), which nothing clears."""

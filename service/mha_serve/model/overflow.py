@@ -217,7 +217,9 @@ def weight_bounds(module: torch.nn.Module) -> WeightBounds:
     inf but for its LatentBounds. An output gate (wgate) is not read: it multiplies each head's output by
     sigmoid(wgate x), in [0, 1] (a logit past the dtype's range rounds to +-inf, whose
     sigmoid is 1 or 0: half-precision matmuls accumulate in float32, so no inf - inf NaN),
-    so |gated y| <= |y| <= max|v|, the bound output_bound already takes."""
+    so |gated y| <= |y| <= max|v|, the bound output_bound already takes (with mla the gate
+    multiplies each head's merged output W_uv_h y_h, whose LatentBounds bound holds as well;
+    one value per head or per dim, the same)."""
     # The modules' own dicts, not attribute access: nn.Module's __getattr__ costs a Python
     # call each, and this runs on every step.
     linears, own = module._modules, module._parameters

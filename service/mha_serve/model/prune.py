@@ -95,9 +95,14 @@ def prune_heads(module: MultiHeadAttention, heads: Sequence[int]) -> MultiHeadAt
     if c.sinks:  # one per query head: the kept heads' (each head's softmax is its own)
         state["sinks"] = module.sinks.detach()[q_kept]
     if c.output_gate:  # rows by query head (each gates its own head): the kept heads'
-        state["wgate.weight"] = rows(module.wgate.weight.detach(), q_kept)
+        per_head = c.gate_width // H  # (D, or 1 with output_gate_per_head)
+
+        def gate_rows(t: torch.Tensor) -> torch.Tensor:  # (H*g, ...) -> (len(q_kept)*g, ...)
+            return t.reshape(H, per_head, *t.shape[1:])[q_kept].reshape(-1, *t.shape[1:])
+
+        state["wgate.weight"] = gate_rows(module.wgate.weight.detach())
         if c.bias:
-            state["wgate.bias"] = rows(module.wgate.bias.detach(), q_kept)
+            state["wgate.bias"] = gate_rows(module.wgate.bias.detach())
     w = module.wqkv.weight
     out = MultiHeadAttention(config, device=w.device, dtype=w.dtype)
     out.load_state_dict({k: t.contiguous() for k, t in state.items()})
@@ -155,10 +160,10 @@ def least_important(
 
 def cost_per_token(config: AttentionConfig, itemsize: int) -> dict[str, int]:
     """What one token costs the model: multiply-adds of its projections (2 FLOPs each; an
-    output gate's wgate one more, H D x E), of its attention per key it sees (q.k and p.v,
+    output gate's wgate one more, gate_width x E), of its attention per key it sees (q.k and p.v,
     4 H D), and its KV-cache bytes (K and V)."""
     E, H, KVH, D = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim
-    gate = 2 * H * D * E if config.output_gate else 0
+    gate = 2 * config.gate_width * E
     return {
         "projection_flops": 2 * E * (H + 2 * KVH) * D + 2 * H * D * E + gate,
         "attention_flops_per_key": 4 * H * D,

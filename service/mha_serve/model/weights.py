@@ -204,8 +204,15 @@ def from_torch_mha(mha: nn.MultiheadAttention) -> MultiHeadAttention:
 
 
 def _expected_shapes(config: AttentionConfig) -> dict[str, tuple[int, ...]]:
-    if config.mla is not None:
-        return mla_shapes(config)
+    shapes = mla_shapes(config) if config.mla is not None else _mha_shapes(config)
+    if config.output_gate:  # rows by query head (per dim, or one each), as wo's columns
+        shapes["wgate.weight"] = (config.gate_width, config.embed_dim)
+        if config.bias:
+            shapes["wgate.bias"] = (config.gate_width,)
+    return shapes
+
+
+def _mha_shapes(config: AttentionConfig) -> dict[str, tuple[int, ...]]:
     shapes = {
         "wqkv.weight": (config.qkv_dim, config.embed_dim),
         "wo.weight": (config.embed_dim, config.num_heads * config.head_dim),
@@ -220,10 +227,6 @@ def _expected_shapes(config: AttentionConfig) -> dict[str, tuple[int, ...]]:
         shapes["k_norm"] = (KVH * D if whole else D,)
     if config.sinks:
         shapes["sinks"] = (config.num_heads,)
-    if config.output_gate:  # rows by query head, as wo's columns
-        shapes["wgate.weight"] = (config.num_heads * config.head_dim, config.embed_dim)
-        if config.bias:
-            shapes["wgate.bias"] = (config.num_heads * config.head_dim,)
     return shapes
 
 

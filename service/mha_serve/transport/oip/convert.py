@@ -252,8 +252,8 @@ def model_config(hosted: ModelView, *, sessions: bool, session_ttl_s: float) -> 
         described["softcap"] = f"{cfg.softcap:g}"
     if cfg.sinks:
         described["sinks"] = "true"
-    if cfg.output_gate:
-        described["output_gate"] = "true"
+    if cfg.output_gate:  # (one value per head, or per dim of each head's output)
+        described["output_gate"] = "true, per head" if cfg.output_gate_per_head else "true"
     if cfg.v_norm:
         described["v_norm"] = "true"
     if cfg.alibi:
