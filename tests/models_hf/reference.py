@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AfmoeConfig,
+    AfmoeModel,
     ApertusConfig,
     ApertusModel,
     ArceeConfig,
@@ -219,11 +221,14 @@ GATED_MOE["shared_expert_intermediate_size"] = 32
 RANDOM_NORMS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # Checkpoints whose q/k norm gains (weight itself, initialised to 1) are drawn around 1, so
 # that a gain read wrongly (as 1 + w, or as none) would show.
-RANDOM_GAINS = ("gemma4", "gemma3n")
+RANDOM_GAINS = ("gemma4", "gemma3n", "afmoe")
 # Gemma 3n and Gemma 4, small: a local layer (served by the test of its name), then a global
 # one (SERVED's *_global); no per-layer inputs (PLE) nor KV sharing (refused: test_gemma)
 GEMMA_V_NORM = {**ROTARY, "layer_types": ["sliding_attention", "full_attention"]}
 GEMMA_V_NORM.update({"num_kv_shared_layers": 0, "sliding_window": 6})
+# A gate of its own projection: drawn large, so that its sigmoid is far from 1/2 and a gate
+# on the wrong heads or dims shows.
+OWN_GATES = {"afmoe": "gate_proj"}
 WINDOW = 8  # Mistral's; the other windowed layers use other sizes (6, 10, 12)
 CHECKPOINTS = {
     # name: (model class, config, layer served by the test of that name; SERVED adds more)
@@ -1141,6 +1146,25 @@ CHECKPOINTS = {
         ),
         0,
     ),
+    # AFMoE (Trinity): an output gate of its own (gate_proj, per dim; no bias beside biased
+    # projections), q/k norm per head; a local layer (RoPE, a window), then a global one
+    # (NoPE)
+    "afmoe": (
+        AfmoeModel,
+        AfmoeConfig(
+            num_key_value_heads=2,
+            head_dim=16,
+            attention_bias=True,
+            sliding_window=6,
+            global_attn_every_n_layers=2,
+            num_experts=2,
+            num_experts_per_tok=1,
+            num_shared_experts=1,
+            moe_intermediate_size=32,
+            **ROTARY,
+        ),
+        0,
+    ),
 }
 # Served model name: (checkpoint, layer). Gemma's and GPT-OSS's both kinds of layer,
 # SmolLM3's NoPE one.
@@ -1160,6 +1184,7 @@ SERVED.update(
         "cwm_global": ("cwm", 0),
         "gemma4_global": ("gemma4", 1),
         "gemma3n_global": ("gemma3n", 1),
+        "afmoe_global": ("afmoe", 1),
     }
 )
 
@@ -1180,6 +1205,8 @@ def write_checkpoints(root: Path) -> dict[str, Path]:  # keyed by checkpoint nam
                     parameter.normal_(0.0, INIT)
                 if name in RANDOM_GAINS and key.endswith(("q_norm.weight", "k_norm.weight")):
                     parameter.normal_(1.0, INIT)
+                if name in OWN_GATES and key.endswith(f"{OWN_GATES[name]}.weight"):
+                    parameter.mul_(4.0)
         dirs[name] = root / name
         model.save_pretrained(dirs[name], safe_serialization=True)
     return dirs

@@ -84,6 +84,8 @@ OWN_KEYS["recurrent_gemma"] = (*OWN_KEYS["rotary"], "attention_window_size", "bl
 OWN_KEYS["granitemoehybrid"] = (*OWN_KEYS["rotary"], "layers_block_type", "position_embedding_type")
 ABSOLUTE = ("gpt2", "bert", "gpt_bigcode")  # (no RoPE)
 OWN_KEYS["codegen"] = OWN_KEYS["gptj"]
+# (AFMoE's: how its config derives a layer's kind)
+OWN_KEYS["afmoe"] = (*OWN_KEYS["rotary"], "global_attn_every_n_layers")
 # Nulls inside the RoPE tables (set only where the key is there), and transformers 4's
 # spelling: rope_theta (and Gemma 3's rope_local_base_freq) beside no rope_parameters.
 NESTED = (

@@ -47,6 +47,9 @@ What is served, per family (transformers' module names):
            NemotronHAttention (layers.{i}.mixer), RecurrentGemmaAttention
            (layers.{i}.temporal_block): q_proj/k_proj/v_proj/o_proj as Llama's, on their
            attention layers (the hybrids' others are refused: hf_families.HYBRIDS)
+  afmoe    AfmoeAttention: as Llama's with Qwen3's q/k norm, and gate_proj (hf_families.OWN_GATE:
+           an output gate of its own projection, per dim) read as the module's wgate (a zero
+           bias beside biased projections); NoPE global layers
   llama, mistral, qwen2, qwen3, olmo2, gemma2, gemma3(_text), phi3, gpt_oss and the families whose
   attention is one of theirs (hf_families.FAMILIES: Mixtral, Qwen-MoE, OLMoE, Granite, ...)
            q_proj/k_proj/v_proj/o_proj (Phi-3: one qkv_proj) with GQA (num_key_value_heads)
@@ -68,7 +71,7 @@ from safetensors import SafetensorError, safe_open
 from .attention import MultiHeadAttention
 from .checks import check_sinks
 from .hf_config import HFLayer, read_hf_layer
-from .hf_families import CODEGEN_GROUPS, OUTPUT_GATE
+from .hf_families import CODEGEN_GROUPS, OUTPUT_GATE, OWN_GATE
 
 # Per family: the attention tensors of layer {i}, without the checkpoint's own prefix
 # ("bert.", "transformer.", "model." or none, found from the file).
@@ -177,9 +180,15 @@ def load_hf_layer(
     names = _NAMES["rotary" if info.family not in _NAMES else info.family]
     if c.qk_norm is not None:
         names = {**names, **_OWN_NORM_NAMES.get(info.family, _NORM_NAMES)}
+    own_gate = OWN_GATE.get(info.family) if c.output_gate else None
+    if own_gate is not None:  # (AFMoE's gate_proj, ...: a projection beside q_proj)
+        names = {**names, "gate": "layers.{i}.self_attn." + own_gate[0]}
     names = {k: v.format(i=info.layer) for k, v in names.items()}
     sinks_name = _SINKS_NAME.format(i=info.layer) if c.sinks else None
-    tensors = _read(info.directory, names, info, [sinks_name] if sinks_name else [])
+    bare = [sinks_name] if sinks_name else []
+    if own_gate is not None and own_gate[2] is not None:  # (its bias, one value per head)
+        bare.append(f"layers.{info.layer}.self_attn.{own_gate[2]}")
+    tensors = _read(info.directory, names, info, bare)
     E, H, KVH, D = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim
     if info.family == "gpt2":  # Conv1D stores (in, out): x @ W + b
         w = _get(tensors, names["qkv"] + ".weight", (E, 3 * E)).t()
@@ -207,7 +216,8 @@ def load_hf_layer(
             bo = _get(tensors, names["o"] + ".bias", (E,))
     else:
         shapes = {"q": (H * D, E), "k": (KVH * D, E), "v": (KVH * D, E), "o": (E, H * D)}
-        if c.output_gate:  # q_proj's rows per head [query (D); gate (D)]: split below
+        in_q = c.output_gate and own_gate is None  # (Qwen3-Next's: in q_proj's rows)
+        if in_q:  # q_proj's rows per head [query (D); gate (D)]: split below
             shapes["q"] = (2 * H * D, E)
         # Gemma 4's attention_k_eq_v (global layers): no v_proj, the values are k_proj's
         # output (normed by v_norm, not k_norm, and not rotated): its rows serve as both
@@ -215,7 +225,7 @@ def load_hf_layer(
         got = {p: _get(tensors, names[p] + ".weight", shapes[p]) for p in parts}
         if info.values_from_keys:
             got["v"] = got["k"]
-        if c.output_gate:
+        if in_q:
             got["q"], gate = _split_gate(got["q"], H, D)
         w = torch.cat([got[p] for p in "qkv"])
         wo = got["o"]
@@ -226,13 +236,15 @@ def load_hf_layer(
             got = {p: _get(tensors, names[p] + ".bias", shapes[p][:1]) for p in parts[:-1]}
             if info.values_from_keys:
                 got["v"] = got["k"]
-            if c.output_gate:
+            if in_q:
                 got["q"], gate_bias = _split_gate(got["q"], H, D)
             b = torch.cat([got[p] for p in "qkv"])
             bo = _get(tensors, names["o"] + ".bias", (E,))
     state = {"wqkv.weight": w, "wo.weight": wo}
     if c.bias:
         state.update({"wqkv.bias": b, "wo.bias": bo})
+    if own_gate is not None:
+        gate, gate_bias = _own_gate(tensors, names["gate"], own_gate, info)
     if c.output_gate:
         state["wgate.weight"] = gate
         if c.bias:
@@ -294,6 +306,26 @@ def _load_mla(
     module = MultiHeadAttention(c, device=device, dtype=dtype)
     module.load_state_dict({k: t.contiguous() for k, t in state.items()})
     return module.eval()
+
+
+def _own_gate(
+    tensors: dict[str, torch.Tensor],
+    name: str,
+    own_gate: tuple[str, bool, str | None],
+    info: HFLayer,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An output gate of its own projection (hf_families.OWN_GATE): its weight (gate_width,
+    E), and its bias where the module has one: the family's per-head bias repeated over
+    each head's dims, or zeros for a gate without one (AFMoE's, beside biased projections)."""
+    c = info.attention
+    weight = _get(tensors, name + ".weight", (c.gate_width, c.embed_dim))
+    if not c.bias:
+        return weight, None
+    if own_gate[2] is None:
+        return weight, torch.zeros(c.gate_width, dtype=weight.dtype)
+    bias_name = f"layers.{info.layer}.self_attn.{own_gate[2]}"
+    bias = _get(tensors, bias_name, (c.num_heads,))  # (H,): one per head, over its dims
+    return weight, bias.repeat_interleave(c.gate_width // c.num_heads)
 
 
 def _split_gate(t: torch.Tensor, H: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:

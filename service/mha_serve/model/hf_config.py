@@ -41,6 +41,7 @@ from .hf_families import (
     NOT_NULL,
     O_BIAS,
     OUTPUT_GATE,
+    OWN_GATE,
     PARTIAL_ROPE,
     PROPERTIES,
     QK_NORM,
@@ -450,7 +451,9 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
             sinks=family == "gpt_oss",  # GptOssAttention's sinks: a logit per query head
             alibi=alibi,
             **alibi_form,
-            output_gate=family in OUTPUT_GATE,  # Qwen3-Next's: sigmoid(gate) * the heads' output
+            # Qwen3-Next's: sigmoid(gate) * the heads' output; AFMoE's from a gate_proj
+            output_gate=family in OUTPUT_GATE or _own_gate(cfg, family),
+            output_gate_per_head=_own_gate(cfg, family) and OWN_GATE[family][1],
         )
     except ValueError as e:
         raise ValueError(f"{where}: layer {layer}: {e}") from None
@@ -521,6 +524,11 @@ def _mla(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attention
         )
     except ValueError as e:
         raise ValueError(f"{where}: layer {layer}: {e}") from None
+
+
+def _own_gate(cfg: dict[str, Any], family: str) -> bool:
+    """Whether the layer has an output gate of its own projection (OWN_GATE)."""
+    return family in OWN_GATE
 
 
 def _mla_rope(

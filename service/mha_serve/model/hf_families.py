@@ -110,6 +110,8 @@ FAMILIES = (
     "gemma4",
     "gemma4_unified_text",
     "gemma4_unified",
+    # an output gate from a projection of their own (OWN_GATE), not q_proj's rows
+    "afmoe",  # AFMoE (Trinity): gate_proj per dim; q/k norm per head; NoPE global layers
 )
 # The MLA families (FAMILIES' last), read by hf_config._mla, not as Llama's.
 MLA = (
@@ -133,6 +135,13 @@ MLA_INTERLEAVE_KEY = ("deepseek_v3", "glm4_moe_lite", "youtu", "axk1")
 # a gain of 1 + weight (OFFSET_NORM); partial RoPE by halves (PARTIAL_ROPE: 0.25); no window.
 # Their other layers are linear attention (gated DeltaNet), not served (HYBRIDS).
 OUTPUT_GATE = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+# Families whose output gate is a projection of its own, sigmoid(W x) times the heads' output
+# before o_proj: {family: (its tensor beside q_proj, one value per head (else per dim), its
+# bias: a tensor of one value per head, or None: none, served as a zero bias where the
+# projections have one)}. AfmoeAttention's gate_proj (H*D rows, never biased).
+OWN_GATE: dict[str, tuple[str, bool, str | None]] = {
+    "afmoe": ("gate_proj", False, None),
+}
 FULL_ATTENTION_INTERVAL = 4
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (the MLA families' projections are theirs;
 # phi3: one qkv_proj; gpt_neox, falcon: one
@@ -485,6 +494,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         **{"sliding_window": 1024, "num_kv_shared_layers": 0},
         "use_bidirectional_attention": "vision",
     },
+    "afmoe": {  # (AfmoeConfig's: no num_key_value_heads, the heads'; a local layer's window)
+        **{"hidden_size": 2048, "num_hidden_layers": 32, "max_position_embeddings": 16384},
+        **{"num_attention_heads": 16, "head_dim": 128, "rms_norm_eps": 1e-5},
+        **{"sliding_window": 1024, "global_attn_every_n_layers": 4},
+    },
     # (the gated families' sizes: their config classes' defaults)
     "qwen3_next": {
         **{"hidden_size": 2048, "num_hidden_layers": 48, "max_position_embeddings": 32768},
@@ -621,7 +635,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
         *("gpt_neox", "nemotron", "glm4_moe", "apertus", "dots1", "vaultgemma", "solar_open"),
-        *("flex_olmo", "hyperclovax", "phimoe", "jais2", "hy_v3"),
+        *("flex_olmo", "hyperclovax", "phimoe", "jais2", "hy_v3", "afmoe"),
         *("bamba", "nemotron_h", "granitemoehybrid", "olmo_hybrid", "recurrent_gemma"),
         *("gpt_neox", "nemotron", *OUTPUT_GATE),
     ),
@@ -699,7 +713,7 @@ O_BIAS: dict[str, str | bool] = {
 QK_NORM = {
     **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "glm4_moe"), "head"),
     "exaone_moe": "head",
-    **dict.fromkeys(("apertus", "dots1", "lfm2", "lfm2_moe", "hy_v3"), "head"),
+    **dict.fromkeys(("apertus", "dots1", "lfm2", "lfm2_moe", "hy_v3", "afmoe"), "head"),
     **dict.fromkeys(
         ("olmo2", "olmoe", "olmo3", "minimax_m2", "flex_olmo", "olmo_hybrid"), "projection"
     ),
@@ -748,6 +762,8 @@ DERIVED_SLIDING: dict[str, Callable[[dict[str, Any], int], bool]] = {
         ),
     ),
     "ministral": lambda c, i: c.get("sliding_window") is not None,
+    # (AfmoeConfig: a global layer every global_attn_every_n_layers-th, the others local)
+    "afmoe": lambda c, i: bool((i + 1) % c["global_attn_every_n_layers"]),
     "olmo3": lambda c, i: bool((i + 1) % 4),  # three local layers, then a global one
     "smollm3": lambda c, i: window_on(c) and not smollm3_rope(c, i),
     "cwm": lambda c, i: i % 4 != 0,  # (CwmConfig: a global layer, then three local ones)
@@ -773,7 +789,8 @@ NO_ROPE: dict[str, Callable[[dict[str, Any], int, str], bool]] = {
     # (GraniteMoeHybridModel builds its rotary embedding only for position_embedding_type
     # "rope"; Granite 4.0's hybrids say "nope")
     "granitemoehybrid": lambda c, i, kind: c.get("position_embedding_type") != "rope",
-}
+    "afmoe": lambda c, i, kind: kind == "full_attention",  # (AfmoeAttention: local layers'
+}  # RoPE only)
 # Families whose RoPE rotates interleaved pairs (x[0::2], x[1::2]), not the two halves.
 INTERLEAVED_ROPE = ("cohere", "cohere2", "helium", "ernie4_5", "ernie4_5_moe", "glm", "glm4")
 # Families whose RoPE may turn only part of each head (partial_rotary_factor: rope_parameters',
@@ -914,7 +931,7 @@ UNSERVED = {
         "are not read yet",
     ),
     **dict.fromkeys(
-        ("afmoe", "hrm_text", "beam", "laguna", "lfm3"),
+        ("hrm_text", "beam", "laguna", "lfm3"),
         "an output gate: a sigmoid of its own gate projection (gate_proj, g_proj; not q_proj's "
         "rows as Qwen3-Next's) multiplies the attention output",
     ),
