@@ -2,7 +2,8 @@
 (its config in the file's metadata), one from a TOML [models.mla] table (seeded weights),
 each answering Attend (with weights) and a session's prefill and decode steps as the float64
 decompressed reference of tests/model/test_mla.py computes them, and reporting the KV cache's
-R + C values per token (K alone); the Open Inference Protocol's ModelConfig names its shape."""
+R + C values per token (K alone); the Open Inference Protocol's ModelConfig names its shape.
+A third, from a file, with Ling 3.0's per-head output gate on its merged heads."""
 
 from __future__ import annotations
 
@@ -27,11 +28,17 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("mla")
     from_file = make(seed=7, interleaved=True)
     save_checkpoint(from_file, root / "mla.safetensors")
+    gated = make(
+        seed=9, q_lora=False, interleaved=True, output_gate=True, output_gate_per_head=True
+    )
+    save_checkpoint(gated, root / "mla_gated.safetensors")
     seeded = MultiHeadAttention(config(q_lora=False, bias=False))
     init_weights(seeded, 8)
     mla = seeded.config.mla
     (root / "serve.toml").write_text(
         '[[models]]\nname = "mla-file"\ncheckpoint = "mla.safetensors"\n'
+        "kv_cache_bytes = 1048576\nkv_block_size = 4\n\n"
+        '[[models]]\nname = "mla-gated"\ncheckpoint = "mla_gated.safetensors"\n'
         "kv_cache_bytes = 1048576\nkv_block_size = 4\n\n"
         f'[[models]]\nname = "mla-toml"\nembed_dim = {E}\nnum_heads = {H}\nbias = false\n'
         "causal = true\nseed = 8\nkv_cache_bytes = 1048576\n"
@@ -41,7 +48,7 @@ def served(tmp_path_factory):
     )
     args = ("--config", str(root / "serve.toml"), "--dtype", "float32", "--device", "cpu")
     with serving_process(root, *args) as proc, Client(proc.target) as client:
-        yield client, {"mla-file": from_file, "mla-toml": seeded.eval()}
+        yield client, {"mla-file": from_file, "mla-toml": seeded.eval(), "mla-gated": gated}
 
 
 def close(got: np.ndarray, want: torch.Tensor, what: str) -> None:
@@ -50,7 +57,7 @@ def close(got: np.ndarray, want: torch.Tensor, what: str) -> None:
     assert err < ATOL, f"{what}: max abs error {err:.2e}"
 
 
-@pytest.mark.parametrize("name", ["mla-file", "mla-toml"])
+@pytest.mark.parametrize("name", ["mla-file", "mla-toml", "mla-gated"])
 def test_attend_and_a_session_equal_the_decompressed_reference(served, name):
     client, modules = served
     module = modules[name]

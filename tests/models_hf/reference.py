@@ -19,6 +19,8 @@ from transformers import (
     AXK1Model,
     BambaConfig,
     BambaModel,
+    BailingHybridConfig,
+    BailingHybridModel,
     BertModel,
     BloomConfig,
     BloomModel,
@@ -228,7 +230,7 @@ GEMMA_V_NORM = {**ROTARY, "layer_types": ["sliding_attention", "full_attention"]
 GEMMA_V_NORM.update({"num_kv_shared_layers": 0, "sliding_window": 6})
 # A gate of its own projection: drawn large, so that its sigmoid is far from 1/2 and a gate
 # on the wrong heads or dims shows.
-OWN_GATES = {"afmoe": "gate_proj"}
+OWN_GATES = {"afmoe": "gate_proj", "bailing_hybrid": "g_proj"}
 WINDOW = 8  # Mistral's; the other windowed layers use other sizes (6, 10, 12)
 CHECKPOINTS = {
     # name: (model class, config, layer served by the test of that name; SERVED adds more)
@@ -1072,6 +1074,28 @@ CHECKPOINTS = {
             moe_intermediate_size=32,
             num_experts=2,
             num_experts_per_token=1,
+            **MLA,
+        ),
+        1,
+    ),
+    # Ling 3.0: a KDA (linear attention) layer, then the MLA one served: q_proj (no q
+    # latent), RoPE by pairs (theta short enough that a wrong rotation shows), biases on
+    # kv_a and o (dense), and a per-head output gate (g_proj) after each head's W_uv
+    "bailing_hybrid": (
+        BailingHybridModel,
+        BailingHybridConfig(
+            v_head_dim=12,
+            attention_bias=True,
+            layer_types=["linear_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 100.0},
+            head_dim=8,  # (its KDA layers' heads)
+            moe_intermediate_size=32,
+            num_experts=2,
+            num_experts_per_tok=1,
+            n_group=1,
+            topk_group=1,
+            pad_token_id=None,
+            eos_token_id=None,
             **MLA,
         ),
         1,

@@ -82,6 +82,8 @@ OWN_KEYS["bamba"] = (*OWN_KEYS["rotary"], "attn_layer_indices")
 OWN_KEYS["nemotron_h"] = (*OWN_KEYS["rotary"], "layers_block_type", "hybrid_override_pattern")
 OWN_KEYS["recurrent_gemma"] = (*OWN_KEYS["rotary"], "attention_window_size", "block_types")
 OWN_KEYS["granitemoehybrid"] = (*OWN_KEYS["rotary"], "layers_block_type", "position_embedding_type")
+# (Ling 3.0's: its context's name, how its config derives a layer's kind, its RoPE theta)
+OWN_KEYS["bailing_hybrid"] = (*OWN_KEYS["axk1"], "model_max_length", "layer_group_size")
 ABSOLUTE = ("gpt2", "bert", "gpt_bigcode")  # (no RoPE)
 OWN_KEYS["codegen"] = OWN_KEYS["gptj"]
 # (AFMoE's: how its config derives a layer's kind)
@@ -99,9 +101,11 @@ NESTED = (
     "v4.rope_local_base_freq",
 )
 # Layers transformers runs that we refuse for another reason than the null: the gated
-# families' layer 1 without layer_types is linear attention (every 4th layer is full).
+# families' layer 1 without layer_types is linear attention (every 4th layer is full; Ling
+# 3.0's every 6th).
 REFUSED_OTHERWISE: set[tuple[str, str, int]] = {
-    (family, "layer_types", 1) for family in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+    (family, "layer_types", 1)
+    for family in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "bailing_hybrid")
 }
 # (Nemotron-H without its list: NemotronHConfig's four blocks, layer 1 an MoE one)
 REFUSED_OTHERWISE.add(("nemotron_h", "layers_block_type", 1))

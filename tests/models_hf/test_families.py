@@ -1312,7 +1312,6 @@ REFUSED_FAMILIES = {
     # the rest), and MiMo-V2-Flash (no MLA)
     **dict.fromkeys(("axk2", "hy_v4"), "a lightning indexer"),
     **dict.fromkeys(("dots3_note", "dots3_note_text"), "(k_rope_only_layernorm)"),
-    "bailing_hybrid": "sigmoid(g_proj(x))",
     "mimo_v2_flash": "v heads of v_head_dim (128)",
 }
 

@@ -1,13 +1,17 @@
 """Output gates from a projection of their own (hf_families.OWN_GATE), not q_proj's rows:
-AFMoE's gate_proj (per dim); each family as its config class ships it, read as transformers
+AFMoE's gate_proj (per dim), Ling 3.0's g_proj (per head, on its MLA layers); each family as its config class ships it, read as transformers
 builds it; what they cannot serve exactly refused by name. (Parity over gRPC, sessions and
 the null sweep are the shared tests', on reference.CHECKPOINTS.)"""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
-from transformers import AfmoeConfig, AfmoeModel, AutoConfig
+from safetensors.torch import load_file, save_file
+from transformers import AfmoeConfig, AfmoeModel, AutoConfig, BailingHybridModel
 
 from mha_serve.model.hf import load_hf_layer
 from mha_serve.model.hf_config import read_hf_layer
@@ -62,3 +66,61 @@ def test_afmoe_layers_without_layer_types_as_its_config_derives_them(tmp_path, l
         out = module(x, causal=True, need_weights=True)
     torch.testing.assert_close(out.output, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.weights, want_w, atol=1e-5, rtol=1e-5)
+
+
+def test_ling3_as_shipped_serves_its_mla_layers_and_refuses_kda_naming_them(tmp_path):
+    """BailingHybridConfig's defaults: every 6th layer MLA (q_proj, no q latent, RoPE by
+    pairs, theta 6e6) with a sigmoid gate per head; the others KDA, refused naming them."""
+    AutoConfig.for_model("bailing_hybrid").save_pretrained(tmp_path)
+    c = read_hf_layer(tmp_path, 5).attention
+    assert (c.embed_dim, c.num_heads, c.mla.kv_lora_rank, c.mla.v_head_dim) == (2560, 32, 512, 128)
+    assert (c.mla.rope_dim, c.mla.nope_dim, c.mla.q_lora_rank) == (64, 128, None)
+    assert c.rope.interleaved and c.rope.theta == 6e6 and not c.bias
+    assert c.output_gate and c.output_gate_per_head and c.gate_width == 32
+    with pytest.raises(ValueError) as err:
+        read_hf_layer(tmp_path, 0)
+    message = str(err.value)
+    assert "layer 0 of bailing_hybrid is a 'linear_attention' layer" in message, message
+    assert "KDA linear attention" in message and "[5, 11, 17, 23, 29, 35, 41]" in message
+
+
+@pytest.fixture(scope="module")
+def ling3(tmp_path_factory, hf_dirs):
+    """The shared Ling 3.0 checkpoint (a KDA layer, then an MLA one) and transformers' model."""
+    directory = hf_dirs["bailing_hybrid"]
+    return directory, BailingHybridModel.from_pretrained(directory, attn_implementation="eager")
+
+
+def _edited(tmp_path, directory, **edits):
+    """A copy of the checkpoint directory with config.json's keys set (None: removed)."""
+    copy = tmp_path / "edited"
+    shutil.copytree(directory, copy)
+    cfg = json.loads((copy / "config.json").read_text())
+    for key, value in edits.items():
+        cfg.pop(key, None) if value is None else cfg.__setitem__(key, value)
+    (copy / "config.json").write_text(json.dumps(cfg))
+    return copy
+
+
+def test_ling3_reads_no_q_latent_and_derives_its_layers_as_its_config(tmp_path, ling3):
+    """A q_lora_rank in config.json is not BailingHybridConfig's (its attention has q_proj
+    only): not read; without layer_types, every layer_group_size-th layer is MLA."""
+    directory, base = ling3
+    edited = _edited(tmp_path, directory, q_lora_rank=8, layer_types=None, layer_group_size=2)
+    assert AutoConfig.from_pretrained(edited).layer_types == ["linear_attention", "full_attention"]
+    module, info = load_hf_layer(edited, 1)
+    assert info.attention.mla.q_lora_rank is None
+    x = torch.randn(1, 10, 64, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want, _ = reference_attention("bailing_hybrid", base.eval(), 1, x)
+        torch.testing.assert_close(module(x, causal=True).output, want, atol=1e-5, rtol=1e-5)
+
+
+def test_ling3_without_its_gate_tensor_is_refused_naming_it(tmp_path, ling3):
+    directory, _ = ling3
+    copy = _edited(tmp_path, directory)
+    tensors = load_file(str(copy / "model.safetensors"))
+    del tensors["layers.1.attention.g_proj.weight"]
+    save_file(tensors, str(copy / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing tensor 'layers.1.attention.g_proj.weight' "):
+        load_hf_layer(copy, 1)

@@ -33,6 +33,10 @@ What is served, per family (transformers' module names):
            DeepseekV2/V3Attention and theirs (multi-head latent attention): q_a_proj,
            q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj
            and o_proj as they are, the module's MLA (an MQA layer over one latent per token)
+  bailing_hybrid
+           BailingHybridAttention (Ling 3.0's MLA layers; its KDA layers refused): DeepSeek's
+           MLA with q_proj (no q latent), and g_proj (one row per head) as the module's
+           per-head output gate on each head's output after its W_uv
   qwen3_next, qwen3_5(_text), qwen3_5_moe(_text)
            Qwen3NextAttention, Qwen3_5Attention (their full_attention layers; the others are
            linear attention, refused): as Qwen3's, but q_proj's rows per head [query; gate],
@@ -135,6 +139,15 @@ _NAMES = {
         "kv_a_norm": "layers.{i}.self_attn.kv_a_layernorm",
         "kv_b": "layers.{i}.self_attn.kv_b_proj",
         "o": "layers.{i}.self_attn.o_proj",
+    },
+    # (Ling 3.0's names on disk, as its checkpoints and save_pretrained write them:
+    # transformers renames attention to self_attn and dense to o_proj when it loads them)
+    "bailing_hybrid": {
+        "q": "layers.{i}.attention.q_proj",
+        "kv_a": "layers.{i}.attention.kv_a_proj_with_mqa",
+        "kv_a_norm": "layers.{i}.attention.kv_a_layernorm",
+        "kv_b": "layers.{i}.attention.kv_b_proj",
+        "o": "layers.{i}.attention.dense",
     },
     "phi": {
         "q": "layers.{i}.self_attn.q_proj",
@@ -278,7 +291,7 @@ def _load_mla(
     c, m = info.attention, info.attention.mla
     E, H, C, R = c.embed_dim, c.num_heads, m.kv_lora_rank, m.rope_dim
     QK = H * (m.nope_dim + R)
-    names = {k: v.format(i=info.layer) for k, v in _NAMES["mla"].items()}
+    names = {k: v.format(i=info.layer) for k, v in _NAMES.get(info.family, _NAMES["mla"]).items()}
     if m.q_lora_rank is None:
         shapes = {"q": (QK, E)}
     else:
@@ -289,6 +302,9 @@ def _load_mla(
     )
     shapes["o"] = (E, H * m.v_head_dim)
     names = {k: names[k] for k in shapes}
+    own_gate = OWN_GATE.get(info.family) if c.output_gate else None
+    if own_gate is not None:  # (Ling 3.0's g_proj, one row per head, beside kv_a)
+        names["gate"] = names["kv_a"].rpartition(".")[0] + "." + own_gate[0]
     tensors = _read(info.directory, names, info, [])
     state = {}
     for part, shape in shapes.items():
@@ -301,6 +317,11 @@ def _load_mla(
                 tensors.setdefault(names["q"] + ".bias", torch.zeros(rows))
             bias = _get(tensors, names[part] + ".bias", (rows,))
             state[("wo" if part == "o" else part) + ".bias"] = bias
+    if own_gate is not None:
+        gate, gate_bias = _own_gate(tensors, names["gate"], own_gate, info)
+        state["wgate.weight"] = gate
+        if c.bias:
+            state["wgate.bias"] = gate_bias
     if dtype is None:
         dtype = state["kv_a.weight"].dtype
     module = MultiHeadAttention(c, device=device, dtype=dtype)

@@ -31,6 +31,7 @@ from .hf_families import (
     MLA_INTERLEAVE_KEY,
     MLA_INTERLEAVED,
     MLA_NOPE,
+    MLA_Q_PROJ,
     MPT_ATTN_DEFAULTS,
     MPT_ATTN_IMPLS,
     MPT_ATTN_NOT_NULL,
@@ -493,6 +494,8 @@ def _mla(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attention
     else:
         v_head_dim = _int(cfg, "v_head_dim", where)
     q_lora_rank = cfg.get("q_lora_rank")  # (null: q_proj from the hidden states)
+    if family in MLA_Q_PROJ:  # (Ling 3.0's q_proj, always: its config has no q latent)
+        q_lora_rank = None
     if q_lora_rank is not None:
         q_lora_rank = _int(cfg, "q_lora_rank", where)
     for key in ("use_bidirectional_attention", "attention_chunk_size", "clip_qkv"):
@@ -511,6 +514,9 @@ def _mla(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attention
             causal=True,
             rope=rope,
             softmax_scale=scale,
+            # (Ling 3.0's: each head's output after W_uv times sigmoid(g_proj(x)))
+            output_gate=_own_gate(cfg, family),
+            output_gate_per_head=_own_gate(cfg, family) and OWN_GATE[family][1],
             mla=MLAConfig(
                 kv_lora_rank=sizes["kv_lora_rank"],
                 rope_dim=sizes["qk_rope_head_dim"],

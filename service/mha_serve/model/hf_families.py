@@ -94,6 +94,7 @@ FAMILIES = (
     "youtu",  # (Youtu-LLM: YoutuAttention is DeepseekV3Attention)
     "axk1",  # (A.X-K1: DeepseekV3Attention, always with its q latent)
     "kimi_linear",  # hybrid: its full_attention layers (MLA without RoPE); KDA ones refused
+    "bailing_hybrid",  # hybrid (Ling 3.0): its MLA layers, gated per head (OWN_GATE); KDA refused
     # gated attention (OUTPUT_GATE: Qwen3-Next's, an output gate split from q_proj), its
     # full_attention layers (the others are linear attention, not served)
     "qwen3_next",
@@ -117,7 +118,10 @@ FAMILIES = (
 MLA = (
     *("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "kimi_k25", "youtu", "axk1"),
     "kimi_linear",
+    "bailing_hybrid",
 )
+# MLA families whose q is always q_proj(x): q_lora_rank is not read (BailingHybridAttention).
+MLA_Q_PROJ = ("bailing_hybrid",)
 # MLA without RoPE (KimiLinearAttention: NoPE, its qk_rope_head_dim dims of q and of the
 # shared key unrotated; its config has no RoPE table, and its scale no YaRN mscale).
 MLA_NOPE = ("kimi_linear",)
@@ -126,6 +130,7 @@ MLA_NOPE = ("kimi_linear",)
 # pairs when config.json leaves it out (a null: halves).
 MLA_INTERLEAVED = {
     **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "axk1"), True),
+    "bailing_hybrid": True,  # (apply_rotary_pos_emb_interleave, always)
     "minicpm3": False,
 }
 MLA_INTERLEAVE_KEY = ("deepseek_v3", "glm4_moe_lite", "youtu", "axk1")
@@ -138,9 +143,11 @@ OUTPUT_GATE = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # Families whose output gate is a projection of its own, sigmoid(W x) times the heads' output
 # before o_proj: {family: (its tensor beside q_proj, one value per head (else per dim), its
 # bias: a tensor of one value per head, or None: none, served as a zero bias where the
-# projections have one)}. AfmoeAttention's gate_proj (H*D rows, never biased).
+# projections have one)}. AfmoeAttention's gate_proj (H*D rows, never biased);
+# BailingHybridAttention's g_proj (H rows, never biased), after its MLA's W_uv.
 OWN_GATE: dict[str, tuple[str, bool, str | None]] = {
     "afmoe": ("gate_proj", False, None),
+    "bailing_hybrid": ("g_proj", True, None),
 }
 FULL_ATTENTION_INTERVAL = 4
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (the MLA families' projections are theirs;
@@ -288,6 +295,14 @@ HYBRIDS: dict[str, Hybrid] = {
     **dict.fromkeys(
         OUTPUT_GATE,
         Hybrid(lambda c, i: gated_layer(c, i), {"linear_attention": _GATED_DELTANET}),
+    ),
+    # Ling 3.0: layer_types, else every layer_group_size-th layer is MLA, the others KDA
+    "bailing_hybrid": Hybrid(
+        lambda c, i: bailing_hybrid_layer(c, i),
+        {
+            "linear_attention": "BailingHybridDeltaAttention: KDA linear attention, no softmax "
+            "over a KV cache"
+        },
     ),
 }
 # transformers' defaults (its configuration_<family>.py) for the keys we read whose absence
@@ -468,6 +483,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "v_head_dim": 128,
         "rms_norm_eps": 1e-5,
     },
+    "bailing_hybrid": {  # (BailingHybridConfig's: Ling 3.0's sizes, its RoPE theta)
+        **{"hidden_size": 2560, "num_hidden_layers": 42, "num_attention_heads": 32},
+        **{"num_key_value_heads": 32, "kv_lora_rank": 512, "qk_nope_head_dim": 128},
+        **{"qk_rope_head_dim": 64, "v_head_dim": 128, "rope_theta": 6_000_000.0},
+        **{"layer_group_size": 6, "max_position_embeddings": 262144},
+    },
     "minicpm3": {
         "num_attention_heads": 40,
         "num_key_value_heads": 40,
@@ -630,7 +651,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     ),
     "attention_bias": (
         *("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu", "axk1"),
-        "kimi_linear",
+        *("kimi_linear", "bailing_hybrid"),
         *("llama", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "smollm3"),
         *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
@@ -646,10 +667,12 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     "rope_interleave": ("glm4_moe_lite",),  # (DeepSeek-V3's takes a null: by halves)
     # (AXK1Config types them int: its attention always takes q through its latent)
     **dict.fromkeys(("q_lora_rank", "v_head_dim"), ("axk1",)),
-    "linear_attn_config": ("kimi_linear",),
-    **dict.fromkeys(
-        ("attn_layer_period", "attn_layer_offset"), ("jamba",)
-    ),  # (KimiLinearConfig calls .get on it)
+    "linear_attn_config": ("kimi_linear",),  # (KimiLinearConfig calls .get on it)
+    **dict.fromkeys(("attn_layer_period", "attn_layer_offset"), ("jamba",)),
+    # (BailingHybridConfig types them strictly: an int, a number; it then sets head_dim to
+    # qk_rope_head_dim, whatever config.json says, and reads rope_theta where rope_parameters
+    # is null)
+    **dict.fromkeys(("layer_group_size", "rope_theta"), ("bailing_hybrid",)),
     "qkv_bias": ("qwen2_moe",),
     "qk_layernorm": ("phi", "stablelm"),
     "use_qkv_bias": ("stablelm",),
@@ -852,7 +875,9 @@ ALIASES = {
     "glm4_moe_lite": {"head_dim": "qk_rope_head_dim"},  # (Glm4MoeLiteConfig's attribute_map)
     "granitemoehybrid": {"layers_block_type": "layer_types"},  # (its attribute_map)
     # (KimiLinearConfig's attribute_map: config.json says model_max_length)
-    "kimi_linear": {"model_max_length": "max_position_embeddings"},
+    **dict.fromkeys(
+        ("kimi_linear", "bailing_hybrid"), {"model_max_length": "max_position_embeddings"}
+    ),
     # (RecurrentGemmaConfig's attribute_map: sliding_window is its name of the window)
     "recurrent_gemma": {"attention_window_size": "sliding_window"},
     "mpt": {
@@ -916,9 +941,6 @@ UNSERVED = {
         "an RMSNorm on the shared RoPE key (k_rope_only_layernorm), a per-head output gate "
         "(g_proj) and a lightning indexer on its indexed_attention layers",
     ),
-    "bailing_hybrid": "hybrid: its MLA layers gate each head's output by sigmoid(g_proj(x)) "
-    "(a gate per head from a projection of its own, not mapped onto the module's output gate "
-    "yet), KDA linear attention on the others",
     "mimo_v2_flash": "no MLA: v heads of v_head_dim (128) beside q/k heads of head_dim (192), "
     "which the module's one head_dim does not hold, values scaled by attention_value_scale, "
     "and sliding layers with twice the KV heads and attention sinks",
@@ -1059,6 +1081,15 @@ def kimi_linear_layer(cfg: dict[str, Any], layer: int) -> str | None:
             return "linear_attention"
         return "full_attention" if layer + 1 in table["full_attn_layers"] else None
     return "full_attention" if layer and layer % 4 == 0 else "linear_attention"
+
+
+def bailing_hybrid_layer(cfg: dict[str, Any], layer: int) -> str:
+    """Ling 3.0's layer kind without layer_types, as BailingHybridConfig derives it: every
+    layer_group_size-th layer is MLA (full_attention), the others KDA (linear_attention)."""
+    size = cfg.get("layer_group_size")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:  # (its config fails)
+        raise TypeError(f"layer_group_size must be a positive int, got {size!r}")
+    return "full_attention" if (layer + 1) % size == 0 else "linear_attention"
 
 
 def smollm3_rope(cfg: dict[str, Any], layer: int) -> bool:
