@@ -17,10 +17,10 @@ from transformers import (
     ArceeModel,
     AXK1Config,
     AXK1Model,
-    BambaConfig,
-    BambaModel,
     BailingHybridConfig,
     BailingHybridModel,
+    BambaConfig,
+    BambaModel,
     BertModel,
     BloomConfig,
     BloomModel,
@@ -106,6 +106,8 @@ from transformers import (
     Lfm2Model,
     Lfm2MoeConfig,
     Lfm2MoeModel,
+    Lfm3Config,
+    Lfm3Model,
     LlamaConfig,
     LlamaForCausalLM,
     MiniCPM3Config,
@@ -223,14 +225,14 @@ GATED_MOE["shared_expert_intermediate_size"] = 32
 RANDOM_NORMS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # Checkpoints whose q/k norm gains (weight itself, initialised to 1) are drawn around 1, so
 # that a gain read wrongly (as 1 + w, or as none) would show.
-RANDOM_GAINS = ("gemma4", "gemma3n", "afmoe")
+RANDOM_GAINS = ("gemma4", "gemma3n", "afmoe", "lfm3")
 # Gemma 3n and Gemma 4, small: a local layer (served by the test of its name), then a global
 # one (SERVED's *_global); no per-layer inputs (PLE) nor KV sharing (refused: test_gemma)
 GEMMA_V_NORM = {**ROTARY, "layer_types": ["sliding_attention", "full_attention"]}
 GEMMA_V_NORM.update({"num_kv_shared_layers": 0, "sliding_window": 6})
 # A gate of its own projection: drawn large, so that its sigmoid is far from 1/2 and a gate
 # on the wrong heads or dims shows.
-OWN_GATES = {"afmoe": "gate_proj", "bailing_hybrid": "g_proj"}
+OWN_GATES = {"afmoe": "gate_proj", "bailing_hybrid": "g_proj", "lfm3": "g_proj"}
 WINDOW = 8  # Mistral's; the other windowed layers use other sizes (6, 10, 12)
 CHECKPOINTS = {
     # name: (model class, config, layer served by the test of that name; SERVED adds more)
@@ -1100,6 +1102,32 @@ CHECKPOINTS = {
         ),
         1,
     ),
+    # LFM3: a short convolution layer, then a sliding attention one served (RoPE of its
+    # layer type, a window, q/k norm per head, biases), its output gate one value per head
+    # (g_proj, gate_proj on disk)
+    "lfm3": (
+        Lfm3Model,
+        Lfm3Config(
+            num_key_value_heads=2,
+            head_dim=16,
+            attention_bias=True,
+            sliding_window=8,
+            layer_types=["conv", "sliding_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {
+                    "rope_type": "proportional",
+                    "rope_theta": 1e6,
+                    "partial_rotary_factor": 0.5,
+                },
+            },
+            pad_token_id=None,
+            bos_token_id=None,
+            eos_token_id=None,
+            **ROTARY,
+        ),
+        1,
+    ),
     # Gated attention: q_proj's rows per head [query; gate], sigmoid(gate) on the heads'
     # output; q/k norm per head (1 + w); RoPE by halves over part of each head
     "qwen3_next": (  # GQA 8:2, head_dim 16, biases (attention_bias), a quarter rotated
@@ -1291,9 +1319,11 @@ def layer_window(base, layer: int) -> int | None:
 
 
 def rotary(base, layer: int, x: torch.Tensor, positions: torch.Tensor):
-    """cos, sin of the layer (Gemma 3, OLMo 3: of its layer type) at positions (1, L)."""
+    """cos, sin of the layer (Gemma 3, OLMo 3, LFM3: of its layer type) at positions (1, L)."""
     types = getattr(base.config, "layer_types", None)
-    if isinstance(base, Gemma3TextModel | Olmo3Model | Gemma4TextModel | Gemma3nTextModel):
+    if isinstance(
+        base, Gemma3TextModel | Olmo3Model | Gemma4TextModel | Gemma3nTextModel | Lfm3Model
+    ):
         return base.rotary_emb(x, positions, types[layer])
     return rotary_embedding(base)(x, positions)
 

@@ -88,6 +88,7 @@ ABSOLUTE = ("gpt2", "bert", "gpt_bigcode")  # (no RoPE)
 OWN_KEYS["codegen"] = OWN_KEYS["gptj"]
 # (AFMoE's: how its config derives a layer's kind)
 OWN_KEYS["afmoe"] = (*OWN_KEYS["rotary"], "global_attn_every_n_layers")
+OWN_KEYS["lfm3"] = (*OWN_KEYS["rotary"], "use_attention_gate")  # (LFM3's gate switch)
 # Nulls inside the RoPE tables (set only where the key is there), and transformers 4's
 # spelling: rope_theta (and Gemma 3's rope_local_base_freq) beside no rope_parameters.
 NESTED = (

@@ -1,5 +1,6 @@
 """Output gates from a projection of their own (hf_families.OWN_GATE), not q_proj's rows:
-AFMoE's gate_proj (per dim), Ling 3.0's g_proj (per head, on its MLA layers); each family as its config class ships it, read as transformers
+AFMoE's gate_proj (per dim), Ling 3.0's g_proj (per head, on its MLA layers), LFM3's g_proj
+(per head, on its sliding layers); each family as its config class ships it, read as transformers
 builds it; what they cannot serve exactly refused by name. (Parity over gRPC, sessions and
 the null sweep are the shared tests', on reference.CHECKPOINTS.)"""
 
@@ -11,7 +12,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AfmoeConfig, AfmoeModel, AutoConfig, BailingHybridModel
+from transformers import AfmoeConfig, AfmoeModel, AutoConfig, BailingHybridModel, Lfm3Model
 
 from mha_serve.model.hf import load_hf_layer
 from mha_serve.model.hf_config import read_hf_layer
@@ -124,3 +125,43 @@ def test_ling3_without_its_gate_tensor_is_refused_naming_it(tmp_path, ling3):
     save_file(tensors, str(copy / "model.safetensors"))
     with pytest.raises(ValueError, match=r"missing tensor 'layers.1.attention.g_proj.weight' "):
         load_hf_layer(copy, 1)
+
+
+def test_lfm3_as_shipped_serves_its_sliding_layers_and_names_what_it_refuses(tmp_path):
+    """Lfm3Config's defaults: sliding layers 4, 8, ... (RoPE at 10000, a window of 256, a
+    sigmoid gate per head) served; its full_attention layers' proportional RoPE and its
+    short-convolution layers refused by name."""
+    AutoConfig.for_model("lfm3").save_pretrained(tmp_path)
+    c = read_hf_layer(tmp_path, 4).attention
+    assert (c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim) == (2048, 16, 4, 128)
+    assert c.output_gate and c.output_gate_per_head and c.gate_width == 16
+    assert c.sliding_window == 256 and c.rope.theta == 10_000.0 and c.rope.partial == 1.0
+    assert c.qk_norm.scope == "head" and c.qk_norm.eps == 1e-5 and not c.bias
+    with pytest.raises(ValueError, match="rope type 'proportional' is not supported"):
+        read_hf_layer(tmp_path, 2)
+    with pytest.raises(ValueError) as err:
+        read_hf_layer(tmp_path, 0)
+    message = str(err.value)
+    assert "layer 0 of lfm3 is a 'conv' layer (a short convolution (Lfm3ShortConv)" in message
+    assert "full_attention and sliding_attention layers are [2, 4, 6, 8," in message, message
+
+
+@pytest.mark.parametrize("gate", [True, False], ids=["gated", "use_attention_gate_false"])
+def test_lfm3_sliding_layer_with_and_without_its_gate(tmp_path, hf_dirs, gate):
+    """use_attention_gate false: no g_proj, no gate (served as transformers runs it); a
+    sliding table without rope_theta takes Lfm3Config's default_theta (1e6), not 10000."""
+    directory = tmp_path / "lfm3"
+    shutil.copytree(hf_dirs["lfm3"], directory)
+    path = directory / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["rope_parameters"]["sliding_attention"].pop("rope_theta")
+    cfg["use_attention_gate"] = gate
+    path.write_text(json.dumps(cfg))
+    base = Lfm3Model.from_pretrained(directory, attn_implementation="eager").eval()
+    module, info = load_hf_layer(directory, 1)
+    assert info.attention.output_gate == gate and info.attention.rope.theta == 1e6
+    assert (module.wgate is not None) == gate
+    x = torch.randn(1, 12, 64, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want, _ = reference_attention("lfm3", base, 1, x)
+        torch.testing.assert_close(module(x, causal=True).output, want, atol=1e-5, rtol=1e-5)

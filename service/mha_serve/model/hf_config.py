@@ -43,6 +43,7 @@ from .hf_families import (
     O_BIAS,
     OUTPUT_GATE,
     OWN_GATE,
+    OWN_GATE_SWITCH,
     PARTIAL_ROPE,
     PROPERTIES,
     QK_NORM,
@@ -533,8 +534,10 @@ def _mla(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attention
 
 
 def _own_gate(cfg: dict[str, Any], family: str) -> bool:
-    """Whether the layer has an output gate of its own projection (OWN_GATE)."""
-    return family in OWN_GATE
+    """Whether the layer has an output gate of its own projection (OWN_GATE), and its switch
+    (OWN_GATE_SWITCH: LFM3's use_attention_gate, on by default) on."""
+    switch = OWN_GATE_SWITCH.get(family)
+    return family in OWN_GATE and (switch is None or bool(cfg.get(switch, True)))
 
 
 def _mla_rope(

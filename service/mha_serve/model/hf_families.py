@@ -113,6 +113,7 @@ FAMILIES = (
     "gemma4_unified",
     # an output gate from a projection of their own (OWN_GATE), not q_proj's rows
     "afmoe",  # AFMoE (Trinity): gate_proj per dim; q/k norm per head; NoPE global layers
+    "lfm3",  # hybrid: its sliding attention layers (g_proj per head); conv layers refused
 )
 # The MLA families (FAMILIES' last), read by hf_config._mla, not as Llama's.
 MLA = (
@@ -148,7 +149,12 @@ OUTPUT_GATE = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 OWN_GATE: dict[str, tuple[str, bool, str | None]] = {
     "afmoe": ("gate_proj", False, None),
     "bailing_hybrid": ("g_proj", True, None),
+    # (Lfm3Attention's g_proj, with use_attention_gate: gate_proj on disk, as LFM3's
+    # checkpoints and save_pretrained write it; transformers renames it when it loads)
+    "lfm3": ("gate_proj", True, None),
 }
+# Families whose own gate is there only when a config.json key turns it on (default on).
+OWN_GATE_SWITCH = {"lfm3": "use_attention_gate"}
 FULL_ATTENTION_INTERVAL = 4
 # Families with RoPE, q_proj/k_proj/v_proj/o_proj (the MLA families' projections are theirs;
 # phi3: one qkv_proj; gpt_neox, falcon: one
@@ -296,6 +302,19 @@ HYBRIDS: dict[str, Hybrid] = {
         OUTPUT_GATE,
         Hybrid(lambda c, i: gated_layer(c, i), {"linear_attention": _GATED_DELTANET}),
     ),
+    # LFM3: layer_types, else as Lfm3Config derives them ("conv": Lfm3ShortConv); both
+    # attention kinds are its attention layers
+    "lfm3": Hybrid(
+        lambda c, i: (
+            "full_attention"
+            if i % 4 == 2
+            else "sliding_attention"
+            if i % 4 == 0 and i > 0
+            else "conv"
+        ),
+        {"conv": "a short convolution (Lfm3ShortConv), not attention"},
+        served=LAYER_TYPES,
+    ),
     # Ling 3.0: layer_types, else every layer_group_size-th layer is MLA, the others KDA
     "bailing_hybrid": Hybrid(
         lambda c, i: bailing_hybrid_layer(c, i),
@@ -390,6 +409,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         ("lfm2", "lfm2_moe"),
         {"num_key_value_heads": 8, "norm_eps": 1e-5, "rope_theta": 1_000_000.0},
     ),
+    "lfm3": {  # (Lfm3Config's)
+        **{"hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 16},
+        **{"num_key_value_heads": 4, "head_dim": 128, "sliding_window": 256, "norm_eps": 1e-5},
+        "max_position_embeddings": 128_000,
+    },
     "solar_open": {"num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1_000_000.0},
     "flex_olmo": {"rope_theta": 500_000.0},
     "phimoe": {"num_key_value_heads": 8, "rope_theta": 1_000_000.0},
@@ -644,7 +668,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         "vaultgemma",
         *("stablelm", "glm4_moe", "ernie4_5_moe", "minimax_m2", "exaone_moe", "lfm2"),
         "lfm2_moe",
-        *("solar_open", "phimoe", "cwm", "hy_v3"),
+        *("solar_open", "phimoe", "cwm", "hy_v3", "lfm3"),
         *("stablelm", "glm4_moe_lite", *OUTPUT_GATE),
         *("youtu", "axk1"),  # (typed int, not int | None as DeepSeek-V3's)
         *("jamba", "nemotron_h", "minimax"),
@@ -656,13 +680,14 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
         *("gpt_neox", "nemotron", "glm4_moe", "apertus", "dots1", "vaultgemma", "solar_open"),
-        *("flex_olmo", "hyperclovax", "phimoe", "jais2", "hy_v3", "afmoe"),
+        *("flex_olmo", "hyperclovax", "phimoe", "jais2", "hy_v3", "afmoe", "lfm3"),
         *("bamba", "nemotron_h", "granitemoehybrid", "olmo_hybrid", "recurrent_gemma"),
         *("gpt_neox", "nemotron", *OUTPUT_GATE),
     ),
     "use_qk_norm": ("glm4_moe",),
-    # (typed float: NemotronConfig, Lfm2Config, Lfm2MoeConfig reject it)
-    "norm_eps": ("nemotron", "lfm2", "lfm2_moe"),
+    # (typed float: NemotronConfig, Lfm2Config, Lfm2MoeConfig, Lfm3Config reject it)
+    "norm_eps": ("nemotron", "lfm2", "lfm2_moe", "lfm3"),
+    "use_attention_gate": ("lfm3",),  # (typed bool)
     "use_bias": ("starcoder2", "nemotron_h"),  # (NemotronHConfig's: typed, not read here)
     "rope_interleave": ("glm4_moe_lite",),  # (DeepSeek-V3's takes a null: by halves)
     # (AXK1Config types them int: its attention always takes q through its latent)
@@ -736,7 +761,7 @@ O_BIAS: dict[str, str | bool] = {
 QK_NORM = {
     **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "glm4_moe"), "head"),
     "exaone_moe": "head",
-    **dict.fromkeys(("apertus", "dots1", "lfm2", "lfm2_moe", "hy_v3", "afmoe"), "head"),
+    **dict.fromkeys(("apertus", "dots1", "lfm2", "lfm2_moe", "hy_v3", "afmoe", "lfm3"), "head"),
     **dict.fromkeys(
         ("olmo2", "olmoe", "olmo3", "minimax_m2", "flex_olmo", "olmo_hybrid"), "projection"
     ),
@@ -746,7 +771,7 @@ QK_NORM = {
 # Families whose q/k norm (QK_NORM's) is there only when a config.json key turns it on.
 QK_NORM_SWITCH = {"glm4_moe": "use_qk_norm"}
 # The key of the q/k norm's eps where it is not rms_norm_eps (Lfm2Config's norm_eps).
-QK_NORM_EPS = {"lfm2": "norm_eps", "lfm2_moe": "norm_eps"}
+QK_NORM_EPS = {"lfm2": "norm_eps", "lfm2_moe": "norm_eps", "lfm3": "norm_eps"}
 # The softmax scale: (config key, power) -> value ** power; default head_dim ** -0.5.
 SCALE = {
     **dict.fromkeys(("gemma2", "gemma3_text", "vaultgemma"), ("query_pre_attn_scalar", -0.5)),
@@ -880,6 +905,7 @@ ALIASES = {
     ),
     # (RecurrentGemmaConfig's attribute_map: sliding_window is its name of the window)
     "recurrent_gemma": {"attention_window_size": "sliding_window"},
+    "lfm3": {"rms_norm_eps": "norm_eps"},  # (Lfm3Config's attribute_map)
     "mpt": {
         "hidden_size": "d_model",
         "num_attention_heads": "n_heads",
@@ -953,7 +979,7 @@ UNSERVED = {
         "are not read yet",
     ),
     **dict.fromkeys(
-        ("hrm_text", "beam", "laguna", "lfm3"),
+        ("hrm_text", "beam", "laguna"),
         "an output gate: a sigmoid of its own gate projection (gate_proj, g_proj; not q_proj's "
         "rows as Qwen3-Next's) multiplies the attention output",
     ),
@@ -979,6 +1005,24 @@ PER_TYPE_ROPE = {
     "gemma3_text": (1_000_000.0, "rope_local_base_freq", 10_000.0),
     "gemma3n_text": (1_000_000.0, "rope_local_base_freq", 10_000.0),  # (Gemma 4's: hf_gemma)
     "olmo3": (500_000.0, None, 500_000.0),
+    "lfm3": (1_000_000.0, None, 1_000_000.0),  # (read as OWN_ROPE_TABLES says)
+}
+# Families whose tables per layer type are their config class's alone (Lfm3Config): where
+# config.json has none (rope_parameters null or left out), these; a table without rope_theta
+# takes the theta here (its default_theta); rope_theta and rope_scaling beside them are not
+# read. (LFM3's global layers' "proportional" RoPE is refused by name: hf_rope.read_rope.)
+OWN_ROPE_TABLES: dict[str, tuple[dict[str, dict[str, Any]], float]] = {
+    "lfm3": (
+        {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {
+                "rope_type": "proportional",
+                "rope_theta": 1_000_000.0,
+                "partial_rotary_factor": 0.5,
+            },
+        },
+        1_000_000.0,
+    ),
 }
 # A family's RoPE table when config.json sets neither rope_parameters nor rope_scaling (its
 # config class fills it in; a rope_theta beside it counts only where the table has none).

@@ -13,6 +13,7 @@ from .hf_families import (
     DEFAULT_ROPE,
     INTERLEAVED_ROPE,
     LAYER_TYPES,
+    OWN_ROPE_TABLES,
     PARTIAL_BY_ROTARY_DIM,
     PARTIAL_IN_TABLE_ONLY,
     PARTIAL_NOT_NULL,
@@ -50,6 +51,8 @@ def check_rope_nulls(cfg: dict[str, Any], family: str, where: Path) -> None:
     and _per_type_table resolve it): the model's rotary embedding fails on it, so no layer
     is built, NoPE ones included."""
     why = "its rotary embedding computes with it"
+    if family in OWN_ROPE_TABLES:  # (its layer's own table only: _own_table)
+        return
     if family in PER_TYPE_ROPE:
         tables = cfg.get("rope_parameters") or {}
         _, local_key, _ = PER_TYPE_ROPE[family]
@@ -109,6 +112,13 @@ def read_rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
     params.setdefault("rope_theta", cfg.get(rope_keys(family)[0], 10_000.0))
     params = dict(params)
     kind = params.pop("rope_type", params.pop("type", "default"))
+    if kind == "proportional":  # (its own refusal: the note below is not its reason)
+        raise ValueError(
+            f"{where}: rope type 'proportional' is not supported: its frequencies run over "
+            "the whole head_dim, the first partial_rotary_factor of the pairs (x_j, "
+            "x_j+head_dim/2) turned and the rest not (LFM3's and Gemma 4's global layers), "
+            "where the module turns the first dims of each head by their own frequencies"
+        )
     if kind not in ROPE_TYPES:
         raise ValueError(
             f"{where}: rope type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)} "
@@ -228,6 +238,8 @@ def _per_type_table(
     layer type (a missing one is {"rope_type": "default"}); 4.x's rope_scaling updates the
     global layers' table only; a table without rope_theta takes rope_theta (global layers)
     or Gemma 3's rope_local_base_freq (local ones), else PER_TYPE_ROPE's defaults."""
+    if family in OWN_ROPE_TABLES:
+        return _own_table(cfg, family, layer_type, where)
     theta, local_key, local_theta = PER_TYPE_ROPE[family]
     tables = cfg.get("rope_parameters") or {}
     stray = sorted(k for k in tables if k not in LAYER_TYPES) if isinstance(tables, dict) else []
@@ -260,3 +272,26 @@ def _per_type_table(
             )
         table["rope_theta"] = cfg.get(local_key, local_theta) if local_key else local_theta
     return table
+
+
+def _own_table(cfg: dict[str, Any], family: str, layer_type: str, where: Path) -> dict[str, Any]:
+    """The RoPE table of a layer type as an OWN_ROPE_TABLES family's config fills it
+    (Lfm3Config): its own tables where config.json has none; a table without rope_theta
+    takes its default theta; a layer type without a table builds no layer."""
+    defaults, theta = OWN_ROPE_TABLES[family]
+    tables = cfg.get("rope_parameters") or defaults
+    table = tables.get(layer_type) if isinstance(tables, dict) else None
+    if not isinstance(table, dict):
+        raise ValueError(
+            f"{where}: {family} rope_parameters has no table for {layer_type!r} layers (got "
+            f"{table!r}): its rotary embedding reads one per layer type and builds no layer "
+            "without it"
+        )
+    if "rope_theta" in table and table["rope_theta"] is None:
+        refuse_null(
+            where,
+            family,
+            f"rope_parameters.{layer_type}.rope_theta",
+            "its rotary embedding computes with it",
+        )
+    return {"rope_theta": theta, **table}
