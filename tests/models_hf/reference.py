@@ -21,6 +21,8 @@ from transformers import (
     BailingHybridModel,
     BambaConfig,
     BambaModel,
+    BeamConfig,
+    BeamModel,
     BertModel,
     BloomConfig,
     BloomModel,
@@ -225,14 +227,19 @@ GATED_MOE["shared_expert_intermediate_size"] = 32
 RANDOM_NORMS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # Checkpoints whose q/k norm gains (weight itself, initialised to 1) are drawn around 1, so
 # that a gain read wrongly (as 1 + w, or as none) would show.
-RANDOM_GAINS = ("gemma4", "gemma3n", "afmoe", "lfm3")
+RANDOM_GAINS = ("gemma4", "gemma3n", "afmoe", "lfm3", "beam")
 # Gemma 3n and Gemma 4, small: a local layer (served by the test of its name), then a global
 # one (SERVED's *_global); no per-layer inputs (PLE) nor KV sharing (refused: test_gemma)
 GEMMA_V_NORM = {**ROTARY, "layer_types": ["sliding_attention", "full_attention"]}
 GEMMA_V_NORM.update({"num_kv_shared_layers": 0, "sliding_window": 6})
 # A gate of its own projection: drawn large, so that its sigmoid is far from 1/2 and a gate
 # on the wrong heads or dims shows.
-OWN_GATES = {"afmoe": "gate_proj", "bailing_hybrid": "g_proj", "lfm3": "g_proj"}
+OWN_GATES = {
+    "afmoe": "gate_proj",
+    "bailing_hybrid": "g_proj",
+    "lfm3": "g_proj",
+    "beam": "gate_proj",
+}
 WINDOW = 8  # Mistral's; the other windowed layers use other sizes (6, 10, 12)
 CHECKPOINTS = {
     # name: (model class, config, layer served by the test of that name; SERVED adds more)
@@ -1102,6 +1109,32 @@ CHECKPOINTS = {
         ),
         1,
     ),
+    # Beam: a sliding layer, then a full one with a RoPE table of its own (a null table:
+    # NoPE with position-scaled queries, refused); q/k norm per head; its gate per dim with a
+    # bias per head (gate_bias) beside unbiased projections (zero biases)
+    "beam": (
+        BeamModel,
+        BeamConfig(
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=10,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            },
+            num_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=32,
+            n_group=1,
+            topk_group=1,
+            pad_token_id=None,
+            bos_token_id=None,
+            eos_token_id=None,
+            **ROTARY,
+        ),
+        0,
+    ),
     # LFM3: a short convolution layer, then a sliding attention one served (RoPE of its
     # layer type, a window, q/k norm per head, biases), its output gate one value per head
     # (g_proj, gate_proj on disk)
@@ -1237,6 +1270,7 @@ SERVED.update(
         "gemma4_global": ("gemma4", 1),
         "gemma3n_global": ("gemma3n", 1),
         "afmoe_global": ("afmoe", 1),
+        "beam_full": ("beam", 1),
     }
 )
 
@@ -1251,7 +1285,7 @@ def write_checkpoints(root: Path) -> dict[str, Path]:  # keyed by checkpoint nam
         model = cls(config)
         with torch.no_grad():
             for key, parameter in model.named_parameters():
-                if key.endswith(".bias"):
+                if key.endswith((".bias", "gate_bias")):  # (Beam's gate bias per head)
                     parameter.normal_(0.0, INIT)
                 if name in RANDOM_NORMS and key.endswith(("q_norm.weight", "k_norm.weight")):
                     parameter.normal_(0.0, INIT)
@@ -1322,7 +1356,8 @@ def rotary(base, layer: int, x: torch.Tensor, positions: torch.Tensor):
     """cos, sin of the layer (Gemma 3, OLMo 3, LFM3: of its layer type) at positions (1, L)."""
     types = getattr(base.config, "layer_types", None)
     if isinstance(
-        base, Gemma3TextModel | Olmo3Model | Gemma4TextModel | Gemma3nTextModel | Lfm3Model
+        base,
+        Gemma3TextModel | Olmo3Model | Gemma4TextModel | Gemma3nTextModel | Lfm3Model | BeamModel,
     ):
         return base.rotary_emb(x, positions, types[layer])
     return rotary_embedding(base)(x, positions)

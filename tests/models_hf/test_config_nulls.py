@@ -89,6 +89,7 @@ OWN_KEYS["codegen"] = OWN_KEYS["gptj"]
 # (AFMoE's: how its config derives a layer's kind)
 OWN_KEYS["afmoe"] = (*OWN_KEYS["rotary"], "global_attn_every_n_layers")
 OWN_KEYS["lfm3"] = (*OWN_KEYS["rotary"], "use_attention_gate")  # (LFM3's gate switch)
+OWN_KEYS["beam"] = OWN_KEYS["rotary"]
 # Nulls inside the RoPE tables (set only where the key is there), and transformers 4's
 # spelling: rope_theta (and Gemma 3's rope_local_base_freq) beside no rope_parameters.
 NESTED = (
@@ -107,6 +108,8 @@ NESTED = (
 REFUSED_OTHERWISE: set[tuple[str, str, int]] = {
     (family, "layer_types", 1)
     for family in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "bailing_hybrid")
+} | {  # (Beam's full layer without its RoPE table: BeamConfig's null one, position-scaled)
+    ("beam", key, 1) for key in ("rope_parameters", "v4.rope_theta", "v4.rope_local_base_freq")
 }
 # (Nemotron-H without its list: NemotronHConfig's four blocks, layer 1 an MoE one)
 REFUSED_OTHERWISE.add(("nemotron_h", "layers_block_type", 1))

@@ -1296,7 +1296,7 @@ def test_variants_we_cannot_serve_exactly_are_refused_by_name(
 # (their config.json as transformers' own config class writes it; docs/models.md's survey).
 REFUSED_FAMILIES = {
     **dict.fromkeys(
-        ("qwen4_exp", "qwen4_exp_text", "hrm_text", "beam", "laguna"),
+        ("qwen4_exp", "qwen4_exp_text", "hrm_text", "laguna"),
         "an output gate",
     ),
     "diffllama": "differential attention",

@@ -165,3 +165,30 @@ def test_lfm3_sliding_layer_with_and_without_its_gate(tmp_path, hf_dirs, gate):
     with torch.no_grad():
         want, _ = reference_attention("lfm3", base, 1, x)
         torch.testing.assert_close(module(x, causal=True).output, want, atol=1e-5, rtol=1e-5)
+
+
+def test_beam_as_shipped_serves_its_sliding_layers_and_refuses_its_position_scaled_ones(
+    tmp_path,
+):
+    """BeamConfig's defaults: five sliding layers (RoPE at 10000, a window of 512) and a
+    full one, whose null RoPE table means NoPE with queries scaled by position: refused by
+    name. Its gate per dim carries gate_bias (one per head) as wgate's bias, so the
+    projections, unbiased, take zero biases."""
+    AutoConfig.for_model("beam").save_pretrained(tmp_path)
+    info = read_hf_layer(tmp_path, 0)
+    c = info.attention
+    assert (c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim) == (5120, 48, 8, 128)
+    assert c.output_gate and not c.output_gate_per_head and c.gate_width == 48 * 128
+    assert c.bias and info.zero_biases == ("q", "k", "v", "o")
+    assert c.sliding_window == 512 and c.rope.theta == 10_000.0 and c.qk_norm.scope == "head"
+    with pytest.raises(ValueError, match=r"full_attention layers .* queries scaled by position"):
+        read_hf_layer(tmp_path, 5)
+
+
+def test_beam_gate_bias_is_each_heads_over_its_dims(hf_dirs):
+    module, _ = load_hf_layer(hf_dirs["beam"], 0)
+    tensors = load_file(str(hf_dirs["beam"] / "model.safetensors"))
+    per_head = tensors["layers.0.self_attn.gate_bias"]  # (H,)
+    assert per_head.abs().min() > 0  # (drawn: transformers writes zeros)
+    assert torch.equal(module.wgate.bias, per_head.repeat_interleave(16))
+    assert not module.wqkv.bias.any() and not module.wo.bias.any()

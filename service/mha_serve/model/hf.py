@@ -54,6 +54,8 @@ What is served, per family (transformers' module names):
   afmoe    AfmoeAttention: as Llama's with Qwen3's q/k norm, and gate_proj (hf_families.OWN_GATE:
            an output gate of its own projection, per dim) read as the module's wgate (a zero
            bias beside biased projections); NoPE global layers
+  beam     BeamAttention (its layers with a RoPE table): as AFMoE's, its gate's bias gate_bias
+           (one per head) over each head's dims; q/k/v/o without biases take zero ones
   lfm3     Lfm3Attention (its sliding layers): as AFMoE's, its gate gate_proj on disk (g_proj in
            transformers), one row per head: the module's per-head output gate
   llama, mistral, qwen2, qwen3, olmo2, gemma2, gemma3(_text), phi3, gpt_oss and the families whose

@@ -189,7 +189,7 @@ def read_hf_layer(directory: str | Path, layer: int | None) -> HFLayer:
     zero = ()  # the projections whose bias the checkpoint has none of
     if family in ROTARY and attention.bias:
         qkv, o = _biases(cfg, kind)
-        zero = ("o",) if not o else ("q", "k", "v") if not qkv else ()
+        zero = (() if qkv else ("q", "k", "v")) + (() if o else ("o",))
     return HFLayer(
         directory,
         family,
@@ -376,6 +376,8 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
             "head_dim; leave head_dim out"
         )
     bias = any(_biases(cfg, family))
+    if _own_gate(cfg, family) and OWN_GATE[family][2] is not None:  # (Beam's gate_bias: its
+        bias = True  # projections take zero biases where they have none)
     rotates = family not in NOPE  # (NOPE: no RoPE key is read)
     if family in NOPE_BY_NULL_THETA and _null_theta(cfg):
         rotates = False

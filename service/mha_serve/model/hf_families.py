@@ -114,6 +114,7 @@ FAMILIES = (
     # an output gate from a projection of their own (OWN_GATE), not q_proj's rows
     "afmoe",  # AFMoE (Trinity): gate_proj per dim; q/k norm per head; NoPE global layers
     "lfm3",  # hybrid: its sliding attention layers (g_proj per head); conv layers refused
+    "beam",  # its sliding layers: gate_proj per dim, gate_bias per head; q/k norm per head
 )
 # The MLA families (FAMILIES' last), read by hf_config._mla, not as Llama's.
 MLA = (
@@ -152,6 +153,9 @@ OWN_GATE: dict[str, tuple[str, bool, str | None]] = {
     # (Lfm3Attention's g_proj, with use_attention_gate: gate_proj on disk, as LFM3's
     # checkpoints and save_pretrained write it; transformers renames it when it loads)
     "lfm3": ("gate_proj", True, None),
+    # (BeamAttention's gate_proj, and gate_bias (H,) broadcast over each head's dims: the
+    # module's wgate bias, so its projections take zero biases without attention_bias)
+    "beam": ("gate_proj", False, "gate_bias"),
 }
 # Families whose own gate is there only when a config.json key turns it on (default on).
 OWN_GATE_SWITCH = {"lfm3": "use_attention_gate"}
@@ -409,6 +413,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         ("lfm2", "lfm2_moe"),
         {"num_key_value_heads": 8, "norm_eps": 1e-5, "rope_theta": 1_000_000.0},
     ),
+    "beam": {  # (BeamConfig's)
+        **{"hidden_size": 5120, "num_hidden_layers": 52, "num_attention_heads": 48},
+        **{"num_key_value_heads": 8, "head_dim": 128, "sliding_window": 512},
+        "max_position_embeddings": 8192,
+    },
     "lfm3": {  # (Lfm3Config's)
         **{"hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 16},
         **{"num_key_value_heads": 4, "head_dim": 128, "sliding_window": 256, "norm_eps": 1e-5},
@@ -668,7 +677,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         "vaultgemma",
         *("stablelm", "glm4_moe", "ernie4_5_moe", "minimax_m2", "exaone_moe", "lfm2"),
         "lfm2_moe",
-        *("solar_open", "phimoe", "cwm", "hy_v3", "lfm3"),
+        *("solar_open", "phimoe", "cwm", "hy_v3", "lfm3", "beam"),
         *("stablelm", "glm4_moe_lite", *OUTPUT_GATE),
         *("youtu", "axk1"),  # (typed int, not int | None as DeepSeek-V3's)
         *("jamba", "nemotron_h", "minimax"),
@@ -680,7 +689,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
         *("gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "granitemoeshared"),
         *("cohere2", "gpt_oss", "arcee", "seed_oss", "cohere", "helium", "glm", "glm4"),
         *("gpt_neox", "nemotron", "glm4_moe", "apertus", "dots1", "vaultgemma", "solar_open"),
-        *("flex_olmo", "hyperclovax", "phimoe", "jais2", "hy_v3", "afmoe", "lfm3"),
+        *("flex_olmo", "hyperclovax", "phimoe", "jais2", "hy_v3", "afmoe", "lfm3", "beam"),
         *("bamba", "nemotron_h", "granitemoehybrid", "olmo_hybrid", "recurrent_gemma"),
         *("gpt_neox", "nemotron", *OUTPUT_GATE),
     ),
@@ -688,6 +697,7 @@ NOT_NULL: dict[str, tuple[str, ...]] = {
     # (typed float: NemotronConfig, Lfm2Config, Lfm2MoeConfig, Lfm3Config reject it)
     "norm_eps": ("nemotron", "lfm2", "lfm2_moe", "lfm3"),
     "use_attention_gate": ("lfm3",),  # (typed bool)
+    "rope_scaling": ("beam",),  # (BeamConfig takes it for its rope_parameters: a null fails)
     "use_bias": ("starcoder2", "nemotron_h"),  # (NemotronHConfig's: typed, not read here)
     "rope_interleave": ("glm4_moe_lite",),  # (DeepSeek-V3's takes a null: by halves)
     # (AXK1Config types them int: its attention always takes q through its latent)
@@ -761,7 +771,9 @@ O_BIAS: dict[str, str | bool] = {
 QK_NORM = {
     **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "glm4_moe"), "head"),
     "exaone_moe": "head",
-    **dict.fromkeys(("apertus", "dots1", "lfm2", "lfm2_moe", "hy_v3", "afmoe", "lfm3"), "head"),
+    **dict.fromkeys(
+        ("apertus", "dots1", "lfm2", "lfm2_moe", "hy_v3", "afmoe", "lfm3", "beam"), "head"
+    ),
     **dict.fromkeys(
         ("olmo2", "olmoe", "olmo3", "minimax_m2", "flex_olmo", "olmo_hybrid"), "projection"
     ),
@@ -812,6 +824,8 @@ DERIVED_SLIDING: dict[str, Callable[[dict[str, Any], int], bool]] = {
     "ministral": lambda c, i: c.get("sliding_window") is not None,
     # (AfmoeConfig: a global layer every global_attn_every_n_layers-th, the others local)
     "afmoe": lambda c, i: bool((i + 1) % c["global_attn_every_n_layers"]),
+    # (BeamConfig: every sixth layer global, and the last)
+    "beam": lambda c, i: bool((i + 1) % 6) and i != c["num_hidden_layers"] - 1,
     "olmo3": lambda c, i: bool((i + 1) % 4),  # three local layers, then a global one
     "smollm3": lambda c, i: window_on(c) and not smollm3_rope(c, i),
     "cwm": lambda c, i: i % 4 != 0,  # (CwmConfig: a global layer, then three local ones)
@@ -979,7 +993,7 @@ UNSERVED = {
         "are not read yet",
     ),
     **dict.fromkeys(
-        ("hrm_text", "beam", "laguna"),
+        ("hrm_text", "laguna"),
         "an output gate: a sigmoid of its own gate projection (gate_proj, g_proj; not q_proj's "
         "rows as Qwen3-Next's) multiplies the attention output",
     ),
@@ -1005,13 +1019,14 @@ PER_TYPE_ROPE = {
     "gemma3_text": (1_000_000.0, "rope_local_base_freq", 10_000.0),
     "gemma3n_text": (1_000_000.0, "rope_local_base_freq", 10_000.0),  # (Gemma 4's: hf_gemma)
     "olmo3": (500_000.0, None, 500_000.0),
-    "lfm3": (1_000_000.0, None, 1_000_000.0),  # (read as OWN_ROPE_TABLES says)
+    **dict.fromkeys(("lfm3", "beam"), (1_000_000.0, None, 1_000_000.0)),  # (OWN_ROPE_TABLES')
 }
-# Families whose tables per layer type are their config class's alone (Lfm3Config): where
-# config.json has none (rope_parameters null or left out), these; a table without rope_theta
-# takes the theta here (its default_theta); rope_theta and rope_scaling beside them are not
-# read. (LFM3's global layers' "proportional" RoPE is refused by name: hf_rope.read_rope.)
-OWN_ROPE_TABLES: dict[str, tuple[dict[str, dict[str, Any]], float]] = {
+# Families whose tables per layer type are their config class's alone (Lfm3Config,
+# BeamConfig): where config.json has none (rope_parameters null or left out), these; a table
+# without rope_theta takes the theta here (its default_theta; None: no layer is built);
+# rope_theta and rope_scaling beside them are not read. (LFM3's global layers' "proportional"
+# RoPE is refused by name: hf_rope.read_rope.) A null table: NOPE_TABLE's.
+OWN_ROPE_TABLES: dict[str, tuple[dict[str, dict[str, Any] | None], float | None]] = {
     "lfm3": (
         {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -1023,6 +1038,19 @@ OWN_ROPE_TABLES: dict[str, tuple[dict[str, dict[str, Any]], float]] = {
         },
         1_000_000.0,
     ),
+    "beam": (
+        {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": None,
+        },
+        None,
+    ),
+}
+# What a layer type whose RoPE table is null computes, refused (BeamModel: no RoPE, and its
+# queries scaled by position).
+NOPE_TABLE = {
+    "beam": "no RoPE, and its queries scaled by position, (1 + (position + 1) / 2048) ** 0.1 "
+    "(BeamModel's scalable softmax), which the module does not compute",
 }
 # A family's RoPE table when config.json sets neither rope_parameters nor rope_scaling (its
 # config class fills it in; a rope_theta beside it counts only where the table has none).

@@ -13,6 +13,7 @@ from .hf_families import (
     DEFAULT_ROPE,
     INTERLEAVED_ROPE,
     LAYER_TYPES,
+    NOPE_TABLE,
     OWN_ROPE_TABLES,
     PARTIAL_BY_ROTARY_DIM,
     PARTIAL_IN_TABLE_ONLY,
@@ -276,22 +277,35 @@ def _per_type_table(
 
 def _own_table(cfg: dict[str, Any], family: str, layer_type: str, where: Path) -> dict[str, Any]:
     """The RoPE table of a layer type as an OWN_ROPE_TABLES family's config fills it
-    (Lfm3Config): its own tables where config.json has none; a table without rope_theta
-    takes its default theta; a layer type without a table builds no layer."""
+    (Lfm3Config, BeamConfig): its own tables where config.json has none; a table without
+    rope_theta takes its default theta (Beam's: none, no layer); a layer type without a
+    table builds no layer, a null one is NOPE_TABLE's."""
     defaults, theta = OWN_ROPE_TABLES[family]
     tables = cfg.get("rope_parameters") or defaults
     table = tables.get(layer_type) if isinstance(tables, dict) else None
+    if table is None and layer_type in tables and family in NOPE_TABLE:
+        raise ValueError(
+            f"{where}: {family} {layer_type} layers (rope_parameters[{layer_type!r}] null) "
+            f"are not supported: {NOPE_TABLE[family]}"
+        )
     if not isinstance(table, dict):
         raise ValueError(
             f"{where}: {family} rope_parameters has no table for {layer_type!r} layers (got "
             f"{table!r}): its rotary embedding reads one per layer type and builds no layer "
             "without it"
         )
-    if "rope_theta" in table and table["rope_theta"] is None:
-        refuse_null(
-            where,
-            family,
-            f"rope_parameters.{layer_type}.rope_theta",
-            "its rotary embedding computes with it",
-        )
+    # (its rotary embedding computes the table of every layer type the model has, at once)
+    types = cfg.get("layer_types")
+    for kind in sorted(set(types) if isinstance(types, list) else tables):
+        other = tables.get(kind) if isinstance(tables, dict) else None
+        if not isinstance(other, dict):
+            continue
+        if "rope_theta" in other and other["rope_theta"] is None:
+            why = "its rotary embedding computes with it"
+            refuse_null(where, family, f"rope_parameters.{kind}.rope_theta", why)
+        if theta is None and "rope_theta" not in other:  # (BeamConfig fills none in)
+            raise ValueError(
+                f"{where}: {family} rope_parameters[{kind!r}] has no rope_theta: its rotary "
+                "embedding reads it and builds no layer without it"
+            )
     return {"rope_theta": theta, **table}
