@@ -1295,10 +1295,9 @@ def test_variants_we_cannot_serve_exactly_are_refused_by_name(
 # Families whose attention needs a feature mha-serve lacks, and the feature the refusal names
 # (their config.json as transformers' own config class writes it; docs/models.md's survey).
 REFUSED_FAMILIES = {
-    **dict.fromkeys(
-        ("qwen4_exp", "qwen4_exp_text", "hrm_text", "laguna"),
-        "an output gate",
-    ),
+    **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"), "its QSA indexer picks"),
+    "laguna": "softplus(g_proj(x)), not a sigmoid",
+    "hrm_text": "two stacks run recurrently (L_module and H_module",
     "diffllama": "differential attention",
     "bitnet": "(attn_sub_norm)",
     "nanochat": "comes after RoPE",

@@ -986,17 +986,20 @@ UNSERVED = {
     "and sliding layers with twice the KV heads and attention sinks",
     "persimmon": "its q/k norm is a LayerNorm (qk_layernorm, on by default and in Persimmon-8B)",
     "llama4_text": "chunked attention, L2 q/k norm and NoPE layers with temperature tuning",
-    # an output gate not (yet) read as the gated families' (OUTPUT_GATE: from q_proj's rows)
+    # output gates the module's (sigmoid(W x) before o_proj: OUTPUT_GATE, OWN_GATE) is not
     **dict.fromkeys(
         ("qwen4_exp", "qwen4_exp_text"),
-        "an output gate and Gated DeltaNet layers, as Qwen3.5's, under keys of its own that "
-        "are not read yet",
+        "sparse attention: its QSA indexer picks each query's key blocks (indexer_budget "
+        "tokens), beside an output gate from q_proj's rows as Qwen3.5's and hyper-connections "
+        "around the layer",
     ),
-    **dict.fromkeys(
-        ("hrm_text", "laguna"),
-        "an output gate: a sigmoid of its own gate projection (gate_proj, g_proj; not q_proj's "
-        "rows as Qwen3-Next's) multiplies the attention output",
-    ),
+    "laguna": "its output gate is softplus(g_proj(x)), not a sigmoid (unbounded, where the "
+    "module's gate is in (0, 1)), and its head count varies by layer "
+    "(num_attention_heads_per_layer)",
+    "hrm_text": "its layers are two stacks run recurrently (L_module and H_module, each "
+    "num_layers_per_stack layers), which a layer index does not name, and with prefix_lm "
+    "(the default) its prompt tokens attend bidirectionally; its gate (sigmoid(gate_proj(x)) "
+    "per dim) would be the module's",
     "diffllama": "differential attention (two softmax maps subtracted, weighted by lambda)",
     "bitnet": "an RMSNorm on the attention output before o_proj (attn_sub_norm), and "
     "ternary-quantized projections",
