@@ -143,7 +143,7 @@ def test_lfm3_as_shipped_serves_its_sliding_layers_and_names_what_it_refuses(tmp
         read_hf_layer(tmp_path, 0)
     message = str(err.value)
     assert "layer 0 of lfm3 is a 'conv' layer (a short convolution (Lfm3ShortConv)" in message
-    assert "full_attention and sliding_attention layers are [2, 4, 6, 8," in message, message
+    assert "full_attention/sliding_attention layers are [2, 4, 6, 8," in message, message
 
 
 @pytest.mark.parametrize("gate", [True, False], ids=["gated", "use_attention_gate_false"])
