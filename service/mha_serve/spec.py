@@ -118,6 +118,14 @@ class ModelSpec:
                 raise ValueError(
                     f"model {self.name!r}: {key} must be a positive integer, got {value!r}"
                 )
+        chunk = self.attention.chunk_size
+        if chunk is not None and self.max_seq_len > chunk:
+            raise ValueError(
+                f"model {self.name!r}: max_seq_len {self.max_seq_len} is past the layer's "
+                f"attention_chunk_size {chunk}: its chunked attention (Llama 4's RoPE layers) "
+                f"is served up to {chunk} positions, where it is causal attention; set "
+                f"max_seq_len <= {chunk}"
+            )
         try:  # the batch settings' rules live in BatchPolicy alone
             self.batch_policy()
         except (TypeError, ValueError) as e:

@@ -57,6 +57,67 @@ MLA_MODEL = ModelSpec(
     seed=11,
     kv_block_size=4,
 )
+# Queries scaled by position and q/k norms after RoPE (Ministral 3, Llama 4's NoPE and RoPE
+# layers, nanochat, Hunyuan v1, Mistral 4's MLA): floors small enough that the pasts below
+# cross several; kept out of MODELS too (CUDA graphs decline the scale and the norm).
+POSITION_MODELS = [
+    ModelSpec(
+        "ministral3",
+        AttentionConfig(64, 4, 2, rope={"theta": 500.0}, query_scale={"beta": 0.4, "floor_div": 4}),
+        seed=13,
+        kv_block_size=4,
+    ),
+    ModelSpec(  # (p + 1) / floor_div, the product in float32; with a window
+        "llama4_nope",
+        AttentionConfig(
+            64,
+            4,
+            2,
+            sliding_window=12,
+            query_scale={"beta": 0.6, "floor_div": 3, "offset": 1, "float32": True},
+        ),
+        seed=14,
+    ),
+    ModelSpec(
+        "llama4_rope",
+        AttentionConfig(
+            64,
+            4,
+            2,
+            rope={"theta": 500.0, "interleaved": True},
+            qk_norm={"after_rope": True, "gain": False},
+        ),
+        seed=15,
+    ),
+    ModelSpec(
+        "nanochat",
+        AttentionConfig(
+            64,
+            4,
+            4,
+            rope={"theta": 500.0, "reverse": True},
+            qk_norm={"after_rope": True, "gain": False},
+        ),
+        seed=16,
+    ),
+    ModelSpec(
+        "hunyuan",
+        AttentionConfig(64, 4, 1, rope={"theta": 500.0}, qk_norm={"after_rope": True}),
+        seed=17,
+    ),
+    ModelSpec(
+        "mistral4",
+        AttentionConfig(
+            64,
+            4,
+            rope={"theta": 100.0, "interleaved": True},
+            mla=MLA,
+            query_scale={"beta": 0.5, "floor_div": 5},
+        ),
+        seed=18,
+        kv_block_size=4,
+    ),
+]
 # Pasts and first steps whose key counts (3, 6, 21, 35, 41, 301) make two padded groups
 # ({41, 35, 21} and {6, 3}) and one session alone (301), then decode steps together.
 PASTS, NEWS = [0, 5, 17, 33, 40, 300], [3, 1, 4, 2, 1, 1]
@@ -64,7 +125,7 @@ PASTS, NEWS = [0, 5, 17, 33, 40, 300], [3, 1, 4, 2, 1, 1]
 
 def make_engine(batched: bool | None, dtype=torch.float32) -> Engine:
     return Engine(
-        [*MODELS, MLA_MODEL],
+        [*MODELS, MLA_MODEL, *POSITION_MODELS],
         device=suite_torch_device(),
         dtype=dtype,
         max_response_bytes=2**28,
@@ -120,7 +181,7 @@ def close(a, b, what, atol=ATOL):
     assert diff.max() <= atol, f"{what}: max {diff.max():.2e} mean {diff.mean():.2e} (atol {atol})"
 
 
-@pytest.mark.parametrize("name", [*NAMES, MLA_MODEL.name])
+@pytest.mark.parametrize("name", [*NAMES, MLA_MODEL.name, *(m.name for m in POSITION_MODELS)])
 def test_batched_equals_per_session_and_a_recompute(engines, name, monkeypatch):
     padded_calls = []
     real = MultiHeadAttention.attend_padded
@@ -171,7 +232,7 @@ def test_the_device_picks_the_path_unless_told():
     assert batched_by_default(torch.device("cuda")) and not batched_by_default(torch.device("cpu"))
     auto = make_engine(None)
     device = suite_torch_device()
-    names = [*NAMES, MLA_MODEL.name]
+    names = [*NAMES, MLA_MODEL.name, *(m.name for m in POSITION_MODELS)]
     assert auto.sessions.batched_attention == dict.fromkeys(names, device.type == "cuda")
     assert make_engine(True).sessions.batched_attention == dict.fromkeys(names, True)
 

@@ -20,7 +20,7 @@ from mha_serve.engine import settle as engine_settle
 from mha_serve.engine.bounds import cleared
 from mha_serve.engine.types import tensor_of
 from mha_serve.model import AttentionConfig, MultiHeadAttention
-from tests.engine.test_attend import MLA_MODEL, MODELS, close
+from tests.engine.test_attend import MLA_MODEL, MODELS, POSITION_MODELS, close
 from tests.engine_calls import State, req, run, run_batch
 from tests.helpers import suite_torch_device
 
@@ -40,6 +40,7 @@ LONE_MODELS = [
         "glm", AttentionConfig(64, 4, 2, rope={"interleaved": True, "partial": 0.5}), seed=12
     ),
     MLA_MODEL,  # multi-head latent attention: its own bounds (mla_bounds.LatentBounds)
+    *POSITION_MODELS,  # queries scaled by position, q/k norms after RoPE (decode_one's too)
 ]
 NAMES = [m.name for m in LONE_MODELS]
 
@@ -242,7 +243,11 @@ def test_a_batch_whose_host_copy_fails_keeps_nothing_and_leaves_no_session_busy(
         engine.sessions.close(sid)
 
 
-@pytest.mark.parametrize("name", ["gqa", "rope", "norm", "qwen3", "mistral"])
+@pytest.mark.parametrize(
+    "name",
+    ["gqa", "rope", "norm", "qwen3", "mistral"]
+    + ["ministral3", "llama4_nope", "llama4_rope", "nanochat", "hunyuan"],
+)
 def test_a_lone_decode_token_of_a_plain_or_rotary_model_runs_in_one_call(engine, name, monkeypatch):
     """decode_one answers every lone one-token step of a model without soft-cap or a q/k
     norm over the whole projection, RoPE's, a per-head norm's and a window's (while the

@@ -18,7 +18,7 @@ from mha_serve.model import (
     load_checkpoint,
     save_checkpoint,
 )
-from mha_serve.model.config import QKNormConfig, RopeConfig
+from mha_serve.model.config import QKNormConfig, QueryScaleConfig, RopeConfig
 
 ATOL = 1e-5
 RTOL = 1e-5
@@ -47,6 +47,31 @@ OPTIONS = {
         "alibi_bias_max": 4.0,
         "sliding_window": 4,
         "qk_norm": QKNormConfig(),
+    },
+    # queries scaled by position (Ministral 3's form; floors at 3, 6, 9 within 11 tokens)
+    "query_scale": {"rope": RopeConfig(theta=300.0), "query_scale": QueryScaleConfig(0.5, 3)},
+    "query_scale_nope": {  # Llama 4's NoPE layers: (p + 1) / floor_scale, float32 product
+        "query_scale": QueryScaleConfig(0.7, 2, offset=1, float32=True),
+        "sliding_window": 5,
+    },
+    # q/k norms after RoPE: Llama 4's (no gain, pairs), nanochat's (no gain, turned the other
+    # way), Hunyuan v1's (gains), one over the whole projection with a query scale
+    "norm_after_rope": {
+        "rope": RopeConfig(theta=300.0, interleaved=True),
+        "qk_norm": QKNormConfig(after_rope=True, gain=False),
+    },
+    "norm_after_reverse_rope": {
+        "rope": RopeConfig(theta=300.0, reverse=True),
+        "qk_norm": QKNormConfig("head", 1e-5, after_rope=True, gain=False),
+    },
+    "norm_after_rope_gain": {
+        "rope": RopeConfig(theta=300.0),
+        "qk_norm": QKNormConfig("head", 1e-5, after_rope=True),
+    },
+    "projection_norm_after_scaled": {
+        "rope": RopeConfig(theta=300.0),
+        "qk_norm": QKNormConfig("projection", 1e-6, after_rope=True),
+        "query_scale": QueryScaleConfig(0.3, 4),
     },
     "everything": {
         "sinks": True,
@@ -109,16 +134,20 @@ def reference(module, x, *, lengths=None, causal=True, first_position=0):
     p = {k: t.double() for k, t in module.state_dict().items()}
     qkv = F.linear(x.double(), p["wqkv.weight"], p.get("wqkv.bias"))
     q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
-    if c.qk_norm is not None and c.qk_norm.scope == "projection":
-        q, k = rms(q, p["q_norm"], c.qk_norm.eps), rms(k, p["k_norm"], c.qk_norm.eps)
+    norm = c.qk_norm
+    gains = (p.get("q_norm", 1.0), p.get("k_norm", 1.0))  # (none: a norm without a gain)
+    if norm is not None and not norm.after_rope and norm.scope == "projection":
+        q, k = rms(q, gains[0], norm.eps), rms(k, gains[1], norm.eps)
     q, k, v = q.view(B, L, H, D), k.view(B, L, KVH, D), v.view(B, L, KVH, D)
-    if c.qk_norm is not None and c.qk_norm.scope == "head":
-        q, k = rms(q, p["q_norm"], c.qk_norm.eps), rms(k, p["k_norm"], c.qk_norm.eps)
+    if norm is not None and not norm.after_rope and norm.scope == "head":
+        q, k = rms(q, gains[0], norm.eps), rms(k, gains[1], norm.eps)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, h, L, D)
     if c.rope is not None:
         R = int(D * c.rope.partial)  # the first R dims of each head turn, the rest pass
         inv = 1.0 / c.rope.theta ** (torch.arange(0, R, 2, dtype=torch.float64) / R)
         ang = torch.arange(L, dtype=torch.float64)[:, None] * inv  # (L, R/2)
+        if c.rope.reverse:  # nanochat: rotate_half [x2, -x1], the other way round
+            ang = -ang
 
         def turn(t):
             out = t.clone()
@@ -130,6 +159,17 @@ def reference(module, x, *, lengths=None, causal=True, first_position=0):
             return out
 
         q, k = turn(q), turn(k)
+    if norm is not None and norm.after_rope and norm.scope == "head":
+        q, k = rms(q, gains[0], norm.eps), rms(k, gains[1], norm.eps)
+    if norm is not None and norm.after_rope and norm.scope == "projection":
+        flat = lambda t: t.transpose(1, 2).reshape(B, L, -1)  # noqa: E731  (B, L, h*D)
+        back = lambda t, h: t.view(B, L, h, D).transpose(1, 2)  # noqa: E731
+        q = back(rms(flat(q), gains[0], norm.eps), H)
+        k = back(rms(flat(k), gains[1], norm.eps), KVH)
+    if c.query_scale is not None:  # q at position i times 1 + beta log(1 + floor(..))
+        qs = c.query_scale
+        at = torch.arange(L, dtype=torch.float64)
+        q = q * (1 + qs.beta * torch.log1p(torch.floor((at + qs.offset) / qs.floor_div)))[:, None]
     k = k.repeat_interleave(H // KVH, dim=1)
     v = v.repeat_interleave(H // KVH, dim=1)
     scores = q @ k.transpose(-2, -1) * c.scale  # (B, H, L, L)
@@ -333,7 +373,8 @@ def test_a_checkpoint_whose_sinks_are_not_finite_in_the_served_dtype_is_refused(
         ({"softcap": math.inf}, "softcap must be a finite number > 0"),
         ({"qk_norm": {"scope": "layer"}}, "qk_norm scope 'layer' is not supported"),
         ({"qk_norm": {"eps": -1.0}}, "qk_norm eps must be a finite number >= 0"),
-        ({"qk_norm": {"gain": 1}}, "unknown qk_norm key(s) ['gain']"),
+        ({"qk_norm": {"gain": 1}}, "qk_norm gain must be true or false, got 1"),
+        ({"qk_norm": {"weight": 1}}, "unknown qk_norm key(s) ['weight']"),
         ({"rope": {"partial": 0.0}}, "rope partial must be in (0, 1], got 0.0"),
         ({"rope": {"partial": 1.5}}, "rope partial must be in (0, 1], got 1.5"),
         ({"rope": {"partial": "half"}}, "rope partial must be a finite number"),
@@ -341,6 +382,15 @@ def test_a_checkpoint_whose_sinks_are_not_finite_in_the_served_dtype_is_refused(
         ({"rope": {"partial": 0.1}}, "of head_dim 8 rotates 0 dims"),
         ({"rope": {"partial": 0.5}, "head_dim": 6}, "rotates 3 dims: it must be an even"),
         ({"rope": {"interleaved": 1}}, "rope interleaved must be true or false, got 1"),
+        ({"rope": {"reverse": "yes"}}, "rope reverse must be true or false, got 'yes'"),
+        ({"qk_norm": {"after_rope": 1}}, "qk_norm after_rope must be true or false, got 1"),
+        ({"query_scale": {"beta": 0.1}}, "query_scale is missing required key(s) ['floor_div']"),
+        ({"query_scale": {"beta": 0.1, "floor_div": 0}}, "query_scale floor_div must be > 0"),
+        ({"query_scale": {"beta": -1, "floor_div": 8}}, "query_scale beta must be >= 0"),
+        ({"query_scale": {"beta": 0.1, "floor_div": 8, "offset": -1}}, "offset must be an int"),
+        ({"query_scale": {"beta": 0.1, "floor_div": 8, "x": 1}}, "unknown query_scale key"),
+        ({"chunk_size": 0, "causal": True}, "chunk_size must be >= 1"),
+        ({"chunk_size": 8}, "chunk_size needs causal = true"),
     ],
 )
 def test_bad_options_are_refused_by_name(kwargs, piece):

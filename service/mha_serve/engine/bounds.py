@@ -7,7 +7,7 @@ cached K/V count through their KeyBound, kept beside the session's record."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -148,17 +148,33 @@ def _constants(hosted: HostedModel, cache_dtype: torch.dtype, wb: WeightBounds) 
     # A scale above 1, or a soft-cap below 1, grows the scores.
     limit = score_limit(hosted.dtype, cache_dtype) / MARGIN / cfg.score_factor
     out_limit = torch.finfo(hosted.dtype).max / MARGIN
-    if wb.latent is not None:  # (latent_cleared's)
-        c = (wb, hosted.dtype, None, wb.latent, cfg.embed_dim, limit, out_limit)
+    # Queries scaled by position (query_scale): the scale grows with the position, so the
+    # largest one any query of the model may have, at max_seq_len - 1 (no session and no
+    # request is longer), bounds them all.
+    s = 1.0
+    if cfg.query_scale is not None:
+        s = cfg.query_scale.factor(hosted.spec.max_seq_len - 1)
+    if wb.latent is not None:  # (latent_cleared's; q' = [rope(q_rope); q_lat] scaled whole)
+        lb = wb.latent
+        if s != 1.0:
+            lb = replace(
+                lb,
+                **{
+                    name: getattr(lb, name) * s
+                    for name in ("q_row", "q_bias", "rope_l1_row", "rope_l1_bias")
+                    + ("latent_l1_row", "latent_l1_bias")
+                },
+            )
+        c = (wb, hosted.dtype, None, lb, cfg.embed_dim, limit, out_limit)
         return _keep(hosted, cache_dtype, c)
     c = (
         wb,
         hosted.dtype,
         math.sqrt(cfg.embed_dim),  # ||x||_2 <= sqrt(E) max|x| (projected_bounds)
         wb.rotation if cfg.rope is not None else 1.0,
-        wb.q_norm,
-        wb.q_row,
-        wb.q_bias,
+        wb.q_norm * s,
+        wb.q_row * s,
+        wb.q_bias * s,
         wb.k_norm,
         wb.k_row,
         wb.k_bias,

@@ -35,9 +35,17 @@ def model_fingerprint(hosted: HostedModel) -> str:
         del config["v_norm"]
     if not config["output_gate_per_head"]:  # (likewise its one value per head)
         del config["output_gate_per_head"]
+    for name in ("query_scale", "chunk_size"):  # (likewise)
+        if config[name] is None:
+            del config[name]
+    norm = config["qk_norm"]
+    if norm is not None:  # (likewise the q/k norm's place and gain)
+        for name, default in (("after_rope", False), ("gain", True)):
+            if norm[name] == default:
+                del norm[name]
     rope = config["rope"]
     if rope is not None:  # (likewise RoPE's interleaved pairs and partial rotation)
-        for name, default in (("interleaved", False), ("partial", 1.0)):
+        for name, default in (("interleaved", False), ("partial", 1.0), ("reverse", False)):
             if rope[name] == default:
                 del rope[name]
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())

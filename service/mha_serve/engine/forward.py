@@ -294,8 +294,9 @@ def project_and_append(
     """q, k, v (B, H|KVH, T, D) of the steps' new tokens x (B, T, E), their K/V written into
     the cache at each reservation's slots (in the cache's dtype: a narrower kv_cache_dtype is
     stored rounded). Under inference_mode."""
-    positions = None  # only rotary models use them (no cost per step otherwise)
-    if hosted.spec.attention.rope is not None:
+    positions = None  # only rotary and query-scaled models use them (no cost otherwise)
+    cfg = hosted.spec.attention
+    if cfg.rope is not None or cfg.query_scale is not None:
         # Each session's new tokens continue from its cached length; the cache keeps K
         # rotated at these absolute positions.
         T = x.shape[1]

@@ -139,9 +139,15 @@ class StaticDecode:
         ALiBi's positions come from the step's buffer). Not
         yet a q/k norm (the module's project would run it, but no test here covers it in
         fixed shapes), nor MLA (its merge is not wo alone) nor an output gate (its merge
-        takes the gate's own projection of the input): those models keep the engine's
-        step."""
-        return config.qk_norm is None and config.mla is None and not config.output_gate
+        takes the gate's own projection of the input), nor queries scaled by position
+        (project would scale them, from the step's positions, but no GPU test covers it
+        yet): those models keep the engine's step."""
+        return (
+            config.qk_norm is None
+            and config.mla is None
+            and not config.output_gate
+            and config.query_scale is None
+        )
 
     def width(self, num_keys: int) -> int:
         """The key width a step reading num_keys keys runs at."""

@@ -54,8 +54,10 @@ class Preparing:
                 f"model {spec.name!r} expects embed_dim {cfg.embed_dim}, got {embed_dim}"
             )
         if seq_len > spec.max_seq_len:
+            chunk = cfg.chunk_size  # (Llama 4's chunked layers: served up to one chunk)
+            why = "" if chunk is None else f" (its attention_chunk_size is {chunk})"
             raise InvalidRequest(
-                f"seq_len {seq_len} exceeds model {spec.name!r} max_seq_len {spec.max_seq_len}; split the input"
+                f"seq_len {seq_len} exceeds model {spec.name!r} max_seq_len {spec.max_seq_len}{why}; split the input"
             )
         if batch > spec.max_batch_size:
             raise InvalidRequest(

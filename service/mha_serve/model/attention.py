@@ -33,7 +33,7 @@ from .config import AttentionConfig
 from .norm import rms_norm
 from .output import AttentionOutput
 from .overflow import NO_OVERFLOW, OverflowCheck, score_limit
-from .rope import cos_sin, doubled, inv_freq, rotation
+from .rope import cos_sin, doubled, inv_freq, query_scales, rotation
 
 
 class MultiHeadAttention(nn.Module):
@@ -67,6 +67,8 @@ class MultiHeadAttention(nn.Module):
         if config.rope is not None:
             freq, self.rope_scaling = inv_freq(config.rope, config.rope_dim)
             freq = doubled(freq, config.rope.interleaved)  # (rope_dim,)
+            if config.rope.reverse:  # (nanochat: angles negated, sin's sign with them)
+                freq = -freq
             self.rope_freq = freq if device is None else freq.to(device)
             # q and k rotated by halves or by pairs, all of each head or its first rope_dim
             self.rotate = rotation(config.rope, config.rope_dim, config.head_dim)
@@ -96,9 +98,10 @@ class MultiHeadAttention(nn.Module):
                 dtype=dtype,
             )
         # q/k RMSNorm weights (Qwen3, OLMo-2, Gemma 3), in the state dict as q_norm, k_norm:
-        # (D,) shared by every head, or (H*D,) and (KVH*D,) over the whole projection.
+        # (D,) shared by every head, or (H*D,) and (KVH*D,) over the whole projection; none
+        # for a norm without a gain (Llama 4's, nanochat's).
         self.q_norm = self.k_norm = None
-        if config.qk_norm is not None:
+        if config.qk_norm is not None and config.qk_norm.gain:
             whole = config.qk_norm.scope == "projection"
             H, KVH, D = config.num_heads, config.num_kv_heads, config.head_dim
             for name, width in (
@@ -259,18 +262,24 @@ class MultiHeadAttention(nn.Module):
             cos_sin = (None, None)  # (NoPE: Kimi Linear's)
             if self.rope_freq is not None:
                 cos_sin = self._cos_sin(x, positions, B, L)
-            return mla.project(self, x, *cos_sin)
+            q, k, v = mla.project(self, x, *cos_sin)
+            if c.query_scale is not None:  # (q' is linear in q: the scale carries through)
+                q = self._scale_queries(q, x, positions, B, L)
+            return q, k, v
         # F.linear, not self.wqkv(x), and the parameters from the modules' own dicts, not
         # nn.Module's __getattr__ (a Python call each): a decode step is small enough for
         # each to show.
         wqkv = self._modules["wqkv"]._parameters
         qkv = F.linear(x, wqkv["weight"], wqkv["bias"])  # (B, L, (H + 2 KVH) * D)
-        norm = c.qk_norm
-        if L == 1 and norm is None and self.rope_freq is None and not c.v_norm:  # no transpose
-            # (B, H + 2 KVH, 1, D) split by heads: two view ops, not four
+        norm, scaled = c.qk_norm, c.query_scale is not None
+        if (
+            L == 1 and norm is None and self.rope_freq is None and not scaled and not c.v_norm
+        ):  # one token:
+            # (B, H + 2 KVH, 1, D) split by heads: two view ops, not four (no transpose)
             return qkv.view(B, H + 2 * KVH, 1, D).split_with_sizes([H, KVH, KVH], dim=1)
         q, k, v = qkv.split_with_sizes([H * D, KVH * D, KVH * D], dim=-1)  # (B, L, H*D | KVH*D)
-        if norm is not None and norm.scope == "projection":  # OLMo-2: over all heads at once
+        before = norm is not None and not norm.after_rope  # (Qwen3, OLMo-2, Gemma 3: before)
+        if before and norm.scope == "projection":  # OLMo-2: over all heads at once
             q, k = rms_norm(q, self.q_norm, norm.eps), rms_norm(k, self.k_norm, norm.eps)
         v = v.view(B, L, KVH, D).transpose(1, 2)  # (B, KVH, L, D)
         if c.v_norm:  # Gemma 3n, Gemma 4: each value head RMS-normed, no gain
@@ -278,17 +287,57 @@ class MultiHeadAttention(nn.Module):
         if norm is None and self.rope_freq is not None:  # q and k rotated in one call
             qk = qkv[..., : (H + KVH) * D].view(B, L, H + KVH, D).transpose(1, 2)
             qk = self.rotate(qk, *self._cos_sin(x, positions, B, L))  # (B, H + KVH, L, D)
-            return qk[:, :H], qk[:, H:], v
-        q = q.view(B, L, H, D)  # (B, L, H, D)
-        k = k.view(B, L, KVH, D)  # (B, L, KVH, D)
-        if norm is not None and norm.scope == "head":  # Qwen3, Gemma 3: each head on its own
-            q, k = rms_norm(q, self.q_norm, norm.eps), rms_norm(k, self.k_norm, norm.eps)
-        q = q.transpose(1, 2)  # (B, H, L, D)
-        k = k.transpose(1, 2)  # (B, KVH, L, D)
-        if self.rope_freq is not None:
-            cos, sin = self._cos_sin(x, positions, B, L)
-            q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)  # (B, H|KVH, L, D)
+            q, k = qk[:, :H], qk[:, H:]
+        else:
+            q = q.view(B, L, H, D)  # (B, L, H, D)
+            k = k.view(B, L, KVH, D)  # (B, L, KVH, D)
+            if before and norm.scope == "head":  # Qwen3, Gemma 3: each head on its own
+                q, k = rms_norm(q, self.q_norm, norm.eps), rms_norm(k, self.k_norm, norm.eps)
+            q = q.transpose(1, 2)  # (B, H, L, D)
+            k = k.transpose(1, 2)  # (B, KVH, L, D)
+            if self.rope_freq is not None:
+                cos, sin = self._cos_sin(x, positions, B, L)
+                q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)  # (B, H|KVH, L, D)
+            if norm is not None and norm.after_rope:  # Llama 4, nanochat, Hunyuan v1
+                q, k = self._norm_after(q, k, norm.scope, norm.eps)
+        if scaled:  # Llama 4's NoPE layers, Ministral 3: after RoPE and the norm
+            q = self._scale_queries(q, x, positions, B, L)
         return q, k, v
+
+    def _norm_after(
+        self, q: torch.Tensor, k: torch.Tensor, scope: str, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (B, H, L, D) and k (B, KVH, L, D) RMS-normed after RoPE: each head's D values,
+        or all heads' together (scope projection: over (B, L, H*D), then back)."""
+        if scope == "head":
+            return rms_norm(q, self.q_norm, eps), rms_norm(k, self.k_norm, eps)
+        out = []
+        for t, gain in ((q, self.q_norm), (k, self.k_norm)):
+            B, h, L, D = t.shape
+            flat = t.transpose(1, 2).reshape(B, L, h * D)  # (B, L, h*D)
+            out.append(rms_norm(flat, gain, eps).view(B, L, h, D).transpose(1, 2))
+        return out[0], out[1]
+
+    def _scale_queries(
+        self, q: torch.Tensor, x: torch.Tensor, positions: torch.Tensor | None, B: int, L: int
+    ) -> torch.Tensor:
+        """q (B, H, L, .) times its position's query scale (QueryScaleConfig), at positions
+        (B, L), (L,) or None (0..L-1), as transformers rounds it (rope.query_scales)."""
+        qs = self.config.query_scale
+        if positions is None:
+            positions = torch.arange(L, device=x.device)
+        positions = torch.as_tensor(positions, device=x.device)
+        if positions.dim() == 1:
+            positions = positions[None]  # (1, L)
+        if positions.shape not in ((1, L), (B, L)):
+            raise ValueError(
+                f"positions must be (seq_len,) = ({L},) or (batch, seq_len) = ({B}, {L}), "
+                f"got {tuple(positions.shape)}"
+            )
+        scale = query_scales(qs, positions)[:, None, :, None]  # (B|1, 1, L, 1) float32
+        if qs.float32:  # Llama 4: (q * scales).to(q.dtype), the product in float32
+            return (q * scale).to(q.dtype)
+        return q * scale.to(q.dtype)  # Ministral 3: the scale rounded to q's dtype first
 
     def _cos_sin(
         self, x: torch.Tensor, positions: torch.Tensor | None, B: int, L: int

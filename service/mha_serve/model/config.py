@@ -56,6 +56,9 @@ class RopeConfig:
     # With type "proportional": the fraction of each head's frequencies that are not 0, over
     # the whole head (rope_dim is head_dim).
     partial: float = 1.0
+    # Turned the other way, by -position * inv_freq (nanochat: its rotate_half is [x2, -x1],
+    # so sin's sign flips; cos and the norms are the same).
+    reverse: bool = False
 
     def __post_init__(self) -> None:
         if self.type not in ROPE_TYPES:
@@ -84,8 +87,9 @@ class RopeConfig:
             ):
                 raise ValueError(f"rope {name} must be a finite number, got {value!r}")
             object.__setattr__(self, name, float(value))
-        if not isinstance(self.interleaved, bool):
-            raise ValueError(f"rope interleaved must be true or false, got {self.interleaved!r}")
+        for name in ("interleaved", "reverse"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"rope {name} must be true or false, got {getattr(self, name)!r}")
         if not 0 < self.partial <= 1:
             raise ValueError(f"rope partial must be in (0, 1], got {self.partial}")
         if self.theta <= 0 or self.factor <= 0:
@@ -105,12 +109,16 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class QKNormConfig:
-    """RMSNorm of the projected queries and keys, before RoPE (where Qwen3, OLMo-2 and
-    Gemma 3 apply it): x / sqrt(mean(x^2) + eps) * weight, in float32, over `scope`. The
-    weights (q_norm, k_norm) come from the checkpoint; Gemma's 1 + w is folded at load."""
+    """RMSNorm of the projected queries and keys: x / sqrt(mean(x^2) + eps) * weight, in
+    float32, over `scope`; before RoPE (where Qwen3, OLMo-2 and Gemma 3 apply it) or after
+    it (Llama 4's L2Norm, nanochat's, Hunyuan v1's). The weights (q_norm, k_norm) come from
+    the checkpoint; Gemma's 1 + w is folded at load; without a gain there are none (Llama 4,
+    nanochat: x * rsqrt(mean(x^2) + eps) alone)."""
 
     scope: str = "head"  # one of QK_NORM_SCOPES
     eps: float = 1e-6
+    after_rope: bool = False  # True: q and k rotated first, then normed
+    gain: bool = True  # False: no q_norm, k_norm weights (a gain of 1)
 
     def __post_init__(self) -> None:
         if self.scope not in QK_NORM_SCOPES:
@@ -123,10 +131,64 @@ class QKNormConfig:
         if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 <= eps < math.inf:
             raise ValueError(f"qk_norm eps must be a finite number >= 0, got {eps!r}")
         object.__setattr__(self, "eps", float(eps))
+        for name in ("after_rope", "gain"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"qk_norm {name} must be true or false, got {getattr(self, name)!r}"
+                )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QKNormConfig:
         return _from_table(cls, d, "qk_norm")
+
+
+@dataclass(frozen=True)
+class QueryScaleConfig:
+    """Queries scaled by their absolute position p (Llama 4's attention temperature tuning
+    on its NoPE layers, Ministral 3's and Mistral 4's llama_4_scaling_beta): q times
+    1 + beta * log(1 + floor((p + offset) / floor_div)), after RoPE and the q/k norm; the
+    keys are not scaled. In float32 from float32 positions, as transformers computes it;
+    then either the scale rounded to q's dtype and multiplied in it (Ministral 3's
+    get_llama_4_attn_scale(..).to(q.dtype)), or q times the float32 scale in float32,
+    rounded after (float32 true: Llama 4's (q * scales).to(q.dtype), whose log is log1p)."""
+
+    beta: float  # Llama 4's attn_scale; Ministral 3's llama_4_scaling_beta
+    floor_div: float  # Llama 4's floor_scale; Ministral 3's original_max_position_embeddings
+    offset: int = 0  # added to the position first (Llama 4: 1)
+    float32: bool = False  # True: the product in float32 (Llama 4); False: in q's dtype
+
+    def __post_init__(self) -> None:
+        for name in ("beta", "floor_div"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+            ):
+                raise ValueError(f"query_scale {name} must be a finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if not self.floor_div > 0:
+            raise ValueError(f"query_scale floor_div must be > 0, got {self.floor_div}")
+        if self.beta < 0:  # (a negative one could scale a query by zero or flip its sign)
+            raise ValueError(f"query_scale beta must be >= 0, got {self.beta}")
+        if isinstance(self.offset, bool) or not isinstance(self.offset, int) or self.offset < 0:
+            raise ValueError(f"query_scale offset must be an int >= 0, got {self.offset!r}")
+        if not isinstance(self.float32, bool):
+            raise ValueError(f"query_scale float32 must be true or false, got {self.float32!r}")
+
+    def factor(self, position: int) -> float:
+        """A bound on the scale at positions 0..position (it only grows with p), in float64:
+        1% over the exact value, for its float32 computation and its rounding to a half
+        precision (at most 2^-8 of it) before or after the product."""
+        steps = math.floor((position + self.offset) / self.floor_div)
+        return (1.0 + self.beta * math.log1p(steps)) * 1.01
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QueryScaleConfig:
+        missing = [name for name in ("beta", "floor_div") if name not in d]
+        if missing:
+            raise ValueError(f"query_scale is missing required key(s) {missing}")
+        return _from_table(cls, d, "query_scale")
 
 
 @dataclass(frozen=True)
@@ -225,6 +287,13 @@ class AttentionConfig:
     # multiplying every dim of that head's output. (The same as a per-dim gate whose rows
     # repeat each head's head_dim times, at 1/head_dim of its projection's cost.)
     output_gate_per_head: bool = False
+    # Queries scaled by position (QueryScaleConfig; a dict is read as its fields): Llama 4's
+    # NoPE layers, Ministral 3, Mistral 4. None: none.
+    query_scale: QueryScaleConfig | None = None
+    # Chunked attention (Llama 4's RoPE layers): a query at p sees keys from
+    # floor(p / chunk_size) * chunk_size to p. Served up to chunk_size positions only, where
+    # it is causal attention: a model's max_seq_len may not pass it (spec.py). None: none.
+    chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         # Values often come from TOML or safetensors metadata, so check types
@@ -252,6 +321,12 @@ class AttentionConfig:
             raise ValueError(
                 f"qk_norm must be a table of QKNormConfig fields, got {self.qk_norm!r}"
             )
+        if isinstance(self.query_scale, dict):
+            object.__setattr__(self, "query_scale", QueryScaleConfig.from_dict(self.query_scale))
+        if self.query_scale is not None and not isinstance(self.query_scale, QueryScaleConfig):
+            raise ValueError(
+                f"query_scale must be a table of QueryScaleConfig fields, got {self.query_scale!r}"
+            )
         if self.sliding_window is not None:
             _check_positive_int("sliding_window", self.sliding_window)
         if self.v_norm and (self.qk_norm is None or self.qk_norm.scope != "head"):
@@ -260,6 +335,12 @@ class AttentionConfig:
                 "eps (as Gemma 3n and Gemma 4 norm q, k and v with one rms_norm_eps); set "
                 'qk_norm = { scope = "head", eps = ... }, or leave v_norm out'
             )
+        if self.chunk_size is not None:
+            _check_positive_int("chunk_size", self.chunk_size)
+            if not self.causal:
+                raise ValueError(
+                    "chunk_size needs causal = true: chunked attention is causal within a chunk"
+                )
         if isinstance(self.mla, dict):
             object.__setattr__(self, "mla", MLAConfig.from_dict(self.mla))
         if self.mla is not None:
@@ -425,11 +506,18 @@ class AttentionConfig:
     def to_dict(self) -> dict[str, Any]:
         """Every field, resolved (no None: the options only when set, sinks, alibi,
         alibi_bfloat16, output_gate, output_gate_per_head and v_norm only when True,
-        alibi_bias_max only with alibi; rope, qk_norm and mla as dicts of their fields), so the
-        dict is the config on its own."""
+        alibi_bias_max only with alibi; rope, qk_norm, mla and query_scale as dicts of their
+        fields), so the dict is the config on its own."""
         d = asdict(self)
         if not self.alibi:
             del d["alibi_bias_max"]
+        norm = d["qk_norm"]
+        if norm is not None:  # (its place and gain only when not the default: before, with)
+            for name, default in (("after_rope", False), ("gain", True)):
+                if norm[name] == default:
+                    del norm[name]
+        if d["rope"] is not None and not d["rope"]["reverse"]:  # (likewise)
+            del d["rope"]["reverse"]
         return {k: v for k, v in d.items() if v is not None and (k not in _SET_ONLY or v)}
 
     @classmethod

@@ -79,7 +79,7 @@ def pool_kv_heads(module: MultiHeadAttention, num_kv_heads: int) -> MultiHeadAtt
         bq, bk, bv = module.wqkv.bias.detach().split([q_rows, KVH * D, KVH * D])
         state["wqkv.bias"] = torch.cat([bq, pool(bk), pool(bv)])
         state["wo.bias"] = module.wo.bias.detach()
-    if c.qk_norm is not None:
+    if c.qk_norm is not None and c.qk_norm.gain:
         k_norm = module.k_norm.detach()
         state["q_norm"] = module.q_norm.detach()
         state["k_norm"] = pool(k_norm) if c.qk_norm.scope == "projection" else k_norm

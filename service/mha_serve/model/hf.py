@@ -195,7 +195,7 @@ def load_hf_layer(
     if c.mla is not None:
         return _load_mla(info, device, dtype), info
     names = _NAMES["rotary" if info.family not in _NAMES else info.family]
-    if c.qk_norm is not None:
+    if c.qk_norm is not None and c.qk_norm.gain:
         names = {**names, **_OWN_NORM_NAMES.get(info.family, _NORM_NAMES)}
     own_gate = OWN_GATE.get(info.family) if c.output_gate else None
     if own_gate is not None:  # (AFMoE's gate_proj, ...: a projection beside q_proj)
@@ -266,7 +266,7 @@ def load_hf_layer(
         state["wgate.weight"] = gate
         if c.bias:
             state["wgate.bias"] = gate_bias
-    if c.qk_norm is not None:
+    if c.qk_norm is not None and c.qk_norm.gain:
         whole = c.qk_norm.scope == "projection"
         for key, heads in (("q_norm", H), ("k_norm", KVH)):
             gain = _get(tensors, names[key] + ".weight", ((heads if whole else 1) * D,))

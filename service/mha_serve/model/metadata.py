@@ -13,7 +13,7 @@ from typing import Any
 from .config import AttentionConfig
 
 # Config fields stored as JSON tables (the rest as plain strings).
-TABLE_FIELDS = ("rope", "qk_norm", "mla")
+TABLE_FIELDS = ("rope", "qk_norm", "mla", "query_scale")
 # A safetensors file starts with the header's length (u64, little-endian), then its JSON.
 _MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
 
@@ -61,7 +61,9 @@ def _parse_value(s: str, *, json_value: bool = False) -> Any:
     low = s.strip().lower()
     if json_value and low != "none":
         try:
-            return json.loads(s)  # a table (rope, qk_norm, mla), written by save_checkpoint
+            return json.loads(
+                s
+            )  # a table (rope, qk_norm, mla, query_scale), written by save_checkpoint
         except json.JSONDecodeError:
             return s  # AttentionConfig rejects it with the field's name
     if low in ("true", "false"):

@@ -19,7 +19,8 @@ _RESCALE_ABOVE = 2.0**32
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, in float32 (as transformers'
     Qwen3, OLMo-2 and Gemma 3 norms), back in x's dtype; weight None: no gain (Gemma 3n's
-    and Gemma 4's v_norm). A row whose max |x| is past 2^32 is
+    and Gemma 4's v_norm, Llama 4's L2Norm: x * rsqrt(mean(x^2) + eps) in float32, type_as(x)).
+    A row whose max |x| is past 2^32 is
     divided by a power of two near it first (eps by its square): the same value, computed
     without x^2 overflowing; other rows are computed exactly as transformers does."""
     xf = x.float()
@@ -27,9 +28,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     scale = torch.where(amax > _RESCALE_ABOVE, torch.exp2(torch.floor(torch.log2(amax))), 1.0)
     xf = xf / scale
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps / scale.square())
-    if weight is not None:
-        normed = normed * weight.float()
-    return normed.to(x.dtype)
+    if weight is None:
+        return normed.to(x.dtype)
+    return (normed * weight.float()).to(x.dtype)
 
 
 def norm_bound(gain: torch.Tensor, n: int, eps: float) -> torch.Tensor:

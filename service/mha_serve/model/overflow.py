@@ -282,6 +282,8 @@ def _plain_bounds(module: torch.nn.Module, rotation: float) -> WeightBounds:
         for i, (w, heads) in enumerate(
             ((module.q_norm, c.num_heads), (module.k_norm, c.num_kv_heads))
         ):
+            if w is None:  # a norm without a gain (Llama 4's, nanochat's): a gain of 1
+                w = torch.ones(1, dtype=torch.float64)
             n = (heads if whole else 1) * c.head_dim
             norms[i] = float(norm_bound(w, n, c.qk_norm.eps))
     v_norm = 0.0

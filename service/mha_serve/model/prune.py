@@ -90,7 +90,7 @@ def prune_heads(module: MultiHeadAttention, heads: Sequence[int]) -> MultiHeadAt
     if c.bias:
         state["wqkv.bias"] = qkv(module.wqkv.bias)
         state["wo.bias"] = module.wo.bias.detach()
-    if c.qk_norm is not None:  # per head: (D,) gains every head shares, kept as they are
+    if c.qk_norm is not None and c.qk_norm.gain:  # per head: (D,) gains every head shares
         state["q_norm"], state["k_norm"] = module.q_norm.detach(), module.k_norm.detach()
     if c.sinks:  # one per query head: the kept heads' (each head's softmax is its own)
         state["sinks"] = module.sinks.detach()[q_kept]

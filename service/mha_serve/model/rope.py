@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from .config import RopeConfig
+from .config import QueryScaleConfig, RopeConfig
 
 
 def inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -127,3 +127,26 @@ def rotation(rope: RopeConfig, rope_dim: int, head_dim: int) -> Callable[..., to
         return torch.cat([turn(x[..., :rope_dim], cos, sin), x[..., rope_dim:]], dim=-1)
 
     return rotate_part
+
+
+def query_scales(qs: QueryScaleConfig, positions: torch.Tensor) -> torch.Tensor:
+    """The query scale (QueryScaleConfig) at each of positions (any shape), float32, computed
+    as transformers does: Llama 4's log1p(floor((p + 1.0) / floor_scale)) * attn_scale + 1.0
+    (float32 true), Ministral 3's 1 + beta * log(1 + floor(p / original_max)) (otherwise)."""
+    p = positions.float()
+    if qs.offset:
+        p = p + float(qs.offset)
+    steps = torch.floor(p / qs.floor_div)
+    if qs.float32:
+        return torch.log1p(steps) * qs.beta + 1.0
+    return 1 + qs.beta * torch.log(1 + steps)
+
+
+def scale_one(qs: QueryScaleConfig, q: torch.Tensor, position: int) -> torch.Tensor:
+    """q times the query scale at one position (a lone decode step's), rounded as the
+    module's project rounds it: the float32 scale computed on the host (query_scales), then
+    in q's dtype or (float32 true) the product in float32."""
+    scale = query_scales(qs, torch.tensor(position)).item()  # (a float32 value, exactly)
+    if qs.float32:
+        return (q.float() * scale).to(q.dtype)
+    return q * torch.tensor(scale, dtype=torch.float32).to(q.dtype).item()

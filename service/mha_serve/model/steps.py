@@ -19,7 +19,7 @@ from .norm import rms_norm
 from .output import AttentionOutput
 from .padded import attend_padded as padded_attention
 from .padded import padded_mask
-from .rope import cos_sin
+from .rope import cos_sin, scale_one
 
 
 def attend_cached(
@@ -218,20 +218,28 @@ def decode_one(
     # q (1, H, 1, D) and K, V (1, 2 KVH, 1, D), each one as_strided over qkv's row (a
     # view and a split are four dispatches)
     strides = ((H + 2 * KVH) * D, D, D, 1)
-    norm = c.qk_norm
-    if self.rope_freq is None and norm is None:
+    norm, qs = c.qk_norm, c.query_scale
+    if self.rope_freq is None and norm is None and qs is None:
         q = qkv.as_strided((1, H, 1, D), strides)
         kv = qkv.as_strided((1, 2 * KVH, 1, D), strides, qkv.storage_offset() + H * D)
         kv_slot.copy_(kv)  # K and V at once
-    else:  # q and K normed per head, then rotated at the token's position, S - 1
+    else:  # q and K normed per head and rotated at the token's position, S - 1, in the
+        # config's order; then q scaled for that position
         qk = qkv.as_strided((1, H + KVH, 1, D), strides)
-        if norm is not None:  # project's two rms_norm calls, in one: q's and K's gains
+        gains = None
+        if norm is not None and norm.gain:  # project's two rms_norm calls, in one
             params = self._parameters
             gains = (params["q_norm"].expand(H, D), params["k_norm"].expand(KVH, D))
-            qk = rms_norm(qk, torch.cat(gains)[:, None], norm.eps)  # (H + KVH, 1, D)
+            gains = torch.cat(gains)[:, None]  # (H + KVH, 1, D): q's and K's gains
+        position = keys.shape[2] - 1
+        if norm is not None and not norm.after_rope:
+            qk = rms_norm(qk, gains, norm.eps)  # (H + KVH, 1, D)
         if self.rope_freq is not None:
-            position = keys.shape[2] - 1
             qk = self.rotate(qk, *cos_sin(self.rope_freq, self.rope_scaling, position, x.dtype))
+        if norm is not None and norm.after_rope:
+            qk = rms_norm(qk, gains, norm.eps)
+        if qs is not None:  # (K is not scaled: a copy of q's part)
+            qk = torch.cat([scale_one(qs, qk[:, :H], position), qk[:, H:]], dim=1)
         q = qk[:, :H]
         kv_slot[:, :KVH].copy_(qk[:, H:])
         v = qkv.as_strided((1, KVH, 1, D), strides, qkv.storage_offset() + (H + KVH) * D)

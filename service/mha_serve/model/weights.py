@@ -220,7 +220,7 @@ def _mha_shapes(config: AttentionConfig) -> dict[str, tuple[int, ...]]:
     if config.bias:
         shapes["wqkv.bias"] = (config.qkv_dim,)
         shapes["wo.bias"] = (config.embed_dim,)
-    if config.qk_norm is not None:
+    if config.qk_norm is not None and config.qk_norm.gain:
         whole = config.qk_norm.scope == "projection"
         H, KVH, D = config.num_heads, config.num_kv_heads, config.head_dim
         shapes["q_norm"] = (H * D if whole else D,)

@@ -248,6 +248,18 @@ def model_config(hosted: ModelView, *, sessions: bool, session_ttl_s: float) -> 
         described["sliding_window"] = cfg.sliding_window
     if cfg.qk_norm is not None:
         described["qk_norm"] = f"{cfg.qk_norm.scope}, eps {cfg.qk_norm.eps:g}"
+        if cfg.qk_norm.after_rope:
+            described["qk_norm"] += ", after rope"
+        if not cfg.qk_norm.gain:
+            described["qk_norm"] += ", no gain"
+    if cfg.query_scale is not None:
+        qs = cfg.query_scale
+        described["query_scale"] = (
+            f"beta {qs.beta:g}, floor_div {qs.floor_div:g}, offset {qs.offset}"
+            + (", float32" if qs.float32 else "")
+        )
+    if cfg.chunk_size is not None:
+        described["chunk_size"] = cfg.chunk_size
     if cfg.softcap is not None:
         described["softcap"] = f"{cfg.softcap:g}"
     if cfg.sinks:
@@ -273,6 +285,7 @@ def model_config(hosted: ModelView, *, sessions: bool, session_ttl_s: float) -> 
         described["rope"] = (
             f"{rope.type}, theta {rope.theta:g}"
             + (", interleaved pairs" if rope.interleaved else "")
+            + (", reversed" if rope.reverse else "")
             + (f", partial {rope.partial:g}" if rope.partial != 1 else "")
         )
     for name, (kind, what) in PARAMETERS.items():
