@@ -1000,13 +1000,6 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
             1,
             "exaone4 without layer_types derives them",
         ),
-        # Ministral 3 (the text model of newer Mistral3 checkpoints): scaled queries
-        (
-            Mistral3Config(text_config={"model_type": "ministral3", **SMALL}),
-            {},
-            0,
-            "model_type 'ministral3' (architectures ?) is not supported (its queries",
-        ),
         # OLMo 3 with a rope_theta of its own and no tables: transformers 5 gives its local
         # layers 500000 anyway (4.x gave them rope_theta)
         (
@@ -1251,7 +1244,6 @@ SLIDING_FIRST = ["sliding_attention", "full_attention"]
         "smollm3_no_rope_layers_short",
         "exaone4_layer_types_underivable",
         "exaone4_pattern_without_window",
-        "mistral3_ministral3",
         "olmo3_rope_theta_untabled",
         "minimax_m2_rotary_dim_odd",
         "minimax_m2_rotary_dim_past_head",

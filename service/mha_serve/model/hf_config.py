@@ -11,12 +11,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .config import AttentionConfig, MLAConfig, QKNormConfig, RopeConfig
+from .config import AttentionConfig, MLAConfig, QKNormConfig, QueryScaleConfig, RopeConfig
 from .hf_families import (
     ALIASES,
     ALL,
     BIAS,
     CODEGEN_GROUPS,
+    DEFAULT_ROPE,
     DEFAULTS,
     DERIVED_SLIDING,
     FAMILIES,
@@ -26,6 +27,7 @@ from .hf_families import (
     LAYER_TYPES,
     LAYERNORM_QK,
     LEGACY_LAYER_TYPES,
+    LLAMA4_SCALING,
     MHA_ONLY,
     MLA,
     MLA_INTERLEAVE_KEY,
@@ -54,6 +56,7 @@ from .hf_families import (
     ROTARY,
     SCALE,
     SCALE_OPTIONAL,
+    SCALED_CONTEXT,
     UNSERVED,
     WINDOW_EVERY_LAYER,
     WINDOW_SWITCH,
@@ -439,6 +442,9 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
     # bfloat16(slope) * position in bfloat16, to q . k and scales both by 1 / sqrt(head_dim)
     alibi = family == "falcon" and bool(cfg.get("alibi"))
     alibi_form = {"alibi_scale": D**-0.5, "alibi_bfloat16": True} if alibi else {}
+    query_scale = None
+    if family in LLAMA4_SCALING:
+        query_scale = _llama4_scaling(cfg, family, rope, where)
     try:
         return AttentionConfig(
             E,
@@ -458,6 +464,7 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
             # Qwen3-Next's: sigmoid(gate) * the heads' output; AFMoE's from a gate_proj
             output_gate=family in OUTPUT_GATE or _own_gate(cfg, family),
             output_gate_per_head=_own_gate(cfg, family) and OWN_GATE[family][1],
+            query_scale=query_scale,
         )
     except ValueError as e:
         raise ValueError(f"{where}: layer {layer}: {e}") from None
@@ -563,6 +570,42 @@ def _mla_rope(
         mscale = 0.1 * float(all_dim) * math.log(rope.factor) + 1.0
         scale *= mscale * mscale
     return rope, scale
+
+
+def _llama4_scaling(
+    cfg: dict[str, Any], family: str, rope: RopeConfig | None, where: Path
+) -> QueryScaleConfig | None:
+    """Ministral 3's and Mistral 4's query scale (get_llama_4_attn_scale): 1 + beta *
+    log(1 + floor(p / original_max_position_embeddings)), both from the RoPE table as their
+    config standardises it (the pretraining context beside the table wins for yarn and
+    llama3, as read_rope reads it), the scale rounded to q's dtype. None for a beta of 0 (a
+    scale of 1). A beta or context the table lacks or sets null is refused: transformers'
+    attention computes with it and fails."""
+    name = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    table = cfg.get(name) or DEFAULT_ROPE.get(family, {})
+    table = table if isinstance(table, dict) else {}
+    beta = table.get("llama_4_scaling_beta")
+    context = table.get("original_max_position_embeddings")
+    if rope is not None and rope.type in SCALED_CONTEXT:
+        context = rope.original_max_position_embeddings
+    for key, value in (
+        ("llama_4_scaling_beta", beta),
+        ("original_max_position_embeddings", context),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise ValueError(
+                f"{where}: {family} {name}.{key} must be a number >= 0, got {value!r}: its "
+                "attention scales each query by 1 + llama_4_scaling_beta * log(1 + "
+                "floor(position / original_max_position_embeddings)) and fails without it"
+            )
+    if not context > 0:
+        raise ValueError(
+            f"{where}: {family} {name}.original_max_position_embeddings must be > 0 (its "
+            f"query scale divides the position by it), got {context!r}"
+        )
+    if beta == 0:
+        return None
+    return QueryScaleConfig(beta=float(beta), floor_div=float(context))
 
 
 def _falcon_kv_heads(cfg: dict[str, Any], H: int, where: Path) -> int:

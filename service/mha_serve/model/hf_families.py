@@ -84,6 +84,7 @@ FAMILIES = (
     "olmo_hybrid",  # OLMo-2's q/k norm, NoPE where theta is null; Gated DeltaNet layers
     "minimax",  # MiniMax-01: Mixtral's on its softmax layers; lightning attention on the others
     "recurrent_gemma",  # local attention (MQA, half-head RoPE, a window) among RG-LRU blocks
+    "ministral3",  # Mistral's, its queries scaled by position (LLAMA4_SCALING)
     # multi-head latent attention (MLA: low-rank q and kv projections, one latent per token;
     # hf_config._mla): DeepSeek-V2/V3 (and Kimi K2), GLM-4.7-Flash, MiniCPM3
     "deepseek_v2",
@@ -433,6 +434,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-5,  # (its q_norm and k_norm take it)
         "rope_theta": 11_158_840.0,
     },
+    "ministral3": {
+        **{"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8},
+        **{"head_dim": 128, "max_position_embeddings": 262144, "rms_norm_eps": 1e-5},
+    },
     "cwm": {
         "num_key_value_heads": 8,
         "head_dim": 128,
@@ -623,6 +628,7 @@ _HEAD_DIM_FILLED = (
     "hyperclovax",  # (HyperCLOVAXConfig fills it: hidden_size / num_attention_heads)
     "jais2",  # (Jais2Config too)
     "minimax",  # (MiniMaxAttention: head_dim or hidden_size / num_attention_heads)
+    "ministral3",  # (Ministral3Config too)
     # (not read: their configs set head_dim to qk_rope_head_dim, whatever config.json says;
     # DeepSeek-V3's rotary embedding fails on a null one first; GLM-4.7-Flash's head_dim is
     # another name of qk_rope_head_dim, ALIASES', and a null one nulls that)
@@ -758,6 +764,10 @@ BIAS: dict[str, str | bool] = {
     # (JambaAttention and NemotronHAttention build their projections without biases, whatever
     # attention_bias says)
     **dict.fromkeys(("jamba", "nemotron_h"), False),
+    **dict.fromkeys(
+        ("ministral3",),
+        False,
+    ),
 }
 # o_proj's bias where it is not q/k/v's: its key, or fixed (a missing one is served as 0).
 O_BIAS: dict[str, str | bool] = {
@@ -780,6 +790,10 @@ QK_NORM = {
     **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4", *OUTPUT_GATE), "head"),
     **dict.fromkeys(("olmo2", "olmoe", "olmo3"), "projection"),
 }
+# Families whose queries are scaled by position (Ministral3Attention's get_llama_4_attn_scale:
+# 1 + beta * log(1 + floor(p / original_max_position_embeddings)), the scale rounded to q's
+# dtype), beta and the context from the RoPE table (llama_4_scaling_beta).
+LLAMA4_SCALING = ("ministral3",)
 # Families whose q/k norm (QK_NORM's) is there only when a config.json key turns it on.
 QK_NORM_SWITCH = {"glm4_moe": "use_qk_norm"}
 # The key of the q/k norm's eps where it is not rms_norm_eps (Lfm2Config's norm_eps).
@@ -797,6 +811,9 @@ SCALE_OPTIONAL = ("hyperclovax",)
 # sliding_window on every layer where it is set (Qwen3-MoE: with use_sliding_window).
 WINDOW_EVERY_LAYER = ("mistral", "mixtral", "phi3", "starcoder2", "qwen3_moe", "phimoe")
 WINDOW_EVERY_LAYER += ("minimax",)  # (MiniMaxModel: on each of its softmax attention layers)
+WINDOW_EVERY_LAYER += (
+    "ministral3",
+)  # (Ministral3Model: a sliding mask for every layer when the window is set)
 # Families whose sliding_window counts only with use_sliding_window (their configs drop it).
 WINDOW_SWITCH = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3")
 # Families that read layer_types, and how their configs derive them when config.json has
@@ -961,7 +978,6 @@ MPT_ATTN_IMPLS = ("torch", "flash", "triton")
 UNSERVED = {
     "hunyuan_v1_dense": "its q/k norm comes after RoPE",
     "hunyuan_v1_moe": "its q/k norm comes after RoPE",
-    "ministral3": "its queries are scaled by position (llama_4_scaling_beta)",
     "llama4": "chunked attention, L2 q/k norm and NoPE layers with temperature tuning",
     "mistral4": "its queries are scaled by position (llama_4_scaling_beta)",
     "deepseek_v32": "sparse attention: a lightning indexer picks each query's top-k keys",
@@ -1065,6 +1081,17 @@ DEFAULT_ROPE: dict[str, dict[str, Any]] = {
         "beta_slow": 1.0,
         "truncate": False,
         "original_max_position_embeddings": 4096,
+    },
+    "ministral3": {  # (Ministral3Config's, its query scale's beta and context included)
+        "rope_type": "yarn",
+        "rope_theta": 1_000_000.0,
+        "factor": 16.0,
+        "original_max_position_embeddings": 16384,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale_all_dim": 1.0,
+        "mscale": 1.0,
+        "llama_4_scaling_beta": 0.1,
     },
     "cwm": {  # (CwmConfig's, theta included: a rope_theta beside it is ignored)
         "rope_type": "llama3",

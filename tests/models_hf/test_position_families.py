@@ -1,0 +1,144 @@
+"""Families whose queries are scaled by position or whose q/k norm comes after RoPE
+(Ministral 3, Llama 4, nanochat, Hunyuan v1, Mistral 4), served against transformers' own
+attention module loaded from the same directory: one pass over positions crossing the
+query scale's floors, and the same tokens fed in steps through its DynamicCache against the
+module's steps projected at their absolute positions (as a session's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    DynamicCache,
+    Ministral3Config,
+    Ministral3Model,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
+)
+
+from mha_serve.model.hf import load_hf_layer
+from mha_serve.model.hf_config import read_hf_layer
+from tests.models_hf.reference import attention_module, layer_mask
+from tests.models_hf.test_config_json import SMALL, checkpoint
+
+L = 40
+CUTS = [0, 7, 8, 9, 17, 18, 30, 40]  # a prompt, single tokens and chunks across the floors
+ATOL = 1e-5
+
+
+@torch.no_grad()
+def transformers_steps(base, layer: int, x: torch.Tensor, cuts: list[int]) -> torch.Tensor:
+    """transformers' attention of `layer` over x (1, L, E) fed in chunks [cuts[i],
+    cuts[i+1]) through a DynamicCache, at absolute positions (its position_ids and
+    cache_position; the rotary table of those positions): the chunks' outputs, (1, L, E)."""
+    cache = DynamicCache(config=base.config)
+    outs = []
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        pos = torch.arange(a, b)[None]  # (1, n)
+        chunk = x[:, a:b]
+        mask = layer_mask(base, layer, chunk, pos, cache)
+        out = attention_module(base, layer)(
+            chunk,
+            attention_mask=mask,
+            position_ids=pos,
+            cache_position=pos[0],
+            past_key_values=cache,
+            position_embeddings=base.rotary_emb(chunk, pos),
+        )[0]
+        outs.append(out)
+    return torch.cat(outs, dim=1)
+
+
+@torch.no_grad()
+def served_steps(module, x: torch.Tensor, cuts: list[int]) -> torch.Tensor:
+    """The served module over the same chunks: each projected at its absolute positions,
+    its K/V appended, attended over every key so far (attend_cached)."""
+    keys, values, outs = [], [], []
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        q, k, v = module.project(x[:, a:b], torch.arange(a, b))
+        keys.append(k)
+        values.append(v)
+        kv = [(torch.cat(keys, dim=2), torch.cat(values, dim=2))]
+        outs.append(module.attend_cached(q, kv, past_lengths=[a], new_lengths=[b - a]).output)
+    return torch.cat(outs, dim=1)
+
+
+def assert_served_in_one_pass_and_in_steps(directory, cls, layer: int) -> None:
+    base = cls.from_pretrained(directory, attn_implementation="eager").eval()
+    base = getattr(base, "model", None) or base
+    module, _ = load_hf_layer(directory, layer)
+    x = torch.randn(1, L, base.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    whole = transformers_steps(base, layer, x, [0, L])
+    with torch.no_grad():
+        got = module(x, causal=True).output
+    torch.testing.assert_close(got, whole, atol=ATOL, rtol=ATOL)
+    steps = transformers_steps(base, layer, x, CUTS)
+    torch.testing.assert_close(steps, whole, atol=ATOL, rtol=ATOL)  # (its own cache's)
+    torch.testing.assert_close(served_steps(module, x, CUTS), steps, atol=ATOL, rtol=ATOL)
+
+
+# Ministral 3: yarn RoPE with the query scale over a pretraining context of 8 (floors at 8,
+# 16, 24, 32 within the 40 tokens), GQA 8:2, head_dim 16 != 64 / 8
+MINISTRAL3_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 500.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 8,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "llama_4_scaling_beta": 0.5,
+}
+
+
+def ministral3_config(**edits) -> Ministral3Config:
+    options = {"num_key_value_heads": 2, "head_dim": 16, "rope_parameters": MINISTRAL3_ROPE}
+    return Ministral3Config(**{**SMALL, **options, **edits})
+
+
+@pytest.mark.parametrize("window", [None, 12])
+def test_ministral3_is_served_as_transformers_runs_it(tmp_path, window):
+    config = ministral3_config(sliding_window=window)
+    directory = checkpoint(tmp_path, Ministral3Model, config)
+    served = read_hf_layer(directory, 1).attention
+    assert served.query_scale is not None and served.query_scale.floor_div == 8.0
+    assert served.sliding_window == window
+    assert_served_in_one_pass_and_in_steps(directory, Ministral3Model, 1)
+
+
+def test_ministral3_without_its_scaling_beta_is_refused_by_name(tmp_path):
+    rope = {k: v for k, v in MINISTRAL3_ROPE.items() if k != "llama_4_scaling_beta"}
+    directory = checkpoint(tmp_path, Ministral3Model, ministral3_config(), rope_parameters=rope)
+    with pytest.raises(ValueError, match=r"rope_parameters.llama_4_scaling_beta must be a number"):
+        read_hf_layer(directory, 0)
+
+
+def test_a_mistral3_whose_text_model_is_ministral3_serves_it(tmp_path):
+    """Mistral Small 3.x / Ministral 3 checkpoints wrap a ministral3 text model in mistral3:
+    its language model is served with the query scale (it was refused)."""
+    config = Mistral3Config(
+        text_config=ministral3_config().to_dict(),
+        vision_config={
+            "model_type": "pixtral",
+            "hidden_size": 32,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "head_dim": 16,
+            "image_size": 28,
+            "patch_size": 14,
+        },
+    )
+    directory = checkpoint(tmp_path, Mistral3ForConditionalGeneration, config)
+    info = read_hf_layer(directory, 0)
+    assert info.attention.query_scale is not None and info.tensor_scope == "language_model"
+    base = Mistral3ForConditionalGeneration.from_pretrained(
+        directory, attn_implementation="eager"
+    ).eval()
+    text = base.model.language_model
+    module, _ = load_hf_layer(directory, 0)
+    x = torch.randn(1, L, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = module(x, causal=True).output
+    torch.testing.assert_close(got, transformers_steps(text, 0, x, [0, L]), atol=ATOL, rtol=ATOL)
