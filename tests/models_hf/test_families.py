@@ -1292,7 +1292,6 @@ REFUSED_FAMILIES = {
     "hrm_text": "two stacks run recurrently (L_module and H_module",
     "diffllama": "differential attention",
     "bitnet": "(attn_sub_norm)",
-    "nanochat": "comes after RoPE",
     "doge": "a dynamic mask",
     "jetmoe": "a mixture of attention heads",
     "llama4_text": "chunked attention",

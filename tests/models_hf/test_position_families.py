@@ -14,6 +14,8 @@ from transformers import (
     Ministral3Model,
     Mistral3Config,
     Mistral3ForConditionalGeneration,
+    NanoChatConfig,
+    NanoChatModel,
 )
 
 from mha_serve.model.hf import load_hf_layer
@@ -142,3 +144,13 @@ def test_a_mistral3_whose_text_model_is_ministral3_serves_it(tmp_path):
     with torch.no_grad():
         got = module(x, causal=True).output
     torch.testing.assert_close(got, transformers_steps(text, 0, x, [0, L]), atol=ATOL, rtol=ATOL)
+
+
+def test_nanochat_is_served_as_transformers_runs_it(tmp_path):
+    """nanochat: RoPE by its own rotate_half ([x2, -x1]: the other way round), then a q/k
+    RMSNorm without gains; GQA 8:2 here (its config's num_key_value_heads)."""
+    config = NanoChatConfig(num_key_value_heads=2, **SMALL)
+    directory = checkpoint(tmp_path, NanoChatModel, config)
+    norm = read_hf_layer(directory, 1).attention.qk_norm
+    assert norm.after_rope and not norm.gain
+    assert_served_in_one_pass_and_in_steps(directory, NanoChatModel, 1)

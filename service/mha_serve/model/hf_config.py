@@ -49,6 +49,7 @@ from .hf_families import (
     PARTIAL_ROPE,
     PROPERTIES,
     QK_NORM,
+    QK_NORM_AFTER_ROPE,
     QK_NORM_EPS,
     QK_NORM_SWITCH,
     RENAMED,
@@ -425,7 +426,10 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
     if family in QK_NORM and (switch is None or cfg.get(switch)):
         # before RoPE; per head, or over the whole projection
         eps = cfg.get(QK_NORM_EPS.get(family, "rms_norm_eps"), 1e-6)
-        qk_norm = QKNormConfig(QK_NORM[family], eps)
+        after = family in QK_NORM_AFTER_ROPE  # (nanochat's, Hunyuan v1's: after RoPE)
+        qk_norm = QKNormConfig(
+            QK_NORM[family], eps, after_rope=after, gain=QK_NORM_AFTER_ROPE.get(family, True)
+        )
     scale = softcap = None
     if family in SCALE and not (family in SCALE_OPTIONAL and cfg.get(SCALE[family][0]) is None):
         key, power = SCALE[family]

@@ -85,6 +85,7 @@ FAMILIES = (
     "minimax",  # MiniMax-01: Mixtral's on its softmax layers; lightning attention on the others
     "recurrent_gemma",  # local attention (MQA, half-head RoPE, a window) among RG-LRU blocks
     "ministral3",  # Mistral's, its queries scaled by position (LLAMA4_SCALING)
+    "nanochat",  # a q/k norm without gains after RoPE (QK_NORM_AFTER_ROPE), RoPE reversed
     # multi-head latent attention (MLA: low-rank q and kv projections, one latent per token;
     # hf_config._mla): DeepSeek-V2/V3 (and Kimi K2), GLM-4.7-Flash, MiniCPM3
     "deepseek_v2",
@@ -433,6 +434,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "head_dim": 128,
         "rms_norm_eps": 1e-5,  # (its q_norm and k_norm take it)
         "rope_theta": 11_158_840.0,
+    },
+    "nanochat": {  # (NanoChatConfig's)
+        **{"hidden_size": 768, "num_attention_heads": 6, "num_hidden_layers": 12},
+        **{"max_position_embeddings": 2048},
     },
     "ministral3": {
         **{"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8},
@@ -785,6 +790,7 @@ QK_NORM = {
         ("apertus", "dots1", "lfm2", "lfm2_moe", "hy_v3", "afmoe", "lfm3", "beam"), "head"
     ),
     **dict.fromkeys(
+    "nanochat": "head",
         ("olmo2", "olmoe", "olmo3", "minimax_m2", "flex_olmo", "olmo_hybrid"), "projection"
     ),
     **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4", *OUTPUT_GATE), "head"),
@@ -794,6 +800,11 @@ QK_NORM = {
 # 1 + beta * log(1 + floor(p / original_max_position_embeddings)), the scale rounded to q's
 # dtype), beta and the context from the RoPE table (llama_4_scaling_beta).
 LLAMA4_SCALING = ("ministral3",)
+# Families whose q/k norm (QK_NORM's) comes after RoPE, and whether it has gains (nanochat's
+# NanoChatRMSNorm has none: x * rsqrt(mean(x^2) + eps) in float32).
+QK_NORM_AFTER_ROPE = {"nanochat": False}
+# Families whose RoPE turns the other way (nanochat's rotate_half is [x2, -x1]).
+REVERSED_ROPE = ("nanochat",)
 # Families whose q/k norm (QK_NORM's) is there only when a config.json key turns it on.
 QK_NORM_SWITCH = {"glm4_moe": "use_qk_norm"}
 # The key of the q/k norm's eps where it is not rms_norm_eps (Lfm2Config's norm_eps).
@@ -1019,7 +1030,6 @@ UNSERVED = {
     "diffllama": "differential attention (two softmax maps subtracted, weighted by lambda)",
     "bitnet": "an RMSNorm on the attention output before o_proj (attn_sub_norm), and "
     "ternary-quantized projections",
-    "nanochat": "its q/k norm (a parameter-free RMSNorm) comes after RoPE",
     "doge": "a dynamic mask computed from its values (dt_proj, A) is added to the scores",
     "jetmoe": "a mixture of attention heads (per-token expert query and output projections)",
     # hybrids whose attention is no layer of its own (the others are HYBRIDS': served)

@@ -20,6 +20,7 @@ from .hf_families import (
     PARTIAL_NOT_NULL,
     PARTIAL_ROPE,
     PER_TYPE_ROPE,
+    REVERSED_ROPE,
     ROPE_DEFAULT_ONLY,
     ROPE_KEYS,
     SCALED_CONTEXT,
@@ -140,6 +141,8 @@ def read_rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
     rope: dict[str, Any] = {"theta": float(params.get("rope_theta") or 10000.0), "type": kind}
     if family in INTERLEAVED_ROPE:
         rope["interleaved"] = True
+    if family in REVERSED_ROPE:  # (nanochat: rotate_half [x2, -x1], sin's sign flipped)
+        rope["reverse"] = True
     partial = _partial(cfg, params, family, where)
     if partial != 1:
         rope["partial"] = partial
