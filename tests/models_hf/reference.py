@@ -859,8 +859,8 @@ CHECKPOINTS = {
         Jais2Config(num_key_value_heads=2, head_dim=16, **ROTARY),
         0,
     ),
-    # Tencent HY v3: Qwen3's per-head q/k RMSNorm before RoPE (Hunyuan v1's comes after it:
-    # refused), q/k/v/o biases here (attention_bias), GQA 8:2; its experts (never read) from
+    # Tencent HY v3: Qwen3's per-head q/k RMSNorm before RoPE (Hunyuan v1's comes after it,
+    # test_position_families), q/k/v/o biases here (attention_bias), GQA 8:2; its experts (never read) from
     # layer 1, as few as they go
     "hy_v3": (
         HYV3Model,

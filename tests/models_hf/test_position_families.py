@@ -10,6 +10,10 @@ import pytest
 import torch
 from transformers import (
     DynamicCache,
+    HunYuanDenseV1Config,
+    HunYuanDenseV1Model,
+    HunYuanMoEV1Config,
+    HunYuanMoEV1Model,
     Ministral3Config,
     Ministral3Model,
     Mistral3Config,
@@ -154,3 +158,41 @@ def test_nanochat_is_served_as_transformers_runs_it(tmp_path):
     norm = read_hf_layer(directory, 1).attention.qk_norm
     assert norm.after_rope and not norm.gain
     assert_served_in_one_pass_and_in_steps(directory, NanoChatModel, 1)
+
+
+HUNYUAN = {"num_key_value_heads": 2, "head_dim": 16, "attention_bias": True}
+
+
+@pytest.mark.parametrize(
+    ("cls", "config"),
+    [
+        (  # its checkpoints' RoPE: "dynamic" with a fixed alpha (NTK alpha, fixed frequencies)
+            HunYuanDenseV1Model,
+            HunYuanDenseV1Config(
+                rope_parameters={
+                    "rope_type": "dynamic",
+                    "rope_theta": 10000.0,
+                    "alpha": 50.0,
+                    "factor": 1.0,
+                },
+                **HUNYUAN,
+                **SMALL,
+            ),
+        ),
+        (HunYuanMoEV1Model, HunYuanMoEV1Config(num_experts=2, moe_topk=1, **HUNYUAN, **SMALL)),
+    ],
+    ids=["dense_ntk_alpha", "moe"],
+)
+def test_hunyuan_v1_is_served_as_transformers_runs_it(tmp_path, cls, config):
+    """Hunyuan v1: RoPE by halves, then query_layernorm and key_layernorm (RMSNorms with
+    gains, random here: with gains a norm after RoPE is not one before it)."""
+    torch.manual_seed(0)
+    model = cls(config)
+    with torch.no_grad():
+        for key, parameter in model.named_parameters():
+            if key.endswith((".bias", "layernorm.weight")):
+                parameter.normal_(1.0 if "layernorm" in key else 0.0, 0.2)
+    model.save_pretrained(tmp_path)
+    norm = read_hf_layer(tmp_path, 1).attention.qk_norm
+    assert norm.after_rope and norm.gain and norm.eps == 1e-5
+    assert_served_in_one_pass_and_in_steps(tmp_path, cls, 1)

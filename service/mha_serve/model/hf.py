@@ -174,6 +174,13 @@ _OWN_NORM_NAMES = {
             "k_norm": "layers.{i}.self_attn.k_layernorm",
         },
     ),
+    **dict.fromkeys(  # (Hunyuan v1's query_layernorm, key_layernorm: RMSNorms after RoPE)
+        ("hunyuan_v1_dense", "hunyuan_v1_moe"),
+        {
+            "q_norm": "layers.{i}.self_attn.query_layernorm",
+            "k_norm": "layers.{i}.self_attn.key_layernorm",
+        },
+    ),
 }
 # GPT-OSS's attention sinks (H,): a bare tensor, no .weight/.bias suffix.
 _SINKS_NAME = "layers.{i}.self_attn.sinks"

@@ -74,7 +74,7 @@ FAMILIES = (
     "phimoe",  # Mixtral's (a window on every layer), biases by attention_bias
     "cwm",  # Llama's, three local layers after each global one, its own llama3 RoPE
     "jais2",  # Llama's, biases on all four by default
-    "hy_v3",  # Qwen3's (q/k norm per head before RoPE), unlike Hunyuan v1's (after it)
+    "hy_v3",  # Qwen3's (q/k norm per head before RoPE), unlike Hunyuan v1's (after it, below)
     # hybrids: their attention layers (HYBRIDS says which), the others refused naming them
     "jamba",  # Llama's without RoPE nor biases; Mamba on the other layers
     "bamba",  # Llama's, RoPE by halves over half of each head; Mamba-2 on the other layers
@@ -86,6 +86,9 @@ FAMILIES = (
     "recurrent_gemma",  # local attention (MQA, half-head RoPE, a window) among RG-LRU blocks
     "ministral3",  # Mistral's, its queries scaled by position (LLAMA4_SCALING)
     "nanochat",  # a q/k norm without gains after RoPE (QK_NORM_AFTER_ROPE), RoPE reversed
+    # Hunyuan v1: a q/k norm with gains after RoPE (query_layernorm, key_layernorm)
+    "hunyuan_v1_dense",
+    "hunyuan_v1_moe",
     # multi-head latent attention (MLA: low-rank q and kv projections, one latent per token;
     # hf_config._mla): DeepSeek-V2/V3 (and Kimi K2), GLM-4.7-Flash, MiniCPM3
     "deepseek_v2",
@@ -435,6 +438,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-5,  # (its q_norm and k_norm take it)
         "rope_theta": 11_158_840.0,
     },
+    **dict.fromkeys(
+        ("hunyuan_v1_dense", "hunyuan_v1_moe"),
+        {  # (HunYuanDenseV1Config's, HunYuanMoEV1Config's; rms_norm_eps: the q/k norms')
+            **{"hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32},
+            **{"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
+        },
+    ),
     "nanochat": {  # (NanoChatConfig's)
         **{"hidden_size": 768, "num_attention_heads": 6, "num_hidden_layers": 12},
         **{"max_position_embeddings": 2048},
@@ -580,6 +590,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 # Keys a family's config.json must set (not null), and why: transformers builds no layer
 # without them, so whatever we served would be a layer transformers never runs.
 REQUIRED: dict[str, dict[str, str]] = {
+    **dict.fromkeys(
+        ("hunyuan_v1_dense", "hunyuan_v1_moe"),
+        {
+            "head_dim": "its config leaves it null and its attention sizes q_proj by it (no "
+            "layer is built; it does not fall back to hidden_size / num_attention_heads)",
+        },
+    ),
     "ministral": {
         "head_dim": "MinistralConfig leaves it null and MinistralAttention reads it as is "
         "(it fails to build the layer; it does not fall back to hidden_size / "
@@ -789,10 +806,11 @@ QK_NORM = {
     **dict.fromkeys(
         ("apertus", "dots1", "lfm2", "lfm2_moe", "hy_v3", "afmoe", "lfm3", "beam"), "head"
     ),
-    **dict.fromkeys(
     "nanochat": "head",
+    **dict.fromkeys(
         ("olmo2", "olmoe", "olmo3", "minimax_m2", "flex_olmo", "olmo_hybrid"), "projection"
     ),
+    **dict.fromkeys(("hunyuan_v1_dense", "hunyuan_v1_moe"), "head"),
     **dict.fromkeys(("qwen3", "qwen3_moe", "gemma3_text", "exaone4", *OUTPUT_GATE), "head"),
     **dict.fromkeys(("olmo2", "olmoe", "olmo3"), "projection"),
 }
@@ -802,7 +820,10 @@ QK_NORM = {
 LLAMA4_SCALING = ("ministral3",)
 # Families whose q/k norm (QK_NORM's) comes after RoPE, and whether it has gains (nanochat's
 # NanoChatRMSNorm has none: x * rsqrt(mean(x^2) + eps) in float32).
-QK_NORM_AFTER_ROPE = {"nanochat": False}
+QK_NORM_AFTER_ROPE = {"nanochat": False, "hunyuan_v1_dense": True, "hunyuan_v1_moe": True}
+# Families whose RoPE table may be "dynamic" with a fixed alpha (Hunyuan v1's NTK alpha:
+# theta * alpha ** (head_dim / (head_dim - 2)), frequencies fixed, served as default RoPE).
+NTK_ALPHA = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 # Families whose RoPE turns the other way (nanochat's rotate_half is [x2, -x1]).
 REVERSED_ROPE = ("nanochat",)
 # Families whose q/k norm (QK_NORM's) is there only when a config.json key turns it on.
@@ -987,8 +1008,6 @@ MPT_ATTN_DEFAULTS: dict[str, Any] = {
 MPT_ATTN_IMPLS = ("torch", "flash", "triton")
 # Families refused whole, and why (the attention differs from every family above).
 UNSERVED = {
-    "hunyuan_v1_dense": "its q/k norm comes after RoPE",
-    "hunyuan_v1_moe": "its q/k norm comes after RoPE",
     "llama4": "chunked attention, L2 q/k norm and NoPE layers with temperature tuning",
     "mistral4": "its queries are scaled by position (llama_4_scaling_beta)",
     "deepseek_v32": "sparse attention: a lightning indexer picks each query's top-k keys",

@@ -14,6 +14,7 @@ from .hf_families import (
     INTERLEAVED_ROPE,
     LAYER_TYPES,
     NOPE_TABLE,
+    NTK_ALPHA,
     OWN_ROPE_TABLES,
     PARTIAL_BY_ROTARY_DIM,
     PARTIAL_IN_TABLE_ONLY,
@@ -121,6 +122,12 @@ def read_rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
             "x_j+head_dim/2) turned and the rest not (LFM3's and Gemma 4's global layers), "
             "where the module turns the first dims of each head by their own frequencies"
         )
+    if family in NTK_ALPHA and kind == "dynamic" and params.get("alpha"):
+        # (Hunyuan v1's rotary embedding: "dynamic" with a fixed alpha is its ntk_alpha, whose
+        # frequencies are fixed: theta * alpha ** (head_dim / (head_dim - 2)), then default)
+        D = cfg["head_dim"]
+        params["rope_theta"] = params["rope_theta"] * params["alpha"] ** (D / (D - 2))
+        kind = "default"
     if kind not in ROPE_TYPES:
         raise ValueError(
             f"{where}: rope type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)} "
