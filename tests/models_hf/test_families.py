@@ -1294,7 +1294,6 @@ REFUSED_FAMILIES = {
     "bitnet": "(attn_sub_norm)",
     "doge": "a dynamic mask",
     "jetmoe": "a mixture of attention heads",
-    "llama4_text": "chunked attention",
     "falcon_h1": "attention and Mamba-2 side by side",
     "zamba": "a shared attention block",
     "zamba2": "a shared attention block",

@@ -14,6 +14,10 @@ from transformers import (
     HunYuanDenseV1Model,
     HunYuanMoEV1Config,
     HunYuanMoEV1Model,
+    Llama4Config,
+    Llama4ForConditionalGeneration,
+    Llama4TextConfig,
+    Llama4TextModel,
     Ministral3Config,
     Ministral3Model,
     Mistral3Config,
@@ -196,3 +200,92 @@ def test_hunyuan_v1_is_served_as_transformers_runs_it(tmp_path, cls, config):
     norm = read_hf_layer(tmp_path, 1).attention.qk_norm
     assert norm.after_rope and norm.gain and norm.eps == 1e-5
     assert_served_in_one_pass_and_in_steps(tmp_path, cls, 1)
+
+
+def llama4_config(**edits) -> Llama4TextConfig:
+    """Layer 0 a RoPE layer (llama3 RoPE by pairs, the L2 norm after it, chunked in 64),
+    layer 1 a NoPE one (queries scaled by position, floor_scale 8: floors at positions 7,
+    15, 23, 31 within the 40 tokens); GQA 8:2, head_dim 16; experts of 2 (never read)."""
+    options = {
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size_mlp": 96,
+        "num_local_experts": 2,
+        "no_rope_layers": [1, 0],
+        "attention_chunk_size": 64,
+        "floor_scale": 8,
+        "attn_scale": 0.5,
+        "attention_bias": True,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    }
+    return Llama4TextConfig(**{**SMALL, **options, **edits})
+
+
+@pytest.mark.parametrize("layer", [0, 1], ids=["rope_chunked", "nope_scaled"])
+def test_llama4_text_is_served_as_transformers_runs_it(tmp_path, layer):
+    directory = checkpoint(tmp_path, Llama4TextModel, llama4_config())
+    served = read_hf_layer(directory, layer).attention
+    if layer == 0:  # RoPE by pairs, the L2 norm after it, chunks of 64 (40 tokens: causal)
+        assert served.rope.interleaved and served.chunk_size == 64
+        assert served.qk_norm.after_rope and not served.qk_norm.gain
+        assert served.query_scale is None
+    else:  # NoPE: no norm, no chunks, the queries scaled from (p + 1) / 8 in float32
+        assert served.rope is None and served.qk_norm is None and served.chunk_size is None
+        assert served.query_scale.offset == 1 and served.query_scale.float32
+    assert_served_in_one_pass_and_in_steps(directory, Llama4TextModel, layer)
+
+
+@pytest.mark.parametrize(
+    ("edits", "layer", "piece"),
+    [
+        ({"attention_chunk_size": 0}, 0, "attention_chunk_size is 0"),
+        ({"attention_chunk_size": "null"}, 0, "attention_chunk_size is None"),
+        ({"no_rope_layers": [1]}, 0, "no_rope_layers must list a 0 or 1 for each of 2 layers"),
+        ({"layer_types": ["sliding_attention", "full_attention"]}, 0, "'sliding_attention'"),
+        ({"attn_scale": -1.0}, 1, "query_scale beta must be >= 0"),
+    ],
+)
+def test_llama4_settings_we_cannot_serve_are_refused_by_name(tmp_path, edits, layer, piece):
+    directory = checkpoint(tmp_path, Llama4TextModel, llama4_config(), **edits)
+    path = directory / "config.json"  # ("null": written as null, which transformers fails on)
+    path.write_text(path.read_text().replace('"null"', "null"))
+    with pytest.raises(ValueError) as err:
+        read_hf_layer(directory, layer)
+    assert piece in str(err.value), str(err.value)
+
+
+def test_llama4_serves_its_text_model(tmp_path):
+    """Llama 4 (Scout, Maverick): its text_config's layer, tensors under language_model."""
+    config = Llama4Config(
+        text_config=llama4_config().to_dict(),
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "patch_size": 14,
+            "vision_output_dim": 32,
+            "projector_input_dim": 32,
+            "projector_output_dim": 32,
+        },
+    )
+    torch.manual_seed(0)
+    Llama4ForConditionalGeneration(config).save_pretrained(tmp_path)
+    base = Llama4ForConditionalGeneration.from_pretrained(tmp_path, attn_implementation="eager")
+    text = base.eval().language_model.model
+    for layer in (0, 1):
+        module, info = load_hf_layer(tmp_path, layer)
+        assert info.family == "llama4" and info.tensor_scope == "language_model"
+        x = torch.randn(1, L, 64, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            got = module(x, causal=True).output
+        want = transformers_steps(text, layer, x, [0, L])
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)

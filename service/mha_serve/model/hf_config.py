@@ -394,8 +394,10 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
             "LayerNorm (the mean subtracted, then scaled), not the RMSNorm mha-serve applies"
         )
     for key in ("use_bidirectional_attention", "attention_chunk_size", "clip_qkv"):
-        if cfg.get(key):
+        if cfg.get(key) and not (family == "llama4_text" and key == "attention_chunk_size"):
             raise ValueError(f"{where}: {family} {key} {cfg[key]!r} is not supported")
+    if family == "llama4_text":
+        _llama4_flags(cfg, where)
     if family == "smollm3":
         _int(cfg, "no_rope_layer_interval", where)
         flags = cfg.get("no_rope_layers")
@@ -446,9 +448,11 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
     # bfloat16(slope) * position in bfloat16, to q . k and scales both by 1 / sqrt(head_dim)
     alibi = family == "falcon" and bool(cfg.get("alibi"))
     alibi_form = {"alibi_scale": D**-0.5, "alibi_bfloat16": True} if alibi else {}
-    query_scale = None
+    query_scale = chunk = None
     if family in LLAMA4_SCALING:
         query_scale = _llama4_scaling(cfg, family, rope, where)
+    if family == "llama4_text":
+        qk_norm, query_scale, chunk = _llama4_text(cfg, layer, rope, where)
     try:
         return AttentionConfig(
             E,
@@ -469,6 +473,7 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
             output_gate=family in OUTPUT_GATE or _own_gate(cfg, family),
             output_gate_per_head=_own_gate(cfg, family) and OWN_GATE[family][1],
             query_scale=query_scale,
+            chunk_size=chunk,
         )
     except ValueError as e:
         raise ValueError(f"{where}: layer {layer}: {e}") from None
@@ -574,6 +579,60 @@ def _mla_rope(
         mscale = 0.1 * float(all_dim) * math.log(rope.factor) + 1.0
         scale *= mscale * mscale
     return rope, scale
+
+
+def _llama4_flags(cfg: dict[str, Any], where: Path) -> None:
+    """Llama 4's no_rope_layers (one 0 or 1 per layer, at least; empty or left out: derived
+    from no_rope_layer_interval) and layer_types, refused where its config would fail."""
+    flags = cfg.get("no_rope_layers")
+    n = cfg["num_hidden_layers"]
+    if flags and (not isinstance(flags, list) or len(flags) < n):
+        raise ValueError(f"{where}: no_rope_layers must list a 0 or 1 for each of {n} layers")
+    if not flags:
+        _int(cfg, "no_rope_layer_interval", where)
+    types = cfg.get("layer_types")
+    if types is not None and (not isinstance(types, list) or len(types) != n):
+        raise ValueError(f"{where}: layer_types must list {n} entries, one per layer")
+
+
+def _llama4_text(
+    cfg: dict[str, Any], layer: int, rope: RopeConfig | None, where: Path
+) -> tuple[QKNormConfig | None, QueryScaleConfig | None, int | None]:
+    """Llama4TextAttention's per-layer options: on a RoPE layer (no_rope_layers' 1) its
+    L2Norm of q and k after RoPE (use_qk_norm: x * rsqrt(mean(x^2) + rms_norm_eps) in
+    float32, no gain); on a NoPE layer its attention temperature tuning (attn_temperature_
+    tuning: q times log1p(floor((p + 1) / floor_scale)) * attn_scale + 1 in float32); a
+    chunked_attention layer (layer_types', else every RoPE layer, as its config derives them)
+    attends in chunks of attention_chunk_size: served up to one chunk (chunk_size)."""
+    qk_norm = query_scale = chunk = None
+    if rope is not None and cfg.get("use_qk_norm"):
+        eps = cfg.get("rms_norm_eps")
+        qk_norm = QKNormConfig("head", eps, after_rope=True, gain=False)
+    if rope is None and cfg.get("attn_temperature_tuning"):
+        floor_scale, attn_scale = cfg.get("floor_scale"), cfg.get("attn_scale")
+        if isinstance(floor_scale, bool) or not isinstance(floor_scale, int | float):
+            raise ValueError(f"{where}: llama4 floor_scale must be a number, got {floor_scale!r}")
+        try:
+            query_scale = QueryScaleConfig(attn_scale, floor_scale, offset=1, float32=True)
+        except ValueError as e:
+            raise ValueError(
+                f"{where}: llama4 attn_scale {attn_scale!r}, floor_scale {floor_scale!r}: {e}"
+            ) from None
+    types = cfg.get("layer_types")
+    kind = types[layer] if types else ("chunked_attention" if rope else "full_attention")
+    if kind == "chunked_attention":
+        chunk = cfg.get("attention_chunk_size")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(
+                f"{where}: layer {layer} is a chunked_attention layer but attention_chunk_size "
+                f"is {chunk!r}: set it to the checkpoint's (a positive int)"
+            )
+    elif kind != "full_attention":
+        raise ValueError(
+            f"{where}: layer {layer} has layer type {kind!r}, which is not supported for "
+            "llama4; supported: chunked_attention, full_attention"
+        )
+    return qk_norm, query_scale, chunk
 
 
 def _llama4_scaling(

@@ -86,6 +86,10 @@ FAMILIES = (
     "recurrent_gemma",  # local attention (MQA, half-head RoPE, a window) among RG-LRU blocks
     "ministral3",  # Mistral's, its queries scaled by position (LLAMA4_SCALING)
     "nanochat",  # a q/k norm without gains after RoPE (QK_NORM_AFTER_ROPE), RoPE reversed
+    # Llama 4: RoPE layers (by pairs, an L2 norm after it, chunked: served up to one chunk)
+    # and NoPE layers (queries scaled by position); hf_config._llama4_text
+    "llama4_text",
+    "llama4",
     # Hunyuan v1: a q/k norm with gains after RoPE (query_layernorm, key_layernorm)
     "hunyuan_v1_dense",
     "hunyuan_v1_moe",
@@ -445,6 +449,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
             **{"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
         },
     ),
+    "llama4_text": {  # (Llama4TextConfig's)
+        **{"hidden_size": 5120, "num_attention_heads": 40, "num_key_value_heads": 8},
+        **{"head_dim": 128, "num_hidden_layers": 48, "max_position_embeddings": 131072},
+        **{"rms_norm_eps": 1e-5, "use_qk_norm": True, "no_rope_layer_interval": 4},
+        **{"attention_chunk_size": 8192, "attn_temperature_tuning": True},
+        **{"floor_scale": 8192, "attn_scale": 0.1},
+    },
     "nanochat": {  # (NanoChatConfig's)
         **{"hidden_size": 768, "num_attention_heads": 6, "num_hidden_layers": 12},
         **{"max_position_embeddings": 2048},
@@ -650,6 +661,7 @@ _HEAD_DIM_FILLED = (
     "hyperclovax",  # (HyperCLOVAXConfig fills it: hidden_size / num_attention_heads)
     "jais2",  # (Jais2Config too)
     "minimax",  # (MiniMaxAttention: head_dim or hidden_size / num_attention_heads)
+    "llama4_text",  # (Llama4TextConfig too)
     "ministral3",  # (Ministral3Config too)
     # (not read: their configs set head_dim to qk_rope_head_dim, whatever config.json says;
     # DeepSeek-V3's rotary embedding fails on a null one first; GLM-4.7-Flash's head_dim is
@@ -764,6 +776,7 @@ MULTIMODAL = {
     "gemma3n": ("gemma3n_text", "language_model"),
     "gemma4": ("gemma4_text", "language_model"),
     "gemma4_unified": ("gemma4_unified_text", "language_model"),
+    "llama4": ("llama4_text", "language_model"),
 }
 # Where each rotary family's attention differs from Llama's (transformers 5's
 # modeling_<family>.py); a family a table leaves out has Llama's there.
@@ -900,10 +913,14 @@ NO_ROPE: dict[str, Callable[[dict[str, Any], int, str], bool]] = {
     # (GraniteMoeHybridModel builds its rotary embedding only for position_embedding_type
     # "rope"; Granite 4.0's hybrids say "nope")
     "granitemoehybrid": lambda c, i, kind: c.get("position_embedding_type") != "rope",
+    "llama4_text": lambda c, i, kind: not llama4_rope(c, i),
     "afmoe": lambda c, i, kind: kind == "full_attention",  # (AfmoeAttention: local layers'
 }  # RoPE only)
 # Families whose RoPE rotates interleaved pairs (x[0::2], x[1::2]), not the two halves.
-INTERLEAVED_ROPE = ("cohere", "cohere2", "helium", "ernie4_5", "ernie4_5_moe", "glm", "glm4")
+INTERLEAVED_ROPE = (
+    *("cohere", "cohere2", "helium", "ernie4_5", "ernie4_5_moe", "glm", "glm4"),
+    "llama4_text",  # (Llama 4's apply_rotary_emb: pairs as complex numbers)
+)
 # Families whose RoPE may turn only part of each head (partial_rotary_factor: rope_parameters',
 # else config.json's, else this default; transformers' other families rotate every dim).
 PARTIAL_ROPE = {
@@ -1008,7 +1025,6 @@ MPT_ATTN_DEFAULTS: dict[str, Any] = {
 MPT_ATTN_IMPLS = ("torch", "flash", "triton")
 # Families refused whole, and why (the attention differs from every family above).
 UNSERVED = {
-    "llama4": "chunked attention, L2 q/k norm and NoPE layers with temperature tuning",
     "mistral4": "its queries are scaled by position (llama_4_scaling_beta)",
     "deepseek_v32": "sparse attention: a lightning indexer picks each query's top-k keys",
     "glm_moe_dsa": "sparse attention: a lightning indexer picks each query's top-k keys",
@@ -1031,7 +1047,6 @@ UNSERVED = {
     "which the module's one head_dim does not hold, values scaled by attention_value_scale, "
     "and sliding layers with twice the KV heads and attention sinks",
     "persimmon": "its q/k norm is a LayerNorm (qk_layernorm, on by default and in Persimmon-8B)",
-    "llama4_text": "chunked attention, L2 q/k norm and NoPE layers with temperature tuning",
     # output gates the module's (sigmoid(W x) before o_proj: OUTPUT_GATE, OWN_GATE) is not
     **dict.fromkeys(
         ("qwen4_exp", "qwen4_exp_text"),
@@ -1228,5 +1243,15 @@ def smollm3_rope(cfg: dict[str, Any], layer: int) -> bool:
     no_rope_layer_interval-th layer has none (SmolLM3Config; both checked in hf_config._rotary)."""
     flags = cfg.get("no_rope_layers")
     if flags is None:
+        return (layer + 1) % cfg["no_rope_layer_interval"] != 0
+    return bool(flags[layer])
+
+
+def llama4_rope(cfg: dict[str, Any], layer: int) -> bool:
+    """Whether Llama 4's layer applies RoPE: no_rope_layers (1: RoPE; empty or left out: every
+    no_rope_layer_interval-th layer has none), as Llama4TextConfig derives it (hf_config
+    checks both)."""
+    flags = cfg.get("no_rope_layers")
+    if not flags:
         return (layer + 1) % cfg["no_rope_layer_interval"] != 0
     return bool(flags[layer])
