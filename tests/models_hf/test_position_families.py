@@ -22,6 +22,8 @@ from transformers import (
     Ministral3Model,
     Mistral3Config,
     Mistral3ForConditionalGeneration,
+    Mistral4Config,
+    Mistral4Model,
     NanoChatConfig,
     NanoChatModel,
 )
@@ -289,3 +291,52 @@ def test_llama4_serves_its_text_model(tmp_path):
             got = module(x, causal=True).output
         want = transformers_steps(text, layer, x, [0, L])
         torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
+
+
+def mistral4_config(**edits) -> Mistral4Config:
+    """Mistral Small 4's MLA: q through its latent, RoPE by pairs (rope_interleave) over 8
+    of each head's 16 q/k dims (partial_rotary_factor 0.5, its config's rope / (nope +
+    rope)), yarn with mscale_all_dim (its scale times mscale^2), the query scale over a
+    pretraining context of 8; biases (attention_bias); experts of 2 (never read)."""
+    options = {
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 16,
+        "q_lora_rank": 24,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 12,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 2,
+        "num_experts_per_tok": 1,
+        "attention_bias": True,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 500.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 8,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.5,
+            "partial_rotary_factor": 0.5,
+        },
+    }
+    return Mistral4Config(**{**SMALL, **options, **edits})
+
+
+def test_mistral4_is_served_as_transformers_runs_it(tmp_path):
+    """Its absorbed q' = [rope(q_rope); W_uk^T q_nope] is linear in q: scaled whole."""
+    directory = checkpoint(tmp_path, Mistral4Model, mistral4_config())
+    served = read_hf_layer(directory, 1).attention
+    assert served.mla is not None and served.query_scale.floor_div == 8.0
+    assert served.rope.interleaved and served.rope.partial == 1.0
+    assert_served_in_one_pass_and_in_steps(directory, Mistral4Model, 1)
+
+
+def test_mistral4_with_another_partial_rotary_factor_is_refused(tmp_path):
+    rope = {**mistral4_config().rope_parameters, "partial_rotary_factor": 0.25}
+    directory = checkpoint(tmp_path, Mistral4Model, mistral4_config(), rope_parameters=rope)
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.25 is not supported"):
+        read_hf_layer(directory, 0)

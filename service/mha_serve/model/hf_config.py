@@ -522,9 +522,11 @@ def _mla(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attention
             raise ValueError(f"{where}: {family} {key} {cfg[key]!r} is not supported")
     if family in HYBRIDS:  # (refuses a linear-attention layer, naming the MLA ones)
         _hybrid_layer(cfg, family, layer, where)
-    rope = scale = None  # (NoPE: its config reads no RoPE table, null or not; scale
-    if family not in MLA_NOPE:  # (N + R) ** -0.5, the module's, with no YaRN mscale)
+    rope = scale = query_scale = None  # (NoPE: its config reads no RoPE table, null or
+    if family not in MLA_NOPE:  # not; scale (N + R) ** -0.5, the module's, no YaRN mscale)
         rope, scale = _mla_rope(cfg, family, sizes, where)
+    if family in LLAMA4_SCALING:  # (Mistral 4: its q = [q_nope; rope(q_rope)] scaled whole)
+        query_scale = _llama4_scaling(cfg, family, rope, where)
     try:
         return AttentionConfig(
             E,
@@ -546,6 +548,7 @@ def _mla(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attention
                 # RMSNorm's default, whatever rms_norm_eps says)
                 eps=1e-6,
             ),
+            query_scale=query_scale,
         )
     except ValueError as e:
         raise ValueError(f"{where}: layer {layer}: {e}") from None
@@ -563,6 +566,8 @@ def _mla_rope(
 ) -> tuple[RopeConfig, float]:
     """An MLA family's RoPE over its qk_rope_head_dim dims, and its softmax scale."""
     check_rope_nulls(cfg, family, where)
+    if family == "mistral4":  # its RoPE table's partial_rotary_factor: the rope dims' share
+        cfg = _mla_partial(cfg, sizes, where)
     interleave = MLA_INTERLEAVED[family]  # (a null rope_interleave: by halves)
     if family in MLA_INTERLEAVE_KEY and "rope_interleave" in cfg:
         interleave = bool(cfg["rope_interleave"])
@@ -669,6 +674,30 @@ def _llama4_scaling(
     if beta == 0:
         return None
     return QueryScaleConfig(beta=float(beta), floor_div=float(context))
+
+
+def _mla_partial(cfg: dict[str, Any], sizes: dict[str, int], where: Path) -> dict[str, Any]:
+    """Mistral 4's config with its RoPE table's partial_rotary_factor dropped where it turns
+    the qk_rope_head_dim dims (Mistral4Config sets it to rope / (nope + rope), and its rotary
+    embedding turns int((nope + rope) * factor) dims): the MLA module's RoPE over those dims.
+    Any other factor is refused naming it (another rotation than the module's)."""
+    name = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    table = cfg.get(name)
+    if not isinstance(table, dict) or "partial_rotary_factor" not in table:
+        return cfg
+    factor = table["partial_rotary_factor"]
+    R, N = sizes["qk_rope_head_dim"], sizes["qk_nope_head_dim"]
+    if (
+        isinstance(factor, bool)
+        or not isinstance(factor, int | float)
+        or int((N + R) * factor) != R
+    ):
+        raise ValueError(
+            f"{where}: mistral4 {name}.partial_rotary_factor {factor!r} is not supported: its "
+            f"rotary embedding turns int(head_dim * factor) dims, which must be the "
+            f"qk_rope_head_dim ({R}) of a head of {N + R} (leave it out: {R} / {N + R})"
+        )
+    return {**cfg, name: {k: v for k, v in table.items() if k != "partial_rotary_factor"}}
 
 
 def _falcon_kv_heads(cfg: dict[str, Any], H: int, where: Path) -> int:

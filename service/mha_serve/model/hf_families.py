@@ -104,6 +104,7 @@ FAMILIES = (
     "axk1",  # (A.X-K1: DeepseekV3Attention, always with its q latent)
     "kimi_linear",  # hybrid: its full_attention layers (MLA without RoPE); KDA ones refused
     "bailing_hybrid",  # hybrid (Ling 3.0): its MLA layers, gated per head (OWN_GATE); KDA refused
+    "mistral4",  # (Mistral Small 4: DeepSeek-V3's MLA, its queries scaled by position)
     # gated attention (OUTPUT_GATE: Qwen3-Next's, an output gate split from q_proj), its
     # full_attention layers (the others are linear attention, not served)
     "qwen3_next",
@@ -130,6 +131,7 @@ MLA = (
     *("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "kimi_k25", "youtu", "axk1"),
     "kimi_linear",
     "bailing_hybrid",
+    "mistral4",
 )
 # MLA families whose q is always q_proj(x): q_lora_rank is not read (BailingHybridAttention).
 MLA_Q_PROJ = ("bailing_hybrid",)
@@ -143,8 +145,9 @@ MLA_INTERLEAVED = {
     **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "axk1"), True),
     "bailing_hybrid": True,  # (apply_rotary_pos_emb_interleave, always)
     "minicpm3": False,
+    "mistral4": True,
 }
-MLA_INTERLEAVE_KEY = ("deepseek_v3", "glm4_moe_lite", "youtu", "axk1")
+MLA_INTERLEAVE_KEY = ("deepseek_v3", "glm4_moe_lite", "youtu", "axk1", "mistral4")
 # Families whose attention gates its output (Qwen3NextAttention, Qwen3_5Attention): q_proj's
 # rows per head [query (head_dim); gate (head_dim)], the heads' output times sigmoid(gate)
 # before o_proj (hf.py splits the rows into wqkv's and wgate's); q/k RMSNorm per head with
@@ -537,6 +540,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "qk_rope_head_dim": 64,
         "v_head_dim": 128,
     },
+    "mistral4": {  # (Mistral4Config's)
+        **{"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32},
+        **{"kv_lora_rank": 256, "q_lora_rank": 1024, "qk_nope_head_dim": 64},
+        **{"qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 1048576},
+    },
     "kimi_linear": {  # (KimiLinearConfig's; no q latent by default)
         "num_attention_heads": 32,
         "num_key_value_heads": 32,
@@ -668,6 +676,7 @@ _HEAD_DIM_FILLED = (
     # another name of qk_rope_head_dim, ALIASES', and a null one nulls that)
     *("deepseek_v2", "minicpm3"),
     "kimi_linear",  # (the same, and no rotary embedding to fail on a null)
+    "mistral4",  # (Mistral4Config sets it to qk_nope_head_dim + qk_rope_head_dim)
 )
 NOT_NULL: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
@@ -830,7 +839,7 @@ QK_NORM = {
 # Families whose queries are scaled by position (Ministral3Attention's get_llama_4_attn_scale:
 # 1 + beta * log(1 + floor(p / original_max_position_embeddings)), the scale rounded to q's
 # dtype), beta and the context from the RoPE table (llama_4_scaling_beta).
-LLAMA4_SCALING = ("ministral3",)
+LLAMA4_SCALING = ("ministral3", "mistral4")
 # Families whose q/k norm (QK_NORM's) comes after RoPE, and whether it has gains (nanochat's
 # NanoChatRMSNorm has none: x * rsqrt(mean(x^2) + eps) in float32).
 QK_NORM_AFTER_ROPE = {"nanochat": False, "hunyuan_v1_dense": True, "hunyuan_v1_moe": True}
@@ -1025,7 +1034,6 @@ MPT_ATTN_DEFAULTS: dict[str, Any] = {
 MPT_ATTN_IMPLS = ("torch", "flash", "triton")
 # Families refused whole, and why (the attention differs from every family above).
 UNSERVED = {
-    "mistral4": "its queries are scaled by position (llama_4_scaling_beta)",
     "deepseek_v32": "sparse attention: a lightning indexer picks each query's top-k keys",
     "glm_moe_dsa": "sparse attention: a lightning indexer picks each query's top-k keys",
     "deepseek_v4": "one shared K/V head whose output is rotated back, compressed caches per "
@@ -1125,6 +1133,17 @@ DEFAULT_ROPE: dict[str, dict[str, Any]] = {
         "beta_slow": 1.0,
         "truncate": False,
         "original_max_position_embeddings": 4096,
+    },
+    "mistral4": {  # (Mistral4Config's; its partial_rotary_factor: the rope dims' share)
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 128.0,
+        "original_max_position_embeddings": 8192,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale_all_dim": 1.0,
+        "mscale": 1.0,
+        "llama_4_scaling_beta": 0.1,
     },
     "ministral3": {  # (Ministral3Config's, its query scale's beta and context included)
         "rope_type": "yarn",
