@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from mha_serve.model import AttentionConfig, MultiHeadAttention, init_weights
-from mha_serve.model.mla import merge
+from mha_serve.model.mla import expand_keys, merge
 from mha_serve.model.mla_bounds import latent_maxima
 from mha_serve.model.norm import NORM_SLACK, rms_norm
 from mha_serve.model.overflow import weight_bounds
@@ -138,6 +138,33 @@ def test_the_merge_and_output_stay_under_their_bounds(variant):
     assert float(y.abs().max()) <= v_max
     assert float(merged.abs().max()) <= lb.uv_l1 * 2.5 * v_max
     assert float(out.abs().max()) <= lb.o_row_l1 * lb.uv_l1 * 2.5 * v_max + lb.o_bias
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_expanded_form_stays_under_the_same_bounds(variant, seed):
+    """A prompt's expanded form (mla.expands) sums the same products in another order: every
+    head's k_nope = W_uk c at most uk_l1 max|c|, v = W_uv c at most uv_l1 max|c|, and sum
+    |q_x| |k_x| of its [rope; nope] queries and keys (every partial sum of its scores)
+    within the absorbed scores' bound."""
+    module = module_of(seed, **VARIANTS[variant])
+    x = adversarial_tokens(module, seed)
+    n = x.shape[0]
+    xs = x[None].expand(len(POSITIONS), n, E)
+    at = torch.tensor(POSITIONS)[:, None].expand(len(POSITIONS), n)
+    lb = weight_bounds(module).latent
+    bound = latent_maxima(A, E, lb)
+    with torch.inference_mode():
+        q, k = module.project_expanded(xs, at)  # (P, H, n, R + N), (P, 1, n, R + C)
+        keys, values = expand_keys(module, k)  # (P, H, n, R + N) each (V <= R + N here)
+    k_nope, v = keys[..., R : R + N], values[..., :V]
+    assert float(k_nope.abs().max()) <= lb.uk_l1 * bound.latent
+    assert float(v.abs().max()) <= lb.uv_l1 * bound.latent
+    q64 = q.double().transpose(0, 1).reshape(H, -1, R + N).abs()  # (H, P n, R + N)
+    k64 = keys.double().transpose(0, 1).reshape(H, -1, R + N).abs()
+    abs_score = float((q64 @ k64.transpose(1, 2)).max())
+    print(f"expanded sum |q| |k| {abs_score:.3g} <= {bound.score(0.0):.3g}")
+    assert abs_score <= bound.score(0.0)
 
 
 def test_the_latent_bound_is_reached_when_one_row_carries_the_latent():

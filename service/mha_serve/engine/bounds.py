@@ -119,11 +119,14 @@ def latent_cleared(
     None): the same checks over its own tensors (model/mla_bounds.py LatentBounds): the hidden ones
     before q' (q_a(x) or q(x), kv_a(x), the normed q and q_b's output) in the model's dtype,
     q' and k' = v in the model's and the cache's, every score against the new and the
-    cached keys, the gated heads, their merge through W_uv, and the output."""
+    cached keys, the gated heads, their merge through W_uv, and the output; and what the
+    expanded form (mla.expands: a prompt) makes besides, every head's keys W_uk c and values
+    W_uv c in the model's dtype, so that a step they clear may run either way."""
     _, _, _, lb, embed_dim, limit, out_limit = c
     b = latent_maxima(input_absmax, embed_dim, lb)
     k_b = b.k
     v_all = worst(k_b, cached_absmax)  # the output averages every value the query sees
+    expanded = worst(lb.uk_l1, lb.uv_l1) * v_all  # (max |c| <= v_all): k_nope, v
     merged = lb.uv_l1 * gate * v_all  # each head's W_uv y_lat
     # (each compared on its own: a NaN, inf * 0 of a bound that bounds nothing, fails)
     if not (
@@ -134,6 +137,7 @@ def latent_cleared(
         and gate < out_limit
         and gate * v_all < out_limit
         and merged < out_limit
+        and expanded < out_limit
         and b.score(cached_absmax) < limit
         and lb.o_row_l1 * merged + lb.o_bias < out_limit
     ):

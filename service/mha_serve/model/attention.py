@@ -152,7 +152,7 @@ class MultiHeadAttention(nn.Module):
         proven that nothing overflows (the engine's bounds), so no maxima are taken.
         """
         c = self.config
-        H, KVH = c.num_heads, c.num_kv_heads
+        H = c.num_heads
         B, L = check_input(c, self.wo.weight, x)
         causal = c.causal if causal is None else bool(causal)
         valid = valid_positions(lengths, B, L, x.device)  # (B, L) bool, None if unpadded
@@ -165,7 +165,19 @@ class MultiHeadAttention(nn.Module):
             # there would leak through the masked softmax as 0 * NaN in p @ v.
             x = x.masked_fill(~valid[:, :, None], 0.0)
 
-        q, k, v = self.project(x)  # (B, H, L, D), (B, KVH, L, D), (B, KVH, L, D)
+        # MLA's prompts attend expanded (mla.expands): HF's decompressed heads; its weights,
+        # and an output gate, from the absorbed form
+        expanded = (
+            c.mla is not None
+            and not need_weights
+            and self.wgate is None
+            and mla.expands(c, L, cached_keys=0)
+        )
+        if expanded:  # (B, H, L, D_x) each: q, and every head's keys and values
+            q, k = self.project_expanded(x)
+            k, v = mla.expand_keys(self, k)
+        else:
+            q, k, v = self.project(x)  # (B, H, L, D), (B, KVH, L, D), (B, KVH, L, D)
         out_gate = self.output_gate(x)  # (B, L, H*D) or None
         overflow = NO_OVERFLOW
         if check_overflow:  # its maxima are read with the output, never waited for here
@@ -191,7 +203,7 @@ class MultiHeadAttention(nn.Module):
                 attn_mask=mask,
                 is_causal=causal and mask is None,
                 scale=self.scale,
-                enable_gqa=KVH != H,  # SDPA broadcasts kv heads; no repeat_interleave copy
+                enable_gqa=k.shape[1] != H,  # SDPA broadcasts kv heads; no repeat_interleave copy
             )  # (B, H, L, D)
         else:
             if mask is None and causal:
@@ -203,7 +215,9 @@ class MultiHeadAttention(nn.Module):
             y = explicit_attention(
                 q, k, v, mask, self.scale, c.softcap, self.sinks, alibi
             )  # (B, H, L, D)
-        out = self._merge_heads(y, gate, valid, out_gate)  # (B, L, E)
+        if expanded:
+            y = y[..., : c.mla.v_head_dim]  # (B, H, L, V): the values' zero padding dropped
+        out = self._merge_heads(y, gate, valid, out_gate, expanded=expanded)  # (B, L, E)
 
         weights = None
         if need_weights:
@@ -339,6 +353,26 @@ class MultiHeadAttention(nn.Module):
             return (q * scale).to(q.dtype)
         return q * scale.to(q.dtype)  # Ministral 3: the scale rounded to q's dtype first
 
+    def project_expanded(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA's expanded form (model/mla.py) of x (B, L, E) at positions as project's: every
+        head's query [rope(q_rope_h); q_nope_h] (B, H, L, D_x) (mla.expanded_width, zero
+        padded), and k' = [rope(k_rope); c] (B, 1, L, R + C), the cache's (mla.expand_keys
+        decompresses it)."""
+        c = self.config
+        B, L, _ = x.shape
+        if c.mla is None:
+            raise ValueError("project_expanded is multi-head latent attention's (mla) alone")
+        cos_sin = (None, None)  # (NoPE: Kimi Linear's)
+        if self.rope_freq is not None:
+            cos_sin = self._cos_sin(x, positions, B, L)
+        q_nope, q_rope, k = mla.parts(self, x, *cos_sin)
+        q = mla.expand_queries(self, q_nope, q_rope)
+        if c.query_scale is not None:  # (Mistral 4's: each head's whole query, as absorbed)
+            q = self._scale_queries(q, x, positions, B, L)
+        return q, k
+
     def _cos_sin(
         self, x: torch.Tensor, positions: torch.Tensor | None, B: int, L: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -377,15 +411,18 @@ class MultiHeadAttention(nn.Module):
         gate: torch.Tensor | None,
         valid: torch.Tensor | None,
         out_gate: torch.Tensor | None = None,
+        *,
+        expanded: bool = False,
     ) -> torch.Tensor:
         """y (B, H, L, D) through the head mask gate (H,), the output gate out_gate
-        (B, L, gate_width) and wo; rows not valid (B, L) zero."""
+        (B, L, gate_width) and wo; rows not valid (B, L) zero. expanded: mla's y is its
+        expanded heads' (B, H, L, V) (model/mla.py), merged as they are (not through W_uv)."""
         B, H, L, D = y.shape
         if gate is not None:
             y = y * gate.view(1, H, 1, 1)
         if out_gate is not None or self.wgate is not None:
             check_out_gate(self.config, out_gate, B, L, y)
-        if self.config.mla is not None:  # each head's latent dims through its W_uv
+        if self.config.mla is not None and not expanded:  # each head's latent dims by its W_uv
             y = mla.merge(self, y)  # (B, L, H*V)
         elif L == 1:  # (B, 1, H*D): one token's heads need no transpose (a view where it can)
             y = y.reshape(B, 1, H * D)

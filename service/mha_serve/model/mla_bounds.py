@@ -47,6 +47,13 @@ class LatentBounds:
       (`uv_l1`), and wo after it ||wo_i||_1 max|merged| + |b_o| (`o_row_l1`, `o_bias`). An
       output gate (Ling 3.0's) multiplies the merged heads by sigmoid(wgate x) in [0, 1]
       before wo, so max|merged| bounds the gated ones too: its weights are not read.
+    - The expanded form (mla.expands: a prompt's heads decompressed) makes k_nope_h = W_uk_h c
+      and v_h = W_uv_h c of every key it reads, |.| <= max_row ||W_uk_h,n||_1 max|c|
+      (`uk_l1`) and uv_l1 max|c|, then the same scores in another order: q_nope_h . k_nope_h
+      = sum_n q_n sum_c W_uk[h, n, c] c_c, every partial sum at most sum_c sum_n |W_uk[h, n,
+      c]| |q_n| max|c|, the very sum `latent_l1` bounds; the rope dims' as absorbed. Its
+      output, a convex combination of v_h, passes W_uv before attention rather than after:
+      the same bound uv_l1 max|v| on each head's output, then wo.
     Every bound is a sum of absolute values of the very products the kernels sum, so it
     bounds them in any order and their partial sums; MARGIN covers their rounding. A weight
     that is not finite makes its bounds inf (never NaN), which nothing clears."""
@@ -66,6 +73,7 @@ class LatentBounds:
     uv_l1: float  # max L1 norm of a row of any head's W_uv (V x C)
     o_row_l1: float  # max L1 norm of a row of wo
     o_bias: float
+    uk_l1: float  # max L1 norm of a row of any head's W_uk (N x C): the expanded form's k_nope
 
 
 @dataclass(frozen=True)
@@ -161,6 +169,7 @@ def latent_bounds(module: torch.nn.Module, rotation: float) -> LatentBounds:
             w_uv.sum(dim=2).max(),
             wo["weight"].double().abs().sum(dim=1).max(),
             o_bias,
+            w_uk.sum(dim=2).max(),
         ]
     )
     values = values.nan_to_num(nan=math.inf, posinf=math.inf).tolist()  # (one device sync)
