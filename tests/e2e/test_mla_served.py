@@ -1,7 +1,8 @@
 """A real mha-serve serving multi-head latent attention: one model from our safetensors file
 (its config in the file's metadata), one from a TOML [models.mla] table (seeded weights),
 each answering Attend (with weights) and a session's prefill and decode steps as the float64
-decompressed reference of tests/model/test_mla.py computes them, and reporting the KV cache's
+decompressed reference of tests/model/test_mla.py computes them (short ones absorbed, long
+prompts expanded: model/mla.py), and reporting the KV cache's
 R + C values per token (K alone); the Open Inference Protocol's ModelConfig names its shape.
 A third, from a file, with Ling 3.0's per-head output gate on its merged heads."""
 
@@ -78,6 +79,23 @@ def test_attend_and_a_session_equal_the_decompressed_reference(served, name):
     info = client.model_info(name)
     assert (info.num_kv_heads, info.head_dim, info.variant) == (1, R + C, "mqa")
     assert info.kv_cache.bytes_per_token == (R + C) * 4  # K alone: its values are its keys
+
+
+@pytest.mark.parametrize("name", ["mla-file", "mla-toml"])
+def test_long_prompts_expanded_and_their_decode_steps_equal_the_reference(served, name):
+    """A padded Attend batch and a session's prompt of 70 tokens (>= mla.EXPAND_MIN_ROWS:
+    expanded), then decode steps over the latents it cached (absorbed)."""
+    client, modules = served
+    module = modules[name]
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 72, E), dtype=np.float32)
+    want = reference(module, torch.from_numpy(x), lengths=torch.tensor([72, 50]))[0]
+    close(client.attend(name, x, lengths=[72, 50], causal=True).output, want, f"{name} Attend")
+    want = reference(module, torch.from_numpy(x[:1]))[0][0]  # (72, E)
+    with client.create_session(name, ttl_s=30) as session:
+        close(session.step(x[0, :70]).output, want[:70], f"{name} prompt")
+        for t in (70, 71):
+            close(session.step(x[0, t : t + 1]).output, want[t : t + 1], f"{name} step {t}")
 
 
 def test_the_oip_model_config_names_the_latent_shape(served):

@@ -32,10 +32,18 @@ from transformers import (
 
 from mha_serve.engine import Engine
 from mha_serve.engine.types import ModelSpec
+from mha_serve.model import mla
 from mha_serve.model.hf import load_hf_layer
 from mha_serve.model.hf_config import read_hf_layer
 from tests.engine_calls import req, run
-from tests.models_hf.reference import MLA, MLA_MOE, reference_attention
+from tests.models_hf.reference import (
+    CHECKPOINTS,
+    MLA,
+    MLA_MOE,
+    load_reference,
+    reference_attention,
+    reference_decode,
+)
 from tests.models_hf.test_config_json import assert_served_as_transformers, checkpoint
 from tests.models_hf.test_families import _config_only
 
@@ -289,3 +297,86 @@ def test_kimi_k25s_language_model_is_served_past_its_vision_tower(tmp_path):
         want, _ = reference_attention("deepseek_v3", base, 1, x)
         got = module(x).output
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+# Prompts expanded (model/mla.py): each shape of the expanded heads, N + R against V: equal
+# (deepseek_v3, glm4_moe_lite, kimi_linear: NoPE), V narrower (deepseek_v2: its values
+# zero-padded), V wider (minicpm3: its queries and keys zero-padded)
+PROMPT = 80  # >= mla.EXPAND_MIN_ROWS
+CUTS = [0, PROMPT, PROMPT + 1, PROMPT + 2, PROMPT + 4]  # a prompt, two decode steps, a chunk
+
+
+def _engine(directory, name: str, layer: int, dtype: torch.dtype = torch.float32) -> Engine:
+    attention = read_hf_layer(directory, layer).attention
+    spec = ModelSpec(name, attention, checkpoint=str(directory), layer=layer)
+    return Engine([spec], device=torch.device("cpu"), dtype=dtype, max_response_bytes=2**24)
+
+
+@pytest.fixture
+def expansions(monkeypatch):
+    """How many times the expanded form ran (mla.expand_keys, the real one, counted)."""
+    calls = []
+    real = mla.expand_keys
+
+    def counted(module, k):
+        calls.append(k.shape[2])
+        return real(module, k)
+
+    monkeypatch.setattr(mla, "expand_keys", counted)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "checkpoint", ["deepseek_v3", "deepseek_v2", "minicpm3", "glm4_moe_lite", "kimi_linear"]
+)
+def test_a_prompt_expanded_then_decode_absorbed_is_served_as_transformers(
+    hf_dirs, checkpoint, expansions
+):
+    """A stateless prompt and a session's first step run expanded, its decode steps and a
+    short chunk absorbed over the latents the prompt cached: each equal to transformers'
+    attention over the whole sequence at once and to its own incremental path (a
+    DynamicCache fed the same chunks)."""
+    directory, layer = hf_dirs[checkpoint], CHECKPOINTS[checkpoint][2]
+    engine = _engine(directory, checkpoint, layer)
+    hosted = engine.get(checkpoint)
+    base = load_reference(checkpoint, directory)
+    x = torch.randn(
+        1, CUTS[-1], base.config.hidden_size, generator=torch.Generator().manual_seed(6)
+    )
+    with torch.no_grad():
+        whole, _ = reference_attention(checkpoint, base, layer, x)
+        steps, _ = reference_decode(checkpoint, base, layer, x, CUTS)
+    got = run(engine, hosted, req(checkpoint, x[:, :PROMPT], causal=True)).output
+    torch.testing.assert_close(got, whole[:, :PROMPT], atol=1e-5, rtol=1e-5)
+    assert expansions == [PROMPT]
+    sid = engine.create_session(checkpoint).session_id
+    for (a, b), want in zip(zip(CUTS, CUTS[1:], strict=False), steps, strict=True):
+        got = run(engine, hosted, req(checkpoint, x[:, a:b], session_id=sid)).output
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, whole[:, a:b], atol=1e-5, rtol=1e-5)
+    assert expansions == [PROMPT, PROMPT]  # the session's prompt; its later steps absorbed
+
+
+def test_a_bfloat16_prompt_expanded_is_as_close_to_transformers_as_absorbed(hf_dirs):
+    """bfloat16 (weights and cache): the expanded prompt's answer against transformers'
+    float32 one, no further from it than the absorbed form's (within bfloat16's rounding of
+    outputs near 1)."""
+    directory, layer = hf_dirs["deepseek_v3"], CHECKPOINTS["deepseek_v3"][2]
+    engine = _engine(directory, "v3", layer, torch.bfloat16)
+    hosted = engine.get("v3")
+    base = load_reference("deepseek_v3", directory)
+    x = torch.randn(1, PROMPT, base.config.hidden_size, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want, _ = reference_attention("deepseek_v3", base, layer, x)
+    sid = engine.create_session("v3").session_id
+    got = run(engine, hosted, req("v3", x, session_id=sid)).output.double()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mla, "EXPAND_MIN_ROWS", 1 << 30)
+        other = engine.create_session("v3").session_id
+        absorbed = run(engine, hosted, req("v3", x, session_id=other)).output.double()
+    err, err_absorbed = (got - want).abs().max(), (absorbed - want).abs().max()
+    print(
+        f"bfloat16 max abs error of outputs up to {want.abs().max():.2f}: expanded "
+        f"{err:.2e}, absorbed {err_absorbed:.2e}"
+    )
+    assert err < 2 * err_absorbed + 2e-3 and err < 0.05 * want.abs().max()

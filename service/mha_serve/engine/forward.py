@@ -18,6 +18,8 @@ from mha_serve.cache import KVCache, Reservation
 from mha_serve.engine.attend import FlashDecodeFailed, attend_steps
 from mha_serve.engine.bounds import clearance, clears, gate_absmax, key_absmax
 from mha_serve.engine.graphs import StaticDecode
+from mha_serve.engine.project import project_and_append
+from mha_serve.engine.prompts import prompt_rows, with_prompts
 from mha_serve.engine.types import HostedModel, Prepared
 from mha_serve.model import AttentionOutput
 from mha_serve.model.overflow import (
@@ -164,7 +166,18 @@ class BatchForward:
         head_mask = None
         if first.head_mask is not None:
             head_mask = list_tensor(first.head_mask, hosted.device, hosted.dtype)  # (H,)
+        bounded = _bounded_rows(hosted, cache, steps, cached)
+        batched = self.batched_attention.get(hosted.spec.name, False)
         with torch.inference_mode():
+            # MLA prompts (a session's first or long chunk) attend expanded (engine/prompts.py)
+            prompts = []
+            if bounded is not None and not first.need_weights:
+                prompts = prompt_rows(hosted, reservations, new_tokens)
+            if prompts:
+                out = with_prompts(
+                    hosted, cache, x, reservations, new_tokens, prompts, head_mask, batched
+                )
+                return _proven(out, heads, cached, bounded)
             # Write first, then attend over each session's positions in order, from its
             # step's window on (read_start): batched (padded groups, one kernel each) or one
             # kernel per session over its blocks in place (engine/attend.py).
@@ -177,10 +190,9 @@ class BatchForward:
             # same maxima bound each step's scores against all its session's keys (the
             # cached ones by the session's own bound), so the exact check runs only for a
             # row the bound cannot clear (mha_serve.model.overflow). First, bounds from each
-            # step's max |input| (read at validation) and the weights: a batch they clear
-            # needs no look at its tensors at all; otherwise its rows' max |q|, |k|, |v| are
-            # read with the output's, in one sync after the forward.
-            bounded = _bounded_rows(hosted, cache, steps, cached)
+            # step's max |input| (read at validation) and the weights (bounded, above): a
+            # batch they clear needs no look at its tensors at all; otherwise its rows' max
+            # |q|, |k|, |v| are read with the output's, in one sync after the forward.
             maxima = None if bounded is not None else row_absmax_tensor(q, k_new, v_new)  # (3, B)
             attend = functools.partial(
                 attend_steps,
@@ -189,7 +201,7 @@ class BatchForward:
                 q,
                 reservations,
                 new_tokens,
-                batched=self.batched_attention.get(hosted.spec.name, False),
+                batched=batched,
                 need_weights=first.need_weights,
                 weight_heads=sorted(set(heads)) if first.need_weights else None,
                 head_mask=head_mask,
@@ -286,33 +298,6 @@ def _checked(
     finite = [m < math.inf for m in o_max]
     key_bounds = [max(c, k, v) for c, k, v in zip(cached, k_max, v_max, strict=True)]
     return StepForward(out, heads, overflowed, too_large, key_bounds, finite)
-
-
-def project_and_append(
-    hosted: HostedModel, cache: KVCache, x: torch.Tensor, reservations: Sequence[Reservation]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v (B, H|KVH, T, D) of the steps' new tokens x (B, T, E), their K/V written into
-    the cache at each reservation's slots (in the cache's dtype: a narrower kv_cache_dtype is
-    stored rounded). Under inference_mode."""
-    positions = None  # only rotary and query-scaled models use them (no cost otherwise)
-    cfg = hosted.spec.attention
-    if cfg.rope is not None or cfg.query_scale is not None:
-        # Each session's new tokens continue from its cached length; the cache keeps K
-        # rotated at these absolute positions.
-        T = x.shape[1]
-        if len(reservations) == 1:
-            start = reservations[0].start
-            positions = torch.arange(start, start + T, device=x.device)[None]  # (1, T)
-        else:
-            starts = list_tensor([r.start for r in reservations], x.device)  # (B,)
-            positions = starts[:, None] + torch.arange(T, device=x.device)  # (B, T)
-    q, k_new, v_new = hosted.module.project(x, positions)
-    if k_new.dtype != cache.dtype:
-        same = v_new is k_new  # values that are the keys (mla): still one tensor, rounded once
-        k_new = k_new.to(cache.dtype)
-        v_new = k_new if same else v_new.to(cache.dtype)
-    cache.append(k_new, v_new, [r.slots for r in reservations])
-    return q, k_new, v_new
 
 
 def _bounded_rows(

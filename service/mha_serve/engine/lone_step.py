@@ -12,7 +12,8 @@ import torch
 
 from mha_serve.cache import CacheError, Reservation
 from mha_serve.engine.bounds import KeyBound, cleared, key_absmax
-from mha_serve.engine.forward import project_and_append
+from mha_serve.engine.project import project_and_append
+from mha_serve.engine.prompts import attend_prompts, prompt_rows
 from mha_serve.engine.requests import AttendOutcome, AttendRequest, CallState
 from mha_serve.engine.settle import raise_if_abandoned, step_outputs
 from mha_serve.engine.types import HostedModel, Prepared, array_of, on_host, output_dtype
@@ -121,6 +122,9 @@ class LoneStep:
                     views = cache.step_views(r.block_table, r.slots[0], end)
                     if views is not None:  # (its blocks consecutive, as a session's usually are)
                         y = module.decode_one(x, *views)
+                if y is None and prompt_rows(hosted, (r,), (r.num_tokens,)):  # an MLA prompt
+                    q, _, _ = project_and_append(hosted, cache, x, (r,), expanded=True)
+                    y = attend_prompts(module, cache, q, (r,), (r.num_tokens,)).output
                 if y is None:
                     q, _, _ = project_and_append(hosted, cache, x, (r,))
                     keys, values = cache.read(
