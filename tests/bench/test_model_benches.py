@@ -2,8 +2,8 @@
 end with tiny counts: a window session's KV bytes flat across lengths (the full one's in
 proportion), pruned models' KV bytes in proportion to their heads and the unpruned row's
 error 0, both attention paths of a batch of sessions decoding, and engine_step.py's profile of both
-sides, bench/decode_attention.py's rows, and bench/mla_decode.py's four sides. Timings are
-not asserted."""
+sides, bench/decode_attention.py's rows, bench/mla_decode.py's four sides and
+bench/mla_prefill.py's three and its sweep. Timings are not asserted."""
 
 from __future__ import annotations
 
@@ -177,3 +177,30 @@ def test_mla_decode_bench_sides_agree_and_only_the_bounds_differ(tmp_path):
     for r in rows:
         assert set(r["step_ms"]) == {"mla", "mla_before", "mqa", "hf"}
         assert r["max_abs_diff_hf"] < 1e-5 and r["max_abs_diff_before"] < 1e-5
+
+
+def test_mla_prefill_bench_sides_agree_and_the_sweep_reports_the_rules_pick(tmp_path):
+    """bench/mla_prefill.py with a tiny layer: a row per prompt, the expanded and absorbed
+    prompts within float32 rounding of transformers' DeepseekV3Attention, and a sweep row per
+    (cached, rows) with both forms timed and mla.expands' pick."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "mla_prefill.json"
+    run(
+        "mla_prefill.py",
+        *("--embed-dim", "64", "--heads", "4", "--kv-lora-rank", "24", "--rope-dim", "8"),
+        *("--nope-dim", "12", "--v-head-dim", "10", "--q-lora-rank", "20"),
+        *("--prompts", "64,80", "--rounds", "1", "--sweep-rows", "8,64"),
+        *("--sweep-cached", "0,20", "--json-out", str(out)),
+    )
+    result = json.loads(out.read_text())
+    assert [r["prompt"] for r in result["rows"]] == [64, 80]
+    for r in result["rows"]:
+        assert set(r["prompt_ms"]) == {"expanded", "absorbed", "hf"}
+        assert r["max_abs_diff_expanded_hf"] < 1e-5 and r["max_abs_diff_absorbed_hf"] < 1e-5
+    picks = {(s["cached"], s["rows"]): s["picked"] for s in result["sweep"]}
+    assert picks == {
+        (0, 8): "absorbed",
+        (0, 64): "expanded",
+        (20, 8): "absorbed",
+        (20, 64): "expanded",
+    }
