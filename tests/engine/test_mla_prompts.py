@@ -254,3 +254,15 @@ def test_a_chunk_after_cached_keys_expands_only_where_it_pays(expanded_rows):
         with absorbed():
             want = attend(e, req("mla", history, causal=True)).output[:, -n:]
         assert (got - want).abs().max() < ATOL
+
+
+def test_a_chunk_whose_expanded_keys_pass_the_byte_limit_stays_absorbed(monkeypatch, expanded_rows):
+    """Decompressing every key a step reads is held beside the cache's budget: past
+    MAX_EXPANDED_BYTES the step stays absorbed (here 2 x 4 heads x 20 dims x 4 bytes a key:
+    100 keys fit in 64000 bytes; the prompt's 80 do, the chunk after it, 150 keys, not)."""
+    monkeypatch.setattr(engine_prompts, "MAX_EXPANDED_BYTES", 640 * 100)
+    pair = Pair()
+    pair.step(tokens(PROMPT, seed=60), "prompt within the limit")
+    assert expanded_rows == [1]
+    pair.step(tokens(70, seed=61), "a chunk past it")
+    assert expanded_rows == [1]

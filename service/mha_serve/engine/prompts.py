@@ -14,25 +14,33 @@ from mha_serve.engine.attend import attend_steps
 from mha_serve.engine.project import project_and_append
 from mha_serve.engine.types import HostedModel
 from mha_serve.model import AttentionOutput, MultiHeadAttention
-from mha_serve.model.mla import attend_cached_expanded, expands
+from mha_serve.model.mla import attend_cached_expanded, expanded_width, expands
 from mha_serve.transfer import list_tensor
+
+# A step's expanded keys and values (every head's, over every key it reads) take at most this
+# many bytes, else it stays absorbed: they are held beside the cache's budget, and a chunk
+# after a long context would decompress all of it (DeepSeek-V3 in bfloat16: 96 KiB a key, so
+# about 10900 keys).
+MAX_EXPANDED_BYTES = 1 << 30
 
 
 def prompt_rows(
     hosted: HostedModel, reservations: Sequence[Reservation], new_tokens: Sequence[int]
 ) -> list[int]:
     """The rows (indices) whose steps attend faster expanded (mla.expands: their new tokens
-    over the keys they read before them); none for a model without mla, or with an output
-    gate. The caller asks only for steps without weights whose bounds clear them
+    over the keys they read before them) within MAX_EXPANDED_BYTES; none for a model without
+    mla, or with an output gate. The caller asks only for steps without weights whose bounds clear them
     (engine/bounds.py latent_cleared covers both forms; a measured step stays absorbed, as
     its exact check reads the absorbed q)."""
     config = hosted.spec.attention
     if config.mla is None or hosted.module.wgate is not None:
         return []
+    per_key = 2 * config.num_heads * expanded_width(config) * hosted.dtype.itemsize  # K and V
     return [
         b
         for b, (r, n) in enumerate(zip(reservations, new_tokens, strict=True))
         if expands(config, n, r.start - r.read_start)
+        and (r.start + n - r.read_start) * per_key <= MAX_EXPANDED_BYTES
     ]
 
 
