@@ -55,6 +55,9 @@ def test_the_rule_expands_prompts_and_long_chunks_never_a_decode_step():
     }
     assert fewest == {0: rows, 256: 188, 4096: 249}, fewest
     assert not mla.expands(AttentionConfig(E, H), 1000, 0)  # (no mla: never)
+    # a latent no wider than the expanded heads saves nothing: never
+    narrow = {"kv_lora_rank": 8, "rope_dim": 4, "nope_dim": 8, "v_head_dim": 8}  # 12 = 12
+    assert not mla.expands(AttentionConfig(E, H, mla=narrow), 1000, 0)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -1,7 +1,7 @@
 """The attention module: one class for MHA, GQA and MQA, and for the families' options
 (RoPE, q/k RMSNorm, a value RMSNorm, sliding window, soft-capping, attention sinks, ALiBi,
-multi-head latent attention served as MQA (model/mla.py), an output gate: all read from the
-config).
+multi-head latent attention served as MQA (model/mla.py; its prompts expanded), an output
+gate, queries scaled by position: all read from the config).
 Embeddings come from fused SDPA (from the explicit float32 kernel where scores are
 soft-capped, sinks join the softmax or ALiBi biases the scores, which SDPA cannot do alone;
 on the CPU a prompt with sinks or ALiBi runs SDPA again, cached.sinks_by_sdpa and
@@ -165,8 +165,8 @@ class MultiHeadAttention(nn.Module):
             # there would leak through the masked softmax as 0 * NaN in p @ v.
             x = x.masked_fill(~valid[:, :, None], 0.0)
 
-        # MLA's prompts attend expanded (mla.expands): HF's decompressed heads; its weights,
-        # and an output gate, from the absorbed form
+        # MLA's prompts attend expanded (mla.expands): HF's decompressed heads; requests for
+        # weights, and a model with an output gate, stay absorbed
         expanded = (
             c.mla is not None
             and not need_weights

@@ -37,10 +37,11 @@ from .rope import rotate, rotate_pairs
 # after cached keys only where the attention's multiply-adds it saves are at least
 # EXPAND_COST times the ones decompressing those keys adds. Measured on the 2-core AMD EPYC
 # (float32, 2 threads, bench/mla_prefill.py; docs/models.md "Multi-head latent attention"):
-# a prompt alone pays from about 32 rows with the bench's heads (C 256, R 32, N 64, V 64),
-# 64 with DeepSeek's (C 512, R 64, N 128, V 128; E 1024, 16 heads), both forms within 10%
-# below; a chunk after 512 to 2048 cached keys pays from about 150 rows (bench heads) and
-# 250 (DeepSeek's), where the multiply-adds alone say 85 and 170.
+# a prompt alone pays from 32 to 64 rows with the bench's heads (C 256, R 32, N 64, V 64;
+# within 3% below), about 64 with DeepSeek's (C 512, R 64, N 128, V 128; E 1024, 16 heads;
+# 10 to 20% slower below, a fixed ~0.5 ms); a chunk after 512 to 2048 cached keys from about
+# 100 to 150 rows (bench heads) and 250 after 1024 (DeepSeek's), where the multiply-adds
+# alone say 85 and 170 over many cached keys.
 EXPAND_MIN_ROWS = 64
 EXPAND_COST = 1.5
 
@@ -218,9 +219,9 @@ def expands(config: AttentionConfig, rows: int, cached_keys: int) -> bool:
     m = config.mla
     if m is None or rows < EXPAND_MIN_ROWS:
         return False
-    saved = rows * (cached_keys + (rows + 1) / 2) * 2 * (m.rope_dim + m.kv_lora_rank)
-    saved -= rows * (cached_keys + (rows + 1) / 2) * 2 * expanded_width(config)
-    return saved >= EXPAND_COST * cached_keys * m.kv_lora_rank * (m.nope_dim + m.v_head_dim)
+    narrower = m.rope_dim + m.kv_lora_rank - expanded_width(config)  # (none: never pays)
+    saved = rows * (cached_keys + (rows + 1) / 2) * 2 * narrower
+    return saved > EXPAND_COST * cached_keys * m.kv_lora_rank * (m.nope_dim + m.v_head_dim)
 
 
 def attend_cached_expanded(
