@@ -340,3 +340,29 @@ def test_mistral4_with_another_partial_rotary_factor_is_refused(tmp_path):
     directory = checkpoint(tmp_path, Mistral4Model, mistral4_config(), rope_parameters=rope)
     with pytest.raises(ValueError, match="partial_rotary_factor 0.25 is not supported"):
         read_hf_layer(directory, 0)
+
+
+def test_mistral4s_long_prompt_runs_expanded_and_scaled(tmp_path, monkeypatch):
+    """A prompt of mla.EXPAND_MIN_ROWS rows or more attends in the expanded form
+    (project_expanded: each head decompressed), which must scale its queries by position as
+    the absorbed form does: one pass and a session's chunks (the first expanded, a decode
+    step and a short chunk absorbed) equal transformers' own module and cache."""
+    from mha_serve.model import mla
+
+    directory = checkpoint(tmp_path, Mistral4Model, mistral4_config())
+    base = Mistral4Model.from_pretrained(directory, attn_implementation="eager").eval()
+    module, _ = load_hf_layer(directory, 1)
+    n = mla.EXPAND_MIN_ROWS + 16
+    assert mla.expands(module.config, n, 0)
+    expanded = []
+    real = mla.expand_keys
+    monkeypatch.setattr(mla, "expand_keys", lambda *a, **k: expanded.append(1) or real(*a, **k))
+    x = torch.randn(1, n + 4, base.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    cuts = [0, n, n + 1, n + 4]
+    whole = transformers_steps(base, 1, x, [0, n + 4])
+    with torch.no_grad():
+        got = module(x, causal=True).output
+    assert expanded, "the long prompt did not run expanded"
+    torch.testing.assert_close(got, whole, atol=ATOL, rtol=ATOL)
+    steps = served_steps(module, x, cuts)
+    torch.testing.assert_close(steps, transformers_steps(base, 1, x, cuts), atol=ATOL, rtol=ATOL)

@@ -161,12 +161,17 @@ def _constants(hosted: HostedModel, cache_dtype: torch.dtype, wb: WeightBounds) 
     if wb.latent is not None:  # (latent_cleared's; q' = [rope(q_rope); q_lat] scaled whole)
         lb = wb.latent
         if s != 1.0:
+            # The expanded form (a prompt's heads decompressed) scales q_nope itself, which
+            # `hidden` bounds (q_b's or q's output): scaled too, so a scaled q_nope past the
+            # dtype's max is not cleared (q_a's and kv_a's outputs, unscaled, only more
+            # strictly).
             lb = replace(
                 lb,
                 **{
                     name: getattr(lb, name) * s
                     for name in ("q_row", "q_bias", "rope_l1_row", "rope_l1_bias")
                     + ("latent_l1_row", "latent_l1_bias")
+                    + ("hidden_row", "hidden_bias", "hidden_fixed")
                 },
             )
         c = (wb, hosted.dtype, None, lb, cfg.embed_dim, limit, out_limit)
