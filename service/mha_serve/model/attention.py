@@ -165,14 +165,10 @@ class MultiHeadAttention(nn.Module):
             # there would leak through the masked softmax as 0 * NaN in p @ v.
             x = x.masked_fill(~valid[:, :, None], 0.0)
 
-        # MLA's prompts attend expanded (mla.expands): HF's decompressed heads; requests for
-        # weights, and a model with an output gate, stay absorbed
-        expanded = (
-            c.mla is not None
-            and not need_weights
-            and self.wgate is None
-            and mla.expands(c, L, cached_keys=0)
-        )
+        # MLA's prompts attend expanded (mla.expands): HF's decompressed heads (an output
+        # gate multiplies their V dims in _merge_heads, as it does W_uv's after the absorbed
+        # form); requests for weights stay absorbed
+        expanded = c.mla is not None and not need_weights and mla.expands(c, L, cached_keys=0)
         if expanded:  # (B, H, L, D_x) each: q, and every head's keys and values
             q, k = self.project_expanded(x)
             k, v = mla.expand_keys(self, k)
