@@ -127,9 +127,10 @@ def test_ling3_without_its_gate_tensor_is_refused_naming_it(tmp_path, ling3):
         load_hf_layer(copy, 1)
 
 
-def test_lfm3_as_shipped_serves_its_sliding_layers_and_names_what_it_refuses(tmp_path):
+def test_lfm3_as_shipped_serves_its_attention_layers_and_names_what_it_refuses(tmp_path):
     """Lfm3Config's defaults: sliding layers 4, 8, ... (RoPE at 10000, a window of 256, a
-    sigmoid gate per head) served; its full_attention layers' proportional RoPE and its
+    sigmoid gate per head) and full layers 2, 6, ... (its default table's proportional RoPE:
+    theta 1e6, half of the frequencies non-zero, over the whole head) served; its
     short-convolution layers refused by name."""
     AutoConfig.for_model("lfm3").save_pretrained(tmp_path)
     c = read_hf_layer(tmp_path, 4).attention
@@ -137,8 +138,14 @@ def test_lfm3_as_shipped_serves_its_sliding_layers_and_names_what_it_refuses(tmp
     assert c.output_gate and c.output_gate_per_head and c.gate_width == 16
     assert c.sliding_window == 256 and c.rope.theta == 10_000.0 and c.rope.partial == 1.0
     assert c.qk_norm.scope == "head" and c.qk_norm.eps == 1e-5 and not c.bias
-    with pytest.raises(ValueError, match="rope type 'proportional' is not supported"):
-        read_hf_layer(tmp_path, 2)
+    full = read_hf_layer(tmp_path, 2).attention
+    assert full.sliding_window is None and full.output_gate_per_head and full.rope_dim == 128
+    assert (full.rope.type, full.rope.theta, full.rope.partial, full.rope.factor) == (
+        "proportional",
+        1e6,
+        0.5,
+        1.0,
+    )
     with pytest.raises(ValueError) as err:
         read_hf_layer(tmp_path, 0)
     message = str(err.value)

@@ -190,3 +190,48 @@ def test_proportional_frequencies_equal_transformers(partial, factor):
     assert torch.equal(ours, theirs.float()), (ours - theirs).abs().max()
     assert scaling == their_scaling == 1.0
     assert int((ours != 0).sum()) == int(partial * 32 // 2)
+
+
+@pytest.mark.parametrize(
+    ("table", "beside", "want"),
+    [
+        ({"partial_rotary_factor": 0.25}, {}, (0.25, 1.0)),
+        ({"factor": 4.0}, {"partial_rotary_factor": 0.5}, (0.5, 4.0)),
+        ({"partial_rotary_factor": 0.75}, {"partial_rotary_factor": 0.5}, (0.75, 1.0)),
+        ({}, {}, (1.0, 1.0)),
+    ],
+    ids=["table", "beside_moved_in", "table_over_beside", "left_out"],
+)
+def test_a_proportional_table_in_any_family_is_read_as_transformers(tmp_path, table, beside, want):
+    """A proportional table in a family that reads one table (Llama's; LFM3's full layers:
+    test_own_gates): its partial_rotary_factor, else one beside it (convert_rope_params_to_dict
+    moves it in), else 1.0; its factor, else 1.0. Frequencies and rotation bit for bit
+    transformers' (LlamaRotaryEmbedding through ROPE_INIT_FUNCTIONS)."""
+    params = {"rope_type": "proportional", "rope_theta": 1000.0, **table}
+    cfg = {**llama_config(params).to_dict(), "model_type": "llama", **beside}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    info = read_hf_layer(tmp_path, 0).attention
+    assert (info.rope.type, info.rope.partial, info.rope.factor) == ("proportional", *want)
+    assert info.rope_dim == 32  # (the whole head: the frequencies past the proportion are 0)
+    theirs = LlamaRotaryEmbedding(AutoConfig.from_pretrained(tmp_path))
+    ours, scaling = inv_freq(info.rope, 32)
+    assert torch.equal(ours, theirs.inv_freq.float()), (ours - theirs.inv_freq).abs().max()
+    assert scaling == theirs.attention_scaling == 1.0
+    positions = torch.tensor([[0, 1, 7, 63, 200]])
+    cos, sin = cos_sin(doubled(ours), scaling, positions, torch.float32)  # (B, 1, L, D)
+    their_cos, their_sin = theirs(torch.randn(1, 5, 128), positions)  # (B, L, D)
+    assert torch.equal(cos[:, 0], their_cos) and torch.equal(sin[:, 0], their_sin)
+
+
+@pytest.mark.parametrize("family", ["phi", "deepseek_v3"])
+def test_a_proportional_table_where_the_attention_turns_part_of_each_head_is_refused(
+    tmp_path, family
+):
+    """Phi turns the first partial_rotary_factor of each head, DeepSeek-V3 its
+    qk_rope_head_dim dims, by frequencies over those dims: a proportional table's run over the
+    whole head_dim, which their attention turns otherwise or fails on; refused by name."""
+    cfg = AutoConfig.for_model(family, num_hidden_layers=1).to_dict()
+    cfg["rope_parameters"] = {"rope_type": "proportional", "rope_theta": 1e4}
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": family}))
+    with pytest.raises(ValueError, match=f"'proportional' is not supported for {family}"):
+        read_hf_layer(tmp_path, 0)

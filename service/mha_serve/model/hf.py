@@ -56,8 +56,9 @@ What is served, per family (transformers' module names):
            bias beside biased projections); NoPE global layers
   beam     BeamAttention (its layers with a RoPE table): as AFMoE's, its gate's bias gate_bias
            (one per head) over each head's dims; q/k/v/o without biases take zero ones
-  lfm3     Lfm3Attention (its sliding layers): as AFMoE's, its gate gate_proj on disk (g_proj in
-           transformers), one row per head: the module's per-head output gate
+  lfm3     Lfm3Attention (its sliding and full layers): as AFMoE's, its gate gate_proj on disk
+           (g_proj in transformers), one row per head: the module's per-head output gate; its
+           full layers' proportional RoPE
   llama, mistral, qwen2, qwen3, olmo2, gemma2, gemma3(_text), phi3, gpt_oss and the families whose
   attention is one of theirs (hf_families.FAMILIES: Mixtral, Qwen-MoE, OLMoE, Granite, ...)
            q_proj/k_proj/v_proj/o_proj (Phi-3: one qkv_proj) with GQA (num_key_value_heads)

@@ -386,8 +386,8 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
     if family in NOPE_BY_NULL_THETA and _null_theta(cfg):
         rotates = False
     partial = cfg.get("partial_rotary_factor")
-    if rotates and family not in PARTIAL_ROPE and partial not in (None, 1, 1.0):
-        refuse_partial(where, family, "partial_rotary_factor", cfg["partial_rotary_factor"])
+    # (refused below, once the layer's table is known: a proportional one takes it in)
+    partial_beside = rotates and family not in PARTIAL_ROPE and partial not in (None, 1, 1.0)
     if family in LAYERNORM_QK and cfg.get(LAYERNORM_QK[family]):
         raise ValueError(
             f"{where}: {family} {LAYERNORM_QK[family]} true is not supported: its q/k norm is a "
@@ -423,6 +423,8 @@ def _rotary(cfg: dict[str, Any], family: str, layer: int, where: Path) -> Attent
     nope = NO_ROPE.get(family)
     if rotates and (nope is None or not nope(cfg, layer, layer_type)):
         rope = read_rope(cfg, layer_type, where)
+    if partial_beside and (rope is None or rope.type != "proportional"):
+        refuse_partial(where, family, "partial_rotary_factor", partial)
     qk_norm = None
     switch = QK_NORM_SWITCH.get(family)  # (GLM-4-MoE's use_qk_norm: off by default)
     if family in QK_NORM and (switch is None or cfg.get(switch)):

@@ -123,7 +123,8 @@ FAMILIES = (
     "gemma4_unified",
     # an output gate from a projection of their own (OWN_GATE), not q_proj's rows
     "afmoe",  # AFMoE (Trinity): gate_proj per dim; q/k norm per head; NoPE global layers
-    "lfm3",  # hybrid: its sliding attention layers (g_proj per head); conv layers refused
+    "lfm3",  # hybrid: its attention layers (g_proj per head; proportional RoPE on the full
+    # ones); conv layers refused
     "beam",  # its sliding layers: gate_proj per dim, gate_bias per head; q/k norm per head
 )
 # The MLA families (FAMILIES' last), read by hf_config._mla, not as Llama's.
@@ -1095,8 +1096,8 @@ PER_TYPE_ROPE = {
 # Families whose tables per layer type are their config class's alone (Lfm3Config,
 # BeamConfig): where config.json has none (rope_parameters null or left out), these; a table
 # without rope_theta takes the theta here (its default_theta; None: no layer is built);
-# rope_theta and rope_scaling beside them are not read. (LFM3's global layers' "proportional"
-# RoPE is refused by name: hf_rope.read_rope.) A null table: NOPE_TABLE's.
+# rope_theta and rope_scaling beside them are not read (a partial_rotary_factor beside them
+# is, moved into a table without one). A null table: NOPE_TABLE's.
 OWN_ROPE_TABLES: dict[str, tuple[dict[str, dict[str, Any] | None], float | None]] = {
     "lfm3": (
         {

@@ -1,10 +1,12 @@
 """RoPE as a Hugging Face config.json gives it, read as transformers 5 reads it: the table
 (rope_parameters, 4.x's rope_theta + rope_scaling, per layer type for Gemma 3 and OLMo 3),
-the family's pairs and partial rotation (hf_families), and the nulls transformers builds no
-layer from. Part of hf_config's reader; no torch here."""
+the family's pairs and partial rotation (hf_families), proportional tables (LFM3's full
+layers'), and the nulls transformers builds no layer from. Part of hf_config's reader; no
+torch here."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ from .hf_families import (
     DEFAULT_ROPE,
     INTERLEAVED_ROPE,
     LAYER_TYPES,
+    MLA,
     NOPE_TABLE,
     NTK_ALPHA,
     OWN_ROPE_TABLES,
@@ -115,13 +118,6 @@ def read_rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
     params.setdefault("rope_theta", cfg.get(rope_keys(family)[0], 10_000.0))
     params = dict(params)
     kind = params.pop("rope_type", params.pop("type", "default"))
-    if kind == "proportional":  # (its own refusal: the note below is not its reason)
-        raise ValueError(
-            f"{where}: rope type 'proportional' is not supported: its frequencies run over "
-            "the whole head_dim, the first partial_rotary_factor of the pairs (x_j, "
-            "x_j+head_dim/2) turned and the rest not (LFM3's and Gemma 4's global layers), "
-            "where the module turns the first dims of each head by their own frequencies"
-        )
     if family in NTK_ALPHA and kind == "dynamic" and params.get("alpha"):
         # (Hunyuan v1's rotary embedding: "dynamic" with a fixed alpha is its ntk_alpha, whose
         # frequencies are fixed: theta * alpha ** (head_dim / (head_dim - 2)), then default)
@@ -150,11 +146,13 @@ def read_rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
         rope["interleaved"] = True
     if family in REVERSED_ROPE:  # (nanochat: rotate_half [x2, -x1], sin's sign flipped)
         rope["reverse"] = True
-    partial = _partial(cfg, params, family, where)
-    if partial != 1:
+    if kind == "proportional":
+        name = f"rope_parameters.{layer_type}" if family in PER_TYPE_ROPE else _table_name(cfg)
+        rope.update(_proportional(cfg, params, family, name, where))
+    elif (partial := _partial(cfg, params, family, where)) != 1:
         rope["partial"] = partial
     try:
-        if kind != "default":
+        if kind not in ("default", "proportional"):
             factor = params.get("factor")
             if factor is None and kind == "yarn":  # as transformers: the context ratio
                 factor = cfg["max_position_embeddings"] / params["original_max_position_embeddings"]
@@ -182,6 +180,58 @@ def read_rope(cfg: dict[str, Any], layer_type: str, where: Path) -> RopeConfig:
         return RopeConfig(**rope)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+def _table_name(cfg: dict[str, Any]) -> str:
+    """The key of a family's one RoPE table, as read_rope reads it: 4.x's rope_scaling over
+    5's rope_parameters."""
+    return "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+
+
+def _proportional(
+    cfg: dict[str, Any], table: dict[str, Any], family: str, name: str, where: Path
+) -> dict[str, float]:
+    """A proportional table's factor and partial (RopeConfig's), as transformers 5's
+    _compute_proportional_rope_parameters reads them: the table's factor and
+    partial_rotary_factor, 1.0 where left out; a partial_rotary_factor beside the table
+    moved into it where it has none (convert_rope_params_to_dict; a null there: none). The
+    frequencies run over the whole head, the first int(partial * head_dim // 2) non-zero,
+    all divided by factor. A null, or a value from which transformers computes no rotation
+    we serve, is refused naming its key; so is the type in a family whose attention turns
+    part of each head (PARTIAL_ROPE, MLA: the factor or the rope dims mean other dims)."""
+    if family in PARTIAL_ROPE or family in PARTIAL_BY_ROTARY_DIM or family in MLA:
+        raise ValueError(
+            f"{where}: {name}.rope_type 'proportional' is not supported for {family}: its "
+            "attention turns part of each head (the first partial_rotary_factor of it, or an "
+            "MLA's qk_rope_head_dim dims) by frequencies over those dims, where proportional "
+            "RoPE's run over the whole head_dim (transformers' then turns other dims or fails, "
+            "family by family); give a table of another type"
+        )
+    beside = rope_keys(family)[1]
+    values = {}
+    for key in ("factor", "partial_rotary_factor"):
+        if key in table:
+            value, source = table[key], f"{name}.{key}"
+        elif key == beside and cfg.get(beside) is not None:
+            value, source = cfg[beside], beside
+        else:
+            value, source = 1.0, key
+        top = 1 if key == "partial_rotary_factor" else math.inf
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not 0 < value <= top
+            or not math.isfinite(value)
+        ):
+            bounds = "in (0, 1]" if top == 1 else "> 0, finite"
+            raise ValueError(
+                f"{where}: {source} must be a number {bounds}, got {value!r} (rope type "
+                "'proportional': transformers divides its frequencies by factor and turns the "
+                "first partial_rotary_factor of them; from any other value it builds no layer "
+                "or turns none)"
+            )
+        values[key] = float(value)
+    return {"factor": values["factor"], "partial": values["partial_rotary_factor"]}
 
 
 def _partial(cfg: dict[str, Any], params: dict[str, Any], family: str, where: Path) -> float:
@@ -289,7 +339,8 @@ def _own_table(cfg: dict[str, Any], family: str, layer_type: str, where: Path) -
     """The RoPE table of a layer type as an OWN_ROPE_TABLES family's config fills it
     (Lfm3Config, BeamConfig): its own tables where config.json has none; a table without
     rope_theta takes its default theta (Beam's: none, no layer); a layer type without a
-    table builds no layer, a null one is NOPE_TABLE's."""
+    table builds no layer, a null one is NOPE_TABLE's. Its rotary embedding computes every
+    layer type's frequencies at once: a bad table of any type refuses every layer."""
     defaults, theta = OWN_ROPE_TABLES[family]
     tables = cfg.get("rope_parameters") or defaults
     table = tables.get(layer_type) if isinstance(tables, dict) else None
@@ -318,4 +369,6 @@ def _own_table(cfg: dict[str, Any], family: str, layer_type: str, where: Path) -
                 f"{where}: {family} rope_parameters[{kind!r}] has no rope_theta: its rotary "
                 "embedding reads it and builds no layer without it"
             )
+        if other.get("rope_type", other.get("type")) == "proportional":
+            _proportional(cfg, other, family, f"rope_parameters.{kind}", where)
     return {"rope_theta": theta, **table}
