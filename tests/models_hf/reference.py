@@ -1135,9 +1135,10 @@ CHECKPOINTS = {
         ),
         0,
     ),
-    # LFM3: a short convolution layer, then a sliding attention one served (RoPE of its
-    # layer type, a window, q/k norm per head, biases), its output gate one value per head
-    # (g_proj, gate_proj on disk)
+    # LFM3: a sliding attention layer (RoPE of its layer type, a window), then a full one
+    # (SERVED's lfm3_full: proportional RoPE, half of its frequencies non-zero, divided by
+    # factor); q/k norm per head, biases, an output gate of one value per head (g_proj,
+    # gate_proj on disk). (Its short-convolution layers: test_own_gates.)
     "lfm3": (
         Lfm3Model,
         Lfm3Config(
@@ -1145,13 +1146,14 @@ CHECKPOINTS = {
             head_dim=16,
             attention_bias=True,
             sliding_window=8,
-            layer_types=["conv", "sliding_attention"],
+            layer_types=["sliding_attention", "full_attention"],
             rope_parameters={
                 "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                 "full_attention": {
                     "rope_type": "proportional",
-                    "rope_theta": 1e6,
+                    "rope_theta": 1000.0,
                     "partial_rotary_factor": 0.5,
+                    "factor": 2.0,
                 },
             },
             pad_token_id=None,
@@ -1159,7 +1161,7 @@ CHECKPOINTS = {
             eos_token_id=None,
             **ROTARY,
         ),
-        1,
+        0,
     ),
     # Gated attention: q_proj's rows per head [query; gate], sigmoid(gate) on the heads'
     # output; q/k norm per head (1 + w); RoPE by halves over part of each head
@@ -1271,6 +1273,7 @@ SERVED.update(
         "gemma3n_global": ("gemma3n", 1),
         "afmoe_global": ("afmoe", 1),
         "beam_full": ("beam", 1),
+        "lfm3_full": ("lfm3", 1),
     }
 )
 

@@ -1,7 +1,8 @@
 """Output gates from a projection of their own (hf_families.OWN_GATE), not q_proj's rows:
 AFMoE's gate_proj (per dim), Ling 3.0's g_proj (per head, on its MLA layers), LFM3's g_proj
-(per head, on its sliding layers); each family as its config class ships it, read as transformers
-builds it; what they cannot serve exactly refused by name. (Parity over gRPC, sessions and
+(per head, on its sliding and full layers, the full ones with proportional RoPE); each family
+as its config class ships it, read as transformers builds it; what they cannot serve exactly
+refused by name. (Parity over gRPC, sessions and
 the null sweep are the shared tests', on reference.CHECKPOINTS.)"""
 
 from __future__ import annotations
@@ -153,6 +154,74 @@ def test_lfm3_as_shipped_serves_its_attention_layers_and_names_what_it_refuses(t
     assert "full_attention/sliding_attention layers are [2, 4, 6, 8," in message, message
 
 
+def _lfm3_full_table(tmp_path, hf_dirs, edit, **beside):
+    """A copy of the shared LFM3 checkpoint with its full_attention table edited (None:
+    the key removed) and keys set beside the tables."""
+    directory = tmp_path / "lfm3"
+    shutil.copytree(hf_dirs["lfm3"], directory)
+    path = directory / "config.json"
+    cfg = json.loads(path.read_text())
+    table = cfg["rope_parameters"]["full_attention"]
+    for key, value in edit.items():
+        table.pop(key) if value is None else table.__setitem__(key, value)
+    path.write_text(json.dumps({**cfg, **beside}))
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("edit", "beside", "want"),
+    [
+        ({}, {}, (0.5, 2.0)),
+        ({"partial_rotary_factor": None, "factor": None}, {}, (1.0, 1.0)),
+        ({"partial_rotary_factor": None}, {"partial_rotary_factor": 0.25}, (0.25, 2.0)),
+        ({"partial_rotary_factor": 0.3}, {"partial_rotary_factor": 0.25}, (0.3, 2.0)),
+    ],
+    ids=["table", "left_out", "beside_moved_in", "table_over_beside"],
+)
+def test_lfm3_full_layer_proportional_rope_as_transformers_reads_it(
+    tmp_path, hf_dirs, edit, beside, want
+):
+    """The full table's partial_rotary_factor and factor, 1.0 where left out; a
+    partial_rotary_factor beside the tables moved into one without its own (Lfm3Config's
+    convert_rope_params_to_dict); int(0.3 * 16 // 2) = 2 frequencies turned: served as
+    Lfm3Attention computes it, against transformers' own layer."""
+    directory = _lfm3_full_table(tmp_path, hf_dirs, edit, **beside)
+    base = Lfm3Model.from_pretrained(directory, attn_implementation="eager").eval()
+    module, info = load_hf_layer(directory, 1)
+    rope = info.attention.rope
+    assert (rope.type, rope.theta, rope.partial, rope.factor) == ("proportional", 1000.0, *want)
+    x = torch.randn(1, 40, 64, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want_out, want_w = reference_attention("lfm3", base, 1, x)
+        out = module(x, causal=True, need_weights=True)
+    torch.testing.assert_close(out.output, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.weights, want_w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("edit", "key"),
+    [
+        ({"factor": None}, "factor"),
+        ({"partial_rotary_factor": 0}, "partial_rotary_factor"),
+        ({"partial_rotary_factor": 1.5}, "partial_rotary_factor"),
+        ({"factor": -2.0}, "factor"),
+        ({"factor": "2"}, "factor"),
+    ],
+    ids=["null_factor", "partial_0", "partial_past_1", "negative_factor", "string_factor"],
+)
+@pytest.mark.parametrize("layer", [0, 1], ids=["sliding", "full"])
+def test_lfm3_bad_proportional_table_is_refused_naming_its_key(tmp_path, hf_dirs, edit, key, layer):
+    """A full_attention table from which transformers builds no model (a null, a string, a
+    partial past 1: its rotary embedding fails, for every layer type at once) or turns what
+    we do not serve (no frequency, negative ones): refused on both layers, naming the key."""
+    directory = _lfm3_full_table(tmp_path, hf_dirs, {})
+    cfg = json.loads((directory / "config.json").read_text())
+    cfg["rope_parameters"]["full_attention"].update(edit)  # (a null kept, not removed)
+    (directory / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"rope_parameters\.full_attention\.{key} must be"):
+        read_hf_layer(directory, layer)
+
+
 @pytest.mark.parametrize("gate", [True, False], ids=["gated", "use_attention_gate_false"])
 def test_lfm3_sliding_layer_with_and_without_its_gate(tmp_path, hf_dirs, gate):
     """use_attention_gate false: no g_proj, no gate (served as transformers runs it); a
@@ -165,12 +234,12 @@ def test_lfm3_sliding_layer_with_and_without_its_gate(tmp_path, hf_dirs, gate):
     cfg["use_attention_gate"] = gate
     path.write_text(json.dumps(cfg))
     base = Lfm3Model.from_pretrained(directory, attn_implementation="eager").eval()
-    module, info = load_hf_layer(directory, 1)
+    module, info = load_hf_layer(directory, 0)
     assert info.attention.output_gate == gate and info.attention.rope.theta == 1e6
     assert (module.wgate is not None) == gate
     x = torch.randn(1, 12, 64, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        want, _ = reference_attention("lfm3", base, 1, x)
+        want, _ = reference_attention("lfm3", base, 0, x)
         torch.testing.assert_close(module(x, causal=True).output, want, atol=1e-5, rtol=1e-5)
 
 

@@ -898,6 +898,10 @@ DERIVED_SLIDING: dict[str, Callable[[dict[str, Any], int], bool]] = {
     "afmoe": lambda c, i: bool((i + 1) % c["global_attn_every_n_layers"]),
     # (BeamConfig: every sixth layer global, and the last)
     "beam": lambda c, i: bool((i + 1) % 6) and i != c["num_hidden_layers"] - 1,
+    # (Lfm3Config: every fourth layer from the fourth sliding, the third full, the rest conv;
+    # HYBRIDS' lfm3 derives its layers: here for _null_window, whose sliding mask fails the
+    # whole model, full layers included)
+    "lfm3": lambda c, i: i % 4 == 0 and i > 0,
     "olmo3": lambda c, i: bool((i + 1) % 4),  # three local layers, then a global one
     "smollm3": lambda c, i: window_on(c) and not smollm3_rope(c, i),
     "cwm": lambda c, i: i % 4 != 0,  # (CwmConfig: a global layer, then three local ones)
