@@ -334,17 +334,8 @@ class MultiHeadAttention(nn.Module):
         """q (B, H, L, .) times its position's query scale (QueryScaleConfig), at positions
         (B, L), (L,) or None (0..L-1), as transformers rounds it (rope.query_scales)."""
         qs = self.config.query_scale
-        if positions is None:
-            positions = torch.arange(L, device=x.device)
-        positions = torch.as_tensor(positions, device=x.device)
-        if positions.dim() == 1:
-            positions = positions[None]  # (1, L)
-        if positions.shape not in ((1, L), (B, L)):
-            raise ValueError(
-                f"positions must be (seq_len,) = ({L},) or (batch, seq_len) = ({B}, {L}), "
-                f"got {tuple(positions.shape)}"
-            )
-        scale = query_scales(qs, positions)[:, None, :, None]  # (B|1, 1, L, 1) float32
+        at = _positions(x, positions, B, L)
+        scale = query_scales(qs, at)[:, None, :, None]  # (B|1, 1, L, 1) float32
         if qs.float32:  # Llama 4: (q * scales).to(q.dtype), the product in float32
             return (q * scale).to(q.dtype)
         return q * scale.to(q.dtype)  # Ministral 3: the scale rounded to q's dtype first
@@ -373,17 +364,8 @@ class MultiHeadAttention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor | None, B: int, L: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """project's cos and sin (B|1, 1, L, D) at positions (B, L), (L,) or None (0..L-1)."""
-        if positions is None:
-            positions = torch.arange(L, device=x.device)
-        positions = torch.as_tensor(positions, device=x.device)
-        if positions.dim() == 1:
-            positions = positions[None]  # (1, L)
-        if positions.shape not in ((1, L), (B, L)):
-            raise ValueError(
-                f"positions must be (seq_len,) = ({L},) or (batch, seq_len) = ({B}, {L}), "
-                f"got {tuple(positions.shape)}"
-            )
-        return cos_sin(self.rope_freq, self.rope_scaling, positions, x.dtype)
+        at = _positions(x, positions, B, L)
+        return cos_sin(self.rope_freq, self.rope_scaling, at, x.dtype)
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor | None:
         """The output gate of tokens x (B, L, E), sigmoid(wgate x) (B, L, gate_width: H*D,
@@ -498,3 +480,19 @@ class MultiHeadAttention(nn.Module):
 def _cuts(window: int | None, L: int) -> bool:
     """Whether a sliding window hides any key of an L-token sequence from some query."""
     return window is not None and window < L
+
+
+def _positions(x: torch.Tensor, positions: torch.Tensor | None, B: int, L: int) -> torch.Tensor:
+    """Absolute positions (B|1, L) on x's device from (B, L), (L,) or None (0..L-1): what
+    RoPE's cos/sin and the query scale are computed at."""
+    if positions is None:
+        positions = torch.arange(L, device=x.device)
+    positions = torch.as_tensor(positions, device=x.device)
+    if positions.dim() == 1:
+        positions = positions[None]  # (1, L)
+    if positions.shape not in ((1, L), (B, L)):
+        raise ValueError(
+            f"positions must be (seq_len,) = ({L},) or (batch, seq_len) = ({B}, {L}), "
+            f"got {tuple(positions.shape)}"
+        )
+    return positions
